@@ -1,0 +1,1 @@
+"""Generated code: never edit by hand; run `kvfsm gen`."""

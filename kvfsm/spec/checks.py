@@ -1,0 +1,191 @@
+"""Semantic checks that make a spec trustworthy: each returns errors naming file:line and element.
+
+Guards and invariants are linear comparisons over small counters, so determinism and inductiveness are
+decided by enumerating every counter valuation in a box [0, B]^n, with B two past the largest literal in
+the spec: enough for every guard in the shipped spec to take each of its truth values.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict, deque
+from pathlib import Path
+from typing import Iterator
+
+from kvfsm.spec import expr as ex
+from kvfsm.spec.compiled import CompiledSpec, Transition, build
+from kvfsm.spec.errors import SpecError, SpecInvalid
+
+
+def _box(spec: CompiledSpec) -> Iterator[dict[str, int]]:
+    nodes = list(spec.guards.values()) + list(spec.state_invariants.values()) + [n for n, _ in spec.invariants.values()]
+    bound = max([3] + [v + 2 for n in nodes for v in ex.literals(n)])
+    for values in itertools.product(range(bound + 1), repeat=len(spec.counters)):
+        yield dict(zip(spec.counters, values))
+
+
+def _guard_holds(spec: CompiledSpec, t: Transition, env: dict[str, int]) -> bool:
+    return t.guard is None or bool(ex.evaluate(spec.guards[t.guard], env))
+
+
+def _apply(t: Transition, env: dict[str, int]) -> dict[str, int]:
+    out = dict(env)
+    for counter, delta in t.update:
+        out[counter] += delta
+    return out
+
+
+def check_structure(spec: CompiledSpec) -> list[SpecError]:
+    """Reachability, dead ends, terminal states, totality, unused names."""
+    errors: list[SpecError] = []
+    lines = spec.lines
+    model = spec.model
+    out_edges: dict[str, set[str]] = defaultdict(set)
+    for t in spec.transitions:
+        out_edges[t.src].add(t.dst)
+
+    seen, queue = {spec.initial}, deque([spec.initial])
+    while queue:
+        for nxt in out_edges[queue.popleft()]:
+            if nxt not in seen:
+                seen.add(nxt)
+                queue.append(nxt)
+    for s, m in model.states.items():
+        loc, element = ("states", s), f"state {s!r}"
+        if s not in seen:
+            errors.append(lines.error(loc, element, f"unreachable from the initial state {spec.initial!r}"))
+        if not m.terminal and not (out_edges[s] - {s}):
+            errors.append(lines.error(loc, element, "non-terminal state with no way out (mark it terminal or add a transition)"))
+        if m.terminal:
+            for t in spec.transitions:
+                if t.src == s and t.acquires:
+                    errors.append(lines.error(("transitions", t.rule), f"transitions[{t.rule}] {t.label}",
+                                              f"terminal state {s!r} can still acquire {', '.join(t.acquires)}"))
+                elif t.src == s and t.dst != s:
+                    errors.append(lines.error(("transitions", t.rule), f"transitions[{t.rule}] {t.label}",
+                                              f"terminal state {s!r} has a way out to {t.dst!r}"))
+
+    for s in spec.states:
+        for e in spec.events:
+            handled = bool(spec.handlers(s, e))
+            outcome = spec.outcomes.get((s, e))
+            if handled and outcome is not None:
+                errors.append(lines.error((("ignore" if outcome.kind == "ignore" else "errors"),), f"({s}, {e})",
+                                          f"has transitions and is also declared {outcome.kind} at line {outcome.line}"))
+            elif not handled and outcome is None:
+                errors.append(lines.error(("states", s), f"({s}, {e})",
+                                          f"not total: event {e!r} in state {s!r} has no transition and is neither "
+                                          "ignored nor an error"))
+
+    used_guards = {t.guard for t in spec.transitions}
+    used_actions = {a for t in spec.transitions for a in t.actions} | set(model.create.actions if model.create else ())
+    for g in model.guards:
+        if g not in used_guards:
+            errors.append(lines.error(("guards", g), f"guard {g!r}", "declared but used by no transition"))
+    for a in model.actions:
+        if a not in used_actions:
+            errors.append(lines.error(("actions", a), f"action {a!r}", "declared but used by no transition"))
+    for e in model.events:
+        if not any(t.event == e for t in spec.transitions):
+            errors.append(lines.error(("events", e), f"event {e!r}", "has no transition in any state"))
+    return errors
+
+
+def check_determinism(spec: CompiledSpec) -> list[SpecError]:
+    """Two transitions of one (state, event) whose guards can both hold is nondeterminism."""
+    errors: list[SpecError] = []
+    by_pair: dict[tuple[str, str], list[Transition]] = defaultdict(list)
+    for t in spec.transitions:
+        by_pair[(t.src, t.event)].append(t)
+    valuations = list(_box(spec))
+    for (s, e), ts in by_pair.items():
+        for a, b in itertools.combinations(ts, 2):
+            witness = next((env for env in valuations if spec.state_holds(s, env)
+                            and _guard_holds(spec, a, env) and _guard_holds(spec, b, env)), None)
+            if witness is not None:
+                errors.append(spec.lines.error(("transitions", b.rule), f"transitions[{b.rule}] {b.label}",
+                                               f"nondeterministic with transitions[{a.rule}] {a.label}: both guards "
+                                               f"hold at {witness}"))
+    return errors
+
+
+def check_invariants(spec: CompiledSpec) -> list[SpecError]:
+    """Every invariant is inductive: it holds initially and every transition preserves it."""
+    errors: list[SpecError] = []
+    start = {c: m.initial for c, m in spec.model.counters.items()}
+    if not spec.state_holds(spec.initial, start):
+        errors.append(spec.lines.error(("states", spec.initial), f"state {spec.initial!r}",
+                                       f"the initial counters {start} violate its invariants"))
+    valuations = list(_box(spec))
+    for t in spec.transitions:
+        for env in valuations:
+            if not (spec.state_holds(t.src, env) and _guard_holds(spec, t, env)):
+                continue
+            post = _apply(t, env)
+            if not spec.state_holds(t.dst, post):
+                errors.append(spec.lines.error(("transitions", t.rule), f"transitions[{t.rule}] {t.label}",
+                                               f"breaks the invariants of {t.dst!r}: {env} -> {post}"))
+                break
+    return errors
+
+
+def check_resources(spec: CompiledSpec) -> list[SpecError]:
+    """Conservation: what is acquired is released somewhere; what a new machine holds is released exactly once."""
+    errors: list[SpecError] = []
+    lines, model = spec.lines, spec.model
+    holds = tuple(model.create.holds) if model.create else ()
+    acquired = set(holds) | {r for t in spec.transitions for r in t.acquires}
+    released = {r for t in spec.transitions for r in t.releases}
+    for r in model.resources:
+        loc, element = ("resources", r), f"resource {r!r}"
+        if r in acquired and r not in released:
+            errors.append(lines.error(loc, element, "acquired on some path and released on none (leak)"))
+        if r in released and r not in acquired:
+            errors.append(lines.error(loc, element, "released but never acquired (double free)"))
+        if r not in acquired and r not in released and not any(r in t.reads for t in spec.transitions):
+            errors.append(lines.error(loc, element, "declared but never acquired, read or released"))
+
+    # Single-owner resources (held from creation, never re-acquired) are tracked along every path: each
+    # state must have one held set, a release must find the resource held, a terminal state must hold none.
+    single = tuple(r for r in holds if not any(r in t.acquires for t in spec.transitions))
+    held_at: dict[str, frozenset[str]] = {spec.initial: frozenset(single)}
+    queue = deque([spec.initial])
+    reported: set[tuple[int, str]] = set()
+    while queue:
+        s = queue.popleft()
+        held = held_at[s]
+        for t in spec.transitions:
+            if t.src != s:
+                continue
+            element = f"transitions[{t.rule}] {t.label}"
+            twice = [r for r in t.releases if r in single and r not in held]
+            if twice and (t.id, "twice") not in reported:
+                reported.add((t.id, "twice"))
+                errors.append(lines.error(("transitions", t.rule), element,
+                                          f"releases {', '.join(twice)} which is already released on this path (double release)"))
+            after = held - set(t.releases)
+            if t.dst not in held_at:
+                held_at[t.dst] = after
+                queue.append(t.dst)
+            elif held_at[t.dst] != after and (t.id, "merge") not in reported:
+                reported.add((t.id, "merge"))
+                errors.append(lines.error(("transitions", t.rule), element,
+                                          f"reaches {t.dst!r} holding {sorted(after)} but another path reaches it holding "
+                                          f"{sorted(held_at[t.dst])}"))
+    for s, m in model.states.items():
+        if m.terminal and held_at.get(s):
+            errors.append(lines.error(("states", s), f"state {s!r}",
+                                      f"terminal state still holds {', '.join(sorted(held_at[s]))} (leak)"))
+    return errors
+
+
+CHECKS = (check_structure, check_determinism, check_invariants, check_resources)
+
+
+def load_spec(path: str | Path) -> CompiledSpec:
+    """Build and check a spec; raise SpecInvalid with every error found."""
+    spec = build(path)
+    errors = [e for check in CHECKS for e in check(spec)]
+    if errors:
+        raise SpecInvalid(errors)
+    return spec
