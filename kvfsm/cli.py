@@ -1,0 +1,80 @@
+"""The `kvfsm` command line: spec tools first; runtime tools register themselves below."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from kvfsm.codegen import generate
+from kvfsm.docsgen import diagram as render_diagram
+from kvfsm.docsgen import markdown
+from kvfsm.spec import CompiledSpec, SpecInvalid, load_spec
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="A formally specified KV-cache offload lifecycle.")
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+INVALID = 2
+
+
+def _load(spec: Path) -> CompiledSpec:
+    try:
+        return load_spec(spec)
+    except SpecInvalid as exc:
+        for e in exc.errors:
+            err.print(str(e), markup=False)
+        raise typer.Exit(INVALID) from None
+
+
+@app.command()
+def validate(spec: Path) -> None:
+    """Check a spec; print one `file:line: element: message` per error and exit 2 when invalid."""
+    s = _load(spec)
+    out.print(f"{spec}: ok: {len(s.states)} states, {len(s.events)} events, {len(s.transitions)} transitions, "
+              f"{len(s.outcomes)} declared no-ops/errors, sha256 {s.sha256[:12]}", markup=False)
+
+
+@app.command()
+def gen(spec: Path, out_dir: Path = typer.Option(Path("generated"), "--out", help="Where generated modules go."),
+        check: bool = typer.Option(False, "--check", help="Exit 1 when the generated code is stale; write nothing.")) -> None:
+    """Generate the runtime machine for SPEC into generated/."""
+    try:
+        result = generate(spec, out_dir, check=check)
+    except SpecInvalid as exc:
+        for e in exc.errors:
+            err.print(str(e), markup=False)
+        raise typer.Exit(INVALID) from None
+    if check and result.changed:
+        err.print(f"{result.path} is stale: run `kvfsm gen {spec}`", markup=False)
+        raise typer.Exit(1)
+    out.print(f"{result.path}: {'written' if result.changed else 'up to date'}", markup=False)
+
+
+class DiagramFormat(str, Enum):
+    mermaid = "mermaid"
+    dot = "dot"
+
+
+@app.command()
+def diagram(spec: Path, fmt: DiagramFormat = typer.Option(DiagramFormat.mermaid, "--format")) -> None:
+    """Print the state diagram (Mermaid or Graphviz dot)."""
+    out.print(render_diagram(_load(spec), fmt.value), end="", markup=False)
+
+
+@app.command()
+def docs(spec: Path, output: Path = typer.Option(None, "--out", help="Write here instead of stdout.")) -> None:
+    """Render the auditor's Markdown reference for SPEC."""
+    text = markdown(_load(spec), spec.as_posix())
+    if output is None:
+        out.print(text, end="", markup=False)
+    else:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(text)
+        out.print(f"{output}: written", markup=False)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,114 @@
+"""Compile a checked spec into a plain Python module: one class, one method per event, guards inlined.
+
+Deterministic by construction: iteration follows the spec's own order, the template has no clock or
+environment in it, and the output is stamped with the spec's sha256 so staleness is detectable.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+
+from kvfsm.spec import CompiledSpec, load_spec
+from kvfsm.spec import expr as ex
+
+
+def module_name(spec: CompiledSpec) -> str:
+    """`DecodeOffload` -> `decode_offload`: the generated module's file stem."""
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", spec.name).lower()
+
+
+def _env() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader("kvfsm.codegen", "templates"),
+        trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
+        undefined=jinja2.StrictUndefined, autoescape=False,
+    )
+    env.filters["pyrepr"] = repr
+    return env
+
+
+def _effects_note(acquires, reads, releases) -> str:
+    parts = [f"{verb} {', '.join(items)}" for verb, items in
+             (("acquires", acquires), ("reads", reads), ("releases", releases)) if items]
+    return "; ".join(parts)
+
+
+def render(spec: CompiledSpec, spec_path: str) -> str:
+    """The generated module's source text for `spec`, as it would be written at `spec_path`'s sibling."""
+    const = {s: s.upper() for s in spec.states}
+    guard_py = {g: ex.render(node, lambda n: f"self.{n}") for g, node in spec.guards.items()}
+    events = []
+    for e, em in spec.model.events.items():
+        branches = []
+        for s in spec.states:
+            ts = spec.handlers(s, e)
+            if ts:
+                branches.append(dict(
+                    kind="transitions", state=s, const=const[s], guarded=all(t.guard for t in ts),
+                    guards=tuple(t.guard for t in ts),
+                    transitions=[dict(id=t.id, label=t.label, line=t.line, guard=t.guard,
+                                      guard_py=guard_py.get(t.guard or ""), actions=t.actions, updates=t.update,
+                                      src=t.src, dst=t.dst, dst_const=const[t.dst]) for t in ts]))
+        for kind in ("ignore", "error"):
+            groups: dict[str, list[str]] = {}
+            for s in spec.states:
+                o = spec.outcomes.get((s, e))
+                if o is not None and o.kind == kind:
+                    groups.setdefault(o.reason, []).append(s)
+            for reason, states in groups.items():
+                branches.append(dict(kind=kind, states=states, reason=reason, last=False,
+                                     test=" or ".join(f"s == {const[s]}" for s in states)))
+        if branches[-1]["kind"] == "error":
+            branches[-1]["last"] = True
+        events.append(dict(name=e, doc=em.doc, branches=branches,
+                           handled_consts=[const[s] for s in spec.states if spec.handlers(s, e)]))
+    model = spec.model
+    create = model.create
+    ctx = dict(
+        spec_path=spec_path, sha256=spec.sha256, name=spec.name, doc=model.doc,
+        class_name=f"{spec.name}Machine", effects_name=f"{spec.name}Effects",
+        states=[dict(name=s, const=const[s], index=i, doc=m.doc, terminal=m.terminal)
+                for i, (s, m) in enumerate(model.states.items())],
+        initial_const=const[spec.initial],
+        state_names=spec.states, event_names=spec.events, counter_names=spec.counters,
+        events=events,
+        counters=[dict(name=c, doc=m.doc, initial=m.initial) for c, m in model.counters.items()],
+        actions=[dict(name=a, doc=m.doc, effects=_effects_note(m.acquires, m.reads, m.releases))
+                 for a, m in model.actions.items()],
+        transitions=spec.transitions,
+        create_doc=create.doc if create else "A new machine in its initial state.",
+        create_holds=", ".join(create.holds) if create else "",
+        create_actions=list(create.actions) if create else [],
+    )
+    return _env().get_template("machine.py.j2").render(**ctx)
+
+
+def _display_path(path: Path) -> str:
+    """The spec path as stamped in the output: relative to the working directory, so it is reproducible."""
+    try:
+        return path.resolve().relative_to(Path.cwd().resolve()).as_posix()
+    except ValueError:
+        return path.name
+
+
+@dataclass(frozen=True)
+class GenResult:
+    path: Path
+    changed: bool
+
+
+def generate(spec_path: str | Path, out_dir: str | Path = "generated", check: bool = False) -> GenResult:
+    """Write (or with `check`, compare) the generated module for the spec at `spec_path`."""
+    spec = load_spec(spec_path)
+    target = Path(out_dir) / f"{module_name(spec)}.py"
+    source = render(spec, _display_path(Path(spec_path)))
+    current = target.read_text() if target.exists() else None
+    changed = current != source
+    if changed and not check:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(source)
+    return GenResult(target, changed)

@@ -1,0 +1,88 @@
+"""Request rows → device slot indices.
+
+Each live request owns one row of an int64 `[rows, max_context]` table; the attention kernels read
+slot indices from it. Rows are few and handed out one at a time, so a Python free list is enough; the
+table itself stays a device tensor.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from .allocator import IndexLike, as_index_tensor
+from .errors import ConservationError, DoubleFree, NeverAllocated, OutOfRange
+
+
+class ReqToTokenPool:
+    """Row allocator plus the row → slot-index table."""
+
+    def __init__(self, rows: int, max_context: int, device: torch.device | str = "cpu") -> None:
+        if rows <= 0 or max_context <= 0:
+            raise ValueError(f"rows and max_context must be positive, got {rows}, {max_context}")
+        self.rows = int(rows)
+        self.max_context = int(max_context)
+        self.device = torch.device(device)
+        self.req_to_token = torch.zeros((self.rows, self.max_context), dtype=torch.int64, device=self.device)
+        self._free: deque[int] = deque(range(self.rows))
+        self._allocated = [False] * self.rows
+        self._ever = [False] * self.rows
+
+    @property
+    def free_rows(self) -> int:
+        return len(self._free)
+
+    def is_allocated(self, row: int) -> bool:
+        self._check_row(row)
+        return self._allocated[row]
+
+    def alloc(self) -> int | None:
+        """A free row, or None when every row is taken."""
+        if not self._free:
+            return None
+        row = self._free.popleft()
+        self._allocated[row] = True
+        self._ever[row] = True
+        return row
+
+    def free(self, row: int) -> None:
+        """Return a row; an unknown row or a row that is already free is rejected with no state change."""
+        self._check_row(row)
+        if not self._allocated[row]:
+            if self._ever[row]:
+                raise DoubleFree(f"request row {row} is already free")
+            raise NeverAllocated(f"request row {row} was never allocated")
+        self._allocated[row] = False
+        self._free.append(row)
+
+    def write(self, row: int, start: int, slots: IndexLike) -> None:
+        """Store slot indices for positions `[start, start + len(slots))` of an allocated row."""
+        self._check_live(row)
+        idx = as_index_tensor(slots, self.device)
+        if start < 0 or start + idx.numel() > self.max_context:
+            raise OutOfRange(f"positions [{start}, {start + idx.numel()}) outside [0, {self.max_context})")
+        self.req_to_token[row, start : start + idx.numel()] = idx
+
+    def read(self, row: int, start: int, end: int) -> torch.Tensor:
+        """Slot indices of positions `[start, end)` of an allocated row (a view)."""
+        self._check_live(row)
+        if not 0 <= start <= end <= self.max_context:
+            raise OutOfRange(f"positions [{start}, {end}) outside [0, {self.max_context})")
+        return self.req_to_token[row, start:end]
+
+    def check_conservation(self) -> None:
+        free = set(self._free)
+        if len(free) != len(self._free):
+            raise ConservationError("a request row is in the free list twice")
+        if any(self._allocated[r] for r in free) or len(free) + sum(self._allocated) != self.rows:
+            raise ConservationError("free rows and allocated rows do not partition the table")
+
+    def _check_row(self, row: int) -> None:
+        if not isinstance(row, int) or isinstance(row, bool) or not 0 <= row < self.rows:
+            raise OutOfRange(f"request row {row!r} outside [0, {self.rows})")
+
+    def _check_live(self, row: int) -> None:
+        self._check_row(row)
+        if not self._allocated[row]:
+            raise NeverAllocated(f"request row {row} is not allocated")
