@@ -12,7 +12,7 @@ from collections import deque
 import torch
 
 from .allocator import IndexLike, as_index_tensor
-from .errors import ConservationError, DoubleFree, NeverAllocated, OutOfRange
+from .errors import ConservationError, DoubleFree, NeverAllocated, NotAllocated, OutOfRange
 
 
 class ReqToTokenPool:
@@ -85,4 +85,4 @@ class ReqToTokenPool:
     def _check_live(self, row: int) -> None:
         self._check_row(row)
         if not self._allocated[row]:
-            raise NeverAllocated(f"request row {row} is not allocated")
+            raise NotAllocated(f"request row {row} is not allocated")

@@ -1,0 +1,187 @@
+"""Host (CPU) KV pool: the L2 tier the decode side offloads into.
+
+Pinned when CUDA is present, so copies to and from it are real DMA and device kernels can address it
+through unified virtual addressing; plain memory otherwise. Slots are managed by a TokenSlotAllocator
+without a padding page, so alloc is page-granular and all-or-nothing, and every free is checked against
+an allocated-mask (B10: double free rejected, with no state change).
+
+Layouts (as in SGLang HiCache):
+  MHA  layer_first `(2, L, size, H, D)`   page_first `(2, size, L, H, D)`
+  MLA  layer_first `(L, size, 1, D)`      page_first `(size, L, 1, D)`
+`token_view()` presents each as `(planes, L, size, H, D)`, which is what the copy engines index.
+
+Pages serialised for storage use one canonical byte order, `(planes, L, page_size, H, D)`, whatever the
+layout, so a page written from one layout reads back into the other.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from .allocator import IndexLike, TokenSlotAllocator, as_index_tensor
+from .config import KVCacheConfig
+from .device_pool import DeviceKVPool
+from .errors import HostMemoryError, NotAllocated, PartialPage
+
+Layout = Literal["layer_first", "page_first"]
+LAYOUTS: tuple[Layout, ...] = ("layer_first", "page_first")
+
+
+def available_host_memory() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes, or None where there is no such file."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+class HostKVPool:
+    """Page-granular host KV storage with an allocated-mask."""
+
+    def __init__(
+        self,
+        config: KVCacheConfig,
+        num_slots: int,
+        page_size: int = 1,
+        layout: Layout = "layer_first",
+        pin_memory: bool | None = None,
+        headroom_bytes: int = 0,
+    ) -> None:
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        if page_size <= 0 or num_slots < page_size:
+            raise ValueError(f"host pool needs at least one page: num_slots={num_slots}, page_size={page_size}")
+        num_slots -= num_slots % page_size
+        self.config = config
+        self.size = int(num_slots)
+        self.page_size = int(page_size)
+        self.layout: Layout = layout
+        requested = self.size * config.bytes_per_token
+        available = available_host_memory()
+        if available is not None and requested + headroom_bytes > available:
+            raise HostMemoryError(requested + headroom_bytes, available)
+        if pin_memory is None:
+            pin_memory = torch.cuda.is_available()
+        self.pinned = bool(pin_memory)
+        self.kv_buffer = torch.empty(self._shape(), dtype=config.dtype, pin_memory=self.pinned)
+        self.allocator = TokenSlotAllocator(self.size, self.page_size, "cpu", reserve_padding_page=False)
+
+    @classmethod
+    def for_device_pool(
+        cls,
+        device_pool: DeviceKVPool,
+        page_size: int = 1,
+        ratio: float | None = 2.0,
+        size_bytes: int | None = None,
+        layout: Layout = "layer_first",
+        pin_memory: bool | None = None,
+    ) -> HostKVPool:
+        """Size by `size_bytes` when given (it wins, as in SGLang), else by `ratio` x the device pool's slots."""
+        cfg = device_pool.config
+        if size_bytes is not None:
+            num_slots = int(size_bytes) // cfg.bytes_per_token
+        elif ratio is not None and ratio > 0:
+            num_slots = int(device_pool.size * ratio)
+        else:
+            raise ValueError("give a positive ratio or size_bytes")
+        return cls(cfg, num_slots, page_size, layout, pin_memory)
+
+    def _shape(self) -> tuple[int, ...]:
+        c = self.config
+        if c.is_mla:
+            inner = (c.num_layers, self.size) if self.layout == "layer_first" else (self.size, c.num_layers)
+            return (*inner, 1, c.head_dim)
+        inner = (c.num_layers, self.size) if self.layout == "layer_first" else (self.size, c.num_layers)
+        return (2, *inner, c.kv_heads, c.head_dim)
+
+    # ---- views and sizes --------------------------------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.config.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv_buffer.numel() * self.kv_buffer.element_size()
+
+    @property
+    def page_nbytes(self) -> int:
+        return self.page_size * self.config.bytes_per_token
+
+    def token_view(self) -> torch.Tensor:
+        """`(planes, L, size, H, D)` view of kv_buffer (a permuted, non-contiguous view for page_first)."""
+        b = self.kv_buffer
+        if self.config.is_mla:
+            b = b.unsqueeze(0)
+        return b if self.layout == "layer_first" else b.transpose(1, 2)
+
+    # ---- allocation (delegated; see TokenSlotAllocator for the rejections) ------------------------
+    @property
+    def free_slots(self) -> int:
+        return self.allocator.free_slots
+
+    @property
+    def capacity(self) -> int:
+        return self.allocator.capacity
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """n host slot indices (int64, CPU), whole pages, or None when too few pages are free."""
+        return self.allocator.alloc(n)
+
+    def free(self, indices: IndexLike) -> None:
+        self.allocator.free(indices)
+
+    def check_conservation(self) -> None:
+        self.allocator.check_conservation()
+
+    # ---- whole pages as bytes (for storage) -------------------------------------------------------
+    def _page_index(self, indices: IndexLike) -> torch.Tensor:
+        idx = as_index_tensor(indices, torch.device("cpu"))
+        ps = self.page_size
+        if idx.numel() == 0 or idx.numel() % ps:
+            raise PartialPage(f"{idx.numel()} host slots are not whole pages of {ps}")
+        rows = idx.view(-1, ps)
+        if bool(((rows - rows[:, :1]) != torch.arange(ps)).any() | (rows[:, 0] % ps != 0).any()):
+            raise PartialPage("each run of page_size host indices must be one whole page, in order")
+        if not bool(self.allocator.is_allocated(rows[:, 0]).all()):
+            raise NotAllocated("page bytes requested for a host page that is not allocated")
+        return idx
+
+    def get_pages_bytes(self, host_indices: IndexLike) -> torch.Tensor:
+        """`[pages, page_nbytes]` uint8, one row per page in the order given (canonical byte order)."""
+        idx = self._page_index(host_indices)
+        c, ps = self.config, self.page_size
+        k = idx.numel() // ps
+        g = self.token_view().index_select(2, idx)  # (P, L, n, H, D), a fresh contiguous tensor
+        g = g.view(c.num_planes, c.num_layers, k, ps, *c.token_shape).permute(2, 0, 1, 3, 4, 5).contiguous()
+        return g.view(torch.uint8).reshape(k, self.page_nbytes)
+
+    def set_pages_bytes(self, host_indices: IndexLike, data: torch.Tensor) -> None:
+        """Write `[pages, page_nbytes]` uint8 (as returned by get_pages_bytes) into the given pages."""
+        idx = self._page_index(host_indices)
+        c, ps = self.config, self.page_size
+        k = idx.numel() // ps
+        if data.dtype != torch.uint8 or data.numel() != k * self.page_nbytes:
+            raise ValueError(f"expected {k} x {self.page_nbytes} uint8 bytes, got {tuple(data.shape)} {data.dtype}")
+        es = c.element_size
+        x = data.detach().to("cpu").contiguous().view(k, c.num_planes, c.num_layers, ps, c.kv_heads, c.head_dim * es)
+        x = x.view(c.dtype).permute(1, 2, 0, 3, 4, 5).reshape(c.num_planes, c.num_layers, k * ps, *c.token_shape)
+        self.token_view().index_copy_(2, idx, x)
+
+    def get_page_bytes(self, host_indices_of_one_page: IndexLike) -> torch.Tensor:
+        """One page as a flat uint8 tensor of page_nbytes."""
+        out = self.get_pages_bytes(host_indices_of_one_page)
+        if out.shape[0] != 1:
+            raise PartialPage(f"expected the indices of one page, got {out.shape[0]} pages")
+        return out[0]
+
+    def set_page_bytes(self, host_indices_of_one_page: IndexLike, data: torch.Tensor) -> None:
+        idx = as_index_tensor(host_indices_of_one_page, torch.device("cpu"))
+        if idx.numel() != self.page_size:
+            raise PartialPage(f"expected the {self.page_size} indices of one page, got {idx.numel()}")
+        self.set_pages_bytes(idx, data.reshape(1, -1))

@@ -1,0 +1,175 @@
+"""Triton kernel that copies KV token rows between two pools, gathering and scattering in one pass.
+
+Both pools are presented as `(planes, layers, slots, row)` with the row (heads x head_dim) contiguous.
+One program moves TOKENS token rows of one (plane, layer): it loads the slot indices, then copies each
+row as 32-bit words; when a row is a multiple of 16 bytes the offsets are hinted as multiples of 4 words
+so loads and stores are 16 bytes wide. The source or the destination may be pinned host memory: its
+pointer is valid on the device through unified virtual addressing, so device pages go straight into
+scattered host slots (and back) with no staging buffer and no host-side scatter.
+
+The import of triton is guarded: on machines without it (CI, this project's CPU hosts) the module loads
+and `HAVE_TRITON` is False. With TRITON_INTERPRET=1 the same kernel runs on CPU tensors (tests).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+try:  # pragma: no cover - depends on the machine
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except Exception:  # ImportError, or a broken install: fall back to the torch path
+    triton = None  # type: ignore[assignment]
+    tl = None  # type: ignore[assignment]
+    HAVE_TRITON = False
+
+
+def triton_usable() -> bool:
+    """True when the Triton path can run here: triton imports and either CUDA or the interpreter is on."""
+    return HAVE_TRITON and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Launch shape. tokens: rows per program; layer_fastest: consecutive programs walk (plane, layer)
+    of one token block, which keeps page_first host writes sequential."""
+
+    tokens: int = 4
+    num_warps: int = 4
+    layer_fastest: bool = False
+
+
+def default_config(host_layout: str) -> KernelConfig:
+    return KernelConfig(tokens=4, num_warps=4, layer_fastest=host_layout == "page_first")
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _kv_rows_copy_kernel(
+        src_ptr,
+        dst_ptr,
+        src_idx_ptr,
+        dst_idx_ptr,
+        n_tokens,
+        src_s_plane,
+        src_s_layer,
+        src_s_tok,
+        dst_s_plane,
+        dst_s_layer,
+        dst_s_tok,
+        num_rows_pl,
+        NUM_LAYERS: tl.constexpr,
+        ROW: tl.constexpr,
+        BLOCK: tl.constexpr,
+        TOKENS: tl.constexpr,
+        VEC: tl.constexpr,
+        MASK_COLS: tl.constexpr,
+        LAYER_FASTEST: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        if LAYER_FASTEST:
+            pl = pid % num_rows_pl
+            tb = pid // num_rows_pl
+        else:
+            n_tb = tl.cdiv(n_tokens, TOKENS)
+            pl = pid // n_tb
+            tb = pid % n_tb
+        plane = (pl // NUM_LAYERS).to(tl.int64)
+        layer = (pl % NUM_LAYERS).to(tl.int64)
+        toks = tb * TOKENS + tl.arange(0, TOKENS)
+        tmask = toks < n_tokens
+        s = tl.load(src_idx_ptr + toks, mask=tmask, other=0).to(tl.int64)
+        d = tl.load(dst_idx_ptr + toks, mask=tmask, other=0).to(tl.int64)
+        so = plane * src_s_plane + layer * src_s_layer + s * src_s_tok
+        do = plane * dst_s_plane + layer * dst_s_layer + d * dst_s_tok
+        so = tl.multiple_of(so, VEC)
+        do = tl.multiple_of(do, VEC)
+        cols = tl.arange(0, BLOCK)
+        for w in tl.static_range(0, ROW, BLOCK):
+            c = w + cols
+            if MASK_COLS:
+                m = tmask[:, None] & (c < ROW)[None, :]
+            else:
+                m = tmask[:, None]
+            x = tl.load(src_ptr + so[:, None] + c[None, :], mask=m)
+            tl.store(dst_ptr + do[:, None] + c[None, :], x, mask=m)
+
+
+def _word_dtype(row_bytes: int) -> tuple[torch.dtype, int]:
+    """Widest word that divides a row, and the vector hint (in words) that makes accesses 16 bytes."""
+    if row_bytes % 16 == 0:
+        return torch.int32, 4
+    if row_bytes % 4 == 0:
+        return torch.int32, 1
+    if row_bytes % 2 == 0:
+        return torch.int16, 1
+    return torch.uint8, 1
+
+
+def _as_rows(view5: torch.Tensor, word: torch.dtype) -> torch.Tensor:
+    """`(P, L, S, H, D)` element view → `(P, L, S, row_words)` word view of the same memory."""
+    if view5.stride(-1) != 1 or view5.stride(-2) != view5.shape[-1]:
+        raise ValueError("token rows must be contiguous (heads x head_dim)")
+    w = view5.view(word) if word != view5.dtype else view5
+    return w.flatten(3)
+
+
+def kv_rows_copy(
+    src5: torch.Tensor,
+    src_idx: torch.Tensor,
+    dst5: torch.Tensor,
+    dst_idx: torch.Tensor,
+    config: KernelConfig | None = None,
+) -> None:
+    """dst5[:, :, dst_idx] = src5[:, :, src_idx] for `(P, L, S, H, D)` views, on the current stream.
+
+    Index tensors must be int64 and live where the kernel runs (the device, or CPU under the
+    interpreter). Either view may be pinned host memory.
+    """
+    if not HAVE_TRITON:
+        raise RuntimeError("triton is not installed")
+    if src5.shape[:2] != dst5.shape[:2] or src5.shape[3:] != dst5.shape[3:] or src5.dtype != dst5.dtype:
+        raise ValueError(f"pool shapes differ: {tuple(src5.shape)} vs {tuple(dst5.shape)}")
+    n = int(src_idx.numel())
+    if n != int(dst_idx.numel()):
+        raise ValueError("source and destination index counts differ")
+    if n == 0:
+        return
+    cfg = config or KernelConfig()
+    row_bytes = src5.shape[3] * src5.shape[4] * src5.element_size()
+    word, vec = _word_dtype(row_bytes)
+    src = _as_rows(src5, word)
+    dst = _as_rows(dst5, word)
+    row = src.shape[3]
+    block = min(triton.next_power_of_2(row), 1024)
+    planes, layers = src.shape[0], src.shape[1]
+    n_tb = triton.cdiv(n, cfg.tokens)
+    grid = (n_tb * planes * layers,)
+    _kv_rows_copy_kernel[grid](
+        src,
+        dst,
+        src_idx,
+        dst_idx,
+        n,
+        src.stride(0),
+        src.stride(1),
+        src.stride(2),
+        dst.stride(0),
+        dst.stride(1),
+        dst.stride(2),
+        planes * layers,
+        NUM_LAYERS=layers,
+        ROW=row,
+        BLOCK=block,
+        TOKENS=cfg.tokens,
+        VEC=vec,
+        MASK_COLS=row % block != 0,
+        LAYER_FASTEST=cfg.layer_fastest,
+        num_warps=cfg.num_warps,
+    )
