@@ -43,6 +43,16 @@ HANDLED: dict[str, frozenset[int]] = {
     'retract': frozenset({ALLOCATED, OFFLOADING, INFLIGHT}),
 }
 
+# Single-owner resources (held from creation) that each state still holds, proven by `kvfsm validate`.
+HOLDS: dict[int, frozenset[str]] = {
+    ALLOCATED: frozenset(('device_slots', 'protected_prefix', 'table_row')),
+    OFFLOADING: frozenset(('device_slots', 'protected_prefix', 'table_row')),
+    INFLIGHT: frozenset(('device_slots', 'protected_prefix', 'table_row')),
+    FINISHED: frozenset(('device_slots', 'protected_prefix', 'table_row')),
+    DRAINING: frozenset(()),
+    RELEASED: frozenset(()),
+}
+
 # Transition table: id -> (source, event, guard, target, actions, acquires, reads, releases, spec line)
 TRANSITIONS: tuple[tuple[Any, ...], ...] = (
     ('allocated', 'offload', None, 'offloading', ('start_copy',), ('host_slots',), ('device_slots', 'table_row'), (), 126),  # T0
@@ -89,6 +99,31 @@ IGNORED_TRANSITION = -1  # the transition id an observer sees for a declared no-
 
 # observer(machine, event, source state, target state, transition id); called after each accepted event.
 Observer = Callable[["DecodeOffloadMachine", str, int, int, int], None]
+
+
+def violated_invariants(m: "DecodeOffloadMachine") -> list[str]:
+    """Names of the spec invariants `m` violates now; checked mode calls this after every transition."""
+    s = m.state
+    bad: list[str] = []
+    if s == ALLOCATED and not (m.copies == 0 and m.parked + m.backups == 0):
+        bad.append('state allocated')
+    if s == OFFLOADING and not (m.copies >= 1):
+        bad.append('state offloading')
+    if s == INFLIGHT and not (m.copies == 0 and m.parked + m.backups >= 1):
+        bad.append('state inflight')
+    if s == FINISHED and not (m.copies >= 1):
+        bad.append('state finished')
+    if s == DRAINING and not (m.copies == 0 and m.parked + m.backups >= 1):
+        bad.append('state draining')
+    if s == RELEASED and not (m.copies == 0 and m.parked + m.backups == 0):
+        bad.append('state released')
+    if not (m.copies >= 0 and m.parked >= 0 and m.backups >= 0):
+        bad.append('counters_non_negative')
+    if s in (DRAINING, RELEASED,) and not (m.copies == 0):
+        bad.append('no_copy_after_release')
+    if s in (ALLOCATED,) and not (m.parked + m.backups == 0):
+        bad.append('no_host_chunk_when_idle')
+    return bad
 
 
 class DecodeOffloadEffects(Protocol):

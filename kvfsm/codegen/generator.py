@@ -14,6 +14,7 @@ import jinja2
 
 from kvfsm.spec import CompiledSpec, load_spec
 from kvfsm.spec import expr as ex
+from kvfsm.spec.checks import holdings
 
 
 def module_name(spec: CompiledSpec) -> str:
@@ -74,6 +75,11 @@ def render(spec: CompiledSpec, spec_path: str) -> str:
         states=[dict(name=s, const=const[s], index=i, doc=m.doc, terminal=m.terminal)
                 for i, (s, m) in enumerate(model.states.items())],
         initial_const=const[spec.initial],
+        state_invariants=[dict(name=f"state {st}", const=const[st], py=ex.render(node, lambda n: f"m.{n}"))
+                          for st, node in spec.state_invariants.items()],
+        invariants=[dict(name=name, consts=[const[st] for st in where], py=ex.render(node, lambda n: f"m.{n}"))
+                    for name, (node, where) in spec.invariants.items()],
+        holds=[(const[st], tuple(sorted(holdings(spec)[0].get(st, ())))) for st in spec.states],
         state_names=spec.states, event_names=spec.events, counter_names=spec.counters,
         events=events,
         counters=[dict(name=c, doc=m.doc, initial=m.initial) for c, m in model.counters.items()],

@@ -117,7 +117,7 @@ def _as_rows(view5: torch.Tensor, word: torch.dtype) -> torch.Tensor:
     if view5.stride(-1) != 1 or view5.stride(-2) != view5.shape[-1]:
         raise ValueError("token rows must be contiguous (heads x head_dim)")
     w = view5.view(word) if word != view5.dtype else view5
-    return w.flatten(3)
+    return w.view(w.shape[0], w.shape[1], w.shape[2], -1)  # view, never a silent copy
 
 
 def kv_rows_copy(

@@ -145,38 +145,44 @@ def check_resources(spec: CompiledSpec) -> list[SpecError]:
         if r not in acquired and r not in released and not any(r in t.reads for t in spec.transitions):
             errors.append(lines.error(loc, element, "declared but never acquired, read or released"))
 
-    # Single-owner resources (held from creation, never re-acquired) are tracked along every path: each
-    # state must have one held set, a release must find the resource held, a terminal state must hold none.
+    held_at, problems = holdings(spec)
+    errors += [lines.error(("transitions", t.rule), f"transitions[{t.rule}] {t.label}", msg) for t, msg in problems]
+    for s, m in model.states.items():
+        if m.terminal and held_at.get(s):
+            errors.append(lines.error(("states", s), f"state {s!r}",
+                                      f"terminal state still holds {', '.join(sorted(held_at[s]))} (leak)"))
+    return errors
+
+
+def holdings(spec: CompiledSpec) -> tuple[dict[str, frozenset[str]], list[tuple[Transition, str]]]:
+    """Which single-owner resources (held from creation, never re-acquired) each state holds.
+
+    Propagated along every transition: each state must have one held set, and a release must find the
+    resource held. Returns the held sets and the transitions that break those rules.
+    """
+    holds = tuple(spec.model.create.holds) if spec.model.create else ()
     single = tuple(r for r in holds if not any(r in t.acquires for t in spec.transitions))
     held_at: dict[str, frozenset[str]] = {spec.initial: frozenset(single)}
+    problems: list[tuple[Transition, str]] = []
     queue = deque([spec.initial])
-    reported: set[tuple[int, str]] = set()
     while queue:
         s = queue.popleft()
         held = held_at[s]
         for t in spec.transitions:
             if t.src != s:
                 continue
-            element = f"transitions[{t.rule}] {t.label}"
             twice = [r for r in t.releases if r in single and r not in held]
-            if twice and (t.id, "twice") not in reported:
-                reported.add((t.id, "twice"))
-                errors.append(lines.error(("transitions", t.rule), element,
-                                          f"releases {', '.join(twice)} which is already released on this path (double release)"))
+            if twice:
+                problems.append((t, f"releases {', '.join(twice)} which is already released on this path (double release)"))
             after = held - set(t.releases)
             if t.dst not in held_at:
                 held_at[t.dst] = after
                 queue.append(t.dst)
-            elif held_at[t.dst] != after and (t.id, "merge") not in reported:
-                reported.add((t.id, "merge"))
-                errors.append(lines.error(("transitions", t.rule), element,
-                                          f"reaches {t.dst!r} holding {sorted(after)} but another path reaches it holding "
-                                          f"{sorted(held_at[t.dst])}"))
-    for s, m in model.states.items():
-        if m.terminal and held_at.get(s):
-            errors.append(lines.error(("states", s), f"state {s!r}",
-                                      f"terminal state still holds {', '.join(sorted(held_at[s]))} (leak)"))
-    return errors
+            elif held_at[t.dst] != after:
+                problems.append((t, f"reaches {t.dst!r} holding {sorted(after)} but another path reaches it holding "
+                                    f"{sorted(held_at[t.dst])}"))
+    unique = list({(t.id, msg): (t, msg) for t, msg in problems}.values())
+    return held_at, unique
 
 
 CHECKS = (check_structure, check_determinism, check_invariants, check_resources)

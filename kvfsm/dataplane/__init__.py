@@ -1,0 +1,86 @@
+"""kvfsm data plane: device and host KV pools, slot allocators, copy engines, page hashing, L3 storage.
+
+Depends on torch and numpy only (no pydantic, no other kvfsm package), so it imports on GPU hosts that
+carry nothing else. Nothing here knows about requests' lifecycles: the runtime above drives it.
+"""
+
+from .allocator import TokenSlotAllocator
+from .config import KVCacheConfig
+from .copy_engine import (
+    CopyEngine,
+    CopyHandle,
+    CpuCopyEngine,
+    DeferredCpuCopyEngine,
+    DeferredHandle,
+    ThreadCpuCopyEngine,
+)
+from .cuda_copy import CudaCopyEngine, CudaCopyHandle
+from .device_pool import DeviceKVPool, MHADeviceKVPool, MLADeviceKVPool
+from .errors import (
+    ConservationError,
+    CopyError,
+    DoubleAlloc,
+    DoubleFree,
+    DuplicateIndex,
+    HostMemoryError,
+    NeverAllocated,
+    NotAllocated,
+    OutOfRange,
+    PartialPage,
+    SlotError,
+)
+from .hashing import page_hash, page_hashes
+from .host_pool import HostKVPool, available_host_memory
+from .req_to_token import ReqToTokenPool
+from .storage import FaultyStorage, FileStorage, MemoryStorage, StorageBackend, storage_key_suffix
+from .triton_kernels import HAVE_TRITON, KernelConfig
+
+
+def make_copy_engine(device: str | None = None) -> CopyEngine:
+    """CudaCopyEngine (Triton when it imports) when CUDA is present and `device` is not "cpu", else CPU."""
+    import torch
+
+    if device != "cpu" and torch.cuda.is_available():
+        return CudaCopyEngine(device)
+    return CpuCopyEngine()
+
+
+__all__ = [
+    "HAVE_TRITON",
+    "ConservationError",
+    "CopyEngine",
+    "CopyError",
+    "CopyHandle",
+    "CpuCopyEngine",
+    "CudaCopyEngine",
+    "CudaCopyHandle",
+    "DeferredCpuCopyEngine",
+    "DeferredHandle",
+    "DeviceKVPool",
+    "DoubleAlloc",
+    "DoubleFree",
+    "DuplicateIndex",
+    "FaultyStorage",
+    "FileStorage",
+    "HostKVPool",
+    "HostMemoryError",
+    "KVCacheConfig",
+    "KernelConfig",
+    "MHADeviceKVPool",
+    "MLADeviceKVPool",
+    "MemoryStorage",
+    "NeverAllocated",
+    "NotAllocated",
+    "OutOfRange",
+    "PartialPage",
+    "ReqToTokenPool",
+    "SlotError",
+    "StorageBackend",
+    "ThreadCpuCopyEngine",
+    "TokenSlotAllocator",
+    "available_host_memory",
+    "make_copy_engine",
+    "page_hash",
+    "page_hashes",
+    "storage_key_suffix",
+]

@@ -1,0 +1,281 @@
+"""Copy engines: one interface for device ⇄ host KV copies, and the CPU implementations.
+
+A copy moves whole token rows (every plane and layer) from scattered source slots to scattered
+destination slots. `submit_*` returns a CopyHandle at once; `done()` never blocks, `wait()` does.
+
+CPU engines (same interface as the CUDA one, for CI and model checking):
+- CpuCopyEngine: copies during submit; handles are born done.
+- ThreadCpuCopyEngine: copies on one worker thread, in submission order; done() polls.
+- DeferredCpuCopyEngine: copies only when the test says so (complete(handle), complete_next(),
+  complete_all()), reading the source *then*. A device slot freed and rewritten before completion
+  therefore really corrupts the copy, which is how tests catch B2 (free while a copy still reads).
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from itertools import count
+from typing import Literal
+
+import torch
+
+from .allocator import IndexLike, as_index_tensor
+from .device_pool import DeviceKVPool
+from .errors import CopyError, DuplicateIndex, NotAllocated, OutOfRange
+from .host_pool import HostKVPool
+
+Direction = Literal["d2h", "h2d"]
+
+
+class CopyHandle(ABC):
+    """One submitted copy. Keeps what the copy reads and writes alive until its completion is observed."""
+
+    direction: Direction
+    num_tokens: int
+    nbytes: int
+
+    @abstractmethod
+    def done(self) -> bool:
+        """True once the copy has landed; never blocks."""
+
+    @abstractmethod
+    def wait(self) -> None:
+        """Block until the copy has landed."""
+
+    def wait_stream(self, stream: object | None = None) -> None:
+        """Order later work on `stream` after the copy. CPU handles have no streams: this waits."""
+        self.wait()
+
+
+class CopyEngine(ABC):
+    """Device ⇄ host copies of whole token rows into and out of scattered slots."""
+
+    @abstractmethod
+    def submit_d2h(
+        self, device_pool: DeviceKVPool, device_indices: IndexLike, host_pool: HostKVPool, host_indices: IndexLike
+    ) -> CopyHandle:
+        """Offload: host[host_indices] <- device[device_indices], every plane and layer."""
+
+    @abstractmethod
+    def submit_h2d(
+        self, host_pool: HostKVPool, host_indices: IndexLike, device_pool: DeviceKVPool, device_indices: IndexLike
+    ) -> CopyHandle:
+        """Load back: device[device_indices] <- host[host_indices], every plane and layer."""
+
+
+# ---- shared validation and the reference copy -----------------------------------------------------
+
+
+@dataclass
+class CopyPlan:
+    """A validated copy: the two `(P, L, S, H, D)` views and int64 indices (device ones on their device)."""
+
+    direction: Direction
+    device_pool: DeviceKVPool
+    host_pool: HostKVPool
+    device_idx: torch.Tensor
+    host_idx: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.host_idx.numel())
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_tokens * self.device_pool.config.bytes_per_token
+
+    def views(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(src view, src idx, dst view, dst idx) in copy direction."""
+        d, h = self.device_pool.token_view(), self.host_pool.token_view()
+        if self.direction == "d2h":
+            return d, self.device_idx, h, self.host_idx
+        return h, self.host_idx, d, self.device_idx
+
+
+def plan_copy(
+    direction: Direction,
+    device_pool: DeviceKVPool,
+    device_indices: IndexLike,
+    host_pool: HostKVPool,
+    host_indices: IndexLike,
+) -> CopyPlan:
+    """Check that the pools match and the indices are sane; raise CopyError/SlotError before any copy.
+
+    Host indices must be distinct, in range and allocated (cheap: CPU). Device indices are range-checked
+    only when they live on the CPU: on CUDA that check would synchronise with the compute stream.
+    """
+    dc, hc = device_pool.config, host_pool.config
+    if (dc.num_planes, dc.num_layers, dc.token_shape, dc.dtype) != (hc.num_planes, hc.num_layers, hc.token_shape, hc.dtype):
+        raise CopyError(f"device pool {dc} and host pool {hc} hold different KV shapes")
+    dev_idx = as_index_tensor(device_indices, device_pool.device)
+    host_idx = as_index_tensor(host_indices, torch.device("cpu"))
+    if dev_idx.numel() != host_idx.numel():
+        raise CopyError(f"{dev_idx.numel()} device slots vs {host_idx.numel()} host slots")
+    if host_idx.numel():
+        if int(host_idx.min()) < 0 or int(host_idx.max()) >= host_pool.size:
+            raise OutOfRange(f"host slot outside [0, {host_pool.size})")
+        if int(torch.unique(host_idx).numel()) != host_idx.numel():
+            raise DuplicateIndex("a host slot appears twice in one copy")
+        if not bool(host_pool.allocator.is_allocated(host_idx).all()):
+            raise NotAllocated("copy touches a host slot that is not allocated")
+        if dev_idx.device.type == "cpu" and (int(dev_idx.min()) < 0 or int(dev_idx.max()) >= device_pool.size):
+            raise OutOfRange(f"device slot outside [0, {device_pool.size})")
+    return CopyPlan(direction, device_pool, host_pool, dev_idx, host_idx)
+
+
+def torch_copy_rows(src5: torch.Tensor, src_idx: torch.Tensor, dst5: torch.Tensor, dst_idx: torch.Tensor) -> None:
+    """dst5[:, :, dst_idx] = src5[:, :, src_idx] with index_select/index_copy_ (never `dst[idx].copy_`,
+    which writes into the temporary that advanced indexing returns: B15)."""
+    rows = src5.index_select(2, src_idx.to(src5.device))
+    dst5.index_copy_(2, dst_idx.to(dst5.device), rows.to(dst5.device))
+
+
+def run_plan(plan: CopyPlan) -> None:
+    src, si, dst, di = plan.views()
+    if plan.num_tokens:
+        torch_copy_rows(src, si, dst, di)
+
+
+# ---- CPU engines ----------------------------------------------------------------------------------
+
+
+class _DoneHandle(CopyHandle):
+    def __init__(self, plan: CopyPlan) -> None:
+        self.direction, self.num_tokens, self.nbytes = plan.direction, plan.num_tokens, plan.nbytes
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        return None
+
+
+class CpuCopyEngine(CopyEngine):
+    """Synchronous: the copy has happened when submit returns."""
+
+    def submit_d2h(self, device_pool, device_indices, host_pool, host_indices) -> CopyHandle:  # type: ignore[no-untyped-def]
+        plan = plan_copy("d2h", device_pool, device_indices, host_pool, host_indices)
+        run_plan(plan)
+        return _DoneHandle(plan)
+
+    def submit_h2d(self, host_pool, host_indices, device_pool, device_indices) -> CopyHandle:  # type: ignore[no-untyped-def]
+        plan = plan_copy("h2d", device_pool, device_indices, host_pool, host_indices)
+        run_plan(plan)
+        return _DoneHandle(plan)
+
+
+class _FutureHandle(CopyHandle):
+    def __init__(self, plan: CopyPlan, future: Future[None]) -> None:
+        self.direction, self.num_tokens, self.nbytes = plan.direction, plan.num_tokens, plan.nbytes
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self) -> None:
+        self._future.result()
+
+
+class ThreadCpuCopyEngine(CopyEngine):
+    """Asynchronous on one worker thread (FIFO), like a copy stream; a copy reads its source when it runs."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvfsm-copy")
+
+    def _submit(self, plan: CopyPlan) -> CopyHandle:
+        plan.device_idx, plan.host_idx = plan.device_idx.clone(), plan.host_idx.clone()
+        return _FutureHandle(plan, self._pool.submit(run_plan, plan))
+
+    def submit_d2h(self, device_pool, device_indices, host_pool, host_indices) -> CopyHandle:  # type: ignore[no-untyped-def]
+        return self._submit(plan_copy("d2h", device_pool, device_indices, host_pool, host_indices))
+
+    def submit_h2d(self, host_pool, host_indices, device_pool, device_indices) -> CopyHandle:  # type: ignore[no-untyped-def]
+        return self._submit(plan_copy("h2d", device_pool, device_indices, host_pool, host_indices))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> ThreadCpuCopyEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class DeferredHandle(CopyHandle):
+    """A copy that happens when its engine is told to complete it (wait() completes it too)."""
+
+    def __init__(self, engine: DeferredCpuCopyEngine, plan: CopyPlan, seq: int) -> None:
+        self.direction, self.num_tokens, self.nbytes = plan.direction, plan.num_tokens, plan.nbytes
+        self.seq = seq
+        self._engine = engine
+        self._plan: CopyPlan | None = plan
+
+    def done(self) -> bool:
+        return self._plan is None
+
+    def wait(self) -> None:
+        self._engine.complete(self)
+
+    def __repr__(self) -> str:
+        return f"DeferredHandle(#{self.seq} {self.direction} {self.num_tokens} tokens, done={self.done()})"
+
+
+class DeferredCpuCopyEngine(CopyEngine):
+    """Copies are recorded at submit and performed at complete(): the test controls completion order."""
+
+    def __init__(self) -> None:
+        self._pending: OrderedDict[int, DeferredHandle] = OrderedDict()
+        self._seq = count()
+        self._lock = threading.Lock()
+
+    def _submit(self, plan: CopyPlan) -> DeferredHandle:
+        plan.device_idx, plan.host_idx = plan.device_idx.clone(), plan.host_idx.clone()
+        with self._lock:
+            handle = DeferredHandle(self, plan, next(self._seq))
+            self._pending[handle.seq] = handle
+        return handle
+
+    def submit_d2h(self, device_pool, device_indices, host_pool, host_indices) -> DeferredHandle:  # type: ignore[no-untyped-def]
+        return self._submit(plan_copy("d2h", device_pool, device_indices, host_pool, host_indices))
+
+    def submit_h2d(self, host_pool, host_indices, device_pool, device_indices) -> DeferredHandle:  # type: ignore[no-untyped-def]
+        return self._submit(plan_copy("h2d", device_pool, device_indices, host_pool, host_indices))
+
+    @property
+    def pending(self) -> list[DeferredHandle]:
+        """Handles not yet completed, oldest first."""
+        with self._lock:
+            return list(self._pending.values())
+
+    def complete(self, handle: DeferredHandle) -> bool:
+        """Perform the copy now, reading the source as it is now. False if it was already completed."""
+        with self._lock:
+            plan = handle._plan
+            if plan is None:
+                return False
+            if self._pending.get(handle.seq) is not handle:
+                raise CopyError(f"{handle!r} was not submitted to this engine")
+            run_plan(plan)  # marked done only once the copy has really happened
+            del self._pending[handle.seq]
+            handle._plan = None
+        return True
+
+    def complete_next(self) -> DeferredHandle | None:
+        """Complete the oldest pending copy; None when nothing is pending."""
+        with self._lock:
+            if not self._pending:
+                return None
+            handle = next(iter(self._pending.values()))
+        self.complete(handle)
+        return handle
+
+    def complete_all(self) -> int:
+        n = 0
+        while self.complete_next() is not None:
+            n += 1
+        return n

@@ -1,0 +1,71 @@
+"""Page hashes compatible with SGLang HiCache storage keys.
+
+hash(page) = sha256( bytes.fromhex(prior_hash) if prior_hash else b"" ‖ token ids as uint32 little-endian )
+as a hex digest; each page chains on the previous page's hash, so a page's key names its whole prefix.
+
+Tokens are converted to little-endian uint32 bytes once (numpy), and each page is a memoryview slice of
+that buffer: the only per-page Python work is one sha256 over prior digest + page bytes. The chain
+feeds the raw 32-byte digest forward (equal to bytes.fromhex of the hex digest) instead of re-parsing hex.
+
+Only whole pages are hashed: a trailing partial page raises ValueError, because its key would change as
+the page fills and the seed never stores partial pages. Slice to `len // page_size * page_size` first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+TokenIds = Sequence[int] | np.ndarray | torch.Tensor
+
+
+def _token_bytes(token_ids: TokenIds) -> np.ndarray:
+    """Token ids as a contiguous little-endian uint32 array; ids outside [0, 2**32) are rejected."""
+    if isinstance(token_ids, torch.Tensor):
+        arr = token_ids.detach().to("cpu").reshape(-1).numpy()
+    else:
+        arr = np.asarray(token_ids).reshape(-1)
+    if arr.size == 0:
+        return np.empty(0, dtype="<u4")
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
+    if arr.dtype != np.dtype("<u4"):
+        if arr.dtype.kind == "i" and int(arr.min()) < 0:
+            raise ValueError("token ids must be non-negative (hashed as uint32)")
+        if arr.dtype.itemsize > 4 and int(arr.max()) >= 2**32:
+            raise ValueError("token ids must fit in uint32")
+        arr = arr.astype("<u4")
+    return np.ascontiguousarray(arr)
+
+
+def page_hashes(token_ids: TokenIds, page_size: int, prior_hash: str | None = None) -> list[str]:
+    """One chained sha256 hex digest per full page of `token_ids` (see the module doc)."""
+    if page_size <= 0:
+        raise ValueError(f"page_size must be positive, got {page_size}")
+    arr = _token_bytes(token_ids)
+    if arr.size % page_size:
+        raise ValueError(
+            f"{arr.size} tokens is not a whole number of pages of {page_size}; "
+            f"hash tokens[: {arr.size // page_size * page_size}] (the partial tail has no key)"
+        )
+    mv = memoryview(arr.tobytes())
+    step = page_size * 4
+    prev = bytes.fromhex(prior_hash) if prior_hash else b""
+    digests: list[bytes] = []
+    append = digests.append
+    sha = hashlib.sha256
+    for off in range(0, len(mv), step):
+        prev = sha(prev + mv[off : off + step]).digest()  # one 32+4*page_size byte update
+        append(prev)
+    return list(map(bytes.hex, digests))
+
+
+def page_hash(token_ids: TokenIds, prior_hash: str | None = None) -> str:
+    """The hash of one page (all of `token_ids`)."""
+    n = len(token_ids)
+    if n == 0:
+        raise ValueError("a page has at least one token")
+    return page_hashes(token_ids, n, prior_hash)[0]

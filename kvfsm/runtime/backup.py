@@ -1,0 +1,158 @@
+"""Backups run off the scheduler thread: a worker with a bounded number of outstanding jobs.
+
+The scheduler submits only when `room()` > 0 (otherwise the spec parks the chunk) and collects results
+FIFO from `completed()`, so every TP rank sees completions in submission order and can agree on a count.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+class BackupQueueFull(RuntimeError):
+    """submit() without room: the manager must park the chunk instead (the spec's copy_parked)."""
+
+
+@dataclass
+class BackupJob:
+    """One chunk's host-to-storage write; `write()` returns per-page success."""
+
+    payload: Any
+    write: Callable[[], list[bool]]
+    results: list[bool] = field(default_factory=list)
+    error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.results = list(self.write())
+        except Exception as exc:  # a store that raises is a failed backup, never a success (B13)
+            self.error = exc
+            self.results = []
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and bool(self.results) and all(self.results)
+
+
+class BackupWorker(ABC):
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"backup queue capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._outstanding = 0  # submitted and not yet collected; only the scheduler thread touches it
+
+    def room(self) -> int:
+        """Jobs that may be submitted now; identical on every TP rank that made the same calls."""
+        return self.capacity - self._outstanding
+
+    def outstanding(self) -> int:
+        return self._outstanding
+
+    def submit(self, job: BackupJob) -> None:
+        if self.room() <= 0:
+            raise BackupQueueFull(f"{self._outstanding} backups outstanding of {self.capacity}")
+        self._outstanding += 1
+        self._enqueue(job)
+
+    def collect(self) -> BackupJob:
+        """The oldest finished job (FIFO)."""
+        job = self._pop_done()
+        self._outstanding -= 1
+        return job
+
+    @abstractmethod
+    def completed(self) -> int:
+        """How many finished jobs wait to be collected (never blocks)."""
+
+    @abstractmethod
+    def _enqueue(self, job: BackupJob) -> None: ...
+
+    @abstractmethod
+    def _pop_done(self) -> BackupJob: ...
+
+    def close(self) -> None:
+        """Stop accepting work; finished jobs can still be collected."""
+
+
+class ThreadBackupWorker(BackupWorker):
+    """A daemon thread runs jobs in submission order; completions are collected by the scheduler."""
+
+    def __init__(self, capacity: int, name: str = "kvfsm-backup") -> None:
+        super().__init__(capacity)
+        self._todo: collections.deque[BackupJob | None] = collections.deque()
+        self._done: collections.deque[BackupJob] = collections.deque()
+        self._wake = threading.Condition()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._todo:
+                    self._wake.wait()
+                job = self._todo.popleft()
+            if job is None:
+                return
+            job.run()
+            self._done.append(job)
+
+    def _enqueue(self, job: BackupJob) -> None:
+        with self._wake:
+            self._todo.append(job)
+            self._wake.notify()
+
+    def completed(self) -> int:
+        return len(self._done)
+
+    def _pop_done(self) -> BackupJob:
+        return self._done.popleft()
+
+    def wait_idle(self, timeout: float = 30.0) -> bool:
+        """Block until every submitted job has finished (tests and shutdown only)."""
+        import time
+        deadline = time.monotonic() + timeout
+        while len(self._done) < self._outstanding:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+        return True
+
+    def close(self) -> None:
+        with self._wake:
+            self._todo.append(None)
+            self._wake.notify()
+        self._thread.join(timeout=30)
+
+
+class SteppedBackupWorker(BackupWorker):
+    """Runs a job only when told to, in any order: for tests and the explorer to choose interleavings."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.pending: list[BackupJob] = []
+        self._done: collections.deque[BackupJob] = collections.deque()
+
+    def _enqueue(self, job: BackupJob) -> None:
+        self.pending.append(job)
+
+    def run(self, i: int = 0) -> BackupJob:
+        job = self.pending.pop(i)
+        job.run()
+        self._done.append(job)
+        return job
+
+    def run_all(self) -> int:
+        n = len(self.pending)
+        while self.pending:
+            self.run(0)
+        return n
+
+    def completed(self) -> int:
+        return len(self._done)
+
+    def _pop_done(self) -> BackupJob:
+        return self._done.popleft()

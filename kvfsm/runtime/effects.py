@@ -1,0 +1,186 @@
+"""The spec's actions, one method each, calling the data plane: spec line -> generated branch -> here.
+
+Nothing in this module decides *when* something happens (that is the generated machine's job); each
+method only does what its action's `doc` in spec/decode_offload.yaml says, touching exactly the
+resources the action declares.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from generated.decode_offload import DecodeOffloadMachine
+from kvfsm.dataplane import CopyEngine, CopyHandle, HostKVPool, ReqToTokenPool, TokenSlotAllocator, page_hashes
+from kvfsm.dataplane.device_pool import DeviceKVPool
+from kvfsm.dataplane.storage import StorageBackend
+from kvfsm.runtime.backup import BackupJob, BackupWorker
+from kvfsm.runtime.ledger import SlotLedger
+from kvfsm.runtime.metrics import OffloadMetrics
+from kvfsm.runtime.protocols import OffloadRequest, PrefixCache
+
+_serials = itertools.count(1)
+
+
+def token_slice(req: OffloadRequest, start: int, end: int) -> list[int]:
+    """Tokens [start, end) of prompt + outputs without building the whole list (hot path)."""
+    prompt = req.origin_input_ids
+    n = len(prompt)
+    if end <= n:
+        return list(prompt[start:end])
+    if start >= n:
+        return list(req.output_ids[start - n:end - n])
+    return list(prompt[start:]) + list(req.output_ids[: end - n])
+
+
+@dataclass(eq=False)
+class RequestRecord:
+    """The manager's bookkeeping for one lifecycle of one request object (its machine's `ctx`)."""
+
+    key: str
+    rid: str
+    req_ref: "weakref.ReferenceType[Any]"
+    req: Optional[Any]  # strong until release: release must read the request's lengths
+    row: int
+    prefix_len: int
+    prefill_len: int  # page-aligned prompt prefix, stored by the prefill side
+    inc_len: int = 0  # tokens after the prefix already submitted for offload
+    last_hash: Optional[str] = None
+    stored_pages: int = 0
+    failed_backups: int = 0
+    machine: Optional[DecodeOffloadMachine] = None
+
+    def __repr__(self) -> str:
+        return self.key
+
+
+@dataclass(eq=False)
+class Chunk:
+    """One stride-aligned run of a request's KV, from its copy until its backup completes."""
+
+    record: RequestRecord
+    start: int
+    end: int
+    tokens: list[int]
+    device_indices: torch.Tensor
+    host_indices: torch.Tensor
+    serial: int = field(default_factory=lambda: next(_serials))
+    handle: Optional[CopyHandle] = None
+    hashes: list[str] = field(default_factory=list)
+    job: Optional[BackupJob] = None
+
+
+class OffloadEffects:
+    """Implements `generated.decode_offload.DecodeOffloadEffects` over real pools, copies and storage."""
+
+    def __init__(self, *, page_size: int, device_pool: DeviceKVPool, allocator: TokenSlotAllocator,
+                 req_to_token: ReqToTokenPool, prefix_cache: PrefixCache, host_pool: HostKVPool,
+                 copy_engine: CopyEngine, storage: Optional[StorageBackend], worker: BackupWorker,
+                 metrics: OffloadMetrics, ledger: Optional[SlotLedger]) -> None:
+        self.page_size = page_size
+        self.device_pool, self.allocator, self.req_to_token = device_pool, allocator, req_to_token
+        self.prefix_cache, self.host_pool, self.copy_engine = prefix_cache, host_pool, copy_engine
+        self.storage, self.worker, self.metrics, self.ledger = storage, worker, metrics, ledger
+        self.copy_fifo: collections.deque[Chunk] = collections.deque()  # submission order = completion order
+        self.parked: collections.deque[Chunk] = collections.deque()
+        self.stored: dict[str, tuple[str, int]] = {}  # page hash -> (request key, position): what storage holds
+        self._offsets = torch.arange(page_size, dtype=torch.int64)
+
+    # --- create ------------------------------------------------------------------------------------
+    def seed_hash_chain(self, m: DecodeOffloadMachine, arg: Any) -> None:
+        rec: RequestRecord = m.ctx
+        if rec.prefill_len:
+            req = rec.req
+            rec.last_hash = page_hashes(req.origin_input_ids[: rec.prefill_len], self.page_size)[-1]
+
+    # --- offload -----------------------------------------------------------------------------------
+    def start_copy(self, m: DecodeOffloadMachine, chunk: Chunk) -> None:
+        rec = chunk.record
+        if self.ledger is not None:
+            self.ledger.copy_started(rec.key, chunk.serial, chunk.device_indices.tolist(), chunk.host_indices.tolist())
+        chunk.handle = self.copy_engine.submit_d2h(self.device_pool, chunk.device_indices,
+                                                   self.host_pool, chunk.host_indices)
+        self.copy_fifo.append(chunk)
+        n = chunk.end - chunk.start
+        rec.inc_len += n
+        self.metrics.chunks += 1
+        self.metrics.offloaded_tokens += n
+        self.metrics.offloaded_bytes += n * self.host_pool.config.bytes_per_token
+
+    def count_host_full(self, m: DecodeOffloadMachine, arg: Any) -> None:
+        self.metrics.host_full_retries += 1
+
+    # --- copy acknowledgements ---------------------------------------------------------------------
+    def hash_chunk(self, m: DecodeOffloadMachine, chunk: Chunk) -> None:
+        rec = chunk.record
+        chunk.hashes = page_hashes(chunk.tokens, self.page_size, rec.last_hash)
+        rec.last_hash = chunk.hashes[-1]
+
+    def submit_backup(self, m: DecodeOffloadMachine, chunk: Chunk) -> None:
+        storage, host_pool = self.storage, self.host_pool
+        hashes, host_indices = chunk.hashes, chunk.host_indices
+
+        def write() -> list[bool]:
+            if storage is None:
+                return [False] * len(hashes)
+            pages = host_pool.get_pages_bytes(host_indices)
+            return storage.batch_set(hashes, list(pages.unbind(0)))
+
+        chunk.job = BackupJob(payload=chunk, write=write)
+        self.worker.submit(chunk.job)
+
+    def park_chunk(self, m: DecodeOffloadMachine, chunk: Chunk) -> None:
+        self.parked.append(chunk)
+        self.metrics.parked_chunks += 1
+
+    # --- backups -----------------------------------------------------------------------------------
+    def mark_stored(self, m: DecodeOffloadMachine, chunk: Chunk) -> None:
+        rec = chunk.record
+        for i, h in enumerate(chunk.hashes):
+            self.stored[h] = (rec.key, chunk.start + i * self.page_size)
+        rec.stored_pages += len(chunk.hashes)
+        self.metrics.stored_pages += len(chunk.hashes)
+
+    def count_backup_failure(self, m: DecodeOffloadMachine, chunk: Chunk) -> None:
+        chunk.record.failed_backups += 1
+        self.metrics.backup_failures += 1
+
+    def free_host_chunk(self, m: DecodeOffloadMachine, chunk: Chunk) -> None:
+        if self.ledger is not None:
+            self.ledger.free_host(chunk.record.key, "backup", chunk.serial, chunk.host_indices.tolist())
+        self.host_pool.free(chunk.host_indices)
+
+    # --- end of life -------------------------------------------------------------------------------
+    def request_slots(self, rec: RequestRecord) -> torch.Tensor:
+        """Device slots of pages covering [0, ceil_page(committed)) plus the over-allocation
+        [ceil_page(committed), allocated): every page the request holds, each once."""
+        req, ps = rec.req, self.page_size
+        committed = req.kv_committed_len
+        allocated = max(req.kv_allocated_len, committed)
+        end_committed = -(-committed // ps) * ps
+        positions = list(range(0, end_committed, ps)) + list(range(end_committed, allocated, ps))
+        if not positions:
+            return torch.empty(0, dtype=torch.int64)
+        table = self.req_to_token.req_to_token[rec.row]
+        starts = table[torch.tensor(positions, dtype=torch.int64, device=table.device)].to("cpu")
+        starts = starts - starts % ps
+        return (starts[:, None] + self._offsets).reshape(-1)
+
+    def release_request(self, m: DecodeOffloadMachine, arg: Any) -> None:
+        rec = m.ctx
+        req = rec.req
+        slots = self.request_slots(rec)
+        if self.ledger is not None:
+            self.ledger.release_device(rec.key, "release", slots.tolist())
+        self.allocator.free(slots)
+        self.req_to_token.free(rec.row)
+        self.prefix_cache.release_protected(rec.prefix_len)
+        if req.req_pool_idx == rec.row:
+            req.req_pool_idx = None
+        rec.req = None
+        self.metrics.releases += 1

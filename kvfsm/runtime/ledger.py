@@ -1,0 +1,88 @@
+"""Checked mode's slot ownership ledger: every device and host page is free or owned by exactly one owner.
+
+Owners are request records (device pages) and chunks (host pages); in-flight copies are readers of
+device pages. A violation raises CheckedModeError naming the request, the event and the slot, before
+the data plane is touched, so the ledger catches B1 (reuse of a live request's slot), B2 (free under
+an in-flight copy), B9/B10 (double release) in the implementation, not only in the spec.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Iterable
+
+from kvfsm.errors import LifecycleError
+
+
+class CheckedModeError(LifecycleError):
+    def __init__(self, request: str, event: str, slot: int | None, problem: str) -> None:
+        self.request, self.event, self.slot, self.problem = request, event, slot, problem
+        where = f" slot {slot}" if slot is not None else ""
+        super().__init__(f"checked mode: request {request}, event {event!r},{where}: {problem}")
+
+
+class SlotLedger:
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+        self.device_owner: dict[int, str] = {}
+        self.device_readers: dict[int, set[int]] = defaultdict(set)
+        self.host_owner: dict[int, int] = {}
+
+    def _pages(self, slots: Iterable[int]) -> list[int]:
+        return sorted({int(s) // self.page_size for s in slots})
+
+    def claim_device(self, owner: str, event: str, slots: Iterable[int]) -> None:
+        """`owner` reads or writes these device slots: they must be its own or unowned (then they become its)."""
+        for page in self._pages(slots):
+            other = self.device_owner.get(page)
+            if other is not None and other != owner:
+                raise CheckedModeError(owner, event, page * self.page_size,
+                                       f"device slot belongs to live request {other} (premature reuse, B1)")
+        for page in self._pages(slots):
+            self.device_owner[page] = owner
+
+    def release_device(self, owner: str, event: str, slots: Iterable[int]) -> None:
+        pages = self._pages(slots)
+        for page in pages:
+            other = self.device_owner.get(page)
+            if other is not None and other != owner:
+                raise CheckedModeError(owner, event, page * self.page_size,
+                                       f"freeing a device slot owned by request {other}")
+            if self.device_readers.get(page):
+                raise CheckedModeError(owner, event, page * self.page_size,
+                                       "freeing a device slot an in-flight copy still reads (B2)")
+        for page in pages:
+            self.device_owner.pop(page, None)
+
+    def copy_started(self, owner: str, chunk: int, device_slots: Iterable[int], host_slots: Iterable[int]) -> None:
+        device_slots = list(device_slots)
+        self.claim_device(owner, "offload", device_slots)
+        host_pages = self._pages(host_slots)
+        for page in host_pages:
+            if page in self.host_owner:
+                raise CheckedModeError(owner, "offload", page * self.page_size,
+                                       f"host slot already held by chunk {self.host_owner[page]} (host double alloc)")
+        for page in host_pages:
+            self.host_owner[page] = chunk
+        for page in self._pages(device_slots):
+            self.device_readers[page].add(chunk)
+
+    def copy_completed(self, chunk: int, device_slots: Iterable[int]) -> None:
+        for page in self._pages(device_slots):
+            readers = self.device_readers.get(page)
+            if readers is not None:
+                readers.discard(chunk)
+                if not readers:
+                    del self.device_readers[page]
+
+    def free_host(self, owner: str, event: str, chunk: int, host_slots: Iterable[int]) -> None:
+        pages = self._pages(host_slots)
+        for page in pages:
+            if self.host_owner.get(page) != chunk:
+                raise CheckedModeError(owner, event, page * self.page_size,
+                                       "freeing a host slot this chunk does not hold (host double free, B10)")
+        for page in pages:
+            del self.host_owner[page]
+
+    def host_pages(self) -> int:
+        return len(self.host_owner)

@@ -1,0 +1,230 @@
+"""DecodeOffloadManager: the seed's integration surface, with every lifecycle step a spec transition.
+
+The engine calls `offload(req)` after a decode step, `check_progress()` every scheduler iteration, and
+`finalize(req)` / `abort(req)` / `retract(req)` when a request ends. The manager decides only what the
+spec cannot see (how long a chunk is, whether host memory or backup-queue room exists, which copies
+completed) and turns each answer into an event of the request's generated machine.
+"""
+
+from __future__ import annotations
+
+import weakref
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import generated.decode_offload as spec_gen
+from generated.decode_offload import DecodeOffloadMachine
+from kvfsm.dataplane import (CopyEngine, CpuCopyEngine, DeferredCpuCopyEngine, HostKVPool, ReqToTokenPool,
+                             TokenSlotAllocator, make_copy_engine)
+from kvfsm.dataplane.device_pool import DeviceKVPool
+from kvfsm.dataplane.storage import FileStorage, StorageBackend
+from kvfsm.errors import LifecycleError
+from kvfsm.runtime.backup import BackupWorker, ThreadBackupWorker
+from kvfsm.runtime.config import OffloadConfig
+from kvfsm.runtime.effects import Chunk, OffloadEffects, RequestRecord, token_slice
+from kvfsm.runtime.ledger import CheckedModeError, SlotLedger
+from kvfsm.runtime.metrics import OffloadMetrics
+from kvfsm.runtime.protocols import OffloadRequest, PrefixCache
+from kvfsm.runtime.tp import ProgressConsensus
+from kvfsm.runtime.trace import TraceWriter
+
+_OFFLOADABLE = spec_gen.HANDLED["offload"]
+_ROW_HOLDERS = frozenset(s for s, held in spec_gen.HOLDS.items() if "table_row" in held)
+_END_EVENTS = ("finish", "abort", "retract")
+
+
+class InvalidRequest(LifecycleError):
+    """The request cannot be admitted (bad table row, missing fields); nothing was changed."""
+
+
+class DecodeOffloadManager:
+    """One generated DecodeOffloadMachine per request object, driving real pools, copies and storage."""
+
+    def __init__(self, config: OffloadConfig, *, device_pool: DeviceKVPool, allocator: TokenSlotAllocator,
+                 req_to_token: ReqToTokenPool, prefix_cache: PrefixCache, host_pool: Optional[HostKVPool] = None,
+                 copy_engine: Optional[CopyEngine] = None, storage: Optional[StorageBackend] = None,
+                 backup_worker: Optional[BackupWorker] = None, tp_group: Any = None, tp_rank: int = 0,
+                 tp_size: int = 1) -> None:
+        if allocator.page_size != config.page_size:
+            raise InvalidRequest(f"allocator page size {allocator.page_size} != config.page_size {config.page_size}")
+        self.config = config
+        self.stride = config.stride
+        self.req_to_token = req_to_token
+        if host_pool is None:
+            host_pool = HostKVPool.for_device_pool(device_pool, page_size=config.page_size,
+                                                   ratio=None if config.host_pool_bytes else config.host_pool_ratio,
+                                                   size_bytes=config.host_pool_bytes, layout=config.host_layout)
+        if copy_engine is None:
+            copy_engine = {"cpu": CpuCopyEngine, "deferred": DeferredCpuCopyEngine}.get(
+                config.copy_backend, lambda: make_copy_engine(None if config.copy_backend == "auto" else "cuda"))()
+        if storage is None and config.storage_backend == "file":
+            storage = FileStorage(config.storage_dir, model_name=config.model_name, tp_rank=tp_rank,
+                                  tp_size=tp_size, is_mla=device_pool.config.is_mla)
+        self.metrics = OffloadMetrics()
+        self.ledger = SlotLedger(config.page_size) if config.checked else None
+        self.fx = OffloadEffects(page_size=config.page_size, device_pool=device_pool, allocator=allocator,
+                                 req_to_token=req_to_token, prefix_cache=prefix_cache, host_pool=host_pool,
+                                 copy_engine=copy_engine, storage=storage,
+                                 worker=backup_worker or ThreadBackupWorker(config.backup_queue_size),
+                                 metrics=self.metrics, ledger=self.ledger)
+        self.consensus = ProgressConsensus(tp_group)
+        self.trace = TraceWriter(config.trace_path, spec_gen.SPEC_SHA256) if config.trace_path else None
+        self.coverage: set[int] = set()
+        self._records: dict[int, RequestRecord] = {}  # id(request object) -> its current lifecycle
+        self._serial = 0
+
+    # --- the integration surface -------------------------------------------------------------------
+    @property
+    def host_pool(self) -> HostKVPool:
+        return self.fx.host_pool
+
+    def offload(self, req: OffloadRequest) -> bool:
+        """Submit the request's next stride-aligned chunk; False when there is none yet or no host room."""
+        if req.req_pool_idx is None or req.req_pool_idx == -1 or len(req.output_ids) == 0:
+            return False
+        rec = self._record(req)
+        m = rec.machine
+        if m.state not in _OFFLOADABLE:
+            m.offload(None)  # the spec's typed error for this state; nothing changes
+        start = rec.prefill_len + rec.inc_len
+        # The last sampled token has no KV yet; never offload past what is committed.
+        available = min(len(req.origin_input_ids) + len(req.output_ids) - 1, req.kv_committed_len)
+        n = (available - start) // self.stride * self.stride
+        if n <= 0:
+            return False
+        host = self.fx.host_pool.alloc(n)
+        if host is None:
+            m.host_full(None)
+            return False
+        try:
+            device = self.req_to_token.read(rec.row, start, start + n).clone()
+            chunk = Chunk(rec, start, start + n, token_slice(req, start, start + n), device, host)
+            m.offload(chunk)
+        except BaseException:
+            self.fx.host_pool.free(host)  # a rejected call leaves the host pool as it was
+            raise
+        return True
+
+    def check_progress(self) -> None:
+        """Observe completed copies and backups (MIN-agreed across TP ranks) and feed them to the machines."""
+        fx = self.fx
+        n_copies = 0
+        for chunk in fx.copy_fifo:
+            if not chunk.handle.done():
+                break
+            n_copies += 1
+        n_copies, n_backups = self.consensus.agree(n_copies, fx.worker.completed())
+        for _ in range(n_backups):
+            job = fx.worker.collect()
+            chunk: Chunk = job.payload
+            if job.ok:
+                chunk.record.machine.backup_done(chunk)
+            else:
+                chunk.record.machine.backup_failed(chunk)
+        while fx.parked and fx.worker.room() > 0:
+            chunk = fx.parked.popleft()
+            chunk.record.machine.backup_resubmit(chunk)
+        for _ in range(n_copies):
+            chunk = fx.copy_fifo.popleft()
+            if self.ledger is not None:
+                self.ledger.copy_completed(chunk.serial, chunk.device_indices.tolist())
+            if fx.worker.room() > 0:
+                chunk.record.machine.copy_done(chunk)
+            else:
+                chunk.record.machine.copy_parked(chunk)
+        self.metrics.copies_in_flight = len(fx.copy_fifo)
+        self.metrics.backups_in_flight = fx.worker.outstanding() + len(fx.parked)
+
+    def finalize(self, req: OffloadRequest) -> None:
+        """The request finished: release now, or at its last copy acknowledgement (the seed's finalize)."""
+        self._end(req, "finish")
+
+    def abort(self, req: OffloadRequest) -> None:
+        self._end(req, "abort")
+
+    def retract(self, req: OffloadRequest) -> None:
+        self._end(req, "retract")
+
+    def machine_of(self, req: OffloadRequest) -> Optional[DecodeOffloadMachine]:
+        rec = self._records.get(id(req))
+        return rec.machine if rec is not None and rec.req_ref() is req else None
+
+    def idle(self) -> bool:
+        """No copy, parked chunk or backup outstanding."""
+        return not self.fx.copy_fifo and not self.fx.parked and self.fx.worker.outstanding() == 0
+
+    def drain(self, max_iterations: int = 100_000) -> None:
+        """Run progress checks until idle (shutdown and tests); copies and backups must be able to finish."""
+        for _ in range(max_iterations):
+            if self.idle():
+                return
+            for chunk in self.fx.copy_fifo:
+                chunk.handle.wait()
+            wait_idle = getattr(self.fx.worker, "wait_idle", None)
+            if wait_idle is not None:
+                wait_idle()
+            self.check_progress()
+        raise RuntimeError("manager did not drain")
+
+    def close(self) -> None:
+        self.fx.worker.close()
+        if self.trace is not None:
+            self.trace.close()
+
+    def live_records(self) -> list[RequestRecord]:
+        return [r for r in self._records.values() if r.machine.state in _ROW_HOLDERS]
+
+    # --- internals ---------------------------------------------------------------------------------
+    def _end(self, req: OffloadRequest, event: str) -> None:
+        rec = self._records.get(id(req))
+        if rec is None or rec.req_ref() is not req:
+            if req.req_pool_idx is None or req.req_pool_idx == -1:
+                return  # never admitted: nothing is held
+            rec = self._admit(req)
+        elif rec.machine.state not in _ROW_HOLDERS and req.req_pool_idx not in (None, -1, rec.row):
+            rec = self._admit(req)  # re-admitted after a retract: a new lifecycle
+        getattr(rec.machine, event)(None)
+
+    def _record(self, req: OffloadRequest) -> RequestRecord:
+        rec = self._records.get(id(req))
+        if rec is not None and rec.req_ref() is req:
+            if rec.machine.state in _ROW_HOLDERS or req.req_pool_idx in (None, -1, rec.row):
+                return rec
+        return self._admit(req)
+
+    def _admit(self, req: OffloadRequest) -> RequestRecord:
+        row = req.req_pool_idx
+        if not isinstance(row, int) or not 0 <= row < self.req_to_token.rows or not self.req_to_token.is_allocated(row):
+            raise InvalidRequest(f"request {getattr(req, 'rid', req)!r} has table row {row!r}, which is not an allocated row")
+        key = id(req)
+        try:
+            ref = weakref.ref(req, lambda _r, k=key, t=self._records: t.pop(k, None))
+        except TypeError:
+            raise InvalidRequest(f"request {req.rid!r}: request objects must support weak references") from None
+        self._serial += 1
+        prompt_len = len(req.origin_input_ids)
+        rec = RequestRecord(key=f"{req.rid}#{self._serial}", rid=req.rid, req_ref=ref, req=req, row=row,
+                            prefix_len=int(req.prefix_len),
+                            prefill_len=prompt_len // self.config.page_size * self.config.page_size)
+        rec.machine = DecodeOffloadMachine(self.fx, rec, self._observe)
+        self._records[key] = rec
+        return rec
+
+    def _observe(self, m: DecodeOffloadMachine, event: str, src: int, dst: int, tid: int) -> None:
+        if tid < 0:
+            if event in _END_EVENTS:
+                self.metrics.ignored_duplicate_releases += 1
+        else:
+            self.coverage.add(tid)
+        if self.trace is not None:
+            row = spec_gen.TRANSITIONS[tid] if tid >= 0 else None
+            self.trace.transition(m.ctx.key, event, spec_gen.STATES[src], spec_gen.STATES[dst], tid,
+                                  dict(zip(spec_gen.COUNTERS, m.snapshot()[1:])),
+                                  row[5] if row else (), row[7] if row else ())
+        if self.ledger is not None:
+            bad = spec_gen.violated_invariants(m)
+            if bad:
+                raise CheckedModeError(m.ctx.key, event, None, f"spec invariants violated: {', '.join(bad)} in {m!r}")
+
+
+__all__ = ["CheckedModeError", "DecodeOffloadManager", "InvalidRequest"]

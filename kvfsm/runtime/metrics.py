@@ -1,0 +1,23 @@
+"""Counters an operator watches; all monotonic except the in-flight gauges the manager derives."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class OffloadMetrics:
+    offloaded_tokens: int = 0
+    offloaded_bytes: int = 0
+    chunks: int = 0
+    stored_pages: int = 0
+    backup_failures: int = 0
+    host_full_retries: int = 0
+    parked_chunks: int = 0
+    releases: int = 0
+    ignored_duplicate_releases: int = 0
+    copies_in_flight: int = 0
+    backups_in_flight: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)

@@ -1,0 +1,162 @@
+"""A small scheduler over real pools, used by scenario tests, the stateful suite and the explorer.
+
+It does what an engine does around the manager (admit, decode, speculative over-allocation, finish,
+abort, retract) and writes deterministic KV content f(request, position) into every slot it fills, so
+any page read back from host memory or storage can be checked against the request that wrote it
+(cross-pollinated KV, B1/B2/B15, is then visible as a wrong value).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from kvfsm.dataplane import (DeferredCpuCopyEngine, HostKVPool, KVCacheConfig, ReqToTokenPool, TokenSlotAllocator,
+                             page_hashes)
+from kvfsm.dataplane.device_pool import DeviceKVPool
+from kvfsm.dataplane.storage import FaultyStorage, MemoryStorage
+from kvfsm.runtime import DecodeOffloadManager, OffloadConfig, ProtectedSize, SteppedBackupWorker
+
+_serials = itertools.count(1)
+
+
+class SimRequest:
+    """Implements kvfsm.runtime.OffloadRequest (a plain class: weak-referenceable, identity-hashed)."""
+
+    def __init__(self, rid: str, prompt: list[int], prefix_len: int = 0) -> None:
+        self.rid = rid
+        self.serial = next(_serials)  # identity of the writer in the KV content
+        self.origin_input_ids = prompt
+        self.output_ids: list[int] = []
+        self.req_pool_idx: Optional[int] = None
+        self.kv_committed_len = 0
+        self.kv_allocated_len = 0
+        self.prefix_len = prefix_len
+        self.done = False
+
+    def finished(self) -> bool:
+        return self.done
+
+    def __repr__(self) -> str:
+        return f"SimRequest({self.rid!r}#{self.serial})"
+
+
+def kv_value(serial: int, position: int) -> float:
+    """f(request, position): exact in float32, distinct for every (writer, position) the tests use."""
+    return float(serial * 4096 + position + 1)
+
+
+@dataclass
+class SimEngine:
+    page_size: int = 2
+    stride: int = 0
+    device_slots: int = 32
+    host_slots: int = 16
+    rows: int = 4
+    max_context: int = 64
+    backup_queue: int = 2
+    checked: bool = True
+    fail_writes: set[str] = field(default_factory=set)
+    trace_path: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        self.kv = KVCacheConfig(num_layers=2, kv_heads=1, head_dim=2, attention="mha", dtype=torch.float32)
+        self.device_pool = DeviceKVPool.create(self.kv, self.device_slots)
+        self.allocator = TokenSlotAllocator(self.device_slots, self.page_size)
+        self.req_to_token = ReqToTokenPool(self.rows, self.max_context)
+        self.protected = ProtectedSize()
+        self.host_pool = HostKVPool(self.kv, self.host_slots, self.page_size)
+        self.copies = DeferredCpuCopyEngine()
+        self.worker = SteppedBackupWorker(self.backup_queue)
+        self.store = MemoryStorage()
+        self.storage = FaultyStorage(self.store, fail_writes=lambda k: k in self.fail_writes)
+        self.config = OffloadConfig(page_size=self.page_size, offload_stride=self.stride, host_pool_ratio=1.0,
+                                    copy_backend="deferred", storage_backend="none", checked=self.checked,
+                                    backup_queue_size=self.backup_queue, trace_path=self.trace_path)
+        self.manager = DecodeOffloadManager(
+            self.config, device_pool=self.device_pool, allocator=self.allocator, req_to_token=self.req_to_token,
+            prefix_cache=self.protected, host_pool=self.host_pool, copy_engine=self.copies, storage=self.storage,
+            backup_worker=self.worker)
+        self.live: list[SimRequest] = []
+
+    # --- engine actions ----------------------------------------------------------------------------
+    def _write_kv(self, req: SimRequest, start: int, end: int) -> None:
+        slots = self.req_to_token.read(req.req_pool_idx, start, end)
+        values = torch.tensor([kv_value(req.serial, p) for p in range(start, end)], dtype=torch.float32)
+        self.device_pool.token_view()[:, :, slots] = values.view(1, 1, -1, 1, 1)
+
+    def _grow(self, req: SimRequest, length: int) -> bool:
+        """Make sure positions [0, length) have slots (whole pages)."""
+        have = -(-req.kv_allocated_len // self.page_size) * self.page_size
+        need = -(-length // self.page_size) * self.page_size
+        if need > self.max_context:
+            return False
+        if need > have:
+            slots = self.allocator.alloc(need - have)
+            if slots is None:
+                return False
+            self.req_to_token.write(req.req_pool_idx, have, slots)
+        req.kv_allocated_len = max(req.kv_allocated_len, length)
+        return True
+
+    def admit(self, rid: str, prompt_len: int, prefix_len: int = 0, req: Optional[SimRequest] = None) -> Optional[SimRequest]:
+        """Prefill a request (or re-admit a retracted one); None when there is no row or no room."""
+        req = req or SimRequest(rid, [1000 + i for i in range(prompt_len)], prefix_len)
+        row = self.req_to_token.alloc()
+        if row is None:
+            return None
+        req.req_pool_idx, req.kv_allocated_len, req.kv_committed_len = row, 0, 0
+        if not self._grow(req, len(req.origin_input_ids) + len(req.output_ids)):
+            self.req_to_token.free(row)
+            req.req_pool_idx = None
+            return None
+        req.kv_committed_len = len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0)
+        self._write_kv(req, 0, req.kv_committed_len)
+        if not req.output_ids:
+            req.output_ids.append(7)
+        self.protected.protect(req.prefix_len)
+        req.done = False
+        self.live.append(req)
+        return req
+
+    def decode(self, req: SimRequest, speculative: int = 0) -> bool:
+        """One decode step: the last sampled token's KV is computed, a new token is sampled."""
+        pos = req.kv_committed_len
+        if not self._grow(req, pos + 1 + speculative):
+            return False
+        self._write_kv(req, pos, pos + 1)
+        req.kv_committed_len = pos + 1
+        req.output_ids.append(7 + len(req.output_ids) % 5)
+        return True
+
+    def end(self, req: SimRequest, how: str = "finish") -> None:
+        req.done = True
+        self.live.remove(req)
+        {"finish": self.manager.finalize, "abort": self.manager.abort, "retract": self.manager.retract}[how](req)
+
+    # --- checks --------------------------------------------------------------------------------------
+    def host_page_ok(self, chunk) -> bool:
+        """The chunk's host pages hold f(writer, position) for every position they cover."""
+        got = self.host_pool.token_view()[0, 0, chunk.host_indices, 0, 0]
+        want = torch.tensor([kv_value(chunk.record.req_ref().serial, p) for p in range(chunk.start, chunk.end)])
+        return bool(torch.equal(got, want))
+
+    def check_teardown(self) -> None:
+        """Every pool back to full and nothing protected (B3, B5, B8)."""
+        assert not self.live
+        assert self.manager.idle()
+        assert self.allocator.free_slots == self.allocator.capacity, (self.allocator.free_slots, self.allocator.capacity)
+        assert self.host_pool.free_slots == self.host_pool.capacity
+        assert self.req_to_token.free_rows == self.rows
+        assert self.protected.size == 0
+        self.allocator.check_conservation()
+        self.host_pool.check_conservation()
+        self.req_to_token.check_conservation()
+
+
+def prompt_hashes(req: SimRequest, page_size: int) -> list[str]:
+    n = len(req.origin_input_ids) // page_size * page_size
+    return page_hashes(req.origin_input_ids[:n], page_size) if n else []

@@ -1,0 +1,137 @@
+"""HostKVPool: layouts, sizing, the RAM check, allocated-mask rejections, page bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvfsm.dataplane import (
+    DeviceKVPool,
+    DoubleAlloc,
+    DoubleFree,
+    DuplicateIndex,
+    HostKVPool,
+    HostMemoryError,
+    KVCacheConfig,
+    NeverAllocated,
+    NotAllocated,
+    PartialPage,
+    host_pool as host_pool_mod,
+)
+
+from .helpers import bits, fill_random
+
+
+def snap(h: HostKVPool) -> tuple[list[int], list[bool], int]:
+    free, mask = h.allocator.snapshot()
+    return free.tolist(), mask.tolist(), h.free_slots
+
+
+@pytest.mark.parametrize(
+    "attention,layout,shape",
+    [
+        ("mha", "layer_first", (2, 3, 32, 2, 8)),
+        ("mha", "page_first", (2, 32, 3, 2, 8)),
+        ("mla", "layer_first", (3, 32, 1, 24)),
+        ("mla", "page_first", (32, 3, 1, 24)),
+    ],
+)
+def test_layouts(attention: str, layout: str, shape: tuple[int, ...]) -> None:
+    cfg = KVCacheConfig.tiny(attention)  # type: ignore[arg-type]
+    h = HostKVPool(cfg, 32, 4, layout)  # type: ignore[arg-type]
+    assert tuple(h.kv_buffer.shape) == shape
+    v = h.token_view()
+    assert tuple(v.shape) == (cfg.num_planes, 3, 32, *cfg.token_shape)
+    assert v.data_ptr() == h.kv_buffer.data_ptr()  # a view, not a copy
+    assert h.pinned == torch.cuda.is_available()
+
+
+def test_sizing_by_ratio_and_bytes() -> None:
+    cfg = KVCacheConfig.tiny()
+    dev = DeviceKVPool.create(cfg, 64)
+    assert HostKVPool.for_device_pool(dev, page_size=4, ratio=2.0).size == 128
+    assert HostKVPool.for_device_pool(dev, page_size=4, ratio=0.3).size == 16  # rounded down to pages
+    h = HostKVPool.for_device_pool(dev, page_size=4, size_bytes=10 * cfg.bytes_per_token, ratio=2.0)
+    assert h.size == 8 and h.nbytes == 8 * cfg.bytes_per_token
+    with pytest.raises(ValueError):
+        HostKVPool.for_device_pool(dev, ratio=None)
+
+
+def test_too_large_is_a_typed_error_naming_both_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = KVCacheConfig.llama3_8b()
+    monkeypatch.setattr(host_pool_mod, "available_host_memory", lambda: 2**30)
+    with pytest.raises(HostMemoryError) as ei:
+        HostKVPool(cfg, 16384, 64)  # 2 GiB
+    assert ei.value.requested_bytes == 16384 * cfg.bytes_per_token
+    assert ei.value.available_bytes == 2**30
+    assert str(2**31) in str(ei.value) and str(2**30) in str(ei.value)
+
+
+def test_meminfo_is_read() -> None:
+    avail = host_pool_mod.available_host_memory()
+    assert avail is None or avail > 0
+
+
+def test_alloc_page_granular_never_partial() -> None:
+    h = HostKVPool(KVCacheConfig.tiny(), 16, 4)
+    x = h.alloc(12)
+    assert x is not None and x.dtype == torch.int64 and x.device.type == "cpu"
+    before = snap(h)
+    assert h.alloc(8) is None
+    assert snap(h) == before
+    with pytest.raises(ValueError):
+        h.alloc(2)
+    assert snap(h) == before
+
+
+def test_double_free_and_double_alloc_rejected_without_change() -> None:
+    h = HostKVPool(KVCacheConfig.tiny(), 16, 4)
+    x = h.alloc(8)
+    assert x is not None
+    h.free(x[:4])
+    for bad, exc in ((x[:4], DoubleFree), (torch.arange(12, 16), NeverAllocated), (x[4:6], PartialPage),
+                     (torch.cat([x[4:8], x[4:8]]), DuplicateIndex)):
+        before = snap(h)
+        with pytest.raises(exc):
+            h.free(bad)
+        assert snap(h) == before
+        h.check_conservation()
+    h.allocator._free_pages = torch.cat([x[4:5] // 4, h.allocator._free_pages])  # corrupt the free list
+    before = snap(h)
+    with pytest.raises(DoubleAlloc):
+        h.alloc(4)
+    assert snap(h) == before
+
+
+@pytest.mark.parametrize("src_layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("dst_layout", ["layer_first", "page_first"])
+def test_page_bytes_round_trip_across_layouts(config: KVCacheConfig, src_layout: str, dst_layout: str) -> None:
+    a = HostKVPool(config, 32, 4, src_layout)  # type: ignore[arg-type]
+    b = HostKVPool(config, 32, 4, dst_layout)  # type: ignore[arg-type]
+    fill_random(a.kv_buffer, 1)
+    xa, xb = a.alloc(12), b.alloc(12)
+    assert xa is not None and xb is not None
+    xa = xa.view(3, 4)[torch.tensor([2, 0, 1])].reshape(-1)  # pages in a scattered order
+    data = a.get_pages_bytes(xa)
+    assert data.dtype == torch.uint8 and data.shape == (3, a.page_nbytes)
+    assert a.page_nbytes == 4 * config.bytes_per_token
+    b.set_pages_bytes(xb, data)
+    assert torch.equal(bits(b.token_view()[:, :, xb]), bits(a.token_view()[:, :, xa]))
+    one = a.get_page_bytes(xa[:4])
+    assert torch.equal(one, data[0])
+    b.set_page_bytes(xb[4:8], one)
+    assert torch.equal(bits(b.token_view()[:, :, xb[4:8]]), bits(a.token_view()[:, :, xa[:4]]))
+
+
+def test_page_bytes_reject_partial_and_unallocated() -> None:
+    h = HostKVPool(KVCacheConfig.tiny(), 16, 4)
+    x = h.alloc(4)
+    assert x is not None
+    with pytest.raises(PartialPage):
+        h.get_pages_bytes(x[:3])
+    with pytest.raises(PartialPage):
+        h.get_pages_bytes(x.flip(0))
+    with pytest.raises(NotAllocated):
+        h.get_pages_bytes(torch.arange(8, 12))
+    with pytest.raises(ValueError):
+        h.set_pages_bytes(x, torch.zeros(3, dtype=torch.uint8))
