@@ -1,0 +1,290 @@
+"""Copy engines: bit-exact round trips into scattered slots, deferred completion, validation; GPU paths."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from kvfsm.dataplane import (
+    CopyEngine,
+    CopyError,
+    CpuCopyEngine,
+    DeferredCpuCopyEngine,
+    DeviceKVPool,
+    DuplicateIndex,
+    HAVE_TRITON,
+    HostKVPool,
+    KVCacheConfig,
+    NotAllocated,
+    OutOfRange,
+    ThreadCpuCopyEngine,
+    TokenSlotAllocator,
+)
+
+from .helpers import bits, fill_random, make_device_pool, make_host_pool
+
+CPU_ENGINES = {"cpu": CpuCopyEngine, "thread": ThreadCpuCopyEngine, "deferred": DeferredCpuCopyEngine}
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def scattered_host_slots(host: HostKVPool, n: int, seed: int = 0) -> torch.Tensor:
+    """n host slots made of whole pages taken in a shuffled order from a larger allocation."""
+    x = host.alloc(2 * n)
+    assert x is not None
+    pages = x.view(-1, host.page_size)
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(pages.shape[0], generator=g)[: n // host.page_size]
+    return pages[order].reshape(-1)
+
+
+def scattered_device_slots(pool: DeviceKVPool, n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randperm(pool.size - 1, generator=g)[:n] + 1).to(pool.device)
+
+
+def round_trip(engine: CopyEngine, config: KVCacheConfig, layout: str, page_size: int, device: str = "cpu") -> None:
+    dev = make_device_pool(config, 64, device, seed=3)
+    host = make_host_pool(config, 48, page_size, layout)
+    n = 4 * page_size if page_size > 1 else 12
+    di = scattered_device_slots(dev, n, 1)
+    hi = scattered_host_slots(host, n, 2)
+    h = engine.submit_d2h(dev, di, host, hi)
+    if isinstance(engine, DeferredCpuCopyEngine):
+        assert not h.done()
+    h.wait()
+    assert h.done() and h.direction == "d2h" and h.num_tokens == n and h.nbytes == n * config.bytes_per_token
+    assert torch.equal(bits(host.token_view()[:, :, hi]), bits(dev.storage[:, :, di].cpu()))
+
+    back = DeviceKVPool.create(config, 64, device)
+    dj = scattered_device_slots(back, n, 4)
+    engine.submit_h2d(host, hi, back, dj).wait()
+    assert torch.equal(bits(back.storage[:, :, dj]), bits(dev.storage[:, :, di]))
+    untouched = torch.ones(64, dtype=torch.bool, device=back.device)
+    untouched[dj] = False
+    assert not bool(back.storage[:, :, untouched].view(torch.uint8).any())  # nothing written elsewhere
+
+
+@pytest.mark.parametrize("engine_name", sorted(CPU_ENGINES))
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_cpu_engines_round_trip(engine_name: str, config: KVCacheConfig, layout: str, page_size: int) -> None:
+    engine = CPU_ENGINES[engine_name]()
+    round_trip(engine, config, layout, page_size)
+    if isinstance(engine, ThreadCpuCopyEngine):
+        engine.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_other_dtypes_round_trip(dtype: torch.dtype, layout: str) -> None:
+    round_trip(CpuCopyEngine(), KVCacheConfig.tiny("mha", dtype), layout, 4)
+    round_trip(CpuCopyEngine(), KVCacheConfig.tiny("mla", dtype), layout, 4)
+
+
+def test_deferred_copy_reads_the_source_at_completion_b2() -> None:
+    """Freeing and reusing a device slot before the copy completes corrupts the offloaded data."""
+    cfg = KVCacheConfig.tiny()
+    for premature in (True, False):
+        alloc = TokenSlotAllocator(12, page_size=4)  # two usable pages, so a freed page is reused at once
+        dev = make_device_pool(cfg, 12, seed=5)
+        host = make_host_pool(cfg, 8, 4)
+        eng = DeferredCpuCopyEngine()
+        slots = alloc.alloc(8)
+        hi = host.alloc(8)
+        assert slots is not None and hi is not None
+        expected = dev.storage[:, :, slots].clone()
+        handle = eng.submit_d2h(dev, slots, host, hi)
+        if not premature:
+            eng.complete(handle)
+        alloc.free(slots)
+        reused = alloc.alloc(8)
+        assert reused is not None and sorted(reused.tolist()) == sorted(slots.tolist())
+        fill_random(dev.storage, seed=6)  # the new owner writes its KV into the reused slots
+        eng.complete(handle)
+        same = torch.equal(bits(host.token_view()[:, :, hi]), bits(expected))
+        assert same is not premature
+
+
+def test_deferred_completion_in_any_order() -> None:
+    cfg = KVCacheConfig.tiny()
+    dev = make_device_pool(cfg, 64)
+    host = make_host_pool(cfg, 48, 4)
+    eng = DeferredCpuCopyEngine()
+    handles, expect = [], []
+    for i in range(3):
+        di = torch.arange(4 * i + 4, 4 * i + 8)
+        hi = host.alloc(4)
+        assert hi is not None
+        handles.append(eng.submit_d2h(dev, di, host, hi))
+        expect.append((hi, di))
+    assert [h.seq for h in eng.pending] == [h.seq for h in handles]
+    assert eng.complete(handles[2]) is True
+    assert eng.complete(handles[2]) is False  # already done: no second copy
+    assert [h.done() for h in handles] == [False, False, True]
+    assert eng.complete_next() is handles[0]
+    assert eng.complete_all() == 1 and eng.complete_next() is None
+    for hi, di in expect:
+        assert torch.equal(bits(host.token_view()[:, :, hi]), bits(dev.storage[:, :, di]))
+    other = DeferredCpuCopyEngine()
+    with pytest.raises(CopyError):
+        other.complete(eng.submit_d2h(dev, torch.arange(4, 8), host, expect[0][0]))
+
+
+def test_thread_engine_polls_without_blocking() -> None:
+    cfg = KVCacheConfig.tiny()
+    dev = make_device_pool(cfg, 64)
+    host = make_host_pool(cfg, 16, 4)
+    hi = host.alloc(8)
+    with ThreadCpuCopyEngine() as eng:
+        h = eng.submit_d2h(dev, torch.arange(8, 16), host, hi)
+        deadline = time.monotonic() + 10
+        while not h.done():
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        h.wait()
+    assert torch.equal(bits(host.token_view()[:, :, hi]), bits(dev.storage[:, :, 8:16]))
+
+
+@pytest.mark.parametrize("engine_name", sorted(CPU_ENGINES))
+def test_submit_validation(engine_name: str) -> None:
+    eng = CPU_ENGINES[engine_name]()
+    cfg = KVCacheConfig.tiny()
+    dev = make_device_pool(cfg, 64)
+    host = make_host_pool(cfg, 16, 4)
+    hi = host.alloc(4)
+    assert hi is not None
+    host_before = host.kv_buffer.clone()
+    with pytest.raises(CopyError):
+        eng.submit_d2h(dev, torch.arange(8, 11), host, hi)  # 3 vs 4
+    with pytest.raises(CopyError):
+        eng.submit_d2h(make_device_pool(KVCacheConfig.tiny("mla"), 64), torch.arange(8, 12), host, hi)
+    with pytest.raises(NotAllocated):
+        eng.submit_d2h(dev, torch.arange(8, 12), host, torch.arange(8, 12))
+    with pytest.raises(DuplicateIndex):
+        eng.submit_d2h(dev, torch.arange(8, 12), host, torch.tensor([hi[0], hi[0], hi[1], hi[2]]))
+    with pytest.raises(OutOfRange):
+        eng.submit_d2h(dev, torch.tensor([8, 9, 10, 64]), host, hi)
+    with pytest.raises(OutOfRange):
+        eng.submit_h2d(host, torch.tensor([0, 1, 2, 99]), dev, torch.arange(8, 12))
+    assert torch.equal(bits(host.kv_buffer), bits(host_before))
+    if isinstance(eng, DeferredCpuCopyEngine):
+        assert eng.pending == []
+    if isinstance(eng, ThreadCpuCopyEngine):
+        eng.close()
+
+
+# ---- Triton kernel (GPU, or the Triton interpreter on CPU when TRITON_INTERPRET=1) -------------------
+
+_interp = os.environ.get("TRITON_INTERPRET") == "1"
+KERNEL_CASES = pytest.mark.parametrize(
+    "dtype,attention,head_dim",
+    [(d, a, h) for d in (torch.bfloat16, torch.float16, torch.float32) for a in ("mha", "mla") for h in (8, 3)],
+)
+
+
+def triton_vs_torch(device: str, dtype: torch.dtype, attention: str, head_dim: int, layout: str) -> None:
+    from kvfsm.dataplane.copy_engine import torch_copy_rows
+    from kvfsm.dataplane.triton_kernels import KernelConfig, kv_rows_copy
+
+    mla = attention == "mla"
+    cfg = KVCacheConfig(num_layers=3, kv_heads=1 if mla else 2, head_dim=head_dim * 8 if mla else head_dim,
+                        attention=attention, dtype=dtype)  # type: ignore[arg-type]
+    for kcfg in (KernelConfig(), KernelConfig(tokens=1, num_warps=8, layer_fastest=True)):
+        dev = make_device_pool(cfg, 128, device, seed=7)
+        host_a, host_b = make_host_pool(cfg, 64, 4, layout), make_host_pool(cfg, 64, 4, layout)
+        fill_random(host_a.kv_buffer, 8)
+        host_b.kv_buffer.copy_(host_a.kv_buffer)
+        di = scattered_device_slots(dev, 20, 9)
+        hi = torch.randperm(64)[:20]
+        kv_rows_copy(dev.token_view(), di, host_a.token_view(), hi.to(device), kcfg)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        torch_copy_rows(dev.token_view(), di, host_b.token_view(), hi)
+        assert torch.equal(bits(host_a.kv_buffer), bits(host_b.kv_buffer))  # same rows, nothing else touched
+        back = DeviceKVPool.create(cfg, 128, device)
+        dj = scattered_device_slots(back, 20, 10)
+        kv_rows_copy(host_a.token_view(), hi.to(device), back.token_view(), dj, kcfg)
+        assert torch.equal(bits(back.storage[:, :, dj]), bits(dev.storage[:, :, di]))
+
+
+@gpu
+@needs_cuda
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed")
+@KERNEL_CASES
+def test_triton_kernel_matches_torch_path(dtype: torch.dtype, attention: str, head_dim: int, layout: str) -> None:
+    triton_vs_torch("cuda", dtype, attention, head_dim, layout)
+
+
+@pytest.mark.skipif(not (HAVE_TRITON and _interp), reason="needs triton and TRITON_INTERPRET=1")
+@KERNEL_CASES
+def test_triton_kernel_interpreted_matches_torch_path(dtype: torch.dtype, attention: str, head_dim: int, layout: str) -> None:
+    triton_vs_torch("cpu", dtype, attention, head_dim, layout)
+
+
+# ---- CUDA engine ----------------------------------------------------------------------------------
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_cuda_engine_round_trip(backend: str, config: KVCacheConfig, layout: str, page_size: int) -> None:
+    from kvfsm.dataplane import CudaCopyEngine
+
+    if backend == "triton" and not HAVE_TRITON:
+        pytest.skip("triton not installed")
+    round_trip(CudaCopyEngine(backend=backend), config, layout, page_size, "cuda")  # type: ignore[arg-type]
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_cuda_engine_orders_after_compute_and_never_blocks(backend: str) -> None:
+    from kvfsm.dataplane import CudaCopyEngine
+
+    if backend == "triton" and not HAVE_TRITON:
+        pytest.skip("triton not installed")
+    cfg = KVCacheConfig.llama3_8b()
+    dev = DeviceKVPool.create(cfg, 2048, "cuda")
+    host = HostKVPool(cfg, 1024, 16, "page_first")
+    eng = CudaCopyEngine(backend=backend)  # type: ignore[arg-type]
+    di = scattered_device_slots(dev, 512, 11)
+    hi = host.alloc(512)
+    assert hi is not None
+    fresh = fill_random(torch.empty_like(dev.storage[:, :, di]), 12)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of busy compute stream
+    dev.storage.index_copy_(2, di, fresh)  # the KV the offload must see, written after the sleep
+    t0 = time.perf_counter()
+    h = eng.submit_d2h(dev, di, host, hi)
+    first = h.done()
+    elapsed = time.perf_counter() - t0
+    assert first is False and elapsed < 0.05, elapsed
+    h.wait()
+    assert h.done()
+    assert torch.equal(bits(host.token_view()[:, :, hi]), bits(fresh.cpu()))
+    back = torch.empty_like(fresh)
+    h2 = eng.submit_h2d(host, hi, dev, di)
+    h2.wait_stream()
+    back.copy_(dev.storage[:, :, di])
+    torch.cuda.synchronize()
+    assert torch.equal(bits(back), bits(fresh))
+
+
+@gpu
+@needs_cuda
+def test_cuda_handle_keeps_indices_until_done() -> None:
+    from kvfsm.dataplane import CudaCopyEngine
+
+    cfg = KVCacheConfig.tiny()
+    dev = make_device_pool(cfg, 64, "cuda")
+    host = make_host_pool(cfg, 16, 4)
+    eng = CudaCopyEngine()
+    hi = host.alloc(8)
+    torch.cuda._sleep(50_000_000)
+    h = eng.submit_d2h(dev, torch.arange(8, 16, device="cuda"), host, hi)
+    assert h._keepalive is not None
+    h.wait()
+    assert h._keepalive is None and h.done()
