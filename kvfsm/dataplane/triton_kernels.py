@@ -116,8 +116,8 @@ def _as_rows(view5: torch.Tensor, word: torch.dtype) -> torch.Tensor:
     """`(P, L, S, H, D)` element view → `(P, L, S, row_words)` word view of the same memory."""
     if view5.stride(-1) != 1 or view5.stride(-2) != view5.shape[-1]:
         raise ValueError("token rows must be contiguous (heads x head_dim)")
-    w = view5.view(word) if word != view5.dtype else view5
-    return w.view(w.shape[0], w.shape[1], w.shape[2], -1)  # view, never a silent copy
+    rows = view5.view(view5.shape[0], view5.shape[1], view5.shape[2], -1)  # a view, never a silent copy
+    return rows.view(word) if word != rows.dtype else rows
 
 
 def kv_rows_copy(

@@ -53,6 +53,7 @@ class RequestRecord:
     last_hash: Optional[str] = None
     stored_pages: int = 0
     failed_backups: int = 0
+    end_lengths: Optional[tuple[int, int]] = None  # (committed, allocated) when the engine ended it
     machine: Optional[DecodeOffloadMachine] = None
 
     def __repr__(self) -> str:
@@ -160,8 +161,8 @@ class OffloadEffects:
         """Device slots of pages covering [0, ceil_page(committed)) plus the over-allocation
         [ceil_page(committed), allocated): every page the request holds, each once."""
         req, ps = rec.req, self.page_size
-        committed = req.kv_committed_len
-        allocated = max(req.kv_allocated_len, committed)
+        committed, allocated = rec.end_lengths or (req.kv_committed_len, req.kv_allocated_len)
+        allocated = max(allocated, committed)
         end_committed = -(-committed // ps) * ps
         positions = list(range(0, end_committed, ps)) + list(range(end_committed, allocated, ps))
         if not positions:

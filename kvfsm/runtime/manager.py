@@ -181,16 +181,31 @@ class DecodeOffloadManager:
             if req.req_pool_idx is None or req.req_pool_idx == -1:
                 return  # never admitted: nothing is held
             rec = self._admit(req)
-        elif rec.machine.state not in _ROW_HOLDERS and req.req_pool_idx not in (None, -1, rec.row):
+        elif self._readmitted(rec, req):
             rec = self._admit(req)  # re-admitted after a retract: a new lifecycle
+        if rec.machine.state in _OFFLOADABLE:
+            # Release may be deferred to the last copy ack, by when the engine may have re-admitted this
+            # object (new row, new lengths): free what the request held when it ended.
+            rec.end_lengths = (int(req.kv_committed_len), int(req.kv_allocated_len))
         getattr(rec.machine, event)(None)
 
     def _record(self, req: OffloadRequest) -> RequestRecord:
         rec = self._records.get(id(req))
-        if rec is not None and rec.req_ref() is req:
-            if rec.machine.state in _ROW_HOLDERS or req.req_pool_idx in (None, -1, rec.row):
-                return rec
+        if rec is not None and rec.req_ref() is req and not self._readmitted(rec, req):
+            return rec
         return self._admit(req)
+
+    def _readmitted(self, rec: RequestRecord, req: OffloadRequest) -> bool:
+        """Whether `req`, whose lifecycle `rec` has ended, was admitted again (it names a row it now holds)."""
+        row = req.req_pool_idx
+        if rec.machine.state in _OFFLOADABLE or row is None or row == -1:
+            return False
+        if row != rec.row:
+            return True
+        # Same row number: still held by the ended lifecycle (release deferred), or released and then
+        # handed out again by the engine (allocated again), unless the index is merely stale (row free).
+        return (rec.machine.state not in _ROW_HOLDERS and isinstance(row, int) and 0 <= row < self.req_to_token.rows
+                and self.req_to_token.is_allocated(row))
 
     def _admit(self, req: OffloadRequest) -> RequestRecord:
         row = req.req_pool_idx

@@ -17,9 +17,16 @@ from kvfsm.spec.compiled import CompiledSpec, Transition, build
 from kvfsm.spec.errors import SpecError, SpecInvalid
 
 
+MAX_VALUATIONS = 200_000
+
+
 def _box(spec: CompiledSpec) -> Iterator[dict[str, int]]:
     nodes = list(spec.guards.values()) + list(spec.state_invariants.values()) + [n for n, _ in spec.invariants.values()]
     bound = max([3] + [v + 2 for n in nodes for v in ex.literals(n)])
+    if (bound + 1) ** len(spec.counters) > MAX_VALUATIONS:
+        raise SpecInvalid([spec.lines.error(("counters",), "counters",
+                                            f"guards need counter values up to {bound} over {len(spec.counters)} counters; "
+                                            f"more than {MAX_VALUATIONS} valuations to check (use smaller literals)")])
     for values in itertools.product(range(bound + 1), repeat=len(spec.counters)):
         yield dict(zip(spec.counters, values))
 
@@ -70,8 +77,8 @@ def check_structure(spec: CompiledSpec) -> list[SpecError]:
             handled = bool(spec.handlers(s, e))
             outcome = spec.outcomes.get((s, e))
             if handled and outcome is not None:
-                errors.append(lines.error((("ignore" if outcome.kind == "ignore" else "errors"),), f"({s}, {e})",
-                                          f"has transitions and is also declared {outcome.kind} at line {outcome.line}"))
+                errors.append(SpecError(spec.path, outcome.line, f"({s}, {e})",
+                                        f"has transitions and is also declared {outcome.kind} here"))
             elif not handled and outcome is None:
                 errors.append(lines.error(("states", s), f"({s}, {e})",
                                           f"not total: event {e!r} in state {s!r} has no transition and is neither "

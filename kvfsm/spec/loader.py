@@ -73,7 +73,8 @@ def load_yaml(path: str | Path) -> tuple[Any, LineMap, bytes]:
         text = raw.decode("utf-8")
         node = yaml.compose(text, Loader=yaml.SafeLoader)
     except UnicodeDecodeError as exc:
-        raise SpecInvalid([SpecError(str(path), 1, "<file>", f"not UTF-8: {exc.reason}")]) from None
+        line = raw[: exc.start].count(b"\n") + 1
+        raise SpecInvalid([SpecError(str(path), line, "<file>", f"not UTF-8: {exc.reason}")]) from None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line = mark.line + 1 if mark else 1

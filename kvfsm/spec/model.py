@@ -6,11 +6,18 @@ structural properties (reachability, determinism, totality, resource conservatio
 
 from __future__ import annotations
 
+import keyword
 from typing import Annotated, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
-Name = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_]*$", max_length=64)]
+def _not_keyword(name: str) -> str:
+    if keyword.iskeyword(name) or keyword.issoftkeyword(name) or name in ("same", "true", "false", "not", "and", "or"):
+        raise ValueError(f"{name!r} is reserved (a Python or spec keyword) and cannot name an element")
+    return name
+
+
+Name = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_]*$", max_length=64), AfterValidator(_not_keyword)]
 MachineName = Annotated[str, StringConstraints(pattern=r"^[A-Z][A-Za-z0-9]*$", max_length=64)]
 Doc = Annotated[str, StringConstraints(min_length=1, max_length=400, pattern=r"^[^\n]+$")]
 Names = Union[Name, list[Name]]
@@ -68,7 +75,7 @@ class TransitionRule(_Strict):
     src: list[Name] = Field(alias="from", min_length=1)
     on: list[Name] = Field(min_length=1)
     guard: Optional[Name] = None
-    to: Name  # a state name, or 'same' for a self-loop on each source state
+    to: Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_]*$", max_length=64)]  # a state, or 'same': a self-loop
     actions: list[Name] = []
     update: dict[Name, Literal[1, -1]] = {}
     doc: Optional[Doc] = None
@@ -90,7 +97,7 @@ class Invariant(_Strict):
     name: Name
     doc: Doc
     expr: str = Field(min_length=1)
-    states: Optional[list[Name]] = None
+    states: Optional[list[Name]] = Field(None, min_length=1)
 
 
 class SpecModel(_Strict):
@@ -107,3 +114,12 @@ class SpecModel(_Strict):
     ignore: list[OutcomeRule] = []
     errors: list[OutcomeRule] = []
     invariants: list[Invariant] = []
+
+    @field_validator("invariants")
+    @classmethod
+    def _unique_invariants(cls, value: list[Invariant]) -> list[Invariant]:
+        names = [i.name for i in value]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"duplicate invariant name(s): {', '.join(dup)}")
+        return value

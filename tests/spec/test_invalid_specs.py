@@ -23,15 +23,6 @@ MINIMAL = SPECS / "valid" / "minimal.yaml"
 SHIPPED = ROOT / "spec" / "decode_offload.yaml"
 HEADER = re.compile(r"^# expect: (\d+) (.+)$")
 
-# Checker bugs found while writing this suite: the error is raised, but on an imprecise line. The header
-# names the line an author needs; these stay strict xfails until kvfsm/spec is fixed.
-KNOWN_LINE_BUGS = {
-    "handled_and_ignored.yaml": "checks.py check_structure reports a (state, event) both handled and "
-                                "ignored/errored at the `ignore:`/`errors:` section line, not at the rule's line",
-    "not_utf8.yaml": "loader.py load_yaml reports a non-UTF-8 byte at line 1, not at the line holding it",
-}
-
-
 def expectation(path: Path) -> tuple[int, str]:
     """The (line, substring) of a spec's `# expect:` header; read as bytes so non-UTF-8 files work too."""
     first = path.read_bytes().split(b"\n", 1)[0].decode("utf-8")
@@ -50,8 +41,7 @@ def errors_of(path: Path) -> list:
 
 def _params():
     for p in INVALID:
-        marks = [pytest.mark.xfail(strict=True, reason=KNOWN_LINE_BUGS[p.name])] if p.name in KNOWN_LINE_BUGS else []
-        yield pytest.param(p, id=p.stem, marks=marks)
+        yield pytest.param(p, id=p.stem)
 
 
 @pytest.mark.parametrize("path", list(_params()))
@@ -108,7 +98,7 @@ def test_cli_validate_accepts_minimal() -> None:
     assert "ok:" in result.stdout and result.stderr == ""
 
 
-# --- gaps in the checker: specs it should reject but accepts (strict xfail until fixed) ---------------
+# --- specs the checker once accepted by mistake: now each must be rejected ------------------------
 
 def _minimal_with(tmp_path: Path, old: str, new: str) -> Path:
     text = MINIMAL.read_text()
@@ -132,13 +122,10 @@ GAPS = {
 
 
 @pytest.mark.parametrize("case", sorted(GAPS))
-def test_known_checker_gaps(case: str, tmp_path: Path) -> None:
+def test_former_checker_gaps_are_rejected(case: str, tmp_path: Path) -> None:
     old, new, reason = GAPS[case]
     path = _minimal_with(tmp_path, old, new)
     if case == "python_keyword_event":
         path.write_text(path.read_text().replace("on: stop", "on: import").replace("on: [stop]", "on: [import]"))
-    try:
+    with pytest.raises(SpecInvalid):
         load_spec(path)
-    except SpecInvalid:
-        return
-    pytest.xfail(reason)

@@ -1,0 +1,219 @@
+"""B14 with real processes: TP ranks whose copies and backups finish at different times still apply the
+same frees and storage writes, in the same scheduler iterations, thanks to the MIN all-reduce.
+
+Each rank (a spawned process, torch.distributed over gloo on CPU) runs the same workload with the same
+seed over its own SimEngine pools; only the completion timing differs: before every progress check rank
+r completes a random, rank-seeded subset of its pending copies and backups (in any order). Every device
+free, host free and storage write is logged as (iteration, kind, data); the logs are gathered to rank 0
+and written per rank as JSON. With ProgressConsensus the logs are identical; with `agree` replaced by the
+identity (the control) they differ, so the test can fail.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from kvfsm.dataplane.storage import FaultyStorage
+from kvfsm.runtime import DecodeOffloadManager
+from kvfsm.runtime.tp import ProgressConsensus
+from kvfsm.verify.engine import SimEngine
+
+SEED = 20240611
+STEPS = 160
+TIMEOUT_S = 60.0
+
+
+def _fails(key: str) -> bool:
+    """About one page in twelve fails to store: chosen by key, so the same on every rank."""
+    return int(key[:2], 16) < 22
+
+
+class TPSimEngine(SimEngine):
+    """SimEngine whose manager joins the TP group (copy engine and backup worker passed explicitly)."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.manager.close()
+        self.storage = FaultyStorage(self.store, fail_writes=_fails)
+        self.manager = DecodeOffloadManager(
+            self.config, device_pool=self.device_pool, allocator=self.allocator, req_to_token=self.req_to_token,
+            prefix_cache=self.protected, host_pool=self.host_pool, copy_engine=self.copies, storage=self.storage,
+            backup_worker=self.worker, tp_group=dist.group.WORLD, tp_rank=self.tp_rank, tp_size=self.tp_size)
+
+
+def _instrument(engine: SimEngine, log: list[list[Any]], clock: list[int]) -> None:
+    """Log (iteration, kind, data) for every device free, host free and storage write."""
+    alloc_free, host_free, store_set = engine.allocator.free, engine.host_pool.free, engine.storage.batch_set
+
+    def dev_free(indices: Any) -> None:
+        log.append([clock[0], "device_free", sorted(int(i) for i in torch.as_tensor(indices).reshape(-1).tolist())])
+        alloc_free(indices)
+
+    def h_free(indices: Any) -> None:
+        log.append([clock[0], "host_free", [int(i) for i in torch.as_tensor(indices).reshape(-1).tolist()]])
+        host_free(indices)
+
+    def batch_set(keys: Any, pages: Any) -> list[bool]:
+        digests = [hashlib.sha256(p.contiguous().numpy().tobytes()).hexdigest()[:16] for p in pages]
+        ok = store_set(keys, pages)
+        log.append([clock[0], "storage_write", list(keys), digests, [bool(x) for x in ok]])
+        return ok
+
+    engine.allocator.free = dev_free  # type: ignore[method-assign]
+    engine.host_pool.free = h_free  # type: ignore[method-assign]
+    engine.storage.batch_set = batch_set  # type: ignore[method-assign]
+
+
+def _complete_some(engine: SimEngine, rng: random.Random, p: float) -> None:
+    """This rank's timing: a random subset of pending copies and backups completes, in random order."""
+    pending = [h for h in engine.copies.pending if rng.random() < p]
+    rng.shuffle(pending)
+    for h in pending:
+        engine.copies.complete(h)
+    while engine.worker.pending and rng.random() < p:
+        engine.worker.run(rng.randrange(len(engine.worker.pending)))
+
+
+def _all(flag: bool) -> bool:
+    t = torch.tensor([int(flag)], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+def _workload(engine: TPSimEngine, rank: int, clock: list[int]) -> None:
+    work = random.Random(SEED)  # the same on every rank: what the scheduler does
+    timing = random.Random(SEED * 31 + 7919 * (rank + 1))  # this rank's copy stream and backup thread
+    m = engine.manager
+    retracted: list[Any] = []
+    n = 0
+    for step in range(STEPS):
+        clock[0] = step
+        if work.random() < 0.35 and len(engine.live) < engine.rows:
+            if retracted and work.random() < 0.5:
+                engine.admit("", 0, req=retracted.pop(0))
+            else:
+                n += 1
+                engine.admit(f"r{n}", work.randrange(1, 12), prefix_len=work.randrange(0, 3))
+        for req in list(engine.live):
+            roll = work.random()
+            spec = work.choice((0, 0, 0, 1, 3))
+            if roll < 0.04:
+                engine.end(req, work.choice(("finish", "abort")))
+                continue
+            if not engine.decode(req, speculative=spec):
+                engine.end(req, "finish")
+                continue
+            if work.random() < 0.8:
+                m.offload(req)
+        for req in [r for r in engine.live if work.random() < 0.03]:
+            engine.end(req, "retract")
+            retracted.append(req)
+        _complete_some(engine, timing, 0.5)
+        m.check_progress()
+    clock[0] = STEPS
+    for req in list(engine.live):
+        engine.end(req, "finish")
+    for _ in range(10_000):  # drain in lock step: every rank calls check_progress equally often
+        if _all(m.idle()):
+            break
+        clock[0] += 1
+        _complete_some(engine, timing, 0.7)
+        m.check_progress()
+    else:
+        raise RuntimeError(f"rank {rank} did not drain: {len(m.fx.copy_fifo)} copies, {len(m.fx.parked)} parked, "
+                           f"{m.fx.worker.outstanding()} backups outstanding ({len(engine.worker.pending)} not run), "
+                           f"live machines {[r.machine for r in m.live_records()]}")
+
+
+def _worker(rank: int, world: int, init: str, out_dir: str, consensus: bool) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    try:
+        with pytest.MonkeyPatch.context() as mpatch:
+            if not consensus:
+                mpatch.setattr(ProgressConsensus, "agree", lambda self, *counts: counts)
+            clock = [0]
+            log: list[list[Any]] = []
+            TPSimEngine.tp_rank, TPSimEngine.tp_size = rank, world
+            engine = TPSimEngine(page_size=2, stride=4, device_slots=256, host_slots=24, rows=6, max_context=64,
+                                 backup_queue=2, checked=True)
+            assert engine.manager.consensus.world == world
+            _instrument(engine, log, clock)
+            _workload(engine, rank, clock)
+            engine.check_teardown()
+            summary = {"rank": rank, "log": log, "metrics": engine.manager.metrics.as_dict()}
+            Path(out_dir, f"rank{rank}.json").write_text(json.dumps(summary))
+            gathered: list[Any] | None = [None] * world if rank == 0 else None
+            dist.gather_object(summary, gathered, dst=0)
+            if rank == 0:
+                Path(out_dir, "gathered.json").write_text(json.dumps(gathered))
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(world: int, tmp_path: Path, consensus: bool) -> list[dict[str, Any]]:
+    out = tmp_path / ("consensus" if consensus else "control")
+    out.mkdir()
+    init = f"file://{tmp_path / (out.name + '.store')}"
+    ctx = mp.spawn(_worker, args=(world, init, str(out), consensus), nprocs=world, join=False)
+    deadline = time.monotonic() + 2 * TIMEOUT_S
+    try:
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{world} ranks did not finish in {2 * TIMEOUT_S} s")
+    finally:
+        for p in ctx.processes:  # only the processes this test started
+            if p.is_alive():
+                p.kill()
+                p.join()
+    per_rank = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    gathered = json.loads((out / "gathered.json").read_text())
+    assert [g["rank"] for g in gathered] == list(range(world))
+    assert gathered == per_rank
+    return per_rank
+
+
+def _first_difference(a: list[Any], b: list[Any]) -> str:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return f"entry {i}: {x} != {y}"
+    return f"lengths {len(a)} != {len(b)}"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_apply_identical_frees_and_writes(world: int, tmp_path: Path) -> None:
+    ranks = _run(world, tmp_path, consensus=True)
+    log0 = ranks[0]["log"]
+    kinds = {e[1] for e in log0}
+    assert kinds == {"device_free", "host_free", "storage_write"}, kinds
+    assert len(log0) > 100
+    m0 = ranks[0]["metrics"]
+    # the workload reaches back-pressure, host-full retries and failed backups
+    assert m0["parked_chunks"] > 0 and m0["host_full_retries"] > 0 and m0["backup_failures"] > 0, m0
+    for r in ranks[1:]:
+        assert r["log"] == log0, f"rank {r['rank']} diverged from rank 0 at {_first_difference(r['log'], log0)}"
+        assert r["metrics"] == m0
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_control_without_consensus_diverges(world: int, tmp_path: Path) -> None:
+    ranks = _run(world, tmp_path, consensus=False)
+    logs = [r["log"] for r in ranks]
+    assert any(log != logs[0] for log in logs[1:]), "ranks agreed without consensus: the test could not fail"

@@ -1,0 +1,492 @@
+"""Stateful fuzzing of the real DecodeOffloadManager over SimEngine (issue 5, part 1).
+
+A hypothesis RuleBasedStateMachine drives many concurrent requests through a small engine (real CPU pools,
+a DeferredCpuCopyEngine whose copies land only when a rule completes them, in any order, and a
+SteppedBackupWorker whose backups run only when a rule runs them, in any order), in checked mode:
+admit (also re-using released rids), decode (with speculative over-allocation), whole scheduler steps,
+offload, copy completion, backup runs (with injected storage write failures), progress checks, finish /
+abort / retract, re-admission of a retracted request object, and duplicate end calls.
+
+After every step the invariants below are checked against the pools themselves (not the manager's view);
+at teardown every request is ended, everything drained, the pools must be full and every page in storage
+is read back and compared with the KV of the request that wrote it.
+
+Step budget: the `ci` profile runs >= 100,000 rule steps in total, `deep` (KVFSM_FUZZ=deep) >= 1,000,000;
+`test_zz_step_budget` asserts the count at the end of the module.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import time
+from typing import Any, Optional
+
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import generated.decode_offload as gen
+from kvfsm.dataplane import page_hashes
+from kvfsm.verify.engine import SimEngine, SimRequest, kv_value
+
+DEEP = os.environ.get("KVFSM_FUZZ", "ci") == "deep"
+
+# Rule steps per bucket ("main" is the fuzz test below; the mutant tests use their own bucket), and
+# where the first failure of a bucket happened: the mutant report reads these.
+STEPS: dict[str, int] = {}
+FIRST_FAILURE: dict[str, dict[str, Any]] = {}
+TIMES: dict[str, float] = {}
+
+LIVE_STATES = frozenset((gen.ALLOCATED, gen.OFFLOADING, gen.INFLIGHT))
+_prompt_ids = itertools.count(1)
+RIDS = [f"r{i}" for i in range(6)]
+
+
+class InvariantViolation(AssertionError):
+    """An invariant of the stateful suite failed; `name` says which."""
+
+    def __init__(self, name: str, detail: str) -> None:
+        self.name = name
+        super().__init__(f"invariant {name}: {detail}")
+
+
+def check(cond: bool, name: str, detail: Any = "") -> None:
+    if not cond:
+        raise InvariantViolation(name, detail() if callable(detail) else str(detail))
+
+
+def _step(fn):
+    """Count a rule step; remember the first failing step of the run (bucket-wide) for the mutant report."""
+
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        STEPS[self.bucket] = STEPS.get(self.bucket, 0) + 1
+        self.steps += 1
+        self._ok = False
+        try:
+            result = fn(self, *args, **kwargs)
+        except BaseException as exc:
+            self._note_failure(fn.__name__, exc)
+            raise
+        self._ok = True
+        return result
+
+    return wrapper
+
+
+def _inv(fn):
+    @functools.wraps(fn)
+    def wrapper(self):
+        if self.e is None:
+            return None
+        self._ok = False
+        try:
+            fn(self)
+        except BaseException as exc:
+            self._note_failure(fn.__name__, exc)
+            raise
+        self._ok = True
+
+    return wrapper
+
+
+def page_values(page: torch.Tensor, kv: Any, page_size: int) -> torch.Tensor:
+    """Canonical storage bytes of one page -> the (page_size,) per-token values (checking all planes agree)."""
+    x = page.contiguous().view(kv.dtype).view(kv.num_planes, kv.num_layers, page_size, -1)
+    first = x[0, 0, :, 0]
+    if not bool((x == first.view(1, 1, -1, 1)).all()):
+        return torch.full((page_size,), float("nan"))
+    return first
+
+
+class ManagerMachine(RuleBasedStateMachine):
+    bucket = "main"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.e: Optional[SimEngine] = None
+        self.steps = 0
+        self._ok = True
+        self.retracted: list[SimRequest] = []  # retracted, waiting for re-admission (same object)
+        self.ended: list[SimRequest] = []  # finished or aborted (for duplicate end calls and rid reuse)
+        self.keymap: dict[str, SimRequest] = {}  # record key -> request object
+        self.end_alloc: dict[tuple[int, int], tuple[int, int]] = {}  # (serial, row) -> (allocated, prefix) at end
+        self.next_start: dict[int, int] = {}  # id(record) -> where its next chunk must start
+        self.records: dict[int, Any] = {}  # id(record) -> record (kept alive so ids stay unique)
+        self.seen_chunk = 0  # highest chunk serial already checked
+        self.shadow: dict[str, tuple[int, int]] = {}  # storage key -> (writer serial, position) of the stored page
+        self.checked_store: set[str] = set()
+        self.checked_stored: dict[str, tuple[str, int]] = {}
+
+    # --- failure bookkeeping (mutant report) ----------------------------------------------------------
+    def _note_failure(self, where: str, exc: BaseException) -> None:
+        if self.bucket in FIRST_FAILURE:
+            return
+        FIRST_FAILURE[self.bucket] = {"where": where, "exc": f"{type(exc).__name__}: {exc}"[:300],
+                                      "steps_total": STEPS.get(self.bucket, 0), "steps_example": self.steps}
+
+    # --- set-up --------------------------------------------------------------------------------------
+    @initialize(page_size=st.sampled_from([2, 2, 4]), stride_pages=st.sampled_from([1, 1, 2]),
+                device_pages=st.integers(12, 20), host_pages=st.integers(4, 6), rows=st.integers(3, 4),
+                backup_queue=st.integers(1, 2))
+    def setup(self, page_size: int, stride_pages: int, device_pages: int, host_pages: int, rows: int,
+              backup_queue: int) -> None:
+        # page_size 2: 24-40 device slots, 8-12 host slots; page_size 4 keeps the same page counts.
+        self.e = SimEngine(page_size=page_size, stride=stride_pages * page_size, device_slots=device_pages * page_size,
+                           host_slots=host_pages * page_size, rows=rows, max_context=48, backup_queue=backup_queue,
+                           checked=True)
+        self.ps = page_size
+
+    # --- helpers ------------------------------------------------------------------------------------
+    def _pick(self, items: list, i: int):
+        return items[i % len(items)]
+
+    def _new_request(self, rid: str, prompt_len: int, prefix_len: int) -> SimRequest:
+        # The first token is unique, so every request's page-hash chain is its own.
+        prompt = [100_000 + next(_prompt_ids)] + [1000 + i for i in range(prompt_len - 1)]
+        return SimRequest(rid, prompt, min(prefix_len, prompt_len))
+
+    def _admit(self, rid: str, prompt_len: int, prefix_len: int) -> None:
+        req = self._new_request(rid, prompt_len, prefix_len)
+        self.e.admit(rid, prompt_len, prefix_len, req=req)
+
+    def _end(self, req: SimRequest, how: str) -> None:
+        self.end_alloc[(req.serial, req.req_pool_idx)] = (max(req.kv_allocated_len, req.kv_committed_len),
+                                                          req.prefix_len)
+        self.e.end(req, how)
+        if how == "retract":
+            self.retracted.append(req)
+        else:
+            self.ended.append(req)
+            del self.ended[:-8]
+
+    def _run_backup(self, i: int, fail: int) -> None:
+        job = self.e.worker.pending[i]
+        chunk = job.payload
+        if fail == 1:
+            self.e.fail_writes.update(chunk.hashes)
+        elif fail == 2:
+            self.e.fail_writes.add(chunk.hashes[-1])
+        writer = chunk.record.req_ref().serial
+        self.e.worker.run(i)
+        for j, h in enumerate(chunk.hashes):
+            if h in self.e.store.pages and h not in self.shadow:
+                self.shadow[h] = (writer, chunk.start + j * self.ps)
+
+    # --- rules --------------------------------------------------------------------------------------
+    @rule(rid=st.sampled_from(RIDS), prompt_len=st.integers(1, 12), prefix_len=st.integers(0, 4))
+    @_step
+    def admit(self, rid: str, prompt_len: int, prefix_len: int) -> None:
+        self._admit(rid, prompt_len, prefix_len)
+
+    @precondition(lambda self: self.e is not None and self.ended)
+    @rule(i=st.integers(0, 7), prompt_len=st.integers(1, 12))
+    @_step
+    def admit_reused_rid(self, i: int, prompt_len: int) -> None:
+        """A new request object with the rid of a released one (B6)."""
+        self._admit(self._pick(self.ended, i).rid, prompt_len, i % 3)
+
+    @precondition(lambda self: self.e is not None and self.e.live)
+    @rule(i=st.integers(0, 7), n=st.integers(1, 4), speculative=st.integers(0, 3))
+    @_step
+    def decode(self, i: int, n: int, speculative: int) -> None:
+        req = self._pick(self.e.live, i)
+        for _ in range(n):
+            if not self.e.decode(req, speculative):
+                break
+
+    @precondition(lambda self: self.e is not None and self.e.live)
+    @rule(speculative=st.integers(0, 2), offload=st.booleans(), progress=st.booleans())
+    @_step
+    def scheduler_step(self, speculative: int, offload: bool, progress: bool) -> None:
+        """One engine iteration: every live request decodes, then is offloaded, then progress is checked."""
+        for req in list(self.e.live):
+            self.e.decode(req, speculative)
+        if offload:
+            for req in list(self.e.live):
+                self.e.manager.offload(req)
+        if progress:
+            self.e.manager.check_progress()
+
+    @precondition(lambda self: self.e is not None and self.e.live)
+    @rule(i=st.integers(0, 7))
+    @_step
+    def offload(self, i: int) -> None:
+        self.e.manager.offload(self._pick(self.e.live, i))
+
+    @precondition(lambda self: self.e is not None and self.e.copies.pending)
+    @rule(i=st.integers(0, 7), n=st.integers(1, 3))
+    @_step
+    def complete_copies(self, i: int, n: int) -> None:
+        """Complete n pending copies starting at a random one (so completion order is not FIFO)."""
+        for _ in range(n):
+            pending = self.e.copies.pending
+            if not pending:
+                break
+            self.e.copies.complete(self._pick(pending, i))
+
+    @precondition(lambda self: self.e is not None and self.e.worker.pending)
+    @rule(i=st.integers(0, 7), fail=st.sampled_from([0, 0, 0, 1, 2]))
+    @_step
+    def run_backup(self, i: int, fail: int) -> None:
+        """Run a random queued backup; fail=1 fails every page's write, fail=2 only its last page's."""
+        self._run_backup(i % len(self.e.worker.pending), fail)
+
+    @precondition(lambda self: self.e is not None)
+    @rule()
+    @_step
+    def progress(self) -> None:
+        self.e.manager.check_progress()
+
+    @precondition(lambda self: self.e is not None and self.e.live)
+    @rule(i=st.integers(0, 7), how=st.sampled_from(["finish", "finish", "abort", "retract"]))
+    @_step
+    def end(self, i: int, how: str) -> None:
+        self._end(self._pick(self.e.live, i), how)
+
+    @precondition(lambda self: self.e is not None and self.retracted)
+    @rule(i=st.integers(0, 7))
+    @_step
+    def readmit(self, i: int) -> None:
+        """Re-admit a retracted request object (same object, same rid: a new lifecycle)."""
+        req = self._pick(self.retracted, i)
+        if self.e.admit(req.rid, 0, req=req) is not None:
+            self.retracted.remove(req)
+
+    @precondition(lambda self: self.e is not None and (self.ended or self.retracted))
+    @rule(i=st.integers(0, 7), how=st.sampled_from(["finish", "abort", "retract"]))
+    @_step
+    def duplicate_end(self, i: int, how: str) -> None:
+        """finalize/abort/retract of a request that already ended: a declared no-op that frees nothing (B9)."""
+        pool = self.ended + self.retracted
+        req = self._pick(pool, i)
+        if req in self.retracted and how != "retract":
+            # A retracted request aborted while queued: it is never re-admitted.
+            self.retracted.remove(req)
+            self.ended.append(req)
+        e = self.e
+        before = (e.allocator.free_slots, e.host_pool.free_slots, e.req_to_token.free_rows, e.protected.size,
+                  e.manager.metrics.releases)
+        rec = e.manager._records.get(id(req))
+        state = rec.machine.state if rec is not None else None
+        {"finish": e.manager.finalize, "abort": e.manager.abort, "retract": e.manager.retract}[how](req)
+        after = (e.allocator.free_slots, e.host_pool.free_slots, e.req_to_token.free_rows, e.protected.size,
+                 e.manager.metrics.releases)
+        check(before == after, "duplicate_end_is_noop", lambda: f"{how} of ended {req!r}: {before} -> {after}")
+        if rec is not None:
+            check(rec.machine.state == state, "duplicate_end_is_noop", f"state {state} -> {rec.machine}")
+
+    # --- invariants ---------------------------------------------------------------------------------
+    def _chunks(self) -> tuple[list, list, list]:
+        fx = self.e.manager.fx
+        worker = self.e.worker
+        backups = [j.payload for j in worker.pending] + [j.payload for j in worker._done]
+        return list(fx.copy_fifo), list(fx.parked), backups
+
+    @invariant()
+    @_inv
+    def pools_conserved(self) -> None:
+        e = self.e
+        e.allocator.check_conservation()
+        e.host_pool.check_conservation()
+        e.req_to_token.check_conservation()
+
+    @invariant()
+    @_inv
+    def ownership(self) -> None:
+        """Live and deferred-release lifecycles own exactly the allocated device pages, rows and protected size."""
+        e, ps = self.e, self.ps
+        copies, parked, backups = self._chunks()
+        table = e.req_to_token.req_to_token
+        # Holders of device slots: the engine's live requests, and lifecycles whose release waits for a copy.
+        holders: list[tuple[str, int, int, int]] = [(repr(r), r.req_pool_idx, max(r.kv_allocated_len, r.kv_committed_len),
+                                                     r.prefix_len) for r in e.live]
+        deferred = {}
+        for c in copies:
+            rec = c.record
+            if rec.machine.state == gen.FINISHED and id(rec) not in deferred:
+                req = rec.req_ref()
+                alloc, prefix = self.end_alloc.get((req.serial, rec.row), (None, rec.prefix_len))
+                check(alloc is not None, "deferred_release_known", f"{rec.key} is finished but was never ended")
+                deferred[id(rec)] = (rec.key, rec.row, alloc, prefix)
+        holders += deferred.values()
+        pages: list[int] = []
+        for name, row, alloc, _ in holders:
+            check(row is not None and e.req_to_token.is_allocated(row), "holder_has_row", f"{name} row {row}")
+            n = -(-alloc // ps)
+            pages += [s // ps for s in table[row, 0:n * ps:ps].tolist()]
+        check(len(set(pages)) == len(pages), "no_shared_device_page",
+              lambda: f"holders {holders} share pages {sorted(p for p in set(pages) if pages.count(p) > 1)}")
+        if pages:
+            mask = e.allocator._allocated[torch.tensor(pages, dtype=torch.int64)]
+            check(bool(mask.all()), "live_slot_not_free",
+                  lambda: f"free pages {[p for p, m in zip(pages, mask.tolist()) if not m]} of holders {holders}")
+        check(e.allocator.capacity - e.allocator.free_slots == len(pages) * ps, "device_accounting",
+              lambda: f"allocated {e.allocator.capacity - e.allocator.free_slots} slots, holders own {len(pages) * ps}")
+        check(e.req_to_token.rows - e.req_to_token.free_rows == len(holders), "row_accounting",
+              lambda: f"{e.req_to_token.rows - e.req_to_token.free_rows} rows allocated, {len(holders)} holders")
+        protected = sum(h[3] for h in holders)
+        check(e.protected.size == protected, "protected_accounting", f"protected {e.protected.size} != {protected}")
+        # Host slots: exactly the chunks between their copy and their backup's collection.
+        host: list[int] = []
+        for c in itertools.chain(copies, parked, backups):
+            host += c.host_indices.tolist()
+        check(len(set(host)) == len(host), "no_shared_host_slot", "two chunks hold one host slot")
+        check(e.host_pool.capacity - e.host_pool.free_slots == len(host), "host_accounting",
+              lambda: f"host allocated {e.host_pool.capacity - e.host_pool.free_slots}, chunks hold {len(host)}")
+        if e.manager.ledger is not None:
+            check(e.manager.ledger.host_pages() * ps == len(host), "ledger_host_pages",
+                  f"ledger {e.manager.ledger.host_pages()} pages, chunks {len(host) // ps}")
+
+    @invariant()
+    @_inv
+    def machines(self) -> None:
+        """Counters never negative and equal to the chunks each lifecycle really has in flight."""
+        e = self.e
+        copies, parked, backups = self._chunks()
+        recs = {id(r): r for r in e.manager._records.values()}
+        count: dict[int, list[int]] = {}
+        for k, chunks in enumerate((copies, parked, backups)):
+            for c in chunks:
+                recs[id(c.record)] = c.record
+                count.setdefault(id(c.record), [0, 0, 0])[k] += 1
+        for key, rec in recs.items():
+            m = rec.machine
+            check(m.copies >= 0 and m.parked >= 0 and m.backups >= 0, "counters_non_negative", repr(m))
+            check([m.copies, m.parked, m.backups] == count.get(key, [0, 0, 0]), "counters_match_chunks",
+                  lambda: f"{m!r} but chunks in flight {count.get(key, [0, 0, 0])}")
+            check(not gen.violated_invariants(m), "spec_invariants", repr(m))
+            req = rec.req_ref()
+            if req is not None:
+                self.keymap.setdefault(rec.key, req)
+                self.records[id(rec)] = rec
+                if req in e.live and req.req_pool_idx == rec.row:
+                    check(m.state in LIVE_STATES, "live_request_live_machine", f"{req!r} live, machine {m!r}")
+
+    @invariant()
+    @_inv
+    def chunks(self) -> None:
+        """New chunks are contiguous and read the request's own slots; completed copies hold the writer's KV."""
+        e, ps = self.e, self.ps
+        copies, parked, backups = self._chunks()
+        for c in copies:
+            if c.serial <= self.seen_chunk:
+                continue
+            self.seen_chunk = c.serial
+            rec = c.record
+            self.records[id(rec)] = rec
+            start = self.next_start.get(id(rec), rec.prefill_len)
+            check(c.start == start and c.end > c.start and (c.end - c.start) % ps == 0, "offload_contiguous",
+                  f"{rec.key} chunk [{c.start}, {c.end}) but the next chunk starts at {start}")
+            self.next_start[id(rec)] = c.end
+            check(rec.prefill_len + rec.inc_len == c.end, "offload_progress",
+                  f"{rec.key} inc_len {rec.inc_len} + prefill {rec.prefill_len} != chunk end {c.end}")
+            req = rec.req_ref()
+            tokens = list(req.origin_input_ids) + list(req.output_ids)
+            check(c.tokens == tokens[c.start:c.end], "chunk_tokens", f"{rec.key} [{c.start}, {c.end})")
+            check(c.end <= req.kv_committed_len, "chunk_committed", f"{rec.key} chunk end {c.end} > committed")
+            want = e.req_to_token.req_to_token[rec.row, c.start:c.end]
+            check(bool(torch.equal(c.device_indices, want)), "chunk_device_slots", f"{rec.key} [{c.start}, {c.end})")
+        for c in itertools.chain(copies, parked, backups):
+            if c.handle.done():
+                check(e.host_page_ok(c), "host_page_content",
+                      lambda: f"chunk {c.serial} of {c.record.key} [{c.start}, {c.end}) holds "
+                              f"{e.host_pool.token_view()[0, 0, c.host_indices, 0, 0].tolist()}")
+
+    @invariant()
+    @_inv
+    def storage(self) -> None:
+        """Every page in storage is the KV of the request that wrote it; `stored` names only stored pages."""
+        e, ps = self.e, self.ps
+        pages = e.store.pages
+        if len(pages) != len(self.checked_store):
+            for h, page in pages.items():
+                if h in self.checked_store:
+                    continue
+                check(h in self.shadow, "store_writer_known", f"page {h[:12]} in storage from no backup")
+                serial, pos = self.shadow[h]
+                self._check_page(page, serial, pos, f"store page {h[:12]}")
+                self.checked_store.add(h)
+        stored = e.manager.fx.stored
+        for h, (key, pos) in stored.items():
+            if self.checked_stored.get(h) == (key, pos):
+                continue
+            check(h in pages, "stored_means_in_storage", f"{key} page at {pos} marked stored, not in storage (B13)")
+            req = self.keymap.get(key)
+            check(req is not None, "stored_writer_known", f"stored page of unknown record {key}")
+            tokens = list(req.origin_input_ids) + list(req.output_ids)
+            check(page_hashes(tokens[:pos + ps], ps)[-1] == h, "stored_key_names_prefix",
+                  f"{key} page at {pos}: key is not the hash of its prefix")
+            self._check_page(pages[h], req.serial, pos, f"{key} page at {pos}")
+            self.checked_stored[h] = (key, pos)
+
+    def _check_page(self, page: torch.Tensor, serial: int, pos: int, what: str) -> None:
+        got = page_values(page, self.e.kv, self.ps)
+        want = torch.tensor([kv_value(serial, pos + j) for j in range(self.ps)])
+        check(bool(torch.equal(got, want)), "storage_page_content", lambda: f"{what}: {got.tolist()} != {want.tolist()}")
+
+    # --- teardown -----------------------------------------------------------------------------------
+    def teardown(self) -> None:
+        if self.e is None or not self._ok:
+            return  # a step already failed: that failure is the report
+        try:
+            self._teardown()
+        except BaseException as exc:
+            self._note_failure("teardown", exc)
+            raise
+
+    def _teardown(self) -> None:
+        e = self.e
+        for req in list(e.live):
+            self._end(req, "finish")
+        for _ in range(10_000):
+            if e.manager.idle():
+                break
+            for h in e.copies.pending:
+                e.copies.complete(h)
+            while e.worker.pending:
+                self._run_backup(0, 0)
+            e.manager.check_progress()
+            self.ownership()
+            self.machines()
+        check(e.manager.idle(), "teardown_drains", "manager never became idle")
+        # Retracted requests never re-admitted, and duplicate calls on everything, must free nothing more.
+        for req in self.retracted + self.ended:
+            e.manager.abort(req)
+        e.check_teardown()
+        check(e.manager.ledger is None or (not e.manager.ledger.device_readers and not e.manager.ledger.host_owner),
+              "ledger_empty", "ledger still has readers or host owners")
+        self.storage()
+        # Read every stored page back through the storage interface and compare with its writer's KV.
+        keys = list(e.manager.fx.stored)
+        for h, page in zip(keys, e.storage.batch_get(keys)):
+            key, pos = e.manager.fx.stored[h]
+            check(page is not None, "read_back", f"{key} page at {pos} missing")
+            self._check_page(page, self.keymap[key].serial, pos, f"read back {key} page at {pos}")
+        for h in e.store.pages:
+            serial, pos = self.shadow[h]
+            self._check_page(e.storage.batch_get([h])[0], serial, pos, f"read back page {h[:12]}")
+        e.manager.close()
+
+
+# CI: >= 100,000 steps in total, deep: >= 1,000,000 (steps per example ~= stateful_step_count).
+MAIN_EXAMPLES, MAIN_STEPS = (2500, 450) if DEEP else (250, 420)
+MIN_TOTAL_STEPS = 1_000_000 if DEEP else 100_000
+
+TestManagerMachine = ManagerMachine.TestCase
+TestManagerMachine.settings = settings(max_examples=MAIN_EXAMPLES, stateful_step_count=MAIN_STEPS, deadline=None,
+                                       suppress_health_check=list(HealthCheck))
+
+
+def test_zz_step_budget() -> None:
+    """Runs after the fuzz test (file order): the profile's step budget was really spent."""
+    import pytest
+
+    steps = STEPS.get("main", 0)
+    if steps == 0:
+        pytest.skip("the stateful fuzz test did not run in this session")
+    print(f"\nstateful manager fuzz: {steps} rule steps")
+    assert steps >= MIN_TOTAL_STEPS, f"only {steps} rule steps ran (< {MIN_TOTAL_STEPS})"
