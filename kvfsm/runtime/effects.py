@@ -157,6 +157,12 @@ class OffloadEffects:
         self.host_pool.free(chunk.host_indices)
 
     # --- end of life -------------------------------------------------------------------------------
+    def freeze_lengths(self, m: DecodeOffloadMachine, arg: Any) -> None:
+        # Release may be deferred to the last copy ack, by when the engine may have re-admitted this
+        # object (new row, new lengths): free what the request held when it ended.
+        req = m.ctx.req
+        m.ctx.end_lengths = (int(req.kv_committed_len), int(req.kv_allocated_len))
+
     def request_slots(self, rec: RequestRecord) -> torch.Tensor:
         """Device slots of pages covering [0, ceil_page(committed)) plus the over-allocation
         [ceil_page(committed), allocated): every page the request holds, each once."""

@@ -183,10 +183,6 @@ class DecodeOffloadManager:
             rec = self._admit(req)
         elif self._readmitted(rec, req):
             rec = self._admit(req)  # re-admitted after a retract: a new lifecycle
-        if rec.machine.state in _OFFLOADABLE:
-            # Release may be deferred to the last copy ack, by when the engine may have re-admitted this
-            # object (new row, new lengths): free what the request held when it ended.
-            rec.end_lengths = (int(req.kv_committed_len), int(req.kv_allocated_len))
         getattr(rec.machine, event)(None)
 
     def _record(self, req: OffloadRequest) -> RequestRecord:

@@ -363,8 +363,9 @@ class ManagerMachine(RuleBasedStateMachine):
             if req is not None:
                 self.keymap.setdefault(rec.key, req)
                 self.records[id(rec)] = rec
-                if req in e.live and req.req_pool_idx == rec.row:
-                    check(m.state in LIVE_STATES, "live_request_live_machine", f"{req!r} live, machine {m!r}")
+                if m.state == gen.FINISHED and req in e.live:
+                    # A re-admitted request never shares its row with its own deferred-release lifecycle.
+                    check(req.req_pool_idx != rec.row, "readmitted_row_distinct", f"{req!r} live, machine {m!r}")
 
     @invariant()
     @_inv

@@ -1,0 +1,415 @@
+#!/usr/bin/env python3
+"""Scattered KV offload / load-back bandwidth against the same run's contiguous pinned-copy ceilings.
+
+Llama-3-8B-like KV (32 layers, 8 KV heads, head dim 128, bf16: 128 KiB per token), page sizes 1, 16, 64,
+>= 1 GiB per batch, both host layouts. For each case:
+  offload   device pages (random) -> scattered host pages, ratio to the contiguous D2H ceiling (target 0.97)
+  load-back scattered host pages -> scattered device pages, ratio to the contiguous H2D ceiling (target 0.95)
+"ours" is the Triton kernel (kernel time by CUDA events; a small sweep of launch shapes, best kept), also
+timed end to end through CudaCopyEngine (wall clock, submit to observed completion). Beside it the torch
+path: "torch_gather_pinned" = gather into a contiguous device buffer + one copy into contiguous pinned
+memory (the data is then NOT in the host slots: the host scatter the fallback needs is the slow part,
+timed separately as "torch_engine_end_to_end"). Every result is checked bit-exact against the source.
+
+`--smoke` runs tiny sizes on CPU (CpuCopyEngine and torch ops; ratios are meaningless there) so the
+script itself can be checked without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import re
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from kvfsm.dataplane import (  # noqa: E402
+    HAVE_TRITON,
+    CpuCopyEngine,
+    DeviceKVPool,
+    HostKVPool,
+    KernelConfig,
+    KVCacheConfig,
+)
+from kvfsm.dataplane.copy_engine import torch_copy_rows  # noqa: E402
+from kvfsm.dataplane.triton_kernels import default_config  # noqa: E402
+
+TARGET_OFFLOAD = 0.97
+TARGET_LOADBACK = 0.95
+GB = 1e9
+
+
+def slug(s: str) -> str:
+    s = re.sub(r"^nvidia\s+", "", s.strip().lower())
+    return re.sub(r"[^a-z0-9]+", "-", s).strip("-") or "unknown"
+
+
+def parse_configs(spec: str) -> list[KernelConfig]:
+    """"4x4,16x8:lf" -> tokens x warps, ':lf' = layer_fastest."""
+    out = []
+    for item in spec.split(","):
+        item = item.strip()
+        lf = item.endswith(":lf")
+        t, w = item.removesuffix(":lf").split("x")
+        out.append(KernelConfig(tokens=int(t), num_warps=int(w), layer_fastest=lf))
+    return out
+
+
+def cfg_name(c: KernelConfig) -> str:
+    return f"{c.tokens}x{c.num_warps}{':lf' if c.layer_fastest else ''}"
+
+
+class Timer:
+    """Times a callable: CUDA events around it on CUDA, perf_counter on CPU. Returns seconds."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+
+    def __call__(self, fn: Callable[[], Any], reps: int, warmup: int = 1) -> list[float]:
+        for _ in range(warmup):
+            fn()
+        self.sync()
+        out = []
+        for _ in range(reps):
+            if self.cuda:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                b.synchronize()
+                out.append(a.elapsed_time(b) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                out.append(time.perf_counter() - t0)
+        return out
+
+    def wall(self, fn: Callable[[], Any], reps: int, warmup: int = 1) -> list[float]:
+        for _ in range(warmup):
+            fn()
+        out = []
+        for _ in range(reps):
+            self.sync()
+            t0 = time.perf_counter()
+            fn()
+            self.sync()
+            out.append(time.perf_counter() - t0)
+        return out
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+def stats(nbytes: int, secs: list[float], ceiling: float | None = None) -> dict[str, Any]:
+    best, med = min(secs), statistics.median(secs)
+    d: dict[str, Any] = {
+        "best_ms": best * 1e3,
+        "median_ms": med * 1e3,
+        "GBps_best": nbytes / best / GB,
+        "GBps_median": nbytes / med / GB,
+    }
+    if ceiling:
+        d["ratio_best"] = d["GBps_best"] / ceiling
+        d["ratio_median"] = d["GBps_median"] / ceiling
+    return d
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.device != b.device:
+        b = b.to(a.device)
+    return bool(torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
+
+
+def random_pages(num_pages: int, k: int, page_size: int, exclude: torch.Tensor | None, gen: torch.Generator) -> torch.Tensor:
+    """Slots of k distinct random pages in [1, num_pages) (page 0 is padding), avoiding `exclude` pages."""
+    cand = torch.arange(1, num_pages)
+    if exclude is not None:
+        cand = cand[~torch.isin(cand, exclude)]
+    pages = cand[torch.randperm(cand.numel(), generator=gen)[:k]]
+    assert pages.numel() == k, "pool too small for the batch"
+    return (pages[:, None] * page_size + torch.arange(page_size)).reshape(-1)
+
+
+def machine_info(cuda: bool) -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": None,
+        "gpu": torch.cuda.get_device_name() if cuda else None,
+        "cuda": torch.version.cuda if cuda else None,
+    }
+    if HAVE_TRITON:
+        import triton
+
+        info["triton"] = triton.__version__
+    return info
+
+
+def contiguous_ceilings(nbytes: int, device: torch.device, timer: Timer, reps: int) -> dict[str, Any]:
+    cuda = device.type == "cuda"
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dev.random_(0, 256) if cuda else dev.fill_(7)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    d2h = timer(lambda: host.copy_(dev, non_blocking=True), reps)
+    h2d = timer(lambda: dev.copy_(host, non_blocking=True), reps)
+    ok = same_bits(dev, host)
+    del dev, host
+    return {"bytes": nbytes, "d2h": stats(nbytes, d2h), "h2d": stats(nbytes, h2d), "verified": ok}
+
+
+def run_case(
+    *,
+    page_size: int,
+    layout: str,
+    dev: DeviceKVPool,
+    host: HostKVPool,
+    tokens: int,
+    ceil: dict[str, Any],
+    configs: list[KernelConfig],
+    timer: Timer,
+    reps: int,
+    gen: torch.Generator,
+) -> dict[str, Any]:
+    cuda = dev.device.type == "cuda"
+    cfg = dev.config
+    k = tokens // page_size
+    nbytes = tokens * cfg.bytes_per_token
+    src_slots = random_pages(dev.size // page_size, k, page_size, None, gen)
+    dst_slots = random_pages(dev.size // page_size, k, page_size, src_slots.view(-1, page_size)[:, 0] // page_size, gen)
+    host_slots = random_pages(host.size // page_size, k, page_size, None, gen) if host.size // page_size > k else None
+    if host_slots is None:  # host pool exactly one batch: use all of it, shuffled by page
+        host_slots = (torch.randperm(k, generator=gen)[:, None] * page_size + torch.arange(page_size)).reshape(-1)
+    src_d, dst_d = src_slots.to(dev.device), dst_slots.to(dev.device)
+    host_d = host_slots.to(dev.device)
+    dview, hview = dev.token_view(), host.token_view()
+    expected = dview.index_select(2, src_d)  # the source rows, for every check below
+    ceil_d2h, ceil_h2d = ceil["d2h"]["GBps_best"], ceil["h2d"]["GBps_best"]
+    case: dict[str, Any] = {"page_size": page_size, "layout": layout, "tokens": tokens, "bytes": nbytes}
+
+    def poison_host() -> None:
+        host.kv_buffer.view(torch.int16).fill_(-1)
+
+    def poison_dst() -> None:
+        dview.index_fill_(2, dst_d, float("nan"))
+
+    def host_ok() -> bool:
+        if not cuda:
+            return same_bits(expected, hview.index_select(2, host_slots))
+        # check on the GPU: one plain contiguous copy of the whole host pool, then the same view + gather
+        buf = host.kv_buffer.to(dev.device)
+        v = buf if layout == "layer_first" else buf.transpose(1, 2)
+        ok = same_bits(expected, v.index_select(2, host_d))
+        del buf, v
+        return ok
+
+    def dev_ok() -> bool:
+        return same_bits(expected, dview.index_select(2, dst_d))
+
+    # -- offload: ours (triton kernel) ------------------------------------------------------------
+    offload: dict[str, Any] = {"sweep": []}
+    loadback: dict[str, Any] = {"sweep": []}
+    if cuda and HAVE_TRITON:
+        from kvfsm.dataplane import CudaCopyEngine
+        from kvfsm.dataplane.triton_kernels import kv_rows_copy
+
+        for c in configs:
+            poison_host()
+            secs = timer(lambda: kv_rows_copy(dview, src_d, hview, host_d, c), reps)
+            timer.sync()
+            offload["sweep"].append({"config": cfg_name(c), **stats(nbytes, secs, ceil_d2h), "verified": host_ok()})
+            poison_dst()
+            secs = timer(lambda: kv_rows_copy(hview, host_d, dview, dst_d, c), reps)
+            timer.sync()
+            loadback["sweep"].append({"config": cfg_name(c), **stats(nbytes, secs, ceil_h2d), "verified": dev_ok()})
+        for d, target in ((offload, TARGET_OFFLOAD), (loadback, TARGET_LOADBACK)):
+            good = [r for r in d["sweep"] if r["verified"]]
+            best = max(good, key=lambda r: r["GBps_median"]) if good else None
+            d["triton"] = best
+            d["target"] = target
+            d["meets_target"] = bool(best and best["ratio_median"] >= target)
+            d["all_verified"] = all(r["verified"] for r in d["sweep"])
+        # the same copies end to end through the engine's public API (wall clock, completion observed)
+        for d, direction in ((offload, "d2h"), (loadback, "h2d")):
+            if d["triton"] is None:
+                continue
+            eng = CudaCopyEngine(backend="triton", kernel_config=parse_configs(d["triton"]["config"])[0])
+            if direction == "d2h":
+                poison_host()
+                secs = timer.wall(lambda: eng.submit_d2h(dev, src_d, host, host_slots).wait(), reps)
+                ok = host_ok()
+            else:
+                poison_dst()
+                secs = timer.wall(lambda: eng.submit_h2d(host, host_slots, dev, dst_d).wait(), reps)
+                ok = dev_ok()
+            ceiling = ceil_d2h if direction == "d2h" else ceil_h2d
+            d["triton_engine_end_to_end"] = {**stats(nbytes, secs, ceiling), "verified": ok}
+    elif not cuda:
+        eng_cpu = CpuCopyEngine()
+        poison_host()
+        secs = timer.wall(lambda: eng_cpu.submit_d2h(dev, src_d, host, host_slots).wait(), reps)
+        offload["cpu_engine"] = {**stats(nbytes, secs, ceil_d2h), "verified": host_ok()}
+        poison_dst()
+        secs = timer.wall(lambda: eng_cpu.submit_h2d(host, host_slots, dev, dst_d).wait(), reps)
+        loadback["cpu_engine"] = {**stats(nbytes, secs, ceil_h2d), "verified": dev_ok()}
+
+    # -- torch baseline: gather -> contiguous pinned (offload); contiguous pinned -> device scatter ----
+    pinned = torch.empty(expected.shape, dtype=expected.dtype, pin_memory=cuda)
+
+    def gather_to_pinned() -> None:
+        pinned.copy_(dview.index_select(2, src_d), non_blocking=True)
+
+    secs = timer(gather_to_pinned, reps)
+    timer.sync()
+    offload["torch_gather_pinned"] = {**stats(nbytes, secs, ceil_d2h), "verified": same_bits(expected, pinned),
+                                      "note": "data left contiguous in pinned staging, not in the host slots"}
+    poison_dst()
+
+    def pinned_to_scatter() -> None:
+        dview.index_copy_(2, dst_d, pinned.to(dev.device, non_blocking=True))
+
+    secs = timer(pinned_to_scatter, reps)
+    timer.sync()
+    loadback["torch_pinned_scatter"] = {**stats(nbytes, secs, ceil_h2d), "verified": dev_ok(),
+                                        "note": "source already contiguous in pinned staging (host gather not timed)"}
+    del pinned
+
+    # -- torch fallback engine end to end (includes the CPU-side scatter / gather) ------------------
+    if cuda:
+        from kvfsm.dataplane import CudaCopyEngine
+
+        eng_t = CudaCopyEngine(backend="torch")
+        poison_host()
+        secs = timer.wall(lambda: eng_t.submit_d2h(dev, src_d, host, host_slots).wait(), max(2, reps // 2))
+        offload["torch_engine_end_to_end"] = {**stats(nbytes, secs, ceil_d2h), "verified": host_ok()}
+        poison_dst()
+        secs = timer.wall(lambda: eng_t.submit_h2d(host, host_slots, dev, dst_d).wait(), max(2, reps // 2))
+        loadback["torch_engine_end_to_end"] = {**stats(nbytes, secs, ceil_h2d), "verified": dev_ok()}
+    else:  # the same torch ops on CPU, for the smoke run
+        poison_host()
+        secs = timer.wall(lambda: torch_copy_rows(dview, src_d, hview, host_slots), reps)
+        offload["torch_engine_end_to_end"] = {**stats(nbytes, secs, ceil_d2h), "verified": host_ok()}
+
+    dview.index_copy_(2, dst_d, torch.zeros_like(expected))  # leave the pool as it was for the next case
+    case["offload"], case["loadback"] = offload, loadback
+    return case
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU (checks the script, not the numbers)")
+    ap.add_argument("--gib", type=float, default=1.0, help="GiB per batch (default 1)")
+    ap.add_argument("--page-sizes", default="1,16,64")
+    ap.add_argument("--layouts", default="page_first,layer_first")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--configs", default="1x4,2x4,4x4,8x4,4x8,8x8,2x4:lf,4x4:lf,8x8:lf,16x8:lf",
+                    help="Triton launch shapes to sweep: TOKENSxWARPS[:lf]")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+
+    cuda = torch.cuda.is_available() and not args.smoke
+    device = torch.device("cuda" if cuda else "cpu")
+    cfg = KVCacheConfig.llama3_8b()
+    page_sizes = [int(p) for p in args.page_sizes.split(",")]
+    layouts = [s.strip() for s in args.layouts.split(",")]
+    lcm = max(page_sizes)
+    if any(lcm % p for p in page_sizes):
+        raise SystemExit("the largest page size must be a multiple of the others")
+    if args.smoke:
+        tokens, reps = lcm, 2
+    else:
+        tokens, reps = int(args.gib * 2**30) // cfg.bytes_per_token, args.reps
+    tokens = -(-tokens // lcm) * lcm
+    timer = Timer(cuda)
+    gen = torch.Generator().manual_seed(0)
+    t_start = time.perf_counter()
+
+    ceil = contiguous_ceilings(tokens * cfg.bytes_per_token, device, timer, max(reps, 10) if cuda else reps)
+    print(f"ceilings ({ceil['bytes'] / 2**30:.2f} GiB contiguous, pinned): D2H {ceil['d2h']['GBps_best']:.1f} GB/s, "
+          f"H2D {ceil['h2d']['GBps_best']:.1f} GB/s", flush=True)
+
+    dev = DeviceKVPool.create(cfg, 4 * tokens + lcm, device)
+    dev.storage.view(torch.uint8).random_(0, 256)  # random bits (compared bitwise, NaN patterns included)
+    cases: list[dict[str, Any]] = []
+    name = slug(torch.cuda.get_device_name()) if cuda else "cpu-smoke"
+    out = args.out or ROOT / "bench" / "results" / f"offload_bandwidth-{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(final: bool) -> bool:
+        verified = all(
+            r.get("verified", True)
+            for c in cases
+            for d in (c["offload"], c["loadback"])
+            for r in [*[v for v in d.values() if isinstance(v, dict)], *d["sweep"]]
+        )
+        result = {
+            "benchmark": "offload_bandwidth",
+            "smoke": bool(args.smoke),
+            "complete": final,
+            "timestamp": datetime.now(timezone.utc).isoformat(),
+            "machine": machine_info(cuda),
+            "kv": {"layers": cfg.num_layers, "kv_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
+                   "dtype": str(cfg.dtype), "bytes_per_token": cfg.bytes_per_token},
+            "tokens_per_batch": tokens,
+            "bytes_per_batch": tokens * cfg.bytes_per_token,
+            "reps": reps,
+            "ratios_use": "median kernel time vs best contiguous-copy time of the same run",
+            "engine_default_configs": {lay: cfg_name(default_config(lay)) for lay in layouts},
+            "targets": {"offload": TARGET_OFFLOAD, "loadback": TARGET_LOADBACK},
+            "ceilings": ceil,
+            "cases": cases,
+            "all_verified": verified,
+            "wall_s": time.perf_counter() - t_start,
+        }
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        return verified
+
+    for layout in layouts:
+        host = HostKVPool(cfg, 2 * tokens, lcm, layout, pin_memory=cuda)  # type: ignore[arg-type]
+        assert host.alloc(host.size) is not None  # the bench scatters over the whole pool
+        for ps in page_sizes:
+            case = run_case(page_size=ps, layout=layout, dev=dev, host=host, tokens=tokens, ceil=ceil,
+                            configs=parse_configs(args.configs), timer=timer, reps=reps, gen=gen)
+            cases.append(case)
+            write(False)
+            o, lb = case["offload"], case["loadback"]
+            ours_o = o.get("triton") or o.get("cpu_engine")
+            ours_l = lb.get("triton") or lb.get("cpu_engine")
+            print(f"  {layout:11s} page {ps:3d}: offload {ours_o['GBps_median']:6.1f} GB/s "
+                  f"({ours_o.get('ratio_median', 0):.3f} of D2H), load-back {ours_l['GBps_median']:6.1f} GB/s "
+                  f"({ours_l.get('ratio_median', 0):.3f} of H2D); torch gather->pinned "
+                  f"{o['torch_gather_pinned']['ratio_median']:.3f}", flush=True)
+        del host
+
+    verified = write(True)
+
+    print("\nsummary (median; ratio to the contiguous ceiling of this run)")
+    print(f"{'layout':11s} {'page':>4s} | {'offload':>8s} {'ratio':>6s} {'torch':>6s} | {'loadback':>8s} {'ratio':>6s} {'torch':>6s} | cfg")
+    for c in cases:
+        o, lb = c["offload"], c["loadback"]
+        ours_o = o.get("triton") or o.get("cpu_engine")
+        ours_l = lb.get("triton") or lb.get("cpu_engine")
+        print(f"{c['layout']:11s} {c['page_size']:4d} | {ours_o['GBps_median']:8.1f} {ours_o.get('ratio_median', 0):6.3f} "
+              f"{o['torch_gather_pinned'].get('ratio_median', 0):6.3f} | {ours_l['GBps_median']:8.1f} "
+              f"{ours_l.get('ratio_median', 0):6.3f} {lb['torch_pinned_scatter'].get('ratio_median', 0):6.3f} | "
+              f"{ours_o.get('config', '-')}/{ours_l.get('config', '-')}")
+    print(f"all verified bit-exact: {verified}; wrote {out}")
+    return 0 if verified else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
