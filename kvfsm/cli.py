@@ -78,7 +78,7 @@ def docs(spec: Path, output: Path = typer.Option(None, "--out", help="Write here
 
 @app.command()
 def demo(workdir: Path = typer.Option(None, "--dir", help="Where the store, trace and docs go (default: a temp dir)."),
-         requests: int = typer.Option(96, help="How many requests to serve.")) -> None:
+         requests: int = typer.Option(48, help="How many requests to serve.")) -> None:
     """Validate and generate the spec, then serve a concurrent decode workload with real offload."""
     from kvfsm.demo import main as run
     run(workdir, requests)

@@ -1,14 +1,15 @@
-"""`kvfsm demo`: the spec tool chain end to end, then a concurrent decode workload offloaded for real.
+"""`kvfsm demo`: the spec tool chain, then a real decode workload served twice, with and without offload.
 
-Many requests of mixed lengths are admitted, decoded, finished, aborted and retracted while their KV
-streams device -> host (real copies; CUDA streams when present) -> a file store in a temporary
-directory (real files, checksummed). Afterwards every stored page is loaded back and compared bit-exact
-with what the request wrote, and every pool must be full again.
+1. Validate the spec, check generated/ is fresh, write the auditor docs.
+2. Serve many concurrent requests of mixed lengths (admission, decode, finish, abort, retraction under
+   memory pressure, slot reuse) with a tiny paged-attention decoder: once freeing KV itself, once with
+   the DecodeOffloadManager streaming KV device -> host -> a file store (checked mode on, trace on).
+3. Require identical generated tokens, then load every stored page back storage -> host -> device
+   and require it bit-exact with the KV the request computed.
 """
 
 from __future__ import annotations
 
-import random
 import tempfile
 import time
 from dataclasses import dataclass
@@ -21,160 +22,180 @@ from rich.progress import Progress
 from rich.table import Table
 
 from kvfsm.codegen import generate
-from kvfsm.dataplane import HostKVPool, KVCacheConfig, ReqToTokenPool, TokenSlotAllocator, make_copy_engine
+from kvfsm.dataplane import HostKVPool, ReqToTokenPool, TokenSlotAllocator, make_copy_engine
 from kvfsm.dataplane.device_pool import DeviceKVPool
 from kvfsm.dataplane.storage import FileStorage
 from kvfsm.docsgen import markdown
+from kvfsm.engine.model import TinyDecoder, TinyModelConfig
+from kvfsm.engine.scheduler import DecodeEngine, EngineRequest, make_workload
 from kvfsm.runtime import DecodeOffloadManager, OffloadConfig, ProtectedSize, ThreadBackupWorker
 from kvfsm.spec import load_spec
-from kvfsm.verify.engine import SimRequest, kv_value
+
+PAGE = 16
 
 
 @dataclass
 class DemoReport:
+    device: str
     requests: int
     tokens: int
+    retractions: int
+    aborted: int
+    outputs_identical: bool
     offloaded_bytes: int
-    seconds: float
+    copy_seconds: float
     stored_pages: int
-    verified_pages: int
-    host_full_retries: int
-    invariant_checks: int
+    storage_hits: int
+    pages_loaded_back: int
+    backup_failures: int
+    transitions_checked: int
+    seconds: float
     trace: Path
     docs: Path
 
 
-def run_demo(workdir: Path, requests: int = 96, concurrency: int = 24, seed: int = 0,
-             device: Optional[str] = None, console: Optional[Console] = None) -> DemoReport:
+class _Pools:
+    def __init__(self, model_cfg: TinyModelConfig, slots: int, rows: int, device: str) -> None:
+        self.pool = DeviceKVPool.create(model_cfg.kv_config(), slots, device)
+        self.allocator = TokenSlotAllocator(slots, PAGE, device)
+        self.table = ReqToTokenPool(rows, 512, device)
+        self.protected = ProtectedSize()
+
+    def full(self) -> bool:
+        return (self.allocator.free_slots == self.allocator.capacity and self.table.free_rows == self.table.rows
+                and self.protected.size == 0)
+
+
+def _serve(model: TinyDecoder, pools: _Pools, requests: list[EngineRequest], batch: int,
+           manager: Optional[DecodeOffloadManager], progress: Progress, label: str,
+           snapshot: Optional[dict[str, torch.Tensor]] = None):
+    engine = DecodeEngine(model, pools.pool, pools.allocator, pools.table, pools.protected, batch, manager,
+                          speculative=2)
+    if snapshot is not None:  # keep every request's final KV to check load-back against
+        release = engine._release_without_manager
+
+        def keep(req: EngineRequest) -> None:
+            idx = pools.table.read(req.req_pool_idx, 0, req.kv_committed_len)
+            snapshot[req.rid] = pools.pool.token_view()[:, :, idx].to("cpu")
+            release(req)
+        engine._release_without_manager = keep  # type: ignore[method-assign]
+    task = progress.add_task(label, total=len(requests))
+    return engine.run(requests, on_step=lambda n: progress.advance(task, n))
+
+
+def run_demo(workdir: Path, requests: int = 48, batch: int = 16, device: Optional[str] = None,
+             console: Optional[Console] = None) -> DemoReport:
     console = console or Console()
     spec_path = Path("spec/decode_offload.yaml")
     spec = load_spec(spec_path)
-    gen = generate(spec_path, check=True)
-    if gen.changed:
-        raise SystemExit(f"{gen.path} is stale; run `kvfsm gen {spec_path}`")
+    if generate(spec_path, check=True).changed:
+        raise SystemExit(f"generated/ is stale; run `kvfsm gen {spec_path}`")
     docs = workdir / "decode_offload.md"
     docs.write_text(markdown(spec, spec_path.as_posix()))
-    console.print(f"spec {spec_path}: {len(spec.states)} states, {len(spec.transitions)} transitions, valid; "
+    console.print(f"spec {spec_path}: valid ({len(spec.states)} states, {len(spec.transitions)} transitions); "
                   f"generated code fresh; auditor docs -> {docs}")
 
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    rng = random.Random(seed)
-    page = 16
-    kv = KVCacheConfig(num_layers=4, kv_heads=2, head_dim=64, attention="mha", dtype=torch.float32)
-    slots = concurrency * 512
-    device_pool = DeviceKVPool.create(kv, slots, dev)
-    allocator = TokenSlotAllocator(slots, page, dev)
-    table = ReqToTokenPool(concurrency + 1, 1024, dev)
-    protected = ProtectedSize()
-    host_pool = HostKVPool(kv, slots // 2, page)
-    storage = FileStorage(workdir / "store", model_name="demo")
-    trace = workdir / "trace.jsonl"
-    config = OffloadConfig(page_size=page, offload_stride=2 * page, host_pool_ratio=0.5, checked=True,
-                           storage_dir=workdir / "store", trace_path=trace, backup_queue_size=8)
-    manager = DecodeOffloadManager(config, device_pool=device_pool, allocator=allocator, req_to_token=table,
-                                   prefix_cache=protected, host_pool=host_pool, copy_engine=make_copy_engine(dev),
-                                   storage=storage, backup_worker=ThreadBackupWorker(8))
-    checks = 0
-
-    def write_kv(req: SimRequest, start: int, end: int) -> None:
-        idx = table.read(req.req_pool_idx, start, end)
-        vals = torch.tensor([kv_value(req.serial, p) for p in range(start, end)], dtype=torch.float32, device=dev)
-        device_pool.token_view()[:, :, idx] = vals.view(1, 1, -1, 1, 1)
-
-    def grow(req: SimRequest, length: int) -> bool:
-        have = -(-req.kv_allocated_len // page) * page
-        need = -(-length // page) * page
-        if need > have:
-            new = allocator.alloc(need - have)
-            if new is None:
-                return False
-            table.write(req.req_pool_idx, have, new)
-        req.kv_allocated_len = max(req.kv_allocated_len, length)
-        return True
-
-    waiting = [SimRequest(f"req-{i}", [rng.randrange(32000) for _ in range(rng.randrange(8, 200))],
-                          prefix_len=rng.choice([0, 0, 16])) for i in range(requests)]
-    targets = {id(r): rng.randrange(16, 400) for r in waiting}
-    by_rid = {r.rid: r for r in waiting}
-    live: list[SimRequest] = []
-    done = 0
-    tokens = 0
+    cfg = TinyModelConfig()
+    model = TinyDecoder(cfg, dev)
+    slots = 16 * 4 * PAGE  # tight enough that the engine must retract now and then
     t0 = time.perf_counter()
-    with Progress(console=console, transient=True) as bar:
-        task = bar.add_task("decoding with offload", total=requests)
-        while done < requests:
-            while waiting and len(live) < concurrency:
-                req = waiting[0]
-                row = table.alloc()
-                if row is None:
-                    break
-                req.req_pool_idx, req.kv_allocated_len = row, 0
-                n = len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0)
-                if not grow(req, n + 1):
-                    table.free(row)
-                    req.req_pool_idx = None
-                    break
-                waiting.pop(0)
-                req.kv_committed_len = n
-                write_kv(req, 0, n)
-                req.output_ids = req.output_ids or [rng.randrange(32000)]
-                protected.protect(req.prefix_len)
-                live.append(req)
-            for req in list(live):
-                pos = req.kv_committed_len
-                spec_extra = rng.choice([0, 0, 0, 3])  # speculative over-allocation now and then
-                if not grow(req, pos + 1 + spec_extra):
-                    live.remove(req)
-                    manager.retract(req)  # memory pressure: retract, re-admit later as a new lifecycle
-                    waiting.append(req)
-                    continue
-                write_kv(req, pos, pos + 1)
-                req.kv_committed_len = pos + 1
-                req.output_ids.append(rng.randrange(32000))
-                tokens += 1
-                manager.offload(req)
-                if len(req.output_ids) >= targets[id(req)] or rng.random() < 0.002:
-                    live.remove(req)
-                    req.done = True
-                    (manager.abort if rng.random() < 0.1 else manager.finalize)(req)
-                    done += 1
-                    bar.advance(task)
-            manager.check_progress()
-            checks += 1
-        manager.drain()
-    seconds = time.perf_counter() - t0
+    snapshot: dict[str, torch.Tensor] = {}
+    with Progress(console=console, transient=True) as progress:
+        plain = _Pools(cfg, slots, batch, dev)
+        base = _serve(model, plain, make_workload(requests, 7, cfg.vocab), batch, None, progress,
+                      "without offload", snapshot)
+        assert plain.full(), "the engine leaked without offload"
 
-    # Load every stored page back and compare it bit-exact with what its request wrote.
-    verified = 0
-    hashes = list(manager.fx.stored)
-    for h, data in zip(hashes, storage.batch_get(hashes)):
-        rec_key, pos = manager.fx.stored[h]
-        writer = by_rid[rec_key.rsplit("#", 1)[0]]
-        want = torch.tensor([kv_value(writer.serial, p) for p in range(pos, pos + page)])
-        got = None if data is None else data.view(torch.float32).view(
-            kv.num_planes, kv.num_layers, page, kv.kv_heads, kv.head_dim)
-        if got is None or not torch.equal(got, want.view(1, 1, page, 1, 1).expand_as(got)):
-            raise SystemExit(f"page {h[:12]} of {rec_key} at position {pos} does not match what the request wrote")
-        verified += 1
-    assert allocator.free_slots == allocator.capacity and host_pool.free_slots == host_pool.capacity
-    assert protected.size == 0 and table.free_rows == table.rows
+        pools = _Pools(cfg, slots, batch, dev)
+        trace = workdir / "trace.jsonl"
+        config = OffloadConfig(page_size=PAGE, offload_stride=2 * PAGE, checked=True, trace_path=trace,
+                               storage_dir=workdir / "store", model_name="tiny-demo", backup_queue_size=8)
+        host = HostKVPool(cfg.kv_config(), slots // 2, PAGE)
+        storage = FileStorage(workdir / "store", model_name="tiny-demo")
+        copy_engine = make_copy_engine(dev)
+        manager = DecodeOffloadManager(config, device_pool=pools.pool, allocator=pools.allocator,
+                                       req_to_token=pools.table, prefix_cache=pools.protected, host_pool=host,
+                                       copy_engine=copy_engine, storage=storage,
+                                       backup_worker=ThreadBackupWorker(8))
+        workload = make_workload(requests, 7, cfg.vocab)
+        copy_time = _time_copies(copy_engine)
+        run = _serve(model, pools, workload, batch, manager, progress, "with offload")
+        assert pools.full() and host.free_slots == host.capacity, "offload leaked device, host or prefix"
+    identical = run.outputs == base.outputs
+    if not identical:
+        bad = [rid for rid in base.outputs if base.outputs[rid] != run.outputs.get(rid)]
+        raise SystemExit(f"generated tokens differ with offload for {len(bad)} requests, e.g. {bad[:3]}")
+
+    hits, loaded = _load_back(manager, storage, host, pools, snapshot, workload, dev)
     manager.close()
-    return DemoReport(requests, tokens, manager.metrics.offloaded_bytes, seconds, manager.metrics.stored_pages,
-                      verified, manager.metrics.host_full_retries, checks, trace, docs)
+    return DemoReport(dev, requests, run.tokens, run.retractions, run.aborted, identical,
+                      manager.metrics.offloaded_bytes, copy_time[0], manager.metrics.stored_pages, hits, loaded,
+                      manager.metrics.backup_failures, sum(1 for _ in trace.open()) - 1,
+                      time.perf_counter() - t0, trace, docs)
 
 
-def main(workdir: Optional[Path] = None, requests: int = 96) -> None:
+def _time_copies(engine) -> list[float]:
+    """Accumulate the time spent submitting (and, on CPU, performing) device-to-host copies."""
+    spent = [0.0]
+    submit = engine.submit_d2h
+
+    def timed(*args):  # type: ignore[no-untyped-def]
+        t = time.perf_counter()
+        handle = submit(*args)
+        spent[0] += time.perf_counter() - t
+        return handle
+    engine.submit_d2h = timed
+    return spent
+
+
+def _load_back(manager: DecodeOffloadManager, storage: FileStorage, host: HostKVPool, pools: _Pools,
+               snapshot: dict[str, torch.Tensor], workload: list[EngineRequest], dev: str) -> tuple[int, int]:
+    """Storage -> host pool -> device for every stored page; each must equal what its request computed."""
+    stored = manager.fx.stored
+    by_request: dict[str, list[tuple[int, str]]] = {}
+    for h, (key, pos) in stored.items():
+        by_request.setdefault(key.rsplit("#", 1)[0], []).append((pos, h))
+    hits = loaded = 0
+    engine = manager.fx.copy_engine
+    for rid, pages in sorted(by_request.items()):
+        pages.sort()
+        hits += storage.batch_exists([h for _, h in pages])
+        for pos, data in zip((p for p, _ in pages), storage.batch_get([h for _, h in pages])):
+            if data is None:
+                raise SystemExit(f"{rid}: page at {pos} could not be read back from storage")
+            host_idx = host.alloc(PAGE)
+            dev_idx = pools.allocator.alloc(PAGE)
+            host.set_pages_bytes(host_idx, data.view(1, -1))
+            engine.submit_h2d(host, host_idx, pools.pool, dev_idx).wait()
+            got = pools.pool.token_view()[:, :, dev_idx].to("cpu")
+            want = snapshot[rid][:, :, pos:pos + PAGE]
+            if got.shape != want.shape or not torch.equal(got, want):
+                raise SystemExit(f"{rid}: page at position {pos} differs after storage -> host -> device load-back")
+            host.free(host_idx)
+            pools.allocator.free(dev_idx)
+            loaded += 1
+    return hits, loaded
+
+
+def main(workdir: Optional[Path] = None, requests: int = 48) -> None:
+    torch.set_num_threads(1)  # one-token steps on tiny tensors: threads only add synchronisation
     console = Console()
     root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="kvfsm-demo-"))
     root.mkdir(parents=True, exist_ok=True)
     r = run_demo(root, requests=requests, console=console)
-    t = Table(title="kvfsm demo", show_header=False)
-    for k, v in [("requests", r.requests), ("decode tokens", r.tokens),
-                 ("bytes offloaded", f"{r.offloaded_bytes:,}"),
-                 ("offload bandwidth (wall, incl. decode)", f"{r.offloaded_bytes / r.seconds / 1e6:.1f} MB/s"),
-                 ("pages stored", r.stored_pages), ("pages read back bit-exact", r.verified_pages),
-                 ("host-pool-full retries", r.host_full_retries),
-                 ("progress checks (invariants checked every transition)", r.invariant_checks),
-                 ("pools back to full", "yes"), ("trace", r.trace), ("auditor docs", r.docs)]:
+    t = Table(title=f"kvfsm demo ({r.device})", show_header=False)
+    rows = [("requests (aborted)", f"{r.requests} ({r.aborted})"), ("decode tokens", r.tokens),
+            ("retractions under memory pressure", r.retractions),
+            ("tokens identical with and without offload", "yes" if r.outputs_identical else "NO"),
+            ("bytes offloaded", f"{r.offloaded_bytes:,}"),
+            ("offload bandwidth (copy engine time)", f"{r.offloaded_bytes / max(r.copy_seconds, 1e-9) / 1e9:.2f} GB/s"),
+            ("pages stored / storage prefix hits", f"{r.stored_pages} / {r.storage_hits}"),
+            ("pages loaded back storage->host->device, bit-exact", r.pages_loaded_back),
+            ("backup failures", r.backup_failures),
+            ("transitions traced, invariants + ledger checked", r.transitions_checked),
+            ("pools back to full", "yes"), ("wall time", f"{r.seconds:.1f} s"),
+            ("trace", r.trace), ("auditor docs", r.docs)]
+    for k, v in rows:
         t.add_row(k, str(v))
     console.print(t)

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .device_pool import resolve_device
 from .errors import (
     ConservationError,
     DoubleAlloc,
@@ -63,7 +64,7 @@ class TokenSlotAllocator:
         self.num_slots = int(num_slots)
         self.page_size = int(page_size)
         self.num_pages = self.num_slots // self.page_size
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.reserved_pages = 1 if reserve_padding_page else 0
         if self.num_pages <= self.reserved_pages:
             raise ValueError("pool too small: no allocatable page besides the padding page")

@@ -116,11 +116,12 @@ def plan_copy(
     if dev_idx.numel() != host_idx.numel():
         raise CopyError(f"{dev_idx.numel()} device slots vs {host_idx.numel()} host slots")
     if host_idx.numel():
-        if int(host_idx.min()) < 0 or int(host_idx.max()) >= host_pool.size:
+        s = torch.sort(host_idx).values  # one sort gives range and duplicates (cheaper than unique)
+        if int(s[0]) < 0 or int(s[-1]) >= host_pool.size:
             raise OutOfRange(f"host slot outside [0, {host_pool.size})")
-        if int(torch.unique(host_idx).numel()) != host_idx.numel():
+        if s.numel() > 1 and bool((s[1:] == s[:-1]).any()):
             raise DuplicateIndex("a host slot appears twice in one copy")
-        if not bool(host_pool.allocator.is_allocated(host_idx).all()):
+        if not bool(host_pool.allocator.is_allocated(s).all()):
             raise NotAllocated("copy touches a host slot that is not allocated")
         if dev_idx.device.type == "cpu" and (int(dev_idx.min()) < 0 or int(dev_idx.max()) >= device_pool.size):
             raise OutOfRange(f"device slot outside [0, {device_pool.size})")

@@ -12,6 +12,14 @@ import torch
 from .config import KVCacheConfig
 
 
+def resolve_device(device: torch.device | str | int) -> torch.device:
+    """A device with its index filled in ("cuda" -> "cuda:<current>"), so devices compare reliably."""
+    d = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device())
+    return d
+
+
 class DeviceKVPool:
     """Token-slot indexed KV storage. Slot indices come from a TokenSlotAllocator of the same size."""
 
@@ -20,7 +28,7 @@ class DeviceKVPool:
             raise ValueError(f"num_slots must be positive, got {num_slots}")
         self.config = config
         self.size = int(num_slots)
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         shape = (config.num_planes, config.num_layers, self.size, *config.token_shape)
         # zeros, not empty: a slot never written reads as zeros, so a missing copy is visible in tests.
         self.storage = torch.zeros(shape, dtype=config.dtype, device=self.device)

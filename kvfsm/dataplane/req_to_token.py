@@ -12,6 +12,7 @@ from collections import deque
 import torch
 
 from .allocator import IndexLike, as_index_tensor
+from .device_pool import resolve_device
 from .errors import ConservationError, DoubleFree, NeverAllocated, NotAllocated, OutOfRange
 
 
@@ -23,7 +24,7 @@ class ReqToTokenPool:
             raise ValueError(f"rows and max_context must be positive, got {rows}, {max_context}")
         self.rows = int(rows)
         self.max_context = int(max_context)
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.req_to_token = torch.zeros((self.rows, self.max_context), dtype=torch.int64, device=self.device)
         self._free: deque[int] = deque(range(self.rows))
         self._allocated = [False] * self.rows

@@ -20,7 +20,7 @@ from kvfsm.dataplane.device_pool import DeviceKVPool
 class TinyModelConfig:
     vocab: int = 512
     hidden: int = 128
-    layers: int = 4
+    layers: int = 2
     heads: int = 4
     kv_heads: int = 2
     head_dim: int = 32

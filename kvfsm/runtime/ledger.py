@@ -26,6 +26,7 @@ class SlotLedger:
         self.page_size = page_size
         self.device_owner: dict[int, str] = {}
         self.device_readers: dict[int, set[int]] = defaultdict(set)
+        self.device_released: dict[int, str] = {}  # page -> the request that released it, until claimed again
         self.host_owner: dict[int, int] = {}
 
     def _pages(self, slots: Iterable[int]) -> list[int]:
@@ -40,6 +41,7 @@ class SlotLedger:
                                        f"device slot belongs to live request {other} (premature reuse, B1)")
         for page in self._pages(slots):
             self.device_owner[page] = owner
+            self.device_released.pop(page, None)
 
     def release_device(self, owner: str, event: str, slots: Iterable[int]) -> None:
         pages = self._pages(slots)
@@ -51,8 +53,12 @@ class SlotLedger:
             if self.device_readers.get(page):
                 raise CheckedModeError(owner, event, page * self.page_size,
                                        "freeing a device slot an in-flight copy still reads (B2)")
+            if self.device_released.get(page) == owner:
+                raise CheckedModeError(owner, event, page * self.page_size,
+                                       "device slot already released by this request (double release, B9)")
         for page in pages:
             self.device_owner.pop(page, None)
+            self.device_released[page] = owner
 
     def copy_started(self, owner: str, chunk: int, device_slots: Iterable[int], host_slots: Iterable[int]) -> None:
         device_slots = list(device_slots)

@@ -90,6 +90,9 @@ class DecodeOffloadManager:
         # The last sampled token has no KV yet; never offload past what is committed.
         available = min(len(req.origin_input_ids) + len(req.output_ids) - 1, req.kv_committed_len)
         n = (available - start) // self.stride * self.stride
+        # Never more than the whole host pool: a larger backlog (host-full retries, re-admission) would
+        # otherwise fail to allocate forever, even with the pool empty; the rest follows in later chunks.
+        n = min(n, self.fx.host_pool.capacity // self.stride * self.stride)
         if n <= 0:
             return False
         host = self.fx.host_pool.alloc(n)

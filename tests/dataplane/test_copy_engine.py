@@ -47,9 +47,10 @@ def scattered_device_slots(pool: DeviceKVPool, n: int, seed: int) -> torch.Tenso
 
 
 def round_trip(engine: CopyEngine, config: KVCacheConfig, layout: str, page_size: int, device: str = "cpu") -> None:
-    dev = make_device_pool(config, 64, device, seed=3)
-    host = make_host_pool(config, 48, page_size, layout)
     n = 4 * page_size if page_size > 1 else 12
+    slots = max(64, 4 * n)
+    dev = make_device_pool(config, slots, device, seed=3)
+    host = make_host_pool(config, max(48, 2 * n), page_size, layout)
     di = scattered_device_slots(dev, n, 1)
     hi = scattered_host_slots(host, n, 2)
     h = engine.submit_d2h(dev, di, host, hi)
@@ -59,11 +60,11 @@ def round_trip(engine: CopyEngine, config: KVCacheConfig, layout: str, page_size
     assert h.done() and h.direction == "d2h" and h.num_tokens == n and h.nbytes == n * config.bytes_per_token
     assert torch.equal(bits(host.token_view()[:, :, hi]), bits(dev.storage[:, :, di].cpu()))
 
-    back = DeviceKVPool.create(config, 64, device)
+    back = DeviceKVPool.create(config, slots, device)
     dj = scattered_device_slots(back, n, 4)
     engine.submit_h2d(host, hi, back, dj).wait()
     assert torch.equal(bits(back.storage[:, :, dj]), bits(dev.storage[:, :, di]))
-    untouched = torch.ones(64, dtype=torch.bool, device=back.device)
+    untouched = torch.ones(slots, dtype=torch.bool, device=back.device)
     untouched[dj] = False
     assert not bool(back.storage[:, :, untouched].view(torch.uint8).any())  # nothing written elsewhere
 
@@ -228,7 +229,7 @@ def test_triton_kernel_interpreted_matches_torch_path(dtype: torch.dtype, attent
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("backend", ["triton", "torch", "dma", "auto"])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_cuda_engine_round_trip(backend: str, config: KVCacheConfig, layout: str, page_size: int) -> None:
     from kvfsm.dataplane import CudaCopyEngine
@@ -240,7 +241,7 @@ def test_cuda_engine_round_trip(backend: str, config: KVCacheConfig, layout: str
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("backend", ["triton", "torch", "dma"])
 def test_cuda_engine_orders_after_compute_and_never_blocks(backend: str) -> None:
     from kvfsm.dataplane import CudaCopyEngine
 

@@ -139,59 +139,69 @@ def _workload(engine: TPSimEngine, rank: int, clock: list[int]) -> None:
         m.check_progress()
     else:
         raise RuntimeError(f"rank {rank} did not drain: {len(m.fx.copy_fifo)} copies, {len(m.fx.parked)} parked, "
-                           f"{m.fx.worker.outstanding()} backups outstanding ({len(engine.worker.pending)} not run), "
-                           f"live machines {[r.machine for r in m.live_records()]} fifo {[c.handle for c in m.fx.copy_fifo]} pending {engine.copies.pending}")
+                           f"{m.fx.worker.outstanding()} backups outstanding, live {m.live_records()}")
 
 
-def _worker(rank: int, world: int, init: str, out_dir: str, consensus: bool) -> None:
+def _one_run(rank: int, world: int, out: Path) -> None:
+    clock = [0]
+    log: list[list[Any]] = []
+    writes: list[list[Any]] = []
+    TPSimEngine.tp_rank, TPSimEngine.tp_size = rank, world
+    engine = TPSimEngine(page_size=2, stride=4, device_slots=256, host_slots=24, rows=6, max_context=64,
+                         backup_queue=2, checked=True)
+    assert engine.manager.consensus.world == world
+    _instrument(engine, log, writes, clock)
+    _workload(engine, rank, clock)
+    engine.check_teardown()  # each rank is consistent on its own either way
+    summary = {"rank": rank, "log": log, "writes": writes, "metrics": engine.manager.metrics.as_dict()}
+    out.mkdir(exist_ok=True)
+    (out / f"rank{rank}.json").write_text(json.dumps(summary))
+    gathered: list[Any] | None = [None] * world if rank == 0 else None
+    dist.gather_object(summary, gathered, dst=0)
+    if rank == 0:
+        (out / "gathered.json").write_text(json.dumps(gathered))
+    dist.barrier()
+
+
+def _worker(rank: int, world: int, init: str, out_dir: str) -> None:
+    """One rank: the workload with ProgressConsensus, then again with `agree` as the identity (control)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=TIMEOUT_S))
     try:
+        _one_run(rank, world, Path(out_dir, "consensus"))
         with pytest.MonkeyPatch.context() as mpatch:
-            if not consensus:
-                mpatch.setattr(ProgressConsensus, "agree", lambda self, *counts: counts)
-            clock = [0]
-            log: list[list[Any]] = []
-            writes: list[list[Any]] = []
-            TPSimEngine.tp_rank, TPSimEngine.tp_size = rank, world
-            engine = TPSimEngine(page_size=2, stride=4, device_slots=256, host_slots=24, rows=6, max_context=64,
-                                 backup_queue=2, checked=True)
-            assert engine.manager.consensus.world == world
-            _instrument(engine, log, writes, clock)
-            _workload(engine, rank, clock)
-            engine.check_teardown()
-            summary = {"rank": rank, "log": log, "writes": writes, "metrics": engine.manager.metrics.as_dict()}
-            Path(out_dir, f"rank{rank}.json").write_text(json.dumps(summary))
-            gathered: list[Any] | None = [None] * world if rank == 0 else None
-            dist.gather_object(summary, gathered, dst=0)
-            if rank == 0:
-                Path(out_dir, "gathered.json").write_text(json.dumps(gathered))
-            dist.barrier()
+            mpatch.setattr(ProgressConsensus, "agree", lambda self, *counts: counts)
+            _one_run(rank, world, Path(out_dir, "control"))
     finally:
         dist.destroy_process_group()
 
 
-def _run(world: int, tmp_path: Path, consensus: bool) -> list[dict[str, Any]]:
-    out = tmp_path / ("consensus" if consensus else "control")
-    out.mkdir()
-    init = f"file://{tmp_path / (out.name + '.store')}"
-    ctx = mp.spawn(_worker, args=(world, init, str(out), consensus), nprocs=world, join=False)
-    deadline = time.monotonic() + 2 * TIMEOUT_S
-    try:
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{world} ranks did not finish in {2 * TIMEOUT_S} s")
-    finally:
-        for p in ctx.processes:  # only the processes this test started
-            if p.is_alive():
-                p.kill()
-                p.join()
+def _read(out: Path, world: int) -> list[dict[str, Any]]:
     per_rank = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
     gathered = json.loads((out / "gathered.json").read_text())
     assert [g["rank"] for g in gathered] == list(range(world))
     assert gathered == per_rank
     return per_rank
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
+def tp_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    """Spawn `world` gloo ranks once; each does the consensus run and the control run."""
+    world = request.param
+    tmp = tmp_path_factory.mktemp(f"tp{world}")
+    ctx = mp.spawn(_worker, args=(world, f"file://{tmp / 'store'}", str(tmp)), nprocs=world, join=False)
+    deadline = time.monotonic() + 3 * TIMEOUT_S
+    try:
+        while not ctx.join(timeout=0.2):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{world} ranks did not finish in {3 * TIMEOUT_S} s")
+    finally:
+        for p in ctx.processes:  # only the processes this fixture started
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return {mode: _read(tmp / mode, world) for mode in ("consensus", "control")}
 
 
 def _first_difference(a: list[Any], b: list[Any]) -> str:
@@ -201,9 +211,8 @@ def _first_difference(a: list[Any], b: list[Any]) -> str:
     return f"lengths {len(a)} != {len(b)}"
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_ranks_apply_identical_frees_and_writes(world: int, tmp_path: Path) -> None:
-    ranks = _run(world, tmp_path, consensus=True)
+def test_ranks_apply_identical_frees_and_writes(tp_runs: dict[str, list[dict[str, Any]]]) -> None:
+    ranks = tp_runs["consensus"]
     log0 = ranks[0]["log"]
     kinds = {e[1] for e in log0}
     assert kinds == {"device_free", "host_free"}, kinds
@@ -218,8 +227,6 @@ def test_ranks_apply_identical_frees_and_writes(world: int, tmp_path: Path) -> N
         assert r["metrics"] == m0
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_control_without_consensus_diverges(world: int, tmp_path: Path) -> None:
-    ranks = _run(world, tmp_path, consensus=False)
-    logs = [r["log"] for r in ranks]
+def test_control_without_consensus_diverges(tp_runs: dict[str, list[dict[str, Any]]]) -> None:
+    logs = [r["log"] for r in tp_runs["control"]]
     assert any(log != logs[0] for log in logs[1:]), "ranks agreed without consensus: the test could not fail"

@@ -38,7 +38,10 @@ DEEP = os.environ.get("KVFSM_FUZZ", "ci") == "deep"
 # where the first failure of a bucket happened: the mutant report reads these.
 STEPS: dict[str, int] = {}
 FIRST_FAILURE: dict[str, dict[str, Any]] = {}
+LAST_FAILURE: dict[str, dict[str, Any]] = {}  # after shrinking: the minimal failing example's failure
 TIMES: dict[str, float] = {}
+COVERAGE: dict[str, set[int]] = {}  # bucket -> spec transition ids taken
+EVENTS: dict[str, dict[str, int]] = {}  # bucket -> situation -> count (metrics and rare interleavings)
 
 LIVE_STATES = frozenset((gen.ALLOCATED, gen.OFFLOADING, gen.INFLIGHT))
 _prompt_ids = itertools.count(1)
@@ -103,7 +106,8 @@ def page_values(page: torch.Tensor, kv: Any, page_size: int) -> torch.Tensor:
 
 
 class ManagerMachine(RuleBasedStateMachine):
-    bucket = "main"
+    bucket = "main"  # step-counter and failure-record key (the mutant tests use one per mutant)
+    checked = True  # checked mode (the ledger); a mutant test may turn it off to show the invariants alone
 
     def __init__(self) -> None:
         super().__init__()
@@ -121,12 +125,17 @@ class ManagerMachine(RuleBasedStateMachine):
         self.checked_store: set[str] = set()
         self.checked_stored: dict[str, tuple[str, int]] = {}
 
+    def _count(self, what: str, n: int = 1) -> None:
+        d = EVENTS.setdefault(self.bucket, {})
+        d[what] = d.get(what, 0) + n
+
     # --- failure bookkeeping (mutant report) ----------------------------------------------------------
     def _note_failure(self, where: str, exc: BaseException) -> None:
-        if self.bucket in FIRST_FAILURE:
-            return
-        FIRST_FAILURE[self.bucket] = {"where": where, "exc": f"{type(exc).__name__}: {exc}"[:300],
-                                      "steps_total": STEPS.get(self.bucket, 0), "steps_example": self.steps}
+        info = {"where": where, "check": getattr(exc, "name", type(exc).__name__),
+                "exc": f"{type(exc).__name__}: {exc}"[:400], "steps_total": STEPS.get(self.bucket, 0),
+                "steps_example": self.steps}
+        FIRST_FAILURE.setdefault(self.bucket, info)
+        LAST_FAILURE[self.bucket] = info
 
     # --- set-up --------------------------------------------------------------------------------------
     @initialize(page_size=st.sampled_from([2, 2, 4]), stride_pages=st.sampled_from([1, 1, 2]),
@@ -137,7 +146,7 @@ class ManagerMachine(RuleBasedStateMachine):
         # page_size 2: 24-40 device slots, 8-12 host slots; page_size 4 keeps the same page counts.
         self.e = SimEngine(page_size=page_size, stride=stride_pages * page_size, device_slots=device_pages * page_size,
                            host_slots=host_pages * page_size, rows=rows, max_context=48, backup_queue=backup_queue,
-                           checked=True)
+                           checked=self.checked)
         self.ps = page_size
 
     # --- helpers ------------------------------------------------------------------------------------
@@ -253,8 +262,10 @@ class ManagerMachine(RuleBasedStateMachine):
     def readmit(self, i: int) -> None:
         """Re-admit a retracted request object (same object, same rid: a new lifecycle)."""
         req = self._pick(self.retracted, i)
+        deferred = any(c.record.req_ref() is req for c in self.e.manager.fx.copy_fifo)
         if self.e.admit(req.rid, 0, req=req) is not None:
             self.retracted.remove(req)
+            self._count("readmitted_while_release_deferred" if deferred else "readmitted")
 
     @precondition(lambda self: self.e is not None and (self.ended or self.retracted))
     @rule(i=st.integers(0, 7), how=st.sampled_from(["finish", "abort", "retract"]))
@@ -280,27 +291,33 @@ class ManagerMachine(RuleBasedStateMachine):
             check(rec.machine.state == state, "duplicate_end_is_noop", f"state {state} -> {rec.machine}")
 
     # --- invariants ---------------------------------------------------------------------------------
+    @invariant()
+    @_inv
+    def invariants(self) -> None:
+        """All checks after every step (one hypothesis invariant: cheaper than five)."""
+        self.pools_conserved()
+        self.ownership()
+        self.machines()
+        self.chunks()
+        self.storage()
+
     def _chunks(self) -> tuple[list, list, list]:
         fx = self.e.manager.fx
         worker = self.e.worker
         backups = [j.payload for j in worker.pending] + [j.payload for j in worker._done]
         return list(fx.copy_fifo), list(fx.parked), backups
 
-    @invariant()
-    @_inv
     def pools_conserved(self) -> None:
         e = self.e
         e.allocator.check_conservation()
         e.host_pool.check_conservation()
         e.req_to_token.check_conservation()
 
-    @invariant()
-    @_inv
     def ownership(self) -> None:
         """Live and deferred-release lifecycles own exactly the allocated device pages, rows and protected size."""
         e, ps = self.e, self.ps
         copies, parked, backups = self._chunks()
-        table = e.req_to_token.req_to_token
+        table = e.req_to_token.req_to_token.tolist()
         # Holders of device slots: the engine's live requests, and lifecycles whose release waits for a copy.
         holders: list[tuple[str, int, int, int]] = [(repr(r), r.req_pool_idx, max(r.kv_allocated_len, r.kv_committed_len),
                                                      r.prefix_len) for r in e.live]
@@ -317,13 +334,12 @@ class ManagerMachine(RuleBasedStateMachine):
         for name, row, alloc, _ in holders:
             check(row is not None and e.req_to_token.is_allocated(row), "holder_has_row", f"{name} row {row}")
             n = -(-alloc // ps)
-            pages += [s // ps for s in table[row, 0:n * ps:ps].tolist()]
+            pages += [s // ps for s in table[row][0:n * ps:ps]]
         check(len(set(pages)) == len(pages), "no_shared_device_page",
               lambda: f"holders {holders} share pages {sorted(p for p in set(pages) if pages.count(p) > 1)}")
-        if pages:
-            mask = e.allocator._allocated[torch.tensor(pages, dtype=torch.int64)]
-            check(bool(mask.all()), "live_slot_not_free",
-                  lambda: f"free pages {[p for p, m in zip(pages, mask.tolist()) if not m]} of holders {holders}")
+        allocated = e.allocator._allocated.tolist()
+        free = [p for p in pages if not allocated[p]]
+        check(not free, "live_slot_not_free", lambda: f"free pages {free} of holders {holders}")
         check(e.allocator.capacity - e.allocator.free_slots == len(pages) * ps, "device_accounting",
               lambda: f"allocated {e.allocator.capacity - e.allocator.free_slots} slots, holders own {len(pages) * ps}")
         check(e.req_to_token.rows - e.req_to_token.free_rows == len(holders), "row_accounting",
@@ -341,8 +357,6 @@ class ManagerMachine(RuleBasedStateMachine):
             check(e.manager.ledger.host_pages() * ps == len(host), "ledger_host_pages",
                   f"ledger {e.manager.ledger.host_pages()} pages, chunks {len(host) // ps}")
 
-    @invariant()
-    @_inv
     def machines(self) -> None:
         """Counters never negative and equal to the chunks each lifecycle really has in flight."""
         e = self.e
@@ -367,8 +381,6 @@ class ManagerMachine(RuleBasedStateMachine):
                     # A re-admitted request never shares its row with its own deferred-release lifecycle.
                     check(req.req_pool_idx != rec.row, "readmitted_row_distinct", f"{req!r} live, machine {m!r}")
 
-    @invariant()
-    @_inv
     def chunks(self) -> None:
         """New chunks are contiguous and read the request's own slots; completed copies hold the writer's KV."""
         e, ps = self.e, self.ps
@@ -391,14 +403,16 @@ class ManagerMachine(RuleBasedStateMachine):
             check(c.end <= req.kv_committed_len, "chunk_committed", f"{rec.key} chunk end {c.end} > committed")
             want = e.req_to_token.req_to_token[rec.row, c.start:c.end]
             check(bool(torch.equal(c.device_indices, want)), "chunk_device_slots", f"{rec.key} [{c.start}, {c.end})")
-        for c in itertools.chain(copies, parked, backups):
-            if c.handle.done():
-                check(e.host_page_ok(c), "host_page_content",
-                      lambda: f"chunk {c.serial} of {c.record.key} [{c.start}, {c.end}) holds "
-                              f"{e.host_pool.token_view()[0, 0, c.host_indices, 0, 0].tolist()}")
+        done = [c for c in itertools.chain(copies, parked, backups) if c.handle.done()]
+        if done:
+            got = e.host_pool.token_view()[0, 0, torch.cat([c.host_indices for c in done]), 0, 0].tolist()
+            want = [kv_value(c.record.req_ref().serial, p) for c in done for p in range(c.start, c.end)]
+            if got != want:
+                for c in done:  # name the first bad chunk
+                    check(e.host_page_ok(c), "host_page_content",
+                          lambda: f"chunk {c.serial} of {c.record.key} [{c.start}, {c.end}) holds "
+                                  f"{e.host_pool.token_view()[0, 0, c.host_indices, 0, 0].tolist()}")
 
-    @invariant()
-    @_inv
     def storage(self) -> None:
         """Every page in storage is the KV of the request that wrote it; `stored` names only stored pages."""
         e, ps = self.e, self.ps
@@ -471,10 +485,15 @@ class ManagerMachine(RuleBasedStateMachine):
             serial, pos = self.shadow[h]
             self._check_page(e.storage.batch_get([h])[0], serial, pos, f"read back page {h[:12]}")
         e.manager.close()
+        COVERAGE.setdefault(self.bucket, set()).update(e.manager.coverage)
+        for k, v in e.manager.metrics.as_dict().items():
+            if not k.endswith("in_flight"):
+                self._count(k, v)
+        self._count("examples")
 
 
 # CI: >= 100,000 steps in total, deep: >= 1,000,000 (steps per example ~= stateful_step_count).
-MAIN_EXAMPLES, MAIN_STEPS = (2500, 450) if DEEP else (250, 420)
+MAIN_EXAMPLES, MAIN_STEPS = (2500, 450) if DEEP else (300, 450)
 MIN_TOTAL_STEPS = 1_000_000 if DEEP else 100_000
 
 TestManagerMachine = ManagerMachine.TestCase
