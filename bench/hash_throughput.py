@@ -95,6 +95,7 @@ def main() -> int:
             "cpu_model": cpu_model(),
             "cpu_count": os.cpu_count(),
             "pinned_core": pinned_core,
+            "loadavg_1m_at_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
             "openssl": __import__("ssl").OPENSSL_VERSION,
             "numpy": np.__version__,
         },

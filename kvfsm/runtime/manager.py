@@ -80,12 +80,16 @@ class DecodeOffloadManager:
 
     def offload(self, req: OffloadRequest) -> bool:
         """Submit the request's next stride-aligned chunk; False when there is none yet or no host room."""
-        if req.req_pool_idx is None or req.req_pool_idx == -1 or len(req.output_ids) == 0:
+        row = req.req_pool_idx
+        if row is None or row == -1 or not req.output_ids:
             return False
-        rec = self._record(req)
+        rec = self._records.get(id(req))
+        # Fast path (every decode step): the request's current, live lifecycle.
+        if rec is None or rec.row != row or rec.req_ref() is not req or rec.machine.state not in _OFFLOADABLE:
+            rec = self._record(req)
+            if rec.machine.state not in _OFFLOADABLE:
+                rec.machine.offload(None)  # the spec's typed error for this state; nothing changes
         m = rec.machine
-        if m.state not in _OFFLOADABLE:
-            m.offload(None)  # the spec's typed error for this state; nothing changes
         start = rec.prefill_len + rec.inc_len
         # The last sampled token has no KV yet; never offload past what is committed.
         available = min(len(req.origin_input_ids) + len(req.output_ids) - 1, req.kv_committed_len)

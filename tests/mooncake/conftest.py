@@ -22,6 +22,8 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
+from mooncake_helpers import free_port
+
 from kvfsm.dataplane.mooncake import LOOPBACK_ENV, MooncakeUnavailable, import_store_class, master_binary, master_command
 
 # Before any client exists in this process (or in a child it starts).
@@ -37,12 +39,6 @@ def unavailable(reason: str) -> None:
     if REQUIRED:
         pytest.fail(f"{reason} (KVFSM_REQUIRE_MOONCAKE=1)")
     pytest.skip(reason)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _accepts(port: int) -> bool:

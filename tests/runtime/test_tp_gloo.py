@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import multiprocessing
 import os
 import random
 import time
@@ -190,7 +191,11 @@ def tp_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     """Spawn `world` gloo ranks once; each does the consensus run and the control run."""
     world = request.param
     tmp = tmp_path_factory.mktemp(f"tp{world}")
-    ctx = mp.spawn(_worker, args=(world, f"file://{tmp / 'store'}", str(tmp)), nprocs=world, join=False)
+    # forkserver: torch is imported once by the server, not once per rank (spawn), and nothing is forked
+    # from this multi-threaded pytest process.
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "kvfsm.verify.engine"])
+    ctx = mp.start_processes(_worker, args=(world, f"file://{tmp / 'store'}", str(tmp)), nprocs=world, join=False,
+                             start_method="forkserver")
     deadline = time.monotonic() + 3 * TIMEOUT_S
     try:
         while not ctx.join(timeout=0.2):

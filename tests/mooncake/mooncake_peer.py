@@ -1,4 +1,4 @@
-"""A second engine process sharing the Mooncake Store (run by the tests as `python peer.py`).
+"""A second engine process sharing the Mooncake Store (run by the tests as `python mooncake_peer.py`).
 
 Reads one JSON request from stdin: {"master", "metadata", "model", "tp_rank", "tp_size", "read": [hashes],
 "write": {hash: seed}, "page_nbytes"}. It reads the `read` pages and reports, per page, the sha256 of what it

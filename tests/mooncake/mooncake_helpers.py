@@ -1,7 +1,8 @@
-"""A SimEngine whose manager backs up into a given storage (MooncakeStorage here), with a configurable KV shape."""
+"""Helpers of the Mooncake tests: free loopback ports, and a SimEngine whose manager backs up into a given storage (MooncakeStorage here), with a configurable KV shape."""
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -12,6 +13,13 @@ from kvfsm.dataplane import (DeferredCpuCopyEngine, HostKVPool, KVCacheConfig, R
 from kvfsm.dataplane.device_pool import DeviceKVPool
 from kvfsm.runtime import DecodeOffloadManager, OffloadConfig, ProtectedSize, SteppedBackupWorker
 from kvfsm.verify.engine import SimEngine, SimRequest, kv_value
+
+
+def free_port() -> int:
+    """A port nothing listens on now (bound to 127.0.0.1 port 0, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @dataclass
