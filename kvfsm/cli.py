@@ -78,10 +78,11 @@ def docs(spec: Path, output: Path = typer.Option(None, "--out", help="Write here
 
 @app.command()
 def demo(workdir: Path = typer.Option(None, "--dir", help="Where the store, trace and docs go (default: a temp dir)."),
-         requests: int = typer.Option(48, help="How many requests to serve.")) -> None:
-    """Validate and generate the spec, then serve a concurrent decode workload with real offload."""
+         requests: int = typer.Option(48, help="How many requests to serve."),
+         json_out: Path = typer.Option(None, "--json", help="Also write the report as JSON here.")) -> None:
+    """Validate and generate the spec, then serve a decode workload with and without offload and compare."""
     from kvfsm.demo import main as run
-    run(workdir, requests)
+    run(workdir, requests, json_out)
 
 
 if __name__ == "__main__":

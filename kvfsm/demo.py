@@ -178,7 +178,7 @@ def _load_back(manager: DecodeOffloadManager, storage: FileStorage, host: HostKV
     return hits, loaded
 
 
-def main(workdir: Optional[Path] = None, requests: int = 48) -> None:
+def main(workdir: Optional[Path] = None, requests: int = 48, json_out: Optional[Path] = None) -> None:
     torch.set_num_threads(1)  # one-token steps on tiny tensors: threads only add synchronisation
     console = Console()
     root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="kvfsm-demo-"))
@@ -199,3 +199,11 @@ def main(workdir: Optional[Path] = None, requests: int = 48) -> None:
     for k, v in rows:
         t.add_row(k, str(v))
     console.print(t)
+    if json_out is not None:
+        import dataclasses
+        import json
+        import platform
+        doc = {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(r).items()}
+        doc["machine"] = {"hostname": platform.node(), "torch": torch.__version__,
+                          "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+        Path(json_out).write_text(json.dumps(doc, indent=2) + "\n")

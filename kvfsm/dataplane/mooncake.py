@@ -196,8 +196,13 @@ class _Runner:
             return "error", e
 
     def close(self) -> None:
+        """Workers exit once the calls queued so far are done."""
         for _ in self._threads:
             self._q.put(None)
+
+    def join(self) -> None:
+        for t in self._threads:
+            t.join()
 
 
 # ---- recycled receive buffers -------------------------------------------------------------------------
@@ -676,9 +681,14 @@ class MooncakeStorage:
         if self._closed:
             return
         self._closed = True
-        self._runner.close()
-        client = self.client
-        t = threading.Thread(target=client.close, name="kvfsm-mooncake-close", daemon=True)
+        runner, client = self._runner, self.client
+
+        def finish() -> None:
+            runner.close()
+            runner.join()  # never close the client under a call still running (abandoned ones included)
+            client.close()
+
+        t = threading.Thread(target=finish, name="kvfsm-mooncake-close", daemon=True)
         t.start()
         t.join(self.close_timeout_s)
         if t.is_alive():

@@ -42,3 +42,12 @@ def test_demo_catches_a_premature_free(tmp_path, monkeypatch):
     monkeypatch.setattr(effects.OffloadEffects, "start_copy", start_copy_and_free_early)
     with pytest.raises(BaseException):
         run_demo(tmp_path, requests=10, batch=4)
+
+
+@pytest.mark.gpu
+def test_demo_on_cuda_with_cuda_copy_engine(tmp_path, monkeypatch):
+    """GPU twin: device pools on CUDA, pinned host pool, the CUDA copy engine on its own stream."""
+    monkeypatch.chdir(__import__("pathlib").Path(__file__).resolve().parents[2])
+    report = run_demo(tmp_path, requests=12, batch=4, device="cuda")
+    assert report.device == "cuda" and report.outputs_identical
+    assert report.stored_pages > 0 and report.pages_loaded_back == report.stored_pages

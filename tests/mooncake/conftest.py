@@ -10,6 +10,7 @@ Without the mooncake wheel or libibverbs the tests skip with the reason; with KV
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -47,6 +48,14 @@ def _accepts(port: int) -> bool:
         return True
     except OSError:
         return False
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL it if the test process dies (a crash must not leak a master)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 @dataclass
@@ -99,7 +108,7 @@ def start_master(log_dir: Path, extra: tuple[str, ...] = (), attempts: int = 3) 
         with open(log, "wb") as out:
             proc = subprocess.Popen(master_command(binary, rpc, http, metrics, extra=extra), stdout=out,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=dict(os.environ),
-                                    start_new_session=True)
+                                    start_new_session=True, preexec_fn=_die_with_parent)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and proc.poll() is None:
             if _accepts(rpc) and _accepts(http):

@@ -1,13 +1,13 @@
 """B14 with real processes: TP ranks whose copies and backups finish at different times still apply the
 same frees and storage writes, in the same scheduler iterations, thanks to the MIN all-reduce.
 
-Each rank (a spawned process, torch.distributed over gloo on CPU) runs the same workload with the same
-seed over its own SimEngine pools; only the completion timing differs: before every progress check rank
-r completes a random, rank-seeded subset of its pending copies and runs a random number of its oldest
-backups. Every device and host free is logged as (iteration, kind, slots) and every storage write as
-(keys, page digests, results) in order; the logs are gathered to rank 0 and written per rank as JSON. With ProgressConsensus the logs are identical; with `agree` replaced by the
-identity (the control) they differ, so the test can fail.
-"""
+Each rank (a process, torch.distributed over gloo on CPU) runs the same workload with the same seed over
+its own SimEngine pools; only the completion timing differs: before every progress check rank r completes
+a random, rank-seeded subset of its pending copies and runs a random number of its oldest backups. Every
+device and host free is logged as (iteration, kind, slots) and every storage write as (keys, page digests,
+results) in order; the logs are gathered to rank 0 and written per rank as JSON. With ProgressConsensus
+the logs are identical; with `agree` replaced by the identity (the control) they differ, so the test can
+fail."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ import datetime
 import hashlib
 import json
 import multiprocessing
-import os
 import random
 import time
 from pathlib import Path
