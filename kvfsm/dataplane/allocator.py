@@ -8,14 +8,18 @@ covers part of a page (B11) is rejected as a typed error and leaves the allocato
 Page 0 (slots `[0, page_size)`) is reserved as padding by default, like SGLang, whose kernels write
 dummy tokens to slot 0; it is never allocated and never in the free list, and `capacity` excludes it.
 
-Hot paths are a handful of torch ops over the indices (sort, compare, gather, cat); no per-slot Python.
-On CUDA the validation of a free costs one host synchronisation (one `.tolist()` of four flags).
+Bookkeeping lives on the host (a FIFO deque of free page ids and a bytearray mask, viewed as a tensor
+for vectorised queries), so alloc and free cost O(pages touched), never O(pool): an offload manager
+allocates and frees host pages on every chunk. Validating a free is a few torch ops over the batch (sort,
+compare) plus a mask lookup; on CUDA it costs one device-to-host copy of the batch.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from .device_pool import resolve_device
@@ -64,14 +68,16 @@ class TokenSlotAllocator:
         self.num_slots = int(num_slots)
         self.page_size = int(page_size)
         self.num_pages = self.num_slots // self.page_size
-        self.device = resolve_device(device)
+        self.device = torch.device(device)
         self.reserved_pages = 1 if reserve_padding_page else 0
         if self.num_pages <= self.reserved_pages:
             raise ValueError("pool too small: no allocatable page besides the padding page")
-        self._offsets = torch.arange(self.page_size, dtype=torch.int64, device=self.device)
-        self._free_pages = torch.arange(self.reserved_pages, self.num_pages, dtype=torch.int64, device=self.device)
-        self._allocated = torch.zeros(self.num_pages, dtype=torch.bool, device=self.device)
-        self._ever_allocated = torch.zeros(self.num_pages, dtype=torch.bool, device=self.device)
+        self._offsets = torch.arange(self.page_size, dtype=torch.int64)
+        self._offsets_np = self._offsets.numpy()
+        self._free_pages: deque[int] = deque(range(self.reserved_pages, self.num_pages))
+        self._allocated_bytes = bytearray(self.num_pages)  # 1 = allocated
+        self._ever_bytes = bytearray(self.num_pages)
+        self._allocated = torch.frombuffer(self._allocated_bytes, dtype=torch.bool)  # shares memory
 
     # ---- accounting -------------------------------------------------------------------------------
     @property
@@ -81,44 +87,43 @@ class TokenSlotAllocator:
 
     @property
     def free_slots(self) -> int:
-        return int(self._free_pages.numel()) * self.page_size
+        return len(self._free_pages) * self.page_size
 
     @property
     def free_pages(self) -> int:
-        return int(self._free_pages.numel())
+        return len(self._free_pages)
 
     @property
     def allocated_slots(self) -> int:
-        return int(self._allocated.sum().item()) * self.page_size
+        return (self.num_pages - self.reserved_pages - len(self._free_pages)) * self.page_size
 
     def snapshot(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(free list, per-page allocated mask) copies: equal snapshots mean equal allocator state."""
-        return self._free_pages.clone(), self._allocated.clone()
+        return torch.tensor(list(self._free_pages), dtype=torch.int64), self._allocated.clone()
 
     def is_allocated(self, indices: IndexLike) -> torch.Tensor:
         """Per-slot bool: is the page holding each slot allocated right now (for invariant checks)."""
-        idx = as_index_tensor(indices, self.device)
+        idx = as_index_tensor(indices, torch.device("cpu"))
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.num_slots):
             raise OutOfRange(f"slot index outside [0, {self.num_slots})")
         return self._allocated[idx // self.page_size]
 
     def check_conservation(self) -> None:
         """Raise ConservationError unless free list and allocated-mask describe the same partition."""
-        free = self._free_pages
-        n_free = int(free.numel())
-        n_alloc = int(self._allocated.sum().item())
+        free = set(self._free_pages)
+        n_free = len(self._free_pages)
+        n_alloc = sum(self._allocated_bytes)
+        if len(free) != n_free:
+            raise ConservationError("free list holds a page twice")
         if n_free + n_alloc + self.reserved_pages != self.num_pages:
             raise ConservationError(
                 f"free pages {n_free} + allocated {n_alloc} + reserved {self.reserved_pages} != {self.num_pages}"
             )
-        if n_free:
-            if int(free.min()) < self.reserved_pages or int(free.max()) >= self.num_pages:
-                raise ConservationError("free list holds a reserved or out-of-range page")
-            if int(torch.unique(free).numel()) != n_free:
-                raise ConservationError("free list holds a page twice")
-            if bool(self._allocated[free].any()):
-                raise ConservationError("a page is both in the free list and marked allocated")
-        if self.reserved_pages and bool(self._allocated[: self.reserved_pages].any()):
+        if free and (min(free) < self.reserved_pages or max(free) >= self.num_pages):
+            raise ConservationError("free list holds a reserved or out-of-range page")
+        if any(self._allocated_bytes[p] for p in free):
+            raise ConservationError("a page is both in the free list and marked allocated")
+        if any(self._allocated_bytes[: self.reserved_pages]):
             raise ConservationError("the padding page is marked allocated")
 
     # ---- alloc / free -----------------------------------------------------------------------------
@@ -129,50 +134,52 @@ class TokenSlotAllocator:
         if n % self.page_size:
             raise ValueError(f"alloc size {n} is not a multiple of page_size {self.page_size}")
         k = n // self.page_size
-        if k > self._free_pages.numel():
+        free = self._free_pages
+        if k > len(free):
             return None
-        pages = self._free_pages[:k]
-        if k and bool(self._allocated[pages].any()):
+        pages = [free[i] for i in range(k)]
+        mask = self._allocated_bytes
+        if any(mask[p] for p in pages):
             raise DoubleAlloc("free list hands out a page the allocated-mask already owns")
-        self._free_pages = self._free_pages[k:]
-        self._allocated[pages] = True
-        self._ever_allocated[pages] = True
-        return (pages[:, None] * self.page_size + self._offsets).reshape(-1)
+        for p in pages:
+            free.popleft()
+            mask[p] = 1
+            self._ever_bytes[p] = 1
+        out = (torch.tensor(pages, dtype=torch.int64)[:, None] * self.page_size + self._offsets).reshape(-1)
+        return out if self.device.type == "cpu" else out.to(self.device)
 
     def free(self, indices: IndexLike) -> None:
         """Free exactly the pages covered by `indices` (whole pages, each once), or raise and change nothing."""
-        pages = self._validate_free(as_index_tensor(indices, self.device))
-        if pages is None:
-            return
-        self._allocated[pages] = False
-        self._free_pages = torch.cat([self._free_pages, pages])
+        pages = self._validate_free(as_index_tensor(indices, torch.device("cpu")))
+        mask = self._allocated_bytes
+        for p in pages:
+            mask[p] = 0
+        self._free_pages.extend(pages)
 
-    def _validate_free(self, idx: torch.Tensor) -> torch.Tensor | None:
+    def _validate_free(self, idx: torch.Tensor) -> list[int]:
         n = int(idx.numel())
         if n == 0:
-            return None
+            return []
         ps = self.page_size
-        s = torch.sort(idx).values
-        flags = [(s[0] < 0) | (s[-1] >= self.num_slots)]
-        flags.append((s[1:] == s[:-1]).any() if n > 1 else torch.zeros((), dtype=torch.bool, device=idx.device))
-        whole = n % ps == 0
-        if whole:
-            rows = s.view(-1, ps)
-            flags.append(((rows - rows[:, :1]) != self._offsets).any() | (rows[:, 0] % ps != 0).any())
-            pages = torch.div(rows[:, 0], ps, rounding_mode="floor").clamp_(0, self.num_pages - 1)
-            flags.append(~self._allocated[pages].all())
-        oob, dup, *rest = torch.stack(flags).tolist()
-        if oob:
-            raise OutOfRange(f"slot index outside [0, {self.num_slots}): min {int(s[0])}, max {int(s[-1])}")
-        if dup:
-            first = int(s[1:][s[1:] == s[:-1]][0])
-            raise DuplicateIndex(f"slot {first} appears more than once in one free batch")
-        if not whole or rest[0]:
+        s = np.sort(idx.numpy())  # numpy: a few microseconds for a chunk-sized batch
+        lo, hi = int(s[0]), int(s[-1])
+        if lo < 0 or hi >= self.num_slots:
+            raise OutOfRange(f"slot index outside [0, {self.num_slots}): min {lo}, max {hi}")
+        if n > 1:
+            dup = s[1:] == s[:-1]
+            if dup.any():
+                raise DuplicateIndex(f"slot {int(s[1:][dup][0])} appears more than once in one free batch")
+        if n % ps:
             raise PartialPage(f"free batch of {n} slots does not cover whole pages of {ps}")
-        if rest[1]:
-            bad = pages[~self._allocated[pages]]
-            never = bad[~self._ever_allocated[bad]]
-            if never.numel():
-                raise NeverAllocated(f"page(s) {never[:8].tolist()} (slot {int(never[0]) * ps}...) were never allocated")
-            raise DoubleFree(f"page(s) {bad[:8].tolist()} (slot {int(bad[0]) * ps}...) are already free")
+        rows = s.reshape(-1, ps)
+        if ps > 1 and (((rows - rows[:, :1]) != self._offsets_np).any() or (rows[:, 0] % ps != 0).any()):
+            raise PartialPage(f"free batch of {n} slots does not cover whole pages of {ps}")
+        pages = (rows[:, 0] // ps).tolist()
+        mask = self._allocated_bytes
+        bad = [p for p in pages if not mask[p]]
+        if bad:
+            never = [p for p in bad if not self._ever_bytes[p]]
+            if never:
+                raise NeverAllocated(f"page(s) {never[:8]} (slot {never[0] * ps}...) were never allocated")
+            raise DoubleFree(f"page(s) {bad[:8]} (slot {bad[0] * ps}...) are already free")
         return pages

@@ -139,7 +139,7 @@ def test_conservation_detects_tampering_and_double_alloc_rejected() -> None:
     x = a.alloc(4)
     assert x is not None
     page = x[:1] // 4
-    a._free_pages = torch.cat([page, a._free_pages])  # corrupt: an owned page back in the free list
+    a._free_pages.appendleft(int(page))  # corrupt: an owned page back in the free list
     with pytest.raises(ConservationError):
         a.check_conservation()
     before = snap(a)

@@ -96,7 +96,7 @@ def test_double_free_and_double_alloc_rejected_without_change() -> None:
             h.free(bad)
         assert snap(h) == before
         h.check_conservation()
-    h.allocator._free_pages = torch.cat([x[4:5] // 4, h.allocator._free_pages])  # corrupt the free list
+    h.allocator._free_pages.appendleft(int(x[4]) // 4)  # corrupt the free list
     before = snap(h)
     with pytest.raises(DoubleAlloc):
         h.alloc(4)
