@@ -85,5 +85,30 @@ def demo(workdir: Path = typer.Option(None, "--dir", help="Where the store, trac
     run(workdir, requests, json_out)
 
 
+@app.command()
+def bench(quick: bool = typer.Option(False, help="Small sizes: checks the scripts, not the numbers.")) -> None:
+    """Run bench/ (bandwidth on CUDA, per-event runtime, manager overhead), write JSON, render docs/ plots."""
+    import subprocess
+    import sys
+
+    import torch
+
+    root = Path.cwd()
+    if not (root / "bench" / "plots.py").exists():
+        err.print("run `kvfsm bench` from the repository root (bench/ holds the scripts)")
+        raise typer.Exit(INVALID)
+    runs = [["event_runtime.py"] + (["--cycles", "2000"] if quick else []),
+            ["manager_overhead.py"] + (["--live", "64", "256", "--iterations", "8"] if quick else []),
+            ["hash_throughput.py"] + (["--tokens", "65536", "--reps", "1"] if quick else [])]
+    if torch.cuda.is_available():
+        runs.append(["offload_bandwidth.py"] + (["--gib", "0.125"] if quick else []))
+    else:
+        out.print("no CUDA here: skipping bench/offload_bandwidth.py (its GPU results are in bench/results/)")
+    for script, *args in runs:
+        out.print(f"$ python bench/{script} {' '.join(args)}", markup=False)
+        subprocess.run([sys.executable, str(root / "bench" / script), *args], check=True)
+    subprocess.run([sys.executable, str(root / "bench" / "plots.py")], check=True)
+
+
 if __name__ == "__main__":
     app()

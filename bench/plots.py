@@ -1,0 +1,138 @@
+"""Render bench/results/*.json into PNG plots and docs/results.md (each figure names its machine).
+
+Every number on the page is read from a result file; nothing is typed in by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+DOCS = ROOT / "docs"
+
+
+def _load(pattern: str) -> list[tuple[Path, dict]]:
+    return [(p, json.loads(p.read_text())) for p in sorted(RESULTS.glob(pattern))]
+
+
+def _machine(doc: dict) -> str:
+    m = doc.get("machine", {})
+    return m.get("gpu") or m.get("cpu") or m.get("hostname", "?")
+
+
+def bandwidth(lines: list[str]) -> None:
+    runs = [(p, d) for p, d in _load("offload_bandwidth-*.json") if d.get("cases") and not d.get("smoke")
+            and "sweep" not in p.name]
+    if not runs:
+        return
+    path, doc = runs[-1]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    lines += ["## Offload bandwidth", "", f"From `{path.relative_to(ROOT)}`, machine: {_machine(doc)}. Llama-3-8B-like "
+              f"KV ({doc['kv']['layers']} layers, {doc['kv']['kv_heads']} KV heads, head dim {doc['kv']['head_dim']}, "
+              f"bf16), {doc['bytes_per_batch'] / 2**30:.0f} GiB per batch; ratios against the same run's contiguous "
+              "pinned ceilings.", "", "| layout | page | direction | Triton kernel | CUDA engine (end to end) | torch via contiguous pinned | "
+              "target |", "|---|---|---|---|---|---|---|"]
+    for ax, direction, key in ((axes[0], "offload", "d2h"), (axes[1], "loadback", "h2d")):
+        ceiling = doc["ceilings"][key]["GBps_best"]
+        for layout, style in (("page_first", "-o"), ("layer_first", "--s")):
+            cases = sorted((c for c in doc["cases"] if c["layout"] == layout), key=lambda c: c["page_size"])
+            ps = [c["page_size"] for c in cases]
+            ax.plot(ps, [c[direction]["triton"]["GBps_median"] for c in cases], style, label=f"Triton kernel, {layout}")
+            ax.plot(ps, [c[direction]["ours"]["GBps_median"] for c in cases], style, alpha=0.5,
+                    label=f"CUDA engine, {layout}")
+            for c in cases:
+                d = c[direction]
+                torch_path = d.get("torch_gather_pinned") or d.get("torch_pinned_scatter")
+                lines.append(f"| {layout} | {c['page_size']} | {direction} | {d['triton']['ratio_median']:.3f} | "
+                             f"{d['ours']['ratio_median']:.3f} | {torch_path['ratio_median']:.3f} | "
+                             f"{d['target']} |")
+        ax.axhline(ceiling, color="k", lw=1, label=f"contiguous pinned {key.upper()} ceiling")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("page size (tokens)")
+        ax.set_title(f"{direction} ({_machine(doc)})")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("GB/s (median)")
+    axes[1].legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(DOCS / "bandwidth.png", dpi=110)
+    plt.close(fig)
+    lines += ["", "![bandwidth](bandwidth.png)", ""]
+
+
+def event_cost(lines: list[str]) -> None:
+    runs = _load("event_runtime-*.json")
+    if not runs:
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    names, gen, ref = [], [], []
+    lines += ["## Per-event cost: generated machine vs the `transitions` reference", "",
+              "| machine | generated us/event | reference us/event | speedup | construct us (generated / reference) |",
+              "|---|---|---|---|---|"]
+    for path, d in runs:
+        names.append(_machine(d)[:28])
+        gen.append(d["generated_us_per_event"])
+        ref.append(d["reference_us_per_event"])
+        lines.append(f"| {_machine(d)} (`{path.name}`) | {d['generated_us_per_event']:.3f} | "
+                     f"{d['reference_us_per_event']:.2f} | {d['speedup_vs_reference']:.0f}x | "
+                     f"{d['generated_construct_us']:.2f} / {d['reference_construct_us']:.0f} |")
+    x = range(len(names))
+    ax.bar([i - 0.2 for i in x], gen, 0.4, label="generated")
+    ax.bar([i + 0.2 for i in x], ref, 0.4, label="transitions reference")
+    ax.set_yscale("log")
+    ax.set_xticks(list(x), names, fontsize=7)
+    ax.set_ylabel("microseconds per event")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(DOCS / "event_cost.png", dpi=110)
+    plt.close(fig)
+    lines += ["", "![event cost](event_cost.png)", ""]
+
+
+def manager_time(lines: list[str]) -> None:
+    runs = _load("manager_overhead-*.json")
+    if not runs:
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    lines += ["## Manager time per scheduler iteration", "",
+              "One offload call per live request plus one progress check; bytes moved excluded. Target: <= 400 us "
+              "at 4096 live requests (2% of a 20 ms step).", "",
+              "| result file | machine | live requests | median us/iteration | share of 20 ms |", "|---|---|---|---|---|"]
+    for path, d in runs:
+        rows = d["runs"]
+        ax.plot([r["live_requests"] for r in rows], [r["manager_us_per_iteration_median"] for r in rows], "-o",
+                label=f"{path.stem} ({_machine(d)[:20]})")
+        for r in rows:
+            lines.append(f"| `{path.name}` | {_machine(d)} | {r['live_requests']} | "
+                         f"{r['manager_us_per_iteration_median']:.0f} | {r['share_of_20ms_step']:.1%} |")
+    ax.axhline(400, color="k", lw=1, label="target at 4096")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("live requests")
+    ax.set_ylabel("us per iteration (median)")
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(DOCS / "manager_time.png", dpi=110)
+    plt.close(fig)
+    lines += ["", "![manager time](manager_time.png)", ""]
+
+
+def main() -> int:
+    DOCS.mkdir(exist_ok=True)
+    lines = ["<!-- GENERATED by bench/plots.py from bench/results/*.json; do not edit. -->", "# Results", ""]
+    for render in (bandwidth, event_cost, manager_time):
+        render(lines)
+    (DOCS / "results.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {DOCS / 'results.md'} and plots")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
