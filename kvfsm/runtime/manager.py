@@ -33,6 +33,11 @@ _ROW_HOLDERS = frozenset(s for s, held in spec_gen.HOLDS.items() if "table_row" 
 _END_EVENTS = ("finish", "abort", "retract")
 
 
+class TPMismatch(LifecycleError):
+    """The TP ranks disagree on sizes (page, stride, host pool, backup queue): MIN-agreed counts would then
+    free different slots on different ranks, so progress is refused and nothing changes."""
+
+
 class InvalidRequest(LifecycleError):
     """The request cannot be admitted (bad table row, missing fields); nothing was changed."""
 
@@ -68,6 +73,8 @@ class DecodeOffloadManager:
                                  worker=backup_worker or ThreadBackupWorker(config.backup_queue_size),
                                  metrics=self.metrics, ledger=self.ledger)
         self.consensus = ProgressConsensus(tp_group)
+        self._sizes = (config.page_size, self.stride, self.fx.host_pool.capacity, self.fx.worker.capacity)
+        self._sizes_agree = self.consensus.check_same(*self._sizes)
         self.trace = TraceWriter(config.trace_path, spec_gen.SPEC_SHA256) if config.trace_path else None
         self.coverage: set[int] = set()
         self._records: dict[int, RequestRecord] = {}  # id(request object) -> its current lifecycle
@@ -114,6 +121,8 @@ class DecodeOffloadManager:
 
     def check_progress(self) -> None:
         """Observe completed copies and backups (MIN-agreed across TP ranks) and feed them to the machines."""
+        if not self._sizes_agree:
+            raise TPMismatch(f"TP ranks disagree on (page size, stride, host slots, backup queue) = {self._sizes}")
         fx = self.fx
         n_copies = 0
         for chunk in fx.copy_fifo:
@@ -245,4 +254,4 @@ class DecodeOffloadManager:
                 raise CheckedModeError(m.ctx.key, event, None, f"spec invariants violated: {', '.join(bad)} in {m!r}")
 
 
-__all__ = ["CheckedModeError", "DecodeOffloadManager", "InvalidRequest"]
+__all__ = ["CheckedModeError", "DecodeOffloadManager", "InvalidRequest", "TPMismatch"]

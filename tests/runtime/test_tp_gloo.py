@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kvfsm.dataplane.storage import FaultyStorage
-from kvfsm.runtime import DecodeOffloadManager
+from kvfsm.runtime import DecodeOffloadManager, TPMismatch
 from kvfsm.runtime.tp import ProgressConsensus
 from kvfsm.verify.engine import SimEngine
 
@@ -163,6 +163,22 @@ def _one_run(rank: int, world: int, out: Path) -> None:
     dist.barrier()
 
 
+def _mismatch_run(rank: int, out: Path) -> None:
+    """Ranks whose host pools differ in size: progress must be refused on every rank, changing nothing."""
+    engine = TPSimEngine(page_size=2, stride=4, device_slots=64, host_slots=8 + 2 * rank, rows=2, max_context=32)
+    before = engine.host_pool.free_slots
+    try:
+        engine.manager.check_progress()
+        outcome = "accepted"
+    except TPMismatch as exc:
+        outcome = f"TPMismatch: {exc}"
+    out.mkdir(exist_ok=True)
+    (out / f"rank{rank}.json").write_text(json.dumps({"outcome": outcome,
+                                                      "unchanged": engine.host_pool.free_slots == before}))
+    engine.manager.close()
+    dist.barrier()
+
+
 def _worker(rank: int, world: int, init: str, out_dir: str) -> None:
     """One rank: the workload with ProgressConsensus, then again with `agree` as the identity (control)."""
     torch.set_num_threads(1)
@@ -173,6 +189,7 @@ def _worker(rank: int, world: int, init: str, out_dir: str) -> None:
         with pytest.MonkeyPatch.context() as mpatch:
             mpatch.setattr(ProgressConsensus, "agree", lambda self, *counts: counts)
             _one_run(rank, world, Path(out_dir, "control"))
+        _mismatch_run(rank, Path(out_dir, "mismatch"))
     finally:
         dist.destroy_process_group()
 
@@ -205,7 +222,9 @@ def tp_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
             if p.is_alive():
                 p.kill()
                 p.join()
-    return {mode: _read(tmp / mode, world) for mode in ("consensus", "control")}
+    runs = {mode: _read(tmp / mode, world) for mode in ("consensus", "control")}
+    runs["mismatch"] = [json.loads((tmp / "mismatch" / f"rank{r}.json").read_text()) for r in range(world)]
+    return runs
 
 
 def _first_difference(a: list[Any], b: list[Any]) -> str:
@@ -234,3 +253,9 @@ def test_ranks_apply_identical_frees_and_writes(tp_runs: dict[str, list[dict[str
 def test_control_without_consensus_diverges(tp_runs: dict[str, list[dict[str, Any]]]) -> None:
     logs = [r["log"] for r in tp_runs["control"]]
     assert any(log != logs[0] for log in logs[1:]), "ranks agreed without consensus: the test could not fail"
+
+
+def test_disagreeing_sizes_refuse_progress_on_every_rank(tp_runs: dict[str, list[dict[str, Any]]]) -> None:
+    for r in tp_runs["mismatch"]:
+        assert r["outcome"].startswith("TPMismatch"), r
+        assert r["unchanged"]
