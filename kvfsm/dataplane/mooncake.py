@@ -12,24 +12,32 @@ Data path (one client call per batch, no per-page round trips):
     (`register_buffer`, `register_host_pool`, the read pool) is always sent in place; any other page too
     when the protocol lets the transfer engine read unregistered host memory (`tcp`), else it is staged
     through a registered buffer first (one memcpy). `batch_set_from_host` gathers pages straight out of a
-    registered HostKVPool (`batch_put_from_multi_buffers`, one range per plane and layer), no copy at all.
-  * batch_get -> `batch_get_into` straight into registered, recycled page buffers that the returned
-    tensors alias (a buffer is reused only once nothing references it any more), so a read neither
-    copies nor page-faults fresh memory.
+    registered HostKVPool (`batch_put_from_multi_buffers`, one range per plane and layer, per token for
+    page_first), no serialisation copy at all.
+  * batch_get -> `batch_get_into` straight into recycled page buffers (registered when the transport
+    needs it) that the returned tensors alias; a buffer is reused only once nothing references it any
+    more, so a read neither copies nor page-faults fresh memory.
   * batch_exists -> `batch_is_exist`, counted as a prefix.
 
 Failures are reported per page, never raised (B13: a page is reported stored only when the store said so):
-a full store (NO_AVAILABLE_HANDLE), an RPC failure, a dead master, a size mismatch on read all become
-False / None / a shorter prefix, counted in `stats` and logged once per call.
+a full store (NO_AVAILABLE_HANDLE, with eviction off or nothing evictable), an RPC failure, a dead master
+all become False / None / a shorter prefix, counted in `stats` and logged once per call. An object of
+another size than `page_nbytes` is fetched again at its own size (one get_size round trip).
+
+Mooncake is a cache: under memory pressure the master evicts objects (`--eviction_high_watermark_ratio`),
+and a restarted master starts with an empty index. A page once reported stored can therefore go missing
+later; reads then return None and the stored-prefix query stops there, as for a page never stored.
 
 Bounded time: construction probes the master and the metadata server with a TCP connect and raises
-`MooncakeUnavailable` with the address when either is unreachable, and runs `setup` under
-`setup_timeout_s`. Every later client call runs on one of a few daemon worker threads and is waited for
-at most `op_timeout_s`; past that the call is reported failed. If such an abandoned put finishes later,
-the keys it wrote are removed again (the pages may have changed meanwhile), and the buffers an abandoned
-get writes into stay reserved until it returns. While every worker is stuck, calls fail at once instead
-of queueing. The Mooncake client also honours `MC_RPC_TIMEOUT_MS` / `MC_RPC_CONNECT_TIMEOUT_MS` (master
-RPCs) and `MC_STORE_CLIENT_SETUP_RETRIES`; set them in the environment before the first client is built.
+`MooncakeUnavailable` with the address when either is unreachable (instead of the client's ~90 s of setup
+retries). The client's setup() and close() hold the GIL, so no Python timeout can cut them short: setup is
+bounded through the client's own settings, which construction sets when the environment does not
+(`MC_STORE_CLIENT_SETUP_RETRIES` from setup_timeout_s, `MC_RPC_TIMEOUT_MS` from op_timeout_s; both are read
+at setup). Every other client call runs on one of a few daemon worker threads and is waited for at most
+`op_timeout_s`; past that the call is reported failed. If such an abandoned put finishes later, the keys
+it wrote are removed again (the pages may have changed meanwhile), and the buffers an abandoned get
+writes into stay reserved until it returns. While every worker is stuck, calls fail at once instead of
+queueing. close() waits for running calls before closing the client (never under one).
 """
 
 from __future__ import annotations
@@ -37,14 +45,14 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
+import os
 import queue
 import socket
 import sys
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import CancelledError, Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -118,14 +126,21 @@ class MooncakeStats(StorageStats):
 
 
 # ---- bounded calls ----------------------------------------------------------------------------------
+_PENDING, _RUNNING, _FINISHED, _CANCELLED, _ABANDONED = range(5)
+
+
 class _Job:
-    __slots__ = ("fn", "on_late", "future", "finished", "abandoned")
+    """One client call; `done` is released when it has finished (the cheapest thing to wait on)."""
+
+    __slots__ = ("fn", "on_late", "done", "state", "result", "error")
 
     def __init__(self, fn: Callable[[], Any], on_late: Callable[[Any], None] | None) -> None:
         self.fn, self.on_late = fn, on_late
-        self.future: Future = Future()
-        self.finished = False
-        self.abandoned = False
+        self.done = threading.Lock()
+        self.done.acquire()
+        self.state = _PENDING
+        self.result: Any = None
+        self.error: BaseException | None = None
 
 
 class _Runner:
@@ -145,55 +160,55 @@ class _Runner:
             job = self._q.get()
             if job is None:
                 return
-            if not job.future.set_running_or_notify_cancel():
-                continue
-            result: Any = None
-            error: BaseException | None = None
-            try:
-                result = job.fn()
-            except BaseException as e:  # reported to the caller, never kills the worker
-                error = e
             with self._lock:
-                job.finished = True
-                late = job.abandoned
+                if job.state == _CANCELLED:  # its caller gave up before it started: never run it
+                    continue
+                job.state = _RUNNING
+            try:
+                job.result = job.fn()
+            except BaseException as e:  # reported to the caller, never kills the worker
+                job.error = e
+            with self._lock:
+                late = job.state == _ABANDONED
+                job.state = _FINISHED
                 if late:
                     self.stuck -= 1
-            if error is None:
-                job.future.set_result(result)
-            else:
-                job.future.set_exception(error)
-            if late and job.on_late is not None and error is None:
+            job.done.release()
+            if late and job.on_late is not None and job.error is None:
                 try:
-                    job.on_late(result)
+                    job.on_late(job.result)
                 except Exception:  # cleanup of an abandoned call is best effort
                     logger.exception("cleanup after a late Mooncake call failed")
             job.fn = job.on_late = None  # type: ignore[assignment]  # drop buffer references now
 
-    def call(self, fn: Callable[[], Any], timeout: float, on_late: Callable[[Any], None] | None = None) -> tuple[str, Any]:
-        """("ok", result) | ("error", exc) | (TIMEOUT, None) | (WEDGED, None)."""
-        with self._lock:
-            if self.stuck >= self.workers:
-                return WEDGED, None
+    def submit(self, fn: Callable[[], Any], on_late: Callable[[Any], None] | None = None) -> _Job | None:
+        """Queue a call; None when every worker is stuck in an abandoned call (then nothing is queued)."""
+        if self.stuck >= self.workers:
+            return None
         job = _Job(fn, on_late)
         self._q.put(job)
-        try:
-            return "ok", job.future.result(timeout)
-        except FutureTimeout:
-            pass
-        except CancelledError:
-            return TIMEOUT, None
-        except Exception as e:
-            return "error", e
-        with self._lock:
-            if not job.finished:
-                if not job.future.cancel():  # running: it may still complete; let on_late undo it
-                    job.abandoned = True
+        return job
+
+    def call(self, fn: Callable[[], Any], timeout: float, on_late: Callable[[Any], None] | None = None) -> tuple[str, Any]:
+        return self.wait(self.submit(fn, on_late), timeout)
+
+    def wait(self, job: _Job | None, timeout: float) -> tuple[str, Any]:
+        """("ok", result) | ("error", exc) | (TIMEOUT, None) | (WEDGED, None)."""
+        if job is None:
+            return WEDGED, None
+        if not job.done.acquire(timeout=max(0.0, timeout)):
+            with self._lock:
+                if job.state == _PENDING:
+                    job.state = _CANCELLED
+                    return TIMEOUT, None
+                if job.state == _RUNNING:  # it may still complete: on_late undoes what it did
+                    job.state = _ABANDONED
                     self.stuck += 1
-                return TIMEOUT, None
-        try:  # finished just as the wait timed out
-            return "ok", job.future.result()
-        except Exception as e:
-            return "error", e
+                    return TIMEOUT, None
+            # finished just as the wait timed out: its result is set
+        if job.error is not None:
+            return "error", job.error
+        return "ok", job.result
 
     def close(self) -> None:
         """Workers exit once the calls queued so far are done."""
@@ -206,74 +221,100 @@ class _Runner:
 
 
 # ---- recycled receive buffers -------------------------------------------------------------------------
-class _ReadPool:
-    """Registered page buffers for reads; a buffer is free again once no tensor references it.
+class _Slab:
+    __slots__ = ("mm", "anchor", "whole", "base", "free")
 
-    Each buffer is a memoryview slice of an anonymous mmap slab registered with the client; returned
-    tensors are `torch.frombuffer` of the slice, and every tensor or view derived from them keeps the
-    slice alive, so the slice's reference count says whether anything still uses it.
+    def __init__(self, pages: int, page_nbytes: int) -> None:
+        self.mm = mmap.mmap(-1, pages * page_nbytes)
+        self.anchor = ctypes.c_char.from_buffer(self.mm)  # keeps the mapping exported (its address stable)
+        self.base = ctypes.addressof(self.anchor)
+        self.whole = memoryview(self.mm)
+        self.free = bytearray(b"\x01" * pages)  # 1: no lease covers the page
+
+
+class _ReadPool:
+    """Page buffers for reads, handed out as leases and reused once nothing references them.
+
+    Buffers live in anonymous mmap slabs (registered with the client when the transport needs it). A
+    lease is a memoryview over a run of consecutive pages; the tensors returned for it are rows of one
+    `torch.frombuffer` of the lease, so any row or view derived from one keeps the lease referenced, and
+    the lease's reference count says when its pages are free again.
     """
 
-    def __init__(self, page_nbytes: int, cap_bytes: int, register: Callable[[int, int], bool]) -> None:
+    def __init__(self, page_nbytes: int, cap_bytes: int, register: Callable[[int, int], bool] | None) -> None:
         self.page_nbytes = page_nbytes
         self.cap_pages = max(0, cap_bytes // page_nbytes)
         self._register = register
-        self._slabs: list[tuple[mmap.mmap, Any]] = []
-        self.buffers: list[memoryview] = []
-        self.addrs: list[int] = []
-        self._probe = [memoryview(b"")]  # never handed out: its count is what "unreferenced" reads as
-        self._cursor = 0
+        self.slabs: list[_Slab] = []
+        self.pages = 0
+        self._leases: list[tuple[memoryview, int, int, int]] = []  # (lease, slab, first page, pages)
+        self._probe = [(memoryview(b""), 0, 0, 0)]  # never handed out: what "unreferenced" counts as
         self._lock = threading.Lock()
-
-    def _grow(self, want: int) -> None:
-        room = self.cap_pages - len(self.buffers)
-        n = min(room, max(want, (64 << 20) // self.page_nbytes, 16))
-        if n <= 0:
-            return
-        mm = mmap.mmap(-1, n * self.page_nbytes)
-        anchor = ctypes.c_char.from_buffer(mm)  # keeps the mapping exported (and its address stable)
-        base = ctypes.addressof(anchor)
-        if not self._register(base, n * self.page_nbytes):
-            anchor = None
-            mm.close()
-            self.cap_pages = len(self.buffers)  # cannot register more: stop growing
-            return
-        self._slabs.append((mm, anchor))
-        whole = memoryview(mm)
-        for i in range(n):
-            self.buffers.append(whole[i * self.page_nbytes:(i + 1) * self.page_nbytes])
-            self.addrs.append(base + i * self.page_nbytes)
 
     @staticmethod
     def _refs(buf: memoryview) -> int:
         return sys.getrefcount(buf)
 
-    def take(self, n: int) -> tuple[list[memoryview], list[int]]:
-        """Up to n free buffers and their addresses (fewer when the cap is reached)."""
+    def _reclaim(self) -> None:
+        entry = self._probe[0]
+        lease = entry[0]
+        baseline = self._refs(lease)  # measured exactly as each lease is below
+        keep = []
+        for entry in self._leases:
+            lease = entry[0]
+            if self._refs(lease) <= baseline:
+                _, si, first, n = entry
+                self.slabs[si].free[first:first + n] = b"\x01" * n
+            else:
+                keep.append(entry)
+        del lease, entry
+        self._leases = keep
+
+    def _grow(self, want: int) -> bool:
+        n = min(self.cap_pages - self.pages, max(want, min((64 << 20) // self.page_nbytes, 1024)))
+        if n < want:
+            return False
+        slab = _Slab(n, self.page_nbytes)
+        if self._register is not None and not self._register(slab.base, n * self.page_nbytes):
+            return False  # not registered now (client busy or master away): fresh memory this time
+        self.slabs.append(slab)
+        self.pages += n
+        return True
+
+    def _lease(self, si: int, first: int, n: int) -> tuple[memoryview, int]:
+        slab, pb = self.slabs[si], self.page_nbytes
+        slab.free[first:first + n] = bytes(n)
+        lease = slab.whole[first * pb:(first + n) * pb]
+        self._leases.append((lease, si, first, n))
+        return lease, slab.base + first * pb
+
+    def take(self, n: int) -> list[tuple[memoryview, int, int]]:
+        """Leases covering up to n pages: (lease, address, pages); fewer pages once the cap is reached."""
         with self._lock:
-            got: list[memoryview] = []
-            addrs: list[int] = []
-            probe = self._probe[0]
-            baseline = self._refs(probe)  # measured exactly as each buffer is below
-            total = len(self.buffers)
-            i, scanned = self._cursor, 0
-            while len(got) < n and scanned < total:
-                buf = self.buffers[i]
-                if self._refs(buf) <= baseline:
-                    got.append(buf)
-                    addrs.append(self.addrs[i])
-                i = i + 1 if i + 1 < total else 0
-                scanned += 1
-            self._cursor = i if total else 0
-            if len(got) < n and len(self.buffers) < self.cap_pages:
-                start = len(self.buffers)
-                self._grow(n - len(got))
-                for j in range(start, len(self.buffers)):
-                    if len(got) == n:
-                        break
-                    got.append(self.buffers[j])
-                    addrs.append(self.addrs[j])
-            return got, addrs
+            self._reclaim()
+            run = b"\x01" * n
+            for si, slab in enumerate(self.slabs):  # one run of n free pages: one lease
+                first = slab.free.find(run)
+                if first >= 0:
+                    lease, addr = self._lease(si, first, n)
+                    return [(lease, addr, n)]
+            if self._grow(n):
+                lease, addr = self._lease(len(self.slabs) - 1, 0, n)
+                return [(lease, addr, n)]
+            out: list[tuple[memoryview, int, int]] = []  # fragmented or full: whatever runs are free
+            need = n
+            for si, slab in enumerate(self.slabs):
+                first = slab.free.find(1)
+                while first >= 0 and need:
+                    end = slab.free.find(0, first)
+                    k = min((len(slab.free) if end < 0 else end) - first, need)
+                    lease, addr = self._lease(si, first, k)
+                    out.append((lease, addr, k))
+                    need -= k
+                    first = slab.free.find(1, first + k)
+                if not need:
+                    break
+            return out
 
 
 # ---- the backend ----------------------------------------------------------------------------------------
@@ -339,6 +380,10 @@ class MooncakeStorage:
             probe(master_server_addr, "master", connect_timeout_s, 50051)
             if self.metadata_server.startswith(("http://", "https://")):
                 probe(self.metadata_server, "metadata server", connect_timeout_s, 8080)
+            # The client's setup holds the GIL (no Python-side timeout can fire during it): bound it by its own
+            # retry count and RPC timeout, unless the environment already says otherwise.
+            os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", str(max(1, int(setup_timeout_s // 5))))
+            os.environ.setdefault("MC_RPC_TIMEOUT_MS", str(max(1000, int(op_timeout_s * 1000))))
             client = self._setup(store_cls, local_hostname, global_segment_size, local_buffer_size, device_name,
                                  setup_timeout_s)
         self.client = client
@@ -398,6 +443,21 @@ class MooncakeStorage:
             self.register_buffer(host_pool.kv_buffer)
             self._registered_pools.add(id(host_pool))
 
+    def unregister_buffer(self, tensor: torch.Tensor) -> None:
+        """Undo register_buffer (before the tensor's memory is freed)."""
+        addr = tensor.data_ptr()
+        with self._lock:
+            if not any(s == addr for s, _ in self._regions):
+                return
+            self._regions = [r for r in self._regions if r[0] != addr]
+        client = self.client
+        self._runner.call(lambda: client.unregister_buffer(addr), self.op_timeout_s)
+
+    def unregister_host_pool(self, host_pool: Any) -> None:
+        if id(host_pool) in self._registered_pools:
+            self._registered_pools.discard(id(host_pool))
+            self.unregister_buffer(host_pool.kv_buffer)
+
     def _register(self, addr: int, nbytes: int, strict: bool = False) -> bool:
         if any(s <= addr and addr + nbytes <= e for s, e in self._regions):
             return True
@@ -419,7 +479,8 @@ class MooncakeStorage:
         with self._lock:
             pool = self._pools.get(page_nbytes)
             if pool is None:
-                pool = self._pools[page_nbytes] = _ReadPool(page_nbytes, self.read_pool_bytes, self._register)
+                register = None if self.direct_unregistered else self._register  # TCP needs no registration
+                pool = self._pools[page_nbytes] = _ReadPool(page_nbytes, self.read_pool_bytes, register)
             return pool
 
     # ---- accounting ----------------------------------------------------------------------------------------
@@ -432,9 +493,19 @@ class MooncakeStorage:
             logger.warning("mooncake %s: %d of %d pages failed (%s)", op, sum(bad.values()), n, what)
 
     def _call(self, fn: Callable[[], Any], on_late: Callable[[Any], None] | None = None) -> tuple[str | int, Any]:
+        return self._wait(self._submit(fn, on_late))
+
+    def _submit(self, fn: Callable[[], Any], on_late: Callable[[Any], None] | None = None) -> tuple[Any, float]:
+        """Start a bounded call (the caller may work meanwhile); `_wait` collects it."""
         if self._closed:
-            return "CLOSED", None
-        status, value = self._runner.call(fn, self.op_timeout_s, on_late)
+            return "CLOSED", 0.0
+        return self._runner.submit(fn, on_late), time.monotonic() + self.op_timeout_s
+
+    def _wait(self, started: tuple[Any, float]) -> tuple[str | int, Any]:
+        job, deadline = started
+        if isinstance(job, str):  # closed: nothing was started
+            return job, None
+        status, value = self._runner.wait(job, deadline - time.monotonic())
         if status == TIMEOUT:
             with self._lock:
                 self.stats.timeouts += 1
@@ -459,65 +530,87 @@ class MooncakeStorage:
         return undo
 
     # ---- writes ----------------------------------------------------------------------------------------------
+    def _mkeys(self, keys: Sequence[str]) -> list[str]:
+        suffix = self.suffix
+        try:
+            mkeys = [k + suffix for k in keys]
+        except TypeError:
+            mkeys = []
+        if len(mkeys) != len(keys) or not all(keys):
+            bad = next(k for k in keys if not isinstance(k, str) or not k)
+            raise ValueError(f"storage key must be a non-empty string, got {bad!r}")
+        return mkeys
+
     def batch_set(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[bool]:
         _check_batch(keys, pages)
         if not keys:
             return []
-        mkeys = [self.key_of(k) for k in keys]
-        held: list[Any] = []  # everything the client reads from stays referenced until the call returns
+        mkeys = self._mkeys(keys)
+        held: list[Any] = list(pages)  # everything the client reads stays referenced until the call returns
         ptrs: list[int] = []
         sizes: list[int] = []
-        stage: list[int] = []
-        for i, p in enumerate(pages):
-            t = p.detach()
-            if t.device.type != "cpu" or not t.is_contiguous():
-                t = t.to("cpu").contiguous()
-            held.append(t)
+        for i, t in enumerate(held):
+            if not (t.is_cpu and t.is_contiguous()):
+                t = held[i] = t.detach().to("cpu").contiguous()
             ptrs.append(t.data_ptr())
             sizes.append(t.numel())
-            if not self.direct_unregistered and not self._registered(ptrs[-1], sizes[-1]):
-                stage.append(i)
-        if stage:  # registered staging for transports that need it (one memcpy per page)
-            by_size: dict[int, list[int]] = {}
-            for i in stage:
-                by_size.setdefault(sizes[i], []).append(i)
-            for nbytes, idx in by_size.items():
-                bufs, addrs = self._pool(nbytes).take(len(idx)) if nbytes else ([], [])
-                for j, (i, buf, addr) in enumerate(zip(idx, bufs, addrs)):
-                    torch.frombuffer(buf, dtype=torch.uint8).copy_(held[i].reshape(-1))
-                    held.append(buf)
-                    ptrs[i] = addr
-                if len(bufs) < len(idx):  # no registered room: those pages fail
-                    for i in idx[len(bufs):]:
-                        sizes[i] = 0
-        todo = [i for i in range(len(keys)) if sizes[i] > 0]
-        codes: list[int | str] = [INVALID_PARAMS] * len(keys)
-        if todo:
-            tk = [mkeys[i] for i in todo]
-            tp, ts = [ptrs[i] for i in todo], [sizes[i] for i in todo]
-            cfg = self._put_config
-            client = self.client
+        if not self.direct_unregistered:
+            self._stage(held, ptrs, sizes)
+        n = len(mkeys)
+        if 0 in sizes:
+            todo = [i for i in range(n) if sizes[i] > 0]
+            tk, tp, ts = [mkeys[i] for i in todo], [ptrs[i] for i in todo], [sizes[i] for i in todo]
+        else:
+            todo, tk, tp, ts = None, mkeys, ptrs, sizes
+        codes: list[int | str]
+        if tk:
+            cfg, client = self._put_config, self.client
 
             def put() -> Any:
                 _ = held
                 return client.batch_put_from(tk, tp, ts, cfg) if cfg is not None else client.batch_put_from(tk, tp, ts)
 
             status, rcs = self._call(put, self._late_put_cleanup(tk))
-            if status == "ok" and isinstance(rcs, (list, tuple)) and len(rcs) == len(todo):
-                for i, rc in zip(todo, rcs):
-                    codes[i] = int(rc)
-            else:
-                for i in todo:
-                    codes[i] = status if status != "ok" else f"bad reply {rcs!r:.40}"
+            if not (status == "ok" and isinstance(rcs, (list, tuple)) and len(rcs) == len(tk)):
+                rcs = [status if status != "ok" else f"bad reply {rcs!r:.40}"] * len(tk)
+        else:
+            rcs = []
+        if todo is None:
+            codes = list(rcs)
+        else:
+            codes = [INVALID_PARAMS] * n
+            for i, rc in zip(todo, rcs):
+                codes[i] = rc
         ok = [c == OK or c == OBJECT_ALREADY_EXISTS for c in codes]
-        n_ok = sum(ok)
+        n_ok = ok.count(True)
         with self._lock:
             self.stats.writes_ok += n_ok
-            self.stats.writes_failed += len(ok) - n_ok
+            self.stats.writes_failed += n - n_ok
         if n_ok and self.page_nbytes is None and len(set(sizes)) == 1:
             self.page_nbytes = sizes[0]
-        self._note("put", [c for c, good in zip(codes, ok) if not good], len(keys))
+        if n_ok < n:
+            self._note("put", [c for c, good in zip(codes, ok) if not good], n)
         return ok
+
+    def _stage(self, held: list[Any], ptrs: list[int], sizes: list[int]) -> None:
+        """Copy pages outside registered memory into registered read-pool buffers (transports that need it);
+        a page that finds no registered room gets size 0 (reported failed)."""
+        by_size: dict[int, list[int]] = {}
+        for i, (ptr, size) in enumerate(zip(ptrs, sizes)):
+            if not self._registered(ptr, size):
+                by_size.setdefault(size, []).append(i)
+        for nbytes, idx in by_size.items():
+            at = 0
+            for lease, addr, k in self._pool(nbytes).take(len(idx)) if nbytes else []:
+                block = torch.frombuffer(lease, dtype=torch.uint8).view(k, nbytes)
+                for j in range(k):
+                    i = idx[at + j]
+                    block[j].copy_(held[i].reshape(-1))
+                    ptrs[i] = addr + j * nbytes
+                held.append(block)  # reserved until the call returns
+                at += k
+            for i in idx[at:]:
+                sizes[i] = 0
 
     def batch_set_from_host(self, keys: Sequence[str], host_pool: Any, host_indices: Any) -> list[bool]:
         """Store host pages straight from a registered HostKVPool (no serialisation copy), per-page success.
@@ -526,15 +619,15 @@ class MooncakeStorage:
         read back with batch_get / set_pages_bytes like any other. The pages must stay allocated (and
         unchanged) until this returns.
         """
+        if not keys:
+            return []
         idx = host_pool._page_index(host_indices)  # whole, allocated pages, in order (raises otherwise)
         ps = host_pool.page_size
         starts = idx.view(-1, ps)[:, 0]
         if len(keys) != starts.numel():
             raise ValueError(f"{len(keys)} keys but {starts.numel()} pages")
-        if not keys:
-            return []
         self.register_host_pool(host_pool)
-        mkeys = [self.key_of(k) for k in keys]
+        mkeys = self._mkeys(keys)
         tv = host_pool.token_view()  # (planes, L, size, H, D)
         es = tv.element_size()
         token_bytes = tv.shape[3] * tv.shape[4] * es
@@ -567,90 +660,137 @@ class MooncakeStorage:
         return ok
 
     # ---- reads -------------------------------------------------------------------------------------------------
-    def _learn_page_nbytes(self, mkeys: list[str]) -> int | None:
+    def _sizes(self, mkeys: list[str]) -> list[int]:
+        """Stored object sizes (negative: the client's error, e.g. not found); one worker call."""
         client = self.client
+        status, sizes = self._call(lambda: [int(client.get_size(k)) for k in mkeys])
+        return sizes if status == "ok" else [RPC_FAIL] * len(mkeys)
 
-        def sizes() -> int | None:
-            for k in mkeys:
-                n = client.get_size(k)
-                if n >= 0:
-                    return int(n)
-            return None
+    def _get_into(self, mkeys: list[str], sizes: list[int]) -> tuple[list[int | str], list[Any]]:
+        """One batch_get_into into read buffers of the given sizes: (codes, one uint8 row tensor per key).
 
-        status, n = self._call(sizes)
-        if status == "ok" and n:
-            self.page_nbytes = n
-            return n
-        return None
+        The row tensors are built while the transfer runs (they only alias the buffers)."""
+        n = len(mkeys)
+        addrs = [0] * n
+        by_size: dict[int, list[int]] = {}
+        if sizes.count(sizes[0]) == n:
+            by_size[sizes[0]] = list(range(n))
+        else:
+            for i, size in enumerate(sizes):
+                by_size.setdefault(size, []).append(i)
+        plan: list[tuple[Any, int, int, list[int]]] = []  # (lease memoryview or extra tensor, pages, size, keys)
+        for size, idx in by_size.items():
+            at = 0
+            for lease, addr, k in self._pool(size).take(len(idx)):
+                mine = idx[at:at + k]
+                if len(mine) == n:
+                    addrs = list(range(addr, addr + n * size, size))
+                else:
+                    for j, i in enumerate(mine):
+                        addrs[i] = addr + j * size
+                plan.append((lease, k, size, mine))
+                at += k
+            rest = idx[at:]
+            if rest:  # the pool is at its cap: fresh memory for the rest
+                extra = torch.empty((len(rest), size), dtype=torch.uint8)
+                if not self.direct_unregistered and not self._register(extra.data_ptr(), extra.numel()):
+                    continue
+                for j, i in enumerate(rest):
+                    addrs[i] = extra.data_ptr() + j * size
+                plan.append((extra, len(rest), size, rest))
+        filled = sum(k for _, k, _, _ in plan)
+        if filled < n:
+            todo: list[int] | None = sorted(i for _, _, _, mine in plan for i in mine)
+            tk, ta, ts = [mkeys[i] for i in todo], [addrs[i] for i in todo], [sizes[i] for i in todo]
+        else:
+            todo, tk, ta, ts = None, mkeys, addrs, sizes
+        rows: list[Any] = [None] * n
+        if not tk:
+            return [INVALID_PARAMS] * n, rows
+        client = self.client
+        unregister = [] if self.direct_unregistered else [m.data_ptr() for m, *_ in plan if isinstance(m, torch.Tensor)]
+
+        def get() -> Any:
+            try:
+                return client.batch_get_into(tk, ta, ts)
+            finally:
+                _ = plan  # an abandoned call keeps its buffers referenced (reserved)
+                for addr in unregister:
+                    client.unregister_buffer(addr)
+                if unregister:
+                    with self._lock:
+                        self._regions = [r for r in self._regions if r[0] not in unregister]
+
+        started = self._submit(get)
+        for mem, k, size, mine in plan:
+            block = (torch.frombuffer(mem, dtype=torch.uint8).view(k, size) if isinstance(mem, memoryview) else mem).unbind(0)
+            if len(mine) == n:
+                rows = list(block)
+            else:
+                for i, row in zip(mine, block):
+                    rows[i] = row
+        status, rcs = self._wait(started)
+        if not (status == "ok" and isinstance(rcs, (list, tuple)) and len(rcs) == len(tk)):
+            rcs = [status] * len(tk)
+        if todo is None:
+            return list(rcs), rows
+        codes: list[int | str] = [INVALID_PARAMS] * n
+        for i, rc in zip(todo, rcs):
+            codes[i] = rc
+        return codes, rows
 
     def batch_get(self, keys: Sequence[str]) -> list[torch.Tensor | None]:
         if not keys:
             return []
-        mkeys = [self.key_of(k) for k in keys]
-        nbytes = self.page_nbytes or self._learn_page_nbytes(mkeys)
+        mkeys = self._mkeys(keys)
         n = len(mkeys)
-        if not nbytes:
-            with self._lock:
-                self.stats.reads_missing += n
-            return [None] * n
-        bufs, addrs = self._pool(nbytes).take(n)
-        extra: torch.Tensor | None = None
-        if len(bufs) < n:  # pool at its cap: fresh memory for the rest
-            extra = torch.empty((n - len(bufs), nbytes), dtype=torch.uint8)
-            base = extra.data_ptr()
-            addrs = addrs + [base + i * nbytes for i in range(n - len(bufs))]
-            if not self.direct_unregistered and not self._register(base, extra.numel()):
-                extra = None
-                addrs = addrs[:len(bufs)]
-        todo = len(addrs)
-        client = self.client
-        held = (bufs, extra)
-        unregister = extra is not None and not self.direct_unregistered
-
-        def get() -> Any:
-            try:
-                return client.batch_get_into(mkeys[:todo], addrs, [nbytes] * todo)
-            finally:
-                if unregister:
-                    client.unregister_buffer(held[1].data_ptr())
-                    with self._lock:
-                        self._regions = [r for r in self._regions if r[0] != held[1].data_ptr()]
-
-        codes: list[int | str] = [INVALID_PARAMS] * n
-        if todo:
-            status, rcs = self._call(get)
-            if status == "ok" and isinstance(rcs, (list, tuple)) and len(rcs) == todo:
-                codes[:todo] = [int(rc) for rc in rcs]
-            else:
-                codes[:todo] = [status] * todo
+        nbytes = self.page_nbytes
+        if nbytes:
+            codes, rows = self._get_into(mkeys, [nbytes] * n)
+            if codes.count(nbytes) == n:  # the common case: every page there, of the expected size
+                with self._lock:
+                    self.stats.reads_ok += n
+                return rows
+            sizes = [nbytes] * n
+        else:  # nothing written or configured yet: ask the store
+            codes, rows, sizes = [INVALID_PARAMS] * n, [None] * n, [0] * n
+        # Objects of another size than expected (buffer too small, or no size known): ask and fetch again.
+        again = [i for i, c in enumerate(codes) if c == INVALID_PARAMS]
+        if again:
+            found = self._sizes([mkeys[i] for i in again])
+            fetch = [(i, sz) for i, sz in zip(again, found) if sz > 0]
+            for i, sz in zip(again, found):
+                if sz <= 0:
+                    codes[i] = sz if sz < 0 else INVALID_PARAMS
+            if fetch:
+                c2, r2 = self._get_into([mkeys[i] for i, _ in fetch], [sz for _, sz in fetch])
+                for (i, sz), c, r in zip(fetch, c2, r2):
+                    codes[i], rows[i], sizes[i] = c, r, sz
+                if self.page_nbytes is None and len({sz for _, sz in fetch}) == 1:
+                    self.page_nbytes = fetch[0][1]
         out: list[torch.Tensor | None] = []
         bad: list[int | str] = []
-        ok = missing = corrupt = 0
-        for i, c in enumerate(codes):
-            if c == nbytes:
+        ok = missing = 0
+        for c, r, size in zip(codes, rows, sizes):
+            if isinstance(c, int) and 0 <= c <= size and r is not None:
                 ok += 1
-                out.append(torch.frombuffer(bufs[i], dtype=torch.uint8) if i < len(bufs) else extra[i - len(bufs)])
+                out.append(r if c == size else r[:c])  # a smaller object than the buffer: its bytes
                 continue
             out.append(None)
-            if c == OBJECT_NOT_FOUND:
-                missing += 1
-            elif isinstance(c, int) and (c >= 0 or c == INVALID_PARAMS):
-                corrupt += 1  # stored object of another size than this deployment's pages
-                bad.append(f"size {c} != {nbytes}" if c >= 0 else error_name(c))
-            else:
-                missing += 1
+            missing += 1
+            if c != OBJECT_NOT_FOUND:
                 bad.append(c)
         with self._lock:
             self.stats.reads_ok += ok
             self.stats.reads_missing += missing
-            self.stats.reads_corrupt += corrupt
-        self._note("get", bad, n)
+        if bad:
+            self._note("get", bad, n)
         return out
 
     def batch_exists(self, keys: Sequence[str]) -> int:
         if not keys:
             return 0
-        mkeys = [self.key_of(k) for k in keys]
+        mkeys = self._mkeys(keys)
         client = self.client
         status, rcs = self._call(lambda: client.batch_is_exist(mkeys))
         if status != "ok" or not isinstance(rcs, (list, tuple)):
@@ -671,13 +811,17 @@ class MooncakeStorage:
 
     def remove(self, keys: Sequence[str]) -> list[int]:
         """Remove pages by page hash (tests and tools); the client's status per key."""
-        mkeys = [self.key_of(k) for k in keys]
+        mkeys = self._mkeys(keys)
         client = self.client
         status, rcs = self._call(lambda: client.batch_remove(mkeys, True))
         return list(rcs) if status == "ok" else [RPC_FAIL] * len(mkeys)
 
     def close(self) -> None:
-        """Close the client (waits at most close_timeout_s: a client whose master died takes long to close)."""
+        """Close the client once no call is running; waits at most close_timeout_s for that.
+
+        Caveat: the Mooncake client's own close() holds the GIL while it runs (about 1-2 s, ~10 s when the
+        master is gone and its unmount RPCs time out), so the process stalls that long whatever the timeout.
+        """
         if self._closed:
             return
         self._closed = True
@@ -714,8 +858,10 @@ def master_command(binary: str, rpc_port: int, http_port: int, metrics_port: int
 def master_binary() -> str | None:
     """Path of the mooncake_master binary shipped in the mooncake wheel (None when not installed)."""
     import importlib.util
-    import os
-    spec = importlib.util.find_spec("mooncake")
+    try:
+        spec = importlib.util.find_spec("mooncake")
+    except (ImportError, ValueError):
+        return None
     for d in (spec.submodule_search_locations or []) if spec else []:
         path = os.path.join(d, "mooncake_master")
         if os.path.isfile(path):

@@ -5,38 +5,40 @@ Breadth-first over every interleaving of engine events for N requests over a Sim
 order, and a SteppedBackupWorker whose backups run only when an event runs them, in any order):
 
     admit i | decode i | decode_spec i | offload i | finish i | abort i | retract i | readmit i |
-    end_again i (a duplicate finish of an ended request) | copy j (complete pending copy j) |
+    end_again i (finish of a request that already ended) | copy j (complete pending copy j) |
     backup j / backup_fail j (run pending backup j; its store write succeeds / fails) | progress
 
-Every reached state is checked (see `check_world`): checked mode's ledger and spec invariants (raised as
+Every reached state is checked (`check_world`): checked mode's ledger and spec invariants (raised as
 exceptions by the manager), pool conservation, ownership of device pages, rows, protected size and host
-slots, machine counters against the chunks really in flight, the KV content of live device slots, of
+slots, machine counters against the chunks really in flight, the KV content of held device slots, of
 completed host copies and of stored pages against kv_value(writer, position), and at quiescent states
-(nothing live, nothing in flight) full pools. Because the search is breadth-first, the first violation
-found has a shortest event trace; it is printed and can be written as a runnable pytest file.
+(nothing live, nothing in flight) full pools and an empty ledger. The search is breadth-first, so the
+first violation has a shortest event trace; `counterexample_test` writes it as a runnable pytest file.
 
-To branch, a state is deep-copied (`mode="copy"`, the default: about 5x faster than re-executing the
-prefix) with three fix-ups copy.deepcopy cannot do: closures (a backup job's write(), FaultyStorage's
-predicate) are copied with their cells, locks are made new, weak references point at the copied referent,
-and the manager's id()-keyed record table is re-keyed to the copied request objects. `mode="replay"`
-re-executes every prefix from a fresh engine instead; tests check both modes reach the same states.
-States are deduplicated by `canonical_key`, the engine's whole bookkeeping with serial numbers and
-record names replaced by request indices (so two interleavings that leave the same state meet).
+Branching copies a state with `clone` (a pickle round trip that also copies closures, re-makes locks
+and re-points weak references; the manager's id()-keyed record table is then re-keyed), about 5x cheaper
+than re-executing the prefix; `mode="replay"` re-executes every prefix from a fresh engine instead, and
+the tests check both modes reach the same states. States are deduplicated by `canonical_key`: the
+engine's whole bookkeeping with record names and serials replaced by request indices, and device pages,
+host pages and table rows renamed in order of first use (free ones are interchangeable), so interleavings
+that leave the same state up to which physical page went to whom meet.
 """
 
 from __future__ import annotations
 
-import copy
+import io
 import itertools
+import pickle
+import re
 import resource
+import sys
 import threading
 import time
 import types
 import weakref
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -44,14 +46,16 @@ import generated.decode_offload as gen
 from kvfsm.verify.engine import SimEngine, SimRequest, kv_value
 
 Event = tuple  # ("admit", i), ("copy", j), ("progress",), ...
+Faults = Callable[[SimEngine], None]
 
 NEW, LIVE, ENDED, RETRACTED = 0, 1, 2, 3
-_PHASES = ("new", "live", "ended", "retracted")
-_HOLDING = frozenset(s for s, held in gen.HOLDS.items() if "device_slots" in held)
+_LIVE_STATES = gen.HANDLED["offload"]
+# a lifecycle that ended while copies were in flight: it keeps its slots until the last copy ack
+_DEFERRED = frozenset(s for s, held in gen.HOLDS.items() if "device_slots" in held) - _LIVE_STATES
 
 
 class Violation(AssertionError):
-    """An invariant of the explored implementation failed (or an event raised); `name` says which."""
+    """An invariant of the explored implementation failed; `name` says which."""
 
     def __init__(self, name: str, detail: str) -> None:
         self.name, self.detail = name, detail
@@ -77,21 +81,17 @@ class ExplorerConfig:
     prompt_len: int = 3  # every request's prompt (its first token is unique, so hash chains differ)
     prefix_len: int = 2  # each request's protected prefix (clipped to its prompt)
     decodes: int = 1  # decode steps per request (over all its lifecycles)
-    speculative: int = 0  # > 0 adds decode_spec i, which over-allocates this many extra slots
+    speculative: int = 0  # > 0 adds decode_spec i, a decode that over-allocates this many extra slots
     readmits: int = 1  # re-admissions of a retracted request object
     end_kinds: tuple[str, ...] = ("finish", "abort", "retract")
-    duplicate_end: bool = True  # one end_again (a second finish) per ended request
+    duplicate_end: bool = True  # end_again i: finish of a request that already ended (B9)
     backup_failures: bool = True  # backup_fail j besides backup j
-    rows: Optional[int] = None  # request-table rows (default: one per request, plus one to re-admit)
+    rows: Optional[int] = None  # request-table rows (default: one per request)
     max_context: int = 16
-
-    @property
-    def table_rows(self) -> int:
-        return self.rows if self.rows is not None else self.requests + (1 if self.readmits else 0)
 
     def engine(self, trace_path: Optional[str] = None) -> SimEngine:
         return SimEngine(page_size=self.page_size, stride=self.stride, device_slots=self.slots,
-                         host_slots=self.host_slots, rows=self.table_rows, max_context=self.max_context,
+                         host_slots=self.host_slots, rows=self.rows or self.requests, max_context=self.max_context,
                          backup_queue=self.backup_queue, checked=True, trace_path=trace_path)
 
     def describe(self) -> str:
@@ -100,28 +100,29 @@ class ExplorerConfig:
 
 # --- the explored world: engine + the explorer's own per-request bookkeeping ------------------------------
 class World:
-    """One implementation state. Everything in it is copied together when the search branches."""
+    """One implementation state; everything in it is copied together when the search branches."""
 
-    def __init__(self, config: ExplorerConfig, faults: Optional[Callable[[SimEngine], None]] = None) -> None:
+    def __init__(self, config: ExplorerConfig, faults: Optional[Faults] = None,
+                 trace_path: Optional[str] = None) -> None:
         self.config = config
-        self.engine = config.engine()
+        self.engine = config.engine(trace_path)
         if faults is not None:
             faults(self.engine)
         self.reqs: list[Optional[SimRequest]] = [None] * config.requests
-        # per request: [phase, readmissions used, duplicate end used]
-        self.ctl: list[list[int]] = [[NEW, 0, 0] for _ in range(config.requests)]
+        self.ctl: list[list[int]] = [[NEW, 0] for _ in range(config.requests)]  # [phase, re-admissions]
         # (request index, row) -> (committed, allocated, prefix) when the engine ended that lifecycle
         self.ends: dict[tuple[int, int], tuple[int, int, int]] = {}
+        self.checked: tuple = ()  # the pool snapshots whose conservation was last checked
 
     def prompt(self, i: int) -> list[int]:
         return [100_000 + i] + [1000 + j for j in range(self.config.prompt_len - 1)]
 
 
 def enabled(w: World) -> list[Event]:
-    """Every event the engine may issue now (a fixed order, so traces are reproducible)."""
+    """Every event the engine may issue now, in a fixed order (so traces are reproducible)."""
     cfg, e = w.config, w.engine
     out: list[Event] = []
-    for i, (phase, readmits, dup) in enumerate(w.ctl):
+    for i, (phase, readmits) in enumerate(w.ctl):
         req = w.reqs[i]
         if phase == NEW:
             out.append(("admit", i))
@@ -135,7 +136,7 @@ def enabled(w: World) -> list[Event]:
         else:
             if phase == RETRACTED and readmits < cfg.readmits:
                 out.append(("readmit", i))
-            if cfg.duplicate_end and not dup:
+            if cfg.duplicate_end:
                 out.append(("end_again", i))
     out.extend(("copy", j) for j in range(len(e.copies.pending)))
     for j in range(len(e.worker.pending)):
@@ -192,14 +193,13 @@ def apply(w: World, ev: Event) -> None:
         mach = e.manager.machine_of(req)
         state = mach.state if mach is not None else None
         e.manager.finalize(req)
-        ctl[2] = 1
         if ctl[0] == RETRACTED:
             ctl[0] = ENDED  # a retracted request finished while queued is never re-admitted
         after = _pool_counts(e)
-        _check(before == after, "duplicate_end_is_noop", lambda: f"finish of ended r{i}: {before} -> {after} "
-               "(device free, host free, rows free, protected, releases)")
+        _check(before == after, "duplicate_end_is_noop", lambda: f"finish of ended r{i}: (device free, host free, "
+               f"rows free, protected, releases) {before} -> {after} (B9)")
         _check(mach is None or mach.state == state, "duplicate_end_is_noop",
-               lambda: f"finish of ended r{i} moved its machine from {gen.STATES[state]} to {mach!r}")
+               lambda: f"finish of ended r{i} moved its machine from {gen.STATES[state]} to {mach!r} (B9)")
     else:
         raise ValueError(f"unknown event {ev!r}")
 
@@ -210,57 +210,87 @@ def _pool_counts(e: SimEngine) -> tuple[int, ...]:
 
 
 def event_label(ev: Event) -> str:
-    return ev[0] if len(ev) == 1 else f"{ev[0]} {'r' if ev[0] not in ('copy', 'backup', 'backup_fail') else '#'}{ev[1]}"
+    if len(ev) == 1:
+        return ev[0]
+    return f"{ev[0]} {'#' if ev[0] in ('copy', 'backup', 'backup_fail') else 'r'}{ev[1]}"
+
+
+# --- one read of the world's bookkeeping: what the checks and the key are computed from ----------------------
+class _Snap:
+    """Plain-Python lists read once from the engine's tensors and the manager's queues."""
+
+    def __init__(self, w: World) -> None:
+        e = w.engine
+        m = e.manager
+        fx = m.fx
+        self.ps = w.config.page_size
+        self.copies = list(fx.copy_fifo)
+        self.parked = list(fx.parked)
+        self.pending = [j.payload for j in e.worker.pending]
+        self.done_jobs = list(getattr(e.worker, "_done", ()))
+        self.backups = self.pending + [j.payload for j in self.done_jobs]
+        self.chunks = self.copies + self.parked + self.backups
+        self.table = e.req_to_token.req_to_token.tolist()
+        free, alloc = e.allocator.snapshot()
+        hfree, halloc = e.host_pool.allocator.snapshot()
+        self.free, self.alloc = tuple(free.tolist()), tuple(alloc.tolist())
+        self.hfree, self.halloc = tuple(hfree.tolist()), tuple(halloc.tolist())
+        self.rows_alloc = tuple(e.req_to_token.is_allocated(r) for r in range(e.req_to_token.rows))
+        # every lifecycle record still known: each request's current one, then those only chunks reach
+        # (ended lifecycles waiting for in-flight work), in a canonical order
+        self.current: dict[int, int] = {}  # id(record) -> request index
+        recs: dict[int, Any] = {}
+        for i, req in enumerate(w.reqs):
+            if req is not None:
+                mach = m.machine_of(req)
+                if mach is not None:
+                    self.current[id(mach.ctx)] = i
+                    recs.setdefault(id(mach.ctx), mach.ctx)
+        for c in self.chunks:
+            recs.setdefault(id(c.record), c.record)
+        self.records = list(recs.values())
+        self.req_index = {id(r): i for i, r in enumerate(w.reqs) if r is not None}
+        self.dev_idx = {id(c): c.device_indices.tolist() for c in self.chunks}
+        self.host_idx = {id(c): c.host_indices.tolist() for c in self.chunks}
+
+    def index_of(self, rec: Any) -> int:
+        return self.req_index.get(id(rec.req_ref()), -1)
+
+    def holders(self, w: World) -> list[tuple[str, int, Optional[int], int, int, int]]:
+        """(name, request index, row, committed, allocated, prefix) of everyone who holds device slots: the
+        live requests and the lifecycles whose release waits for their last copy."""
+        out = []
+        for i, req in enumerate(w.reqs):
+            if w.ctl[i][0] == LIVE:
+                out.append((f"r{i}", i, req.req_pool_idx, req.kv_committed_len,
+                            max(req.kv_allocated_len, req.kv_committed_len), req.prefix_len))
+        for rec in self.records:
+            if rec.machine.state in _DEFERRED:
+                i = self.index_of(rec)
+                ended = w.ends.get((i, rec.row))
+                _check(ended is not None, "deferred_release_known", f"{rec.key} holds its slots but never ended")
+                out.append((f"{rec.key} (release deferred)", i, rec.row, *ended))
+        return out
 
 
 # --- invariants ----------------------------------------------------------------------------------------
-def _chunks(e: SimEngine) -> tuple[list, list, list]:
-    fx = e.manager.fx
-    backups = [j.payload for j in e.worker.pending] + [j.payload for j in getattr(e.worker, "_done", ())]
-    return list(fx.copy_fifo), list(fx.parked), backups
-
-
-def _records(w: World, chunk_lists: Iterable[list]) -> list:
-    """Every lifecycle record the manager still knows: each request's current one, then those only chunks
-    reach (ended lifecycles whose release or host slots wait for in-flight work), in a canonical order."""
-    m = w.engine.manager
-    seen: dict[int, Any] = {}
-    for req in w.reqs:
-        if req is not None:
-            mach = m.machine_of(req)
-            if mach is not None:
-                seen.setdefault(id(mach.ctx), mach.ctx)
-    for chunks in chunk_lists:
-        for c in chunks:
-            seen.setdefault(id(c.record), c.record)
-    return list(seen.values())
-
-
-def _req_index(w: World, rec: Any) -> int:
-    req = rec.req_ref()
-    for i, r in enumerate(w.reqs):
-        if r is req:
-            return i
-    return -1
-
-
-def check_world(w: World) -> None:
-    """Every invariant, on the pools themselves (not on the manager's view of them)."""
-    e, cfg = w.engine, w.config
-    ps = cfg.page_size
-    m = e.manager
-    e.allocator.check_conservation()
-    e.host_pool.check_conservation()
-    e.req_to_token.check_conservation()
-    copies, parked, backups = _chunks(e)
-    records = _records(w, (copies, parked, backups))
+def check_world(w: World, snap: Optional[_Snap] = None) -> _Snap:
+    """Every invariant, on the pools themselves (not on the manager's view of them); returns the snapshot."""
+    s = snap or _Snap(w)
+    e, ps, m = w.engine, s.ps, w.engine.manager
+    pools = (s.free, s.alloc, s.hfree, s.halloc, s.rows_alloc)
+    if pools != w.checked:  # conservation is a function of these alone
+        e.allocator.check_conservation()
+        e.host_pool.check_conservation()
+        e.req_to_token.check_conservation()
+        w.checked = pools
 
     # machines: spec invariants, counters equal to the chunks each lifecycle really has in flight
     count: dict[int, list[int]] = {}
-    for k, chunks in enumerate((copies, parked, backups)):
+    for k, chunks in enumerate((s.copies, s.parked, s.backups)):
         for c in chunks:
             count.setdefault(id(c.record), [0, 0, 0])[k] += 1
-    for rec in records:
+    for rec in s.records:
         mach = rec.machine
         bad = gen.violated_invariants(mach)
         _check(not bad, "spec_invariants", lambda: f"{mach!r} violates {', '.join(bad)}")
@@ -269,99 +299,80 @@ def check_world(w: World) -> None:
     for i, req in enumerate(w.reqs):
         if w.ctl[i][0] == LIVE:
             mach = m.machine_of(req)
-            # after a re-admission the manager starts the new lifecycle lazily (at its next call)
-            _check(mach is None or mach.state in gen.HANDLED["offload"] or w.ctl[i][1] > 0,
+            # after a re-admission the manager starts the new lifecycle lazily, at its next call
+            _check(mach is None or mach.state in _LIVE_STATES or w.ctl[i][1] > 0,
                    "live_request_live_machine", lambda: f"r{i} is live but its machine is {mach!r}")
 
-    # device pages, rows and protected size: owned by live requests and by lifecycles whose release waits
-    # for their last copy (state finished), each page by one holder, and nothing else allocated.
-    table = e.req_to_token.req_to_token
-    holders: list[tuple[str, int, int, int, int, int]] = []  # (name, request index, row, committed, alloc, prefix)
-    for i, req in enumerate(w.reqs):
-        if w.ctl[i][0] == LIVE:
-            holders.append((f"r{i}", i, req.req_pool_idx, req.kv_committed_len,
-                            max(req.kv_allocated_len, req.kv_committed_len), req.prefix_len))
-    finished = set()
-    for rec in records:
-        if rec.machine.state in _HOLDING and rec.machine.state not in gen.HANDLED["offload"]:
-            i = _req_index(w, rec)
-            ended = w.ends.get((i, rec.row))
-            _check(ended is not None, "deferred_release_known", f"{rec.key} holds its slots but was never ended")
-            finished.add((i, rec.row))
-            holders.append((f"{rec.key} (release deferred)", i, rec.row, *ended))
-    for k in [k for k in w.ends if k not in finished]:
-        del w.ends[k]
+    # device pages, rows and protected size: each page held by one holder, and nothing else allocated
+    holders = s.holders(w)
+    held = set()
+    for k in [k for k in w.ends if k not in {(h[1], h[2]) for h in holders}]:
+        del w.ends[k]  # released lifecycles
     pages: list[int] = []
     for name, i, row, committed, alloc, _ in holders:
-        _check(isinstance(row, int) and 0 <= row < e.req_to_token.rows and e.req_to_token.is_allocated(row),
-               "holder_has_row", f"{name} row {row!r}")
-        n = -(-alloc // ps)
-        pages += [s // ps for s in table[row, 0:n * ps:ps].tolist()]
-    _check(len(set(pages)) == len(pages), "no_shared_device_page",
-           lambda: f"holders {holders} share pages {sorted(p for p in set(pages) if pages.count(p) > 1)}")
-    if pages:
-        mask = e.allocator._allocated[torch.tensor(pages, dtype=torch.int64)].tolist()
-        _check(all(mask), "live_slot_not_free",
-               lambda: f"free pages {[p for p, ok in zip(pages, mask) if not ok]} are held by {holders} (B1/B2)")
-    used = e.allocator.capacity - e.allocator.free_slots
-    _check(used == len(pages) * ps, "device_accounting",
-           lambda: f"{used} device slots allocated, holders own {len(pages) * ps} (leak B3/B5, or double free)")
-    _check(e.req_to_token.rows - e.req_to_token.free_rows == len(holders), "row_accounting",
-           lambda: f"{e.req_to_token.rows - e.req_to_token.free_rows} rows allocated, {len(holders)} holders")
+        _check(isinstance(row, int) and 0 <= row < len(s.rows_alloc) and s.rows_alloc[row], "holder_has_row",
+               f"{name} row {row!r}")
+        pages += [slot // ps for slot in s.table[row][0:-(-alloc // ps) * ps:ps]]
+    held = set(pages)
+    _check(len(held) == len(pages), "no_shared_device_page",
+           lambda: f"holders {holders} share pages {sorted(p for p in held if pages.count(p) > 1)}")
+    _check(all(s.alloc[p] for p in pages), "live_slot_not_free",
+           lambda: f"free pages {[p for p in pages if not s.alloc[p]]} are held by {holders} (B1/B2)")
+    used = sum(s.alloc)
+    _check(used == len(pages), "device_accounting",
+           lambda: f"{used * ps} device slots allocated, holders own {len(pages) * ps} (leak B3/B5/B8, or B11/B12)")
+    _check(sum(s.rows_alloc) == len(holders), "row_accounting",
+           lambda: f"{sum(s.rows_alloc)} rows allocated, {len(holders)} holders (leak B8)")
     protected = sum(h[5] for h in holders)
     _check(e.protected.size == protected, "protected_accounting",
            f"protected size {e.protected.size} != {protected} held (B3/B4)")
 
-    # KV content: every committed position of every holder holds its writer's value (a reused or
-    # overwritten slot shows up here at once)
-    dev = e.device_pool.token_view()
-    for name, i, row, committed, _, _ in holders:
-        if committed:
-            got = dev[0, 0, table[row, :committed], 0, 0].tolist()
+    # KV content: every committed position of every holder holds its writer's value
+    if holders:
+        dev = e.device_pool.token_view()[0, 0, :, 0, 0].tolist()
+        for name, i, row, committed, _, _ in holders:
             serial = w.reqs[i].serial
+            got = [dev[slot] for slot in s.table[row][:committed]]
             want = [kv_value(serial, p) for p in range(committed)]
-            _check(got == want, "device_kv_content", lambda: f"{name} device KV {got} != {want} (B1)")
+            _check(got == want, "device_kv_content", lambda: f"{name} device KV {got} != written {want} (B1)")
 
     # host slots: exactly the chunks between their copy and the collection of their backup
-    host: list[int] = []
-    for c in itertools.chain(copies, parked, backups):
-        host += c.host_indices.tolist()
+    host = [h for c in s.chunks for h in s.host_idx[id(c)]]
     _check(len(set(host)) == len(host), "no_shared_host_slot", "two chunks hold one host slot")
-    hused = e.host_pool.capacity - e.host_pool.free_slots
+    hused = sum(s.halloc) * ps
     _check(hused == len(host), "host_accounting",
-           lambda: f"{hused} host slots allocated, chunks hold {len(host)} (leak, or double free B10)")
+           lambda: f"{hused} host slots allocated, chunks hold {len(host)} (leak B3, or double free B10)")
     if m.ledger is not None:
         _check(m.ledger.host_pages() * ps == len(host), "ledger_host_pages",
                f"ledger {m.ledger.host_pages()} host pages, chunks {len(host) // ps}")
-    hview = e.host_pool.token_view()
-    for c in itertools.chain(copies, parked, backups):
-        if c.handle is not None and c.handle.done():
-            got = hview[0, 0, c.host_indices, 0, 0].tolist()
-            serial = c.record.req_ref().serial
-            want = [kv_value(serial, p) for p in range(c.start, c.end)]
+    done = [c for c in s.chunks if c.handle is not None and c.handle.done()]
+    if done:
+        hv = e.host_pool.token_view()[0, 0, :, 0, 0].tolist()
+        for c in done:
+            got = [hv[h] for h in s.host_idx[id(c)]]
+            want = [kv_value(c.record.req_ref().serial, p) for p in range(c.start, c.end)]
             _check(got == want, "host_kv_content",
                    lambda: f"completed copy of {c.record.key} [{c.start}, {c.end}) holds {got}, wrote {want} (B2/B15)")
 
     # storage: a page reported stored is in storage and holds its writer's KV (B13)
-    pages_in_store = e.store.pages
+    in_store = e.store.pages
     for h, (key, pos) in m.fx.stored.items():
-        _check(h in pages_in_store, "stored_means_in_storage", f"{key} page at {pos} marked stored, not in storage (B13)")
+        _check(h in in_store, "stored_means_in_storage", f"{key} page at {pos} marked stored, not in storage (B13)")
         i = int(key.split("#", 1)[0][1:])
-        got = _page_values(pages_in_store[h], e.kv, ps)
+        got = _page_values(in_store[h], e.kv, ps)
         want = [kv_value(w.reqs[i].serial, pos + j) for j in range(ps)]
         _check(got == want, "storage_kv_content", lambda: f"{key} page at {pos} stored {got}, wrote {want}")
 
     # quiescent: nothing live, nothing in flight -> every pool full, nothing protected (B3, B5, B8)
-    if not any(c[0] == LIVE for c in w.ctl) and m.idle():
-        _check(e.allocator.free_slots == e.allocator.capacity, "teardown_device_full",
-               f"{e.allocator.capacity - e.allocator.free_slots} device slots never returned")
-        _check(e.host_pool.free_slots == e.host_pool.capacity, "teardown_host_full",
-               f"{e.host_pool.capacity - e.host_pool.free_slots} host slots never returned")
-        _check(e.req_to_token.free_rows == e.req_to_token.rows, "teardown_rows_free", "a request row was never returned")
+    if not s.chunks and not any(c[0] == LIVE for c in w.ctl) and m.idle():
+        _check(used == 0, "teardown_device_full", f"{used * ps} device slots never returned")
+        _check(hused == 0, "teardown_host_full", f"{hused} host slots never returned")
+        _check(not any(s.rows_alloc), "teardown_rows_free", "a request row was never returned")
         _check(e.protected.size == 0, "teardown_protected_zero", f"protected size {e.protected.size} after teardown")
         if m.ledger is not None:
             _check(not m.ledger.device_readers and not m.ledger.host_owner and not m.ledger.device_owner,
                    "teardown_ledger_empty", "the ledger still lists owners or readers")
+    return s
 
 
 def _page_values(page: torch.Tensor, kv: Any, page_size: int) -> list[float]:
@@ -373,123 +384,291 @@ def _page_values(page: torch.Tensor, kv: Any, page_size: int) -> list[float]:
 
 
 # --- canonical state key ---------------------------------------------------------------------------------
-def canonical_key(w: World) -> tuple:
-    """The whole bookkeeping of engine, manager and pools, with serials and record names replaced by
-    request indices. Two worlds with equal keys behave identically from here on (up to those names)."""
-    e = w.engine
-    m = e.manager
-    fx = m.fx
-    copies, parked, backups = _chunks(e)
-    records = _records(w, (copies, parked, backups))
+def canonical_key(w: World, snap: Optional[_Snap] = None, symmetry: bool = True) -> tuple:
+    """The whole bookkeeping of engine, manager and pools, with record names and serials replaced by
+    request positions, and device pages, host pages and rows renamed in order of first use (free pages and
+    free rows are interchangeable: only their number counts). Equal keys: equal futures, up to names.
+
+    symmetry: requests are interchangeable too (they differ only in their tokens): the key is the one of
+    the request order that sorts their local states, the smallest hash among orders that tie."""
+    s = snap or _Snap(w)
+    n = len(w.reqs)
+    if not symmetry or n < 2:
+        return _key(w, s, list(range(n)))
+    # a request's local state, without its index: the requests' order in the key is sorted by it
+    mine: dict[int, list[int]] = {}
+    for k, chunks in enumerate((s.copies, s.parked, s.backups)):
+        for c in chunks:
+            mine.setdefault(s.index_of(c.record), [0, 0, 0])[k] += 1
+    sig = []
+    for i, req in enumerate(w.reqs):
+        local: tuple = tuple(w.ctl[i])
+        if req is not None:
+            mach = w.engine.manager.machine_of(req)
+            local += (req.kv_committed_len, req.kv_allocated_len, req.done, req.req_pool_idx is None,
+                      mach.snapshot() if mach is not None else None, tuple(mine.get(i, ())))
+        sig.append(hash(local))
+    groups: dict[int, list[int]] = {}
+    for i in range(n):
+        groups.setdefault(sig[i], []).append(i)
+    ordered = [groups[h] for h in sorted(groups)]
+    if all(len(g) == 1 for g in ordered):
+        return _key(w, s, [g[0] for g in ordered])
+    best: Optional[tuple] = None
+    for parts in itertools.product(*(itertools.permutations(g) for g in ordered)):
+        key = _key(w, s, [i for part in parts for i in part])
+        if best is None or hash(key) < hash(best):
+            best = key
+    return best
+
+
+def _key(w: World, s: _Snap, order: list[int]) -> tuple:
+    e, m, ps = w.engine, w.engine.manager, s.ps
+    pos = {i: k for k, i in enumerate(order)}
     label: dict[int, tuple] = {}
     by_key: dict[str, tuple] = {}
     nth: dict[int, int] = {}
+    current = sorted((r for r in s.records if id(r) in s.current), key=lambda r: pos[s.current[id(r)]])
+    records = current + [r for r in s.records if id(r) not in s.current]
     for rec in records:
-        i = _req_index(w, rec)
-        mach = m.machine_of(w.reqs[i]) if i >= 0 else None
-        if mach is not None and mach.ctx is rec:
-            lab = (i, 0)
+        i = s.index_of(rec)
+        p = pos.get(i, -1)
+        if s.current.get(id(rec)) == i:
+            lab = (p, 0)
         else:
-            nth[i] = nth.get(i, 0) + 1
-            lab = (i, nth[i])
+            nth[p] = nth.get(p, 0) + 1
+            lab = (p, nth[p])
         label[id(rec)] = lab
         by_key[rec.key] = lab
+    pmap: dict[int, int] = {}  # device page -> name
+    hmap: dict[int, int] = {}  # host page -> name
+    rmap: dict[Any, int] = {}  # row -> name
+
+    def dev(slots: Sequence[int]) -> tuple:
+        return tuple((pmap.setdefault(x // ps, len(pmap)), x % ps) for x in slots)
+
+    def hst(slots: Sequence[int]) -> tuple:
+        return tuple((hmap.setdefault(x // ps, len(hmap)), x % ps) for x in slots)
+
+    def row(r: Any) -> Any:
+        return rmap.setdefault(r, len(rmap)) if isinstance(r, int) else r
+
+    reqs = []
+    for i in order:
+        req = w.reqs[i]
+        if req is None:
+            reqs.append(tuple(w.ctl[i]))
+            continue
+        alloc = max(req.kv_allocated_len, req.kv_committed_len)
+        r = req.req_pool_idx
+        held = (dev(s.table[r][:-(-alloc // ps) * ps]) if w.ctl[i][0] == LIVE and isinstance(r, int)
+                and 0 <= r < len(s.table) else ())
+        reqs.append((tuple(w.ctl[i]), row(r), req.kv_committed_len, req.kv_allocated_len, len(req.output_ids),
+                     req.done, held))
+    recs = []
+    for rec in records:
+        deferred = ()
+        if rec.machine.state in _DEFERRED:
+            ended = w.ends.get((s.index_of(rec), rec.row))
+            n = -(-ended[1] // ps) * ps if ended else 0
+            deferred = (ended, dev(s.table[rec.row][:n]))
+        recs.append((label[id(rec)], rec.machine.snapshot(), row(rec.row), rec.inc_len, rec.end_lengths,
+                     rec.req is None, deferred))
     chunk_no: dict[int, int] = {}
 
     def chunk(c: Any) -> tuple:
         chunk_no[c.serial] = len(chunk_no)
-        return (label[id(c.record)], c.start, c.end, tuple(c.device_indices.tolist()), tuple(c.host_indices.tolist()))
+        return (label[id(c.record)], c.start, c.end, dev(s.dev_idx[id(c)]), hst(s.host_idx[id(c)]))
 
-    fifo = tuple((chunk(c), c.handle.done()) for c in copies)
-    park = tuple(chunk(c) for c in parked)
-    pending = tuple(chunk(j.payload) for j in e.worker.pending)
-    done = tuple((chunk(j.payload), j.ok) for j in getattr(e.worker, "_done", ()))
-    recs = tuple((label[id(r)], r.machine.snapshot(), r.row, r.inc_len, r.end_lengths, r.req is None)
-                 for r in records)
-    table = e.req_to_token.req_to_token
-    ps = w.config.page_size
-    reqs = []
-    for i, req in enumerate(w.reqs):
-        if req is None:
-            reqs.append(tuple(w.ctl[i]))
-            continue
-        row = req.req_pool_idx
-        n = -(-max(req.kv_allocated_len, req.kv_committed_len) // ps) * ps
-        slots = tuple(table[row, :n].tolist()) if w.ctl[i][0] == LIVE and isinstance(row, int) else ()
-        reqs.append((tuple(w.ctl[i]), row, req.kv_committed_len, req.kv_allocated_len, len(req.output_ids),
-                     req.done, slots))
-    # rows held by deferred releases: their slots (the only other readers of the table)
-    deferred = []
-    for rec in records:
-        if rec.machine.state in _HOLDING and rec.machine.state not in gen.HANDLED["offload"]:
-            ended = w.ends.get((_req_index(w, rec), rec.row))
-            n = -(-ended[1] // ps) * ps if ended else 0
-            deferred.append((label[id(rec)], ended, tuple(table[rec.row, :n].tolist())))
-    free_pages, allocated = e.allocator.snapshot()
-    hfree, hallocated = e.host_pool.allocator.snapshot()
-    rows = e.req_to_token
-    led = m.ledger
+    fifo = tuple((chunk(c), c.handle.done()) for c in s.copies)
+    parked = tuple(chunk(c) for c in s.parked)
+    pending = tuple(chunk(c) for c in s.pending)
+    collected = tuple((chunk(j.payload), j.ok) for j in s.done_jobs)
     ledger = ()
+    led = m.ledger
     if led is not None:
-        ledger = (tuple(sorted((p, by_key.get(o, o)) for p, o in led.device_owner.items())),
-                  tuple(sorted((p, tuple(sorted(chunk_no.get(s, -s) for s in r))) for p, r in led.device_readers.items() if r)),
-                  tuple(sorted((p, chunk_no.get(s, -s)) for p, s in led.host_owner.items())))
-    return (tuple(reqs), recs, tuple(deferred), fifo, park, pending, done, len(e.copies.pending),
-            len(fx.parked), e.worker.outstanding(),
-            tuple(free_pages.tolist()), tuple(allocated.tolist()), tuple(e.allocator._ever_allocated.tolist()),
-            tuple(hfree.tolist()), tuple(hallocated.tolist()),
-            tuple(rows._free), tuple(rows._allocated), e.protected.size, ledger)
+        ledger = (tuple(sorted((pmap.setdefault(p, len(pmap)), by_key.get(o, o)) for p, o in led.device_owner.items())),
+                  tuple(sorted((pmap.setdefault(p, len(pmap)), tuple(sorted(chunk_no.get(x, -1) for x in r)))
+                               for p, r in led.device_readers.items() if r)),
+                  tuple(sorted((hmap.setdefault(p, len(hmap)), chunk_no.get(x, -1)) for p, x in led.host_owner.items())))
+    # pools: which named pages are allocated, how many allocated pages nobody names (a leak), how many free
+    alloc_named = tuple(sorted(pmap[p] for p, a in enumerate(s.alloc) if a and p in pmap))
+    halloc_named = tuple(sorted(hmap[p] for p, a in enumerate(s.halloc) if a and p in hmap))
+    rows_named = tuple(sorted(rmap[r] for r, a in enumerate(s.rows_alloc) if a and r in rmap))
+    return (tuple(reqs), tuple(recs), fifo, parked, pending, collected, len(e.copies.pending), len(m.fx.parked),
+            e.worker.outstanding(), alloc_named, sum(s.alloc) - len(alloc_named), len(s.free),
+            halloc_named, sum(s.halloc) - len(halloc_named), len(s.hfree),
+            rows_named, sum(s.rows_alloc) - len(rows_named), e.req_to_token.free_rows, e.protected.size, ledger)
 
 
-# --- branching: deep copy with fix-ups ------------------------------------------------------------------
-_LOCK_TYPES = {type(threading.Lock()): threading.Lock, type(threading.RLock()): threading.RLock}
+# --- branching: a pickle round trip that copies closures, locks, weak references and shared memory -------
+_SHARED: dict[int, Any] = {}  # objects a copy shares with its original (immutable configs, closure-free code)
+_LOCKS = {type(threading.Lock()): threading.Lock, type(threading.RLock()): threading.RLock}
+_COUNT_RE = re.compile(r"count\((-?\d+)\)")
 
 
-def _copy_function(f: types.FunctionType, memo: dict) -> types.FunctionType:
-    if f.__closure__ is None:
-        return f  # module-level function or lambda without captured state: shared
-    cells = []
-    for c in f.__closure__:
-        new = memo.get(id(c))
-        if new is None:
-            try:
-                new = types.CellType(copy.deepcopy(c.cell_contents, memo))
-            except ValueError:  # an empty cell
-                new = types.CellType()
-            memo[id(c)] = new
-            memo.setdefault(id(memo), []).append(c)  # keep the original alive while ids are memo keys
-        cells.append(new)
-    g = types.FunctionType(f.__code__, f.__globals__, f.__name__, copy.deepcopy(f.__defaults__, memo), tuple(cells))
-    g.__kwdefaults__ = copy.deepcopy(f.__kwdefaults__, memo)
-    g.__dict__.update(copy.deepcopy(f.__dict__, memo))
-    return g
+class CloneError(RuntimeError):
+    """The world holds something `clone` cannot copy faithfully; explore with mode="replay" instead."""
 
 
-def _copy_weakref(r: weakref.ref, memo: dict) -> weakref.ref:
-    obj = r()
-    if obj is None:
-        return r
-    return weakref.ref(copy.deepcopy(obj, memo))  # callbacks are re-made by _fix_records
+def _shared(key: int) -> Any:
+    return _SHARED[key]
 
 
-_DISPATCH = {types.FunctionType: _copy_function, weakref.ref: _copy_weakref,
-             **{t: (lambda x, memo, make=make: make()) for t, make in _LOCK_TYPES.items()}}
+class _Region:
+    """One block of memory (a tensor storage, a bytearray, an ndarray's buffer), pickled once however many
+    objects view it: a tensor made with torch.frombuffer(bytearray) stays a view of the copied bytearray."""
+
+    __slots__ = ("start", "nbytes", "data", "ba", "base")
+
+    def __init__(self, start: int, nbytes: int, data: Callable[[], bytes]) -> None:
+        self.start, self.nbytes, self.data = start, nbytes, data
+
+    def __reduce__(self) -> tuple:
+        return (_rebuild_region, (self.data(),))
+
+
+def _rebuild_region(data: bytes) -> _Region:
+    r = _Region(0, len(data), lambda: b"")
+    r.ba = bytearray(data)
+    r.base = torch.frombuffer(r.ba, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    return r
+
+
+def _rebuild_tensor(r: _Region, offset: int, dtype: torch.dtype, size: tuple, stride: tuple) -> torch.Tensor:
+    return torch.empty(0, dtype=dtype).set_(r.base.untyped_storage(), offset, size, stride)
+
+
+def _rebuild_ndarray(r: _Region, offset: int, dtype: Any, shape: tuple, strides: tuple) -> Any:
+    import numpy as np
+    return np.ndarray(shape, dtype=dtype, buffer=r.ba, offset=offset, strides=strides)
+
+
+class _Unpickler(pickle.Unpickler):
+    def persistent_load(self, pid: Any) -> Any:
+        kind, region = pid
+        assert kind == "bytearray"
+        return region.ba
+
+
+def _rebuild_function(code_key: int, name: str, defaults: Any, kwdefaults: Any, cells: tuple) -> types.FunctionType:
+    code, globs = _SHARED[code_key]
+    f = types.FunctionType(code, globs, name, defaults, tuple(types.CellType(c) for c in cells))
+    f.__kwdefaults__ = kwdefaults
+    return f
+
+
+class _Pickler(pickle.Pickler):
+    def __init__(self, f: io.BytesIO, shared: dict[int, Any]) -> None:
+        super().__init__(f, protocol=pickle.HIGHEST_PROTOCOL)
+        self.shared = shared
+        self.regions: list[_Region] = []
+        self.by_value: list[tuple[int, int]] = []  # ndarrays copied by value: nothing else may view them
+
+    def check_aliasing(self) -> None:
+        for lo, hi in self.by_value:
+            for r in self.regions:
+                if lo < r.start + r.nbytes and r.start < hi:
+                    raise CloneError("an ndarray that owns its memory is also viewed by a tensor or bytearray; "
+                                     "explore with mode='replay'")
+
+    def _region(self, start: int, nbytes: int, data: Callable[[], bytes], what: str) -> tuple[_Region, int]:
+        """The region holding [start, start + nbytes) and the offset into it; the first object seen defines it."""
+        for r in self.regions:
+            if r.start <= start and start + nbytes <= r.start + r.nbytes:
+                return r, start - r.start
+            if start < r.start + r.nbytes and r.start < start + nbytes:
+                raise CloneError(f"{what} partly overlaps memory another object views; explore with mode='replay'")
+        r = _Region(start, nbytes, data)
+        self.regions.append(r)
+        return r, 0
+
+    def persistent_id(self, obj: Any) -> Any:
+        # bytearrays never reach reducer_override (the C pickler saves them directly): route them here so
+        # a tensor made with torch.frombuffer(bytearray) and the bytearray stay one block of memory
+        if type(obj) is not bytearray or not obj:
+            return None
+        import numpy as np
+        start = np.frombuffer(obj, dtype=np.uint8).ctypes.data
+        r, off = self._region(start, len(obj), lambda obj=obj: bytes(obj), "a bytearray")
+        if off or r.nbytes != len(obj):
+            raise CloneError("a bytearray lies inside memory another object defined first")
+        return ("bytearray", r)
+
+    def reducer_override(self, obj: Any) -> Any:  # noqa: C901 - one branch per kind of object
+        t = type(obj)
+        if id(obj) in self.shared:
+            return (_shared, (id(obj),))
+        if t is torch.Tensor:
+            if obj.device.type != "cpu" or obj.requires_grad:
+                raise CloneError(f"cannot copy a {obj.device} tensor (requires_grad={obj.requires_grad})")
+            st = obj.untyped_storage()
+            if st.nbytes() == 0:
+                return (_empty_tensor, (obj.dtype, tuple(obj.size())))
+            raw = torch.empty(0, dtype=torch.uint8).set_(st)
+            r, off = self._region(st.data_ptr(), st.nbytes(), lambda raw=raw: raw.numpy().tobytes(), "a tensor")
+            item = obj.element_size()
+            if off % item:
+                raise CloneError("a tensor views memory at an offset that is not a multiple of its element size")
+            return (_rebuild_tensor, (r, off // item + obj.storage_offset(), obj.dtype, tuple(obj.size()), obj.stride()))
+        if t.__module__ == "numpy" and t.__name__ == "ndarray":
+            root = obj
+            while getattr(root, "base", None) is not None and type(root.base).__name__ == "ndarray":
+                root = root.base
+            base = root.base
+            if base is None or obj.size == 0:
+                if obj.size:
+                    at = obj.__array_interface__["data"][0]
+                    self.by_value.append((at, at + obj.nbytes))
+                return NotImplemented  # owns its memory: copied by value
+            start = obj.__array_interface__["data"][0]
+            if isinstance(base, torch.Tensor) and base.device.type == "cpu" and base.untyped_storage().nbytes():
+                st = base.untyped_storage()
+                raw = torch.empty(0, dtype=torch.uint8).set_(st)
+                r, off = self._region(st.data_ptr(), st.nbytes(), lambda raw=raw: raw.numpy().tobytes(), "a tensor")
+            elif isinstance(base, bytearray) and base:
+                import numpy as np
+                at = np.frombuffer(base, dtype=np.uint8).ctypes.data
+                r, off = self._region(at, len(base), lambda base=base: bytes(base), "a bytearray")
+            else:
+                return NotImplemented  # a view of memory nothing else here shares: copied by value
+            return (_rebuild_ndarray, (r, start - r.start, obj.dtype, obj.shape, obj.strides))
+        if t is types.FunctionType:
+            if obj.__closure__ is None:
+                if getattr(sys.modules.get(obj.__module__), obj.__qualname__, None) is obj:
+                    return NotImplemented  # importable: pickled by reference
+                _SHARED[id(obj)] = obj
+                return (_shared, (id(obj),))
+            _SHARED[id(obj.__code__)] = (obj.__code__, obj.__globals__)
+            return (_rebuild_function, (id(obj.__code__), obj.__name__, obj.__defaults__, obj.__kwdefaults__,
+                                        tuple(c.cell_contents for c in obj.__closure__)))
+        if t is weakref.ReferenceType:
+            return (weakref.ref, (obj(),))  # the callback is re-made by _fix_records
+        if t in _LOCKS:
+            return (_LOCKS[t], ())
+        if t is itertools.count:
+            match = _COUNT_RE.fullmatch(repr(obj))
+            if match:
+                return (itertools.count, (int(match.group(1)),))
+        if t is threading.Thread or t is types.GeneratorType:
+            raise CloneError(f"cannot copy a {t.__name__}; explore with mode='replay'")
+        return NotImplemented
+
+
+def _empty_tensor(dtype: torch.dtype, size: tuple) -> torch.Tensor:
+    return torch.empty(size, dtype=dtype)
 
 
 def clone(w: World) -> World:
     """An independent copy of a world (engine, pools, manager, requests, pending copies and backups)."""
-    d = copy._deepcopy_dispatch  # type: ignore[attr-defined]
-    saved = {t: d.get(t) for t in _DISPATCH}
-    d.update(_DISPATCH)
-    try:
-        memo: dict = {id(w.config): w.config, id(w.engine.config): w.engine.config, id(w.engine.kv): w.engine.kv}
-        new = copy.deepcopy(w, memo)
-    finally:
-        for t, f in saved.items():
-            if f is None:
-                d.pop(t, None)
-            else:
-                d[t] = f
+    shared = {id(o): o for o in (w.config, w.engine.config, w.engine.kv)}
+    _SHARED.update(shared)
+    buf = io.BytesIO()
+    pickler = _Pickler(buf, shared)
+    pickler.dump(w)
+    pickler.check_aliasing()
+    buf.seek(0)
+    new = _Unpickler(buf).load()
     _fix_records(new)
     return new
 
@@ -509,31 +688,28 @@ def _fix_records(w: World) -> None:
     records.update(fixed)
 
 
-def build(config: ExplorerConfig, events: Sequence[Event] = (),
-          faults: Optional[Callable[[SimEngine], None]] = None, check: bool = True) -> World:
-    """A fresh world after `events` (checking every invariant after each one when `check`)."""
-    w = World(config, faults)
+def build(config: ExplorerConfig, events: Sequence[Event] = (), faults: Optional[Faults] = None,
+          check: bool = True, trace_path: Optional[str] = None) -> World:
+    """A fresh world after `events`, checking every invariant after each one (when `check`)."""
+    w = World(config, faults, trace_path)
     if check:
         check_world(w)
-    for ev in events:
-        apply(w, ev)
-        if check:
-            check_world(w)
-    return w
-
-
-def replay_events(config: ExplorerConfig, events: Sequence[Event],
-                  faults: Optional[Callable[[SimEngine], None]] = None) -> World:
-    """Re-run a trace from scratch, checking every state; raises the first Violation (or engine error)."""
-    w = World(config, faults)
-    check_world(w)
     for n, ev in enumerate(events, 1):
-        try:
-            apply(w, ev)
-            check_world(w)
-        except Violation as exc:
-            raise Violation(exc.name, f"after event {n} {ev!r}: {exc.detail}") from exc
+        apply(w, ev) if not check else _step(w, ev, n)
     return w
+
+
+def _step(w: World, ev: Event, n: int) -> None:
+    try:
+        apply(w, ev)
+        check_world(w)
+    except Violation as exc:
+        raise Violation(exc.name, f"after event {n} {ev!r}: {exc.detail}") from exc
+
+
+def replay_events(config: ExplorerConfig, events: Sequence[Event], faults: Optional[Faults] = None) -> World:
+    """Re-run a trace from scratch, checking every state; raises the first Violation (or engine error)."""
+    return build(config, events, faults)
 
 
 # --- the search -----------------------------------------------------------------------------------------
@@ -553,7 +729,7 @@ class ExploreResult:
     config: ExplorerConfig
     states: int = 0
     edges: int = 0
-    depth: int = 0  # longest shortest-trace to a reached state
+    depth: int = 0  # the longest shortest trace to a reached state
     complete: bool = False  # every reachable state (within max_depth) was expanded
     seconds: float = 0.0
     peak_rss_mib: float = 0.0
@@ -563,20 +739,19 @@ class ExploreResult:
     keys: Optional[set] = None
 
 
-def _violation(exc: BaseException) -> tuple[str, str]:
+def _describe(exc: BaseException) -> tuple[str, str]:
     if isinstance(exc, Violation):
         return exc.name, exc.detail
     return type(exc).__name__, str(exc)
 
 
 def explore(config: ExplorerConfig = ExplorerConfig(), *, max_depth: Optional[int] = None,
-            faults: Optional[Callable[[SimEngine], None]] = None, mode: str = "copy",
-            max_states: Optional[int] = None, keep_keys: bool = False,
-            on_level: Optional[Callable[[int, int, int], None]] = None) -> ExploreResult:
+            faults: Optional[Faults] = None, mode: str = "copy", max_states: Optional[int] = None,
+            keep_keys: bool = False, on_level: Optional[Callable[[int, int, int], None]] = None) -> ExploreResult:
     """Breadth-first search over every interleaving; stops at the first (hence shortest) violation.
 
-    faults: called on every freshly built SimEngine (apply a mutant to its instances); class-level
-    monkeypatches applied by the caller are seen as well. on_level(depth, states, frontier) reports progress.
+    faults: called on every freshly built SimEngine (to patch its instances); class-level monkeypatches
+    applied by the caller are seen as well. on_level(depth, states, frontier) reports progress.
     """
     if mode not in ("copy", "replay"):
         raise ValueError(f"mode must be 'copy' or 'replay', got {mode!r}")
@@ -592,12 +767,15 @@ def explore(config: ExplorerConfig = ExplorerConfig(), *, max_depth: Optional[in
             res.keys = visited
         return res
 
-    try:
-        root = build(config, faults=faults)
-    except Exception as exc:  # noqa: BLE001 - any failure is the report
-        res.violation = Counterexample((), *_violation(exc), repr(exc))
+    def fail(trace: tuple, exc: BaseException) -> ExploreResult:
+        res.violation = Counterexample(trace, *_describe(exc), repr(exc))
         return finish()
-    visited.add(canonical_key(root))
+
+    try:
+        root = World(config, faults)
+        visited.add(canonical_key(root, check_world(root)))
+    except Exception as exc:  # noqa: BLE001 - any failure is the report
+        return fail((), exc)
     frontier: deque[tuple[Optional[World], tuple[Event, ...]]] = deque([(root, ())])
     depth = 0
     while frontier:
@@ -609,32 +787,32 @@ def explore(config: ExplorerConfig = ExplorerConfig(), *, max_depth: Optional[in
         nxt: deque = deque()
         while frontier:
             parent, trace = frontier.popleft()
-            if mode == "replay":
+            if parent is None:
                 parent = build(config, trace, faults, check=False)
             events = enabled(parent)
             for n, ev in enumerate(events):
-                if mode == "replay":
-                    child = parent if n == len(events) - 1 else build(config, trace, faults, check=False)
+                if n == len(events) - 1:
+                    child = parent
+                elif mode == "copy":
+                    child = clone(parent)
                 else:
-                    child = parent if n == len(events) - 1 else clone(parent)
+                    child = build(config, trace, faults, check=False)
                 res.edges += 1
                 try:
                     apply(child, ev)
-                    check_world(child)
-                    key = canonical_key(child)
+                    key = canonical_key(child, check_world(child))
                 except Exception as exc:  # noqa: BLE001 - any failure is the report
                     res.coverage |= child.engine.manager.coverage
                     res.depth = depth + 1
-                    res.violation = Counterexample(trace + (ev,), *_violation(exc), repr(exc))
-                    return finish()
+                    return fail(trace + (ev,), exc)
                 res.coverage |= child.engine.manager.coverage
                 if key in visited:
                     continue
                 visited.add(key)
+                nxt.append((child if mode == "copy" else None, trace + (ev,)))
                 if max_states is not None and len(visited) >= max_states:
                     res.depth = depth + 1
                     return finish()
-                nxt.append((child if mode == "copy" else None, trace + (ev,)))
         frontier = nxt
         depth += 1
         if frontier:
@@ -646,24 +824,25 @@ def explore(config: ExplorerConfig = ExplorerConfig(), *, max_depth: Optional[in
 # --- reporting ------------------------------------------------------------------------------------------
 def counterexample_test(config: ExplorerConfig, cx: Counterexample, name: str = "explorer_counterexample") -> str:
     """A runnable pytest file that replays the shortest trace; it fails while the bug exists."""
-    events = ",\n".join(f"    {ev!r}" for ev in cx.events)
-    fields = ", ".join(f"{k}={v!r}" for k, v in asdict(config).items())
-    detail = cx.detail.replace('"""', "'''")
-    return f'''"""Shortest counterexample found by `kvfsm check` ({len(cx.events)} events).
+    events = "".join(f"    {ev!r},  # {n}. {event_label(ev)}\n" for n, ev in enumerate(cx.events, 1))
+    fields = ",\n    ".join(f"{k}={v!r}" for k, v in asdict(config).items())
+    detail = cx.detail.replace('"""', "'''").replace("\\", "\\\\")
+    return f'''"""Shortest counterexample found by the bounded explorer (`kvfsm check`): {len(cx.events)} events.
 
 Violation: {cx.name}: {detail}
 
-Replays the events on a fresh SimEngine with the same bound, checking every invariant after each one.
-It fails while the bug exists and passes once it is fixed.
+The test replays the events on a fresh SimEngine with the same bound and checks every invariant after each
+one: it fails while the bug exists and passes once it is fixed.
 """
 
 from kvfsm.verify.explorer import ExplorerConfig, replay_events
 
-CONFIG = ExplorerConfig({fields})
+CONFIG = ExplorerConfig(
+    {fields},
+)
 
 EVENTS = [
-{events}{"," if cx.events else ""}
-]
+{events}]
 
 
 def test_{name}() -> None:

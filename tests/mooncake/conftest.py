@@ -10,8 +10,8 @@ Without the mooncake wheel or libibverbs the tests skip with the reason; with KV
 
 from __future__ import annotations
 
-import ctypes
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -50,12 +50,14 @@ def _accepts(port: int) -> bool:
         return False
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL it if the test process dies (a crash must not leak a master)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+_SETPRIV = shutil.which("setpriv")
+
+
+def _command(rpc: int, http: int, metrics: int, extra: tuple[str, ...]) -> list[str]:
+    """The master's command line, under `setpriv --pdeathsig KILL` where util-linux has it, so the master dies
+    with the test process even if that crashes (no preexec_fn: not safe once client threads exist)."""
+    cmd = master_command(master_binary(), rpc, http, metrics, extra=extra)
+    return [_SETPRIV, "--pdeathsig", "KILL", "--", *cmd] if _SETPRIV else cmd
 
 
 @dataclass
@@ -65,6 +67,7 @@ class Master:
     http_port: int
     metrics_port: int
     log: Path
+    extra: tuple[str, ...] = ()
 
     @property
     def pid(self) -> int:
@@ -87,6 +90,18 @@ class Master:
             os.kill(self.pid, signal.SIGKILL)
             self.proc.wait(10)
 
+    def restart(self) -> None:
+        """A fresh master on the same ports (empty index): clients reconnect and remount their segments."""
+        self.kill()
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(_command(self.rpc_port, self.http_port, self.metrics_port, self.extra),
+                                         stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
+        deadline = time.monotonic() + 20
+        while not (_accepts(self.rpc_port) and _accepts(self.http_port)):
+            assert self.alive() and time.monotonic() < deadline, "restarted master did not come up"
+            time.sleep(0.05)
+
     def stop(self) -> None:
         if self.alive():
             os.kill(self.pid, signal.SIGTERM)
@@ -98,21 +113,19 @@ class Master:
 
 
 def start_master(log_dir: Path, extra: tuple[str, ...] = (), attempts: int = 3) -> Master:
-    binary = master_binary()
-    if binary is None:
+    if master_binary() is None:
         unavailable("mooncake_master binary not found in the mooncake wheel")
     last = ""
     for _ in range(attempts):  # a picked port can be taken before the master binds it: retry with new ones
         rpc, http, metrics = free_port(), free_port(), free_port()
         log = log_dir / f"mooncake_master-{rpc}.log"
         with open(log, "wb") as out:
-            proc = subprocess.Popen(master_command(binary, rpc, http, metrics, extra=extra), stdout=out,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=dict(os.environ),
-                                    start_new_session=True, preexec_fn=_die_with_parent)
+            proc = subprocess.Popen(_command(rpc, http, metrics, extra), stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and proc.poll() is None:
             if _accepts(rpc) and _accepts(http):
-                return Master(proc, rpc, http, metrics, log)
+                return Master(proc, rpc, http, metrics, log, extra)
             time.sleep(0.05)
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
@@ -158,6 +171,32 @@ def master_factory(mooncake_available: None, tmp_path: Path) -> Iterator[Callabl
             m.stop()
 
 
+def _defaults(kw: dict[str, Any]) -> dict[str, Any]:
+    kw.setdefault("global_segment_size", 32 << 20)
+    kw.setdefault("local_buffer_size", 16 << 20)
+    kw.setdefault("op_timeout_s", 5.0)
+    kw.setdefault("setup_timeout_s", 15.0)
+    kw.setdefault("close_timeout_s", 3.0)
+    kw.setdefault("read_pool_bytes", 16 << 20)
+    return kw
+
+
+@pytest.fixture(scope="session")
+def shared_storage(mooncake_master: Master) -> Iterator[Any]:
+    """One client for the tests that need no special settings (a client's close takes 1-2 s: share it).
+
+    TP rank 1 of 2 of model "shared/model"; tests keep their pages apart by key.
+    """
+    from kvfsm.dataplane.mooncake import MooncakeStorage
+
+    s = MooncakeStorage(mooncake_master.addr, mooncake_master.metadata,
+                        **_defaults({"model_name": "shared/model", "tp_rank": 1, "tp_size": 2}))
+    try:
+        yield s
+    finally:
+        s.close()
+
+
 @pytest.fixture
 def make_storage(mooncake_master: Master) -> Iterator[Callable[..., Any]]:
     """MooncakeStorage factory with small, bounded settings and a model name unique to the test."""
@@ -169,13 +208,7 @@ def make_storage(mooncake_master: Master) -> Iterator[Callable[..., Any]]:
     def make(master: Master | None = None, **kw: Any) -> MooncakeStorage:
         m = master or mooncake_master
         kw.setdefault("model_name", model)
-        kw.setdefault("global_segment_size", 64 << 20)
-        kw.setdefault("local_buffer_size", 16 << 20)
-        kw.setdefault("op_timeout_s", 5.0)
-        kw.setdefault("setup_timeout_s", 15.0)
-        kw.setdefault("close_timeout_s", 3.0)
-        kw.setdefault("read_pool_bytes", 16 << 20)
-        s = MooncakeStorage(m.addr, m.metadata, **kw)
+        s = MooncakeStorage(m.addr, m.metadata, **_defaults(kw))
         made.append(s)
         return s
 

@@ -1,7 +1,7 @@
 """A second engine process sharing the Mooncake Store (run by the tests as `python mooncake_peer.py`).
 
 Reads one JSON request from stdin: {"master", "metadata", "model", "tp_rank", "tp_size", "read": [hashes],
-"write": {hash: seed}, "page_nbytes"}. It reads the `read` pages and reports, per page, the sha256 of what it
+"write": {hash: seed}, "page_nbytes" (of the written pages)}. It reads the `read` pages and reports, per page, the sha256 of what it
 got (null when missing) and the stored prefix; then it writes the `write` pages (bytes from the seed), prints
 the JSON report on one line, and keeps its client (whose memory segment may hold those pages) open until
 stdin closes.
@@ -26,7 +26,7 @@ def main() -> None:
     from kvfsm.dataplane.mooncake import MooncakeStorage
 
     s = MooncakeStorage(req["master"], req["metadata"], model_name=req["model"], tp_rank=req.get("tp_rank", 0),
-                        tp_size=req.get("tp_size", 1), page_nbytes=req.get("page_nbytes"),
+                        tp_size=req.get("tp_size", 1),  # page size: learned from the store
                         global_segment_size=req.get("segment", 32 << 20), local_buffer_size=16 << 20,
                         op_timeout_s=5.0, setup_timeout_s=15.0, close_timeout_s=3.0, read_pool_bytes=8 << 20)
     try:

@@ -3,9 +3,12 @@
 A hypothesis RuleBasedStateMachine drives many concurrent requests through a small engine (real CPU pools,
 a DeferredCpuCopyEngine whose copies land only when a rule completes them, in any order, and a
 SteppedBackupWorker whose backups run only when a rule runs them, in any order), in checked mode:
-admit (also re-using released rids), decode (with speculative over-allocation), whole scheduler steps,
-offload, copy completion, backup runs (with injected storage write failures), progress checks, finish /
-abort / retract, re-admission of a retracted request object, and duplicate end calls.
+admit (also re-using released rids), decode (with speculative over-allocation; at the context limit a
+request finishes, on a full device pool it is retracted), whole scheduler steps, offload, copy completion,
+backup runs (with injected storage write failures), progress checks, finish / abort / retract, duplicate
+end calls, and re-admission of a retracted request object (also while its old lifecycle's release still
+waits for a copy). Pools are small (24-40 device slots, 8-12 host slots at page size 2, 3-4 rows, a
+backup queue of 1-2), so host exhaustion, back-pressure and slot reuse are common.
 
 After every step the invariants below are checked against the pools themselves (not the manager's view);
 at teardown every request is ended, everything drained, the pools must be full and every page in storage
@@ -26,7 +29,8 @@ from typing import Any, Optional
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
+                                 run_state_machine_as_test)
 
 import generated.decode_offload as gen
 from kvfsm.dataplane import page_hashes
@@ -117,6 +121,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.retracted: list[SimRequest] = []  # retracted, waiting for re-admission (same object)
         self.ended: list[SimRequest] = []  # finished or aborted (for duplicate end calls and rid reuse)
         self.keymap: dict[str, SimRequest] = {}  # record key -> request object
+        self.all_reqs: list[SimRequest] = []  # every request object, kept alive: checks name writers by serial
         self.end_alloc: dict[tuple[int, int], tuple[int, int]] = {}  # (serial, row) -> (allocated, prefix) at end
         self.next_start: dict[int, int] = {}  # id(record) -> where its next chunk must start
         self.records: dict[int, Any] = {}  # id(record) -> record (kept alive so ids stay unique)
@@ -145,7 +150,7 @@ class ManagerMachine(RuleBasedStateMachine):
               backup_queue: int) -> None:
         # page_size 2: 24-40 device slots, 8-12 host slots; page_size 4 keeps the same page counts.
         self.e = SimEngine(page_size=page_size, stride=stride_pages * page_size, device_slots=device_pages * page_size,
-                           host_slots=host_pages * page_size, rows=rows, max_context=48, backup_queue=backup_queue,
+                           host_slots=host_pages * page_size, rows=rows, max_context=32, backup_queue=backup_queue,
                            checked=self.checked)
         self.ps = page_size
 
@@ -160,6 +165,7 @@ class ManagerMachine(RuleBasedStateMachine):
 
     def _admit(self, rid: str, prompt_len: int, prefix_len: int) -> None:
         req = self._new_request(rid, prompt_len, prefix_len)
+        self.all_reqs.append(req)
         self.e.admit(rid, prompt_len, prefix_len, req=req)
 
     def _end(self, req: SimRequest, how: str) -> None:
@@ -171,6 +177,15 @@ class ManagerMachine(RuleBasedStateMachine):
         else:
             self.ended.append(req)
             del self.ended[:-8]
+
+    def _decode(self, req: SimRequest, speculative: int) -> bool:
+        """A decode step as an engine does it: at the context limit the request finishes; when the device
+        pool is full it is retracted (memory pressure) and waits for re-admission."""
+        if self.e.decode(req, speculative) or (speculative and self.e.decode(req, 0)):
+            return True
+        at_limit = -(-(req.kv_committed_len + 1) // self.ps) * self.ps > self.e.max_context
+        self._end(req, "finish" if at_limit else "retract")
+        return False
 
     def _run_backup(self, i: int, fail: int) -> None:
         job = self.e.worker.pending[i]
@@ -186,17 +201,15 @@ class ManagerMachine(RuleBasedStateMachine):
                 self.shadow[h] = (writer, chunk.start + j * self.ps)
 
     # --- rules --------------------------------------------------------------------------------------
-    @rule(rid=st.sampled_from(RIDS), prompt_len=st.integers(1, 12), prefix_len=st.integers(0, 4))
+    @rule(rid=st.sampled_from(RIDS), prompt_len=st.integers(1, 12), prefix_len=st.integers(0, 4),
+          reuse=st.integers(0, 2), count=st.integers(1, 2))
     @_step
-    def admit(self, rid: str, prompt_len: int, prefix_len: int) -> None:
-        self._admit(rid, prompt_len, prefix_len)
-
-    @precondition(lambda self: self.e is not None and self.ended)
-    @rule(i=st.integers(0, 7), prompt_len=st.integers(1, 12))
-    @_step
-    def admit_reused_rid(self, i: int, prompt_len: int) -> None:
-        """A new request object with the rid of a released one (B6)."""
-        self._admit(self._pick(self.ended, i).rid, prompt_len, i % 3)
+    def admit(self, rid: str, prompt_len: int, prefix_len: int, reuse: int, count: int) -> None:
+        """Admit `count` new requests; reuse=0 gives the first the rid of a released request (B6)."""
+        if reuse == 0 and self.ended:
+            rid = self._pick(self.ended, prompt_len).rid
+        for k in range(count):
+            self._admit(rid if k == 0 else self._pick(RIDS, prompt_len + k), prompt_len + k, prefix_len)
 
     @precondition(lambda self: self.e is not None and self.e.live)
     @rule(i=st.integers(0, 7), n=st.integers(1, 4), speculative=st.integers(0, 3))
@@ -204,7 +217,7 @@ class ManagerMachine(RuleBasedStateMachine):
     def decode(self, i: int, n: int, speculative: int) -> None:
         req = self._pick(self.e.live, i)
         for _ in range(n):
-            if not self.e.decode(req, speculative):
+            if not self._decode(req, speculative):
                 break
 
     @precondition(lambda self: self.e is not None and self.e.live)
@@ -213,7 +226,7 @@ class ManagerMachine(RuleBasedStateMachine):
     def scheduler_step(self, speculative: int, offload: bool, progress: bool) -> None:
         """One engine iteration: every live request decodes, then is offloaded, then progress is checked."""
         for req in list(self.e.live):
-            self.e.decode(req, speculative)
+            self._decode(req, speculative)
         if offload:
             for req in list(self.e.live):
                 self.e.manager.offload(req)
@@ -250,11 +263,15 @@ class ManagerMachine(RuleBasedStateMachine):
     def progress(self) -> None:
         self.e.manager.check_progress()
 
-    @precondition(lambda self: self.e is not None and self.e.live)
-    @rule(i=st.integers(0, 7), how=st.sampled_from(["finish", "finish", "abort", "retract"]))
+    @precondition(lambda self: self.e is not None and (self.e.live or self.ended or self.retracted))
+    @rule(i=st.integers(0, 7), how=st.sampled_from(["finish", "finish", "abort", "retract"]), again=st.integers(0, 2))
     @_step
-    def end(self, i: int, how: str) -> None:
-        self._end(self._pick(self.e.live, i), how)
+    def end(self, i: int, how: str, again: int) -> None:
+        """End a live request; again=0 (or nothing live) repeats the call on an ended one instead."""
+        if self.e.live and (again or not (self.ended or self.retracted)):
+            self._end(self._pick(self.e.live, i), how)
+        else:
+            self._duplicate_end(i, how)
 
     @precondition(lambda self: self.e is not None and self.retracted)
     @rule(i=st.integers(0, 7))
@@ -267,10 +284,7 @@ class ManagerMachine(RuleBasedStateMachine):
             self.retracted.remove(req)
             self._count("readmitted_while_release_deferred" if deferred else "readmitted")
 
-    @precondition(lambda self: self.e is not None and (self.ended or self.retracted))
-    @rule(i=st.integers(0, 7), how=st.sampled_from(["finish", "abort", "retract"]))
-    @_step
-    def duplicate_end(self, i: int, how: str) -> None:
+    def _duplicate_end(self, i: int, how: str) -> None:
         """finalize/abort/retract of a request that already ended: a declared no-op that frees nothing (B9)."""
         pool = self.ended + self.retracted
         req = self._pick(pool, i)
@@ -332,7 +346,7 @@ class ManagerMachine(RuleBasedStateMachine):
         holders += deferred.values()
         pages: list[int] = []
         for name, row, alloc, _ in holders:
-            check(row is not None and e.req_to_token.is_allocated(row), "holder_has_row", f"{name} row {row}")
+            check(row is not None and e.req_to_token.is_allocated(row), "holder_has_row", lambda: f"{name} row {row}")
             n = -(-alloc // ps)
             pages += [s // ps for s in table[row][0:n * ps:ps]]
         check(len(set(pages)) == len(pages), "no_shared_device_page",
@@ -345,7 +359,7 @@ class ManagerMachine(RuleBasedStateMachine):
         check(e.req_to_token.rows - e.req_to_token.free_rows == len(holders), "row_accounting",
               lambda: f"{e.req_to_token.rows - e.req_to_token.free_rows} rows allocated, {len(holders)} holders")
         protected = sum(h[3] for h in holders)
-        check(e.protected.size == protected, "protected_accounting", f"protected {e.protected.size} != {protected}")
+        check(e.protected.size == protected, "protected_accounting", lambda: f"protected {e.protected.size} != {protected}")
         # Host slots: exactly the chunks between their copy and their backup's collection.
         host: list[int] = []
         for c in itertools.chain(copies, parked, backups):
@@ -355,7 +369,7 @@ class ManagerMachine(RuleBasedStateMachine):
               lambda: f"host allocated {e.host_pool.capacity - e.host_pool.free_slots}, chunks hold {len(host)}")
         if e.manager.ledger is not None:
             check(e.manager.ledger.host_pages() * ps == len(host), "ledger_host_pages",
-                  f"ledger {e.manager.ledger.host_pages()} pages, chunks {len(host) // ps}")
+                  lambda: f"ledger {e.manager.ledger.host_pages()} pages, chunks {len(host) // ps}")
 
     def machines(self) -> None:
         """Counters never negative and equal to the chunks each lifecycle really has in flight."""
@@ -369,17 +383,17 @@ class ManagerMachine(RuleBasedStateMachine):
                 count.setdefault(id(c.record), [0, 0, 0])[k] += 1
         for key, rec in recs.items():
             m = rec.machine
-            check(m.copies >= 0 and m.parked >= 0 and m.backups >= 0, "counters_non_negative", repr(m))
+            check(m.copies >= 0 and m.parked >= 0 and m.backups >= 0, "counters_non_negative", lambda: repr(m))
             check([m.copies, m.parked, m.backups] == count.get(key, [0, 0, 0]), "counters_match_chunks",
                   lambda: f"{m!r} but chunks in flight {count.get(key, [0, 0, 0])}")
-            check(not gen.violated_invariants(m), "spec_invariants", repr(m))
+            check(not gen.violated_invariants(m), "spec_invariants", lambda: repr(m))
             req = rec.req_ref()
             if req is not None:
                 self.keymap.setdefault(rec.key, req)
                 self.records[id(rec)] = rec
                 if m.state == gen.FINISHED and req in e.live:
                     # A re-admitted request never shares its row with its own deferred-release lifecycle.
-                    check(req.req_pool_idx != rec.row, "readmitted_row_distinct", f"{req!r} live, machine {m!r}")
+                    check(req.req_pool_idx != rec.row, "readmitted_row_distinct", lambda: f"{req!r} live, machine {m!r}")
 
     def chunks(self) -> None:
         """New chunks are contiguous and read the request's own slots; completed copies hold the writer's KV."""
@@ -472,8 +486,10 @@ class ManagerMachine(RuleBasedStateMachine):
         for req in self.retracted + self.ended:
             e.manager.abort(req)
         e.check_teardown()
-        check(e.manager.ledger is None or (not e.manager.ledger.device_readers and not e.manager.ledger.host_owner),
-              "ledger_empty", "ledger still has readers or host owners")
+        ledger = e.manager.ledger
+        check(ledger is None or not (ledger.device_owner or ledger.device_readers or ledger.host_owner), "ledger_empty",
+              lambda: f"ledger still has owners {ledger.device_owner}, readers {dict(ledger.device_readers)} or "
+                      f"host owners {ledger.host_owner}")
         self.storage()
         # Read every stored page back through the storage interface and compare with its writer's KV.
         keys = list(e.manager.fx.stored)
@@ -493,12 +509,19 @@ class ManagerMachine(RuleBasedStateMachine):
 
 
 # CI: >= 100,000 steps in total, deep: >= 1,000,000 (steps per example ~= stateful_step_count).
-MAIN_EXAMPLES, MAIN_STEPS = (2500, 450) if DEEP else (300, 450)
+MAIN_EXAMPLES, MAIN_STEPS = (3200, 450) if DEEP else (320, 450)
 MIN_TOTAL_STEPS = 1_000_000 if DEEP else 100_000
 
-TestManagerMachine = ManagerMachine.TestCase
-TestManagerMachine.settings = settings(max_examples=MAIN_EXAMPLES, stateful_step_count=MAIN_STEPS, deadline=None,
-                                       suppress_health_check=list(HealthCheck))
+MAIN_SETTINGS = settings(max_examples=MAIN_EXAMPLES, stateful_step_count=MAIN_STEPS, deadline=None,
+                         suppress_health_check=list(HealthCheck))  # the rest from the loaded profile
+
+
+def test_manager_machine() -> None:
+    t0 = time.perf_counter()
+    try:
+        run_state_machine_as_test(ManagerMachine, settings=MAIN_SETTINGS)
+    finally:
+        TIMES["main"] = time.perf_counter() - t0
 
 
 def test_zz_step_budget() -> None:
@@ -508,5 +531,7 @@ def test_zz_step_budget() -> None:
     steps = STEPS.get("main", 0)
     if steps == 0:
         pytest.skip("the stateful fuzz test did not run in this session")
-    print(f"\nstateful manager fuzz: {steps} rule steps")
+    missing = sorted(set(range(len(gen.TRANSITIONS))) - COVERAGE.get("main", set()))
+    print(f"\nstateful manager fuzz: {steps} rule steps in {TIMES.get('main', 0):.0f} s; "
+          f"transitions never taken: {missing}; {EVENTS.get('main')}")
     assert steps >= MIN_TOTAL_STEPS, f"only {steps} rule steps ran (< {MIN_TOTAL_STEPS})"

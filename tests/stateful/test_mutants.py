@@ -280,15 +280,21 @@ MUTANTS: dict[str, tuple[str, Callable[[pytest.MonkeyPatch], None], bool]] = {
     "B15": ("copy that silently moves nothing", b15, True),
 }
 
+# Shrinking a failing run costs minutes per mutant; CI only needs the catch. The report script turns it on,
+# bounded to SHRINK_SECONDS per mutant, to give the length of a minimal failing example.
+SHRINK_SECONDS = float(os.environ.get("KVFSM_MUTANT_SHRINK", "0"))
 MUTANT_SETTINGS = dict(max_examples=1000 if DEEP else 300, stateful_step_count=200, deadline=None,
                        derandomize=True, database=None, suppress_health_check=list(HealthCheck),
-                       phases=(Phase.explicit, Phase.generate, Phase.shrink))
+                       phases=(Phase.explicit, Phase.generate) + ((Phase.shrink,) if SHRINK_SECONDS > 0 else ()))
 
 
 @pytest.mark.parametrize("mid", list(MUTANTS))
 def test_mutant_is_caught(mid: str, monkeypatch: pytest.MonkeyPatch) -> None:
     bug, inject, checked = MUTANTS[mid]
     machine = type(f"Mutant_{mid.replace('-', '_')}", (tm.ManagerMachine,), {"bucket": f"mutant:{mid}", "checked": checked})
+    if SHRINK_SECONDS > 0:
+        import hypothesis.internal.conjecture.engine as conjecture_engine
+        monkeypatch.setattr(conjecture_engine, "MAX_SHRINKING_SECONDS", SHRINK_SECONDS)
     inject(monkeypatch)
     t0 = time.perf_counter()
     error: Optional[BaseException] = None

@@ -1,0 +1,7 @@
+"""Engines that run their KV offload through kvfsm's spec'd lifecycles.
+
+- `kvfsm.integrations.transformers`: Hugging Face transformers' continuous batching (`generate_batch`),
+  whose swap-out/swap-in of preempted requests runs through spec/cb_swap.yaml (extra: `kvfsm[transformers]`).
+
+Each integration imports its engine lazily, so `import kvfsm.integrations` works without any engine installed.
+"""

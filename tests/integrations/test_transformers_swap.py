@@ -1,0 +1,325 @@
+"""transformers' continuous batching with kvfsm as its offloading manager, on a tiny random Llama.
+
+The cache is made small enough that the engine must preempt and restore requests many times; every
+swap goes through spec/cb_swap.yaml in checked mode (invariants, block ledger, every landed copy compared
+with its source: B15), and the outputs must equal per-request `generate` token for token.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from cb_helpers import cb_config, generation_config, prompts, reference_outputs, require_transformers, tiny_llama
+
+require_transformers()
+
+import kvfsm.integrations.transformers as kt  # noqa: E402
+from generated import cb_swap as gen  # noqa: E402
+from kvfsm.dataplane import CopyEngine, CpuCopyEngine, DeferredCpuCopyEngine  # noqa: E402
+from kvfsm.dataplane.copy_engine import plan_copy  # noqa: E402
+from kvfsm.runtime.ledger import CheckedModeError  # noqa: E402
+
+NEW_TOKENS = 24
+N_REQUESTS = 16
+NUM_BLOCKS = 16  # 64 token slots for 16 requests of up to 30 + 24 tokens
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Any:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    return tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def workload(model: Any) -> tuple[list[list[int]], list[list[int]]]:
+    inputs = prompts(N_REQUESTS)
+    return inputs, reference_outputs(model, inputs, NEW_TOKENS)
+
+
+def run_batch(model: Any, inputs: list[list[int]], config: Any, cb: Any) -> tuple[list[list[int]], Any]:
+    with kt.installed(model, config) as inst:
+        results = model.generate_batch(inputs, generation_config=generation_config(NEW_TOKENS),
+                                       continuous_batching_config=cb, progress_bar=False)
+    outs = [r.generated_tokens for r in results.values()]
+    assert all(r.error is None for r in results.values())
+    return outs, inst
+
+
+# ---- the engine, end to end -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sharing", [False, True], ids=["no-prefix-sharing", "prefix-sharing"])
+def test_generate_batch_swaps_many_times_and_matches_generate(model: Any, workload: Any, sharing: bool) -> None:
+    inputs, expected = workload
+    outs, inst = run_batch(model, inputs, kt.SwapConfig(host_blocks=64, checked=True),
+                           cb_config(NUM_BLOCKS, sharing=sharing))
+    m = inst.metrics
+    print(f"\n{'sharing' if sharing else 'no sharing'}: {m.as_dict()}")
+    assert outs == expected
+    assert m.preempts >= 10 and m.soft_resets == 0
+    assert m.swap_outs_done == m.preempts and m.restores == m.preempts and m.swap_ins_done == m.restores
+    assert m.verified_copies == m.swap_outs_done + m.swap_ins_done  # every copy compared with its source (B15)
+    assert m.bytes_d2h == m.bytes_h2d > 0
+    assert {0, 2, 3, 4, 5} <= inst.coverage  # preempt, swap_out_done, restore, swap_in_done, finish
+    assert inst.leaks() == []
+    (kv,) = inst.managers
+    assert kv.live == {} and kv.host_pool.free_slots == kv.host_pool.capacity
+
+
+def test_small_host_pool_soft_resets_and_still_matches(model: Any, workload: Any) -> None:
+    inputs, expected = workload
+    outs, inst = run_batch(model, inputs, kt.SwapConfig(host_blocks=6, checked=True), cb_config(NUM_BLOCKS))
+    m = inst.metrics
+    assert outs == expected
+    assert m.soft_resets >= 1 and m.preempts >= 1
+    assert 1 in inst.coverage  # soft_reset
+    assert m.host_blocks_peak <= 6 and inst.leaks() == []
+
+
+def test_cancel_swapped_resident_and_running_requests(model: Any) -> None:
+    """Cancel, mid-run, a swapped request (host blocks freed), a restored one (device blocks through its
+    machine) and a running request that never swapped; the others still match `generate`."""
+    inputs = prompts(12, seed=3)
+    expected = reference_outputs(model, inputs, NEW_TOKENS)
+    manager = model.init_continuous_batching(generation_config=generation_config(NEW_TOKENS),
+                                             continuous_batching_config=cb_config(14))
+    inst = kt.install(manager, kt.SwapConfig(host_blocks=64, checked=True))
+    manager.start()
+    cancelled: dict[str, str] = {}
+    try:
+        ids = manager.add_requests(inputs, max_new_tokens=NEW_TOKENS)
+        deadline = time.monotonic() + 60
+        while len(cancelled) < 3 and time.monotonic() < deadline:
+            time.sleep(0.002)
+            if not inst.managers:
+                continue
+            (kv,) = inst.managers
+            with manager.pause():
+                scheduler = manager.batch_processor.scheduler
+                by_state: dict[int, list[str]] = {}
+                for rid, rec in kv.live.items():
+                    by_state.setdefault(rec.machine.state, []).append(rid)
+                plain = [rid for rid in scheduler.active_requests if rid not in kv.live]
+                picks = {"swapped": by_state.get(gen.SWAPPED, []), "resident": by_state.get(gen.RESIDENT, []),
+                         "running": plain}
+                for kind, rids in picks.items():
+                    if kind not in cancelled.values() and rids:
+                        rid = next((r for r in rids if r not in cancelled), None)
+                        if rid is not None:
+                            cancelled[rid] = kind
+                            # what manager.cancel_request(rid) leads to, applied by the loop as soon as the
+                            # pause ends (the cancel queue would only be read one batch later)
+                            scheduler.set_request_cancellation(rid)
+        assert sorted(cancelled.values()) == ["resident", "running", "swapped"], cancelled
+        results = {}
+        while len(results) < len(ids) - len(cancelled):
+            r = manager.get_result(timeout=30)
+            assert r is not None, f"engine stalled with {len(results)} results"
+            if r.request_id in cancelled:
+                continue
+            results[r.request_id] = r
+    finally:
+        manager.stop(block=True, timeout=30)
+        manager.destroy()
+    (kv,) = inst.managers
+    for i, rid in enumerate(ids):
+        if rid not in cancelled:
+            assert results[rid].generated_tokens == expected[i], rid
+    m = inst.metrics
+    assert m.cancels >= 2  # the swapped and the restored request ended through their machines
+    assert {6, 7} <= inst.coverage  # cancel in resident, cancel in swapped
+    assert inst.leaks() == [] and kv.live == {}
+    assert kv.host_pool.free_slots == kv.host_pool.capacity
+
+
+# ---- white box: one request driven through the manager ----------------------------------------------
+
+
+class _Engine:
+    """A batch processor built by the engine (no generation thread) with kvfsm installed."""
+
+    def __init__(self, model: Any, config: Any, num_blocks: int = 16) -> None:
+        self.manager = model.init_continuous_batching(generation_config=generation_config(4),
+                                                      continuous_batching_config=cb_config(num_blocks))
+        self.inst = kt.install(self.manager, config)
+        self.processor = self.manager._create_batch_processor()
+        self.kv: kt.KvfsmOffloadingManager = self.processor.offloading_manager
+        self.cache, self.scheduler = self.processor.cache, self.processor.scheduler
+        self.allocator = self.kv.allocator
+
+    def admit(self, rid: str, tokens: int) -> Any:
+        from transformers.generation.continuous_batching.requests import RequestState, RequestStatus
+
+        state = RequestState(request_id=rid, initial_tokens=list(range(1, tokens + 1)), max_new_tokens=4)
+        assert self.cache.can_store_request_tokens(state, tokens)
+        state.position_offset = tokens
+        state._status = RequestStatus.DECODING
+        self.scheduler.active_requests[rid] = state
+        blocks = self.allocator.block_table[rid]
+        pool = self.kv.device_pool
+        kv = torch.randn(2, pool.config.num_layers, len(blocks), *pool.config.token_shape, dtype=pool.config.dtype)
+        pool.storage.index_copy_(2, torch.tensor(blocks), kv)
+        return state
+
+    def free_blocks(self) -> int:
+        return self.cache.pool.count_free_blocks(self.allocator.index) + (
+            self.cache.pool.num_free_sectors * self.allocator.blocks_per_sector)
+
+    def restore(self, state: Any) -> Any:
+        from transformers.generation.continuous_batching.requests import FutureRequestState
+
+        assert self.cache.can_store_request_tokens(state, 1)
+        future = FutureRequestState(state, True, {}, 1)
+        self.kv.restore_scheduled_requests([future])
+        return future
+
+
+def test_paged_cache_pool_is_the_engines_layout(model: Any) -> None:
+    e = _Engine(model, kt.SwapConfig(host_blocks=8))
+    pool, alloc = e.kv.device_pool, e.allocator
+    assert pool.storage.data_ptr() == alloc.cache_tensor.data_ptr()  # a view, not a copy
+    state = e.admit("a", 9)
+    ps, heads, dim = alloc.tokens_per_page, alloc.num_key_value_heads, alloc.head_dim
+    for layer_pos, layer_idx in enumerate(alloc.layer_indices):
+        k_view, v_view = alloc._kv_token_views[layer_idx]
+        for b in alloc.block_table["a"]:
+            rows = slice(b * alloc.block_physical_stride, b * alloc.block_physical_stride + ps)
+            assert torch.equal(pool.storage[0, layer_pos, b].view(ps, heads, dim), k_view[rows])
+            assert torch.equal(pool.storage[1, layer_pos, b].view(ps, heads, dim), v_view[rows])
+    del state
+
+
+def test_swap_out_and_in_restore_the_exact_kv(model: Any) -> None:
+    e = _Engine(model, kt.SwapConfig(host_blocks=8, checked=True))
+    state = e.admit("a", 10)
+    pool = e.kv.device_pool
+    before = pool.blocks(e.allocator.block_table["a"]).clone()
+    free0 = e.free_blocks()
+    assert e.kv._swap_out(state)
+    rec = e.kv.live["a"]
+    assert rec.machine.state == gen.SWAPPED and "a" not in e.allocator.block_table
+    assert e.free_blocks() == free0 + before.shape[2]  # the device blocks went back to the engine
+    # the engine reuses them: scribble over every free block
+    pool.storage.zero_()
+    state.is_cpu_offloaded = True
+    e.restore(state)
+    assert rec.machine.state == gen.RESIDENT  # CPU copies land at submit; the poll acknowledged it
+    after = pool.blocks(e.allocator.block_table["a"][: before.shape[2]])
+    assert torch.equal(after, before)
+    assert e.kv.host_pool.free_slots == e.kv.host_pool.capacity
+    e.cache.free_blocks("a")  # the engine finishes it: through its machine
+    assert "a" not in e.kv.live and e.inst.leaks() == []
+    assert 5 in e.inst.coverage
+
+
+def test_cancel_during_swap_in_defers_the_release_to_the_ack(model: Any) -> None:
+    engine = DeferredCpuCopyEngine()
+    e = _Engine(model, kt.SwapConfig(host_blocks=8, checked=True, copy_engine=engine))
+    state = e.admit("a", 10)
+    assert e.kv._swap_out(state)  # the victim's copy is waited for (DeferredHandle.wait completes it)
+    state.is_cpu_offloaded = True
+    e.restore(state)
+    rec = e.kv.live["a"]
+    assert rec.machine.state == gen.SWAPPING_IN and len(engine.pending) == 1
+    restored = list(e.allocator.block_table["a"])
+    # the B2 hazard: freeing blocks a copy still writes is refused by the ledger
+    with pytest.raises(CheckedModeError, match="B2"):
+        e.kv.ledger.release_device(rec.key, "test", restored)
+    free_before = e.free_blocks()
+    e.scheduler.set_request_cancellation("a")
+    e.scheduler.clear_cancelled_requests()  # the engine frees the request now ...
+    assert rec.machine.state == gen.ENDING
+    assert "a" not in e.allocator.block_table and e.free_blocks() == free_before  # ... kvfsm defers it
+    assert e.inst.leaks()  # still held while the copy is in flight
+    engine.complete_all()
+    e.kv.poll()
+    assert rec.machine.state == gen.RELEASED and "a" not in e.kv.live
+    assert e.free_blocks() == free_before + len(restored)
+    assert e.inst.leaks() == [] and {11, 13} <= e.inst.coverage
+
+
+def test_events_the_spec_declares_errors_are_rejected(model: Any) -> None:
+    from kvfsm.errors import EventRejected
+
+    e = _Engine(model, kt.SwapConfig(host_blocks=8, checked=True))
+    state = e.admit("a", 10)
+    assert e.kv._swap_out(state)
+    m = e.kv.live["a"].machine
+    with pytest.raises(EventRejected):
+        m.finish()  # a swapped request is not running
+    with pytest.raises(EventRejected):
+        m.preempt()  # nor can it be swapped out twice
+    e.kv.reset()
+    assert e.inst.leaks() == [] and e.kv.live == {}
+
+
+class _B15Engine(CopyEngine):
+    """The bug of transformers' first CPU offloading (PR #45184): `dst[idx].copy_(src[idx])` writes into
+    the temporary that advanced indexing returns, so nothing reaches the destination."""
+
+    def submit_d2h(self, device_pool, device_indices, host_pool, host_indices):  # type: ignore[no-untyped-def]
+        plan = plan_copy("d2h", device_pool, device_indices, host_pool, host_indices)
+        src, si, dst, di = plan.views()
+        dst[:, :, di].copy_(src[:, :, si])
+        return CpuCopyEngine().submit_d2h(device_pool, [], host_pool, [])  # a done handle
+
+    def submit_h2d(self, host_pool, host_indices, device_pool, device_indices):  # type: ignore[no-untyped-def]
+        plan = plan_copy("h2d", device_pool, device_indices, host_pool, host_indices)
+        src, si, dst, di = plan.views()
+        dst[:, :, di].copy_(src[:, :, si])
+        return CpuCopyEngine().submit_h2d(host_pool, [], device_pool, [])  # a done handle
+
+
+class _B15RestoreEngine(_B15Engine):
+    """Swap-out correct, swap-in broken."""
+
+    def submit_d2h(self, device_pool, device_indices, host_pool, host_indices):  # type: ignore[no-untyped-def]
+        return CpuCopyEngine().submit_d2h(device_pool, device_indices, host_pool, host_indices)
+
+
+@pytest.mark.parametrize("broken", ["swap-out", "swap-in"])
+def test_checked_mode_catches_a_copy_that_moves_nothing(model: Any, broken: str) -> None:
+    engine = _B15Engine() if broken == "swap-out" else _B15RestoreEngine()
+    e = _Engine(model, kt.SwapConfig(host_blocks=8, checked=True, copy_engine=engine))
+    state = e.admit("a", 10)
+    if broken == "swap-out":
+        with pytest.raises(CheckedModeError, match="B15"):
+            e.kv._swap_out(state)
+        return
+    assert e.kv._swap_out(state)
+    e.kv.device_pool.storage.zero_()  # the engine reused the freed blocks
+    state.is_cpu_offloaded = True
+    with pytest.raises(CheckedModeError, match="B15"):
+        e.restore(state)
+
+
+# ---- the same on the H200: CUDA cache, CUDA copy engine ----------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_generate_batch_swaps_on_cuda(asynchronous: bool) -> None:
+    model = tiny_llama("cuda")
+    inputs = prompts(N_REQUESTS)
+    expected = reference_outputs(model, inputs, NEW_TOKENS)
+    cb = cb_config(NUM_BLOCKS, use_async_batching=asynchronous, use_cuda_graph=asynchronous)
+    outs, inst = run_batch(model, inputs, kt.SwapConfig(host_blocks=64, checked=True), cb)
+    (kv,) = inst.managers
+    m = inst.metrics
+    print(f"\ncuda {'async' if asynchronous else 'sync'} ({type(kv.engine).__name__}): {m.as_dict()}")
+    assert type(kv.engine).__name__ == "CudaCopyEngine" and kv.host_pool.pinned
+    assert outs == expected
+    assert m.preempts >= 10 and m.swap_ins_done == m.restores == m.preempts
+    assert m.verified_copies == m.swap_outs_done + m.swap_ins_done
+    assert inst.leaks() == []
