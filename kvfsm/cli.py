@@ -58,6 +58,27 @@ class DiagramFormat(str, Enum):
     dot = "dot"
 
 
+SCHEMA_PATH = Path("spec/kvfsm-spec.schema.json")
+
+
+@app.command()
+def schema(output: Path = typer.Option(SCHEMA_PATH, "--out", help="Where the JSON Schema goes."),
+           check: bool = typer.Option(False, "--check", help="Exit 1 when the file is stale; write nothing.")) -> None:
+    """Export the spec format's JSON Schema (from the pydantic models) for editors and other tools."""
+    from kvfsm.spec.model import json_schema_text
+    text = json_schema_text()
+    current = output.read_text() if output.exists() else None
+    if check:
+        if current != text:
+            err.print(f"{output} is stale: run `kvfsm schema`", markup=False)
+            raise typer.Exit(1)
+        out.print(f"{output}: up to date", markup=False)
+        return
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(text)
+    out.print(f"{output}: written", markup=False)
+
+
 @app.command()
 def diagram(spec: Path, fmt: DiagramFormat = typer.Option(DiagramFormat.mermaid, "--format")) -> None:
     """Print the state diagram (Mermaid or Graphviz dot)."""

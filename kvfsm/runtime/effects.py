@@ -126,9 +126,13 @@ class OffloadEffects:
         storage, host_pool = self.storage, self.host_pool
         hashes, host_indices = chunk.hashes, chunk.host_indices
 
+        direct = getattr(storage, "batch_set_from_host", None)  # zero-copy from a registered host pool
+
         def write() -> list[bool]:
             if storage is None:
                 return [False] * len(hashes)
+            if direct is not None:
+                return direct(hashes, host_pool, host_indices)
             pages = host_pool.get_pages_bytes(host_indices)
             return storage.batch_set(hashes, list(pages.unbind(0)))
 

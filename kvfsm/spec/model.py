@@ -123,3 +123,12 @@ class SpecModel(_Strict):
         if dup:
             raise ValueError(f"duplicate invariant name(s): {', '.join(dup)}")
         return value
+
+
+def json_schema_text() -> str:
+    """The spec format's JSON Schema, deterministic text (what `kvfsm schema` writes to spec/)."""
+    import json
+    schema = SpecModel.model_json_schema(by_alias=True)
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "kvfsm lifecycle spec"
+    return json.dumps(schema, indent=2, sort_keys=True) + "\n"
