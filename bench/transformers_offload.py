@@ -17,7 +17,7 @@ victim's blocks go back to the engine, so `--sync-timing` adds a second set of r
 synchronised around those calls: their time then includes the copies themselves (their throughput is
 not reported as representative). Outputs of the modes are compared token for token.
 
-  python bench/transformers_offload.py             # CUDA when present: ~0.9B-parameter random Llama, bf16
+  python bench/transformers_offload.py             # CUDA when present: ~0.14B-parameter random Llama, bf16
   python bench/transformers_offload.py --quick     # CPU: the tests' tiny Llama (the engine's own CPU
                                                     # offloading needs pinned memory, so it soft-resets there)
 Writes bench/results/transformers_offload-<machine>.json (or --out).
@@ -49,18 +49,18 @@ GiB = 2**30
 
 def build_model(args: argparse.Namespace, device: str) -> Any:
     torch.manual_seed(0)
-    if args.quick:
+    common = dict(max_position_embeddings=4096, bos_token_id=0, eos_token_id=None, pad_token_id=0)
+    if args.model == "tiny":  # the tests' model
         cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                          bos_token_id=0, eos_token_id=None, pad_token_id=0)
-        dtype = torch.float32
-    else:
+                          num_attention_heads=4, num_key_value_heads=2, **common)
+    elif args.model == "small":  # ~0.14B: 8 layers, 4 KV heads of dim 128 (16 KiB of KV per token in bf16)
+        cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                          num_attention_heads=8, num_key_value_heads=4, **common)
+    else:  # "medium", ~0.9B: 16 layers, 8 KV heads of dim 128 (64 KiB of KV per token in bf16)
         cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
-                          num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=4096,
-                          bos_token_id=0, eos_token_id=None, pad_token_id=0)
-        dtype = torch.bfloat16
-    model = LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
-    return model
+                          num_attention_heads=16, num_key_value_heads=8, **common)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    return LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
 
 
 def workload(args: argparse.Namespace, vocab: int) -> list[list[int]]:
@@ -154,7 +154,7 @@ def run(model: Any, inputs: list[list[int]], args: argparse.Namespace, mode: str
     cb_kwargs: dict[str, Any] = {}
     if args.async_batching is not None:
         cb_kwargs["use_async_batching"] = args.async_batching
-    if not cuda:
+    if not cuda or not args.cuda_graphs:
         cb_kwargs["use_cuda_graph"] = False
     cb = ContinuousBatchingConfig(page_size=args.page_size, num_blocks=args.num_blocks,
                                   max_batch_tokens=args.max_batch_tokens, allow_block_sharing=False,
@@ -220,6 +220,11 @@ def run(model: Any, inputs: list[list[int]], args: argparse.Namespace, mode: str
 def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny model on the CPU, seconds")
+    p.add_argument("--model", choices=("tiny", "small", "medium"), default=None,
+                   help="random Llama size (default: small on CUDA, tiny with --quick)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="let the engine capture CUDA graphs (and so batch asynchronously); off by default: capturing "
+                        "a graph per new batch shape dominates runs this short, the same for both modes")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present, cpu with --quick)")
     p.add_argument("--requests", type=int, default=None)
     p.add_argument("--new-tokens", type=int, default=None)
@@ -229,7 +234,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--num-blocks", type=int, default=None, help="cache capacity in blocks of page-size tokens")
     p.add_argument("--max-batch-tokens", type=int, default=None)
     p.add_argument("--host-gib", type=float, default=None, help="host pool of both offloading managers")
-    p.add_argument("--repeats", type=int, default=None, help="runs per mode (the first warms kernels up)")
+    p.add_argument("--repeats", type=int, default=None, help="runs per mode, alternating (the last is reported)")
     p.add_argument("--soft-reset", action="store_true", help="also run without any host pool")
     p.add_argument("--sync-timing", action="store_true", help="also run with the device synchronised around offloads")
     p.add_argument("--checked", action="store_true", help="kvfsm's checked mode (slower: verifies every copy)")
@@ -240,10 +245,10 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     device = args.device or ("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
     big = not args.quick
-    defaults = dict(requests=64 if big else 16, new_tokens=256 if big else 24, prompt_min=256 if big else 5,
-                    prompt_max=1536 if big else 29, page_size=64 if big else 4, num_blocks=320 if big else 16,
-                    max_batch_tokens=2048 if big else 64, host_gib=8.0 if big else 0.01,
-                    repeats=2 if device == "cuda" else 1)
+    defaults = dict(model="small" if big else "tiny", requests=64 if big else 16, new_tokens=256 if big else 24,
+                    prompt_min=32 if big else 5, prompt_max=256 if big else 29, page_size=32 if big else 4,
+                    num_blocks=192 if big else 16, max_batch_tokens=1024 if big else 64,
+                    host_gib=4.0 if big else 0.01, repeats=2 if device == "cuda" else 1)
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -254,7 +259,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     inputs = workload(args, model.config.vocab_size)
     params = {k: getattr(args, k) for k in ("requests", "new_tokens", "prompt_min", "prompt_max", "page_size",
                                             "num_blocks", "max_batch_tokens", "host_gib", "repeats", "checked",
-                                            "async_batching")}
+                                            "async_batching", "cuda_graphs", "model")}
     params.update(device=device, dtype=str(model.dtype), model_params=sum(p.numel() for p in model.parameters()),
                   layers=model.config.num_hidden_layers, kv_heads=model.config.num_key_value_heads,
                   head_dim=model.config.hidden_size // model.config.num_attention_heads,
@@ -264,7 +269,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     timings = [False] + ([True] if args.sync_timing and device == "cuda" else [])
     runs: list[dict[str, Any]] = []
     for sync in timings:
-        for rep in range(args.repeats):
+        for rep in range(1 if sync else args.repeats):
             for mode in modes:
                 row = run(model, inputs, args, mode, sync)
                 row["repeat"] = rep

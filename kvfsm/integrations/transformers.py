@@ -436,15 +436,18 @@ class KvfsmOffloadingManager(OffloadingManager):
         scheduler.clear_cancelled_requests = self._engine_clears_cancelled
 
     def warm_up(self) -> None:
-        """Run one swap-out and swap-in of the engine's read-trash block 0 (zeros, never allocated, and
-        written back unchanged), so the copy kernels are compiled before the first real swap."""
-        host = self.host_pool.alloc(1)
+        """Swap the engine's trash blocks 0 and 1 (never allocated, no forward has run yet) out and back in
+        unchanged, so the copy kernels are compiled before the first real swap (Triton specialises a count
+        of 1, hence two blocks)."""
+        n = min(2, self.host_pool.capacity)
+        host = self.host_pool.alloc(n)
         if host is None:
             return
+        blocks = list(range(n))
         try:
             with self.stream_ctx():
-                self.engine.submit_d2h(self.device_pool, [0], self.host_pool, host).wait()
-                self.engine.submit_h2d(self.host_pool, host, self.device_pool, [0]).wait()
+                self.engine.submit_d2h(self.device_pool, blocks, self.host_pool, host).wait()
+                self.engine.submit_h2d(self.host_pool, host, self.device_pool, blocks).wait()
         finally:
             self.host_pool.free(host)
 

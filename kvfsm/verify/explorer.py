@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import marshal
 import pickle
 import re
 import resource
@@ -82,7 +83,8 @@ class ExplorerConfig:
     prefix_len: int = 2  # each request's protected prefix (clipped to its prompt)
     decodes: int = 1  # decode steps per request (over all its lifecycles)
     speculative: int = 0  # > 0 adds decode_spec i, a decode that over-allocates this many extra slots
-    readmits: int = 1  # re-admissions of a retracted request object
+    readmits: int = 0  # re-admissions of a retracted request object ...
+    readmitters: Optional[int] = None  # ... for the first this-many requests (default: all of them)
     end_kinds: tuple[str, ...] = ("finish", "abort", "retract")
     duplicate_end: bool = True  # end_again i: finish of a request that already ended (B9)
     backup_failures: bool = True  # backup_fail j besides backup j
@@ -109,7 +111,9 @@ class World:
         if faults is not None:
             faults(self.engine)
         self.reqs: list[Optional[SimRequest]] = [None] * config.requests
-        self.ctl: list[list[int]] = [[NEW, 0] for _ in range(config.requests)]  # [phase, re-admissions]
+        # per request: [phase, re-admissions left, re-admissions done]
+        n = config.requests if config.readmitters is None else config.readmitters
+        self.ctl: list[list[int]] = [[NEW, config.readmits if i < n else 0, 0] for i in range(config.requests)]
         # (request index, row) -> (committed, allocated, prefix) when the engine ended that lifecycle
         self.ends: dict[tuple[int, int], tuple[int, int, int]] = {}
         self.checked: tuple = ()  # the pool snapshots whose conservation was last checked
@@ -122,7 +126,7 @@ def enabled(w: World) -> list[Event]:
     """Every event the engine may issue now, in a fixed order (so traces are reproducible)."""
     cfg, e = w.config, w.engine
     out: list[Event] = []
-    for i, (phase, readmits) in enumerate(w.ctl):
+    for i, (phase, left, _) in enumerate(w.ctl):
         req = w.reqs[i]
         if phase == NEW:
             out.append(("admit", i))
@@ -134,7 +138,7 @@ def enabled(w: World) -> list[Event]:
             out.append(("offload", i))
             out.extend((how, i) for how in cfg.end_kinds)
         else:
-            if phase == RETRACTED and readmits < cfg.readmits:
+            if phase == RETRACTED and left > 0:
                 out.append(("readmit", i))
             if cfg.duplicate_end:
                 out.append(("end_again", i))
@@ -178,16 +182,18 @@ def apply(w: World, ev: Event) -> None:
     elif kind == "decode_spec":
         e.decode(req, cfg.speculative)
     elif kind == "offload":
-        e.manager.offload(req)
+        _offload(w, i, req)
     elif kind in ("finish", "abort", "retract"):
         w.ends[(i, req.req_pool_idx)] = (req.kv_committed_len, max(req.kv_allocated_len, req.kv_committed_len),
                                          req.prefix_len)
         e.end(req, kind)
-        ctl[0] = RETRACTED if kind == "retract" else ENDED
+        # without re-admissions left a retracted request is just an ended one
+        ctl[0] = RETRACTED if kind == "retract" and ctl[1] > 0 else ENDED
     elif kind == "readmit":
         if e.admit(req.rid, 0, req=req) is not None:
             ctl[0] = LIVE
-            ctl[1] += 1
+            ctl[1] -= 1
+            ctl[2] += 1
     elif kind == "end_again":
         before = _pool_counts(e)
         mach = e.manager.machine_of(req)
@@ -202,6 +208,42 @@ def apply(w: World, ev: Event) -> None:
                lambda: f"finish of ended r{i} moved its machine from {gen.STATES[state]} to {mach!r} (B9)")
     else:
         raise ValueError(f"unknown event {ev!r}")
+
+
+def _offload(w: World, i: int, req: SimRequest) -> None:
+    """manager.offload, checked: a chunk continues where the last one ended, covers whole strides of the
+    request's committed KV through its own table row; no chunk leaves everything as it was (B7)."""
+    e = w.engine
+    m = e.manager
+    fx = m.fx
+    mach = m.machine_of(req)
+    rec = mach.ctx if mach is not None and mach.state in _LIVE_STATES else None
+    inc = rec.inc_len if rec is not None else 0
+    n_fifo, host_free = len(fx.copy_fifo), e.host_pool.free_slots
+    submitted = m.offload(req)
+    if not submitted:
+        _check(len(fx.copy_fifo) == n_fifo and e.host_pool.free_slots == host_free and
+               (rec is None or rec.inc_len == inc), "offload_nothing_changes_nothing",
+               lambda: f"r{i}: offload returned False but changed the copy queue {n_fifo} -> {len(fx.copy_fifo)}, "
+                       f"host free slots {host_free} -> {e.host_pool.free_slots} or offloaded length "
+                       f"{inc} -> {rec.inc_len if rec else None} (B7)")
+        return
+    _check(len(fx.copy_fifo) == n_fifo + 1, "offload_one_chunk", f"r{i}: one offload queued {len(fx.copy_fifo) - n_fifo} copies")
+    c = fx.copy_fifo[-1]
+    new = c.record
+    start = new.prefill_len + (inc if new is rec else 0)
+    stride = m.stride
+    _check(c.start == start and c.end > c.start and (c.end - c.start) % stride == 0 and
+           new.prefill_len + new.inc_len == c.end, "offload_contiguous",
+           lambda: f"r{i}: chunk [{c.start}, {c.end}) but the next chunk starts at {start} (stride {stride}), "
+                   f"offloaded length now {new.inc_len} after prefill {new.prefill_len}")
+    _check(c.end <= min(req.kv_committed_len, len(req.origin_input_ids) + len(req.output_ids) - 1),
+           "offload_committed_only", lambda: f"r{i}: chunk [{c.start}, {c.end}) beyond committed KV {req.kv_committed_len}")
+    row = e.req_to_token.req_to_token[req.req_pool_idx, c.start:c.end].tolist()
+    _check(c.device_indices.tolist() == row, "offload_own_slots",
+           lambda: f"r{i}: chunk [{c.start}, {c.end}) reads slots {c.device_indices.tolist()}, its row maps {row}")
+    tokens = (list(req.origin_input_ids) + list(req.output_ids))[c.start:c.end]
+    _check(list(c.tokens) == tokens, "offload_tokens", lambda: f"r{i}: chunk tokens {c.tokens} != {tokens}")
 
 
 def _pool_counts(e: SimEngine) -> tuple[int, ...]:
@@ -300,7 +342,7 @@ def check_world(w: World, snap: Optional[_Snap] = None) -> _Snap:
         if w.ctl[i][0] == LIVE:
             mach = m.machine_of(req)
             # after a re-admission the manager starts the new lifecycle lazily, at its next call
-            _check(mach is None or mach.state in _LIVE_STATES or w.ctl[i][1] > 0,
+            _check(mach is None or mach.state in _LIVE_STATES or w.ctl[i][2] > 0,
                    "live_request_live_machine", lambda: f"r{i} is live but its machine is {mach!r}")
 
     # device pages, rows and protected size: each page held by one holder, and nothing else allocated
@@ -473,12 +515,12 @@ def _key(w: World, s: _Snap, order: list[int]) -> tuple:
             n = -(-ended[1] // ps) * ps if ended else 0
             deferred = (ended, dev(s.table[rec.row][:n]))
         recs.append((label[id(rec)], rec.machine.snapshot(), row(rec.row), rec.inc_len, rec.end_lengths,
-                     rec.req is None, deferred))
+                     rec.req is None, deferred, _extras(rec)))
     chunk_no: dict[int, int] = {}
 
     def chunk(c: Any) -> tuple:
         chunk_no[c.serial] = len(chunk_no)
-        return (label[id(c.record)], c.start, c.end, dev(s.dev_idx[id(c)]), hst(s.host_idx[id(c)]))
+        return (label[id(c.record)], c.start, c.end, dev(s.dev_idx[id(c)]), hst(s.host_idx[id(c)]), _extras(c))
 
     fifo = tuple((chunk(c), c.handle.done()) for c in s.copies)
     parked = tuple(chunk(c) for c in s.parked)
@@ -501,18 +543,25 @@ def _key(w: World, s: _Snap, order: list[int]) -> tuple:
             rows_named, sum(s.rows_alloc) - len(rows_named), e.req_to_token.free_rows, e.protected.size, ledger)
 
 
+def _extras(obj: Any) -> tuple:
+    """Attributes an object carries beyond its dataclass fields (state a fault keeps on the side)."""
+    names = getattr(type(obj), "__dataclass_fields__", None)
+    d = getattr(obj, "__dict__", None)
+    if names is None or d is None or len(d) == len(names):
+        return ()
+    return tuple(sorted((k, v if isinstance(v, (bool, int, float, str, type(None))) else type(v).__name__)
+                        for k, v in d.items() if k not in names))
+
+
 # --- branching: a pickle round trip that copies closures, locks, weak references and shared memory -------
-_SHARED: dict[int, Any] = {}  # objects a copy shares with its original (immutable configs, closure-free code)
+_CODE: dict[int, tuple[types.CodeType, bytes]] = {}  # id(code) -> (code, marshal.dumps(code))
+_CODE_LOADED: dict[bytes, types.CodeType] = {}
 _LOCKS = {type(threading.Lock()): threading.Lock, type(threading.RLock()): threading.RLock}
 _COUNT_RE = re.compile(r"count\((-?\d+)\)")
 
 
 class CloneError(RuntimeError):
     """The world holds something `clone` cannot copy faithfully; explore with mode="replay" instead."""
-
-
-def _shared(key: int) -> Any:
-    return _SHARED[key]
 
 
 class _Region:
@@ -545,15 +594,22 @@ def _rebuild_ndarray(r: _Region, offset: int, dtype: Any, shape: tuple, strides:
 
 
 class _Unpickler(pickle.Unpickler):
+    def __init__(self, f: io.BytesIO, shared: dict[int, Any]) -> None:
+        super().__init__(f)
+        self.shared = shared
+
     def persistent_load(self, pid: Any) -> Any:
-        kind, region = pid
-        assert kind == "bytearray"
-        return region.ba
+        kind, x = pid
+        return x.ba if kind == "bytearray" else self.shared[x]
 
 
-def _rebuild_function(code_key: int, name: str, defaults: Any, kwdefaults: Any, cells: tuple) -> types.FunctionType:
-    code, globs = _SHARED[code_key]
-    f = types.FunctionType(code, globs, name, defaults, tuple(types.CellType(c) for c in cells))
+def _rebuild_function(code: bytes, module: str, name: str, defaults: Any, kwdefaults: Any,
+                      cells: Optional[tuple]) -> types.FunctionType:
+    c = _CODE_LOADED.get(code)
+    if c is None:
+        c = _CODE_LOADED[code] = marshal.loads(code)
+    f = types.FunctionType(c, sys.modules[module].__dict__, name, defaults,
+                           None if cells is None else tuple(types.CellType(x) for x in cells))
     f.__kwdefaults__ = kwdefaults
     return f
 
@@ -584,8 +640,10 @@ class _Pickler(pickle.Pickler):
         return r, 0
 
     def persistent_id(self, obj: Any) -> Any:
-        # bytearrays never reach reducer_override (the C pickler saves them directly): route them here so
-        # a tensor made with torch.frombuffer(bytearray) and the bytearray stay one block of memory
+        # shared objects; and bytearrays, which never reach reducer_override (the C pickler saves them
+        # directly): a tensor made with torch.frombuffer(bytearray) and the bytearray stay one block of memory
+        if id(obj) in self.shared:
+            return ("shared", id(obj))
         if type(obj) is not bytearray or not obj:
             return None
         import numpy as np
@@ -597,8 +655,6 @@ class _Pickler(pickle.Pickler):
 
     def reducer_override(self, obj: Any) -> Any:  # noqa: C901 - one branch per kind of object
         t = type(obj)
-        if id(obj) in self.shared:
-            return (_shared, (id(obj),))
         if t is torch.Tensor:
             if obj.device.type != "cpu" or obj.requires_grad:
                 raise CloneError(f"cannot copy a {obj.device} tensor (requires_grad={obj.requires_grad})")
@@ -634,14 +690,17 @@ class _Pickler(pickle.Pickler):
                 return NotImplemented  # a view of memory nothing else here shares: copied by value
             return (_rebuild_ndarray, (r, start - r.start, obj.dtype, obj.shape, obj.strides))
         if t is types.FunctionType:
-            if obj.__closure__ is None:
-                if getattr(sys.modules.get(obj.__module__), obj.__qualname__, None) is obj:
-                    return NotImplemented  # importable: pickled by reference
-                _SHARED[id(obj)] = obj
-                return (_shared, (id(obj),))
-            _SHARED[id(obj.__code__)] = (obj.__code__, obj.__globals__)
-            return (_rebuild_function, (id(obj.__code__), obj.__name__, obj.__defaults__, obj.__kwdefaults__,
-                                        tuple(c.cell_contents for c in obj.__closure__)))
+            if obj.__closure__ is None and getattr(sys.modules.get(obj.__module__), obj.__qualname__, None) is obj:
+                return NotImplemented  # importable: pickled by reference
+            # a closure or a lambda: its code by value, its module by name, its cells copied
+            module = obj.__globals__.get("__name__")
+            if getattr(sys.modules.get(module), "__dict__", None) is not obj.__globals__:
+                raise CloneError(f"cannot copy function {obj.__qualname__}: its globals are no module's")
+            code = _CODE.get(id(obj.__code__))
+            if code is None:
+                code = _CODE[id(obj.__code__)] = (obj.__code__, marshal.dumps(obj.__code__))
+            cells = None if obj.__closure__ is None else tuple(c.cell_contents for c in obj.__closure__)
+            return (_rebuild_function, (code[1], module, obj.__name__, obj.__defaults__, obj.__kwdefaults__, cells))
         if t is weakref.ReferenceType:
             return (weakref.ref, (obj(),))  # the callback is re-made by _fix_records
         if t in _LOCKS:
@@ -661,14 +720,14 @@ def _empty_tensor(dtype: torch.dtype, size: tuple) -> torch.Tensor:
 
 def clone(w: World) -> World:
     """An independent copy of a world (engine, pools, manager, requests, pending copies and backups)."""
-    shared = {id(o): o for o in (w.config, w.engine.config, w.engine.kv)}
-    _SHARED.update(shared)
+    # immutable: the configs, and the pages in the in-memory store (it copies pages in and out)
+    shared = {id(o): o for o in (w.config, w.engine.config, w.engine.kv, *w.engine.store.pages.values())}
     buf = io.BytesIO()
     pickler = _Pickler(buf, shared)
     pickler.dump(w)
     pickler.check_aliasing()
     buf.seek(0)
-    new = _Unpickler(buf).load()
+    new = _Unpickler(buf, shared).load()
     _fix_records(new)
     return new
 
@@ -734,6 +793,9 @@ class ExploreResult:
     seconds: float = 0.0
     peak_rss_mib: float = 0.0
     max_frontier: int = 0
+    copies: int = 0  # states copied (or rebuilt, in replay mode) to branch
+    in_place: int = 0  # events run on their parent without a copy (guessed no-ops)
+    mispredicted: int = 0  # of those, events that were not no-ops (the parent was rebuilt)
     coverage: set[int] = field(default_factory=set)
     violation: Optional[Counterexample] = None
     keys: Optional[set] = None
@@ -776,7 +838,8 @@ def explore(config: ExplorerConfig = ExplorerConfig(), *, max_depth: Optional[in
         visited.add(canonical_key(root, check_world(root)))
     except Exception as exc:  # noqa: BLE001 - any failure is the report
         return fail((), exc)
-    frontier: deque[tuple[Optional[World], tuple[Event, ...]]] = deque([(root, ())])
+    # (world or None in replay mode, shortest trace to it, its key, the events really executed on it)
+    frontier: deque = deque([(root, (), next(iter(visited)), ())])
     depth = 0
     while frontier:
         if max_depth is not None and depth >= max_depth:
@@ -786,17 +849,27 @@ def explore(config: ExplorerConfig = ExplorerConfig(), *, max_depth: Optional[in
         res.max_frontier = max(res.max_frontier, len(frontier))
         nxt: deque = deque()
         while frontier:
-            parent, trace = frontier.popleft()
+            parent, trace, parent_key, hist = frontier.popleft()
             if parent is None:
                 parent = build(config, trace, faults, check=False)
+                hist = trace
             events = enabled(parent)
-            for n, ev in enumerate(events):
-                if n == len(events) - 1:
+            # Events that most likely change nothing run on the parent itself, last (no copy): when the key
+            # did not change the parent is still itself; when it did, it is a child and the parent is rebuilt.
+            inplace = [ev for ev in events if _likely_noop(parent, ev)]
+            copied = [ev for ev in events if ev not in inplace]
+            for n, ev in enumerate(copied + inplace):
+                in_place = n >= len(copied)
+                if in_place or n == len(events) - 1:
                     child = parent
+                    res.in_place += in_place
                 elif mode == "copy":
                     child = clone(parent)
+                    res.copies += 1
                 else:
                     child = build(config, trace, faults, check=False)
+                    res.copies += 1
+                child_hist = (hist if child is parent or mode == "copy" else trace) + (ev,)
                 res.edges += 1
                 try:
                     apply(child, ev)
@@ -804,12 +877,20 @@ def explore(config: ExplorerConfig = ExplorerConfig(), *, max_depth: Optional[in
                 except Exception as exc:  # noqa: BLE001 - any failure is the report
                     res.coverage |= child.engine.manager.coverage
                     res.depth = depth + 1
-                    return fail(trace + (ev,), exc)
+                    return fail(_shortest(config, faults, trace + (ev,), child_hist), exc)
                 res.coverage |= child.engine.manager.coverage
+                if in_place:
+                    if key == parent_key:
+                        hist = child_hist  # a no-op: the parent is still the parent
+                        continue
+                    res.mispredicted += 1
+                    if n < len(events) - 1:  # the parent became a child: rebuild it for the other events
+                        parent = build(config, trace, faults, check=False)
+                        hist = trace
                 if key in visited:
                     continue
                 visited.add(key)
-                nxt.append((child if mode == "copy" else None, trace + (ev,)))
+                nxt.append((child if mode == "copy" else None, trace + (ev,), key, child_hist))
                 if max_states is not None and len(visited) >= max_states:
                     res.depth = depth + 1
                     return finish()
@@ -819,6 +900,44 @@ def explore(config: ExplorerConfig = ExplorerConfig(), *, max_depth: Optional[in
             res.depth = depth
     res.complete = True
     return finish()
+
+
+def _likely_noop(w: World, ev: Event) -> bool:
+    """A guess (never trusted: the key decides) that `ev` changes nothing the key sees."""
+    kind = ev[0]
+    e = w.engine
+    fx = e.manager.fx
+    if kind == "progress":
+        head_done = bool(fx.copy_fifo) and fx.copy_fifo[0].handle.done()
+        return not head_done and e.worker.completed() == 0 and not (fx.parked and e.worker.room() > 0)
+    if kind == "end_again":
+        return w.ctl[ev[1]][0] == ENDED
+    if kind == "offload":
+        req = w.reqs[ev[1]]
+        mach = e.manager.machine_of(req)
+        if mach is None or mach.state not in _LIVE_STATES:
+            return False
+        rec = mach.ctx
+        available = min(len(req.origin_input_ids) + len(req.output_ids) - 1, req.kv_committed_len)
+        n = (available - rec.prefill_len - rec.inc_len) // e.manager.stride * e.manager.stride
+        return n <= 0 or e.host_pool.free_slots < n
+    return False
+
+
+def _reproduces(config: ExplorerConfig, faults: Optional[Faults], events: Sequence[Event]) -> bool:
+    try:
+        build(config, events, faults)
+    except Exception:  # noqa: BLE001
+        return True
+    return False
+
+
+def _shortest(config: ExplorerConfig, faults: Optional[Faults], trace: tuple, hist: tuple) -> tuple:
+    """The BFS trace, checked by re-running it from scratch; the exact history when it does not fail (a
+    no-op run in place changed something the key does not see)."""
+    if trace == hist or _reproduces(config, faults, trace):
+        return trace
+    return hist
 
 
 # --- reporting ------------------------------------------------------------------------------------------

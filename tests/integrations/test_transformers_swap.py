@@ -197,6 +197,9 @@ def test_paged_cache_pool_is_the_engines_layout(model: Any) -> None:
             rows = slice(b * alloc.block_physical_stride, b * alloc.block_physical_stride + ps)
             assert torch.equal(pool.storage[0, layer_pos, b].view(ps, heads, dim), k_view[rows])
             assert torch.equal(pool.storage[1, layer_pos, b].view(ps, heads, dim), v_view[rows])
+    before = alloc.cache_tensor.clone()
+    e.kv.warm_up()  # what a CUDA cache runs at install: trash blocks out and back, unchanged
+    assert torch.equal(alloc.cache_tensor, before) and e.kv.host_pool.free_slots == e.kv.host_pool.capacity
     del state
 
 

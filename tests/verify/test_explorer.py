@@ -1,0 +1,305 @@
+"""The bounded exhaustive explorer of the implementation (issue 5, part 3).
+
+- the copy-based search (clone) and the replay-based one reach exactly the same states;
+- a clone is independent of its original (pools, allocator masks that share a bytearray, closures);
+- small bounds are explored completely without a violation, and the default bound (3 requests x 16 slots)
+  to a depth in CI, completely under KVFSM_FUZZ=deep;
+- catalog mutants (docs/bug-catalog.md) are found with a shortest event trace, and the pytest file the
+  explorer writes for it fails while the mutant is in place and passes once it is gone.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+
+import generated.decode_offload as gen
+import kvfsm.dataplane.copy_engine as copy_engine
+from generated.decode_offload import DecodeOffloadMachine
+from kvfsm.runtime.effects import OffloadEffects
+from kvfsm.runtime.manager import DecodeOffloadManager
+from kvfsm.verify.commands import check
+from kvfsm.verify.explorer import (ExplorerConfig, Violation, World, apply, build, canonical_key, check_world, clone,
+                                   counterexample_test, enabled, explore, replay_events)
+
+DEEP = os.environ.get("KVFSM_FUZZ", "ci") == "deep"
+
+
+# --- the search itself -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cfg", [ExplorerConfig(requests=1, readmits=1), ExplorerConfig(requests=2)],
+                         ids=["1req-readmit", "2req"])
+def test_copy_and_replay_reach_the_same_states(cfg: ExplorerConfig) -> None:
+    by_copy = explore(cfg, keep_keys=True)
+    by_replay = explore(cfg, mode="replay", keep_keys=True)
+    assert by_copy.violation is None and by_replay.violation is None
+    assert by_copy.complete and by_replay.complete
+    assert by_copy.keys == by_replay.keys
+    assert by_copy.coverage == by_replay.coverage
+    assert by_copy.depth == by_replay.depth
+
+
+def test_clone_is_independent() -> None:
+    cfg = ExplorerConfig(requests=2, decodes=3)
+    w = build(cfg, [("admit", 0), ("admit", 1), ("decode", 0), ("offload", 0), ("copy", 0), ("progress",)])
+    before = canonical_key(w)
+    c = clone(w)
+    assert canonical_key(c) == before
+    for ev in [("decode", 1), ("offload", 1), ("backup", 0), ("progress",), ("finish", 0), ("copy", 0),
+               ("progress",), ("abort", 1), ("progress",)]:
+        apply(c, ev)
+        check_world(c)
+    assert canonical_key(w) == before  # the original did not move
+    check_world(w)
+    # the copy's pools are its own and stay self-consistent (the allocator's mask views a bytearray)
+    assert c.engine.allocator.free_slots != w.engine.allocator.free_slots
+    c.engine.allocator.check_conservation()
+    mask = c.engine.allocator.snapshot()[1]
+    assert int(mask.sum()) * cfg.page_size == c.engine.allocator.capacity - c.engine.allocator.free_slots
+    # the FaultyStorage predicate and the backup jobs' closures point at the copy, not the original
+    w2 = clone(w)
+    apply(w2, ("backup_fail", 0))
+    assert w2.engine.worker.completed() == 1 and not w2.engine.worker._done[0].ok
+    assert w.engine.worker.completed() == 0 and not w.engine.fail_writes
+
+
+def test_step_by_step_equals_replay() -> None:
+    """A random walk through clones ends in the state that replaying its events from scratch reaches."""
+    import random
+    cfg = ExplorerConfig(requests=3, decodes=3, readmits=1, host_slots=4)
+    rng = random.Random(7)
+    w, events = World(cfg), []
+    for _ in range(120):
+        ev = rng.choice(enabled(w))
+        w = clone(w)
+        apply(w, ev)
+        check_world(w)
+        events.append(ev)
+    assert canonical_key(replay_events(cfg, events)) == canonical_key(w)
+
+
+@pytest.mark.parametrize("cfg", [
+    ExplorerConfig(requests=1, decodes=3, readmits=1),
+    ExplorerConfig(requests=1, decodes=2, speculative=1, host_slots=2),
+    ExplorerConfig(requests=2, host_slots=2, backup_queue=2),
+], ids=["1req-3chunks-readmit", "1req-speculative", "2req-host2-queue2"])
+def test_small_bounds_are_clean(cfg: ExplorerConfig) -> None:
+    res = explore(cfg)
+    assert res.violation is None, res.violation
+    assert res.complete and res.states > 50
+
+
+def test_default_bound_3_requests_16_slots() -> None:
+    """The default bound: 3 requests x 16 device slots (complete under KVFSM_FUZZ=deep; ~30 s)."""
+    cfg = ExplorerConfig()
+    assert (cfg.requests, cfg.slots) == (3, 16)
+    res = explore(cfg, max_depth=None if DEEP else 9)
+    assert res.violation is None, res.violation
+    assert res.complete or not DEEP
+    assert res.peak_rss_mib < 2048
+
+
+def test_check_command(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert check(requests=1, quiet=True, out_test=tmp_path / "test_cx.py") == 0
+    text = capsys.readouterr().out
+    assert "no invariant violated" in text and "states" in text
+    assert not (tmp_path / "test_cx.py").exists()
+
+
+# --- catalog mutants --------------------------------------------------------------------------------------
+def _wrap(mp: pytest.MonkeyPatch, cls: type, name: str, make: Callable[[Callable], Callable]) -> None:
+    mp.setattr(cls, name, make(getattr(cls, name)))
+
+
+def _wrap_end_events(mp: pytest.MonkeyPatch, fn: Callable) -> None:
+    for event in ("finish", "abort", "retract"):
+        orig = getattr(DecodeOffloadMachine, event)
+        mp.setattr(DecodeOffloadMachine, event, lambda self, arg=None, _o=orig, _e=event: fn(_o, self, _e, arg))
+
+
+def b1(mp: pytest.MonkeyPatch) -> None:
+    """The first offload of a request frees its prefill-aligned device slots (S #24063)."""
+    def make(orig):
+        def start_copy(self, m, chunk):
+            orig(self, m, chunk)
+            rec = chunk.record
+            if chunk.start == rec.prefill_len and rec.prefill_len:
+                self.allocator.free(self.req_to_token.req_to_token[rec.row, :rec.prefill_len].clone())
+        return start_copy
+    _wrap(mp, OffloadEffects, "start_copy", make)
+
+
+def b2(mp: pytest.MonkeyPatch) -> None:
+    """finish/abort/retract free the device slots at once, although a copy still reads them."""
+    def end(orig, m, event, arg):
+        was = m.state
+        orig(m, arg)
+        if was == gen.OFFLOADING:
+            m.fx.release_request(m, arg)
+    _wrap_end_events(mp, end)
+
+
+def b5(mp: pytest.MonkeyPatch) -> None:
+    """Release frees [0, ceil_page(committed)) only: the speculative over-allocation leaks (S #19518)."""
+    def make(orig):
+        def request_slots(self, rec):
+            committed, _ = rec.end_lengths or (rec.req.kv_committed_len, rec.req.kv_allocated_len)
+            pages = -(-committed // self.page_size)
+            starts = self.req_to_token.req_to_token[rec.row, 0:pages * self.page_size:self.page_size]
+            return ((starts - starts % self.page_size)[:, None] + self._offsets).reshape(-1)
+        return request_slots
+    _wrap(mp, OffloadEffects, "request_slots", make)
+
+
+def b6_readmit(mp: pytest.MonkeyPatch) -> None:
+    """A re-admitted request object (retract, then admit) keeps driving its ended lifecycle (S #37026)."""
+    mp.setattr(DecodeOffloadManager, "_readmitted", lambda self, rec, req: False)
+
+
+def b7(mp: pytest.MonkeyPatch) -> None:
+    """Offload progress is recorded although the host allocation failed (S #30031)."""
+    def make(orig):
+        def count_host_full(self, m, arg):
+            orig(self, m, arg)
+            m.ctx.inc_len += self.page_size
+        return count_host_full
+    _wrap(mp, OffloadEffects, "count_host_full", make)
+
+
+def b8(mp: pytest.MonkeyPatch) -> None:
+    """Abort while a copy is in flight: the deferred release forgets the device slots and the row (S #21652)."""
+    def end(orig, m, event, arg):
+        if event == "abort" and m.state == gen.OFFLOADING:
+            m.ctx.aborted_in_flight = True
+        orig(m, arg)
+
+    def make(orig):
+        def release_request(self, m, arg):
+            rec = m.ctx
+            if not getattr(rec, "aborted_in_flight", False):
+                return orig(self, m, arg)
+            self.prefix_cache.release_protected(rec.prefix_len)
+            rec.req = None
+        return release_request
+    _wrap_end_events(mp, end)
+    _wrap(mp, OffloadEffects, "release_request", make)
+
+
+def b9(mp: pytest.MonkeyPatch) -> None:
+    """A second finish after release is not ignored: it releases again."""
+    def end(orig, m, event, arg):
+        if m.state in (gen.DRAINING, gen.RELEASED) and m.ctx.req is not None:
+            m.fx.release_request(m, arg)
+        orig(m, arg)
+
+    def make(orig):
+        def release_request(self, m, arg):
+            req = m.ctx.req
+            orig(self, m, arg)
+            m.ctx.req = req  # a release path that does not know it already ran keeps the request
+        return release_request
+    _wrap_end_events(mp, end)
+    _wrap(mp, OffloadEffects, "release_request", make)
+
+
+def b10(mp: pytest.MonkeyPatch) -> None:
+    """A failed backup frees its host slots in the failure path, and the collection frees them again (S #29310)."""
+    def make(orig):
+        def count_backup_failure(self, m, chunk):
+            orig(self, m, chunk)
+            self.host_pool.free(chunk.host_indices)
+        return count_backup_failure
+    _wrap(mp, OffloadEffects, "count_backup_failure", make)
+
+
+def b13(mp: pytest.MonkeyPatch) -> None:
+    """A failed backup is treated as a success: its pages are reported stored (D #15079)."""
+    def make(orig):
+        def count_backup_failure(self, m, chunk):
+            orig(self, m, chunk)
+            self.mark_stored(m, chunk)
+        return count_backup_failure
+    _wrap(mp, OffloadEffects, "count_backup_failure", make)
+
+
+def b15(mp: pytest.MonkeyPatch) -> None:
+    """Copies written `dst[idx].copy_(src[idx])`: they fill a temporary and move nothing (HF PR #45184)."""
+    def torch_copy_rows(src5, src_idx, dst5, dst_idx):
+        dst5[:, :, dst_idx.to(dst5.device)].copy_(src5[:, :, src_idx.to(src5.device)].to(dst5.device))
+    mp.setattr(copy_engine, "torch_copy_rows", torch_copy_rows)
+
+
+def b3_faults(engine) -> None:
+    """The `faults` hook: the prefix cache's protected size is never decremented (S #12774)."""
+    engine.protected.release_protected = lambda n: None
+
+
+ONE = ExplorerConfig(requests=1)
+# id -> (monkeypatch mutant or None, faults hook or None, bound, length of the shortest trace, violation names)
+MUTANTS = {
+    "B1": (b1, None, ONE, 3, {"live_slot_not_free", "device_accounting"}),
+    "B2": (b2, None, ONE, 4, {"CheckedModeError"}),
+    "B3": (None, b3_faults, ONE, 2, {"protected_accounting"}),
+    "B5": (b5, None, ExplorerConfig(requests=1, speculative=1), 3, {"device_accounting"}),
+    "B6-readmit": (b6_readmit, None, ExplorerConfig(requests=1, readmits=1), 4, None),
+    "B7": (b7, None, ExplorerConfig(requests=1, decodes=3, host_slots=2), 6, {"offload_nothing_changes_nothing"}),
+    "B8": (b8, None, ONE, 6, {"device_accounting", "row_accounting"}),
+    "B9": (b9, None, ONE, 3, None),
+    "B10": (b10, None, ONE, 7, None),
+    "B13": (b13, None, ONE, 7, {"stored_means_in_storage"}),
+    "B15": (b15, None, ONE, 4, {"host_kv_content"}),
+}
+FOUND: dict[str, tuple[int, str, int]] = {}
+
+
+def _load(path: Path):
+    name = f"_explorer_cx_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("mid", list(MUTANTS))
+def test_explorer_finds_mutant(mid: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    inject, faults, cfg, length, names = MUTANTS[mid]
+    if inject is not None:
+        inject(monkeypatch)
+    res = explore(cfg, faults=faults)
+    cx = res.violation
+    assert cx is not None, f"mutant {mid} survived {res.states} states"
+    FOUND[mid] = (len(cx.events), cx.name, res.states)
+    assert len(cx.events) == length, f"{mid}: trace {cx.lines()} ({cx.name}: {cx.detail})"
+    if names is not None:
+        assert cx.name in names, f"{mid}: {cx.name}: {cx.detail}"
+    # the trace is really a shortest one: no violation at any shorter depth
+    assert explore(cfg, faults=faults, max_depth=length - 1).violation is None
+    # the pytest file written for it fails while the mutant is in place ...
+    path = tmp_path / f"test_cx_{mid.replace('-', '_').lower()}.py"
+    path.write_text(counterexample_test(cfg, cx, f"cx_{mid.replace('-', '_').lower()}"))
+    mod = _load(path)
+    test = getattr(mod, f"test_cx_{mid.replace('-', '_').lower()}")
+    if faults is not None:  # the generated test replays without hooks: re-apply this one through replay_events
+        with pytest.raises(BaseException):
+            replay_events(mod.CONFIG, mod.EVENTS, faults=faults)
+    else:
+        with pytest.raises(BaseException):
+            test()
+    # ... and passes once it is gone
+    monkeypatch.undo()
+    test()
+
+
+def test_mutant_report() -> None:
+    """Printed with -s: mutant -> shortest trace length, violation, states explored."""
+    if not FOUND:
+        pytest.skip("the mutant tests did not run")
+    for mid, (n, name, states) in sorted(FOUND.items()):
+        print(f"{mid:11s} shortest trace {n} events  {name:32s} ({states} states explored)")
+
