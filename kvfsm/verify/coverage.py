@@ -22,7 +22,7 @@ from kvfsm.verify.replay import default_spec_path
 
 # Small bounds whose explorations together take every declared transition (a few seconds in all).
 STANDARD_BOUNDS: tuple[ExplorerConfig, ...] = (
-    ExplorerConfig(requests=1, decodes=3, readmits=1),  # two copies in flight, parking, resubmission, re-admission
+    ExplorerConfig(requests=1, decodes=5),  # three chunks: two copies in flight, parking, resubmission
     ExplorerConfig(requests=1, decodes=3, host_slots=2),  # host full while offloading / in flight
     ExplorerConfig(requests=2, host_slots=2),  # host full while another request holds it
 )

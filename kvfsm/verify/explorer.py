@@ -15,10 +15,12 @@ completed host copies and of stored pages against kv_value(writer, position), an
 (nothing live, nothing in flight) full pools and an empty ledger. The search is breadth-first, so the
 first violation has a shortest event trace; `counterexample_test` writes it as a runnable pytest file.
 
-Branching copies a state with `clone` (a pickle round trip that also copies closures, re-makes locks
-and re-points weak references; the manager's id()-keyed record table is then re-keyed), about 5x cheaper
-than re-executing the prefix; `mode="replay"` re-executes every prefix from a fresh engine instead, and
-the tests check both modes reach the same states. States are deduplicated by `canonical_key`: the
+Branching copies a state with `clone` (a pickle round trip that also copies closures, re-makes locks,
+keeps tensors that view a bytearray views of the copied bytearray and re-points weak references; the
+manager's id()-keyed record table is then re-keyed), about 1.6x cheaper than re-executing a 22-event
+prefix; `mode="replay"` re-executes every prefix from a fresh engine instead. Tests check both modes
+reach the same states, and a copy-mode search checks every 64th copy against re-execution and starts
+over in replay mode if a copy ever fails or diverges. States are deduplicated by `canonical_key`: the
 engine's whole bookkeeping with record names and serials replaced by request indices, and device pages,
 host pages and table rows renamed in order of first use (free ones are interchangeable), so interleavings
 that leave the same state up to which physical page went to whom meet.
@@ -88,12 +90,19 @@ class ExplorerConfig:
     end_kinds: tuple[str, ...] = ("finish", "abort", "retract")
     duplicate_end: bool = True  # end_again i: finish of a request that already ended (B9)
     backup_failures: bool = True  # backup_fail j besides backup j
-    rows: Optional[int] = None  # request-table rows (default: one per request)
+    rows: Optional[int] = None  # request-table rows (default: one per request, one more per re-admittable one)
     max_context: int = 16
+
+    @property
+    def table_rows(self) -> int:
+        if self.rows is not None:
+            return self.rows
+        readmitters = self.requests if self.readmitters is None else min(self.readmitters, self.requests)
+        return self.requests + (readmitters if self.readmits else 0)
 
     def engine(self, trace_path: Optional[str] = None) -> SimEngine:
         return SimEngine(page_size=self.page_size, stride=self.stride, device_slots=self.slots,
-                         host_slots=self.host_slots, rows=self.rows or self.requests, max_context=self.max_context,
+                         host_slots=self.host_slots, rows=self.table_rows, max_context=self.max_context,
                          backup_queue=self.backup_queue, checked=True, trace_path=trace_path)
 
     def describe(self) -> str:
@@ -796,6 +805,9 @@ class ExploreResult:
     copies: int = 0  # states copied (or rebuilt, in replay mode) to branch
     in_place: int = 0  # events run on their parent without a copy (guessed no-ops)
     mispredicted: int = 0  # of those, events that were not no-ops (the parent was rebuilt)
+    validated: int = 0  # copied states checked against re-executing their events
+    mode: str = "copy"  # how states were branched
+    fallback: Optional[str] = None  # why a copy-mode search started over in replay mode
     coverage: set[int] = field(default_factory=set)
     violation: Optional[Counterexample] = None
     keys: Optional[set] = None
@@ -807,18 +819,37 @@ def _describe(exc: BaseException) -> tuple[str, str]:
     return type(exc).__name__, str(exc)
 
 
+class _CopyDiverged(Exception):
+    pass
+
+
 def explore(config: ExplorerConfig = ExplorerConfig(), *, max_depth: Optional[int] = None,
             faults: Optional[Faults] = None, mode: str = "copy", max_states: Optional[int] = None,
-            keep_keys: bool = False, on_level: Optional[Callable[[int, int, int], None]] = None) -> ExploreResult:
+            keep_keys: bool = False, on_level: Optional[Callable[[int, int, int], None]] = None,
+            validate_every: int = 64) -> ExploreResult:
     """Breadth-first search over every interleaving; stops at the first (hence shortest) violation.
 
     faults: called on every freshly built SimEngine (to patch its instances); class-level monkeypatches
     applied by the caller are seen as well. on_level(depth, states, frontier) reports progress.
+    In copy mode every `validate_every`-th copied child is checked against re-executing its events from
+    scratch; when a copy fails or diverges, the search starts over in replay mode (result.fallback says why).
     """
     if mode not in ("copy", "replay"):
         raise ValueError(f"mode must be 'copy' or 'replay', got {mode!r}")
     t0 = time.perf_counter()
+    try:
+        return _explore(config, max_depth, faults, mode, max_states, keep_keys, on_level, validate_every, t0)
+    except _CopyDiverged as why:
+        res = _explore(config, max_depth, faults, "replay", max_states, keep_keys, on_level, validate_every, t0)
+        res.fallback = str(why)
+        return res
+
+
+def _explore(config: ExplorerConfig, max_depth: Optional[int], faults: Optional[Faults], mode: str,
+             max_states: Optional[int], keep_keys: bool, on_level: Optional[Callable[[int, int, int], None]],
+             validate_every: int, t0: float) -> ExploreResult:
     res = ExploreResult(config)
+    res.mode = mode
     visited: set = set()
 
     def finish() -> ExploreResult:
@@ -864,7 +895,10 @@ def explore(config: ExplorerConfig = ExplorerConfig(), *, max_depth: Optional[in
                     child = parent
                     res.in_place += in_place
                 elif mode == "copy":
-                    child = clone(parent)
+                    try:
+                        child = clone(parent)
+                    except Exception as exc:  # noqa: BLE001 - anything pickling cannot copy
+                        raise _CopyDiverged(f"a state could not be copied ({exc!r})") from exc
                     res.copies += 1
                 else:
                     child = build(config, trace, faults, check=False)
@@ -877,8 +911,17 @@ def explore(config: ExplorerConfig = ExplorerConfig(), *, max_depth: Optional[in
                 except Exception as exc:  # noqa: BLE001 - any failure is the report
                     res.coverage |= child.engine.manager.coverage
                     res.depth = depth + 1
-                    return fail(_shortest(config, faults, trace + (ev,), child_hist), exc)
+                    events = _shortest(config, faults, trace + (ev,), child_hist)
+                    if events is None and mode == "copy":
+                        raise _CopyDiverged("a violation in a copied state does not happen when its events are "
+                                            "re-executed") from exc
+                    return fail(events or child_hist, exc)
                 res.coverage |= child.engine.manager.coverage
+                if mode == "copy" and child is not parent and validate_every and res.copies % validate_every == 0:
+                    again = build(config, child_hist, faults, check=False)
+                    if canonical_key(again) != key:
+                        raise _CopyDiverged(f"a copied state diverged from re-executing its {len(child_hist)} events")
+                    res.validated += 1
                 if in_place:
                     if key == parent_key:
                         hist = child_hist  # a no-op: the parent is still the parent
@@ -932,12 +975,14 @@ def _reproduces(config: ExplorerConfig, faults: Optional[Faults], events: Sequen
     return False
 
 
-def _shortest(config: ExplorerConfig, faults: Optional[Faults], trace: tuple, hist: tuple) -> tuple:
-    """The BFS trace, checked by re-running it from scratch; the exact history when it does not fail (a
-    no-op run in place changed something the key does not see)."""
-    if trace == hist or _reproduces(config, faults, trace):
+def _shortest(config: ExplorerConfig, faults: Optional[Faults], trace: tuple, hist: tuple) -> Optional[tuple]:
+    """The BFS trace if re-running it from scratch fails; else the exact history (a no-op run in place
+    changed something the key does not see); None if neither fails when re-run."""
+    if _reproduces(config, faults, trace):
         return trace
-    return hist
+    if hist != trace and _reproduces(config, faults, hist):
+        return hist
+    return None
 
 
 # --- reporting ------------------------------------------------------------------------------------------
