@@ -32,7 +32,8 @@ def check(requests: int = 3, slots: int = 16, page_size: int = 2, stride: int = 
     cfg = ExplorerConfig(requests=requests, slots=slots, page_size=page_size, stride=stride, host_slots=host_slots,
                          backup_queue=backup_queue, prompt_len=prompt_len, decodes=decodes, readmits=readmits,
                          speculative=speculative, max_context=max(16, prompt_len + decodes + speculative + page_size))
-    out.print(f"[bold]exploring[/bold] {cfg.describe()}" + (f", max_depth={max_depth}" if max_depth is not None else ""))
+    bound = cfg.describe() + (f", max_depth={max_depth}" if max_depth is not None else "")
+    out.print(Text.assemble(("exploring ", "bold"), bound))
     t0 = time.perf_counter()
 
     def level(depth: int, states: int, frontier: int) -> None:
@@ -44,9 +45,11 @@ def check(requests: int = 3, slots: int = 16, page_size: int = 2, stride: int = 
     cov = report({"explorer": res.coverage})
     tab = Table(show_header=False, box=None)
     for k, v in (("states", f"{res.states}"), ("edges (events run)", f"{res.edges}"),
-                 ("depth", f"{res.depth}" + ("" if res.complete else " (bounded)")),
-                 ("complete", "yes" if res.complete else "no"), ("seconds", f"{res.seconds:.1f}"),
+                 ("depth", f"{res.depth}"),
+                 ("complete", "yes" if res.complete else "stopped at the first violation" if res.violation
+                  else f"no (max_depth {max_depth})"), ("seconds", f"{res.seconds:.1f}"),
                  ("peak RSS", f"{res.peak_rss_mib:.0f} MiB"),
+                 ("branching", res.mode + (f" (copying failed: {res.fallback})" if res.fallback else "")),
                  ("transitions exercised", cov.fraction())):
         tab.add_row(k, v)
     out.print(tab)

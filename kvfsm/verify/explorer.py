@@ -237,7 +237,8 @@ def _offload(w: World, i: int, req: SimRequest) -> None:
                        f"host free slots {host_free} -> {e.host_pool.free_slots} or offloaded length "
                        f"{inc} -> {rec.inc_len if rec else None} (B7)")
         return
-    _check(len(fx.copy_fifo) == n_fifo + 1, "offload_one_chunk", f"r{i}: one offload queued {len(fx.copy_fifo) - n_fifo} copies")
+    _check(len(fx.copy_fifo) == n_fifo + 1, "offload_one_chunk",
+           f"r{i}: one offload queued {len(fx.copy_fifo) - n_fifo} copies")
     c = fx.copy_fifo[-1]
     new = c.record
     start = new.prefill_len + (inc if new is rec else 0)
@@ -247,7 +248,8 @@ def _offload(w: World, i: int, req: SimRequest) -> None:
            lambda: f"r{i}: chunk [{c.start}, {c.end}) but the next chunk starts at {start} (stride {stride}), "
                    f"offloaded length now {new.inc_len} after prefill {new.prefill_len}")
     _check(c.end <= min(req.kv_committed_len, len(req.origin_input_ids) + len(req.output_ids) - 1),
-           "offload_committed_only", lambda: f"r{i}: chunk [{c.start}, {c.end}) beyond committed KV {req.kv_committed_len}")
+           "offload_committed_only",
+           lambda: f"r{i}: chunk [{c.start}, {c.end}) beyond committed KV {req.kv_committed_len}")
     row = e.req_to_token.req_to_token[req.req_pool_idx, c.start:c.end].tolist()
     _check(c.device_indices.tolist() == row, "offload_own_slots",
            lambda: f"r{i}: chunk [{c.start}, {c.end}) reads slots {c.device_indices.tolist()}, its row maps {row}")
@@ -356,7 +358,6 @@ def check_world(w: World, snap: Optional[_Snap] = None) -> _Snap:
 
     # device pages, rows and protected size: each page held by one holder, and nothing else allocated
     holders = s.holders(w)
-    held = set()
     for k in [k for k in w.ends if k not in {(h[1], h[2]) for h in holders}]:
         del w.ends[k]  # released lifecycles
     pages: list[int] = []
@@ -541,7 +542,8 @@ def _key(w: World, s: _Snap, order: list[int]) -> tuple:
         ledger = (tuple(sorted((pmap.setdefault(p, len(pmap)), by_key.get(o, o)) for p, o in led.device_owner.items())),
                   tuple(sorted((pmap.setdefault(p, len(pmap)), tuple(sorted(chunk_no.get(x, -1) for x in r)))
                                for p, r in led.device_readers.items() if r)),
-                  tuple(sorted((hmap.setdefault(p, len(hmap)), chunk_no.get(x, -1)) for p, x in led.host_owner.items())))
+                  tuple(sorted((hmap.setdefault(p, len(hmap)), chunk_no.get(x, -1))
+                               for p, x in led.host_owner.items())))
     # pools: which named pages are allocated, how many allocated pages nobody names (a leak), how many free
     alloc_named = tuple(sorted(pmap[p] for p, a in enumerate(s.alloc) if a and p in pmap))
     halloc_named = tuple(sorted(hmap[p] for p, a in enumerate(s.halloc) if a and p in hmap))
@@ -675,7 +677,8 @@ class _Pickler(pickle.Pickler):
             item = obj.element_size()
             if off % item:
                 raise CloneError("a tensor views memory at an offset that is not a multiple of its element size")
-            return (_rebuild_tensor, (r, off // item + obj.storage_offset(), obj.dtype, tuple(obj.size()), obj.stride()))
+            return (_rebuild_tensor,
+                    (r, off // item + obj.storage_offset(), obj.dtype, tuple(obj.size()), obj.stride()))
         if t.__module__ == "numpy" and t.__name__ == "ndarray":
             root = obj
             while getattr(root, "base", None) is not None and type(root.base).__name__ == "ndarray":

@@ -182,7 +182,8 @@ def _step(spec: CompiledSpec, r: _Request, rec: dict[str, Any], single_owner: se
     for res_name in t.releases:
         if res_name in single_owner:
             if res_name not in r.held:
-                raise _Illegal(f"T{tid} {t.label} releases {res_name!r}, which the request already released (double release)")
+                raise _Illegal(f"T{tid} {t.label} releases {res_name!r}, which the request already released "
+                               "(double release)")
             r.held.discard(res_name)
         else:
             if r.host[res_name] <= 0:

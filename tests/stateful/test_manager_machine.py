@@ -472,6 +472,10 @@ class ManagerMachine(RuleBasedStateMachine):
         for req in list(e.live):
             self._end(req, "finish")
         for _ in range(10_000):
+            self.pools_conserved()
+            self.ownership()
+            self.machines()
+            self.chunks()
             if e.manager.idle():
                 break
             for h in e.copies.pending:
@@ -479,8 +483,6 @@ class ManagerMachine(RuleBasedStateMachine):
             while e.worker.pending:
                 self._run_backup(0, 0)
             e.manager.check_progress()
-            self.ownership()
-            self.machines()
         check(e.manager.idle(), "teardown_drains", "manager never became idle")
         # Retracted requests never re-admitted, and duplicate calls on everything, must free nothing more.
         for req in self.retracted + self.ended:
@@ -509,7 +511,7 @@ class ManagerMachine(RuleBasedStateMachine):
 
 
 # CI: >= 100,000 steps in total, deep: >= 1,000,000 (steps per example ~= stateful_step_count).
-MAIN_EXAMPLES, MAIN_STEPS = (3200, 450) if DEEP else (320, 450)
+MAIN_EXAMPLES, MAIN_STEPS = (3400, 450) if DEEP else (360, 450)
 MIN_TOTAL_STEPS = 1_000_000 if DEEP else 100_000
 
 MAIN_SETTINGS = settings(max_examples=MAIN_EXAMPLES, stateful_step_count=MAIN_STEPS, deadline=None,

@@ -19,13 +19,15 @@ Z = {"copies": 0, "parked": 0, "backups": 0}
 RELEASE = ["device_slots", "table_row", "protected_prefix"]
 
 
-def _line(req: str, event: str, src: str, dst: str, tid: int, counters: dict[str, int], acquired=(), released=()) -> dict:
+def _line(req: str, event: str, src: str, dst: str, tid: int, counters: dict[str, int], acquired=(),
+          released=()) -> dict:
     return {"t": 0.0, "req": req, "event": event, "from": src, "to": dst, "transition": tid, "counters": counters,
             "acquired": list(acquired), "released": list(released)}
 
 
 def _tid(src: str, event: str, guard: Any = "any") -> int:
-    return next(t.id for t in SPEC.transitions if t.src == src and t.event == event and (guard == "any" or t.guard == guard))
+    return next(t.id for t in SPEC.transitions
+                if t.src == src and t.event == event and (guard == "any" or t.guard == guard))
 
 
 def _write(path: Path, lines: list[dict], sha: str = SPEC.sha256) -> Path:
@@ -102,7 +104,8 @@ def test_wrong_target_state(tmp_path: Path) -> None:
 
 def test_undeclared_event_in_state(tmp_path: Path) -> None:
     lines = _good()
-    lines.insert(1, _line("b#2", "copy_done", "allocated", "allocated", _tid("offloading", "copy_done", "last_copy"), Z))
+    bogus = _tid("offloading", "copy_done", "last_copy")
+    lines.insert(1, _line("b#2", "copy_done", "allocated", "allocated", bogus, Z))
     _flag(tmp_path, lines, 3, "not handled in state 'allocated'")
 
 
@@ -147,7 +150,8 @@ def test_guard_that_does_not_hold(tmp_path: Path) -> None:
     lines = _good()
     # two copies in flight, then an ack logged as the last copy (guard last_copy: copies == 1)
     c2 = {"copies": 2, "parked": 0, "backups": 0}
-    lines.insert(1, _line("a#1", "offload", "offloading", "offloading", _tid("offloading", "offload"), c2, ["host_slots"]))
+    lines.insert(1, _line("a#1", "offload", "offloading", "offloading", _tid("offloading", "offload"), c2,
+                          ["host_slots"]))
     lines[3] = _line("a#1", "copy_done", "offloading", "inflight", _tid("offloading", "copy_done", "last_copy"),
                      {"copies": 1, "parked": 0, "backups": 1})
     _flag(tmp_path, lines, 5, "guard 'last_copy' does not hold")
