@@ -18,11 +18,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev,bench]'
 	touch $(STAMP)
 
-# Every test also runs the optional backends for real: a Mooncake master (needs Debian's libibverbs1).
+# Every test also runs the optional integrations for real: a Mooncake master (needs Debian's libibverbs1)
+# and transformers' continuous batching.
 $(TEST_STAMP): $(STAMP)
 	dpkg -s libibverbs1 >/dev/null 2>&1 || { $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null && \
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null; }
-	$(BIN)/python -m pip install -q -e '.[dev,bench,mooncake]'
+	$(BIN)/python -m pip install -q -e '.[dev,bench,mooncake,transformers]'
 	touch $(TEST_STAMP)
 
 test-deps: $(TEST_STAMP)
@@ -33,7 +34,7 @@ demo: $(STAMP)
 test: $(TEST_STAMP)
 	for spec in spec/*.yaml; do $(BIN)/kvfsm gen $$spec --check || exit 1; done
 	$(BIN)/kvfsm schema --check
-	KVFSM_REQUIRE_MOONCAKE=1 $(BIN)/python -m pytest -q
+	KVFSM_REQUIRE_MOONCAKE=1 KVFSM_REQUIRE_TRANSFORMERS=1 $(BIN)/python -m pytest -q
 
 bench: $(STAMP)
 	$(BIN)/kvfsm bench

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+
+import pytest
 from pathlib import Path
 
 from kvfsm.docsgen import markdown
@@ -19,6 +21,7 @@ def test_readme_integration_example_runs(tmp_path):
     exec(compile(code, "README.md", "exec"), {"store_dir": tmp_path / "store"})
 
 
-def test_committed_auditor_docs_are_fresh():
-    spec = load_spec(ROOT / "spec/decode_offload.yaml")
-    assert (ROOT / "docs/spec/decode_offload.md").read_text() == markdown(spec, "spec/decode_offload.yaml")
+@pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "spec").glob("*.yaml")))
+def test_committed_auditor_docs_are_fresh(name):
+    spec = load_spec(ROOT / f"spec/{name}.yaml")
+    assert (ROOT / f"docs/spec/{name}.md").read_text() == markdown(spec, f"spec/{name}.yaml")
