@@ -9,6 +9,7 @@ replay -- check a recorded transition trace (the manager's trace_path JSON lines
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 from typing import Optional
@@ -67,7 +68,8 @@ def check(requests: int = 3, slots: int = 16, page_size: int = 2, stride: int = 
     if out_test is not None:
         out_test = Path(out_test)
         out_test.parent.mkdir(parents=True, exist_ok=True)
-        out_test.write_text(counterexample_test(cfg, cx, out_test.stem.removeprefix("test_") or "counterexample"))
+        name = re.sub(r"\W", "_", out_test.stem.removeprefix("test_")) or "counterexample"
+        out_test.write_text(counterexample_test(cfg, cx, name if name.isidentifier() else f"cx_{name}"))
         out.print(f"wrote {out_test} (fails while the bug exists)", markup=False)
     return 1
 

@@ -21,9 +21,15 @@ manager's id()-keyed record table is then re-keyed), about 1.6x cheaper than re-
 prefix; `mode="replay"` re-executes every prefix from a fresh engine instead. Tests check both modes
 reach the same states, and a copy-mode search checks every 64th copy against re-execution and starts
 over in replay mode if a copy ever fails or diverges. States are deduplicated by `canonical_key`: the
-engine's whole bookkeeping with record names and serials replaced by request indices, and device pages,
+engine's whole bookkeeping with record names and serials replaced by request positions, and device pages,
 host pages and table rows renamed in order of first use (free ones are interchangeable), so interleavings
-that leave the same state up to which physical page went to whom meet.
+that leave the same state up to which physical page went to whom meet; requests are interchangeable too
+(symmetry=False turns that off). Attributes a fault adds to records or chunks are part of the key. Events
+that most likely change nothing (a progress check with nothing to observe, an offload with nothing to
+offload, a duplicate finish) run on the parent itself instead of a copy; the key decides whether they did.
+
+Default bound (3 requests x 16 slots, page 2, stride 2, 8 host slots, backup queue 1, prompt 3, one decode
+each): 1315 states, 12968 events, depth 22, about 30 s and 260 MiB peak RSS on one core.
 """
 
 from __future__ import annotations
@@ -829,28 +835,32 @@ class _CopyDiverged(Exception):
 def explore(config: ExplorerConfig = ExplorerConfig(), *, max_depth: Optional[int] = None,
             faults: Optional[Faults] = None, mode: str = "copy", max_states: Optional[int] = None,
             keep_keys: bool = False, on_level: Optional[Callable[[int, int, int], None]] = None,
-            validate_every: int = 64) -> ExploreResult:
+            validate_every: int = 64, symmetry: bool = True) -> ExploreResult:
     """Breadth-first search over every interleaving; stops at the first (hence shortest) violation.
 
     faults: called on every freshly built SimEngine (to patch its instances); class-level monkeypatches
     applied by the caller are seen as well. on_level(depth, states, frontier) reports progress.
     In copy mode every `validate_every`-th copied child is checked against re-executing its events from
     scratch; when a copy fails or diverges, the search starts over in replay mode (result.fallback says why).
+    symmetry=False keeps states that differ only by which request is which apart (for faults that single
+    out one request).
     """
     if mode not in ("copy", "replay"):
         raise ValueError(f"mode must be 'copy' or 'replay', got {mode!r}")
     t0 = time.perf_counter()
     try:
-        return _explore(config, max_depth, faults, mode, max_states, keep_keys, on_level, validate_every, t0)
+        return _explore(config, max_depth, faults, mode, max_states, keep_keys, on_level, validate_every, symmetry,
+                        t0)
     except _CopyDiverged as why:
-        res = _explore(config, max_depth, faults, "replay", max_states, keep_keys, on_level, validate_every, t0)
+        res = _explore(config, max_depth, faults, "replay", max_states, keep_keys, on_level, validate_every,
+                       symmetry, t0)
         res.fallback = str(why)
         return res
 
 
 def _explore(config: ExplorerConfig, max_depth: Optional[int], faults: Optional[Faults], mode: str,
              max_states: Optional[int], keep_keys: bool, on_level: Optional[Callable[[int, int, int], None]],
-             validate_every: int, t0: float) -> ExploreResult:
+             validate_every: int, symmetry: bool, t0: float) -> ExploreResult:
     res = ExploreResult(config)
     res.mode = mode
     visited: set = set()
@@ -869,7 +879,7 @@ def _explore(config: ExplorerConfig, max_depth: Optional[int], faults: Optional[
 
     try:
         root = World(config, faults)
-        visited.add(canonical_key(root, check_world(root)))
+        visited.add(canonical_key(root, check_world(root), symmetry))
     except Exception as exc:  # noqa: BLE001 - any failure is the report
         return fail((), exc)
     # (world or None in replay mode, shortest trace to it, its key, the events really executed on it)
@@ -910,7 +920,7 @@ def _explore(config: ExplorerConfig, max_depth: Optional[int], faults: Optional[
                 res.edges += 1
                 try:
                     apply(child, ev)
-                    key = canonical_key(child, check_world(child))
+                    key = canonical_key(child, check_world(child), symmetry)
                 except Exception as exc:  # noqa: BLE001 - any failure is the report
                     res.coverage |= child.engine.manager.coverage
                     res.depth = depth + 1
@@ -922,7 +932,7 @@ def _explore(config: ExplorerConfig, max_depth: Optional[int], faults: Optional[
                 res.coverage |= child.engine.manager.coverage
                 if mode == "copy" and child is not parent and validate_every and res.copies % validate_every == 0:
                     again = build(config, child_hist, faults, check=False)
-                    if canonical_key(again) != key:
+                    if canonical_key(again, None, symmetry) != key:
                         raise _CopyDiverged(f"a copied state diverged from re-executing its {len(child_hist)} events")
                     res.validated += 1
                 if in_place:

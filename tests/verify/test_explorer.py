@@ -43,6 +43,14 @@ def test_copy_and_replay_reach_the_same_states(cfg: ExplorerConfig) -> None:
     assert by_copy.depth == by_replay.depth
 
 
+def test_symmetry_reduction_loses_nothing() -> None:
+    cfg = ExplorerConfig(requests=2, host_slots=2, end_kinds=("finish", "retract"), backup_failures=False)
+    sym, plain = explore(cfg), explore(cfg, symmetry=False)
+    assert sym.violation is None and plain.violation is None and sym.complete and plain.complete
+    assert sym.coverage == plain.coverage and sym.depth == plain.depth
+    assert sym.states < plain.states <= 2 * sym.states
+
+
 def test_clone_is_independent() -> None:
     cfg = ExplorerConfig(requests=2, decodes=3)
     w = build(cfg, [("admit", 0), ("admit", 1), ("decode", 0), ("offload", 0), ("copy", 0), ("progress",)])
