@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import tempfile
@@ -50,30 +49,9 @@ class ShardedDecoder(TinyDecoder):
         self.w1 = [w[:, rank * f:(rank + 1) * f] for w in self.w1]
         self.w2 = [w[rank * f:(rank + 1) * f, :] for w in self.w2]
 
-    @torch.no_grad()
-    def step(self, pool: DeviceKVPool, slots: torch.Tensor, token: int) -> int:
-        c = self.cfg
-        kv = pool.token_view()
-        h = self.embed[token].unsqueeze(0)
-        group = self.local_heads // self.local_kv
-        last = slots[-1:]
-        for layer in range(c.layers):
-            x = torch.nn.functional.rms_norm(h, (c.hidden,))
-            q = (x @ self.wq[layer]).view(self.local_heads, c.head_dim)
-            kv[0, layer, last] = (x @ self.wk[layer]).view(1, self.local_kv, c.head_dim)
-            kv[1, layer, last] = (x @ self.wv[layer]).view(1, self.local_kv, c.head_dim)
-            k = kv[0, layer, slots].repeat_interleave(group, dim=1)
-            v = kv[1, layer, slots].repeat_interleave(group, dim=1)
-            att = torch.einsum("hd,thd->ht", q, k) / math.sqrt(c.head_dim)
-            part = torch.einsum("ht,thd->hd", att.softmax(dim=-1), v).reshape(1, -1) @ self.wo[layer]
-            dist.all_reduce(part)
-            h = h + part
-            x = torch.nn.functional.rms_norm(h, (c.hidden,))
-            part = torch.nn.functional.gelu(x @ self.w1[layer]) @ self.w2[layer]
-            dist.all_reduce(part)
-            h = h + part
-        logits = torch.nn.functional.rms_norm(h, (c.hidden,)) @ self.embed.T
-        return int(logits.argmax())
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(partial)
+        return partial
 
 
 def serve(model: TinyDecoder, kv: KVCacheConfig, device: str, requests: int, manager_kwargs: dict | None,

@@ -48,6 +48,11 @@ class TinyDecoder:
         self.wo = [w(cfg.heads * cfg.head_dim, cfg.hidden) for _ in range(cfg.layers)]
         self.w1 = [w(cfg.hidden, 2 * cfg.hidden) for _ in range(cfg.layers)]
         self.w2 = [w(2 * cfg.hidden, cfg.hidden) * 0.5 for _ in range(cfg.layers)]
+        self.local_heads, self.local_kv = cfg.heads, cfg.kv_heads  # a tensor-parallel shard holds fewer
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """Sum partial attention/MLP outputs across tensor-parallel shards (one shard: nothing to do)."""
+        return partial
 
     @torch.no_grad()
     def step(self, pool: DeviceKVPool, slots: torch.Tensor, token: int) -> int:
@@ -56,19 +61,19 @@ class TinyDecoder:
         c = self.cfg
         kv = pool.token_view()  # (2, L, slots, H_kv, D)
         h = self.embed[token].unsqueeze(0)  # [1, hidden]
-        group = c.heads // c.kv_heads
+        group = self.local_heads // self.local_kv
         last = slots[-1:]
         for layer in range(c.layers):
             x = torch.nn.functional.rms_norm(h, (c.hidden,))
-            q = (x @ self.wq[layer]).view(c.heads, c.head_dim)
-            kv[0, layer, last] = (x @ self.wk[layer]).view(1, c.kv_heads, c.head_dim)
-            kv[1, layer, last] = (x @ self.wv[layer]).view(1, c.kv_heads, c.head_dim)
+            q = (x @ self.wq[layer]).view(self.local_heads, c.head_dim)
+            kv[0, layer, last] = (x @ self.wk[layer]).view(1, self.local_kv, c.head_dim)
+            kv[1, layer, last] = (x @ self.wv[layer]).view(1, self.local_kv, c.head_dim)
             k = kv[0, layer, slots].repeat_interleave(group, dim=1)  # [T, heads, D]
             v = kv[1, layer, slots].repeat_interleave(group, dim=1)
             att = torch.einsum("hd,thd->ht", q, k) / math.sqrt(c.head_dim)
             out = torch.einsum("ht,thd->hd", att.softmax(dim=-1), v).reshape(1, -1)
-            h = h + out @ self.wo[layer]
+            h = h + self.reduce(out @ self.wo[layer])
             x = torch.nn.functional.rms_norm(h, (c.hidden,))
-            h = h + torch.nn.functional.gelu(x @ self.w1[layer]) @ self.w2[layer]
+            h = h + self.reduce(torch.nn.functional.gelu(x @ self.w1[layer]) @ self.w2[layer])
         logits = torch.nn.functional.rms_norm(h, (c.hidden,)) @ self.embed.T
         return int(logits.argmax())

@@ -20,6 +20,23 @@ from kvfsm.engine.model import TinyDecoder
 from kvfsm.runtime import DecodeOffloadManager, ProtectedSize
 
 
+def grow_slots(allocator: TokenSlotAllocator, table: ReqToTokenPool, req, length: int) -> bool:
+    """Give positions [0, length) of `req` device slots, in whole pages; False (nothing changed) when the
+    pool or the table row has no room."""
+    page = allocator.page_size
+    have = -(-req.kv_allocated_len // page) * page
+    need = -(-length // page) * page
+    if need > table.max_context:
+        return False
+    if need > have:
+        new = allocator.alloc(need - have)
+        if new is None:
+            return False
+        table.write(req.req_pool_idx, have, new)
+    req.kv_allocated_len = max(req.kv_allocated_len, length)
+    return True
+
+
 class EngineRequest:
     """Implements kvfsm.runtime.OffloadRequest."""
 
@@ -73,17 +90,7 @@ class DecodeEngine:
 
     # --- memory ----------------------------------------------------------------------------------------
     def _grow(self, req: EngineRequest, length: int) -> bool:
-        have = -(-req.kv_allocated_len // self.page) * self.page
-        need = -(-length // self.page) * self.page
-        if need > self.table.max_context:
-            return False
-        if need > have:
-            new = self.allocator.alloc(need - have)
-            if new is None:
-                return False
-            self.table.write(req.req_pool_idx, have, new)
-        req.kv_allocated_len = max(req.kv_allocated_len, length)
-        return True
+        return grow_slots(self.allocator, self.table, req, length)
 
     def _release_without_manager(self, req: EngineRequest) -> None:
         held = -(-req.kv_allocated_len // self.page) * self.page

@@ -18,6 +18,7 @@ from kvfsm.dataplane import (DeferredCpuCopyEngine, HostKVPool, KVCacheConfig, R
                              page_hashes)
 from kvfsm.dataplane.device_pool import DeviceKVPool
 from kvfsm.dataplane.storage import FaultyStorage, MemoryStorage
+from kvfsm.engine.scheduler import grow_slots
 from kvfsm.runtime import DecodeOffloadManager, OffloadConfig, ProtectedSize, SteppedBackupWorker
 
 _serials = itertools.count(1)
@@ -90,17 +91,7 @@ class SimEngine:
 
     def _grow(self, req: SimRequest, length: int) -> bool:
         """Make sure positions [0, length) have slots (whole pages)."""
-        have = -(-req.kv_allocated_len // self.page_size) * self.page_size
-        need = -(-length // self.page_size) * self.page_size
-        if need > self.max_context:
-            return False
-        if need > have:
-            slots = self.allocator.alloc(need - have)
-            if slots is None:
-                return False
-            self.req_to_token.write(req.req_pool_idx, have, slots)
-        req.kv_allocated_len = max(req.kv_allocated_len, length)
-        return True
+        return grow_slots(self.allocator, self.req_to_token, req, length)
 
     def admit(self, rid: str, prompt_len: int, prefix_len: int = 0, req: Optional[SimRequest] = None) -> Optional[SimRequest]:
         """Prefill a request (or re-admit a retracted one); None when there is no row or no room."""
