@@ -131,5 +131,28 @@ def bench(quick: bool = typer.Option(False, help="Small sizes: checks the script
     subprocess.run([sys.executable, str(root / "bench" / "plots.py")], check=True)
 
 
+@app.command()
+def check(requests: int = typer.Option(3, help="Requests in the bounded world."),
+          slots: int = typer.Option(16, help="Device slots."),
+          page_size: int = typer.Option(2), stride: int = typer.Option(2),
+          host_slots: int = typer.Option(8, help="Host pool slots."),
+          backup_queue: int = typer.Option(1, help="Backups outstanding at once."),
+          decodes: int = typer.Option(1, help="Decode steps per request."),
+          readmits: int = typer.Option(0, help="Retract-and-readmit cycles per request."),
+          max_depth: int = typer.Option(None, help="Stop exploring below this depth."),
+          out_test: Path = typer.Option(None, "--out-test", help="Where to write a counterexample as a pytest.")) -> None:
+    """Explore every interleaving of engine events over the real manager and pools; exit 1 on a violation."""
+    from kvfsm.verify import commands
+    raise typer.Exit(commands.check(requests, slots, page_size, stride, host_slots, max_depth, out_test,
+                                    decodes=decodes, readmits=readmits, backup_queue=backup_queue))
+
+
+@app.command()
+def replay(trace: Path) -> None:
+    """Check a recorded transition trace (JSON lines) against the spec; exit 1 at the first illegal step."""
+    from kvfsm.verify import commands
+    raise typer.Exit(commands.replay(trace))
+
+
 if __name__ == "__main__":
     app()
