@@ -38,9 +38,10 @@ def grow_slots(allocator: TokenSlotAllocator, table: ReqToTokenPool, req, length
 
 
 class EngineRequest:
-    """Implements kvfsm.runtime.OffloadRequest."""
+    """Implements kvfsm.runtime.OffloadRequest (a plain class: weak-referenceable, identity-hashed)."""
 
-    def __init__(self, rid: str, prompt: list[int], max_new: int, abort_at: Optional[int], prefix_len: int) -> None:
+    def __init__(self, rid: str, prompt: list[int], max_new: int = 0, abort_at: Optional[int] = None,
+                 prefix_len: int = 0) -> None:
         self.rid = rid
         self.origin_input_ids = prompt
         self.output_ids: list[int] = []

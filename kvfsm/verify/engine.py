@@ -18,36 +18,27 @@ from kvfsm.dataplane import (DeferredCpuCopyEngine, HostKVPool, KVCacheConfig, R
                              page_hashes)
 from kvfsm.dataplane.device_pool import DeviceKVPool
 from kvfsm.dataplane.storage import FaultyStorage, MemoryStorage
-from kvfsm.engine.scheduler import grow_slots
+from kvfsm.engine.scheduler import EngineRequest, grow_slots
 from kvfsm.runtime import DecodeOffloadManager, OffloadConfig, ProtectedSize, SteppedBackupWorker
 
 _serials = itertools.count(1)
 
 
-class SimRequest:
-    """Implements kvfsm.runtime.OffloadRequest (a plain class: weak-referenceable, identity-hashed)."""
+class SimRequest(EngineRequest):
+    """An engine request that also carries a serial: the writer's identity in the KV content f(serial, pos)."""
 
     def __init__(self, rid: str, prompt: list[int], prefix_len: int = 0) -> None:
-        self.rid = rid
-        self.serial = next(_serials)  # identity of the writer in the KV content
-        self.origin_input_ids = prompt
-        self.output_ids: list[int] = []
-        self.req_pool_idx: Optional[int] = None
-        self.kv_committed_len = 0
-        self.kv_allocated_len = 0
-        self.prefix_len = prefix_len
-        self.done = False
-
-    def finished(self) -> bool:
-        return self.done
+        super().__init__(rid, prompt, prefix_len=prefix_len)
+        self.serial = next(_serials)
 
     def __repr__(self) -> str:
         return f"SimRequest({self.rid!r}#{self.serial})"
 
 
 def kv_value(serial: int, position: int) -> float:
-    """f(request, position): exact in float32, distinct for every (writer, position) the tests use."""
-    return float(serial * 4096 + position + 1)
+    """f(request, position), exact in float32 (below 2**24) for any serial: writers 4096 serials apart
+    share values, far more than ever live at once; positions must stay below 4095."""
+    return float((serial % 4096) * 4096 + position + 1)
 
 
 @dataclass
