@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -53,26 +53,39 @@ class SimEngine:
     checked: bool = True
     fail_writes: set[str] = field(default_factory=set)
     trace_path: Optional[str] = None
+    num_layers: int = 2
+    kv_heads: int = 1
+    head_dim: int = 2
+    host_layout: str = "layer_first"
 
     def __post_init__(self) -> None:
-        self.kv = KVCacheConfig(num_layers=2, kv_heads=1, head_dim=2, attention="mha", dtype=torch.float32)
+        self.kv = KVCacheConfig(num_layers=self.num_layers, kv_heads=self.kv_heads, head_dim=self.head_dim,
+                                attention="mha", dtype=torch.float32)
         self.device_pool = DeviceKVPool.create(self.kv, self.device_slots)
         self.allocator = TokenSlotAllocator(self.device_slots, self.page_size)
         self.req_to_token = ReqToTokenPool(self.rows, self.max_context)
         self.protected = ProtectedSize()
-        self.host_pool = HostKVPool(self.kv, self.host_slots, self.page_size)
+        self.host_pool = HostKVPool(self.kv, self.host_slots, self.page_size, layout=self.host_layout)
         self.copies = DeferredCpuCopyEngine()
         self.worker = SteppedBackupWorker(self.backup_queue)
-        self.store = MemoryStorage()
-        self.storage = FaultyStorage(self.store, fail_writes=lambda k: k in self.fail_writes)
+        self.store: Optional[MemoryStorage] = MemoryStorage()
+        self.storage = self.make_storage()
         self.config = OffloadConfig(page_size=self.page_size, offload_stride=self.stride, host_pool_ratio=1.0,
                                     copy_backend="deferred", storage_backend="none", checked=self.checked,
                                     backup_queue_size=self.backup_queue, trace_path=self.trace_path)
         self.manager = DecodeOffloadManager(
             self.config, device_pool=self.device_pool, allocator=self.allocator, req_to_token=self.req_to_token,
             prefix_cache=self.protected, host_pool=self.host_pool, copy_engine=self.copies, storage=self.storage,
-            backup_worker=self.worker)
+            backup_worker=self.worker, **self.manager_options())
         self.live: list[SimRequest] = []
+
+    def make_storage(self) -> Any:
+        """The manager's storage: the in-memory store behind a fault injector (subclasses plug in others)."""
+        return FaultyStorage(self.store, fail_writes=lambda k: k in self.fail_writes)
+
+    def manager_options(self) -> dict[str, Any]:
+        """Extra DecodeOffloadManager arguments (a TP group, say)."""
+        return {}
 
     # --- engine actions ----------------------------------------------------------------------------
     def _write_kv(self, req: SimRequest, start: int, end: int) -> None:

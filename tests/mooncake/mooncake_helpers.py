@@ -8,10 +8,7 @@ from typing import Any, Optional
 
 import torch
 
-from kvfsm.dataplane import (DeferredCpuCopyEngine, HostKVPool, KVCacheConfig, ReqToTokenPool, TokenSlotAllocator,
-                             page_hashes)
-from kvfsm.dataplane.device_pool import DeviceKVPool
-from kvfsm.runtime import DecodeOffloadManager, OffloadConfig, ProtectedSize, SteppedBackupWorker
+from kvfsm.dataplane import page_hashes
 from kvfsm.verify.engine import SimEngine, SimRequest, kv_value
 
 
@@ -24,35 +21,17 @@ def free_port() -> int:
 
 @dataclass
 class StoreEngine(SimEngine):
-    """SimEngine.__post_init__, with `backend` as the manager's storage and the KV shape chosen by the test."""
+    """A SimEngine whose manager backs up into `backend` (the KV shape is chosen by the test)."""
 
     backend: Any = None
-    num_layers: int = 2
-    kv_heads: int = 1
-    head_dim: int = 2
-    host_layout: str = "layer_first"
 
     def __post_init__(self) -> None:
-        self.kv = KVCacheConfig(num_layers=self.num_layers, kv_heads=self.kv_heads, head_dim=self.head_dim,
-                                attention="mha", dtype=torch.float32)
-        self.device_pool = DeviceKVPool.create(self.kv, self.device_slots)
-        self.allocator = TokenSlotAllocator(self.device_slots, self.page_size)
-        self.req_to_token = ReqToTokenPool(self.rows, self.max_context)
-        self.protected = ProtectedSize()
-        self.host_pool = HostKVPool(self.kv, self.host_slots, self.page_size, layout=self.host_layout)
-        self.copies = DeferredCpuCopyEngine()
-        self.worker = SteppedBackupWorker(self.backup_queue)
-        self.store = None
-        self.storage = self.backend
-        self.config = OffloadConfig(page_size=self.page_size, offload_stride=self.stride, host_pool_ratio=1.0,
-                                    copy_backend="deferred", storage_backend="none", checked=self.checked,
-                                    backup_queue_size=self.backup_queue, trace_path=self.trace_path)
-        self.manager = DecodeOffloadManager(
-            self.config, device_pool=self.device_pool, allocator=self.allocator, req_to_token=self.req_to_token,
-            prefix_cache=self.protected, host_pool=self.host_pool, copy_engine=self.copies, storage=self.storage,
-            backup_worker=self.worker)
-        self.live: list[SimRequest] = []
+        super().__post_init__()
         self.requests: dict[str, SimRequest] = {}
+
+    def make_storage(self) -> Any:
+        self.store = None
+        return self.backend
 
     # --- driving -----------------------------------------------------------------------------------
     def admit_all(self, n: int, prompt_len: int) -> list[SimRequest]:

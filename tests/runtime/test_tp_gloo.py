@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kvfsm.dataplane.storage import FaultyStorage
-from kvfsm.runtime import DecodeOffloadManager, TPMismatch
+from kvfsm.runtime import TPMismatch
 from kvfsm.runtime.tp import ProgressConsensus
 from kvfsm.verify.engine import SimEngine
 
@@ -46,14 +46,11 @@ class TPSimEngine(SimEngine):
     tp_rank: int = 0
     tp_size: int = 1
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.manager.close()
-        self.storage = FaultyStorage(self.store, fail_writes=_fails)
-        self.manager = DecodeOffloadManager(
-            self.config, device_pool=self.device_pool, allocator=self.allocator, req_to_token=self.req_to_token,
-            prefix_cache=self.protected, host_pool=self.host_pool, copy_engine=self.copies, storage=self.storage,
-            backup_worker=self.worker, tp_group=dist.group.WORLD, tp_rank=self.tp_rank, tp_size=self.tp_size)
+    def make_storage(self) -> Any:
+        return FaultyStorage(self.store, fail_writes=_fails)
+
+    def manager_options(self) -> dict[str, Any]:
+        return {"tp_group": dist.group.WORLD, "tp_rank": self.tp_rank, "tp_size": self.tp_size}
 
 
 def _instrument(engine: SimEngine, log: list[list[Any]], writes: list[list[Any]], clock: list[int]) -> None:
