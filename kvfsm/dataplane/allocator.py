@@ -42,6 +42,10 @@ def as_index_tensor(indices: IndexLike, device: torch.device) -> torch.Tensor:
         if indices.dtype.is_floating_point or indices.dtype.is_complex or indices.dtype == torch.bool:
             raise OutOfRange(f"slot indices must be an integer tensor, got {indices.dtype}")
         t = indices.reshape(-1)
+    elif isinstance(indices, np.ndarray):
+        if indices.dtype.kind not in "iu":
+            raise OutOfRange(f"slot indices must be an integer array, got {indices.dtype}")
+        t = torch.from_numpy(np.ascontiguousarray(indices.reshape(-1), dtype=np.int64))
     else:
         t = torch.as_tensor(list(indices), dtype=torch.int64)
     return t.to(device=device, dtype=torch.int64)
@@ -78,6 +82,7 @@ class TokenSlotAllocator:
         self._allocated_bytes = bytearray(self.num_pages)  # 1 = allocated
         self._ever_bytes = bytearray(self.num_pages)
         self._allocated = torch.frombuffer(self._allocated_bytes, dtype=torch.bool)  # shares memory
+        self._allocated_np = self._allocated.numpy()  # the same bytes again, for numpy
 
     # ---- accounting -------------------------------------------------------------------------------
     @property
@@ -103,10 +108,10 @@ class TokenSlotAllocator:
 
     def is_allocated(self, indices: IndexLike) -> torch.Tensor:
         """Per-slot bool: is the page holding each slot allocated right now (for invariant checks)."""
-        idx = as_index_tensor(indices, torch.device("cpu"))
-        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.num_slots):
+        idx = as_index_tensor(indices, torch.device("cpu")).numpy()
+        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= self.num_slots):
             raise OutOfRange(f"slot index outside [0, {self.num_slots})")
-        return self._allocated[idx // self.page_size]
+        return torch.from_numpy(self._allocated_np[idx // self.page_size])
 
     def check_conservation(self) -> None:
         """Raise ConservationError unless free list and allocated-mask describe the same partition."""
@@ -145,7 +150,8 @@ class TokenSlotAllocator:
             free.popleft()
             mask[p] = 1
             self._ever_bytes[p] = 1
-        out = (torch.tensor(pages, dtype=torch.int64)[:, None] * self.page_size + self._offsets).reshape(-1)
+        # numpy, then one zero-copy wrap: cheaper than torch ops for a chunk-sized batch
+        out = torch.from_numpy((np.array(pages, dtype=np.int64)[:, None] * self.page_size + self._offsets_np).reshape(-1))
         return out if self.device.type == "cpu" else out.to(self.device)
 
     def free(self, indices: IndexLike) -> None:

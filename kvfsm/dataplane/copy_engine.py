@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from itertools import count
 from typing import Literal
 
+import numpy as np
 import torch
 
 from .allocator import IndexLike, as_index_tensor
@@ -116,10 +117,10 @@ def plan_copy(
     if dev_idx.numel() != host_idx.numel():
         raise CopyError(f"{dev_idx.numel()} device slots vs {host_idx.numel()} host slots")
     if host_idx.numel():
-        s = torch.sort(host_idx).values  # one sort gives range and duplicates (cheaper than unique)
+        s = np.sort(host_idx.numpy())  # one sort gives range and duplicates; numpy is cheaper at chunk sizes
         if int(s[0]) < 0 or int(s[-1]) >= host_pool.size:
             raise OutOfRange(f"host slot outside [0, {host_pool.size})")
-        if s.numel() > 1 and bool((s[1:] == s[:-1]).any()):
+        if s.size > 1 and bool((s[1:] == s[:-1]).any()):
             raise DuplicateIndex("a host slot appears twice in one copy")
         if not bool(host_pool.allocator.is_allocated(s).all()):
             raise NotAllocated("copy touches a host slot that is not allocated")

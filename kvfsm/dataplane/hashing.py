@@ -13,17 +13,27 @@ the page fills and the seed never stores partial pages. Slice to `len // page_si
 
 from __future__ import annotations
 
+import array
 import hashlib
+import sys
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 TokenIds = Sequence[int] | np.ndarray | torch.Tensor
+_NATIVE_LE = sys.byteorder == "little" and array.array("I").itemsize == 4
 
 
-def _token_bytes(token_ids: TokenIds) -> np.ndarray:
-    """Token ids as a contiguous little-endian uint32 array; ids outside [0, 2**32) are rejected."""
+def _token_bytes(token_ids: TokenIds) -> np.ndarray | array.array:
+    """Token ids as contiguous little-endian uint32s; ids outside [0, 2**32) are rejected."""
+    if isinstance(token_ids, list) and _NATIVE_LE:
+        try:  # the decode hot path: a chunk's token list, converted without numpy's per-call overhead
+            return array.array("I", token_ids)
+        except OverflowError:
+            raise ValueError("token ids must be non-negative and fit in uint32") from None
+        except TypeError:
+            pass  # not all ints: numpy decides (and says why)
     if isinstance(token_ids, torch.Tensor):
         arr = token_ids.detach().to("cpu").reshape(-1).numpy()
     else:
@@ -46,10 +56,11 @@ def page_hashes(token_ids: TokenIds, page_size: int, prior_hash: str | None = No
     if page_size <= 0:
         raise ValueError(f"page_size must be positive, got {page_size}")
     arr = _token_bytes(token_ids)
-    if arr.size % page_size:
+    n = len(arr)
+    if n % page_size:
         raise ValueError(
-            f"{arr.size} tokens is not a whole number of pages of {page_size}; "
-            f"hash tokens[: {arr.size // page_size * page_size}] (the partial tail has no key)"
+            f"{n} tokens is not a whole number of pages of {page_size}; "
+            f"hash tokens[: {n // page_size * page_size}] (the partial tail has no key)"
         )
     mv = memoryview(arr.tobytes())
     step = page_size * 4

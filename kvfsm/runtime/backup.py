@@ -39,6 +39,8 @@ class BackupJob:
 
 
 class BackupWorker(ABC):
+    """submit() queues a job; flush() hands everything queued to the worker."""
+
     def __init__(self, capacity: int) -> None:
         if capacity < 1:
             raise ValueError(f"backup queue capacity must be >= 1, got {capacity}")
@@ -74,6 +76,9 @@ class BackupWorker(ABC):
     @abstractmethod
     def _pop_done(self) -> BackupJob: ...
 
+    def flush(self) -> None:
+        """Make every submitted job visible to the worker (the progress check ends with this)."""
+
     def close(self) -> None:
         """Stop accepting work; finished jobs can still be collected."""
 
@@ -86,6 +91,7 @@ class ThreadBackupWorker(BackupWorker):
         self._todo: collections.deque[BackupJob | None] = collections.deque()
         self._done: collections.deque[BackupJob] = collections.deque()
         self._wake = threading.Condition()
+        self._queued = False  # jobs appended since the last flush
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -100,10 +106,18 @@ class ThreadBackupWorker(BackupWorker):
             job.run()
             self._done.append(job)
 
-    def _enqueue(self, job: BackupJob) -> None:
-        with self._wake:
-            self._todo.append(job)
-            self._wake.notify()
+    def _enqueue(self, job: BackupJob | None) -> None:
+        # No wake-up per job (a lock and a thread switch each): the manager flushes once per progress
+        # check. No wake-up is lost: flush() takes the lock, so it finds this thread either running
+        # (it re-reads the queue before waiting) or waiting (the notify reaches it).
+        self._todo.append(job)
+        self._queued = True
+
+    def flush(self) -> None:
+        if self._queued:
+            self._queued = False
+            with self._wake:
+                self._wake.notify()
 
     def completed(self) -> int:
         return len(self._done)
@@ -115,6 +129,7 @@ class ThreadBackupWorker(BackupWorker):
         """Block until every submitted job has finished (tests and shutdown only)."""
         import time
         deadline = time.monotonic() + timeout
+        self.flush()
         while len(self._done) < self._outstanding:
             if time.monotonic() > deadline:
                 return False
@@ -122,9 +137,8 @@ class ThreadBackupWorker(BackupWorker):
         return True
 
     def close(self) -> None:
-        with self._wake:
-            self._todo.append(None)
-            self._wake.notify()
+        self._enqueue(None)
+        self.flush()
         self._thread.join(timeout=30)
 
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 import collections
 import itertools
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from generated.decode_offload import DecodeOffloadMachine
@@ -60,20 +61,44 @@ class RequestRecord:
         return self.key
 
 
-@dataclass(eq=False)
 class Chunk:
-    """One stride-aligned run of a request's KV, from its copy until its backup completes."""
+    """One stride-aligned run of a request's KV, from its copy until its backup completes.
 
-    record: RequestRecord
-    start: int
-    end: int
-    tokens: list[int]
-    device_indices: torch.Tensor
-    host_indices: torch.Tensor
-    serial: int = field(default_factory=lambda: next(_serials))
-    handle: Optional[CopyHandle] = None
-    hashes: list[str] = field(default_factory=list)
-    job: Optional[BackupJob] = None
+    The chunks of one offload call share one copy `handle` and one pair of slot tensors; a chunk's
+    slots are positions [lo, hi) of them, sliced only when asked for (slicing costs more than the rest
+    of a chunk's bookkeeping)."""
+
+    __slots__ = ("record", "start", "end", "tokens", "handle", "serial", "hashes", "job",
+                 "_device", "_host", "_host_np", "lo", "hi")
+
+    def __init__(self, record: RequestRecord, start: int, end: int, tokens: list[int], handle: CopyHandle,
+                 device: torch.Tensor, host: torch.Tensor, lo: int = 0, hi: Optional[int] = None,
+                 host_np: Optional[np.ndarray] = None) -> None:
+        self.record, self.start, self.end, self.tokens, self.handle = record, start, end, tokens, handle
+        self._device, self._host = device, host
+        self._host_np = host.numpy() if host_np is None else host_np
+        self.lo, self.hi = lo, host.numel() if hi is None else hi
+        self.serial = next(_serials)
+        self.hashes: list[str] = []
+        self.job: Optional[BackupJob] = None
+
+    @property
+    def device_indices(self) -> torch.Tensor:
+        """Device slots the copy reads (on the device pool's device)."""
+        return self._device[self.lo:self.hi]
+
+    @property
+    def host_indices(self) -> torch.Tensor:
+        """Host slots the copy writes (CPU)."""
+        return self._host[self.lo:self.hi]
+
+    @property
+    def host_slots(self) -> np.ndarray:
+        """The host slots as a numpy view (the cheap form for the pool's batched free)."""
+        return self._host_np[self.lo:self.hi]
+
+    def __repr__(self) -> str:
+        return f"Chunk(#{self.serial} {self.record.key} [{self.start}, {self.end}))"
 
 
 class OffloadEffects:
@@ -90,7 +115,9 @@ class OffloadEffects:
         self.copy_fifo: collections.deque[Chunk] = collections.deque()  # submission order = completion order
         self.parked: collections.deque[Chunk] = collections.deque()
         self.stored: dict[str, tuple[str, int]] = {}  # page hash -> (request key, position): what storage holds
+        self._host_to_free: list[np.ndarray] = []  # freed by free_host_chunk, returned to the pool in flush()
         self._offsets = torch.arange(page_size, dtype=torch.int64)
+        self._bytes_per_token = host_pool.config.bytes_per_token
 
     # --- create ------------------------------------------------------------------------------------
     def seed_hash_chain(self, m: DecodeOffloadMachine, arg: Any) -> None:
@@ -104,14 +131,13 @@ class OffloadEffects:
         rec = chunk.record
         if self.ledger is not None:
             self.ledger.copy_started(rec.key, chunk.serial, chunk.device_indices.tolist(), chunk.host_indices.tolist())
-        chunk.handle = self.copy_engine.submit_d2h(self.device_pool, chunk.device_indices,
-                                                   self.host_pool, chunk.host_indices)
         self.copy_fifo.append(chunk)
         n = chunk.end - chunk.start
         rec.inc_len += n
-        self.metrics.chunks += 1
-        self.metrics.offloaded_tokens += n
-        self.metrics.offloaded_bytes += n * self.host_pool.config.bytes_per_token
+        metrics = self.metrics
+        metrics.chunks += 1
+        metrics.offloaded_tokens += n
+        metrics.offloaded_bytes += n * self._bytes_per_token
 
     def count_host_full(self, m: DecodeOffloadMachine, arg: Any) -> None:
         self.metrics.host_full_retries += 1
@@ -124,11 +150,10 @@ class OffloadEffects:
 
     def submit_backup(self, m: DecodeOffloadMachine, chunk: Chunk) -> None:
         storage, host_pool = self.storage, self.host_pool
-        hashes, host_indices = chunk.hashes, chunk.host_indices
-
         direct = getattr(storage, "batch_set_from_host", None)  # zero-copy from a registered host pool
 
-        def write() -> list[bool]:
+        def write() -> list[bool]:  # runs on the backup worker's thread
+            hashes, host_indices = chunk.hashes, chunk.host_indices
             if storage is None:
                 return [False] * len(hashes)
             if direct is not None:
@@ -158,7 +183,15 @@ class OffloadEffects:
     def free_host_chunk(self, m: DecodeOffloadMachine, chunk: Chunk) -> None:
         if self.ledger is not None:
             self.ledger.free_host(chunk.record.key, "backup", chunk.serial, chunk.host_indices.tolist())
-        self.host_pool.free(chunk.host_indices)
+        self._host_to_free.append(chunk.host_slots)
+
+    def flush(self) -> None:
+        """Return every host slot freed since the last flush in one pool call (the progress check ends
+        with this, so no allocation ever sees a slot between its free and its return)."""
+        if self._host_to_free:
+            batch = self._host_to_free
+            self._host_to_free = []
+            self.host_pool.free(batch[0] if len(batch) == 1 else np.concatenate(batch))
 
     # --- end of life -------------------------------------------------------------------------------
     def freeze_lengths(self, m: DecodeOffloadMachine, arg: Any) -> None:

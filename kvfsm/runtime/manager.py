@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import weakref
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence, Union
+
+import numpy as np
+import torch
 
 import generated.decode_offload as spec_gen
 from generated.decode_offload import DecodeOffloadMachine
@@ -31,6 +34,20 @@ from kvfsm.runtime.trace import TraceWriter
 _OFFLOADABLE = spec_gen.HANDLED["offload"]
 _ROW_HOLDERS = frozenset(s for s, held in spec_gen.HOLDS.items() if "table_row" in held)
 _END_EVENTS = ("finish", "abort", "retract")
+
+IntArray = Union[np.ndarray, torch.Tensor, Sequence[int]]
+
+
+def _int_array(values: IntArray, name: str, count: int) -> np.ndarray:
+    """A flat int64 numpy view of an engine's batch array (CPU), checked against the batch size."""
+    if isinstance(values, torch.Tensor):
+        if values.device.type != "cpu":
+            raise ValueError(f"{name} must be on the CPU (got {values.device}): reading it would sync the GPU")
+        values = values.numpy()
+    arr = np.asarray(values)
+    if arr.ndim != 1 or arr.shape[0] != count or (arr.size and arr.dtype.kind not in "iu"):
+        raise ValueError(f"{name} must be {count} integers (one per request), got shape {arr.shape} {arr.dtype}")
+    return arr.astype(np.int64, copy=False)
 
 
 class TPMismatch(LifecycleError):
@@ -79,6 +96,10 @@ class DecodeOffloadManager:
         self.coverage: set[int] = set()
         self._records: dict[int, RequestRecord] = {}  # id(request object) -> its current lifecycle
         self._serial = 0
+        self._max_chunk = self.fx.host_pool.capacity // self.stride * self.stride
+        # Per table row: where the next chunk of the live, offloadable lifecycle holding it starts, or -1
+        # (look at the request itself). A hint for offload_batch only; kept by _due_tokens and _observe.
+        self._row_next = np.full(req_to_token.rows + 1, -1, dtype=np.int64)  # [-1]: sentinel for row -1
 
     # --- the integration surface -------------------------------------------------------------------
     @property
@@ -87,37 +108,150 @@ class DecodeOffloadManager:
 
     def offload(self, req: OffloadRequest) -> bool:
         """Submit the request's next stride-aligned chunk; False when there is none yet or no host room."""
+        rec = self._offloadable_record(req)
+        if rec is None:
+            return False
+        n = self._due_tokens(req, rec)
+        return n > 0 and self._submit([(rec, req, n)]) == 1
+
+    def offload_batch(self, reqs: Sequence[OffloadRequest], req_pool_indices: Optional[IntArray] = None,
+                      kv_committed_lens: Optional[IntArray] = None) -> int:
+        """`offload(r)` for every request of a decode batch, in one call; returns the chunks submitted.
+
+        The transitions are the ones the loop would make, but every chunk shares one host allocation and
+        one copy submission. Pass the engine's batch arrays (request-table rows and committed KV lengths,
+        CPU) and only requests whose committed length reaches a stride past their offloaded prefix are
+        looked at in Python: the arrays decide *which* requests are examined, never *what* is copied (that
+        is read from each examined request, exactly as `offload` does). Each request object may appear
+        once; a call that raises has submitted nothing and changed no request's lifecycle.
+        """
+        count = len(reqs)
+        if req_pool_indices is None or kv_committed_lens is None:
+            picked: Iterable[int] = range(count)
+        else:
+            rows = _int_array(req_pool_indices, "req_pool_indices", count)
+            committed = _int_array(kv_committed_lens, "kv_committed_lens", count)
+            if rows.size and (int(rows.max()) >= self.req_to_token.rows or int(rows.min()) < -1):
+                raise ValueError(f"req_pool_indices must be rows in [0, {self.req_to_token.rows}) or -1")
+            nxt = self._row_next[rows]  # row -1 reads the sentinel: look at the request itself
+            picked = np.flatnonzero((committed - nxt >= self.stride) | (nxt < 0)).tolist()
+        # Check every picked request before anything changes, then admit, then submit.
+        todo: list[tuple[Optional[RequestRecord], OffloadRequest]] = []
+        for i in picked:
+            req = reqs[i]
+            row = req.req_pool_idx
+            if row is None or row == -1 or not req.output_ids:
+                continue
+            rec = self._records.get(id(req))
+            if rec is None or rec.row != row or rec.req_ref() is not req or rec.machine.state not in _OFFLOADABLE:
+                self._check_offloadable(req)
+                rec = None
+            todo.append((rec, req))
+        due: list[tuple[RequestRecord, OffloadRequest, int]] = []
+        seen: set[int] = set()
+        for rec, req in todo:
+            if id(req) in seen:
+                raise ValueError(f"request {req.rid!r} appears twice in one offload_batch call")
+            seen.add(id(req))
+        for rec, req in todo:
+            rec = rec or self._record(req)
+            n = self._due_tokens(req, rec)
+            if n > 0:
+                due.append((rec, req, n))
+        return self._submit(due) if due else 0
+
+    def _offloadable_record(self, req: OffloadRequest) -> Optional[RequestRecord]:
+        """The request's live lifecycle (admitting it if new); None if it holds no row or sampled nothing."""
         row = req.req_pool_idx
         if row is None or row == -1 or not req.output_ids:
-            return False
+            return None
         rec = self._records.get(id(req))
         # Fast path (every decode step): the request's current, live lifecycle.
         if rec is None or rec.row != row or rec.req_ref() is not req or rec.machine.state not in _OFFLOADABLE:
+            self._check_offloadable(req)
             rec = self._record(req)
+        return rec
+
+    def _check_offloadable(self, req: OffloadRequest) -> None:
+        """Raise, changing nothing, unless `req` is live in an offloadable state or can be admitted."""
+        rec = self._records.get(id(req))
+        if rec is not None and rec.req_ref() is req and not self._readmitted(rec, req):
             if rec.machine.state not in _OFFLOADABLE:
                 rec.machine.offload(None)  # the spec's typed error for this state; nothing changes
-        m = rec.machine
+            return
+        self._check_admissible(req)
+
+    def _due_tokens(self, req: OffloadRequest, rec: RequestRecord) -> int:
+        """Tokens of the next chunk: whole strides of committed KV past what was offloaded."""
         start = rec.prefill_len + rec.inc_len
+        self._row_next[rec.row] = start
         # The last sampled token has no KV yet; never offload past what is committed.
         available = min(len(req.origin_input_ids) + len(req.output_ids) - 1, req.kv_committed_len)
         n = (available - start) // self.stride * self.stride
         # Never more than the whole host pool: a larger backlog (host-full retries, re-admission) would
         # otherwise fail to allocate forever, even with the pool empty; the rest follows in later chunks.
-        n = min(n, self.fx.host_pool.capacity // self.stride * self.stride)
-        if n <= 0:
-            return False
-        host = self.fx.host_pool.alloc(n)
-        if host is None:
-            m.host_full(None)
-            return False
+        return min(n, self._max_chunk)
+
+    def _submit(self, due: list[tuple[RequestRecord, OffloadRequest, int]]) -> int:
+        """Host slots and one copy for the due chunks, then each request's `offload` (or `host_full`)."""
+        fx = self.fx
+        host_pool = fx.host_pool
+        total = sum(n for _, _, n in due)
+        host = host_pool.alloc(total)
+        if host is None:  # not all fit: allocate in call order, as a loop of offload() calls would
+            fits, hosts = [], []
+            for item in due:
+                h = host_pool.alloc(item[2])
+                if h is None:
+                    item[0].machine.host_full(None)
+                else:
+                    fits.append(item)
+                    hosts.append(h)
+            if not fits:
+                return 0
+            due, host = fits, hosts[0] if len(hosts) == 1 else torch.cat(hosts)
+        registered = 0
+        handle = None
         try:
-            device = self.req_to_token.read(rec.row, start, start + n).clone()
-            chunk = Chunk(rec, start, start + n, token_slice(req, start, start + n), device, host)
-            m.offload(chunk)
+            device = self._device_slots(due)
+            handle = fx.copy_engine.submit_d2h(fx.device_pool, device, host_pool, host)
+            host_np = host.numpy()
+            offset = 0
+            for rec, req, n in due:
+                start = rec.prefill_len + rec.inc_len
+                end = offset + n
+                chunk = Chunk(rec, start, start + n, token_slice(req, start, start + n), handle, device, host,
+                              offset, end, host_np)
+                rec.machine.offload(chunk)
+                registered = end
+                offset = end
         except BaseException:
-            self.fx.host_pool.free(host)  # a rejected call leaves the host pool as it was
+            # Slots of chunks no machine took go back, after the copy (if any) stopped writing them.
+            if handle is not None and registered < total:
+                handle.wait()
+            if registered < host.numel():
+                host_pool.free(host[registered:])
             raise
-        return True
+        return len(due)
+
+    def _device_slots(self, due: list[tuple[RequestRecord, OffloadRequest, int]]) -> torch.Tensor:
+        """Device slots of every due chunk, concatenated in order: one gather from the request table."""
+        table = self.req_to_token.req_to_token
+        if len(due) == 1:
+            rec, _, n = due[0]
+            start = rec.prefill_len + rec.inc_len
+            return table[rec.row, start:start + n].clone()
+        width = table.shape[1]
+        if table.device.type == "cpu":
+            table = table.numpy()  # a view; numpy gathers a chunk list cheaper than torch
+        lengths = np.fromiter((n for _, _, n in due), dtype=np.int64, count=len(due))
+        firsts = np.fromiter((rec.row * width + rec.prefill_len + rec.inc_len for rec, _, _ in due),
+                             dtype=np.int64, count=len(due))
+        before = np.cumsum(lengths) - lengths
+        flat = np.repeat(firsts - before, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
+        if isinstance(table, np.ndarray):
+            return torch.from_numpy(table.reshape(-1)[flat])
+        return table.view(-1).index_select(0, torch.from_numpy(flat).to(table.device))
 
     def check_progress(self) -> None:
         """Observe completed copies and backups (MIN-agreed across TP ranks) and feed them to the machines."""
@@ -125,29 +259,37 @@ class DecodeOffloadManager:
             raise TPMismatch(f"TP ranks disagree on (page size, stride, host slots, backup queue) = {self._sizes}")
         fx = self.fx
         n_copies = 0
+        seen_done = None  # chunks of one offload call share a handle: ask it once
         for chunk in fx.copy_fifo:
-            if not chunk.handle.done():
-                break
+            handle = chunk.handle
+            if handle is not seen_done:
+                if not handle.done():
+                    break
+                seen_done = handle
             n_copies += 1
         n_copies, n_backups = self.consensus.agree(n_copies, fx.worker.completed())
-        for _ in range(n_backups):
-            job = fx.worker.collect()
-            chunk: Chunk = job.payload
-            if job.ok:
-                chunk.record.machine.backup_done(chunk)
-            else:
-                chunk.record.machine.backup_failed(chunk)
-        while fx.parked and fx.worker.room() > 0:
-            chunk = fx.parked.popleft()
-            chunk.record.machine.backup_resubmit(chunk)
-        for _ in range(n_copies):
-            chunk = fx.copy_fifo.popleft()
-            if self.ledger is not None:
-                self.ledger.copy_completed(chunk.serial, chunk.device_indices.tolist())
-            if fx.worker.room() > 0:
-                chunk.record.machine.copy_done(chunk)
-            else:
-                chunk.record.machine.copy_parked(chunk)
+        try:
+            for _ in range(n_backups):
+                job = fx.worker.collect()
+                chunk: Chunk = job.payload
+                if job.ok:
+                    chunk.record.machine.backup_done(chunk)
+                else:
+                    chunk.record.machine.backup_failed(chunk)
+            while fx.parked and fx.worker.room() > 0:
+                chunk = fx.parked.popleft()
+                chunk.record.machine.backup_resubmit(chunk)
+            for _ in range(n_copies):
+                chunk = fx.copy_fifo.popleft()
+                if self.ledger is not None:
+                    self.ledger.copy_completed(chunk.serial, chunk.device_indices.tolist())
+                if fx.worker.room() > 0:
+                    chunk.record.machine.copy_done(chunk)
+                else:
+                    chunk.record.machine.copy_parked(chunk)
+        finally:
+            fx.flush()
+            fx.worker.flush()
         self.metrics.copies_in_flight = len(fx.copy_fifo)
         self.metrics.backups_in_flight = fx.worker.outstanding() + len(fx.parked)
 
@@ -219,10 +361,14 @@ class DecodeOffloadManager:
         return (rec.machine.state not in _ROW_HOLDERS and isinstance(row, int) and 0 <= row < self.req_to_token.rows
                 and self.req_to_token.is_allocated(row))
 
-    def _admit(self, req: OffloadRequest) -> RequestRecord:
+    def _check_admissible(self, req: OffloadRequest) -> None:
         row = req.req_pool_idx
         if not isinstance(row, int) or not 0 <= row < self.req_to_token.rows or not self.req_to_token.is_allocated(row):
             raise InvalidRequest(f"request {getattr(req, 'rid', req)!r} has table row {row!r}, which is not an allocated row")
+
+    def _admit(self, req: OffloadRequest) -> RequestRecord:
+        self._check_admissible(req)
+        row = req.req_pool_idx
         key = id(req)
         try:
             ref = weakref.ref(req, lambda _r, k=key, t=self._records: t.pop(k, None))
@@ -243,6 +389,11 @@ class DecodeOffloadManager:
                 self.metrics.ignored_duplicate_releases += 1
         else:
             self.coverage.add(tid)
+            if event == "offload":
+                rec = m.ctx
+                self._row_next[rec.row] = rec.prefill_len + rec.inc_len
+            elif event in _END_EVENTS:
+                self._row_next[m.ctx.row] = -1
         if self.trace is not None:
             row = spec_gen.TRANSITIONS[tid] if tid >= 0 else None
             self.trace.transition(m.ctx.key, event, spec_gen.STATES[src], spec_gen.STATES[dst], tid,

@@ -221,15 +221,23 @@ class ManagerMachine(RuleBasedStateMachine):
                 break
 
     @precondition(lambda self: self.e is not None and self.e.live)
-    @rule(speculative=st.integers(0, 2), offload=st.booleans(), progress=st.booleans())
+    @rule(speculative=st.integers(0, 2), offload=st.sampled_from(["none", "loop", "batch", "batch_no_arrays"]),
+          progress=st.booleans())
     @_step
-    def scheduler_step(self, speculative: int, offload: bool, progress: bool) -> None:
-        """One engine iteration: every live request decodes, then is offloaded, then progress is checked."""
+    def scheduler_step(self, speculative: int, offload: str, progress: bool) -> None:
+        """One engine iteration: every live request decodes, then is offloaded (a loop of offload() or one
+        offload_batch with or without the engine's batch arrays), then progress is checked."""
         for req in list(self.e.live):
             self._decode(req, speculative)
-        if offload:
-            for req in list(self.e.live):
+        live = list(self.e.live)
+        if offload == "loop":
+            for req in live:
                 self.e.manager.offload(req)
+        elif offload == "batch":
+            self.e.manager.offload_batch(live, [r.req_pool_idx for r in live], [r.kv_committed_len for r in live])
+        elif offload == "batch_no_arrays":
+            self.e.manager.offload_batch(live)
+        del live
         if progress:
             self.e.manager.check_progress()
 

@@ -1,0 +1,203 @@
+"""offload_batch: one call per decode batch makes exactly the transitions a loop of offload() makes.
+
+Two SimEngines run the same random workload, one offloading with a loop of `offload(req)`, the other with
+one `offload_batch(reqs, rows, committed)` per step; every observable must agree (chunks, machine states,
+metrics, pool occupancy, host page contents, stored keys). Then the batch's own rejections: each leaves
+every pool, machine and metric as it was.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import generated.decode_offload as spec_gen
+from kvfsm.errors import EventRejected
+from kvfsm.verify.engine import SimEngine, SimRequest
+
+
+def batch_arrays(engine: SimEngine) -> tuple[list[SimRequest], np.ndarray, np.ndarray]:
+    reqs = list(engine.live)
+    rows = np.array([r.req_pool_idx for r in reqs], dtype=np.int64)
+    committed = np.array([r.kv_committed_len for r in reqs], dtype=np.int64)
+    return reqs, rows, committed
+
+
+def observe(engine: SimEngine) -> dict[str, Any]:
+    """Everything a test can see of the manager, in a comparable form (no object identities)."""
+    fx = engine.manager.fx
+    chunks = [(c.record.rid, c.start, c.end, tuple(c.tokens), c.device_indices.tolist(), c.handle.done())
+              for c in fx.copy_fifo]
+    states = sorted((rec.rid, spec_gen.STATES[rec.machine.state], rec.inc_len, rec.last_hash)
+                    for rec in engine.manager._records.values())
+    return {"chunks": chunks, "states": states, "metrics": engine.manager.metrics.as_dict(),
+            "host_free": engine.host_pool.free_slots, "device_free": engine.allocator.free_slots,
+            "stored": sorted(fx.stored.items()), "rows": engine.req_to_token.free_rows}
+
+
+def snapshot(engine: SimEngine) -> tuple[Any, ...]:
+    """State a rejected call must leave untouched (pools, machines, metrics, queued copies)."""
+    return (observe(engine), engine.host_pool.allocator.snapshot()[0].tolist(),
+            engine.allocator.snapshot()[0].tolist(), len(engine.copies.pending))
+
+
+def run_workload(batched: bool, seed: int, steps: int = 60, **engine_kw: Any) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    e = SimEngine(**engine_kw)
+    log = []
+    serial = 0
+    for step in range(steps):
+        if len(e.live) < e.rows and rng.random() < 0.4:
+            serial += 1
+            e.admit(f"r{serial}", rng.randint(1, 12), prefix_len=rng.randint(0, 2))
+        for req in list(e.live):
+            if not e.decode(req, speculative=rng.randint(0, 1)):
+                e.end(req, "retract")
+        if batched:
+            reqs, rows, committed = batch_arrays(e)
+            n = e.manager.offload_batch(reqs, rows, committed)
+            del reqs  # records live as long as their request objects: hold none the loop would not
+        else:
+            n = sum(e.manager.offload(r) for r in list(e.live))
+        if rng.random() < 0.6:  # a loop's copies are separate handles, a batch's one: land all or none
+            e.copies.complete_all()
+        if rng.random() < 0.5 and e.worker.pending:
+            e.worker.run(0)
+        e.manager.check_progress()
+        if e.live and rng.random() < 0.15:
+            e.end(rng.choice(e.live), rng.choice(["finish", "abort", "retract"]))
+        obs = observe(e)
+        obs["submitted"] = n
+        log.append(obs)
+    for req in list(e.live):
+        e.end(req)
+    for _ in range(200):
+        if e.manager.idle():
+            break
+        e.copies.complete_all()
+        e.worker.run_all()
+        e.manager.check_progress()
+    e.check_teardown()
+    return log
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("page_size,stride,host_slots", [(1, 0, 12), (2, 0, 16), (2, 4, 8), (4, 0, 64)])
+def test_batch_equals_loop(seed: int, page_size: int, stride: int, host_slots: int) -> None:
+    kw = dict(page_size=page_size, stride=stride, host_slots=host_slots, device_slots=96, rows=5, max_context=48)
+    loop = run_workload(False, seed, **kw)
+    batch = run_workload(True, seed, **kw)
+    for step, (a, b) in enumerate(zip(loop, batch)):
+        assert a == b, f"step {step}: loop and batch diverge"
+    assert sum(o["submitted"] for o in batch) > 0
+
+
+def test_chunks_of_one_call_share_one_copy_and_land_bit_exact() -> None:
+    e = SimEngine(page_size=2, host_slots=32, device_slots=96, rows=4)
+    reqs = [e.admit(f"r{i}", 5) for i in range(4)]
+    for _ in range(3):
+        for r in reqs:
+            e.decode(r)
+    assert e.manager.offload_batch(*batch_arrays(e)) == 4
+    chunks = list(e.manager.fx.copy_fifo)
+    assert len({id(c.handle) for c in chunks}) == 1 and len(e.copies.pending) == 1
+    e.copies.complete_all()
+    assert all(e.host_page_ok(c) for c in chunks)
+    e.manager.check_progress()
+    assert [spec_gen.STATES[e.manager.machine_of(r).state] for r in reqs] == ["inflight"] * 4
+
+
+def test_arrays_only_choose_which_requests_are_examined() -> None:
+    e = SimEngine(page_size=2, host_slots=32, device_slots=96, rows=4)
+    a, b = e.admit("a", 4), e.admit("b", 4)
+    for _ in range(4):
+        e.decode(a), e.decode(b)
+    reqs, rows, committed = batch_arrays(e)
+    assert e.manager.offload_batch(reqs, rows, committed) == 2  # first sight: examined, admitted, offloaded
+    for _ in range(4):
+        e.decode(a), e.decode(b)
+    reqs, rows, committed = batch_arrays(e)
+    # Stale (too small) lengths: nobody is examined, nothing is offloaded yet (never too much).
+    assert e.manager.offload_batch(reqs, rows, committed * 0) == 0
+    # Inflated lengths: both are examined, but each chunk ends at what the request itself has committed.
+    assert e.manager.offload_batch(reqs, rows, committed + 100) == 2
+    for c in e.manager.fx.copy_fifo:
+        assert c.end <= c.record.req_ref().kv_committed_len
+    # Without arrays every request is examined (the loop's behaviour).
+    for _ in range(2):
+        e.decode(a), e.decode(b)
+    assert e.manager.offload_batch(reqs) == 2
+
+
+def test_host_full_applies_in_call_order() -> None:
+    e = SimEngine(page_size=2, host_slots=4, device_slots=96, rows=4)
+    assert e.host_pool.capacity == 4  # room for two of the three 2-token chunks
+    reqs = [e.admit(f"r{i}", 2) for i in range(3)]
+    for _ in range(3):
+        for r in reqs:
+            e.decode(r)
+    assert e.manager.offload_batch(*batch_arrays(e)) == 2  # 2 of the 3 chunks fit
+    assert e.manager.metrics.host_full_retries == 1
+    assert [spec_gen.STATES[e.manager.machine_of(r).state] for r in reqs] == ["offloading", "offloading", "allocated"]
+
+
+def test_unadmitted_and_released_rows_are_skipped() -> None:
+    e = SimEngine(page_size=2, host_slots=32, device_slots=96, rows=4)
+    r = e.admit("a", 4)
+    for _ in range(3):
+        e.decode(r)
+    ghost = SimRequest("ghost", [1, 2, 3])
+    ghost.output_ids = [5]
+    ghost.req_pool_idx = None
+    rows = np.array([r.req_pool_idx, -1])
+    assert e.manager.offload_batch([r, ghost], rows, np.array([r.kv_committed_len, 0])) == 1
+
+
+@pytest.mark.parametrize("bad", ["length", "row_range", "float", "cuda_like", "finished", "duplicate"])
+def test_rejected_batch_changes_nothing(bad: str) -> None:
+    e = SimEngine(page_size=2, host_slots=32, device_slots=96, rows=4)
+    reqs = [e.admit(f"r{i}", 4) for i in range(3)]
+    for _ in range(4):
+        for r in reqs:
+            e.decode(r)
+    e.manager.offload(reqs[2])
+    e.end(reqs[2], "finish")  # copy in flight: release deferred, machine 'finished'
+    live, rows, committed = batch_arrays(e)
+    before = snapshot(e)
+    if bad == "length":
+        with pytest.raises(ValueError, match="kv_committed_lens"):
+            e.manager.offload_batch(live, rows, committed[:1])
+    elif bad == "row_range":
+        with pytest.raises(ValueError, match="req_pool_indices"):
+            e.manager.offload_batch(live, rows + 100, committed)
+    elif bad == "float":
+        with pytest.raises(ValueError, match="integers"):
+            e.manager.offload_batch(live, rows.astype(float), committed)
+    elif bad == "cuda_like":
+        with pytest.raises(ValueError, match="integers"):
+            e.manager.offload_batch(live, rows.reshape(1, -1), committed)
+    elif bad == "finished":
+        finished = reqs[2]
+        rows2 = np.append(rows, e.manager.machine_of(finished).ctx.row)
+        with pytest.raises(EventRejected):
+            e.manager.offload_batch(live + [finished], rows2, np.append(committed, finished.kv_committed_len))
+    else:
+        with pytest.raises(ValueError, match="twice"):
+            e.manager.offload_batch(live + live[:1], np.append(rows, rows[:1]), np.append(committed, committed[:1]))
+    assert snapshot(e) == before
+
+
+def test_cpu_tensors_accepted_device_tensors_refused() -> None:
+    e = SimEngine(page_size=2, host_slots=32, device_slots=96, rows=4)
+    r = e.admit("a", 4)
+    for _ in range(3):
+        e.decode(r)
+    rows = torch.tensor([r.req_pool_idx])
+    assert e.manager.offload_batch([r], rows, torch.tensor([r.kv_committed_len])) == 1
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CPU"):
+            e.manager.offload_batch([r], rows.cuda(), torch.tensor([r.kv_committed_len]))
