@@ -10,15 +10,27 @@ page_first). Chunks pipeline the two, so only one chunk's gather is exposed.
 This module is pure planning (runs, geometry, copy list; testable on CPU by executing the list with
 memmove) plus a small ctypes binding of the CUDA driver's cuMemcpyAsync / cuMemcpy2DAsync_v2 (libcuda
 is loaded in every CUDA process; unified addressing lets pinned host and device pointers mix).
+
+Batched submission (issue #3): one driver call per copy makes short runs CPU-launch bound (page size 1 is
+8192-16384 copies per GiB). `flat_plan` / `flatten` turn a plan into three numpy arrays of 1-D copies
+(dst, src, size; 2-D copies expanded row by row, copies adjacent in both source and destination merged),
+and `CudaDriver.run_batch` enqueues them with ONE `cuMemcpyBatchAsync` call (driver >= 12.8). The driver
+exports two ABIs: `cuMemcpyBatchAsync` (CUDA 12.8: 9 arguments, with `size_t *failIdx`) and
+`cuMemcpyBatchAsync_v2` (CUDA 13: failIdx removed, 8 arguments). We bind by exported symbol name, which
+pins the ABI: `_v2` when exported, else the 12.8 one (override with KVFSM_CU_BATCH=v2|v1|off). Where
+neither works (old driver, CUDA_ERROR_NOT_SUPPORTED, the legacy NULL stream, which the batch API rejects)
+run_batch falls back to one cuMemcpyAsync per copy. `memmove_batch` runs the same arrays on the CPU.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from .errors import CopyError
@@ -114,10 +126,149 @@ def memmove_copies(copies: Sequence[Copy]) -> None:
             ctypes.memmove(c.dst + r * c.dpitch, c.src + r * c.spitch, c.width)
 
 
+# ---- flat (1-D) copy lists: one batched driver call per chunk ---------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class FlatCopies:
+    """1-D copies as three equally long arrays: dst and src addresses, sizes in bytes (all uint64, the
+    layout cuMemcpyBatchAsync reads: CUdeviceptr and size_t are 64-bit)."""
+
+    dst: np.ndarray
+    src: np.ndarray
+    size: np.ndarray
+
+    @property
+    def count(self) -> int:
+        return int(self.size.size)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.size.sum(dtype=np.uint64))
+
+    def part(self, a: int, b: int) -> FlatCopies:
+        return FlatCopies(self.dst[a:b], self.src[a:b], self.size[a:b])
+
+
+def host_runs_array(host_idx: torch.Tensor | np.ndarray | Sequence[int]) -> np.ndarray:
+    """host_runs as an `(k, 3)` int64 array of (position in the batch, first host slot, length)."""
+    if isinstance(host_idx, torch.Tensor):
+        idx = host_idx.reshape(-1).to("cpu", torch.int64).numpy()
+    else:
+        idx = np.asarray(host_idx, dtype=np.int64).reshape(-1)
+    n = idx.size
+    if n == 0:
+        return np.zeros((0, 3), dtype=np.int64)
+    brk = np.ones(n, dtype=bool)
+    brk[1:] = idx[1:] != idx[:-1] + 1
+    starts = np.flatnonzero(brk)
+    lengths = np.diff(starts, append=n)
+    return np.stack([starts, idx[starts], lengths], axis=1).astype(np.int64)
+
+
+def _i64(x: Any) -> np.ndarray:
+    return np.asarray(x, dtype=np.int64).reshape(-1)
+
+
+def merge_adjacent(dst: np.ndarray, src: np.ndarray, size: np.ndarray, merge: bool = True) -> FlatCopies:
+    """Drop empty copies; with merge, order by source address and fuse each copy that continues the
+    previous one in BOTH source and destination (so the result moves exactly the same bytes)."""
+    dst, src, size = _i64(dst), _i64(src), _i64(size)
+    if not (dst.size == src.size == size.size):
+        raise ValueError(f"dst/src/size lengths differ: {dst.size}, {src.size}, {size.size}")
+    if (size < 0).any():
+        raise ValueError("negative copy size")
+    keep = size > 0
+    dst, src, size = dst[keep], src[keep], size[keep]
+    if merge and size.size > 1:
+        order = np.argsort(src, kind="stable")
+        dst, src, size = dst[order], src[order], size[order]
+        cont = (src[:-1] + size[:-1] == src[1:]) & (dst[:-1] + size[:-1] == dst[1:])
+        starts = np.flatnonzero(np.concatenate(([True], ~cont)))
+        size = np.add.reduceat(size, starts)
+        dst, src = dst[starts], src[starts]
+    u = np.uint64
+    return FlatCopies(np.ascontiguousarray(dst, u), np.ascontiguousarray(src, u), np.ascontiguousarray(size, u))
+
+
+def _expand(dst: Any, dpitch: Any, src: Any, spitch: Any, width: Any, height: Any) -> tuple[np.ndarray, ...]:
+    """Rows of strided copies as 1-D copies, row-major (row 0 of every copy, then row 1, ...)."""
+    dst, dpitch, src, spitch, width, height = (_i64(v) for v in (dst, dpitch, src, spitch, width, height))
+    if height.size == 0:
+        e = np.zeros(0, dtype=np.int64)
+        return e, e, e
+    which = np.repeat(np.arange(height.size), height)
+    row = np.arange(which.size, dtype=np.int64) - (np.cumsum(height) - height)[which]
+    order = np.lexsort((which, row))
+    which, row = which[order], row[order]
+    return dst[which] + row * dpitch[which], src[which] + row * spitch[which], width[which]
+
+
+def flatten(copies: Sequence[Copy], merge: bool = True) -> FlatCopies:
+    """A list of (strided) Copy as 1-D copies, adjacent ones merged (see merge_adjacent)."""
+    cols = np.array([(c.dst, c.dpitch, c.src, c.spitch, c.width, c.height) for c in copies], dtype=np.int64)
+    cols = cols.reshape(-1, 6)
+    return merge_adjacent(*_expand(*cols.T), merge=merge)
+
+
+def flat_plan(
+    geo: Geometry,
+    runs: Sequence[Run] | np.ndarray,
+    host_base: int,
+    stage_base: int,
+    direction: Literal["d2h", "h2d"],
+    merge: bool = True,
+) -> FlatCopies:
+    """flatten(plan_copies(...)) without the Copy objects: every (row, run) as one 1-D copy, vectorized."""
+    r = np.asarray(runs, dtype=np.int64).reshape(-1, 3)
+    rows = np.arange(geo.rows, dtype=np.int64)[:, None]
+    host = (host_base + r[:, 1] * geo.unit)[None, :] + rows * geo.host_pitch
+    stage = (stage_base + r[:, 0] * geo.unit)[None, :] + rows * geo.stage_pitch
+    width = np.broadcast_to(r[:, 2] * geo.unit, host.shape)
+    if direction not in ("d2h", "h2d"):
+        raise ValueError(f"direction must be 'd2h' or 'h2d', got {direction!r}")
+    dst, src = (host, stage) if direction == "d2h" else (stage, host)
+    return merge_adjacent(dst.reshape(-1), src.reshape(-1), width.reshape(-1), merge=merge)
+
+
+def split_by_bytes(flat: FlatCopies, parts: int) -> list[FlatCopies]:
+    """Up to `parts` consecutive, non-empty slices of about equal bytes (one per copy stream)."""
+    n = flat.count
+    if parts <= 1 or n <= 1:
+        return [flat] if n else []
+    cum = np.concatenate(([0], np.cumsum(flat.size.astype(np.int64))))  # cum[j]: bytes of the first j copies
+    targets = cum[-1] * np.arange(1, parts) / parts
+    hi = np.clip(np.searchsorted(cum, targets, side="left"), 1, n)
+    cuts = np.where(np.abs(cum[hi] - targets) <= np.abs(cum[hi - 1] - targets), hi, hi - 1)  # the nearer boundary
+    bounds = np.unique(np.concatenate(([0], cuts, [n])))
+    return [flat.part(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+
+
+def memmove_batch(dsts: Any, srcs: Any, sizes: Any) -> int:
+    """Execute flat copies on the CPU (tests): the same arrays run_batch hands to the driver."""
+    d, s, z = (np.asarray(v).astype(np.uint64).reshape(-1).tolist() for v in (dsts, srcs, sizes))
+    if not (len(d) == len(s) == len(z)):
+        raise ValueError("dst/src/size lengths differ")
+    for a, b, n in zip(d, s, z):
+        ctypes.memmove(a, b, n)
+    return len(z)
+
+
 # ---- CUDA driver binding --------------------------------------------------------------------------
 
 _CU_MEMORYTYPE_UNIFIED = 4
 _CU_DEVICE_ATTRIBUTE_MAX_PITCH = 11
+CUDA_ERROR_NOT_SUPPORTED = 801
+CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1
+CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE = 1
+CU_MEM_LOCATION_TYPE_DEVICE = 1
+CU_MEM_LOCATION_TYPE_HOST = 2
+
+# ABI name -> (exported symbol, takes `size_t *failIdx` before the stream)
+BATCH_ABIS: dict[str, tuple[str, bool]] = {
+    "v2": ("cuMemcpyBatchAsync_v2", False),  # CUDA 13: (dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, stream)
+    "v1": ("cuMemcpyBatchAsync", True),  # CUDA 12.8: (..., numAttrs, failIdx, stream)
+}
 
 
 class _Memcpy2D(ctypes.Structure):
@@ -141,13 +292,59 @@ class _Memcpy2D(ctypes.Structure):
     ]
 
 
+class MemLocation(ctypes.Structure):
+    """CUmemLocation: {CUmemLocationType type; int id;} (8 bytes)."""
+
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class MemcpyAttributes(ctypes.Structure):
+    """CUmemcpyAttributes_v1: {srcAccessOrder; CUmemLocation srcLocHint, dstLocHint; unsigned flags} (24 bytes).
+    Location hints are ignored unless a pointer is managed or not CUDA-allocated, so zero (INVALID) is fine."""
+
+    _fields_ = [
+        ("srcAccessOrder", ctypes.c_int),
+        ("srcLocHint", MemLocation),
+        ("dstLocHint", MemLocation),
+        ("flags", ctypes.c_uint),
+    ]
+
+
+assert ctypes.sizeof(MemcpyAttributes) == 24
+
+
+def resolve_batch(lib: Any, driver_version: int, choice: str | None = None) -> tuple[Any, str | None, str]:
+    """(function, abi, why) for the batched copy: "v2" when the driver exports cuMemcpyBatchAsync_v2, else
+    "v1" (cuMemcpyBatchAsync, the 12.8 ABI); (None, None, why) when neither is usable. `choice` (default:
+    env KVFSM_CU_BATCH, else "auto") forces "v2", "v1" or "off"."""
+    choice = (choice or os.environ.get("KVFSM_CU_BATCH") or "auto").lower()
+    if choice == "off":
+        return None, None, "batched copies disabled (off)"
+    if choice not in ("auto", *BATCH_ABIS):
+        raise ValueError(f"batch ABI must be auto, off, {' or '.join(BATCH_ABIS)}; got {choice!r}")
+    if choice == "auto" and driver_version and driver_version < 12080:
+        return None, None, f"driver API {driver_version} < 12080 has no cuMemcpyBatchAsync"
+    for abi in ("v2", "v1") if choice == "auto" else (choice,):
+        name, fail_idx = BATCH_ABIS[abi]
+        fn = getattr(lib, name, None)
+        if fn is None:
+            continue
+        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t] + (
+            [ctypes.c_void_p] if fail_idx else []) + [ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        return fn, abi, f"{name} ({9 if fail_idx else 8} arguments), driver API {driver_version}"
+    return None, None, f"libcuda exports no {' / '.join(BATCH_ABIS[a][0] for a in BATCH_ABIS)} (driver API {driver_version})"
+
+
 class CudaDriver:
-    """cuMemcpyAsync / cuMemcpy2DAsync_v2 on a given stream handle, errors raised as CopyError."""
+    """cuMemcpyAsync / cuMemcpy2DAsync_v2 / cuMemcpyBatchAsync on a given stream handle, errors raised as
+    CopyError. `lib` and `device` exist for tests (a stand-in for libcuda); `batch_abi` as resolve_batch."""
 
     _instance: CudaDriver | None = None
 
-    def __init__(self) -> None:
-        lib = ctypes.CDLL("libcuda.so.1")
+    def __init__(self, lib: Any = None, device: int | None = None, batch_abi: str | None = None) -> None:
+        lib = ctypes.CDLL("libcuda.so.1") if lib is None else lib
+        self.lib = lib
         self._copy = lib.cuMemcpyAsync
         self._copy.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
         self._copy.restype = ctypes.c_int
@@ -159,11 +356,18 @@ class CudaDriver:
         attr = lib.cuDeviceGetAttribute
         attr.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int]
         v = ctypes.c_int(0)
-        ok = attr(ctypes.byref(v), _CU_DEVICE_ATTRIBUTE_MAX_PITCH, torch.cuda.current_device()) == 0
+        self.device = torch.cuda.current_device() if device is None else int(device)
+        ok = attr(ctypes.byref(v), _CU_DEVICE_ATTRIBUTE_MAX_PITCH, self.device) == 0
         self.max_pitch = v.value if ok and v.value > 0 else 2**31 - 1
         self._desc = _Memcpy2D()
         self._desc.srcMemoryType = _CU_MEMORYTYPE_UNIFIED
         self._desc.dstMemoryType = _CU_MEMORYTYPE_UNIFIED
+        ver = ctypes.c_int(0)
+        get_version = getattr(lib, "cuDriverGetVersion", None)
+        self.driver_version = ver.value if get_version is not None and get_version(ctypes.byref(ver)) == 0 else 0
+        self._batch, self.batch_abi, self.batch_status = resolve_batch(lib, self.driver_version, batch_abi)
+        self.batch_calls = 0  # batched driver calls made
+        self.fallback_copies = 0  # copies run_batch had to issue one by one
 
     @classmethod
     def get(cls) -> CudaDriver:
@@ -171,11 +375,18 @@ class CudaDriver:
             cls._instance = cls()
         return cls._instance
 
+    @property
+    def batch_available(self) -> bool:
+        return self._batch is not None
+
     def _check(self, rc: int, what: str) -> None:
         if rc != 0:
-            s = ctypes.c_char_p()
-            self._err(rc, ctypes.byref(s))
-            raise CopyError(f"{what} failed: CUDA driver error {rc} ({(s.value or b'?').decode()})")
+            raise CopyError(f"{what} failed: CUDA driver error {rc} ({self.error_string(rc)})")
+
+    def error_string(self, rc: int) -> str:
+        s = ctypes.c_char_p()
+        self._err(rc, ctypes.byref(s))
+        return (s.value or b"?").decode()
 
     def run(self, copies: Sequence[Copy], stream: int) -> int:
         """Enqueue every copy on `stream`; returns the number of driver calls made."""
@@ -192,6 +403,78 @@ class CudaDriver:
                 self._check(self._copy2d(ctypes.byref(d), stream), "cuMemcpy2DAsync")
                 calls += 1
         return calls
+
+    def batch_raw(
+        self,
+        dsts: np.ndarray,
+        srcs: np.ndarray,
+        sizes: np.ndarray,
+        stream: int,
+        flags: int = 0,
+        hint: Literal["d2h", "h2d"] | None = None,
+    ) -> tuple[int, int | None]:
+        """One cuMemcpyBatchAsync call, no fallback: (CUresult, failIdx or None). The arrays must be
+        contiguous uint64 of one length. srcAccessOrder STREAM; one attribute entry for every copy."""
+        if self._batch is None:
+            raise CopyError(f"cuMemcpyBatchAsync unavailable: {self.batch_status}")
+        attrs = MemcpyAttributes()
+        attrs.srcAccessOrder = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+        attrs.flags = flags
+        if hint is not None:
+            dev = MemLocation(CU_MEM_LOCATION_TYPE_DEVICE, self.device)
+            host = MemLocation(CU_MEM_LOCATION_TYPE_HOST, 0)
+            attrs.srcLocHint, attrs.dstLocHint = (dev, host) if hint == "d2h" else (host, dev)
+        idx = ctypes.c_size_t(0)
+        args: list[Any] = [dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, int(sizes.size),
+                           ctypes.addressof(attrs), ctypes.addressof(idx), 1]
+        fail = None
+        if self.batch_abi == "v1":
+            fail = ctypes.c_size_t(2**64 - 1)
+            args.append(ctypes.addressof(fail))
+        rc = int(self._batch(*args, stream))
+        self.batch_calls += 1
+        return rc, (None if fail is None or fail.value == 2**64 - 1 else int(fail.value))
+
+    def run_batch(
+        self,
+        dsts: Any,
+        srcs: Any,
+        sizes: Any,
+        stream: int,
+        flags: int = 0,
+        hint: Literal["d2h", "h2d"] | None = None,
+    ) -> int:
+        """Enqueue 1-D copies dsts[i] <- srcs[i] (sizes[i] bytes) on `stream` with ONE cuMemcpyBatchAsync
+        call; returns the number of driver calls made. Falls back to one cuMemcpyAsync per copy when the
+        batch API is missing, answers CUDA_ERROR_NOT_SUPPORTED (then never tried again), or the stream is
+        the legacy NULL stream (which it rejects). Any other error is raised as CopyError."""
+        d, s, z = (np.ascontiguousarray(np.asarray(v).reshape(-1), dtype=np.uint64) for v in (dsts, srcs, sizes))
+        n = int(z.size)
+        if not (d.size == s.size == n):
+            raise ValueError(f"dst/src/size lengths differ: {d.size}, {s.size}, {n}")
+        if n == 0:
+            return 0
+        stream = int(stream or 0)
+        if self._batch is not None and stream != 0:
+            rc, fail = self.batch_raw(d, s, z, stream, flags, hint)
+            if rc == 0:
+                return 1
+            if rc != CUDA_ERROR_NOT_SUPPORTED:
+                where = f", failIdx {fail}" if fail is not None else ""
+                self._check(rc, f"cuMemcpyBatchAsync[{self.batch_abi}] of {n} copies{where}")
+            self._batch = None
+            self.batch_status = f"{self.batch_status}: answered CUDA_ERROR_NOT_SUPPORTED, per-copy fallback"
+        self.fallback_copies += n
+        return self.run_each(d, s, z, stream)
+
+    def run_each(self, dsts: Any, srcs: Any, sizes: Any, stream: int) -> int:
+        """The same 1-D copies with one cuMemcpyAsync each (the fallback, and a baseline)."""
+        d, s, z = (np.asarray(v).astype(np.uint64).reshape(-1).tolist() for v in (dsts, srcs, sizes))
+        if not (len(d) == len(s) == len(z)):
+            raise ValueError("dst/src/size lengths differ")
+        for a, b, m in zip(d, s, z):
+            self._check(self._copy(a, b, m, stream), "cuMemcpyAsync")
+        return len(z)
 
 
 def dma_worthwhile(runs: Sequence[Run], geo: Geometry, min_width: int, max_calls: int) -> bool:
