@@ -58,13 +58,15 @@ def run(live: int, iterations: int, page: int, stride: int, context: int, mode: 
     manager = DecodeOffloadManager(config, device_pool=device_pool, allocator=allocator, req_to_token=table,
                                    prefix_cache=ProtectedSize(), host_pool=host, copy_engine=TimedCopyEngine(),
                                    storage=MemoryStorage(), backup_worker=worker)
+    # Requests at every phase of the stride, so each iteration has live/stride chunks due (steady state):
+    # a 128-token prompt (whole pages) and 1..stride tokens already decoded.
     reqs = []
     for i in range(live):
-        r = SimRequest(f"r{i}", list(range(100 + i % 64)))
+        r = SimRequest(f"r{i}", list(range(1000 + i, 1128 + i)))
         r.req_pool_idx = table.alloc()
         table.write(r.req_pool_idx, 0, allocator.alloc(context))
-        r.kv_committed_len = r.kv_allocated_len = len(r.origin_input_ids)
-        r.output_ids = [1]
+        r.output_ids = list(range(1 + i % stride))
+        r.kv_committed_len = r.kv_allocated_len = len(r.origin_input_ids) + len(r.output_ids) - 1
         reqs.append(r)
     # The engine's batch arrays (SGLang keeps CPU copies of req_pool_indices and seq_lens).
     rows = np.array([r.req_pool_idx for r in reqs], dtype=np.int64)
@@ -105,15 +107,19 @@ def run(live: int, iterations: int, page: int, stride: int, context: int, mode: 
     manager.drain()
     manager.close()
     host.check_conservation()
-    per_iter = per_iter[2:]  # the first iterations admit every request (a once-per-request cost)
+    admit = per_iter[0]  # the first call admits every request (a once-per-request cost, reported apart)
+    per_iter, chunks = per_iter[1:], chunks[1:]
     order = sorted(per_iter)
     median = order[len(order) // 2]
+    mean = sum(per_iter) / len(per_iter)
     return {"mode": mode, "live_requests": live, "iterations": iterations, "page_size": page, "stride": stride,
             "chunks_per_iteration_mean": sum(chunks) / len(chunks), "step_ms": step_s * 1e3,
+            "manager_us_per_iteration_mean": mean * 1e6,
             "manager_us_per_iteration_median": median * 1e6,
             "manager_us_per_iteration_p90": order[int(len(order) * 0.9)] * 1e6,
-            "manager_us_per_request": median * 1e6 / live,
-            "share_of_20ms_step": median / 0.020,
+            "manager_us_per_request": mean * 1e6 / live,
+            "share_of_20ms_step": mean / 0.020,
+            "admission_us_per_request": admit * 1e6 / live,
             "gc_ms_after_run": gc_s * 1e3,
             "backup_overrun_ms_mean": sum(backup_overrun) / len(backup_overrun) * 1e3,
             "stored_pages": manager.metrics.stored_pages}
@@ -122,7 +128,7 @@ def run(live: int, iterations: int, page: int, stride: int, context: int, mode: 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--live", type=int, nargs="+", default=[1024, 4096])
-    ap.add_argument("--iterations", type=int, default=66)
+    ap.add_argument("--iterations", type=int, default=65, help="timed iterations after the admitting one")
     ap.add_argument("--configs", nargs="+", default=["64/64", "16/64", "16/16"],
                     help="page/stride pairs (stride = page is the seed's default)")
     ap.add_argument("--step-ms", type=float, default=20.0)
@@ -137,12 +143,12 @@ def main() -> None:
         page, stride = (int(x) for x in cfg.split("/"))
         for n in args.live:
             for mode in ("batch", "loop"):
-                row = run(n, args.iterations, page, stride, context=256, mode=mode, step_s=args.step_ms / 1e3)
+                row = run(n, args.iterations + 1, page, stride, context=256, mode=mode, step_s=args.step_ms / 1e3)
                 print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
                 rows.append(row)
     target = {"us_per_iteration_max_at_4096": 400, "share_of_20ms_max": 0.02}
     at_4096 = [r for r in rows if r["live_requests"] == 4096 and r["mode"] == "batch"]
-    verdict = {f"{r['page_size']}/{r['stride']}": r["manager_us_per_iteration_median"] <= 400 for r in at_4096}
+    verdict = {f"{r['page_size']}/{r['stride']}": r["manager_us_per_iteration_mean"] <= 400 for r in at_4096}
     path = write_result("manager_overhead", {"runs": rows, "targets": target, "torch_threads": args.torch_threads, "batch_meets_target_at_4096": verdict},
                         args.out)
     print(f"meets target (batch, 4096 live) by page/stride: {verdict}\n-> {path}")

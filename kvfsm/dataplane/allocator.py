@@ -162,6 +162,17 @@ class TokenSlotAllocator:
             mask[p] = 0
         self._free_pages.extend(pages)
 
+    def undo_alloc(self, indices: IndexLike) -> None:
+        """Give back slots exactly as the alloc calls that returned them (in that order) found the pool:
+        the pages go back to the front of the free list. For rolling back a call that cannot complete."""
+        idx = as_index_tensor(indices, torch.device("cpu"))
+        self._validate_free(idx)  # whole allocated pages, each once
+        pages = (idx.numpy()[:: self.page_size] // self.page_size).tolist()
+        mask = self._allocated_bytes
+        for p in pages:
+            mask[p] = 0
+        self._free_pages.extendleft(reversed(pages))
+
     def _validate_free(self, idx: torch.Tensor) -> list[int]:
         n = int(idx.numel())
         if n == 0:

@@ -136,6 +136,10 @@ class HostKVPool:
     def free(self, indices: IndexLike) -> None:
         self.allocator.free(indices)
 
+    def undo_alloc(self, indices: IndexLike) -> None:
+        """Roll back allocations (see TokenSlotAllocator.undo_alloc)."""
+        self.allocator.undo_alloc(indices)
+
     def check_conservation(self) -> None:
         self.allocator.check_conservation()
 

@@ -123,7 +123,8 @@ class DecodeOffloadManager:
         CPU) and only requests whose committed length reaches a stride past their offloaded prefix are
         looked at in Python: the arrays decide *which* requests are examined, never *what* is copied (that
         is read from each examined request, exactly as `offload` does). Each request object may appear
-        once; a call that raises has submitted nothing and changed no request's lifecycle.
+        once. A call that raises submitted nothing and fired no event (requests seen for the first time
+        may have been admitted, as `offload` admits them).
         """
         count = len(reqs)
         if req_pool_indices is None or kv_committed_lens is None:
@@ -198,19 +199,22 @@ class DecodeOffloadManager:
         host_pool = fx.host_pool
         total = sum(n for _, _, n in due)
         host = host_pool.alloc(total)
+        full: list[tuple[RequestRecord, OffloadRequest, int]] = []
         if host is None:  # not all fit: allocate in call order, as a loop of offload() calls would
             fits, hosts = [], []
             for item in due:
                 h = host_pool.alloc(item[2])
                 if h is None:
-                    item[0].machine.host_full(None)
+                    full.append(item)
                 else:
                     fits.append(item)
                     hosts.append(h)
             if not fits:
+                for rec, _, _ in full:
+                    rec.machine.host_full(None)
                 return 0
             due, host = fits, hosts[0] if len(hosts) == 1 else torch.cat(hosts)
-        registered = 0
+        registered = 0  # host slots [0, registered) belong to chunks a machine took
         handle = None
         try:
             device = self._device_slots(due)
@@ -223,15 +227,16 @@ class DecodeOffloadManager:
                 chunk = Chunk(rec, start, start + n, token_slice(req, start, start + n), handle, device, host,
                               offset, end, host_np)
                 rec.machine.offload(chunk)
-                registered = end
-                offset = end
+                registered = offset = end
         except BaseException:
             # Slots of chunks no machine took go back, after the copy (if any) stopped writing them.
-            if handle is not None and registered < total:
-                handle.wait()
             if registered < host.numel():
-                host_pool.free(host[registered:])
+                if handle is not None:
+                    handle.wait()
+                host_pool.undo_alloc(host[registered:])
             raise
+        for rec, _, _ in full:  # only once the call can no longer fail
+            rec.machine.host_full(None)
         return len(due)
 
     def _device_slots(self, due: list[tuple[RequestRecord, OffloadRequest, int]]) -> torch.Tensor:

@@ -186,3 +186,15 @@ def test_random_sequences_match_a_model(page_size: int, ops: list[tuple[bool, in
                 a.free(x)
         assert a.free_slots == model_free
         a.check_conservation()
+
+
+def test_undo_alloc_restores_the_free_list_exactly() -> None:
+    a = TokenSlotAllocator(64, page_size=4)
+    a.alloc(8)  # pages the undo must not touch
+    before = [t.tolist() for t in a.snapshot()]
+    x, y = a.alloc(4), a.alloc(8)
+    a.undo_alloc(torch.cat([x, y]))
+    assert [t.tolist() for t in a.snapshot()] == before
+    with pytest.raises(DoubleFree):
+        a.undo_alloc(x)  # already given back: rejected, nothing changes
+    assert [t.tolist() for t in a.snapshot()] == before

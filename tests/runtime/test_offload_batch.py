@@ -201,3 +201,22 @@ def test_cpu_tensors_accepted_device_tensors_refused() -> None:
     if torch.cuda.is_available():
         with pytest.raises(ValueError, match="CPU"):
             e.manager.offload_batch([r], rows.cuda(), torch.tensor([r.kv_committed_len]))
+
+
+def test_failed_submission_frees_the_host_slots_and_fires_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvfsm.dataplane import CopyError
+    e = SimEngine(page_size=2, host_slots=8, device_slots=96, rows=4)
+    reqs = [e.admit(f"r{i}", 4) for i in range(3)]
+    assert e.manager.offload_batch(*batch_arrays(e)) == 0  # first sight: admitted, nothing due yet
+    for _ in range(6):
+        for r in reqs:
+            e.decode(r)
+    before = snapshot(e)
+
+    def broken(*args: Any) -> None:
+        raise CopyError("the copy engine refused the batch")
+
+    monkeypatch.setattr(e.copies, "submit_d2h", broken)
+    with pytest.raises(CopyError):
+        e.manager.offload_batch(*batch_arrays(e))  # 4+4+4 tokens > 8 host slots: the fallback path too
+    assert snapshot(e) == before
