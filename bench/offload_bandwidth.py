@@ -2,16 +2,26 @@
 """Scattered KV offload / load-back bandwidth against the same run's contiguous pinned-copy ceilings.
 
 Llama-3-8B-like KV (32 layers, 8 KV heads, head dim 128, bf16: 128 KiB per token), page sizes 1, 16, 64,
->= 1 GiB per batch, both host layouts. For each case:
+>= 1 GiB per batch, random host pages in both host layouts. For each case:
   offload   device pages (random) -> scattered host pages, ratio to the contiguous D2H ceiling (target 0.97)
   load-back scattered host pages -> scattered device pages, ratio to the contiguous H2D ceiling (target 0.95)
-Reported per case: "kernel" = the Triton kernel alone (CUDA events; a small sweep of launch shapes, best
-kept); "engine_<backend>" = the same copy through CudaCopyEngine (events on the caller's stream from
-before submit() to after handle.wait_stream(), so host-side submit time on an idle GPU counts; plus
-submit_ms) for the triton, dma and auto backends; "ours" = the best engine result. Beside them the torch
-path: "torch_gather_pinned" = gather into a contiguous device buffer + one copy into contiguous pinned
-memory (the data is then NOT in the host slots: the host scatter the fallback needs is the slow part,
-timed as "torch_engine_end_to_end"). Every result is checked bit-exact against the source.
+Reported per case and direction:
+  "sweep" / "triton"  the Triton kernel alone (CUDA events around the launch), for the launch shapes in
+                      --configs (default: the engine's two defaults), best kept as "triton".
+  "engine_<name>"     the same copy through CudaCopyEngine end to end: CUDA events on the caller's stream
+                      from before submit() to after handle.wait_stream(), so host-side submit time on an
+                      idle GPU counts; submit_ms_median and the engine's submit info (chunks, copies,
+                      driver calls, head / direct / staged tokens, CPU ms to the first enqueued copy) beside
+                      it. Engines (ENGINES below): triton (+ host-ordered), dma (the staged pipeline with
+                      one cuMemcpyBatchAsync per chunk and copy stream; defaults, without head, in batch
+                      order, other chunk/stream settings), hybrid with direct fractions 0.3 / 0.5 / 0.7,
+                      and auto. DMA tuning variants are skipped where a DMA copy would average < 64 KiB
+                      (layer_first at pages 1 and 16), where they take long and cannot win.
+  "ours"              = engine_auto: what a caller of CudaCopyEngine() gets ("chose" says which path).
+  torch rows          "torch_gather_pinned" = gather into a contiguous device buffer + one copy into
+                      contiguous pinned memory (the data is then NOT in the host slots: the host scatter
+                      the fallback needs is the slow part, timed as "torch_engine_end_to_end").
+Every result is checked bit-exact against the source (destination poisoned first).
 
 `--smoke` runs tiny sizes on CPU (CpuCopyEngine and torch ops; ratios are meaningless there) so the
 script itself can be checked without a GPU.
@@ -48,11 +58,36 @@ from kvfsm.dataplane import (  # noqa: E402
     KVCacheConfig,
 )
 from kvfsm.dataplane.copy_engine import torch_copy_rows  # noqa: E402
+from kvfsm.dataplane.cuda_copy import mean_copy_bytes  # noqa: E402
 from kvfsm.dataplane.triton_kernels import default_config  # noqa: E402
 
 TARGET_OFFLOAD = 0.97
 TARGET_LOADBACK = 0.95
 GB = 1e9
+MiB = 2**20
+
+# CudaCopyEngine variants timed end to end: name -> constructor keywords. "tune" rows only where a DMA copy
+# averages >= 64 KiB. Defaults: offload 64 MiB x 1 stream, load-back 256 MiB x 2 streams, 8 MiB first
+# chunk (and last, load-back), 64 MiB direct-kernel head for copies >= 256 MiB, staging in host-slot order.
+ENGINES: list[tuple[str, dict[str, Any], bool]] = [
+    ("triton", {"backend": "triton"}, False),
+    ("triton_sorted", {"backend": "triton", "triton_host_order": True}, False),
+    ("dma", {"backend": "dma"}, False),
+    ("dma_nohead", {"backend": "dma", "dma_head_bytes": 0}, True),
+    ("dma_head128", {"backend": "dma", "dma_head_bytes": 128 * MiB}, True),
+    ("dma_batchorder", {"backend": "dma", "host_order": False}, True),
+    ("dma_d32x1_h64x2", {"backend": "dma", "dma_d2h_chunk_bytes": 32 * MiB, "dma_d2h_streams": 1,
+                         "dma_h2d_chunk_bytes": 64 * MiB, "dma_h2d_streams": 2}, True),
+    ("dma_d64x2_h256x4", {"backend": "dma", "dma_d2h_chunk_bytes": 64 * MiB, "dma_d2h_streams": 2,
+                          "dma_h2d_chunk_bytes": 256 * MiB, "dma_h2d_streams": 4}, True),
+    ("dma_d256x4_h64x4", {"backend": "dma", "dma_d2h_chunk_bytes": 256 * MiB, "dma_d2h_streams": 4,
+                          "dma_h2d_chunk_bytes": 64 * MiB, "dma_h2d_streams": 4}, True),
+    ("hybrid_0.3", {"backend": "hybrid", "hybrid_fraction": 0.3}, False),
+    ("hybrid_0.5", {"backend": "hybrid", "hybrid_fraction": 0.5}, False),
+    ("hybrid_0.7", {"backend": "hybrid", "hybrid_fraction": 0.7}, False),
+    ("hybrid_0.5_x2", {"backend": "hybrid", "hybrid_fraction": 0.5, "dma_d2h_streams": 2}, True),
+    ("auto", {"backend": "auto"}, False),
+]
 
 
 def slug(s: str) -> str:
@@ -190,6 +225,18 @@ def contiguous_ceilings(nbytes: int, device: torch.device, timer: Timer, reps: i
     return {"bytes": nbytes, "d2h": stats(nbytes, d2h), "h2d": stats(nbytes, h2d), "verified": ok}
 
 
+ENGINE_TUNE = [(name, tune) for name, _, tune in ENGINES]
+
+
+def _median_info(infos: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-key median of numeric submit-info fields over a few submits (others: the last value)."""
+    out: dict[str, Any] = {}
+    for k, v in infos[-1].items():
+        vals = [i.get(k) for i in infos if isinstance(i.get(k), (int, float)) and not isinstance(i.get(k), bool)]
+        out[k] = statistics.median(vals) if vals and isinstance(v, (int, float)) else v
+    return out
+
+
 def run_case(
     *,
     page_size: int,
@@ -202,6 +249,7 @@ def run_case(
     timer: Timer,
     reps: int,
     gen: torch.Generator,
+    engines: list[tuple[str, Any]],
 ) -> dict[str, Any]:
     cuda = dev.device.type == "cuda"
     cfg = dev.config
@@ -220,7 +268,15 @@ def run_case(
     case: dict[str, Any] = {"page_size": page_size, "layout": layout, "tokens": tokens, "bytes": nbytes}
 
     def poison_host() -> None:
-        host.kv_buffer.view(torch.int16).fill_(-1)
+        if not cuda:
+            host.kv_buffer.view(torch.int16).fill_(-1)
+            return
+        flat = host.kv_buffer.view(-1).view(torch.uint8)  # 0xFF by plain D2H copies: a CPU fill of GiBs is slow
+        ones = torch.full((min(flat.numel(), 256 * MiB),), 0xFF, dtype=torch.uint8, device=dev.device)
+        for a in range(0, flat.numel(), ones.numel()):
+            b = min(a + ones.numel(), flat.numel())
+            flat[a:b].copy_(ones[: b - a], non_blocking=True)
+        torch.cuda.synchronize()
 
     def poison_dst() -> None:
         dview.index_fill_(2, dst_d, float("nan"))
@@ -242,7 +298,6 @@ def run_case(
     offload: dict[str, Any] = {"sweep": []}
     loadback: dict[str, Any] = {"sweep": []}
     if cuda and HAVE_TRITON:
-        from kvfsm.dataplane import CudaCopyEngine
         from kvfsm.dataplane.triton_kernels import kv_rows_copy
 
         for c in configs:
@@ -266,13 +321,20 @@ def run_case(
             d["target"] = target
             d["meets_target"] = bool(best and best["ratio_median"] >= target)
             d["all_verified"] = all(r["verified"] for r in d["sweep"])
-        # end to end through the engine's public API, per backend: CUDA events on the caller's stream
+    for d, target in ((offload, TARGET_OFFLOAD), (loadback, TARGET_LOADBACK)):
+        d.setdefault("target", target)
+    if engines:
+        # end to end through the engine's public API, per engine variant: CUDA events on the caller's stream
         # from before submit to after handle.wait_stream() (so host-side submit time counts), plus the
-        # host time submit() itself takes
-        for backend in ("triton", "dma", "auto"):
-            eng = CudaCopyEngine(backend=backend)  # type: ignore[arg-type]
+        # host time submit() itself takes and the engine's submit info
+        wide = mean_copy_bytes(host, torch.sort(host_slots).values) >= 64 * 1024  # staged in host order
+        for name, eng in engines:
+            tune = dict(ENGINE_TUNE).get(name, False)
             for d, direction in ((offload, "d2h"), (loadback, "h2d")):
-                with guard(d, f"engine_{backend}"):
+                if tune and not wide:
+                    d[f"engine_{name}"] = {"skipped": "DMA copies average < 64 KiB here", "verified": True}
+                    continue
+                with guard(d, f"engine_{name}"):
                     if direction == "d2h":
                         poison_host()
                         submit = lambda: eng.submit_d2h(dev, src_d, host, host_slots)  # noqa: E731
@@ -283,27 +345,38 @@ def run_case(
 
                     def run_once() -> None:
                         h = submit()
-                        chosen.append(h.backend)
+                        chosen.append(getattr(h, "backend", type(eng).__name__))
                         h.wait_stream()
 
                     secs = timer(run_once, reps)
                     timer.sync()
-                    sub = []
+                    sub, infos = [], []
                     for _ in range(3):
                         t0 = time.perf_counter()
                         h = submit()
                         sub.append(time.perf_counter() - t0)
                         h.wait()
+                        infos.append(getattr(h, "info", {}))
                     ok = host_ok() if direction == "d2h" else dev_ok()
                     ceiling = ceil_d2h if direction == "d2h" else ceil_h2d
-                    d[f"engine_{backend}"] = {**stats(nbytes, secs, ceiling), "verified": ok, "chose": chosen[-1],
-                                             "submit_ms_median": statistics.median(sub) * 1e3}
+                    d[f"engine_{name}"] = {**stats(nbytes, secs, ceiling), "verified": ok, "chose": chosen[-1],
+                                           "submit_ms_median": statistics.median(sub) * 1e3,
+                                           "submit_info": _median_info(infos)}
+                r = d.get(f"engine_{name}") or {}
+                if "GBps_median" in r:
+                    print(f"    {layout} ps={page_size} {direction} engine {name:17s} {r['ratio_median']:.3f} "
+                          f"(chose {r['chose']}, submit {r['submit_ms_median']:.2f} ms) ok={r['verified']}", flush=True)
         for d in (offload, loadback):
-            cands = [d.get(k) for k in ("engine_triton", "engine_dma", "engine_auto")]
-            good = [r for r in cands if r and r.get("verified") and "error" not in r]
-            d["ours"] = max(good, key=lambda r: r["GBps_median"]) if good else None
+            auto = d.get("engine_auto")
+            d["ours"] = auto if auto and auto.get("verified") and "error" not in auto else None
             d["meets_target_engine"] = bool(d["ours"] and d["ours"]["ratio_median"] >= d["target"])
-    elif not cuda:
+            rows = [(k, r) for k, r in d.items() if k.startswith("engine_") and isinstance(r, dict)
+                    and r.get("verified") and "GBps_median" in r]
+            if rows:
+                k, r = max(rows, key=lambda kr: kr[1]["GBps_median"])
+                d["best_engine"] = {"engine": k.removeprefix("engine_"), "ratio_median": r["ratio_median"],
+                                    "meets_target": r["ratio_median"] >= d["target"]}
+    if not cuda:
         eng_cpu = CpuCopyEngine()
         poison_host()
         secs = timer.wall(lambda: eng_cpu.submit_d2h(dev, src_d, host, host_slots).wait(), reps)
@@ -362,9 +435,12 @@ def main() -> int:
     ap.add_argument("--gib", type=float, default=1.0, help="GiB per batch (default 1)")
     ap.add_argument("--page-sizes", default="1,16,64")
     ap.add_argument("--layouts", default="page_first,layer_first")
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--configs", default="2x4,4x4,4x4:lf,8x8:lf",
-                    help="Triton launch shapes to sweep: TOKENSxWARPS[:lf]")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--configs", default="4x4,4x4:lf",
+                    help="Triton launch shapes to sweep: TOKENSxWARPS[:lf] (default: the engine's defaults for "
+                         "the two layouts; a wider sweep in results/offload_bandwidth-h200-sweep.json was within noise)")
+    ap.add_argument("--engines", default=",".join(n for n, _, _ in ENGINES),
+                    help="CudaCopyEngine variants to time end to end (names from ENGINES)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 
@@ -425,12 +501,31 @@ def main() -> int:
         out.write_text(json.dumps(result, indent=2) + "\n")
         return verified
 
+    engines: list[tuple[str, Any]] = []
+    if args.smoke:  # the engine-timing code on CPU: the synchronous CPU engine in the "auto" row
+        import inspect
+
+        from kvfsm.dataplane import CudaCopyEngine
+
+        for n, kw, _ in ENGINES:  # every variant's keywords must bind to the CUDA engine's constructor
+            inspect.signature(CudaCopyEngine).bind(**kw)
+        engines.append(("auto", CpuCopyEngine()))
+    elif cuda and HAVE_TRITON:
+        from kvfsm.dataplane import CudaCopyEngine
+
+        known = {n: kw for n, kw, _ in ENGINES}
+        for n in (x.strip() for x in args.engines.split(",") if x.strip()):
+            if n not in known:
+                raise SystemExit(f"unknown engine {n!r}; known: {', '.join(known)}")
+            engines.append((n, CudaCopyEngine(**known[n])))
+
     for layout in layouts:
         host = HostKVPool(cfg, 2 * tokens, lcm, layout, pin_memory=cuda)  # type: ignore[arg-type]
         assert host.alloc(host.size) is not None  # the bench scatters over the whole pool
         for ps in page_sizes:
             case = run_case(page_size=ps, layout=layout, dev=dev, host=host, tokens=tokens, ceil=ceil,
-                            configs=parse_configs(args.configs), timer=timer, reps=reps, gen=gen)
+                            configs=parse_configs(args.configs), timer=timer, reps=reps, gen=gen,
+                            engines=engines)
             cases.append(case)
             write(False)
             o, lb = case["offload"], case["loadback"]
@@ -445,8 +540,8 @@ def main() -> int:
     verified = write(True)
 
     print("\nsummary: GB/s median (ratio to this run's contiguous ceiling); engine = submit..completion by events")
-    hdr = f"{'layout':11s} {'ps':>3s} {'dir':4s} | {'kernel':>13s} | {'eng triton':>13s} | {'eng dma':>13s} | {'eng auto':>13s} | {'torch':>13s}"
-    print(hdr)
+    cols = ["kernel", "eng triton", "eng dma", "best hybrid", "eng auto", "torch"]
+    print(f"{'layout':11s} {'ps':>3s} {'dir':4s} | " + " | ".join(f"{c:>13s}" for c in cols) + " | best engine")
 
     def cell(r: dict[str, Any] | None) -> str:
         if not r or "GBps_median" not in r:
@@ -455,9 +550,14 @@ def main() -> int:
 
     for c in cases:
         for dname, d, tkey in (("off", c["offload"], "torch_gather_pinned"), ("load", c["loadback"], "torch_pinned_scatter")):
+            hyb = [r for k, r in d.items() if k.startswith("engine_hybrid") and isinstance(r, dict) and "GBps_median" in r]
+            best_h = max(hyb, key=lambda r: r["GBps_median"]) if hyb else None
+            be = d.get("best_engine") or {}
             print(f"{c['layout']:11s} {c['page_size']:3d} {dname:4s} | {cell(d.get('triton') or d.get('cpu_engine'))} | "
-                  f"{cell(d.get('engine_triton'))} | {cell(d.get('engine_dma'))} | {cell(d.get('engine_auto'))} | "
-                  f"{cell(d.get(tkey))}  auto->{(d.get('engine_auto') or {}).get('chose', '-')}")
+                  f"{cell(d.get('engine_triton'))} | {cell(d.get('engine_dma'))} | {cell(best_h)} | "
+                  f"{cell(d.get('engine_auto'))} | {cell(d.get(tkey))} | "
+                  f"{be.get('engine', '-')} {be.get('ratio_median', 0):.3f}  auto->{(d.get('engine_auto') or {}).get('chose', '-')}"
+                  f"{'  MEETS' if d.get('meets_target_engine') else ''}")
     print(f"all verified bit-exact: {verified}; wrote {out}")
     return 0 if verified else 1
 

@@ -28,6 +28,14 @@ def _machine(doc: dict) -> str:
     return m.get("gpu") or m.get("cpu") or m.get("hostname", "?")
 
 
+def _gbps(r: dict | None) -> float:
+    return r["GBps_median"] if r and "GBps_median" in r else float("nan")
+
+
+def _ratio(r: dict | None) -> str:
+    return f"{r['ratio_median']:.3f}" if r and "ratio_median" in r else "-"
+
+
 def bandwidth(lines: list[str]) -> None:
     runs = [(p, d) for p, d in _load("offload_bandwidth-*.json") if d.get("cases") and not d.get("smoke")
             and "sweep" not in p.name]
@@ -45,15 +53,15 @@ def bandwidth(lines: list[str]) -> None:
         for layout, style in (("page_first", "-o"), ("layer_first", "--s")):
             cases = sorted((c for c in doc["cases"] if c["layout"] == layout), key=lambda c: c["page_size"])
             ps = [c["page_size"] for c in cases]
-            ax.plot(ps, [c[direction]["triton"]["GBps_median"] for c in cases], style, label=f"Triton kernel, {layout}")
-            ax.plot(ps, [c[direction]["ours"]["GBps_median"] for c in cases], style, alpha=0.5,
-                    label=f"CUDA engine, {layout}")
+            ax.plot(ps, [_gbps(c[direction].get("triton")) for c in cases], style, label=f"Triton kernel, {layout}")
+            ax.plot(ps, [_gbps(c[direction].get("ours")) for c in cases], style, alpha=0.5,
+                    label=f"CUDA engine (auto), {layout}")
             for c in cases:
                 d = c[direction]
                 torch_path = d.get("torch_gather_pinned") or d.get("torch_pinned_scatter")
-                lines.append(f"| {layout} | {c['page_size']} | {direction} | {d['triton']['ratio_median']:.3f} | "
-                             f"{d['ours']['ratio_median']:.3f} | {torch_path['ratio_median']:.3f} | "
-                             f"{d['target']} |")
+                chose = f" ({d['ours']['chose']})" if (d.get("ours") or {}).get("chose") else ""
+                lines.append(f"| {layout} | {c['page_size']} | {direction} | {_ratio(d.get('triton'))} | "
+                             f"{_ratio(d.get('ours'))}{chose} | {_ratio(torch_path)} | {d['target']} |")
         ax.axhline(ceiling, color="k", lw=1, label=f"contiguous pinned {key.upper()} ceiling")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("page size (tokens)")
@@ -97,26 +105,32 @@ def event_cost(lines: list[str]) -> None:
 
 
 def manager_time(lines: list[str]) -> None:
-    runs = _load("manager_overhead-*.json")
+    runs = [(p, d) for p, d in _load("manager_overhead-*.json") if any("mode" in r for r in d["runs"])]
     if not runs:
         return
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
     lines += ["## Manager time per scheduler iteration", "",
-              "One offload call per live request plus one progress check; bytes moved excluded. Target: <= 400 us "
-              "at 4096 live requests (2% of a 20 ms step).", "",
-              "| result file | machine | live requests | median us/iteration | share of 20 ms |", "|---|---|---|---|---|"]
+              "One offload per live request (a loop of `offload(req)`, or one `offload_batch` with the engine's "
+              "batch arrays) plus one progress check, after a simulated 20 ms decode step; bytes moved excluded. "
+              "Target: <= 400 us at 4096 live requests (2% of a 20 ms step).", "",
+              "| result file | machine | page/stride | live requests | chunks/iteration | mode | mean us/iteration | "
+              "p90 us | share of 20 ms |", "|---|---|---|---|---|---|---|---|---|"]
     for path, d in runs:
         rows = d["runs"]
-        ax.plot([r["live_requests"] for r in rows], [r["manager_us_per_iteration_median"] for r in rows], "-o",
-                label=f"{path.stem} ({_machine(d)[:20]})")
+        series: dict[tuple[str, int, int], list[dict]] = {}
         for r in rows:
-            lines.append(f"| `{path.name}` | {_machine(d)} | {r['live_requests']} | "
-                         f"{r['manager_us_per_iteration_median']:.0f} | {r['share_of_20ms_step']:.1%} |")
+            series.setdefault((r["mode"], r["page_size"], r["stride"]), []).append(r)
+            lines.append(f"| `{path.name}` | {_machine(d)} | {r['page_size']}/{r['stride']} | {r['live_requests']} | "
+                         f"{r['chunks_per_iteration_mean']:.0f} | {r['mode']} | {r['manager_us_per_iteration_mean']:.0f} | "
+                         f"{r['manager_us_per_iteration_p90']:.0f} | {r['share_of_20ms_step']:.1%} |")
+        for (mode, page, stride), rs in sorted(series.items()):
+            ax.plot([r["live_requests"] for r in rs], [r["manager_us_per_iteration_mean"] for r in rs],
+                    "-o" if mode == "batch" else "--s", label=f"{mode} {page}/{stride} ({_machine(d)[:16]})")
     ax.axhline(400, color="k", lw=1, label="target at 4096")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("live requests")
-    ax.set_ylabel("us per iteration (median)")
+    ax.set_ylabel("us per iteration (mean)")
     ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(DOCS / "manager_time.png", dpi=110)

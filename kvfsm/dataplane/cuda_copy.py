@@ -1,36 +1,56 @@
-"""CUDA copy engine: copies on a dedicated stream, completion observed through events.
+"""CUDA copy engine: copies on dedicated streams, completion observed through one event.
 
-Ordering: each submit records an event on the caller's (compute) stream and makes the copy stream wait
-on it, so a copy never reads KV the compute stream has not finished writing. Completion: the handle
-holds an event recorded after the copy; done() is `event.query()` and never blocks the host. Lifetime:
-the index tensors, staging buffers and everything else the copy touches stay referenced by the handle
-until its completion has been observed (and device tensors made on the compute stream are marked with
-record_stream), so the caching allocators cannot hand their memory to anyone while the copy runs.
+Ordering: each submit records an event on the caller's (compute) stream and makes every stream the copy
+uses wait on it (directly, or through an event recorded after that wait), so a copy never reads KV the
+compute stream has not finished writing. Completion: the handle holds ONE event, recorded on a "done"
+stream after it has waited on the last work of every other stream the copy used; done() is
+`event.query()` and never blocks the host. Lifetime: index tensors, staging buffers, pinned index copies,
+the flat copy arrays handed to the driver and the events stay referenced by the handle until its
+completion has been observed, and device tensors read or written on a stream other than the one that
+allocated them are marked with record_stream, so the caching allocators cannot hand their memory to
+anyone while the copy runs.
 
-Backends:
+Backends (measured on an H200 with Llama-3-8B KV, 1 GiB per copy, random host pages; ratios are GB/s over
+the same run's contiguous pinned copy: bench/results/offload_bandwidth-h200.json and
+bench/results/dma_batch_probe-h200.{json,log} from bench/dma_batch_probe.py):
 - "triton": one kernel gathers device rows and writes them straight into scattered pinned host slots
-  through unified addressing (and the reverse for load-back). No staging, no host-side work.
+  through unified addressing (and the reverse for load-back). No staging, no host-side work. SM stores
+  over PCIe: offload 0.93-0.947 and load-back 0.90-0.925 at every page size.
+- "dma": the staged pipeline. A kernel gathers rows into a device staging buffer laid out like the host
+  pool (in host-slot order, so neighbouring host slots become one copy), and the GPU's copy engines move
+  each run of consecutive host slots as 1-D copies, enqueued with ONE cuMemcpyBatchAsync per chunk and
+  copy stream (dma.CudaDriver.run_batch). Chunks pipeline: the gather of chunk k overlaps the DMA of
+  chunk k-1 (offload); the DMA of chunk k overlaps the scatter of chunk k-1 (load-back). Chunks ramp up
+  from `dma_first_chunk_bytes`, and for big copies a "head" (the first `dma_head_bytes`, batch order)
+  goes through the direct kernel before any planning, so the link is busy while the CPU plans. Probe:
+  offload 0.963-0.978 with 1 MiB+ copies (page_first, page >= 16) but only 0.78-0.82 with 64 KiB copies
+  (page 1: DMA engines are slow on short copies, and the driver spends ~1.3 us of CPU per copy);
+  load-back 0.95-0.96 at page 1 and 0.97-0.99 at pages 16/64.
+- "hybrid" (experiment for offload at page 1, where neither path meets 0.97): `hybrid_fraction` of the
+  tokens (the shortest host runs) go through the direct kernel on its own stream while the rest runs
+  through the staged pipeline concurrently: each path alone is latency bound, together they may fill
+  the link. Works for load-back too (bench/offload_bandwidth.py times both).
 - "torch": fallback and baseline. Offload gathers into a contiguous device buffer, copies it into a
   contiguous pinned buffer with one `copy_(non_blocking=True)`, and scatters into the host slots on the
-  CPU when done() first sees the event complete. That host scatter runs at a few GB/s (a CPU memcpy
-  through index_copy_), far below PCIe, which is why it is only the fallback. Load-back gathers on the
+  CPU when done() first sees the event complete (a CPU memcpy at a few GB/s). Load-back gathers on the
   CPU into pinned memory at submit, then copies and scatters on the device.
-- "dma" (opt-in, or "auto" with prefer_dma=True): a device kernel gathers rows into a staging buffer
-  laid out like the host pool while the GPU's copy engines move each run of consecutive host slots with
-  one strided (2-D) copy, chunk by chunk (see dma.py). Measured on the H200 (bench/results/
-  offload_bandwidth-h200.json) it is no faster than the Triton kernel even with 64-token pages (2-D
-  DMA rows of 128 KiB ran at 0.74-0.89 of the contiguous ceiling) and far slower for short runs (one
-  driver call per run), so it is not the default.
-"auto" (default): "triton" when it imports, else "torch"; with prefer_dma, "dma" for copies whose host
-runs are wide (>= dma_min_run_bytes per row) and few (<= dma_max_runs).
+"auto" (default) chooses per copy, by direction and the mean size of one DMA copy (tokens per run of
+consecutive host slots x bytes per token within one row: x64 KiB for page_first, x2 KiB for
+layer_first with Llama-3-8B): "dma" when the copy moves >= dma_min_bytes and the mean copy is >=
+dma_min_copy_bytes_d2h (offload) / dma_min_copy_bytes_h2d (load-back), else "triton" (or "hybrid" for
+offload when auto_hybrid_fraction is set), else "torch" when Triton is missing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+import time
 from collections.abc import Callable
-from typing import Literal
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
 
+import numpy as np
 import torch
 
 from .allocator import IndexLike
@@ -41,7 +61,304 @@ from .errors import CopyError
 from .host_pool import HostKVPool
 from .triton_kernels import HAVE_TRITON, KernelConfig, default_config, kv_rows_copy
 
-Backend = Literal["auto", "triton", "torch", "dma"]
+Backend = Literal["auto", "triton", "torch", "dma", "hybrid"]
+BACKENDS = ("auto", "triton", "torch", "dma", "hybrid")
+MiB, KiB = 2**20, 2**10
+
+# ---- policy (pure; tested on CPU) -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AutoPolicy:
+    """Thresholds of backend="auto". Defaults from the H200 probe (bench/results/dma_batch_probe-h200.log):
+
+    - offload: pure batched DMA of scattered 2 MiB copies reached 0.96-0.98 of the contiguous D2H ceiling,
+      128 KiB copies 0.70-0.86 and 64 KiB 0.68-0.77; the pipeline reached 0.963-0.968 at page 16 (1 MiB
+      copies) and 0.978 at page 64, against 0.93-0.94 for the direct Triton kernel at every page size.
+      The crossover lies between 128 KiB and 1 MiB: d2h_min_copy_bytes = 512 KiB (page_first pages >= 8
+      for Llama-3-8B; layer_first rows are 2 KiB per token, so pages >= 256).
+    - load-back: the pipeline with host-ordered 64 KiB copies (page 1, page_first) reached 0.949-0.962,
+      against 0.909 for the direct kernel; shorter copies were not measured: h2d_min_copy_bytes = 64 KiB.
+    - min_bytes: below 16 MiB the fixed costs of the pipeline (staging, several launches, a driver call
+      per chunk) are not worth it; one direct kernel launch is simplest and fast enough.
+    - no_triton_min_copy_bytes: without Triton the alternative is the torch path (host scatter on the CPU,
+      0.06-0.2 of the ceiling), so the pipeline (torch gathers, batched DMA) wins for copies >= 16 KiB.
+    - hybrid_fraction: when set, offloads below the DMA threshold use "hybrid" instead of "triton".
+    """
+
+    d2h_min_copy_bytes: int = 512 * KiB
+    h2d_min_copy_bytes: int = 64 * KiB
+    min_bytes: int = 16 * MiB
+    no_triton_min_copy_bytes: int = 16 * KiB
+    hybrid_fraction: float | None = None
+
+
+def choose_backend(
+    backend: str,
+    direction: str,
+    nbytes: int,
+    mean_copy: float,
+    have_triton: bool,
+    policy: AutoPolicy = AutoPolicy(),
+) -> str:
+    """The backend that carries one copy of `nbytes` whose DMA copies would average `mean_copy` bytes
+    (see AutoPolicy). A forced backend is returned as is."""
+    if backend != "auto":
+        return backend
+    if nbytes <= 0:
+        return "triton" if have_triton else "torch"
+    if not have_triton:
+        return "dma" if mean_copy >= policy.no_triton_min_copy_bytes else "torch"
+    threshold = policy.d2h_min_copy_bytes if direction == "d2h" else policy.h2d_min_copy_bytes
+    if nbytes >= policy.min_bytes and mean_copy >= threshold:
+        return "dma"
+    if direction == "d2h" and policy.hybrid_fraction and nbytes >= policy.min_bytes:
+        return "hybrid"
+    return "triton"
+
+
+def mean_copy_bytes(host: HostKVPool, host_idx: torch.Tensor | np.ndarray) -> float:
+    """Mean bytes of one DMA copy for these host slots: tokens per run of consecutive slots (batch order,
+    a lower bound of the staged order's) times the bytes of one token within one row (page_first: all
+    layers of a plane; layer_first: one layer)."""
+    h = host_idx.numpy() if isinstance(host_idx, torch.Tensor) else np.asarray(host_idx)
+    return dma.mean_run_tokens(h) * dma.geometry(host, 1).unit
+
+
+def head_tokens(n: int, bytes_per_token: int, head_bytes: int, min_total_bytes: int) -> int:
+    """Tokens the direct kernel carries before the pipeline is planned: head_bytes worth, only for copies
+    of at least min_total_bytes (smaller ones plan fast enough), and never the whole copy."""
+    if head_bytes <= 0 or n * bytes_per_token < max(min_total_bytes, 1):
+        return 0
+    return max(0, min(n // 2, head_bytes // max(1, bytes_per_token)))
+
+
+@dataclass(frozen=True)
+class PipelineSettings:
+    """One direction's staged-pipeline parameters (see CudaCopyEngine)."""
+
+    chunk_bytes: int
+    first_chunk_bytes: int
+    streams: int
+    last_chunk_bytes: int = 0  # ramp down at the end (load-back: the last scatter is exposed)
+    direct_fraction: float = 0.0  # hybrid: share of all tokens the direct kernel carries
+    head_bytes: int = 0
+    head_min_bytes: int = 0
+    host_order: bool = True
+    kernel_config: KernelConfig | None = None  # the direct kernel's; gathers use default_config(layout)
+    max_copies_per_call: int = 16384  # longer lists go in several driver calls (the probe tested 32768 in one)
+
+
+# ---- stream operations: CUDA, or a CPU simulation (tests) ------------------------------------------
+
+
+class StreamOps(Protocol):
+    """What the pipeline does on streams, named "kern" (gathers/scatters, index preparation), "copy<i>"
+    (batched DMA) and "direct" (the direct kernel). Real: CudaOps. Tests: a CPU simulator that runs the
+    enqueued work in random orders allowed by the events."""
+
+    def ready(self) -> Any: ...  # an event recorded on the caller's current stream
+    def record(self, s: str) -> Any: ...
+    def wait(self, s: str, event: Any) -> None: ...
+    def upload(self, s: str, arr: np.ndarray, keep: list[object]) -> torch.Tensor: ...  # int64 -> device
+    def empty(self, s: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor: ...
+    def arange(self, s: str, n: int) -> torch.Tensor: ...
+    def index_select(self, s: str, t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor: ...
+    def rows(self, s: str, src5: torch.Tensor, sidx: torch.Tensor, dst5: torch.Tensor, didx: torch.Tensor,
+             cfg: KernelConfig) -> None: ...  # dst5[:, :, didx] = src5[:, :, sidx]
+    def batch(self, s: str, flat: dma.FlatCopies) -> int: ...  # returns driver calls made
+    def record_stream(self, t: torch.Tensor, s: str) -> None: ...
+
+
+class CudaOps:
+    """StreamOps on CUDA streams; batched DMA through dma.CudaDriver.run_batch (one call per list)."""
+
+    def __init__(self, device: torch.device, streams: dict[str, torch.cuda.Stream]) -> None:
+        self.device = device
+        self.streams = streams
+        self._driver: dma.CudaDriver | None = None
+
+    @property
+    def driver(self) -> dma.CudaDriver:
+        if self._driver is None:
+            self._driver = dma.CudaDriver.get()
+        return self._driver
+
+    def ready(self) -> torch.cuda.Event:
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def record(self, s: str) -> torch.cuda.Event:
+        ev = torch.cuda.Event()
+        ev.record(self.streams[s])
+        return ev
+
+    def wait(self, s: str, event: torch.cuda.Event) -> None:
+        self.streams[s].wait_event(event)
+
+    def upload(self, s: str, arr: np.ndarray, keep: list[object]) -> torch.Tensor:
+        pinned = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.int64)).pin_memory()  # pageable H2D could sync
+        keep.append(pinned)
+        with torch.cuda.stream(self.streams[s]):
+            return pinned.to(self.device, non_blocking=True)
+
+    def empty(self, s: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        with torch.cuda.stream(self.streams[s]):
+            return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def arange(self, s: str, n: int) -> torch.Tensor:
+        with torch.cuda.stream(self.streams[s]):
+            return torch.arange(n, dtype=torch.int64, device=self.device)
+
+    def index_select(self, s: str, t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        with torch.cuda.stream(self.streams[s]):
+            return t.index_select(0, idx)
+
+    def rows(self, s: str, src5: torch.Tensor, sidx: torch.Tensor, dst5: torch.Tensor, didx: torch.Tensor,
+             cfg: KernelConfig) -> None:
+        with torch.cuda.stream(self.streams[s]):
+            if HAVE_TRITON:
+                kv_rows_copy(src5, sidx, dst5, didx, cfg)
+            else:
+                dst5.index_copy_(2, didx, src5.index_select(2, sidx))
+
+    def batch(self, s: str, flat: dma.FlatCopies) -> int:
+        return self.driver.run_batch(flat.dst, flat.src, flat.size, self.streams[s].cuda_stream)
+
+    def record_stream(self, t: torch.Tensor, s: str) -> None:
+        t.record_stream(self.streams[s])
+
+
+# ---- the staged pipeline (dma and hybrid backends) --------------------------------------------------
+
+
+def launch_pipeline(ops: StreamOps, plan: CopyPlan, st: PipelineSettings, keep: list[object],
+                    direct_ok: bool = True) -> tuple[Any, dict[str, Any]]:
+    """Enqueue one copy through the staged pipeline (plus the direct kernel for the head / hybrid share);
+    returns (the one completion event, info). Everything the GPU touches is appended to `keep`."""
+    t0 = time.perf_counter()
+    n, host, d2h = plan.num_tokens, plan.host_pool, plan.direction == "d2h"
+    bpt, layout = host.config.bytes_per_token, host.layout
+    dev_view, host_view = plan.device_pool.token_view(), host.token_view()
+    dev_idx = plan.device_idx  # on the device, made on the caller's stream
+    if not dev_idx.is_contiguous():  # the kernels read indices as flat arrays (copied on the caller's stream)
+        dev_idx = dev_idx.contiguous()
+        keep.append(dev_idx)
+    host_np = plan.host_idx.numpy()
+    gather_cfg = default_config(layout)
+    direct_cfg = st.kernel_config or default_config(layout)
+    info: dict[str, Any] = {"tokens": n}
+    ready = ops.ready()
+    keep.append(ready)
+    finals: dict[str, Any] = {}  # stream -> it has been used (its last work is waited on before done)
+
+    def direct(s: str, didx: torch.Tensor, hidx: torch.Tensor) -> None:
+        if d2h:
+            ops.rows(s, dev_view, didx, host_view, hidx, direct_cfg)
+        else:
+            ops.rows(s, host_view, hidx, dev_view, didx, direct_cfg)
+
+    # 1) head: the first tokens in batch order straight through the direct kernel, before any planning
+    head = head_tokens(n, bpt, st.head_bytes, st.head_min_bytes) if direct_ok else 0
+    if head:
+        ops.wait("direct", ready)
+        ops.record_stream(dev_idx, "direct")
+        direct("direct", dev_idx[:head], ops.upload("direct", host_np[:head], keep))
+        finals["direct"] = True
+    info["first_enqueued_ms"] = (time.perf_counter() - t0) * 1e3 if head else None
+
+    # 2) plan the rest: host order, hybrid share (shortest host runs), runs of the staged part
+    want_direct = int(round(st.direct_fraction * n)) - head if direct_ok else 0
+    pp = dma.plan_pipeline(host_np, head=head, direct_tokens=max(0, want_direct), host_order=st.host_order)
+    ns, nd = pp.n_staged, pp.n_direct
+    info.update(head_tokens=head, direct_tokens=nd, staged_tokens=ns, chunks=0, copies=0, batch_calls=0,
+                planned_ms=(time.perf_counter() - t0) * 1e3)
+    # 3) index tensors on the kernel stream: permuted device slots (+ host slots of the hybrid share)
+    if ns or nd:
+        ops.wait("kern", ready)
+        ops.record_stream(dev_idx, "kern")
+        up = pp.perm if nd == 0 else np.concatenate([pp.perm, host_np[pp.perm[ns:]]])
+        idx = ops.upload("kern", up, keep)
+        dev_perm = ops.index_select("kern", dev_idx, idx[: ns + nd])
+        keep += [idx, dev_perm]
+        finals["kern"] = True
+    if ns:
+        geo = dma.geometry(host, ns)
+        staging = ops.empty("kern", geo.stage_shape, host.dtype)
+        pos = ops.arange("kern", ns)
+        keep += [staging, pos]
+        sview = geo.stage_view(staging)
+    prepared = ops.record("kern")
+    keep.append(prepared)
+
+    # 4) hybrid share on the direct stream, concurrent with the pipeline
+    if nd:
+        ops.wait("direct", prepared)
+        ops.record_stream(idx, "direct")
+        ops.record_stream(dev_perm, "direct")
+        direct("direct", dev_perm[ns:], idx[ns + nd:])
+        finals["direct"] = True
+
+    # 5) chunks through staging: one batched DMA call per chunk and copy stream
+    if ns:
+        host_base, stage_base = host.kv_buffer.data_ptr(), staging.data_ptr()
+        bounds = dma.chunk_bounds(ns, bpt, st.chunk_bytes, st.first_chunk_bytes, st.last_chunk_bytes)
+        copy_streams = [f"copy{i}" for i in range(max(1, st.streams))]
+        waited: set[str] = set()
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            if d2h:  # the gather first: it runs while the CPU plans this chunk's copies
+                ops.rows("kern", dev_view, dev_perm[a:b], sview, pos[a:b], gather_cfg)
+                gathered = ops.record("kern")
+                keep.append(gathered)
+            flat = dma.flat_plan(geo, dma.clip_runs(pp.runs, a, b), host_base, stage_base, plan.direction)
+            parts = dma.split_by_bytes(flat, len(copy_streams))
+            keep.append(parts)  # the driver reads the arrays during the call; kept until completion anyway
+            info["chunks"] += 1
+            info["copies"] += flat.count
+            if d2h:
+                for s, part in zip(copy_streams, parts):
+                    ops.wait(s, gathered)
+                    for piece in dma.split_by_count(part, st.max_copies_per_call):
+                        info["batch_calls"] += ops.batch(s, piece)
+                    finals[s] = True
+            else:
+                landed = []
+                for s, part in zip(copy_streams, parts):
+                    if s not in waited:  # staging and indices are ready (and the caller's event passed)
+                        ops.wait(s, prepared)
+                        waited.add(s)
+                    for piece in dma.split_by_count(part, st.max_copies_per_call):
+                        info["batch_calls"] += ops.batch(s, piece)
+                    landed.append(ops.record(s))
+                    finals[s] = True
+                keep += landed
+                for ev in landed:
+                    ops.wait("kern", ev)
+                ops.rows("kern", sview, pos[a:b], dev_view, dev_perm[a:b], gather_cfg)
+            if info["chunks"] == 1 and info["first_enqueued_ms"] is None:
+                info["first_enqueued_ms"] = (time.perf_counter() - t0) * 1e3
+        for s in copy_streams:
+            if s in finals:
+                ops.record_stream(staging, s)
+
+    # 6) one completion event, after every stream's work
+    if ns:
+        done_stream = "copy0" if d2h else "kern"
+    else:
+        done_stream = "direct" if "direct" in finals else "kern"
+    for s in finals:
+        if s != done_stream:
+            ev = ops.record(s)
+            keep.append(ev)
+            ops.wait(done_stream, ev)
+    done = ops.record(done_stream)
+    info["streams"] = sorted(finals)
+    info["plan_and_enqueue_ms"] = (time.perf_counter() - t0) * 1e3
+    return done, info
+
+
+# ---- the engine ---------------------------------------------------------------------------------------
 
 
 class CudaCopyHandle(CopyHandle):
@@ -60,6 +377,7 @@ class CudaCopyHandle(CopyHandle):
         self._finalize = finalize
         self._lock = threading.Lock()
         self.backend = ""  # which path carried the copy (set by the engine)
+        self.info: dict[str, Any] = {}  # submit-side details (CPU times, chunks, copies), set by the engine
 
     def _finish(self) -> None:
         with self._lock:
@@ -91,75 +409,145 @@ class CudaCopyHandle(CopyHandle):
 
 
 class CudaCopyEngine(CopyEngine):
-    """Device ⇄ pinned-host copies on dedicated CUDA streams (one for DMA, one for kernels)."""
+    """Device ⇄ pinned-host copies on dedicated CUDA streams.
+
+    Streams: `stream` (the single-kernel paths, and copy stream 0 of the pipeline), `kernel_stream`
+    (the pipeline's gathers/scatters and index preparation), further copy streams, `direct_stream` (the
+    direct kernel's head and hybrid share inside the pipeline).
+
+    Staged pipeline parameters, per direction (defaults from bench/dma_batch_probe.py on the H200):
+    offload 64 MiB chunks on 1 copy stream (0.978 at page 64, 0.963 at page 16; more streams did not
+    help), load-back 256 MiB chunks split over 2 copy streams (0.981-0.982 at pages 16/64; at page 1 big
+    chunks lost only because the first chunk's CPU submit was exposed, which the ramp removes). Chunks
+    ramp up from dma_first_chunk_bytes (and, for load-back, down to dma_h2d_last_chunk_bytes at the end,
+    so the last scatter is short). dma_chunk_bytes, when given, sets both directions' chunk size.
+    dma_head_bytes: the direct kernel's head for copies >= dma_head_min_bytes (0 turns it off); 64 MiB
+    keeps the link busy for ~1.2 ms, longer than the CPU needs to plan a 1 GiB copy and enqueue its first
+    chunk (~0.5-1 ms on the H200's host), at the cost of moving 6% of it at the kernel's efficiency.
+    host_order: stage in host-slot order (else batch order). triton_host_order: the direct backend
+    also walks host slots in ascending order (one index permutation on the device; experiment).
+    """
 
     def __init__(
         self,
         device: torch.device | str | int | None = None,
         backend: Backend = "auto",
         kernel_config: KernelConfig | None = None,
-        dma_min_run_bytes: int = 32 * 1024,
-        dma_max_runs: int = 2048,
-        dma_chunk_bytes: int = 64 * 2**20,
-        prefer_dma: bool = False,
+        *,
+        dma_chunk_bytes: int | None = None,
+        dma_d2h_chunk_bytes: int = 64 * MiB,
+        dma_d2h_streams: int = 1,
+        dma_h2d_chunk_bytes: int = 256 * MiB,
+        dma_h2d_streams: int = 2,
+        dma_first_chunk_bytes: int = 8 * MiB,
+        dma_h2d_last_chunk_bytes: int = 8 * MiB,
+        dma_head_bytes: int = 64 * MiB,
+        dma_head_min_bytes: int = 256 * MiB,
+        host_order: bool = True,
+        triton_host_order: bool = False,
+        hybrid_fraction: float = 0.5,
+        dma_min_copy_bytes_d2h: int = AutoPolicy.d2h_min_copy_bytes,
+        dma_min_copy_bytes_h2d: int = AutoPolicy.h2d_min_copy_bytes,
+        dma_min_bytes: int = AutoPolicy.min_bytes,
+        auto_hybrid_fraction: float | None = None,
     ) -> None:
         if not torch.cuda.is_available():
             raise RuntimeError("CudaCopyEngine needs CUDA; use CpuCopyEngine on this machine")
         self.device = resolve_device("cuda" if device is None else device)
         if self.device.type != "cuda":
             raise ValueError(f"not a CUDA device: {self.device}")
-        if backend == "triton" and not HAVE_TRITON:
-            raise RuntimeError("backend='triton' but triton does not import")
-        if backend not in ("auto", "triton", "torch", "dma"):
+        if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}")
+        if backend in ("triton", "hybrid") and not HAVE_TRITON:
+            raise RuntimeError(f"backend={backend!r} but triton does not import")
+        if not 0.0 <= hybrid_fraction <= 1.0:
+            raise ValueError(f"hybrid_fraction must be in [0, 1], got {hybrid_fraction}")
+        if min(dma_d2h_streams, dma_h2d_streams) < 1:
+            raise ValueError("at least one copy stream per direction")
         self.backend: Backend = backend
         self.kernel_config = kernel_config
-        self.dma_min_run_bytes = dma_min_run_bytes
-        self.dma_max_runs = dma_max_runs
-        self.dma_chunk_bytes = dma_chunk_bytes
-        self.prefer_dma = prefer_dma
-        self.stream = torch.cuda.Stream(device=self.device)  # copies (DMA) and the single-kernel paths
-        self.kernel_stream = torch.cuda.Stream(device=self.device)  # gathers/scatters of the dma path
+        if dma_chunk_bytes is not None:
+            dma_d2h_chunk_bytes = dma_h2d_chunk_bytes = dma_chunk_bytes
+        common = dict(first_chunk_bytes=dma_first_chunk_bytes, head_bytes=dma_head_bytes,
+                      head_min_bytes=dma_head_min_bytes, host_order=host_order, kernel_config=kernel_config)
+        self.settings = {
+            "d2h": PipelineSettings(chunk_bytes=dma_d2h_chunk_bytes, streams=dma_d2h_streams, **common),  # type: ignore[arg-type]
+            "h2d": PipelineSettings(chunk_bytes=dma_h2d_chunk_bytes, streams=dma_h2d_streams,  # type: ignore[arg-type]
+                                    last_chunk_bytes=dma_h2d_last_chunk_bytes, **common),
+        }
+        self.hybrid_fraction = hybrid_fraction
+        self.triton_host_order = triton_host_order
+        self.policy = AutoPolicy(dma_min_copy_bytes_d2h, dma_min_copy_bytes_h2d, dma_min_bytes,
+                                 hybrid_fraction=auto_hybrid_fraction)
+        self.stream = torch.cuda.Stream(device=self.device)  # single-kernel paths; copy stream 0
+        # gathers/scatters of the pipeline, at high priority: when the direct kernel (head, hybrid share) fills
+        # the SMs with long-running PCIe blocks, the block scheduler still lets the short gathers in first,
+        # so the DMA engines are never left waiting for staged data
+        self.kernel_stream = torch.cuda.Stream(device=self.device, priority=-1)
+        self.direct_stream = torch.cuda.Stream(device=self.device)  # the direct kernel inside the pipeline
+        n_copy = max(dma_d2h_streams, dma_h2d_streams)
+        self.copy_streams = [self.stream] + [torch.cuda.Stream(device=self.device) for _ in range(n_copy - 1)]
+        streams = {"kern": self.kernel_stream, "direct": self.direct_stream}
+        streams.update({f"copy{i}": s for i, s in enumerate(self.copy_streams)})
+        self._ops = CudaOps(self.device, streams)
 
     def submit_d2h(
         self, device_pool: DeviceKVPool, device_indices: IndexLike, host_pool: HostKVPool, host_indices: IndexLike
     ) -> CudaCopyHandle:
-        return self._launch(plan_copy("d2h", device_pool, device_indices, host_pool, host_indices))
+        t0 = time.perf_counter()
+        return self._launch(plan_copy("d2h", device_pool, device_indices, host_pool, host_indices), t0)
 
     def submit_h2d(
         self, host_pool: HostKVPool, host_indices: IndexLike, device_pool: DeviceKVPool, device_indices: IndexLike
     ) -> CudaCopyHandle:
-        return self._launch(plan_copy("h2d", device_pool, device_indices, host_pool, host_indices))
+        t0 = time.perf_counter()
+        return self._launch(plan_copy("h2d", device_pool, device_indices, host_pool, host_indices), t0)
 
-    def choose_backend(self, plan: CopyPlan) -> tuple[str, list[dma.Run] | None]:
-        """The backend for one copy: "dma" when the host runs are wide and few, else the kernel."""
-        if plan.num_tokens and (self.backend == "dma" or (self.backend == "auto" and self.prefer_dma)):
-            runs = dma.host_runs(plan.host_idx)
-            geo = dma.geometry(plan.host_pool, plan.num_tokens)
-            if self.backend == "dma" or dma.dma_worthwhile(runs, geo, self.dma_min_run_bytes, self.dma_max_runs):
-                return "dma", runs
-        if self.backend in ("triton", "torch"):
-            return self.backend, None
-        return ("triton" if HAVE_TRITON else "torch"), None
+    def choose_backend(self, plan: CopyPlan) -> str:
+        """The backend for one copy (see the module docstring and AutoPolicy)."""
+        if plan.num_tokens == 0:
+            return "triton" if HAVE_TRITON and self.backend != "torch" else "torch"
+        mean = mean_copy_bytes(plan.host_pool, plan.host_idx) if self.backend == "auto" else 0.0
+        return choose_backend(self.backend, plan.direction, plan.nbytes, mean, HAVE_TRITON, self.policy)
 
-    def _launch(self, plan: CopyPlan) -> CudaCopyHandle:
+    def pipeline_settings(self, direction: str, backend: str) -> PipelineSettings:
+        st = self.settings[direction]
+        if backend == "hybrid":
+            frac = self.policy.hybrid_fraction if self.backend == "auto" and self.policy.hybrid_fraction else self.hybrid_fraction
+            return dataclasses.replace(st, direct_fraction=frac)
+        return st
+
+    def _launch(self, plan: CopyPlan, t0: float | None = None) -> CudaCopyHandle:
+        t0 = time.perf_counter() if t0 is None else t0
         if plan.device_pool.device != self.device:
             raise CopyError(f"device pool is on {plan.device_pool.device}, engine on {self.device}")
         if not plan.host_pool.pinned:
             raise CopyError("the CUDA engine needs a pinned host pool (HostKVPool(pin_memory=True))")
-        backend, runs = self.choose_backend(plan)
+        backend = self.choose_backend(plan)
         keep: list[object] = [plan]
         finalize: Callable[[], None] | None = None
+        info: dict[str, Any] = {"validate_ms": (time.perf_counter() - t0) * 1e3}
         dev_view, host_view = plan.device_pool.token_view(), plan.host_pool.token_view()
         with torch.cuda.device(self.device):
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.device))
-            if backend == "dma":
-                done = self._launch_dma(plan, runs or [], dev_view, ready, keep)
+            if backend in ("dma", "hybrid"):
+                done, pinfo = launch_pipeline(self._ops, plan, self.pipeline_settings(plan.direction, backend), keep,
+                                              direct_ok=HAVE_TRITON)
+                info.update(pinfo)
                 handle = CudaCopyHandle(plan, done, keep, None)
                 handle.backend = backend
+                info["submit_ms"] = (time.perf_counter() - t0) * 1e3
+                handle.info = info
                 return handle
-            host_idx_pinned = plan.host_idx.pin_memory()  # an H2D from pageable memory could synchronise
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+            host_idx = plan.host_idx
+            perm = None
+            if backend == "triton" and self.triton_host_order and plan.num_tokens > 1:
+                order = dma.order_by_host(host_idx.numpy())
+                host_idx = torch.from_numpy(host_idx.numpy()[order])
+                perm = torch.from_numpy(order).pin_memory()
+                keep.append(perm)
+            host_idx_pinned = host_idx.pin_memory()  # an H2D from pageable memory could synchronise
             with torch.cuda.stream(self.stream):
                 self.stream.wait_event(ready)
                 dev_idx = plan.device_idx
@@ -167,26 +555,30 @@ class CudaCopyEngine(CopyEngine):
                     dev_idx.record_stream(self.stream)  # made on the compute stream, read on ours
                 else:
                     dev_idx = dev_idx.to(self.device, non_blocking=True)
-                keep += [dev_idx, host_idx_pinned]
+                if perm is not None:
+                    dev_idx = dev_idx.index_select(0, perm.to(self.device, non_blocking=True))
+                keep += [ready, dev_idx, host_idx_pinned]
                 if plan.num_tokens == 0:
                     pass
                 elif backend == "triton":
                     host_idx_dev = host_idx_pinned.to(self.device, non_blocking=True)
                     keep.append(host_idx_dev)
                     cfg = self.kernel_config or default_config(plan.host_pool.layout)
+                    info["pre_launch_ms"] = (time.perf_counter() - t0) * 1e3
                     if plan.direction == "d2h":
                         kv_rows_copy(dev_view, dev_idx, host_view, host_idx_dev, cfg)
                     else:
                         kv_rows_copy(host_view, host_idx_dev, dev_view, dev_idx, cfg)
+                    info["launched_ms"] = (time.perf_counter() - t0) * 1e3
                 elif plan.direction == "d2h":
                     staging = dev_view.index_select(2, dev_idx)
                     pinned = torch.empty(staging.shape, dtype=staging.dtype, pin_memory=True)
                     pinned.copy_(staging, non_blocking=True)
                     keep += [staging, pinned]
-                    host_idx = plan.host_idx
+                    host_idx_cpu = plan.host_idx
 
                     def finalize() -> None:
-                        host_view.index_copy_(2, host_idx, pinned)
+                        host_view.index_copy_(2, host_idx_cpu, pinned)
 
                 else:
                     c = plan.host_pool.config
@@ -201,59 +593,7 @@ class CudaCopyEngine(CopyEngine):
                 done.record(self.stream)
         handle = CudaCopyHandle(plan, done, keep, finalize)
         handle.backend = backend
+        info["submit_ms"] = (time.perf_counter() - t0) * 1e3
+        handle.info = info
         return handle
 
-    def _rows(self, src5: torch.Tensor, src_idx: torch.Tensor, dst5: torch.Tensor, dst_idx: torch.Tensor, layout: str) -> None:
-        """Device-to-device row gather/scatter on the current stream (Triton when present)."""
-        if HAVE_TRITON:
-            kv_rows_copy(src5, src_idx, dst5, dst_idx, self.kernel_config or default_config(layout))
-        else:
-            dst5.index_copy_(2, dst_idx, src5.index_select(2, src_idx))
-
-    def _launch_dma(
-        self, plan: CopyPlan, runs: list[dma.Run], dev_view: torch.Tensor, ready: torch.cuda.Event, keep: list[object]
-    ) -> torch.cuda.Event:
-        """Pipelined: kernel gathers chunk k into staging while the DMA engines move chunk k-1 (d2h), or
-        DMA fills chunk k while the kernel scatters chunk k-1 (h2d)."""
-        n, host = plan.num_tokens, plan.host_pool
-        geo = dma.geometry(host, n)
-        chunks = dma.chunk_runs(runs, host.config.bytes_per_token, self.dma_chunk_bytes)
-        drv = dma.CudaDriver.get()
-        copy_s, kern_s = self.stream, self.kernel_stream
-        first = kern_s if plan.direction == "d2h" else copy_s  # the stream that touches staging first
-        with torch.cuda.stream(first):
-            first.wait_event(ready)
-            dev_idx = plan.device_idx.to(self.device, non_blocking=True)
-            staging = torch.empty(geo.stage_shape, dtype=host.dtype, device=self.device)
-            pos = torch.arange(n, dtype=torch.int64, device=self.device)
-            allocated = torch.cuda.Event()
-            allocated.record(first)
-        other = copy_s if first is kern_s else kern_s
-        other.wait_event(allocated)
-        for t in (staging, pos, dev_idx):
-            t.record_stream(other)
-        if dev_idx is plan.device_idx:
-            dev_idx.record_stream(first)
-        keep += [staging, pos, dev_idx]
-        sview = geo.stage_view(staging)
-        host_base, stage_base = host.kv_buffer.data_ptr(), staging.data_ptr()
-        for a, b, chunk in chunks:
-            copies = dma.plan_copies(geo, chunk, host_base, stage_base, plan.direction)
-            ev = torch.cuda.Event()
-            if plan.direction == "d2h":
-                with torch.cuda.stream(kern_s):
-                    self._rows(dev_view, dev_idx[a:b], sview, pos[a:b], host.layout)
-                    ev.record(kern_s)
-                copy_s.wait_event(ev)
-                drv.run(copies, copy_s.cuda_stream)
-            else:
-                drv.run(copies, copy_s.cuda_stream)
-                ev.record(copy_s)
-                kern_s.wait_event(ev)
-                with torch.cuda.stream(kern_s):
-                    self._rows(sview, pos[a:b], dev_view, dev_idx[a:b], host.layout)
-            keep.append(ev)
-        last = copy_s if plan.direction == "d2h" else kern_s
-        done = torch.cuda.Event()
-        done.record(last)
-        return done

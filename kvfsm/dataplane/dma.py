@@ -20,6 +20,13 @@ exports two ABIs: `cuMemcpyBatchAsync` (CUDA 12.8: 9 arguments, with `size_t *fa
 pins the ABI: `_v2` when exported, else the 12.8 one (override with KVFSM_CU_BATCH=v2|v1|off). Where
 neither works (old driver, CUDA_ERROR_NOT_SUPPORTED, the legacy NULL stream, which the batch API rejects)
 run_batch falls back to one cuMemcpyAsync per copy. `memmove_batch` runs the same arrays on the CPU.
+
+Pipeline planning (used by cuda_copy.launch_pipeline, the "dma" and "hybrid" backends): `plan_pipeline`
+stages a copy in host-slot order (`order_by_host`: each chunk's copies walk host memory upwards, and
+host neighbours become one run) and can hand the shortest runs to the direct kernel (`select_short_runs`);
+`chunk_bounds` cuts the staged tokens into chunks that ramp up to the chunk size, `clip_runs` gives each
+chunk its runs (splitting runs at chunk edges), and `split_by_bytes` / `split_by_count` spread a chunk's
+flat copies over copy streams and driver calls.
 """
 
 from __future__ import annotations
@@ -242,6 +249,157 @@ def split_by_bytes(flat: FlatCopies, parts: int) -> list[FlatCopies]:
     cuts = np.where(np.abs(cum[hi] - targets) <= np.abs(cum[hi - 1] - targets), hi, hi - 1)  # the nearer boundary
     bounds = np.unique(np.concatenate(([0], cuts, [n])))
     return [flat.part(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+
+
+# ---- pipeline planning: host order, hybrid split, ramped chunks (pure numpy; used by cuda_copy) --------
+
+
+def order_by_host(host_idx: Any) -> np.ndarray:
+    """Positions that put the host slots in ascending order (ties keep batch order).
+
+    Staging in host order makes each chunk's DMA walk host memory upwards and turns host slots that are
+    neighbours (not only neighbours in batch order) into one run, so fewer and longer copies. One value
+    sort of `slot * n + position` (numpy's vectorised sort) is a few times cheaper than a stable argsort,
+    which matters because this runs before the first GPU work of a copy is enqueued."""
+    h = _i64(host_idx)
+    n = h.size
+    if n < 2 or bool((h[1:] > h[:-1]).all()):
+        return np.arange(n, dtype=np.int64)
+    if int(h.min()) >= 0 and (int(h.max()) + 1) * n < 2**62:
+        key = h * n + np.arange(n, dtype=np.int64)
+        key.sort()
+        return key % n
+    return np.argsort(h, kind="stable").astype(np.int64)
+
+
+def mean_run_tokens(host_idx: Any) -> float:
+    """Mean length of the runs of consecutive host slots in batch order (cheap: no sort). A lower bound
+    of the mean run length after order_by_host, which can only join runs."""
+    h = _i64(host_idx)
+    if h.size == 0:
+        return 0.0
+    return h.size / (1 + int(np.count_nonzero(np.diff(h) != 1)))
+
+
+def select_short_runs(lengths: Any, tokens: int) -> np.ndarray:
+    """Per-token mask (tokens laid out run after run) choosing exactly `tokens` tokens, shortest runs first
+    (ties: earlier runs first); the last run chosen may be taken in part (its first tokens)."""
+    ln = _i64(lengths)
+    total = int(ln.sum())
+    tokens = max(0, min(int(tokens), total))
+    mask = np.zeros(total, dtype=bool)
+    if tokens == 0:
+        return mask
+    order = np.argsort(ln, kind="stable")
+    cum = np.cumsum(ln[order])
+    full = int(np.searchsorted(cum, tokens, side="right"))  # runs taken whole: cum[full - 1] <= tokens
+    starts = np.cumsum(ln) - ln
+    take = np.zeros(ln.size, dtype=bool)
+    take[order[:full]] = True
+    mask[:] = np.repeat(take, ln)
+    rem = tokens - (int(cum[full - 1]) if full else 0)
+    if rem:
+        j = int(order[full])
+        mask[starts[j]: starts[j] + rem] = True
+    return mask
+
+
+@dataclass(frozen=True, eq=False)
+class PipelinePlan:
+    """How one copy is spread over the paths of the staged pipeline.
+
+    Batch positions [0, head) go through the direct kernel first (enqueued before this plan is even made).
+    `perm` lists every other batch position: the first `n_staged` in staging order (staging position j
+    holds batch position perm[j]), then the ones the direct kernel also carries (hybrid). `runs` are the
+    staged part's runs of consecutive host slots, as (staging position, first host slot, length)."""
+
+    head: int
+    perm: np.ndarray
+    n_staged: int
+    runs: np.ndarray
+
+    @property
+    def n_direct(self) -> int:
+        """Direct tokens besides the head."""
+        return int(self.perm.size) - self.n_staged
+
+
+def plan_pipeline(host_idx: Any, head: int = 0, direct_tokens: int = 0, host_order: bool = True) -> PipelinePlan:
+    """Split a copy: `head` tokens (batch order) and `direct_tokens` more (the shortest host runs: the DMA
+    engines are slowest on short copies, the kernel does not care) for the direct kernel, the rest staged,
+    in host-slot order when `host_order`."""
+    h = _i64(host_idx)
+    n = h.size
+    head = max(0, min(int(head), n))
+    rest = np.arange(head, n, dtype=np.int64)
+    if host_order:
+        rest = rest[order_by_host(h[head:])]
+    runs = host_runs_array(h[rest])
+    direct_tokens = max(0, min(int(direct_tokens), rest.size))
+    if direct_tokens == 0:
+        return PipelinePlan(head, rest, int(rest.size), runs)
+    tok = select_short_runs(runs[:, 2], direct_tokens)
+    staged, direct = rest[~tok], rest[tok]
+    return PipelinePlan(head, np.concatenate([staged, direct]), int(staged.size), host_runs_array(h[staged]))
+
+
+def _ramp(first: int, full: int) -> list[int]:
+    """first, 2 first, 4 first, ... while below full (empty when first is 0 or >= full)."""
+    out: list[int] = []
+    size = first
+    while 0 < size < full:
+        out.append(size)
+        size *= 2
+    return out
+
+
+def chunk_bounds(n: int, bytes_per_token: int, chunk_bytes: int, first_bytes: int = 0, last_bytes: int = 0) -> list[int]:
+    """Token boundaries [0, ..., n] of chunks of about chunk_bytes. With first_bytes the chunks start at
+    first_bytes and double up to chunk_bytes, so the first DMA (or scatter) starts after little work; with
+    last_bytes they also halve down to last_bytes at the end, so little work is left after the last DMA
+    (the load-back's final scatter). Every chunk holds at least one token."""
+    if n <= 0:
+        return [0]
+    bpt = max(1, int(bytes_per_token))
+    full = max(1, int(chunk_bytes) // bpt)
+    up = _ramp(max(1, int(first_bytes) // bpt), full) if first_bytes > 0 else []
+    down = _ramp(max(1, int(last_bytes) // bpt), full) if last_bytes > 0 else []
+    rest = n - sum(up) - sum(down)
+    if rest >= 0:
+        sizes = up + [full] * (rest // full) + ([rest % full] if rest % full else []) + down[::-1]
+    else:  # too short for both ramps: ramp up only, as far as it goes
+        sizes, left = [], n
+        for size in up + [full] * n:
+            if left <= 0:
+                break
+            sizes.append(min(size, left))
+            left -= sizes[-1]
+    return [0, *np.cumsum(sizes).astype(int).tolist()]
+
+
+def clip_runs(runs: np.ndarray, a: int, b: int) -> np.ndarray:
+    """The parts of `runs` (ascending, contiguous positions, as host_runs_array) inside positions [a, b)."""
+    r = np.asarray(runs, dtype=np.int64).reshape(-1, 3)
+    starts = r[:, 0]
+    ends = starts + r[:, 2]
+    i0 = int(np.searchsorted(ends, a, side="right"))
+    i1 = int(np.searchsorted(starts, b, side="left"))
+    c = r[i0:i1].copy()
+    if c.size:
+        lo = np.maximum(c[:, 0], a)
+        hi = np.minimum(c[:, 0] + c[:, 2], b)
+        c[:, 1] += lo - c[:, 0]
+        c[:, 0] = lo
+        c[:, 2] = hi - lo
+        c = c[c[:, 2] > 0]
+    return c
+
+
+def split_by_count(flat: FlatCopies, max_count: int) -> list[FlatCopies]:
+    """Consecutive slices of at most max_count copies (one driver call each); [] for an empty list."""
+    n = flat.count
+    step = max(1, int(max_count))
+    return [flat.part(a, min(n, a + step)) for a in range(0, n, step)]
 
 
 def memmove_batch(dsts: Any, srcs: Any, sizes: Any) -> int:

@@ -17,7 +17,7 @@ class BackupQueueFull(RuntimeError):
     """submit() without room: the manager must park the chunk instead (the spec's copy_parked)."""
 
 
-@dataclass
+@dataclass(slots=True)
 class BackupJob:
     """One chunk's host-to-storage write; `write()` returns per-page success."""
 

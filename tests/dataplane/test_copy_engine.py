@@ -229,23 +229,23 @@ def test_triton_kernel_interpreted_matches_torch_path(dtype: torch.dtype, attent
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("backend", ["triton", "torch", "dma", "auto"])
+@pytest.mark.parametrize("backend", ["triton", "torch", "dma", "hybrid", "auto"])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_cuda_engine_round_trip(backend: str, config: KVCacheConfig, layout: str, page_size: int) -> None:
     from kvfsm.dataplane import CudaCopyEngine
 
-    if backend == "triton" and not HAVE_TRITON:
+    if backend in ("triton", "hybrid") and not HAVE_TRITON:
         pytest.skip("triton not installed")
     round_trip(CudaCopyEngine(backend=backend), config, layout, page_size, "cuda")  # type: ignore[arg-type]
 
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("backend", ["triton", "torch", "dma"])
+@pytest.mark.parametrize("backend", ["triton", "torch", "dma", "hybrid"])
 def test_cuda_engine_orders_after_compute_and_never_blocks(backend: str) -> None:
     from kvfsm.dataplane import CudaCopyEngine
 
-    if backend == "triton" and not HAVE_TRITON:
+    if backend in ("triton", "hybrid") and not HAVE_TRITON:
         pytest.skip("triton not installed")
     cfg = KVCacheConfig.llama3_8b()
     dev = DeviceKVPool.create(cfg, 2048, "cuda")
