@@ -84,6 +84,11 @@ class AutoPolicy:
     - no_triton_min_copy_bytes: without Triton the alternative is the torch path (host scatter on the CPU,
       0.06-0.2 of the ceiling), so the pipeline (torch gathers, batched DMA) wins for copies >= 16 KiB.
     - hybrid_fraction: when set, offloads below the DMA threshold use "hybrid" instead of "triton".
+    - dma_floor_copy_bytes / dma_max_small_copies: a copy that would need more than dma_max_small_copies
+      DMA copies averaging under dma_floor_copy_bytes takes the direct path even when "dma"/"hybrid" is
+      forced. The pipeline is useless there (0.09-0.13 of the ceiling for 2 KiB copies), and on the H200
+      with the CUDA 13.0 driver a load-back of ~500K batched 2 KiB copies (layer_first, page 1, 1 GiB)
+      crashed inside cuMemcpyBatchAsync (bench/results/dma_crash-h200.log).
     """
 
     d2h_min_copy_bytes: int = 512 * KiB
@@ -91,6 +96,8 @@ class AutoPolicy:
     min_bytes: int = 16 * MiB
     no_triton_min_copy_bytes: int = 16 * KiB
     hybrid_fraction: float | None = None
+    dma_floor_copy_bytes: int = 16 * KiB
+    dma_max_small_copies: int = 65536
 
 
 def choose_backend(
@@ -102,7 +109,11 @@ def choose_backend(
     policy: AutoPolicy = AutoPolicy(),
 ) -> str:
     """The backend that carries one copy of `nbytes` whose DMA copies would average `mean_copy` bytes
-    (see AutoPolicy). A forced backend is returned as is."""
+    (see AutoPolicy). A forced backend is returned as is, except that a copy made of very many tiny DMA
+    copies (dma_floor_copy_bytes, dma_max_small_copies) never takes the pipeline."""
+    if (backend in ("dma", "hybrid") and 0 < mean_copy < policy.dma_floor_copy_bytes
+            and nbytes / mean_copy > policy.dma_max_small_copies):
+        return "triton" if have_triton else "torch"
     if backend != "auto":
         return backend
     if nbytes <= 0:
@@ -507,7 +518,7 @@ class CudaCopyEngine(CopyEngine):
         """The backend for one copy (see the module docstring and AutoPolicy)."""
         if plan.num_tokens == 0:
             return "triton" if HAVE_TRITON and self.backend != "torch" else "torch"
-        mean = mean_copy_bytes(plan.host_pool, plan.host_idx) if self.backend == "auto" else 0.0
+        mean = mean_copy_bytes(plan.host_pool, plan.host_idx) if self.backend in ("auto", "dma", "hybrid") else 0.0
         return choose_backend(self.backend, plan.direction, plan.nbytes, mean, HAVE_TRITON, self.policy)
 
     def pipeline_settings(self, direction: str, backend: str) -> PipelineSettings:

@@ -162,7 +162,14 @@ def test_policy_edges() -> None:
     assert choose_backend("auto", "d2h", big, wide, False) == "dma"  # no Triton: anything beats the torch path
     assert choose_backend("auto", "h2d", big, 4 * KiB, False) == "torch"
     for forced in ("triton", "torch", "dma", "hybrid"):
-        assert choose_backend(forced, "d2h", big, 1.0, True) == forced
+        assert choose_backend(forced, "d2h", big, wide, True) == forced
+    # Very many tiny DMA copies never take the pipeline, forced or not (a driver crash on the H200); a few
+    # tiny ones still do (the small-KV GPU tests exercise the pipeline that way).
+    for forced in ("dma", "hybrid"):
+        assert choose_backend(forced, "h2d", big, 2 * KiB, True) == "triton"
+        assert choose_backend(forced, "h2d", big, 2 * KiB, False) == "torch"
+        assert choose_backend(forced, "h2d", big, p.dma_floor_copy_bytes, True) == forced
+        assert choose_backend(forced, "h2d", 1 * MiB, 16, True) == forced
     hp = AutoPolicy(hybrid_fraction=0.5)
     assert choose_backend("auto", "d2h", big, 64 * KiB, True, hp) == "hybrid"
     assert choose_backend("auto", "h2d", big, 32 * KiB, True, hp) == "triton"
