@@ -24,7 +24,7 @@ from kvfsm.dataplane import (
     TokenSlotAllocator,
 )
 
-from .helpers import bits, fill_random, make_device_pool, make_host_pool
+from .helpers import bits, check_orders_after_compute_and_never_blocks, fill_random, make_device_pool, make_host_pool
 
 CPU_ENGINES = {"cpu": CpuCopyEngine, "thread": ThreadCpuCopyEngine, "deferred": DeferredCpuCopyEngine}
 gpu = pytest.mark.gpu
@@ -254,27 +254,7 @@ def test_cuda_engine_orders_after_compute_and_never_blocks(backend: str) -> None
     di = scattered_device_slots(dev, 512, 11)
     hi = host.alloc(512)
     assert hi is not None
-    fresh = fill_random(torch.empty_like(dev.storage[:, :, di]), 12)
-    eng.submit_d2h(dev, di, host, hi).wait()  # warm-up: JIT compilation stays out of the timing below
-    eng.submit_h2d(host, hi, dev, di).wait()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(200_000_000)  # ~0.1 s of busy compute stream
-    dev.storage.index_copy_(2, di, fresh)  # the KV the offload must see, written after the sleep
-    t0 = time.perf_counter()
-    h = eng.submit_d2h(dev, di, host, hi)
-    first = h.done()
-    elapsed = time.perf_counter() - t0
-    assert first is False and elapsed < 0.05, elapsed
-    h.wait()
-    assert h.done()
-    assert torch.equal(bits(host.token_view()[:, :, hi]), bits(fresh.cpu()))
-    back = torch.empty_like(fresh)
-    dev.storage.index_fill_(2, di, 0)  # on the compute stream: the load-back must land after this
-    h2 = eng.submit_h2d(host, hi, dev, di)
-    h2.wait_stream()
-    back.copy_(dev.storage[:, :, di])
-    torch.cuda.synchronize()
-    assert torch.equal(bits(back), bits(fresh))
+    check_orders_after_compute_and_never_blocks(eng, dev, host, di, hi)
 
 
 @gpu

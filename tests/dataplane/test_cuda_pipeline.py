@@ -7,7 +7,6 @@ memmove), bit-exact. GPU (marked, skipped without CUDA): round trips through the
 
 from __future__ import annotations
 
-import time
 
 import numpy as np
 import pytest
@@ -25,7 +24,7 @@ from kvfsm.dataplane.cuda_copy import (
     mean_copy_bytes,
 )
 
-from .helpers import bits, fill_random, make_device_pool
+from .helpers import bits, check_orders_after_compute_and_never_blocks, fill_random, make_device_pool
 from .stream_sim import SimOps
 
 gpu = pytest.mark.gpu
@@ -394,28 +393,7 @@ def test_cuda_pipeline_orders_after_compute_and_never_blocks(backend: str) -> No
     di = (torch.randperm(2047, generator=g)[:512] + 1).cuda()
     assert host.alloc(1024) is not None
     hi = torch.randperm(1024, generator=g)[:512]
-    fresh = fill_random(torch.empty_like(dev.storage[:, :, di]), 12)
-    eng.submit_d2h(dev, di, host, hi).wait()  # warm-up: JIT compilation stays out of the timing below
-    eng.submit_h2d(host, hi, dev, di).wait()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(200_000_000)  # ~0.1 s of busy compute stream
-    dev.storage.index_copy_(2, di, fresh)  # the KV the offload must see, written after the sleep
-    t0 = time.perf_counter()
-    h = eng.submit_d2h(dev, di, host, hi)
-    first = h.done()
-    elapsed = time.perf_counter() - t0
-    assert first is False and elapsed < 0.05, elapsed
-    assert h._keepalive is not None
-    h.wait()
-    assert h.done() and h._keepalive is None
-    assert torch.equal(bits(host.token_view()[:, :, hi]), bits(fresh.cpu()))
-    back = torch.empty_like(fresh)
-    dev.storage.index_fill_(2, di, 0)  # on the compute stream: the load-back must land after this
-    h2 = eng.submit_h2d(host, hi, dev, di)
-    h2.wait_stream()
-    back.copy_(dev.storage[:, :, di])
-    torch.cuda.synchronize()
-    assert torch.equal(bits(back), bits(fresh))
+    _, h2 = check_orders_after_compute_and_never_blocks(eng, dev, host, di, hi)
     assert h2.info["chunks"] >= 1 and h2.info["staged_tokens"] > 0
 
 
