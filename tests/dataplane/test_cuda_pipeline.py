@@ -7,7 +7,6 @@ memmove), bit-exact. GPU (marked, skipped without CUDA): round trips through the
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import torch
