@@ -98,8 +98,10 @@ class DecodeOffloadManager:
         self._serial = 0
         self._max_chunk = self.fx.host_pool.capacity // self.stride * self.stride
         # Per table row: where the next chunk of the live, offloadable lifecycle holding it starts, or -1
-        # (look at the request itself). A hint for offload_batch only; kept by _due_tokens and _observe.
+        # (look at the request itself). A hint (offload's early exit, offload_batch's pre-selection) that
+        # never decides what is copied; kept by _due_tokens and _observe.
         self._row_next = np.full(req_to_token.rows + 1, -1, dtype=np.int64)  # [-1]: sentinel for row -1
+        self._rows = req_to_token.rows
 
     # --- the integration surface -------------------------------------------------------------------
     @property
@@ -108,6 +110,13 @@ class DecodeOffloadManager:
 
     def offload(self, req: OffloadRequest) -> bool:
         """Submit the request's next stride-aligned chunk; False when there is none yet or no host room."""
+        row = req.req_pool_idx
+        if type(row) is int and 0 <= row < self._rows:
+            start = self._row_next[row]
+            if start >= 0 and req.kv_committed_len - start < self.stride:
+                # Most calls: the live lifecycle holding this row has no whole stride of committed KV yet
+                # (committed bounds what can be offloaded), so nothing to look up.
+                return False
         rec = self._offloadable_record(req)
         if rec is None:
             return False
