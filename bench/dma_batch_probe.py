@@ -25,6 +25,7 @@ ratio_median = this run's best contiguous-ceiling time / our median time (GB/s m
 Every result is checked bit-exact (poisoned destination first). Each case is wrapped so a failure records
 its error and the run goes on; --budget-s skips what is left once the run gets long. On a machine without
 CUDA it runs a tiny CPU planning smoke instead (and --help / import work anywhere).
+Its recorded results (bench/results/dma_batch_probe-*) came from an earlier version, before dma.py was split.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -53,7 +53,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from kvfsm.dataplane import HAVE_TRITON, DeviceKVPool, HostKVPool, KVCacheConfig  # noqa: E402
-from kvfsm.dataplane import dma  # noqa: E402
+from kvfsm.dataplane import cuda_driver, dma  # noqa: E402
 from kvfsm.dataplane.triton_kernels import default_config, kv_rows_copy  # noqa: E402
 from offload_bandwidth import (  # noqa: E402
     Timer,
@@ -79,6 +79,26 @@ def ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x.strip()]
 
 
+Run = tuple[int, int, int]  # (position in the batch, first host slot, length in tokens), as dma.host_runs_array
+
+
+def chunk_runs(runs: list[Run], bytes_per_token: int, chunk_bytes: int) -> list[tuple[int, int, list[Run]]]:
+    """Whole runs grouped into chunks of about chunk_bytes: (first position, end position, runs). The probe's
+    own chunking (the engine cuts runs at chunk edges instead: dma.chunk_bounds, dma.clip_runs)."""
+    chunks: list[tuple[int, int, list[Run]]] = []
+    cur: list[Run] = []
+    size = 0
+    for r in runs:
+        cur.append(r)
+        size += r[2] * bytes_per_token
+        if size >= chunk_bytes:
+            chunks.append((cur[0][0], cur[-1][0] + cur[-1][2], cur))
+            cur, size = [], 0
+    if cur:
+        chunks.append((cur[0][0], cur[-1][0] + cur[-1][2], cur))
+    return chunks
+
+
 # ---- diagnostics of the batch API (no risky calls) -----------------------------------------------
 
 BATCH_SYMBOLS = ("cuMemcpyBatchAsync", "cuMemcpyBatchAsync_v2", "cuMemcpyBatchAsync_ptsz",
@@ -88,8 +108,9 @@ BATCH_SYMBOLS = ("cuMemcpyBatchAsync", "cuMemcpyBatchAsync_v2", "cuMemcpyBatchAs
 
 def driver_diagnostics() -> dict[str, Any]:
     """Driver version, exported symbols and cuGetProcAddress answers, to pin down the ABI without calling it."""
-    d: dict[str, Any] = {"torch_cuda": torch.version.cuda, "sizeof_CUmemcpyAttributes": ctypes.sizeof(dma.MemcpyAttributes),
-                         "sizeof_CUmemLocation": ctypes.sizeof(dma.MemLocation)}
+    d: dict[str, Any] = {"torch_cuda": torch.version.cuda,
+                         "sizeof_CUmemcpyAttributes": ctypes.sizeof(cuda_driver.MemcpyAttributes),
+                         "sizeof_CUmemLocation": ctypes.sizeof(cuda_driver.MemLocation)}
     lib = ctypes.CDLL("libcuda.so.1")
     ver = ctypes.c_int(0)
     lib.cuDriverGetVersion(ctypes.byref(ver))
@@ -122,7 +143,7 @@ def driver_diagnostics() -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001
         d["cuda_bindings"] = f"absent ({type(e).__name__})"
     try:
-        d["batch_resolved_auto"] = dma.resolve_batch(lib, ver.value, "auto")[2]
+        d["batch_resolved_auto"] = cuda_driver.resolve_batch(lib, ver.value, "auto")[2]
     except Exception as e:  # noqa: BLE001
         d["batch_resolved_auto"] = repr(e)
     return d
@@ -136,7 +157,7 @@ def selftest(abi: str) -> dict[str, Any]:
         return out
     dev = torch.device("cuda")
     torch.cuda.init()
-    drv = dma.CudaDriver(batch_abi=abi)
+    drv = cuda_driver.CudaDriver(batch_abi=abi)
     out.update(resolved=drv.batch_abi, status=drv.batch_status, driver_api_version=drv.driver_version)
     if drv.batch_abi != abi:
         out["error"] = "ABI not resolvable here"
@@ -170,7 +191,7 @@ def selftest(abi: str) -> dict[str, Any]:
 
     try:
         out["plain"] = trial(64, 4096)
-        out["flags_overlap"] = trial(64, 4096, flags=dma.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE)
+        out["flags_overlap"] = trial(64, 4096, flags=cuda_driver.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE)
         out["location_hints"] = trial(64, 4096, hint="d2h")
         out["many_small"] = trial(32768, 256)  # 32768 copies in one call
         out["null_stream"] = trial(8, 4096, on_stream=0)  # documented to be rejected (run_batch never does this)
@@ -255,7 +276,8 @@ def row_line(r: dict[str, Any]) -> str:
 
 
 class Probe:
-    def __init__(self, args: argparse.Namespace, drv: dma.CudaDriver, out: Path, result: dict[str, Any]) -> None:
+    def __init__(self, args: argparse.Namespace, drv: cuda_driver.CudaDriver, out: Path,
+                 result: dict[str, Any]) -> None:
         self.args, self.drv, self.out, self.result = args, drv, out, result
         self.device = torch.device(DEVICE)
         self.timer = Timer(True)
@@ -311,7 +333,7 @@ class Probe:
                 return same_bits(hview.to(dev).index_select(0, slots_d), src[: n * size].view(n, size))
 
             variants = [(f"batch_x{s}", s, 0) for s in a.streams]
-            variants += [("batch_overlapflag", 1, dma.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE), ("per_copy_loop", 1, 0)]
+            variants += [("batch_overlapflag", 1, cuda_driver.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE), ("per_copy_loop", 1, 0)]
             for direction in ("d2h", "h2d"):
                 ceiling = ceil[direction]["GBps_best"]
                 if direction == "h2d":  # the host slots must hold src: put it there by a CPU scatter (independent path)
@@ -444,7 +466,7 @@ class Probe:
                     self.result.setdefault("errors", []).append(f"ps={ps}: load-back source not in place")
             for chunk_mib in a.chunks_mib:
                 t0 = time.perf_counter()
-                chunks = dma.chunk_runs(run_list, cfg.bytes_per_token, chunk_mib * MiB)
+                chunks = chunk_runs(run_list, cfg.bytes_per_token, chunk_mib * MiB)
                 plan = [(ca, cb, dma.flat_plan(geo, cr, hb, sb, direction)) for ca, cb, cr in chunks]  # type: ignore[arg-type]
                 plan_ms = (time.perf_counter() - t0) * 1e3
                 idx_dev = [(src_d if direction == "d2h" else dst_d)[ca:cb] for ca, cb, _ in plan]
@@ -541,7 +563,7 @@ def cpu_smoke() -> dict[str, Any]:
         geo = dma.geometry(host, slots.numel())
         staging = torch.zeros(geo.stage_shape, dtype=cfg.dtype)
         f = dma.flat_plan(geo, dma.host_runs_array(slots), host.kv_buffer.data_ptr(), staging.data_ptr(), "h2d")
-        dma.memmove_batch(f.dst, f.src, f.size)
+        cuda_driver.memmove_batch(f.dst, f.src, f.size)
         ok = torch.equal(geo.stage_view(staging).view(torch.uint8),
                          host.token_view().index_select(2, slots).contiguous().view(torch.uint8))
         out[str(ps)] = {"copies": f.count, "bytes": f.nbytes, "verified": bool(ok)}
@@ -611,7 +633,7 @@ def main() -> int:
         abi = next((x for x in ("v2", "v1") if result["selftest"][x].get("ok")), "off")
     else:
         abi = args.batch_abi
-    drv = dma.CudaDriver(batch_abi=abi)
+    drv = cuda_driver.CudaDriver(batch_abi=abi)
     result["batch"] = {"abi_used": drv.batch_abi, "status": drv.batch_status, "driver_api_version": drv.driver_version}
     print(f"batched copies: abi={drv.batch_abi} ({drv.batch_status})"
           + ("  ** NO WORKING BATCH ABI: every 'batch' row below is the per-copy fallback **" if drv.batch_abi is None else ""),

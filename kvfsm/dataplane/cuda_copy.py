@@ -1,4 +1,4 @@
-"""CUDA copy engine: copies on dedicated streams, completion observed through one event.
+"""CUDA copy engine (copies on dedicated streams, completion observed through one event) and its backend policy.
 
 Ordering: each submit records an event on the caller's (compute) stream and makes every stream the copy
 uses wait on it (directly, or through an event recorded after that wait), so a copy never reads KV the
@@ -16,20 +16,14 @@ bench/results/dma_batch_probe-h200.{json,log} from bench/dma_batch_probe.py):
 - "triton": one kernel gathers device rows and writes them straight into scattered pinned host slots
   through unified addressing (and the reverse for load-back). No staging, no host-side work. SM stores
   over PCIe: offload 0.93-0.947 and load-back 0.90-0.925 at every page size.
-- "dma": the staged pipeline. A kernel gathers rows into a device staging buffer laid out like the host
-  pool (in host-slot order, so neighbouring host slots become one copy), and the GPU's copy engines move
-  each run of consecutive host slots as 1-D copies, enqueued with ONE cuMemcpyBatchAsync per chunk and
-  copy stream (dma.CudaDriver.run_batch). Chunks pipeline: the gather of chunk k overlaps the DMA of
-  chunk k-1 (offload); the DMA of chunk k overlaps the scatter of chunk k-1 (load-back). Chunks ramp up
-  from `dma_first_chunk_bytes`, and for big copies a "head" (the first `dma_head_bytes`, batch order)
-  goes through the direct kernel before any planning, so the link is busy while the CPU plans. Probe:
-  offload 0.963-0.978 with 1 MiB+ copies (page_first, page >= 16) but only 0.78-0.82 with 64 KiB copies
-  (page 1: DMA engines are slow on short copies, and the driver spends ~1.3 us of CPU per copy);
-  load-back 0.95-0.96 at page 1 and 0.97-0.99 at pages 16/64.
+- "dma": the staged pipeline (pipeline.py): a kernel gathers rows into a staging buffer laid out like the
+  host pool, and the GPU's copy engines move each run of consecutive host slots, with one batched driver
+  call per chunk and copy stream. Probe: offload 0.963-0.978 with 1 MiB+ copies (page_first, page >= 16)
+  but only 0.78-0.82 with 64 KiB copies (page 1: DMA engines are slow on short copies, and the driver
+  spends ~1.3 us of CPU per copy); load-back 0.95-0.96 at page 1 and 0.97-0.99 at pages 16/64.
 - "hybrid" (experiment for offload at page 1, where neither path meets 0.97): `hybrid_fraction` of the
-  tokens (the shortest host runs) go through the direct kernel on its own stream while the rest runs
-  through the staged pipeline concurrently: each path alone is latency bound, together they may fill
-  the link. Works for load-back too (bench/offload_bandwidth.py times both).
+  tokens (the shortest host runs) go through the direct kernel while the rest runs through the staged
+  pipeline concurrently (pipeline.py). Works for load-back too (bench/offload_bandwidth.py times both).
 - "torch": fallback and baseline. Offload gathers into a contiguous device buffer, copies it into a
   contiguous pinned buffer with one `copy_(non_blocking=True)`, and scatters into the host slots on the
   CPU when done() first sees the event complete (a CPU memcpy at a few GB/s). Load-back gathers on the
@@ -48,7 +42,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -59,6 +53,7 @@ from .copy_engine import CopyEngine, CopyHandle, CopyPlan, plan_copy
 from .device_pool import DeviceKVPool, resolve_device
 from .errors import CopyError
 from .host_pool import HostKVPool
+from .pipeline import CudaOps, PipelineSettings, launch_pipeline
 from .triton_kernels import HAVE_TRITON, KernelConfig, default_config, kv_rows_copy
 
 Backend = Literal["auto", "triton", "torch", "dma", "hybrid"]
@@ -134,239 +129,6 @@ def mean_copy_bytes(host: HostKVPool, host_idx: torch.Tensor | np.ndarray) -> fl
     layers of a plane; layer_first: one layer)."""
     h = host_idx.numpy() if isinstance(host_idx, torch.Tensor) else np.asarray(host_idx)
     return dma.mean_run_tokens(h) * dma.geometry(host, 1).unit
-
-
-def head_tokens(n: int, bytes_per_token: int, head_bytes: int, min_total_bytes: int) -> int:
-    """Tokens the direct kernel carries before the pipeline is planned: head_bytes worth, only for copies
-    of at least min_total_bytes (smaller ones plan fast enough), and never the whole copy."""
-    if head_bytes <= 0 or n * bytes_per_token < max(min_total_bytes, 1):
-        return 0
-    return max(0, min(n // 2, head_bytes // max(1, bytes_per_token)))
-
-
-@dataclass(frozen=True)
-class PipelineSettings:
-    """One direction's staged-pipeline parameters (see CudaCopyEngine)."""
-
-    chunk_bytes: int
-    first_chunk_bytes: int
-    streams: int
-    last_chunk_bytes: int = 0  # ramp down at the end (load-back: the last scatter is exposed)
-    direct_fraction: float = 0.0  # hybrid: share of all tokens the direct kernel carries
-    head_bytes: int = 0
-    head_min_bytes: int = 0
-    host_order: bool = True
-    kernel_config: KernelConfig | None = None  # the direct kernel's; gathers use default_config(layout)
-    max_copies_per_call: int = 16384  # longer lists go in several driver calls (the probe tested 32768 in one)
-
-
-# ---- stream operations: CUDA, or a CPU simulation (tests) ------------------------------------------
-
-
-class StreamOps(Protocol):
-    """What the pipeline does on streams, named "kern" (gathers/scatters, index preparation), "copy<i>"
-    (batched DMA) and "direct" (the direct kernel). Real: CudaOps. Tests: a CPU simulator that runs the
-    enqueued work in random orders allowed by the events."""
-
-    def ready(self) -> Any: ...  # an event recorded on the caller's current stream
-    def record(self, s: str) -> Any: ...
-    def wait(self, s: str, event: Any) -> None: ...
-    def upload(self, s: str, arr: np.ndarray, keep: list[object]) -> torch.Tensor: ...  # int64 -> device
-    def empty(self, s: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor: ...
-    def arange(self, s: str, n: int) -> torch.Tensor: ...
-    def index_select(self, s: str, t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor: ...
-    def rows(self, s: str, src5: torch.Tensor, sidx: torch.Tensor, dst5: torch.Tensor, didx: torch.Tensor,
-             cfg: KernelConfig) -> None: ...  # dst5[:, :, didx] = src5[:, :, sidx]
-    def batch(self, s: str, flat: dma.FlatCopies) -> int: ...  # returns driver calls made
-    def record_stream(self, t: torch.Tensor, s: str) -> None: ...
-
-
-class CudaOps:
-    """StreamOps on CUDA streams; batched DMA through dma.CudaDriver.run_batch (one call per list)."""
-
-    def __init__(self, device: torch.device, streams: dict[str, torch.cuda.Stream]) -> None:
-        self.device = device
-        self.streams = streams
-        self._driver: dma.CudaDriver | None = None
-
-    @property
-    def driver(self) -> dma.CudaDriver:
-        if self._driver is None:
-            self._driver = dma.CudaDriver.get()
-        return self._driver
-
-    def ready(self) -> torch.cuda.Event:
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(self.device))
-        return ev
-
-    def record(self, s: str) -> torch.cuda.Event:
-        ev = torch.cuda.Event()
-        ev.record(self.streams[s])
-        return ev
-
-    def wait(self, s: str, event: torch.cuda.Event) -> None:
-        self.streams[s].wait_event(event)
-
-    def upload(self, s: str, arr: np.ndarray, keep: list[object]) -> torch.Tensor:
-        pinned = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.int64)).pin_memory()  # pageable H2D could sync
-        keep.append(pinned)
-        with torch.cuda.stream(self.streams[s]):
-            return pinned.to(self.device, non_blocking=True)
-
-    def empty(self, s: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        with torch.cuda.stream(self.streams[s]):
-            return torch.empty(shape, dtype=dtype, device=self.device)
-
-    def arange(self, s: str, n: int) -> torch.Tensor:
-        with torch.cuda.stream(self.streams[s]):
-            return torch.arange(n, dtype=torch.int64, device=self.device)
-
-    def index_select(self, s: str, t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        with torch.cuda.stream(self.streams[s]):
-            return t.index_select(0, idx)
-
-    def rows(self, s: str, src5: torch.Tensor, sidx: torch.Tensor, dst5: torch.Tensor, didx: torch.Tensor,
-             cfg: KernelConfig) -> None:
-        with torch.cuda.stream(self.streams[s]):
-            if HAVE_TRITON:
-                kv_rows_copy(src5, sidx, dst5, didx, cfg)
-            else:
-                dst5.index_copy_(2, didx, src5.index_select(2, sidx))
-
-    def batch(self, s: str, flat: dma.FlatCopies) -> int:
-        return self.driver.run_batch(flat.dst, flat.src, flat.size, self.streams[s].cuda_stream)
-
-    def record_stream(self, t: torch.Tensor, s: str) -> None:
-        t.record_stream(self.streams[s])
-
-
-# ---- the staged pipeline (dma and hybrid backends) --------------------------------------------------
-
-
-def launch_pipeline(ops: StreamOps, plan: CopyPlan, st: PipelineSettings, keep: list[object],
-                    direct_ok: bool = True) -> tuple[Any, dict[str, Any]]:
-    """Enqueue one copy through the staged pipeline (plus the direct kernel for the head / hybrid share);
-    returns (the one completion event, info). Everything the GPU touches is appended to `keep`."""
-    t0 = time.perf_counter()
-    n, host, d2h = plan.num_tokens, plan.host_pool, plan.direction == "d2h"
-    bpt, layout = host.config.bytes_per_token, host.layout
-    dev_view, host_view = plan.device_pool.token_view(), host.token_view()
-    dev_idx = plan.device_idx  # on the device, made on the caller's stream
-    if not dev_idx.is_contiguous():  # the kernels read indices as flat arrays (copied on the caller's stream)
-        dev_idx = dev_idx.contiguous()
-        keep.append(dev_idx)
-    host_np = plan.host_idx.numpy()
-    gather_cfg = default_config(layout)
-    direct_cfg = st.kernel_config or default_config(layout)
-    info: dict[str, Any] = {"tokens": n}
-    ready = ops.ready()
-    keep.append(ready)
-    finals: dict[str, Any] = {}  # stream -> it has been used (its last work is waited on before done)
-
-    def direct(s: str, didx: torch.Tensor, hidx: torch.Tensor) -> None:
-        if d2h:
-            ops.rows(s, dev_view, didx, host_view, hidx, direct_cfg)
-        else:
-            ops.rows(s, host_view, hidx, dev_view, didx, direct_cfg)
-
-    # 1) head: the first tokens in batch order straight through the direct kernel, before any planning
-    head = head_tokens(n, bpt, st.head_bytes, st.head_min_bytes) if direct_ok else 0
-    if head:
-        ops.wait("direct", ready)
-        ops.record_stream(dev_idx, "direct")
-        direct("direct", dev_idx[:head], ops.upload("direct", host_np[:head], keep))
-        finals["direct"] = True
-    info["first_enqueued_ms"] = (time.perf_counter() - t0) * 1e3 if head else None
-
-    # 2) plan the rest: host order, hybrid share (shortest host runs), runs of the staged part
-    want_direct = int(round(st.direct_fraction * n)) - head if direct_ok else 0
-    pp = dma.plan_pipeline(host_np, head=head, direct_tokens=max(0, want_direct), host_order=st.host_order)
-    ns, nd = pp.n_staged, pp.n_direct
-    info.update(head_tokens=head, direct_tokens=nd, staged_tokens=ns, chunks=0, copies=0, batch_calls=0,
-                planned_ms=(time.perf_counter() - t0) * 1e3)
-    # 3) index tensors on the kernel stream: permuted device slots (+ host slots of the hybrid share)
-    if ns or nd:
-        ops.wait("kern", ready)
-        ops.record_stream(dev_idx, "kern")
-        up = pp.perm if nd == 0 else np.concatenate([pp.perm, host_np[pp.perm[ns:]]])
-        idx = ops.upload("kern", up, keep)
-        dev_perm = ops.index_select("kern", dev_idx, idx[: ns + nd])
-        keep += [idx, dev_perm]
-        finals["kern"] = True
-    if ns:
-        geo = dma.geometry(host, ns)
-        staging = ops.empty("kern", geo.stage_shape, host.dtype)
-        pos = ops.arange("kern", ns)
-        keep += [staging, pos]
-        sview = geo.stage_view(staging)
-    prepared = ops.record("kern")
-    keep.append(prepared)
-
-    # 4) hybrid share on the direct stream, concurrent with the pipeline
-    if nd:
-        ops.wait("direct", prepared)
-        ops.record_stream(idx, "direct")
-        ops.record_stream(dev_perm, "direct")
-        direct("direct", dev_perm[ns:], idx[ns + nd:])
-        finals["direct"] = True
-
-    # 5) chunks through staging: one batched DMA call per chunk and copy stream
-    if ns:
-        host_base, stage_base = host.kv_buffer.data_ptr(), staging.data_ptr()
-        bounds = dma.chunk_bounds(ns, bpt, st.chunk_bytes, st.first_chunk_bytes, st.last_chunk_bytes)
-        copy_streams = [f"copy{i}" for i in range(max(1, st.streams))]
-        waited: set[str] = set()
-        for a, b in zip(bounds[:-1], bounds[1:]):
-            if d2h:  # the gather first: it runs while the CPU plans this chunk's copies
-                ops.rows("kern", dev_view, dev_perm[a:b], sview, pos[a:b], gather_cfg)
-                gathered = ops.record("kern")
-                keep.append(gathered)
-            flat = dma.flat_plan(geo, dma.clip_runs(pp.runs, a, b), host_base, stage_base, plan.direction)
-            parts = dma.split_by_bytes(flat, len(copy_streams))
-            keep.append(parts)  # the driver reads the arrays during the call; kept until completion anyway
-            info["chunks"] += 1
-            info["copies"] += flat.count
-            if d2h:
-                for s, part in zip(copy_streams, parts):
-                    ops.wait(s, gathered)
-                    for piece in dma.split_by_count(part, st.max_copies_per_call):
-                        info["batch_calls"] += ops.batch(s, piece)
-                    finals[s] = True
-            else:
-                landed = []
-                for s, part in zip(copy_streams, parts):
-                    if s not in waited:  # staging and indices are ready (and the caller's event passed)
-                        ops.wait(s, prepared)
-                        waited.add(s)
-                    for piece in dma.split_by_count(part, st.max_copies_per_call):
-                        info["batch_calls"] += ops.batch(s, piece)
-                    landed.append(ops.record(s))
-                    finals[s] = True
-                keep += landed
-                for ev in landed:
-                    ops.wait("kern", ev)
-                ops.rows("kern", sview, pos[a:b], dev_view, dev_perm[a:b], gather_cfg)
-            if info["chunks"] == 1 and info["first_enqueued_ms"] is None:
-                info["first_enqueued_ms"] = (time.perf_counter() - t0) * 1e3
-        for s in copy_streams:
-            if s in finals:
-                ops.record_stream(staging, s)
-
-    # 6) one completion event, after every stream's work
-    if ns:
-        done_stream = "copy0" if d2h else "kern"
-    else:
-        done_stream = "direct" if "direct" in finals else "kern"
-    for s in finals:
-        if s != done_stream:
-            ev = ops.record(s)
-            keep.append(ev)
-            ops.wait(done_stream, ev)
-    done = ops.record(done_stream)
-    info["streams"] = sorted(finals)
-    info["plan_and_enqueue_ms"] = (time.perf_counter() - t0) * 1e3
-    return done, info
 
 
 # ---- the engine ---------------------------------------------------------------------------------------

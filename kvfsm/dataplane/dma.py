@@ -1,38 +1,21 @@
-"""Copy-engine (DMA) transfers between a contiguous device staging buffer and runs of host slots.
+"""Planning of the staged pipeline's copies (pipeline.py) between a contiguous device staging buffer laid
+out like the host pool and runs of consecutive host slots. Pure numpy, so it is tested on CPU; the copy
+lists it makes are executed by cuda_driver.
 
-Why: copies driven by SM loads/stores over PCIe top out a few percent below what the GPU's DMA engines
-reach for the same bytes (smaller transactions), while the DMA engines cannot gather scattered rows
-cheaply. So the "dma" backend splits the work: a device kernel gathers (or scatters) rows between the
-pool and a staging buffer laid out like the host pool, at HBM speed, and the DMA engines move each run
-of consecutive host slots with one 2-D copy (one row per plane x layer; or one 1-D copy per plane for
-page_first). Chunks pipeline the two, so only one chunk's gather is exposed.
-
-This module is pure planning (runs, geometry, copy list; testable on CPU by executing the list with
-memmove) plus a small ctypes binding of the CUDA driver's cuMemcpyAsync / cuMemcpy2DAsync_v2 (libcuda
-is loaded in every CUDA process; unified addressing lets pinned host and device pointers mix).
-
-Batched submission (issue #3): one driver call per copy makes short runs CPU-launch bound (page size 1 is
-8192-16384 copies per GiB). `flat_plan` / `flatten` turn a plan into three numpy arrays of 1-D copies
-(dst, src, size; 2-D copies expanded row by row, copies adjacent in both source and destination merged),
-and `CudaDriver.run_batch` enqueues them with ONE `cuMemcpyBatchAsync` call (driver >= 12.8). The driver
-exports two ABIs: `cuMemcpyBatchAsync` (CUDA 12.8: 9 arguments, with `size_t *failIdx`) and
-`cuMemcpyBatchAsync_v2` (CUDA 13: failIdx removed, 8 arguments). We bind by exported symbol name, which
-pins the ABI: `_v2` when exported, else the 12.8 one (override with KVFSM_CU_BATCH=v2|v1|off). Where
-neither works (old driver, CUDA_ERROR_NOT_SUPPORTED, the legacy NULL stream, which the batch API rejects)
-run_batch falls back to one cuMemcpyAsync per copy. `memmove_batch` runs the same arrays on the CPU.
-
-Pipeline planning (used by cuda_copy.launch_pipeline, the "dma" and "hybrid" backends): `plan_pipeline`
-stages a copy in host-slot order (`order_by_host`: each chunk's copies walk host memory upwards, and
-host neighbours become one run) and can hand the shortest runs to the direct kernel (`select_short_runs`);
-`chunk_bounds` cuts the staged tokens into chunks that ramp up to the chunk size, `clip_runs` gives each
-chunk its runs (splitting runs at chunk edges), and `split_by_bytes` / `split_by_count` spread a chunk's
-flat copies over copy streams and driver calls.
+- Geometry: `geometry` says how a run maps to rows of bytes in the host pool and the staging buffer.
+- Flat copy lists: `flat_plan` turns runs (`host_runs_array`) into FlatCopies, three numpy arrays of 1-D
+  copies (dst, src, size) that one cuMemcpyBatchAsync call takes; `merge_adjacent` fuses copies adjacent
+  in both source and destination; `split_by_bytes` / `split_by_count` spread a list over copy streams and
+  driver calls.
+- Pipeline planning: `plan_pipeline` stages a copy in host-slot order (`order_by_host`: each chunk's
+  copies walk host memory upwards, and host neighbours become one run) and can hand the shortest runs to
+  the direct kernel (`select_short_runs`); `chunk_bounds` cuts the staged tokens into chunks that ramp up
+  to the chunk size, and `clip_runs` gives each chunk its runs (splitting runs at chunk edges).
+  `mean_run_tokens` is the "auto" policy's cheap estimate of the mean copy (cuda_copy.mean_copy_bytes).
 """
 
 from __future__ import annotations
 
-import ctypes
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -40,23 +23,9 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from .errors import CopyError
 from .host_pool import HostKVPool
 
 Run = tuple[int, int, int]  # (position in the batch, first host slot, length in tokens)
-
-
-def host_runs(host_idx: torch.Tensor) -> list[Run]:
-    """Maximal runs of consecutive host slots in batch order (O(n) torch ops)."""
-    n = int(host_idx.numel())
-    if n == 0:
-        return []
-    idx = host_idx.reshape(-1).to("cpu", torch.int64)
-    brk = torch.ones(n, dtype=torch.bool)
-    brk[1:] = idx[1:] != idx[:-1] + 1
-    starts = brk.nonzero().reshape(-1)
-    lengths = torch.diff(starts, append=torch.tensor([n]))
-    return list(zip(starts.tolist(), idx[starts].tolist(), lengths.tolist()))
 
 
 @dataclass(frozen=True)
@@ -81,56 +50,6 @@ def geometry(host: HostKVPool, n: int) -> Geometry:
     if host.layout == "layer_first":
         return Geometry(row, planes * layers, size * row, n * row, (planes, layers, n, *c.token_shape), False)
     return Geometry(layers * row, planes, size * layers * row, n * layers * row, (planes, n, layers, *c.token_shape), True)
-
-
-@dataclass(frozen=True)
-class Copy:
-    """A strided copy of `height` rows of `width` bytes (height 1: a plain copy)."""
-
-    dst: int
-    dpitch: int
-    src: int
-    spitch: int
-    width: int
-    height: int
-
-
-def plan_copies(
-    geo: Geometry, runs: Sequence[Run], host_base: int, stage_base: int, direction: Literal["d2h", "h2d"]
-) -> list[Copy]:
-    out = []
-    for pos, slot, length in runs:
-        h = host_base + slot * geo.unit
-        s = stage_base + pos * geo.unit
-        w = length * geo.unit
-        if direction == "d2h":
-            out.append(Copy(h, geo.host_pitch, s, geo.stage_pitch, w, geo.rows))
-        else:
-            out.append(Copy(s, geo.stage_pitch, h, geo.host_pitch, w, geo.rows))
-    return out
-
-
-def chunk_runs(runs: Sequence[Run], bytes_per_token: int, chunk_bytes: int) -> list[tuple[int, int, list[Run]]]:
-    """Group runs into chunks of about chunk_bytes: (first position, end position, runs)."""
-    chunks: list[tuple[int, int, list[Run]]] = []
-    cur: list[Run] = []
-    size = 0
-    for r in runs:
-        cur.append(r)
-        size += r[2] * bytes_per_token
-        if size >= chunk_bytes:
-            chunks.append((cur[0][0], cur[-1][0] + cur[-1][2], cur))
-            cur, size = [], 0
-    if cur:
-        chunks.append((cur[0][0], cur[-1][0] + cur[-1][2], cur))
-    return chunks
-
-
-def memmove_copies(copies: Sequence[Copy]) -> None:
-    """Execute a copy list on the CPU (tests): the same address arithmetic, done by memmove."""
-    for c in copies:
-        for r in range(c.height):
-            ctypes.memmove(c.dst + r * c.dpitch, c.src + r * c.spitch, c.width)
 
 
 # ---- flat (1-D) copy lists: one batched driver call per chunk ---------------------------------------
@@ -158,7 +77,8 @@ class FlatCopies:
 
 
 def host_runs_array(host_idx: torch.Tensor | np.ndarray | Sequence[int]) -> np.ndarray:
-    """host_runs as an `(k, 3)` int64 array of (position in the batch, first host slot, length)."""
+    """Maximal runs of consecutive host slots in batch order, as an `(k, 3)` int64 array of (position in the
+    batch, first host slot, length)."""
     if isinstance(host_idx, torch.Tensor):
         idx = host_idx.reshape(-1).to("cpu", torch.int64).numpy()
     else:
@@ -198,26 +118,6 @@ def merge_adjacent(dst: np.ndarray, src: np.ndarray, size: np.ndarray, merge: bo
     return FlatCopies(np.ascontiguousarray(dst, u), np.ascontiguousarray(src, u), np.ascontiguousarray(size, u))
 
 
-def _expand(dst: Any, dpitch: Any, src: Any, spitch: Any, width: Any, height: Any) -> tuple[np.ndarray, ...]:
-    """Rows of strided copies as 1-D copies, row-major (row 0 of every copy, then row 1, ...)."""
-    dst, dpitch, src, spitch, width, height = (_i64(v) for v in (dst, dpitch, src, spitch, width, height))
-    if height.size == 0:
-        e = np.zeros(0, dtype=np.int64)
-        return e, e, e
-    which = np.repeat(np.arange(height.size), height)
-    row = np.arange(which.size, dtype=np.int64) - (np.cumsum(height) - height)[which]
-    order = np.lexsort((which, row))
-    which, row = which[order], row[order]
-    return dst[which] + row * dpitch[which], src[which] + row * spitch[which], width[which]
-
-
-def flatten(copies: Sequence[Copy], merge: bool = True) -> FlatCopies:
-    """A list of (strided) Copy as 1-D copies, adjacent ones merged (see merge_adjacent)."""
-    cols = np.array([(c.dst, c.dpitch, c.src, c.spitch, c.width, c.height) for c in copies], dtype=np.int64)
-    cols = cols.reshape(-1, 6)
-    return merge_adjacent(*_expand(*cols.T), merge=merge)
-
-
 def flat_plan(
     geo: Geometry,
     runs: Sequence[Run] | np.ndarray,
@@ -226,7 +126,7 @@ def flat_plan(
     direction: Literal["d2h", "h2d"],
     merge: bool = True,
 ) -> FlatCopies:
-    """flatten(plan_copies(...)) without the Copy objects: every (row, run) as one 1-D copy, vectorized."""
+    """Every (row, run) as one 1-D copy (vectorized), adjacent ones merged (see merge_adjacent)."""
     r = np.asarray(runs, dtype=np.int64).reshape(-1, 3)
     rows = np.arange(geo.rows, dtype=np.int64)[:, None]
     host = (host_base + r[:, 1] * geo.unit)[None, :] + rows * geo.host_pitch
@@ -251,7 +151,14 @@ def split_by_bytes(flat: FlatCopies, parts: int) -> list[FlatCopies]:
     return [flat.part(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
 
 
-# ---- pipeline planning: host order, hybrid split, ramped chunks (pure numpy; used by cuda_copy) --------
+def split_by_count(flat: FlatCopies, max_count: int) -> list[FlatCopies]:
+    """Consecutive slices of at most max_count copies (one driver call each); [] for an empty list."""
+    n = flat.count
+    step = max(1, int(max_count))
+    return [flat.part(a, min(n, a + step)) for a in range(0, n, step)]
+
+
+# ---- pipeline planning: host order, hybrid split, ramped chunks (used by pipeline) ---------------------
 
 
 def order_by_host(host_idx: Any) -> np.ndarray:
@@ -393,251 +300,3 @@ def clip_runs(runs: np.ndarray, a: int, b: int) -> np.ndarray:
         c[:, 2] = hi - lo
         c = c[c[:, 2] > 0]
     return c
-
-
-def split_by_count(flat: FlatCopies, max_count: int) -> list[FlatCopies]:
-    """Consecutive slices of at most max_count copies (one driver call each); [] for an empty list."""
-    n = flat.count
-    step = max(1, int(max_count))
-    return [flat.part(a, min(n, a + step)) for a in range(0, n, step)]
-
-
-def memmove_batch(dsts: Any, srcs: Any, sizes: Any) -> int:
-    """Execute flat copies on the CPU (tests): the same arrays run_batch hands to the driver."""
-    d, s, z = (np.asarray(v).astype(np.uint64).reshape(-1).tolist() for v in (dsts, srcs, sizes))
-    if not (len(d) == len(s) == len(z)):
-        raise ValueError("dst/src/size lengths differ")
-    for a, b, n in zip(d, s, z):
-        ctypes.memmove(a, b, n)
-    return len(z)
-
-
-# ---- CUDA driver binding --------------------------------------------------------------------------
-
-_CU_MEMORYTYPE_UNIFIED = 4
-_CU_DEVICE_ATTRIBUTE_MAX_PITCH = 11
-CUDA_ERROR_NOT_SUPPORTED = 801
-CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1
-CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE = 1
-CU_MEM_LOCATION_TYPE_DEVICE = 1
-CU_MEM_LOCATION_TYPE_HOST = 2
-
-# ABI name -> (exported symbol, takes `size_t *failIdx` before the stream)
-BATCH_ABIS: dict[str, tuple[str, bool]] = {
-    "v2": ("cuMemcpyBatchAsync_v2", False),  # CUDA 13: (dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, stream)
-    "v1": ("cuMemcpyBatchAsync", True),  # CUDA 12.8: (..., numAttrs, failIdx, stream)
-}
-
-
-class _Memcpy2D(ctypes.Structure):
-    _fields_ = [
-        ("srcXInBytes", ctypes.c_size_t),
-        ("srcY", ctypes.c_size_t),
-        ("srcMemoryType", ctypes.c_int),
-        ("srcHost", ctypes.c_void_p),
-        ("srcDevice", ctypes.c_uint64),
-        ("srcArray", ctypes.c_void_p),
-        ("srcPitch", ctypes.c_size_t),
-        ("dstXInBytes", ctypes.c_size_t),
-        ("dstY", ctypes.c_size_t),
-        ("dstMemoryType", ctypes.c_int),
-        ("dstHost", ctypes.c_void_p),
-        ("dstDevice", ctypes.c_uint64),
-        ("dstArray", ctypes.c_void_p),
-        ("dstPitch", ctypes.c_size_t),
-        ("WidthInBytes", ctypes.c_size_t),
-        ("Height", ctypes.c_size_t),
-    ]
-
-
-class MemLocation(ctypes.Structure):
-    """CUmemLocation: {CUmemLocationType type; int id;} (8 bytes)."""
-
-    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-
-class MemcpyAttributes(ctypes.Structure):
-    """CUmemcpyAttributes_v1: {srcAccessOrder; CUmemLocation srcLocHint, dstLocHint; unsigned flags} (24 bytes).
-    Location hints are ignored unless a pointer is managed or not CUDA-allocated, so zero (INVALID) is fine."""
-
-    _fields_ = [
-        ("srcAccessOrder", ctypes.c_int),
-        ("srcLocHint", MemLocation),
-        ("dstLocHint", MemLocation),
-        ("flags", ctypes.c_uint),
-    ]
-
-
-assert ctypes.sizeof(MemcpyAttributes) == 24
-
-
-def resolve_batch(lib: Any, driver_version: int, choice: str | None = None) -> tuple[Any, str | None, str]:
-    """(function, abi, why) for the batched copy: "v2" when the driver exports cuMemcpyBatchAsync_v2, else
-    "v1" (cuMemcpyBatchAsync, the 12.8 ABI); (None, None, why) when neither is usable. `choice` (default:
-    env KVFSM_CU_BATCH, else "auto") forces "v2", "v1" or "off"."""
-    choice = (choice or os.environ.get("KVFSM_CU_BATCH") or "auto").lower()
-    if choice == "off":
-        return None, None, "batched copies disabled (off)"
-    if choice not in ("auto", *BATCH_ABIS):
-        raise ValueError(f"batch ABI must be auto, off, {' or '.join(BATCH_ABIS)}; got {choice!r}")
-    if choice == "auto" and driver_version and driver_version < 12080:
-        return None, None, f"driver API {driver_version} < 12080 has no cuMemcpyBatchAsync"
-    for abi in ("v2", "v1") if choice == "auto" else (choice,):
-        name, fail_idx = BATCH_ABIS[abi]
-        fn = getattr(lib, name, None)
-        if fn is None:
-            continue
-        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t] + (
-            [ctypes.c_void_p] if fail_idx else []) + [ctypes.c_void_p]
-        fn.restype = ctypes.c_int
-        return fn, abi, f"{name} ({9 if fail_idx else 8} arguments), driver API {driver_version}"
-    return None, None, f"libcuda exports no {' / '.join(BATCH_ABIS[a][0] for a in BATCH_ABIS)} (driver API {driver_version})"
-
-
-class CudaDriver:
-    """cuMemcpyAsync / cuMemcpy2DAsync_v2 / cuMemcpyBatchAsync on a given stream handle, errors raised as
-    CopyError. `lib` and `device` exist for tests (a stand-in for libcuda); `batch_abi` as resolve_batch."""
-
-    _instance: CudaDriver | None = None
-
-    def __init__(self, lib: Any = None, device: int | None = None, batch_abi: str | None = None) -> None:
-        lib = ctypes.CDLL("libcuda.so.1") if lib is None else lib
-        self.lib = lib
-        self._copy = lib.cuMemcpyAsync
-        self._copy.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
-        self._copy.restype = ctypes.c_int
-        self._copy2d = lib.cuMemcpy2DAsync_v2
-        self._copy2d.argtypes = [ctypes.POINTER(_Memcpy2D), ctypes.c_void_p]
-        self._copy2d.restype = ctypes.c_int
-        self._err = lib.cuGetErrorString
-        self._err.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
-        attr = lib.cuDeviceGetAttribute
-        attr.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int]
-        v = ctypes.c_int(0)
-        self.device = torch.cuda.current_device() if device is None else int(device)
-        ok = attr(ctypes.byref(v), _CU_DEVICE_ATTRIBUTE_MAX_PITCH, self.device) == 0
-        self.max_pitch = v.value if ok and v.value > 0 else 2**31 - 1
-        self._desc = _Memcpy2D()
-        self._desc.srcMemoryType = _CU_MEMORYTYPE_UNIFIED
-        self._desc.dstMemoryType = _CU_MEMORYTYPE_UNIFIED
-        ver = ctypes.c_int(0)
-        get_version = getattr(lib, "cuDriverGetVersion", None)
-        self.driver_version = ver.value if get_version is not None and get_version(ctypes.byref(ver)) == 0 else 0
-        self._batch, self.batch_abi, self.batch_status = resolve_batch(lib, self.driver_version, batch_abi)
-        self.batch_calls = 0  # batched driver calls made
-        self.fallback_copies = 0  # copies run_batch had to issue one by one
-
-    @classmethod
-    def get(cls) -> CudaDriver:
-        if cls._instance is None:
-            cls._instance = cls()
-        return cls._instance
-
-    @property
-    def batch_available(self) -> bool:
-        return self._batch is not None
-
-    def _check(self, rc: int, what: str) -> None:
-        if rc != 0:
-            raise CopyError(f"{what} failed: CUDA driver error {rc} ({self.error_string(rc)})")
-
-    def error_string(self, rc: int) -> str:
-        s = ctypes.c_char_p()
-        self._err(rc, ctypes.byref(s))
-        return (s.value or b"?").decode()
-
-    def run(self, copies: Sequence[Copy], stream: int) -> int:
-        """Enqueue every copy on `stream`; returns the number of driver calls made."""
-        calls = 0
-        d = self._desc
-        for c in copies:
-            if c.height == 1 or max(c.dpitch, c.spitch) > self.max_pitch:
-                for r in range(c.height):
-                    self._check(self._copy(c.dst + r * c.dpitch, c.src + r * c.spitch, c.width, stream), "cuMemcpyAsync")
-                    calls += 1
-            else:
-                d.srcDevice, d.srcPitch, d.dstDevice, d.dstPitch = c.src, c.spitch, c.dst, c.dpitch
-                d.WidthInBytes, d.Height = c.width, c.height
-                self._check(self._copy2d(ctypes.byref(d), stream), "cuMemcpy2DAsync")
-                calls += 1
-        return calls
-
-    def batch_raw(
-        self,
-        dsts: np.ndarray,
-        srcs: np.ndarray,
-        sizes: np.ndarray,
-        stream: int,
-        flags: int = 0,
-        hint: Literal["d2h", "h2d"] | None = None,
-    ) -> tuple[int, int | None]:
-        """One cuMemcpyBatchAsync call, no fallback: (CUresult, failIdx or None). The arrays must be
-        contiguous uint64 of one length. srcAccessOrder STREAM; one attribute entry for every copy."""
-        if self._batch is None:
-            raise CopyError(f"cuMemcpyBatchAsync unavailable: {self.batch_status}")
-        attrs = MemcpyAttributes()
-        attrs.srcAccessOrder = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
-        attrs.flags = flags
-        if hint is not None:
-            dev = MemLocation(CU_MEM_LOCATION_TYPE_DEVICE, self.device)
-            host = MemLocation(CU_MEM_LOCATION_TYPE_HOST, 0)
-            attrs.srcLocHint, attrs.dstLocHint = (dev, host) if hint == "d2h" else (host, dev)
-        idx = ctypes.c_size_t(0)
-        args: list[Any] = [dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, int(sizes.size),
-                           ctypes.addressof(attrs), ctypes.addressof(idx), 1]
-        fail = None
-        if self.batch_abi == "v1":
-            fail = ctypes.c_size_t(2**64 - 1)
-            args.append(ctypes.addressof(fail))
-        rc = int(self._batch(*args, stream))
-        self.batch_calls += 1
-        return rc, (None if fail is None or fail.value == 2**64 - 1 else int(fail.value))
-
-    def run_batch(
-        self,
-        dsts: Any,
-        srcs: Any,
-        sizes: Any,
-        stream: int,
-        flags: int = 0,
-        hint: Literal["d2h", "h2d"] | None = None,
-    ) -> int:
-        """Enqueue 1-D copies dsts[i] <- srcs[i] (sizes[i] bytes) on `stream` with ONE cuMemcpyBatchAsync
-        call; returns the number of driver calls made. Falls back to one cuMemcpyAsync per copy when the
-        batch API is missing, answers CUDA_ERROR_NOT_SUPPORTED (then never tried again), or the stream is
-        the legacy NULL stream (which it rejects). Any other error is raised as CopyError."""
-        d, s, z = (np.ascontiguousarray(np.asarray(v).reshape(-1), dtype=np.uint64) for v in (dsts, srcs, sizes))
-        n = int(z.size)
-        if not (d.size == s.size == n):
-            raise ValueError(f"dst/src/size lengths differ: {d.size}, {s.size}, {n}")
-        if n == 0:
-            return 0
-        stream = int(stream or 0)
-        if self._batch is not None and stream != 0:
-            rc, fail = self.batch_raw(d, s, z, stream, flags, hint)
-            if rc == 0:
-                return 1
-            if rc != CUDA_ERROR_NOT_SUPPORTED:
-                where = f", failIdx {fail}" if fail is not None else ""
-                self._check(rc, f"cuMemcpyBatchAsync[{self.batch_abi}] of {n} copies{where}")
-            self._batch = None
-            self.batch_status = f"{self.batch_status}: answered CUDA_ERROR_NOT_SUPPORTED, per-copy fallback"
-        self.fallback_copies += n
-        return self.run_each(d, s, z, stream)
-
-    def run_each(self, dsts: Any, srcs: Any, sizes: Any, stream: int) -> int:
-        """The same 1-D copies with one cuMemcpyAsync each (the fallback, and a baseline)."""
-        d, s, z = (np.asarray(v).astype(np.uint64).reshape(-1).tolist() for v in (dsts, srcs, sizes))
-        if not (len(d) == len(s) == len(z)):
-            raise ValueError("dst/src/size lengths differ")
-        for a, b, m in zip(d, s, z):
-            self._check(self._copy(a, b, m, stream), "cuMemcpyAsync")
-        return len(z)
-
-
-def dma_worthwhile(runs: Sequence[Run], geo: Geometry, min_width: int, max_calls: int) -> bool:
-    """The DMA path pays when runs are wide (few long DMA rows) and few (host call overhead)."""
-    if not runs:
-        return False
-    mean_width = sum(r[2] for r in runs) * geo.unit / len(runs)
-    return mean_width >= min_width and len(runs) <= max_calls

@@ -1,4 +1,4 @@
-"""A CPU stand-in for CUDA streams and events, for the staged copy pipeline (cuda_copy.StreamOps).
+"""A CPU stand-in for CUDA streams and events, for the staged copy pipeline (pipeline.StreamOps).
 
 Every operation is queued on its named stream and only runs when `run()` executes the queues in a random
 interleaving that respects the events: a stream's wait on an event blocks that stream until the record the
@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from kvfsm.dataplane import dma
+from kvfsm.dataplane.cuda_driver import memmove_batch
 from kvfsm.dataplane.triton_kernels import KernelConfig
 
 
@@ -86,7 +87,7 @@ class SimOps:
 
     def batch(self, s: str, flat: dma.FlatCopies) -> int:
         self.batches.append((s, flat.count))
-        self.enqueue(s, lambda: dma.memmove_batch(flat.dst, flat.src, flat.size))
+        self.enqueue(s, lambda: memmove_batch(flat.dst, flat.src, flat.size))
         return 1
 
     def record_stream(self, t: torch.Tensor, s: str) -> None:

@@ -14,14 +14,8 @@ import torch
 from kvfsm.dataplane import HAVE_TRITON, DeviceKVPool, HostKVPool, KVCacheConfig
 from kvfsm.dataplane import dma
 from kvfsm.dataplane.copy_engine import plan_copy
-from kvfsm.dataplane.cuda_copy import (
-    AutoPolicy,
-    PipelineSettings,
-    choose_backend,
-    head_tokens,
-    launch_pipeline,
-    mean_copy_bytes,
-)
+from kvfsm.dataplane.cuda_copy import AutoPolicy, choose_backend, mean_copy_bytes
+from kvfsm.dataplane.pipeline import PipelineSettings, head_tokens, launch_pipeline
 
 from .helpers import bits, check_orders_after_compute_and_never_blocks, fill_random, make_device_pool
 from .stream_sim import SimOps

@@ -1,66 +1,171 @@
-"""The DMA path's planning (runs, geometry, strided copy lists), executed on CPU with memmove."""
+"""The DMA path's planning: host runs, flat (1-D) copy lists and their merging and splitting, executed on
+CPU by memmove (the same arrays one cuMemcpyBatchAsync call would take)."""
 
 from __future__ import annotations
 
+import ctypes
+
+import numpy as np
 import pytest
 import torch
 
-from kvfsm.dataplane import DeviceKVPool, KVCacheConfig
+from kvfsm.dataplane import DeviceKVPool, HostKVPool, KVCacheConfig
 from kvfsm.dataplane import dma
+from kvfsm.dataplane.cuda_driver import memmove_batch
 
-from .helpers import bits, make_device_pool, make_host_pool
-
-
-def test_host_runs() -> None:
-    assert dma.host_runs(torch.empty(0, dtype=torch.int64)) == []
-    assert dma.host_runs(torch.tensor([4, 5, 6, 7, 0, 1, 2, 3, 9])) == [(0, 4, 4), (4, 0, 4), (8, 9, 1)]
-    assert dma.host_runs(torch.arange(10, 20)) == [(0, 10, 10)]
-    assert dma.host_runs(torch.tensor([3, 2, 1])) == [(0, 3, 1), (1, 2, 1), (2, 1, 1)]
+from .helpers import bits, fill_random, make_device_pool
 
 
-def test_chunk_runs_cover_the_batch_in_order() -> None:
-    runs = [(0, 8, 4), (4, 0, 4), (8, 20, 2), (10, 30, 6)]
-    chunks = dma.chunk_runs(runs, bytes_per_token=10, chunk_bytes=70)
-    assert [(a, b) for a, b, _ in chunks] == [(0, 8), (8, 16)]
-    assert [r for _, _, rs in chunks for r in rs] == runs
+def random_host_pages(host: HostKVPool, pages: int, seed: int) -> torch.Tensor:
+    """Slots of `pages` distinct random host pages, in random order (batch order)."""
+    ps = host.page_size
+    perm = torch.randperm(host.size // ps, generator=torch.Generator().manual_seed(seed))[:pages]
+    return (perm[:, None] * ps + torch.arange(ps)).reshape(-1)
 
 
-@pytest.mark.parametrize("page_size", [1, 4])
-def test_strided_copies_round_trip(config: KVCacheConfig, layout: str, page_size: int) -> None:
-    dev = make_device_pool(config, 64, seed=21)
-    host = make_host_pool(config, 32, page_size, layout)
-    x = host.alloc(24)
-    assert x is not None
-    pages = x.view(-1, page_size)
-    hi = pages[torch.randperm(pages.shape[0], generator=torch.Generator().manual_seed(1))[: 16 // page_size]].reshape(-1)
-    di = torch.randperm(63, generator=torch.Generator().manual_seed(2))[:16] + 1
+def as_tuple(f: dma.FlatCopies) -> tuple[list[int], list[int], list[int]]:
+    return f.dst.tolist(), f.src.tolist(), f.size.tolist()
+
+
+def reference_copies(geo: dma.Geometry, runs: np.ndarray, host_base: int, stage_base: int,
+                     direction: str) -> tuple[list[int], list[int], list[int]]:
+    """Every (run, row) as one 1-D copy, by plain loops: the independent reference for flat_plan."""
+    dst, src, size = [], [], []
+    for pos, slot, length in runs.tolist():
+        for row in range(geo.rows):
+            h = host_base + slot * geo.unit + row * geo.host_pitch
+            s = stage_base + pos * geo.unit + row * geo.stage_pitch
+            dst.append(h if direction == "d2h" else s)
+            src.append(s if direction == "d2h" else h)
+            size.append(length * geo.unit)
+    return dst, src, size
+
+
+def test_host_runs_array() -> None:
+    def runs(idx: list[int]) -> list[list[int]]:
+        return dma.host_runs_array(torch.tensor(idx, dtype=torch.int64)).tolist()
+
+    assert runs([]) == []
+    assert runs([4, 5, 6, 7, 0, 1, 2, 3, 9]) == [[0, 4, 4], [4, 0, 4], [8, 9, 1]]
+    assert runs(list(range(10, 20))) == [[0, 10, 10]]
+    assert runs([3, 2, 1]) == [[0, 3, 1], [1, 2, 1], [2, 1, 1]]
+    assert runs([0, 2, 3, 5, 6, 7]) == [[0, 0, 1], [1, 2, 2], [3, 5, 3]]
+    assert dma.host_runs_array(np.array([7, 8])).tolist() == [[0, 7, 2]]
+
+
+def test_merge_adjacent_fuses_only_when_both_sides_continue() -> None:
+    # a chain that continues on both sides -> one copy; given out of order on purpose
+    f = dma.merge_adjacent([1200, 1000, 1100], [200, 0, 100], [100, 100, 100])
+    assert as_tuple(f) == ([1000], [0], [300])
+    # source continues, destination does not -> kept apart (sorted by source)
+    f = dma.merge_adjacent([5000, 1000], [100, 0], [100, 100])
+    assert as_tuple(f) == ([1000, 5000], [0, 100], [100, 100])
+    # destination continues, source does not -> kept apart
+    f = dma.merge_adjacent([1000, 1100], [0, 500], [100, 100])
+    assert as_tuple(f) == ([1000, 1100], [0, 500], [100, 100])
+    # empty copies dropped; merge=False keeps the order given
+    f = dma.merge_adjacent([9, 1000, 1100], [9, 0, 100], [0, 100, 100], merge=False)
+    assert as_tuple(f) == ([1000, 1100], [0, 100], [100, 100])
+    assert f.dst.dtype == f.src.dtype == f.size.dtype == np.uint64
+    assert dma.merge_adjacent([], [], []).count == 0
+    with pytest.raises(ValueError):
+        dma.merge_adjacent([1, 2], [1], [1, 1])
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("direction", ["d2h", "h2d"])
+def test_flat_plan_equals_the_reference(config: KVCacheConfig, layout: str, page_size: int, direction: str) -> None:
+    host = HostKVPool(config, 256, page_size, layout, pin_memory=False)  # type: ignore[arg-type]
+    hi = random_host_pages(host, 96 // page_size, seed=page_size)
     n = hi.numel()
     geo = dma.geometry(host, n)
-    runs = dma.host_runs(hi)
-    assert sum(r[2] for r in runs) == n
+    runs = dma.host_runs_array(hi)
+    hb, sb = host.kv_buffer.data_ptr(), 1 << 40  # any staging base will do for the arithmetic
+    ref = dma.merge_adjacent(*reference_copies(geo, runs, hb, sb, direction))
+    got = dma.flat_plan(geo, runs, hb, sb, direction)  # type: ignore[arg-type]
+    assert as_tuple(got) == as_tuple(ref)
+    assert got.nbytes == n * config.bytes_per_token
+    unmerged = dma.flat_plan(geo, runs, hb, sb, direction, merge=False)  # type: ignore[arg-type]
+    assert unmerged.count == len(runs) * geo.rows >= got.count
+    assert unmerged.nbytes == got.nbytes
 
-    # offload: gather into staging (as the kernel does), then the DMA copy list, by memmove
-    staging = torch.empty(geo.stage_shape, dtype=config.dtype)
+
+def test_flat_plan_of_a_whole_pool_is_one_copy(config: KVCacheConfig, layout: str) -> None:
+    host = HostKVPool(config, 32, 4, layout, pin_memory=False)  # type: ignore[arg-type]
+    geo = dma.geometry(host, host.size)
+    f = dma.flat_plan(geo, [(0, 0, host.size)], host.kv_buffer.data_ptr(), 1 << 40, "d2h")
+    assert as_tuple(f) == ([host.kv_buffer.data_ptr()], [1 << 40], [host.nbytes])
+
+
+def test_split_by_bytes_covers_everything_in_order() -> None:
+    f = dma.merge_adjacent(np.arange(10) * 1000, np.arange(10) * 1000 + 7, [100] * 9 + [1000], merge=False)
+    for parts in (1, 2, 3, 4, 16):
+        pieces = dma.split_by_bytes(f, parts)
+        assert 1 <= len(pieces) <= parts and all(p.count for p in pieces)
+        assert np.concatenate([p.dst for p in pieces]).tolist() == f.dst.tolist()
+        assert sum(p.nbytes for p in pieces) == f.nbytes
+    halves = dma.split_by_bytes(f, 2)
+    assert [p.nbytes for p in halves] == [900, 1000]
+    assert dma.split_by_bytes(f.part(0, 0), 4) == []
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_round_trip_through_memmove_batch(config: KVCacheConfig, layout: str, page_size: int) -> None:
+    """host pool -> (flat h2d) staging -> device slots -> staging -> (flat d2h) second host pool, bit-exact,
+    chunk by chunk, and nothing outside the chosen host slots written."""
+    src_host = HostKVPool(config, 256, page_size, layout, pin_memory=False)  # type: ignore[arg-type]
+    fill_random(src_host.kv_buffer, seed=5)
+    dst_host = HostKVPool(config, 256, page_size, layout, pin_memory=False)  # type: ignore[arg-type]
+    dst_host.kv_buffer.zero_()
+    hi = random_host_pages(src_host, 128 // page_size, seed=7)
+    n = hi.numel()
+    geo = dma.geometry(src_host, n)
+    runs = dma.host_runs_array(hi)
+    bounds = dma.chunk_bounds(n, config.bytes_per_token, 20 * config.bytes_per_token)
+    chunks = [dma.clip_runs(runs, a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+    assert len(chunks) > 1
+
+    # load-back: batched H2D into staging, then scatter into random device slots
+    staging = torch.zeros(geo.stage_shape, dtype=config.dtype)
+    for chunk in chunks:
+        f = dma.flat_plan(geo, chunk, src_host.kv_buffer.data_ptr(), staging.data_ptr(), "h2d")
+        assert memmove_batch(f.dst, f.src, f.size) == f.count
     pos = torch.arange(n)
-    geo.stage_view(staging).index_copy_(2, pos, dev.token_view().index_select(2, di))
-    for a, b, chunk in dma.chunk_runs(runs, config.bytes_per_token, 3 * config.bytes_per_token):
-        dma.memmove_copies(dma.plan_copies(geo, chunk, host.kv_buffer.data_ptr(), staging.data_ptr(), "d2h"))
-    assert torch.equal(bits(host.token_view()[:, :, hi]), bits(dev.storage[:, :, di]))
+    dev = DeviceKVPool.create(config, 200)
+    di = torch.randperm(199, generator=torch.Generator().manual_seed(3))[:n] + 1
+    dev.token_view().index_copy_(2, di, geo.stage_view(staging).index_select(2, pos))
+    assert torch.equal(bits(dev.token_view()[:, :, di]), bits(src_host.token_view()[:, :, hi]))
 
-    # load-back: DMA copy list into a fresh staging buffer, then scatter into other device slots
+    # offload: gather the device slots into a fresh staging buffer, then batched D2H into the other pool
     staging2 = torch.zeros(geo.stage_shape, dtype=config.dtype)
-    dma.memmove_copies(dma.plan_copies(geo, runs, host.kv_buffer.data_ptr(), staging2.data_ptr(), "h2d"))
-    back = DeviceKVPool.create(config, 64)
-    dj = torch.randperm(63, generator=torch.Generator().manual_seed(3))[:16] + 1
-    back.token_view().index_copy_(2, dj, geo.stage_view(staging2).index_select(2, pos))
-    assert torch.equal(bits(back.storage[:, :, dj]), bits(dev.storage[:, :, di]))
+    geo.stage_view(staging2).index_copy_(2, pos, dev.token_view().index_select(2, di))
+    for chunk in chunks:
+        f = dma.flat_plan(geo, chunk, dst_host.kv_buffer.data_ptr(), staging2.data_ptr(), "d2h")
+        for part in dma.split_by_bytes(f, 3):  # as if spread over three copy streams
+            memmove_batch(part.dst, part.src, part.size)
+    assert torch.equal(bits(dst_host.token_view()[:, :, hi]), bits(src_host.token_view()[:, :, hi]))
+    untouched = torch.ones(dst_host.size, dtype=torch.bool)
+    untouched[hi] = False
+    assert not bits(dst_host.token_view()[:, :, untouched]).any()
 
 
-def test_dma_worthwhile_policy() -> None:
-    host = make_host_pool(KVCacheConfig.llama3_8b(), 128, 16, "layer_first")
-    geo = dma.geometry(host, 64)
-    wide = [(i * 16, 64 + i * 16, 16) for i in range(4)]  # 16 tokens x 2 KiB = 32 KiB per row
-    narrow = [(i, 3 * i, 1) for i in range(64)]
-    assert dma.dma_worthwhile(wide, geo, 32 * 1024, 2048)
-    assert not dma.dma_worthwhile(narrow, geo, 32 * 1024, 2048)
-    assert not dma.dma_worthwhile(wide, geo, 32 * 1024, 2)
+def test_merged_flat_plan_moves_what_the_reference_moves(config: KVCacheConfig, layout: str) -> None:
+    """Merging copies changes how the bytes move, not which: the merged list executed by memmove_batch
+    writes the same host bytes as the reference's row copies executed one by one."""
+    dev = make_device_pool(config, 64, seed=21)
+    host_a = HostKVPool(config, 64, 4, layout, pin_memory=False)  # type: ignore[arg-type]
+    host_b = HostKVPool(config, 64, 4, layout, pin_memory=False)  # type: ignore[arg-type]
+    host_a.kv_buffer.zero_()
+    host_b.kv_buffer.zero_()
+    hi = random_host_pages(host_a, 8, seed=11)
+    n = hi.numel()
+    geo = dma.geometry(host_a, n)
+    staging = torch.empty(geo.stage_shape, dtype=config.dtype)
+    di = torch.randperm(63, generator=torch.Generator().manual_seed(2))[:n] + 1
+    geo.stage_view(staging).index_copy_(2, torch.arange(n), dev.token_view().index_select(2, di))
+    runs = dma.host_runs_array(hi)
+    for d, s, z in zip(*reference_copies(geo, runs, host_a.kv_buffer.data_ptr(), staging.data_ptr(), "d2h")):
+        ctypes.memmove(d, s, z)
+    f = dma.flat_plan(geo, runs, host_b.kv_buffer.data_ptr(), staging.data_ptr(), "d2h")
+    memmove_batch(f.dst, f.src, f.size)
+    assert torch.equal(bits(host_a.kv_buffer), bits(host_b.kv_buffer))
