@@ -96,6 +96,7 @@ class ExplorerConfig:
     end_kinds: tuple[str, ...] = ("finish", "abort", "retract")
     duplicate_end: bool = True  # end_again i: finish of a request that already ended (B9)
     backup_failures: bool = True  # backup_fail j besides backup j
+    batch_offload: bool = True  # offload_batch: one manager.offload_batch over every live request
     rows: Optional[int] = None  # request-table rows (default: one per request, one more per re-admittable one)
     max_context: int = 16
 
@@ -157,6 +158,8 @@ def enabled(w: World) -> list[Event]:
                 out.append(("readmit", i))
             if cfg.duplicate_end:
                 out.append(("end_again", i))
+    if cfg.batch_offload and sum(phase == LIVE for phase, _, _ in w.ctl) > 1:
+        out.append(("offload_batch",))
     out.extend(("copy", j) for j in range(len(e.copies.pending)))
     for j in range(len(e.worker.pending)):
         out.append(("backup", j))
@@ -172,6 +175,9 @@ def apply(w: World, ev: Event) -> None:
     e, cfg = w.engine, w.config
     if kind == "progress":
         e.manager.check_progress()
+        return
+    if kind == "offload_batch":
+        _offload_batch(w)
         return
     if kind == "copy":
         e.copies.complete(e.copies.pending[ev[1]])
@@ -229,13 +235,10 @@ def _offload(w: World, i: int, req: SimRequest) -> None:
     """manager.offload, checked: a chunk continues where the last one ended, covers whole strides of the
     request's committed KV through its own table row; no chunk leaves everything as it was (B7)."""
     e = w.engine
-    m = e.manager
-    fx = m.fx
-    mach = m.machine_of(req)
-    rec = mach.ctx if mach is not None and mach.state in _LIVE_STATES else None
-    inc = rec.inc_len if rec is not None else 0
+    fx = e.manager.fx
+    rec, inc = _offload_progress(w, req)
     n_fifo, host_free = len(fx.copy_fifo), e.host_pool.free_slots
-    submitted = m.offload(req)
+    submitted = e.manager.offload(req)
     if not submitted:
         _check(len(fx.copy_fifo) == n_fifo and e.host_pool.free_slots == host_free and
                (rec is None or rec.inc_len == inc), "offload_nothing_changes_nothing",
@@ -245,10 +248,45 @@ def _offload(w: World, i: int, req: SimRequest) -> None:
         return
     _check(len(fx.copy_fifo) == n_fifo + 1, "offload_one_chunk",
            f"r{i}: one offload queued {len(fx.copy_fifo) - n_fifo} copies")
-    c = fx.copy_fifo[-1]
+    _check_chunk(w, i, req, rec, inc, fx.copy_fifo[-1])
+
+
+def _offload_batch(w: World) -> None:
+    """manager.offload_batch over every live request (with the engine's batch arrays), checked: at most one
+    chunk per request, each as `_offload` checks it; requests without a chunk keep their offloaded length."""
+    e = w.engine
+    fx = e.manager.fx
+    live = [i for i, (phase, _, _) in enumerate(w.ctl) if phase == LIVE]
+    reqs = [w.reqs[i] for i in live]
+    before = [_offload_progress(w, req) for req in reqs]
+    n_fifo = len(fx.copy_fifo)
+    submitted = e.manager.offload_batch(reqs, [r.req_pool_idx for r in reqs], [r.kv_committed_len for r in reqs])
+    new = list(fx.copy_fifo)[n_fifo:]
+    _check(len(new) == submitted, "offload_batch_count",
+           f"offload_batch reported {submitted} chunks but queued {len(new)}")
+    by_request = {id(c.record.req_ref()): c for c in new}
+    _check(len(by_request) == len(new), "offload_batch_one_chunk_each", "offload_batch queued two chunks for one request")
+    for i, req, (rec, inc) in zip(live, reqs, before):
+        c = by_request.get(id(req))
+        if c is not None:
+            _check_chunk(w, i, req, rec, inc, c)
+        else:
+            _check(rec is None or rec.inc_len == inc, "offload_nothing_changes_nothing",
+                   lambda: f"r{i}: no chunk in offload_batch, but its offloaded length moved {inc} -> {rec.inc_len}")
+
+
+def _offload_progress(w: World, req: SimRequest) -> tuple[Any, int]:
+    """The request's live lifecycle record (None if it has none yet) and its offloaded length."""
+    mach = w.engine.manager.machine_of(req)
+    rec = mach.ctx if mach is not None and mach.state in _LIVE_STATES else None
+    return rec, (rec.inc_len if rec is not None else 0)
+
+
+def _check_chunk(w: World, i: int, req: SimRequest, rec: Any, inc: int, c: Any) -> None:
+    e = w.engine
     new = c.record
     start = new.prefill_len + (inc if new is rec else 0)
-    stride = m.stride
+    stride = e.manager.stride
     _check(c.start == start and c.end > c.start and (c.end - c.start) % stride == 0 and
            new.prefill_len + new.inc_len == c.end, "offload_contiguous",
            lambda: f"r{i}: chunk [{c.start}, {c.end}) but the next chunk starts at {start} (stride {stride}), "

@@ -342,3 +342,21 @@ def test_copy_failure_or_divergence_falls_back_to_replay(monkeypatch: pytest.Mon
     res = explore(cfg, keep_keys=True, validate_every=1)
     assert res.mode == "replay" and ("diverged" in res.fallback or "does not happen" in res.fallback)
     assert res.keys == plain.keys
+
+
+def test_offload_batch_event_catches_a_batch_only_bug(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The explorer's offload_batch event reaches code a loop of offload() never runs: a device-slot
+    gather that is wrong only for multi-chunk batches is caught there and only there."""
+    right = DecodeOffloadManager._device_slots
+
+    def wrong(self, due):  # type: ignore[no-untyped-def]
+        out = right(self, due)
+        if len(due) > 1:
+            out[due[0][2]:] += 2  # the second chunk reads slots two past its own
+        return out
+
+    monkeypatch.setattr(DecodeOffloadManager, "_device_slots", wrong)
+    res = explore(ExplorerConfig(requests=2, decodes=2), max_depth=12)
+    assert res.violation is not None and res.violation.name == "offload_own_slots"
+    assert res.violation.events[-1] == ("offload_batch",)
+    assert explore(ExplorerConfig(requests=2, decodes=2, batch_offload=False), max_depth=12).violation is None
