@@ -17,6 +17,10 @@ Reported per case and direction:
                       order, other chunk/stream settings), hybrid with direct fractions 0.3 / 0.5 / 0.7,
                       and auto. DMA tuning variants are skipped where a DMA copy would average < 64 KiB
                       (layer_first at pages 1 and 16), where they take long and cannot win.
+                      "behind_compute": the same copy submitted while the caller's stream is still busy
+                      (a 30 ms GPU sleep, as when a copy is enqueued behind a decode step), timed by events
+                      from the end of the busy period to completion: the copy's own GPU time, comparable
+                      to the ceiling's, with the host-side submit hidden as it is in serving.
   "ours"              = engine_auto: what a caller of CudaCopyEngine() gets ("chose" says which path).
   torch rows          "torch_gather_pinned" = gather into a contiguous device buffer + one copy into
                       contiguous pinned memory (the data is then NOT in the host slots: the host scatter
@@ -113,6 +117,23 @@ def parse_configs(spec: str) -> list[KernelConfig]:
 
 def cfg_name(c: KernelConfig) -> str:
     return f"{c.tokens}x{c.num_warps}{':lf' if c.layer_fastest else ''}"
+
+
+def behind_compute(submit: Callable[[], Any], reps: int, busy_ms: float = 30.0) -> list[float]:
+    """Seconds from the copy's start to its completion when it is submitted while the caller's stream is
+    still busy (as in serving, where the copy is enqueued behind the step's compute): the host-side submit
+    runs during a `busy_ms` GPU sleep, and CUDA events time the copy from the end of that sleep."""
+    cycles = int(busy_ms * 2e6)  # at ~2 GHz (H100/H200 boost); a slower clock only lengthens the sleep
+    out = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(cycles)
+        a.record()
+        submit().wait_stream()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b) / 1e3)
+    return out
 
 
 class Timer:
@@ -355,6 +376,7 @@ def run_case(
 
                     secs = timer(run_once, reps)
                     timer.sync()
+                    behind = behind_compute(submit, reps) if cuda else []
                     sub, infos = [], []
                     for _ in range(3):
                         t0 = time.perf_counter()
@@ -365,12 +387,15 @@ def run_case(
                     ok = host_ok() if direction == "d2h" else dev_ok()
                     ceiling = ceil_d2h if direction == "d2h" else ceil_h2d
                     d[f"engine_{name}"] = {**stats(nbytes, secs, ceiling), "verified": ok, "chose": chosen[-1],
+                                           "behind_compute": stats(nbytes, behind, ceiling) if behind else None,
                                            "submit_ms_median": statistics.median(sub) * 1e3,
                                            "submit_info": _median_info(infos)}
                 r = d.get(f"engine_{name}") or {}
                 if "GBps_median" in r:
+                    bc = (r.get("behind_compute") or {}).get("ratio_median")
                     print(f"    {layout} ps={page_size} {direction} engine {name:17s} {r['ratio_median']:.3f} "
-                          f"(chose {r['chose']}, submit {r['submit_ms_median']:.2f} ms) ok={r['verified']}", flush=True)
+                          f"(behind compute {bc or 0:.3f}; chose {r['chose']}, submit {r['submit_ms_median']:.2f} ms) "
+                          f"ok={r['verified']}", flush=True)
         for d in (offload, loadback):
             auto = d.get("engine_auto")
             d["ours"] = auto if auto and auto.get("verified") and "error" not in auto else None
@@ -381,6 +406,14 @@ def run_case(
                 k, r = max(rows, key=lambda kr: kr[1]["GBps_median"])
                 d["best_engine"] = {"engine": k.removeprefix("engine_"), "ratio_median": r["ratio_median"],
                                     "meets_target": r["ratio_median"] >= d["target"]}
+                bcs = [(k, r["behind_compute"]) for k, r in rows if r.get("behind_compute")]
+                if bcs:
+                    k, r = max(bcs, key=lambda kr: kr[1]["GBps_median"])
+                    d["best_engine_behind_compute"] = {"engine": k.removeprefix("engine_"),
+                                                       "ratio_median": r["ratio_median"],
+                                                       "meets_target": r["ratio_median"] >= d["target"]}
+            ours_bc = (d["ours"] or {}).get("behind_compute")
+            d["meets_target_behind_compute"] = bool(ours_bc and ours_bc["ratio_median"] >= d["target"])
     if not cuda:
         eng_cpu = CpuCopyEngine()
         poison_host()
@@ -562,7 +595,10 @@ def main() -> int:
                   f"{cell(d.get('engine_triton'))} | {cell(d.get('engine_dma'))} | {cell(best_h)} | "
                   f"{cell(d.get('engine_auto'))} | {cell(d.get(tkey))} | "
                   f"{be.get('engine', '-')} {be.get('ratio_median', 0):.3f}  auto->{(d.get('engine_auto') or {}).get('chose', '-')}"
-                  f"{'  MEETS' if d.get('meets_target_engine') else ''}")
+                  f"{'  MEETS' if d.get('meets_target_engine') else ''}  | behind compute: auto "
+                  f"{((d.get('ours') or {}).get('behind_compute') or {}).get('ratio_median', 0):.3f}, best "
+                  f"{(d.get('best_engine_behind_compute') or {}).get('engine', '-')} "
+                  f"{(d.get('best_engine_behind_compute') or {}).get('ratio_median', 0):.3f}")
     print(f"all verified bit-exact: {verified}; wrote {out}")
     return 0 if verified else 1
 

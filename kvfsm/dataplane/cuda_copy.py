@@ -73,7 +73,9 @@ class AutoPolicy:
       The crossover lies between 128 KiB and 1 MiB: d2h_min_copy_bytes = 512 KiB (page_first pages >= 8
       for Llama-3-8B; layer_first rows are 2 KiB per token, so pages >= 256).
     - load-back: the pipeline with host-ordered 64 KiB copies (page 1, page_first) reached 0.949-0.962,
-      against 0.909 for the direct kernel; shorter copies were not measured: h2d_min_copy_bytes = 64 KiB.
+      against 0.909 for the direct kernel; with 32 KiB copies (layer_first, page 16) the engine reached
+      0.984 behind compute against 0.926 for the kernel (offload_bandwidth-h200.json):
+      h2d_min_copy_bytes = 16 KiB.
     - min_bytes: below 16 MiB the fixed costs of the pipeline (staging, several launches, a driver call
       per chunk) are not worth it; one direct kernel launch is simplest and fast enough.
     - no_triton_min_copy_bytes: without Triton the alternative is the torch path (host scatter on the CPU,
@@ -87,7 +89,7 @@ class AutoPolicy:
     """
 
     d2h_min_copy_bytes: int = 512 * KiB
-    h2d_min_copy_bytes: int = 64 * KiB
+    h2d_min_copy_bytes: int = 16 * KiB
     min_bytes: int = 16 * MiB
     no_triton_min_copy_bytes: int = 16 * KiB
     hybrid_fraction: float | None = None
@@ -194,9 +196,12 @@ class CudaCopyEngine(CopyEngine):
     chunks lost only because the first chunk's CPU submit was exposed, which the ramp removes). Chunks
     ramp up from dma_first_chunk_bytes (and, for load-back, down to dma_h2d_last_chunk_bytes at the end,
     so the last scatter is short). dma_chunk_bytes, when given, sets both directions' chunk size.
-    dma_head_bytes: the direct kernel's head for copies >= dma_head_min_bytes (0 turns it off); 64 MiB
-    keeps the link busy for ~1.2 ms, longer than the CPU needs to plan a 1 GiB copy and enqueue its first
-    chunk (~0.5-1 ms on the H200's host), at the cost of moving 6% of it at the kernel's efficiency.
+    dma_head_bytes: the direct kernel's head for copies >= dma_head_min_bytes; off by default. On an idle
+    GPU a 64 MiB head keeps the link busy while the CPU plans (~0.5-1 ms per GiB on the H200's host) and
+    gains ~3% end to end; but a serving engine enqueues its copies behind a decode step's compute, where
+    planning is hidden anyway and the head only moves 6% of the bytes at the kernel's lower efficiency:
+    behind compute the pipeline without a head reached 0.98-0.994 of the ceiling at pages 16/64 and with
+    it 0.96-0.99 (bench/results/offload_bandwidth-h200.json, "behind_compute").
     host_order: stage in host-slot order (else batch order). triton_host_order: the direct backend
     also walks host slots in ascending order (one index permutation on the device; experiment).
     """
@@ -214,7 +219,7 @@ class CudaCopyEngine(CopyEngine):
         dma_h2d_streams: int = 2,
         dma_first_chunk_bytes: int = 8 * MiB,
         dma_h2d_last_chunk_bytes: int = 8 * MiB,
-        dma_head_bytes: int = 64 * MiB,
+        dma_head_bytes: int = 0,
         dma_head_min_bytes: int = 256 * MiB,
         host_order: bool = True,
         triton_host_order: bool = False,

@@ -130,7 +130,7 @@ def _llama_host(layout: str, page_size: int) -> HostKVPool:
     ("page_first", 16, "dma", "dma"),       # 1 MiB copies
     ("page_first", 64, "dma", "dma"),
     ("layer_first", 1, "triton", "triton"),  # 2 KiB rows
-    ("layer_first", 16, "triton", "triton"),  # 32 KiB
+    ("layer_first", 16, "triton", "dma"),    # 32 KiB: DMA pays for load-back
     ("layer_first", 64, "triton", "dma"),    # 128 KiB
 ])
 def test_auto_choice_for_llama_shapes(layout: str, ps: int, d2h: str, h2d: str) -> None:
@@ -164,7 +164,8 @@ def test_policy_edges() -> None:
         assert choose_backend(forced, "h2d", 1 * MiB, 16, True) == forced
     hp = AutoPolicy(hybrid_fraction=0.5)
     assert choose_backend("auto", "d2h", big, 64 * KiB, True, hp) == "hybrid"
-    assert choose_backend("auto", "h2d", big, 32 * KiB, True, hp) == "triton"
+    assert choose_backend("auto", "h2d", big, 8 * KiB, True, hp) == "triton"
+    assert choose_backend("auto", "h2d", big, p.h2d_min_copy_bytes, True) == "dma"
     assert choose_backend("auto", "d2h", big, p.d2h_min_copy_bytes, True) == "dma"
     assert choose_backend("auto", "d2h", big, p.d2h_min_copy_bytes - 1, True) == "triton"
 
@@ -360,7 +361,7 @@ def test_cuda_pipeline_round_trip_llama(backend: str, layout: str, page_size: in
     expect = None
     if backend == "auto" and HAVE_TRITON:
         wide = layout == "page_first" and page_size == 16
-        h2d_dma = layout == "page_first"  # 64 KiB (page 1) and 1 MiB copies; layer_first rows: 2 / 32 KiB
+        h2d_dma = layout == "page_first" or page_size == 16  # copies of 64 KiB / 1 MiB, 32 KiB; not 2 KiB rows
         expect = ("dma" if wide else "triton", "dma" if h2d_dma else "triton")
     n_pages = 384 // page_size
     for eng in (CudaCopyEngine(backend=backend),  # type: ignore[arg-type]
