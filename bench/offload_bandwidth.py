@@ -13,7 +13,7 @@ Reported per case and direction:
                       idle GPU counts; submit_ms_median and the engine's submit info (chunks, copies,
                       driver calls, head / direct / staged tokens, CPU ms to the first enqueued copy) beside
                       it. Engines (ENGINES below): triton (+ host-ordered), dma (the staged pipeline with
-                      one cuMemcpyBatchAsync per chunk and copy stream; defaults (no head), with a 64 / 128 MiB head, in batch
+                      one cuMemcpyBatchAsync per chunk and copy stream; defaults (a 64 MiB head when the GPU is idle at submit), without a head, with a 128 MiB head, in batch
                       order, other chunk/stream settings), hybrid with direct fractions 0.3 / 0.5 / 0.7,
                       and auto. DMA tuning variants are skipped where a DMA copy would average < 64 KiB
                       (layer_first at pages 1 and 16), where they take long and cannot win.
@@ -77,7 +77,7 @@ ENGINES: list[tuple[str, dict[str, Any], bool]] = [
     ("triton", {"backend": "triton"}, False),
     ("triton_sorted", {"backend": "triton", "triton_host_order": True}, False),
     ("dma", {"backend": "dma"}, False),
-    ("dma_head64", {"backend": "dma", "dma_head_bytes": 64 * MiB}, True),
+    ("dma_nohead", {"backend": "dma", "dma_head_bytes": 0}, True),
     ("dma_head128", {"backend": "dma", "dma_head_bytes": 128 * MiB}, True),
     ("dma_batchorder", {"backend": "dma", "host_order": False}, True),
     ("dma_d32x1_h64x2", {"backend": "dma", "dma_d2h_chunk_bytes": 32 * MiB, "dma_d2h_streams": 1,

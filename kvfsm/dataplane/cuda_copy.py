@@ -196,12 +196,12 @@ class CudaCopyEngine(CopyEngine):
     chunks lost only because the first chunk's CPU submit was exposed, which the ramp removes). Chunks
     ramp up from dma_first_chunk_bytes (and, for load-back, down to dma_h2d_last_chunk_bytes at the end,
     so the last scatter is short). dma_chunk_bytes, when given, sets both directions' chunk size.
-    dma_head_bytes: the direct kernel's head for copies >= dma_head_min_bytes; off by default. On an idle
-    GPU a 64 MiB head keeps the link busy while the CPU plans (~0.5-1 ms per GiB on the H200's host) and
-    gains ~3% end to end; but a serving engine enqueues its copies behind a decode step's compute, where
-    planning is hidden anyway and the head only moves 6% of the bytes at the kernel's lower efficiency:
-    behind compute the pipeline without a head reached 0.98-0.994 of the ceiling at pages 16/64 and with
-    it 0.96-0.99 (bench/results/offload_bandwidth-h200.json, "behind_compute").
+    dma_head_bytes: the direct kernel's head for copies >= dma_head_min_bytes, taken only when the caller's
+    stream is idle at submit (0 turns it off). Then a 64 MiB head keeps the link busy while the CPU plans
+    (~0.5-1 ms per GiB on the H200's host), worth ~3-6% end to end; behind a decode step's compute (how a
+    serving engine submits) planning is hidden anyway and a head would only move 6% of the bytes at the
+    kernel's lower efficiency: there the pipeline without a head reached 0.98-0.998 of the ceiling at pages
+    16/64, with one 0.96-0.99 (bench/results/offload_bandwidth-h200.json, "behind_compute").
     host_order: stage in host-slot order (else batch order). triton_host_order: the direct backend
     also walks host slots in ascending order (one index permutation on the device; experiment).
     """
@@ -219,7 +219,7 @@ class CudaCopyEngine(CopyEngine):
         dma_h2d_streams: int = 2,
         dma_first_chunk_bytes: int = 8 * MiB,
         dma_h2d_last_chunk_bytes: int = 8 * MiB,
-        dma_head_bytes: int = 0,
+        dma_head_bytes: int = 64 * MiB,
         dma_head_min_bytes: int = 256 * MiB,
         host_order: bool = True,
         triton_host_order: bool = False,

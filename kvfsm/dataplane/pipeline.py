@@ -10,8 +10,8 @@ host slots as 1-D copies, enqueued with ONE cuMemcpyBatchAsync per chunk and cop
 Chunks pipeline: the gather of chunk k overlaps the DMA of chunk k-1 (offload); the DMA of chunk k overlaps
 the scatter of chunk k-1 (load-back). Chunks ramp up from `first_chunk_bytes`, so the first DMA starts
 after little work (and, for load-back, down to `last_chunk_bytes`, so the last scatter is short). For big
-copies a "head" (the first `head_bytes`, batch order) goes through the direct kernel before any planning,
-so the link is busy while the CPU plans. Hybrid: `direct_fraction` of the tokens (the shortest host runs:
+copies submitted while the caller's stream is idle, a "head" (the first `head_bytes`, batch order) goes
+through the direct kernel before any planning, so the link is busy while the CPU plans. Hybrid: `direct_fraction` of the tokens (the shortest host runs:
 DMA engines are slowest on short copies, the kernel does not care) go through the direct kernel on its own
 stream, concurrently with the staged rest: each path alone is latency bound, together they may fill the link.
 
@@ -72,6 +72,7 @@ class StreamOps(Protocol):
     enqueued work in random orders allowed by the events."""
 
     def ready(self) -> Any: ...  # an event recorded on the caller's current stream
+    def caller_idle(self) -> bool: ...  # the caller's stream has no unfinished work (never blocks)
     def record(self, s: str) -> Any: ...
     def wait(self, s: str, event: Any) -> None: ...
     def upload(self, s: str, arr: np.ndarray, keep: list[object]) -> torch.Tensor: ...  # int64 -> device
@@ -97,6 +98,9 @@ class CudaOps:
         if self._driver is None:
             self._driver = CudaDriver.get()
         return self._driver
+
+    def caller_idle(self) -> bool:
+        return torch.cuda.current_stream(self.device).query()
 
     def ready(self) -> torch.cuda.Event:
         ev = torch.cuda.Event()
@@ -174,7 +178,9 @@ def launch_pipeline(ops: StreamOps, plan: CopyPlan, st: PipelineSettings, keep: 
             ops.rows(s, host_view, hidx, dev_view, didx, direct_cfg)
 
     # 1) head: the first tokens in batch order straight through the direct kernel, before any planning
-    head = head_tokens(n, bpt, st.head_bytes, st.head_min_bytes) if direct_ok else 0
+    # Only on an idle GPU: behind compute, planning is hidden anyway and the head would only move bytes at
+    # the kernel's lower efficiency.
+    head = head_tokens(n, bpt, st.head_bytes, st.head_min_bytes) if direct_ok and ops.caller_idle() else 0
     if head:
         ops.wait("direct", ready)
         ops.record_stream(dev_idx, "direct")

@@ -37,6 +37,7 @@ class SimOps:
         self.batches: list[tuple[str, int]] = []  # (stream, copies) per driver call, at enqueue
         self.staging: list[torch.Tensor] = []
         self.executed: list[tuple[str, str]] = []
+        self.idle = True  # what caller_idle() answers (the direct-kernel head is taken only when idle)
 
     def _q(self, s: str) -> deque[tuple[str, Any]]:
         return self.queues.setdefault(s, deque())
@@ -45,6 +46,9 @@ class SimOps:
         self._q(s).append(("fn", fn))
 
     # -- StreamOps --------------------------------------------------------------------------------
+    def caller_idle(self) -> bool:
+        return self.idle
+
     def ready(self) -> SimEvent:
         return self.record("compute")
 

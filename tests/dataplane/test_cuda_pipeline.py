@@ -276,6 +276,22 @@ def _check_info(ops: SimOps, info: dict, st: PipelineSettings, n: int, bpt: int)
         assert not ops.batches and not ops.staging
 
 
+def test_head_only_when_the_callers_stream_is_idle(config: KVCacheConfig) -> None:
+    """Behind compute the copy needs no head (planning is hidden): all of it goes through staging."""
+    host = HostKVPool(config, 128, 1, "page_first", pin_memory=False)
+    assert host.alloc(128) is not None
+    dev = make_device_pool(config, 128, seed=2)
+    hi, di = torch.arange(64), torch.arange(1, 65)
+    st = _settings("head_x2", config.bytes_per_token)
+    for idle, head in ((True, 5), (False, 0)):
+        ops = SimOps()
+        ops.idle = idle
+        done, info = launch_pipeline(ops, plan_copy("d2h", dev, di, host, hi), st, [])  # type: ignore[arg-type]
+        ops.run(0, done)
+        assert (info["head_tokens"], info["staged_tokens"]) == (head, 64 - head)
+        assert torch.equal(bits(host.token_view()[:, :, hi]), bits(dev.storage[:, :, di]))
+
+
 def test_pipeline_with_one_chunk_makes_one_call_per_stream(config: KVCacheConfig) -> None:
     host = HostKVPool(config, 128, 16, "page_first", pin_memory=False)
     assert host.alloc(128) is not None
