@@ -9,7 +9,6 @@ completed) and turns each answer into an event of the request's generated machin
 from __future__ import annotations
 
 import weakref
-from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence, Union
 
 import numpy as np
