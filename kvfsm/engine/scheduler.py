@@ -140,6 +140,7 @@ class DecodeEngine:
                 live.append(waiting.pop(0))
             if not live:
                 raise RuntimeError("a single request does not fit the device pool")
+            stepped: list[EngineRequest] = []
             for req in list(live):
                 pos = req.kv_committed_len
                 if not self._grow(req, pos + 1 + self.speculative):
@@ -153,8 +154,11 @@ class DecodeEngine:
                 req.output_ids.append(self.model.step(self.pool, slots, req.output_ids[-1]))
                 req.kv_committed_len = pos + 1
                 stats.tokens += 1
-                if self.manager is not None:
-                    self.manager.offload(req)
+                stepped.append(req)
+            if self.manager is not None and stepped:  # the decode batch's new KV, in one call
+                self.manager.offload_batch(stepped, [r.req_pool_idx for r in stepped],
+                                           [r.kv_committed_len for r in stepped])
+            for req in stepped:
                 ended = "abort" if req.abort_at is not None and len(req.output_ids) >= req.abort_at else (
                     "finish" if len(req.output_ids) >= req.max_new else None)
                 if ended:
