@@ -4,8 +4,9 @@
 - a clone is independent of its original (pools, allocator masks that share a bytearray, closures);
 - small bounds are explored completely without a violation, and the default bound (3 requests x 16 slots)
   to a depth in CI, completely under KVFSM_FUZZ=deep;
-- catalog mutants (docs/bug-catalog.md) are found with a shortest event trace, and the pytest file the
-  explorer writes for it fails while the mutant is in place and passes once it is gone.
+- catalog mutants (docs/bug-catalog.md; the faults are tests/catalog_faults.py) are found with a shortest
+  event trace, and the pytest file the explorer writes for it fails while the mutant is in place and
+  passes once it is gone.
 """
 
 from __future__ import annotations
@@ -14,14 +15,10 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
-import generated.decode_offload as gen
-import kvfsm.dataplane.copy_engine as copy_engine
-from generated.decode_offload import DecodeOffloadMachine
-from kvfsm.runtime.effects import OffloadEffects
+from catalog_faults import b1, b2, b5, b6_readmit, b7, b8, b9, b10, b13, b15
 from kvfsm.runtime.manager import DecodeOffloadManager
 from kvfsm.verify.commands import check
 from kvfsm.verify.explorer import (ExplorerConfig, World, apply, build, canonical_key, check_world, clone,
@@ -132,128 +129,6 @@ def test_check_command_writes_the_counterexample(tmp_path: Path, capsys: pytest.
 
 
 # --- catalog mutants --------------------------------------------------------------------------------------
-def _wrap(mp: pytest.MonkeyPatch, cls: type, name: str, make: Callable[[Callable], Callable]) -> None:
-    mp.setattr(cls, name, make(getattr(cls, name)))
-
-
-def _wrap_end_events(mp: pytest.MonkeyPatch, fn: Callable) -> None:
-    for event in ("finish", "abort", "retract"):
-        orig = getattr(DecodeOffloadMachine, event)
-        mp.setattr(DecodeOffloadMachine, event, lambda self, arg=None, _o=orig, _e=event: fn(_o, self, _e, arg))
-
-
-def b1(mp: pytest.MonkeyPatch) -> None:
-    """The first offload of a request frees its prefill-aligned device slots (S #24063)."""
-    def make(orig):
-        def start_copy(self, m, chunk):
-            orig(self, m, chunk)
-            rec = chunk.record
-            if chunk.start == rec.prefill_len and rec.prefill_len:
-                self.allocator.free(self.req_to_token.req_to_token[rec.row, :rec.prefill_len].clone())
-        return start_copy
-    _wrap(mp, OffloadEffects, "start_copy", make)
-
-
-def b2(mp: pytest.MonkeyPatch) -> None:
-    """finish/abort/retract free the device slots at once, although a copy still reads them."""
-    def end(orig, m, event, arg):
-        was = m.state
-        orig(m, arg)
-        if was == gen.OFFLOADING:
-            m.fx.release_request(m, arg)
-    _wrap_end_events(mp, end)
-
-
-def b5(mp: pytest.MonkeyPatch) -> None:
-    """Release frees [0, ceil_page(committed)) only: the speculative over-allocation leaks (S #19518)."""
-    def make(orig):
-        def request_slots(self, rec):
-            committed, _ = rec.end_lengths or (rec.req.kv_committed_len, rec.req.kv_allocated_len)
-            pages = -(-committed // self.page_size)
-            starts = self.req_to_token.req_to_token[rec.row, 0:pages * self.page_size:self.page_size]
-            return ((starts - starts % self.page_size)[:, None] + self._offsets).reshape(-1)
-        return request_slots
-    _wrap(mp, OffloadEffects, "request_slots", make)
-
-
-def b6_readmit(mp: pytest.MonkeyPatch) -> None:
-    """A re-admitted request object (retract, then admit) keeps driving its ended lifecycle (S #37026)."""
-    mp.setattr(DecodeOffloadManager, "_readmitted", lambda self, rec, req: False)
-
-
-def b7(mp: pytest.MonkeyPatch) -> None:
-    """Offload progress is recorded although the host allocation failed (S #30031)."""
-    def make(orig):
-        def count_host_full(self, m, arg):
-            orig(self, m, arg)
-            m.ctx.inc_len += self.page_size
-        return count_host_full
-    _wrap(mp, OffloadEffects, "count_host_full", make)
-
-
-def b8(mp: pytest.MonkeyPatch) -> None:
-    """Abort while a copy is in flight: the deferred release forgets the device slots and the row (S #21652)."""
-    def end(orig, m, event, arg):
-        if event == "abort" and m.state == gen.OFFLOADING:
-            m.ctx.aborted_in_flight = True
-        orig(m, arg)
-
-    def make(orig):
-        def release_request(self, m, arg):
-            rec = m.ctx
-            if not getattr(rec, "aborted_in_flight", False):
-                return orig(self, m, arg)
-            self.prefix_cache.release_protected(rec.prefix_len)
-            rec.req = None
-        return release_request
-    _wrap_end_events(mp, end)
-    _wrap(mp, OffloadEffects, "release_request", make)
-
-
-def b9(mp: pytest.MonkeyPatch) -> None:
-    """A second finish after release is not ignored: it releases again."""
-    def end(orig, m, event, arg):
-        if m.state in (gen.DRAINING, gen.RELEASED) and m.ctx.req is not None:
-            m.fx.release_request(m, arg)
-        orig(m, arg)
-
-    def make(orig):
-        def release_request(self, m, arg):
-            req = m.ctx.req
-            orig(self, m, arg)
-            m.ctx.req = req  # a release path that does not know it already ran keeps the request
-        return release_request
-    _wrap_end_events(mp, end)
-    _wrap(mp, OffloadEffects, "release_request", make)
-
-
-def b10(mp: pytest.MonkeyPatch) -> None:
-    """A failed backup frees its host slots in the failure path, and the collection frees them again (S #29310)."""
-    def make(orig):
-        def count_backup_failure(self, m, chunk):
-            orig(self, m, chunk)
-            self.host_pool.free(chunk.host_indices)
-        return count_backup_failure
-    _wrap(mp, OffloadEffects, "count_backup_failure", make)
-
-
-def b13(mp: pytest.MonkeyPatch) -> None:
-    """A failed backup is treated as a success: its pages are reported stored (D #15079)."""
-    def make(orig):
-        def count_backup_failure(self, m, chunk):
-            orig(self, m, chunk)
-            self.mark_stored(m, chunk)
-        return count_backup_failure
-    _wrap(mp, OffloadEffects, "count_backup_failure", make)
-
-
-def b15(mp: pytest.MonkeyPatch) -> None:
-    """Copies written `dst[idx].copy_(src[idx])`: they fill a temporary and move nothing (HF PR #45184)."""
-    def torch_copy_rows(src5, src_idx, dst5, dst_idx):
-        dst5[:, :, dst_idx.to(dst5.device)].copy_(src5[:, :, src_idx.to(src5.device)].to(dst5.device))
-    mp.setattr(copy_engine, "torch_copy_rows", torch_copy_rows)
-
-
 def b3_faults(engine) -> None:
     """The `faults` hook: the prefix cache's protected size is never decremented (S #12774)."""
     engine.protected.release_protected = lambda n: None

@@ -1,0 +1,237 @@
+"""The catalog's faults (docs/bug-catalog.md), one per bug class: each injects its bug into the runtime
+with `monkeypatch`. Shared by the stateful suite (tests/stateful/test_mutants.py), which must fail with
+each fault in place, and the bounded explorer (tests/verify/test_explorer.py), which must find a shortest
+trace to it. Each fault's docstring is what docs/mutants.md says it injects.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import pytest
+import torch
+
+import generated.decode_offload as gen
+import kvfsm.dataplane.copy_engine as copy_engine
+from generated.decode_offload import DecodeOffloadMachine
+from kvfsm.runtime import ProtectedSize
+from kvfsm.runtime.effects import OffloadEffects
+from kvfsm.runtime.manager import DecodeOffloadManager
+
+# --- helpers ---------------------------------------------------------------------------------------------
+
+
+def _wrap(mp: pytest.MonkeyPatch, cls: type, name: str, make: Callable[[Callable], Callable]) -> None:
+    mp.setattr(cls, name, make(getattr(cls, name)))
+
+
+def _wrap_end_events(mp: pytest.MonkeyPatch, fn: Callable) -> None:
+    """fn(orig, machine, event, arg) replaces finish/abort/retract of the generated machine."""
+    for event in ("finish", "abort", "retract"):
+        orig = getattr(DecodeOffloadMachine, event)
+        mp.setattr(DecodeOffloadMachine, event,
+                   lambda self, arg=None, _o=orig, _e=event: fn(_o, self, _e, arg))
+
+
+def b1(mp: pytest.MonkeyPatch) -> None:
+    """The first offload of a request frees its prefill-aligned device slots (skipping the ledger)."""
+    def make(orig):
+        def start_copy(self, m, chunk):
+            orig(self, m, chunk)
+            rec = chunk.record
+            if chunk.start == rec.prefill_len and rec.prefill_len:
+                self.allocator.free(self.req_to_token.req_to_token[rec.row, :rec.prefill_len].clone())
+        return start_copy
+    _wrap(mp, OffloadEffects, "start_copy", make)
+
+
+def b2(mp: pytest.MonkeyPatch) -> None:
+    """finish/abort/retract free the device slots at once, although a copy still reads them."""
+    def end(orig, m, event, arg):
+        was = m.state
+        orig(m, arg)
+        if was == gen.OFFLOADING:
+            m.fx.release_request(m, arg)
+            m.ctx.released_early = True
+
+    def make(orig):
+        def release_request(self, m, arg):
+            if getattr(m.ctx, "released_early", False) and m.ctx.req is None:
+                return  # the deferred release at the last copy ack: already done
+            orig(self, m, arg)
+        return release_request
+    _wrap_end_events(mp, end)
+    _wrap(mp, OffloadEffects, "release_request", make)
+
+
+def b3(mp: pytest.MonkeyPatch) -> None:
+    """The prefix cache's protected size is never decremented (S #12774)."""
+    mp.setattr(ProtectedSize, "release_protected", lambda self, n: None)
+
+
+def b3_host(mp: pytest.MonkeyPatch) -> None:
+    """A failed backup never returns its chunk's host slots."""
+    def make(orig):
+        def free_host_chunk(self, m, chunk):
+            if chunk.job is not None and not chunk.job.ok:
+                return
+            orig(self, m, chunk)
+        return free_host_chunk
+    _wrap(mp, OffloadEffects, "free_host_chunk", make)
+
+
+def b4(mp: pytest.MonkeyPatch) -> None:
+    """Release decrements the protected size twice (S #27666)."""
+    def make(orig):
+        def release_request(self, m, arg):
+            prefix = m.ctx.prefix_len
+            orig(self, m, arg)
+            self.prefix_cache.release_protected(prefix)
+        return release_request
+    _wrap(mp, OffloadEffects, "release_request", make)
+
+
+def b5(mp: pytest.MonkeyPatch) -> None:
+    """Release frees [0, ceil_page(committed)) only: the speculative over-allocation leaks (S #19518)."""
+    def make(orig):
+        def request_slots(self, rec):
+            committed, _ = rec.end_lengths or (rec.req.kv_committed_len, rec.req.kv_allocated_len)
+            pages = -(-committed // self.page_size)
+            starts = self.req_to_token.req_to_token[rec.row, 0:pages * self.page_size:self.page_size]
+            starts = starts - starts % self.page_size
+            return (starts[:, None] + self._offsets).reshape(-1)
+        return request_slots
+    _wrap(mp, OffloadEffects, "request_slots", make)
+
+
+def b6(mp: pytest.MonkeyPatch) -> None:
+    """Records keyed by rid: a new request with a reused rid inherits the old one's lifecycle (S #37026)."""
+    def make_admit(orig):
+        def _admit(self, req):
+            rec = orig(self, req)
+            self._records.pop(id(req), None)
+            self._records[req.rid] = rec
+            return rec
+        return _admit
+
+    def _record(self, req):
+        rec = self._records.get(req.rid)
+        return rec if rec is not None else self._admit(req)
+
+    def _end(self, req, event):
+        rec = self._records.get(req.rid)
+        if rec is None:
+            if req.req_pool_idx in (None, -1):
+                return
+            rec = self._admit(req)
+        getattr(rec.machine, event)(None)
+
+    _wrap(mp, DecodeOffloadManager, "_admit", make_admit)
+    mp.setattr(DecodeOffloadManager, "_record", _record)
+    mp.setattr(DecodeOffloadManager, "_end", _end)
+
+
+def b6_readmit(mp: pytest.MonkeyPatch) -> None:
+    """A re-admitted request object (retract, then admit) keeps driving its ended lifecycle."""
+    mp.setattr(DecodeOffloadManager, "_readmitted", lambda self, rec, req: False)
+
+
+def b7(mp: pytest.MonkeyPatch) -> None:
+    """Offload progress is recorded before the host allocation, which then fails (S #30031)."""
+    def make(orig):
+        def count_host_full(self, m, arg):
+            orig(self, m, arg)
+            m.ctx.inc_len += self.page_size
+        return count_host_full
+    _wrap(mp, OffloadEffects, "count_host_full", make)
+
+
+def b8(mp: pytest.MonkeyPatch) -> None:
+    """Abort while a copy is in flight: the deferred release forgets the device slots and the row (S #21652)."""
+    def end(orig, m, event, arg):
+        if event == "abort" and m.state == gen.OFFLOADING:
+            m.ctx.aborted_in_flight = True
+        orig(m, arg)
+
+    def make(orig):
+        def release_request(self, m, arg):
+            rec = m.ctx
+            if not getattr(rec, "aborted_in_flight", False):
+                return orig(self, m, arg)
+            self.prefix_cache.release_protected(rec.prefix_len)
+            if rec.req.req_pool_idx == rec.row:
+                rec.req.req_pool_idx = None
+            rec.req = None
+        return release_request
+    _wrap_end_events(mp, end)
+    _wrap(mp, OffloadEffects, "release_request", make)
+
+
+def b9(mp: pytest.MonkeyPatch) -> None:
+    """A second finish/abort/retract after release is not ignored: it releases again."""
+    def end(orig, m, event, arg):
+        if m.state in (gen.DRAINING, gen.RELEASED) and m.ctx.req is not None:
+            m.fx.release_request(m, arg)
+        orig(m, arg)
+
+    def make(orig):
+        def release_request(self, m, arg):
+            req = m.ctx.req
+            orig(self, m, arg)
+            m.ctx.req = req  # keep it, as a release path that does not know it already ran would
+        return release_request
+    _wrap_end_events(mp, end)
+    _wrap(mp, OffloadEffects, "release_request", make)
+
+
+def b10(mp: pytest.MonkeyPatch) -> None:
+    """A failed backup frees its chunk's host slots in the failure path, and the collection frees them again."""
+    def make(orig):
+        def count_backup_failure(self, m, chunk):
+            orig(self, m, chunk)
+            self.host_pool.free(chunk.host_indices)
+        return count_backup_failure
+    _wrap(mp, OffloadEffects, "count_backup_failure", make)
+
+
+def b11(mp: pytest.MonkeyPatch) -> None:
+    """Release frees [0, committed) and [committed, allocated) as two ranges not split at a page boundary (S #38941)."""
+    def make(orig):
+        def request_slots(self, rec):
+            ps = self.page_size
+            committed, allocated = rec.end_lengths or (rec.req.kv_committed_len, rec.req.kv_allocated_len)
+            positions = list(range(0, committed, ps)) + list(range(committed, max(allocated, committed), ps))
+            if not positions:
+                return torch.empty(0, dtype=torch.int64)
+            starts = self.req_to_token.req_to_token[rec.row, torch.tensor(positions)]
+            starts = starts - starts % ps
+            return (starts[:, None] + self._offsets).reshape(-1)
+        return request_slots
+    _wrap(mp, OffloadEffects, "request_slots", make)
+
+
+def b12(mp: pytest.MonkeyPatch) -> None:
+    """One free batch names a page twice (V #42571): the release batch repeats its last page."""
+    def make(orig):
+        def request_slots(self, rec):
+            slots = orig(self, rec)
+            return torch.cat([slots, slots[-self.page_size:]]) if slots.numel() else slots
+        return request_slots
+    _wrap(mp, OffloadEffects, "request_slots", make)
+
+
+def b13(mp: pytest.MonkeyPatch) -> None:
+    """A failed backup is treated as a success: its pages are reported as stored (D #15079)."""
+    def make(orig):
+        def count_backup_failure(self, m, chunk):
+            orig(self, m, chunk)
+            self.mark_stored(m, chunk)
+        return count_backup_failure
+    _wrap(mp, OffloadEffects, "count_backup_failure", make)
+
+
+def b15(mp: pytest.MonkeyPatch) -> None:
+    """Copies written `dst[idx].copy_(src[idx])`: they write a temporary and move nothing (HF PR #45184)."""
+    def torch_copy_rows(src5, src_idx, dst5, dst_idx):
+        dst5[:, :, dst_idx.to(dst5.device)].copy_(src5[:, :, src_idx.to(src5.device)].to(dst5.device))
+    mp.setattr(copy_engine, "torch_copy_rows", torch_copy_rows)
