@@ -146,22 +146,21 @@ class DecodeOffloadManager:
             picked = np.flatnonzero((committed - nxt >= self.stride) | (nxt < 0)).tolist()
         # Check every picked request before anything changes, then admit, then submit.
         todo: list[tuple[Optional[RequestRecord], OffloadRequest]] = []
+        seen: set[int] = set()
         for i in picked:
             req = reqs[i]
             row = req.req_pool_idx
             if row is None or row == -1 or not req.output_ids:
                 continue
+            if id(req) in seen:
+                raise ValueError(f"request {req.rid!r} appears twice in one offload_batch call")
+            seen.add(id(req))
             rec = self._records.get(id(req))
             if rec is None or rec.row != row or rec.req_ref() is not req or rec.machine.state not in _OFFLOADABLE:
                 self._check_offloadable(req)
                 rec = None
             todo.append((rec, req))
         due: list[tuple[RequestRecord, OffloadRequest, int]] = []
-        seen: set[int] = set()
-        for rec, req in todo:
-            if id(req) in seen:
-                raise ValueError(f"request {req.rid!r} appears twice in one offload_batch call")
-            seen.add(id(req))
         for rec, req in todo:
             rec = rec or self._record(req)
             n = self._due_tokens(req, rec)
