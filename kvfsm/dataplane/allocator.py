@@ -10,8 +10,9 @@ dummy tokens to slot 0; it is never allocated and never in the free list, and `c
 
 Bookkeeping lives on the host (a FIFO deque of free page ids and a bytearray mask, viewed as a tensor
 for vectorised queries), so alloc and free cost O(pages touched), never O(pool): an offload manager
-allocates and frees host pages on every chunk. Validating a free is a few torch ops over the batch (sort,
-compare) plus a mask lookup; on CUDA it costs one device-to-host copy of the batch.
+allocates and frees host pages on every chunk. Validating a free of whole pages in slot order (what
+alloc hands out) is a few numpy ops over the batch and a mask lookup per page; anything else takes the
+exact path (a sort) that names the error. On CUDA validation costs one device-to-host copy of the batch.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ class TokenSlotAllocator:
         self._ever_bytes = bytearray(self.num_pages)
         self._allocated = torch.frombuffer(self._allocated_bytes, dtype=torch.bool)  # shares memory
         self._allocated_np = self._allocated.numpy()  # the same bytes again, for numpy
+        self._ever_np = np.frombuffer(self._ever_bytes, dtype=np.uint8)
 
     # ---- accounting -------------------------------------------------------------------------------
     @property
@@ -113,6 +115,10 @@ class TokenSlotAllocator:
             raise OutOfRange(f"slot index outside [0, {self.num_slots})")
         return torch.from_numpy(self._allocated_np[idx // self.page_size])
 
+    def owns_pages(self, pages: np.ndarray) -> bool:
+        """Whether every page id in `pages` (in range) is allocated now."""
+        return bool(self._allocated_np[pages].all())
+
     def check_conservation(self) -> None:
         """Raise ConservationError unless free list and allocated-mask describe the same partition."""
         free = set(self._free_pages)
@@ -142,43 +148,61 @@ class TokenSlotAllocator:
         free = self._free_pages
         if k > len(free):
             return None
-        pages = [free[i] for i in range(k)]
-        mask = self._allocated_bytes
-        if any(mask[p] for p in pages):
+        take = free.popleft
+        pages = np.array([take() for _ in range(k)], dtype=np.int64)
+        if self._allocated_np[pages].any():
+            free.extendleft(reversed(pages.tolist()))  # nothing changed
             raise DoubleAlloc("free list hands out a page the allocated-mask already owns")
-        for p in pages:
-            free.popleft()
-            mask[p] = 1
-            self._ever_bytes[p] = 1
+        self._allocated_np[pages] = True
+        self._ever_np[pages] = 1
         # numpy, then one zero-copy wrap: cheaper than torch ops for a chunk-sized batch
-        out = torch.from_numpy((np.array(pages, dtype=np.int64)[:, None] * self.page_size + self._offsets_np).reshape(-1))
+        out = torch.from_numpy((pages[:, None] * self.page_size + self._offsets_np).reshape(-1))
         return out if self.device.type == "cpu" else out.to(self.device)
 
     def free(self, indices: IndexLike) -> None:
         """Free exactly the pages covered by `indices` (whole pages, each once), or raise and change nothing."""
         pages = self._validate_free(as_index_tensor(indices, torch.device("cpu")))
-        mask = self._allocated_bytes
-        for p in pages:
-            mask[p] = 0
-        self._free_pages.extend(pages)
+        self._allocated_np[pages] = False
+        self._free_pages.extend(pages.tolist())
 
     def undo_alloc(self, indices: IndexLike) -> None:
         """Give back slots exactly as the alloc calls that returned them (in that order) found the pool:
         the pages go back to the front of the free list. For rolling back a call that cannot complete."""
         idx = as_index_tensor(indices, torch.device("cpu"))
         self._validate_free(idx)  # whole allocated pages, each once
-        pages = (idx.numpy()[:: self.page_size] // self.page_size).tolist()
-        mask = self._allocated_bytes
-        for p in pages:
-            mask[p] = 0
-        self._free_pages.extendleft(reversed(pages))
+        pages = idx.numpy()[:: self.page_size] // self.page_size
+        self._allocated_np[pages] = False
+        self._free_pages.extendleft(reversed(pages.tolist()))
 
-    def _validate_free(self, idx: torch.Tensor) -> list[int]:
-        n = int(idx.numel())
+    def pages_of(self, idx: np.ndarray) -> np.ndarray | None:
+        """The page ids, if `idx` (int64, flat) is whole pages, each in slot order, each page once, in
+        range; None otherwise (the exact checks then decide). O(batch) without a sort: the fast path for
+        the allocations this allocator hands out."""
+        ps, n = self.page_size, idx.size
+        if ps == 1 or n == 0 or n % ps:
+            return None
+        rows = idx.reshape(-1, ps)
+        firsts = rows[:, 0]
+        if not (rows == firsts[:, None] + self._offsets_np).all():
+            return None
+        pages = firsts // ps
+        if (firsts - pages * ps).any() or int(firsts.min()) < 0 or int(firsts.max()) >= self.num_slots:
+            return None
+        if pages.size > 1 and np.unique(pages).size != pages.size:
+            return None
+        return pages
+
+    def _validate_free(self, idx: torch.Tensor) -> np.ndarray:
+        """The pages a free of `idx` would return (int64), or raise the exact error."""
+        arr = idx.numpy()
+        pages = self.pages_of(arr)
+        if pages is not None and self.owns_pages(pages):
+            return pages
+        n = int(arr.size)
         if n == 0:
-            return []
+            return np.empty(0, dtype=np.int64)
         ps = self.page_size
-        s = np.sort(idx.numpy())  # numpy: a few microseconds for a chunk-sized batch
+        s = np.sort(arr)
         lo, hi = int(s[0]), int(s[-1])
         if lo < 0 or hi >= self.num_slots:
             raise OutOfRange(f"slot index outside [0, {self.num_slots}): min {lo}, max {hi}")
@@ -191,9 +215,8 @@ class TokenSlotAllocator:
         rows = s.reshape(-1, ps)
         if ps > 1 and (((rows - rows[:, :1]) != self._offsets_np).any() or (rows[:, 0] % ps != 0).any()):
             raise PartialPage(f"free batch of {n} slots does not cover whole pages of {ps}")
-        pages = (rows[:, 0] // ps).tolist()
-        mask = self._allocated_bytes
-        bad = [p for p in pages if not mask[p]]
+        pages = rows[:, 0] // ps
+        bad = pages[~self._allocated_np[pages]].tolist()
         if bad:
             never = [p for p in bad if not self._ever_bytes[p]]
             if never:
