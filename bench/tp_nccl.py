@@ -66,9 +66,9 @@ def serve(model: TinyDecoder, kv: KVCacheConfig, device: str, requests: int, man
         host = HostKVPool(kv, slots // 2, PAGE)
         storage = FileStorage(manager_kwargs["dir"], model_name="tiny-tp", tp_rank=manager_kwargs["rank"],
                               tp_size=manager_kwargs["world"])
-        free, hfree, put = allocator.free, host.free, storage.batch_set
+        free, hfree, put = allocator.free, host.free_pages, storage.batch_set
         allocator.free = lambda idx: (log.append(["device_free", sorted(torch.as_tensor(idx).tolist())]), free(idx))[1]
-        host.free = lambda idx: (log.append(["host_free", sorted(torch.as_tensor(idx).tolist())]), hfree(idx))[1]
+        host.free_pages = lambda pages: (log.append(["host_free", sorted(host.slots_of(pages).tolist())]), hfree(pages))[1]
         storage.batch_set = lambda keys, pages: (log.append(["store", list(keys)]), put(keys, pages))[1]
         config = OffloadConfig(page_size=PAGE, offload_stride=2 * PAGE, checked=True, storage_dir=manager_kwargs["dir"],
                                backup_queue_size=4)

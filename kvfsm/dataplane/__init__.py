@@ -29,7 +29,7 @@ from .errors import (
     PartialPage,
     SlotError,
 )
-from .hashing import page_hash, page_hashes
+from .hashing import PageRun, page_hash, page_hashes
 from .host_pool import HostKVPool, available_host_memory
 from .req_to_token import ReqToTokenPool
 from .storage import FaultyStorage, FileStorage, MemoryStorage, StorageBackend, storage_key_suffix
@@ -82,5 +82,6 @@ __all__ = [
     "make_copy_engine",
     "page_hash",
     "page_hashes",
+    "PageRun",
     "storage_key_suffix",
 ]

@@ -144,20 +144,49 @@ class TokenSlotAllocator:
             raise ValueError(f"alloc size must be a non-negative int, got {n!r}")
         if n % self.page_size:
             raise ValueError(f"alloc size {n} is not a multiple of page_size {self.page_size}")
-        k = n // self.page_size
+        pages = self.alloc_pages(n // self.page_size)
+        if pages is None:
+            return None
+        out = torch.from_numpy(self.slots_of(pages))  # numpy, then one zero-copy wrap
+        return out if self.device.type == "cpu" else out.to(self.device)
+
+    def alloc_pages(self, k: int) -> list[int] | None:
+        """k whole pages as page ids (free-list order), or None if fewer are free: the form for callers
+        that track pages (slot i of page p is p * page_size + i); O(k) list work, no tensors."""
         free = self._free_pages
         if k > len(free):
             return None
         take = free.popleft
-        pages = np.array([take() for _ in range(k)], dtype=np.int64)
-        if self._allocated_np[pages].any():
-            free.extendleft(reversed(pages.tolist()))  # nothing changed
+        pages = [take() for _ in range(k)]
+        mask, ever = self._allocated_bytes, self._ever_bytes
+        if any(map(mask.__getitem__, pages)):
+            free.extendleft(reversed(pages))  # nothing changed
             raise DoubleAlloc("free list hands out a page the allocated-mask already owns")
-        self._allocated_np[pages] = True
-        self._ever_np[pages] = 1
-        # numpy, then one zero-copy wrap: cheaper than torch ops for a chunk-sized batch
-        out = torch.from_numpy((pages[:, None] * self.page_size + self._offsets_np).reshape(-1))
-        return out if self.device.type == "cpu" else out.to(self.device)
+        for p in pages:
+            mask[p] = 1
+            ever[p] = 1
+        return pages
+
+    def slots_of(self, pages: Sequence[int] | np.ndarray) -> np.ndarray:
+        """The slot indices (int64, page by page, in order) of `pages`."""
+        return (np.asarray(pages, dtype=np.int64)[:, None] * self.page_size + self._offsets_np).reshape(-1)
+
+    def free_pages(self, pages: Sequence[int]) -> None:
+        """Free the pages named (page ids, each once, each allocated), or raise and change nothing.
+
+        The validation is three C-level passes over the list (range, distinctness, mask); a batch that
+        fails any of them is re-checked slot by slot, which names the error exactly."""
+        if not pages:
+            return
+        mask = self._allocated_bytes
+        ok = (min(pages) >= self.reserved_pages and max(pages) < self.num_pages and len(set(pages)) == len(pages)
+              and all(map(mask.__getitem__, pages)))
+        if not ok:
+            self._validate_free(torch.from_numpy(self.slots_of(pages)))
+            raise AssertionError("unreachable: the exact check accepted a batch the page check rejected")
+        for p in pages:
+            mask[p] = 0
+        self._free_pages.extend(pages)
 
     def free(self, indices: IndexLike) -> None:
         """Free exactly the pages covered by `indices` (whole pages, each once), or raise and change nothing."""
@@ -188,8 +217,10 @@ class TokenSlotAllocator:
         pages = firsts // ps
         if (firsts - pages * ps).any() or int(firsts.min()) < 0 or int(firsts.max()) >= self.num_slots:
             return None
-        if pages.size > 1 and np.unique(pages).size != pages.size:
-            return None
+        if pages.size > 1:
+            order = np.sort(pages)  # a page count, not a slot count (np.unique is far slower at this size)
+            if (order[1:] == order[:-1]).any():
+                return None
         return pages
 
     def _validate_free(self, idx: torch.Tensor) -> np.ndarray:

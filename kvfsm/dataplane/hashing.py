@@ -82,3 +82,47 @@ def page_hash(token_ids: TokenIds, prior_hash: str | None = None) -> str:
     if n == 0:
         raise ValueError("a page has at least one token")
     return page_hashes(token_ids, n, prior_hash)[0]
+
+
+class PageRun:
+    """A run of whole pages in a request's hash chain, hashed on first use (`hashes`).
+
+    `prior` is what the run chains on: None (chain start), a hex digest, or the preceding PageRun,
+    resolved when this run is first hashed. Linking is O(1), so the scheduler thread only links a chunk
+    into its request's chain and the backup worker, which needs the keys, does the hashing, off the
+    decode step. Any thread may ask: the result is the same, and a run never loses its prior (it is
+    replaced by the equal hex digest), so two threads racing compute equal lists."""
+
+    __slots__ = ("tokens", "page_size", "prior", "_hashes")
+
+    def __init__(self, tokens: TokenIds, page_size: int, prior: "PageRun | str | None" = None) -> None:
+        self.tokens, self.page_size, self.prior = tokens, page_size, prior
+        self._hashes: list[str] | None = None
+
+    @property
+    def hashes(self) -> list[str]:
+        """One chained sha256 hex digest per page (see `page_hashes`)."""
+        got = self._hashes
+        if got is not None:
+            return got
+        pending: list[PageRun] = [self]  # unhashed runs back to a resolved prior (iterative: chains can be long)
+        prior = self.prior
+        while isinstance(prior, PageRun) and prior._hashes is None:
+            pending.append(prior)
+            prior = prior.prior
+        for run in reversed(pending):
+            p = run.prior
+            prior_hex = p.last_hash if isinstance(p, PageRun) else p
+            hashes = page_hashes(run.tokens, run.page_size, prior_hex)
+            run._hashes = hashes
+            run.prior = prior_hex  # the same value, without keeping the predecessor alive
+        return self._hashes  # type: ignore[return-value]
+
+    @property
+    def last_hash(self) -> str | None:
+        """The hash a following run chains on (the prior's, for a run without pages)."""
+        hashes = self.hashes
+        if hashes:
+            return hashes[-1]
+        p = self.prior
+        return p.last_hash if isinstance(p, PageRun) else p

@@ -16,8 +16,10 @@ layout, so a page written from one layout reads back into the other.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
+import numpy as np
 import torch
 
 from .allocator import IndexLike, TokenSlotAllocator, as_index_tensor
@@ -135,6 +137,17 @@ class HostKVPool:
 
     def free(self, indices: IndexLike) -> None:
         self.allocator.free(indices)
+
+    def alloc_pages(self, k: int) -> list[int] | None:
+        """k whole host pages as page ids, or None when too few are free (see TokenSlotAllocator)."""
+        return self.allocator.alloc_pages(k)
+
+    def free_pages(self, pages: Sequence[int]) -> None:
+        self.allocator.free_pages(pages)
+
+    def slots_of(self, pages: Sequence[int] | np.ndarray) -> torch.Tensor:
+        """Host slot indices (int64, CPU) of whole pages, page by page."""
+        return torch.from_numpy(self.allocator.slots_of(pages))
 
     def undo_alloc(self, indices: IndexLike) -> None:
         """Roll back allocations (see TokenSlotAllocator.undo_alloc)."""

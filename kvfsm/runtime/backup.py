@@ -22,13 +22,13 @@ class BackupJob:
     """One chunk's host-to-storage write; `write()` returns per-page success."""
 
     payload: Any
-    write: Callable[[], list[bool]]
+    write: Callable[[Any], list[bool]]  # called with the payload (a shared function, not a closure per job)
     results: list[bool] = field(default_factory=list)
     error: BaseException | None = None
 
     def run(self) -> None:
         try:
-            self.results = list(self.write())
+            self.results = list(self.write(self.payload))
         except Exception as exc:  # a store that raises is a failed backup, never a success (B13)
             self.error = exc
             self.results = []

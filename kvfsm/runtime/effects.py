@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from generated.decode_offload import DecodeOffloadMachine
-from kvfsm.dataplane import CopyEngine, CopyHandle, HostKVPool, ReqToTokenPool, TokenSlotAllocator, page_hashes
+from kvfsm.dataplane import CopyEngine, CopyHandle, HostKVPool, PageRun, ReqToTokenPool, TokenSlotAllocator
 from kvfsm.dataplane.device_pool import DeviceKVPool
 from kvfsm.dataplane.storage import StorageBackend
 from kvfsm.runtime.backup import BackupJob, BackupWorker
@@ -51,11 +51,16 @@ class RequestRecord:
     prefix_len: int
     prefill_len: int  # page-aligned prompt prefix, stored by the prefill side
     inc_len: int = 0  # tokens after the prefix already submitted for offload
-    last_hash: Optional[str] = None
+    chain: Optional[PageRun] = None  # the last run of the request's page-hash chain (hashed lazily)
     stored_pages: int = 0
     failed_backups: int = 0
     end_lengths: Optional[tuple[int, int]] = None  # (committed, allocated) when the engine ended it
     machine: Optional[DecodeOffloadMachine] = None
+
+    @property
+    def last_hash(self) -> Optional[str]:
+        """The page hash the next chunk chains on (hashes the chain up to here if nothing has yet)."""
+        return None if self.chain is None else self.chain.last_hash
 
     def __repr__(self) -> str:
         return self.key
@@ -66,21 +71,25 @@ class Chunk:
 
     The chunks of one offload call share one copy `handle` and one pair of slot tensors; a chunk's
     slots are positions [lo, hi) of them, sliced only when asked for (slicing costs more than the rest
-    of a chunk's bookkeeping)."""
+    of a chunk's bookkeeping). Its host pages are kept as page ids: what the pool frees. Its page hashes
+    are a PageRun of the request's chain, linked by `hash_chunk` and computed on first use."""
 
-    __slots__ = ("record", "start", "end", "tokens", "handle", "serial", "hashes", "job",
-                 "_device", "_host", "_host_np", "lo", "hi")
+    __slots__ = ("record", "start", "end", "tokens", "run", "handle", "serial", "job", "host_pages",
+                 "_device", "_host", "lo", "hi")
 
     def __init__(self, record: RequestRecord, start: int, end: int, tokens: list[int], handle: CopyHandle,
-                 device: torch.Tensor, host: torch.Tensor, lo: int = 0, hi: Optional[int] = None,
-                 host_np: Optional[np.ndarray] = None) -> None:
+                 device: torch.Tensor, host: torch.Tensor, lo: int, hi: int, host_pages: list[int]) -> None:
         self.record, self.start, self.end, self.tokens, self.handle = record, start, end, tokens, handle
-        self._device, self._host = device, host
-        self._host_np = host.numpy() if host_np is None else host_np
-        self.lo, self.hi = lo, host.numel() if hi is None else hi
+        self.run: Optional[PageRun] = None
+        self._device, self._host, self.lo, self.hi = device, host, lo, hi
+        self.host_pages = host_pages
         self.serial = next(_serials)
-        self.hashes: list[str] = []
         self.job: Optional[BackupJob] = None
+
+    @property
+    def hashes(self) -> list[str]:
+        """The chunk's page hashes ([] until `hash_chunk` linked it into its request's chain)."""
+        return [] if self.run is None else self.run.hashes
 
     @property
     def device_indices(self) -> torch.Tensor:
@@ -91,11 +100,6 @@ class Chunk:
     def host_indices(self) -> torch.Tensor:
         """Host slots the copy writes (CPU)."""
         return self._host[self.lo:self.hi]
-
-    @property
-    def host_slots(self) -> np.ndarray:
-        """The host slots as a numpy view (the cheap form for the pool's batched free)."""
-        return self._host_np[self.lo:self.hi]
 
     def __repr__(self) -> str:
         return f"Chunk(#{self.serial} {self.record.key} [{self.start}, {self.end}))"
@@ -115,7 +119,7 @@ class OffloadEffects:
         self.copy_fifo: collections.deque[Chunk] = collections.deque()  # submission order = completion order
         self.parked: collections.deque[Chunk] = collections.deque()
         self.stored: dict[str, tuple[str, int]] = {}  # page hash -> (request key, position): what storage holds
-        self._host_to_free: list[np.ndarray] = []  # freed by free_host_chunk, returned to the pool in flush()
+        self._host_to_free: list[int] = []  # pages freed by free_host_chunk, returned to the pool in flush()
         self._offsets = torch.arange(page_size, dtype=torch.int64)
         self._bytes_per_token = host_pool.config.bytes_per_token
 
@@ -123,8 +127,7 @@ class OffloadEffects:
     def seed_hash_chain(self, m: DecodeOffloadMachine, arg: Any) -> None:
         rec: RequestRecord = m.ctx
         if rec.prefill_len:
-            req = rec.req
-            rec.last_hash = page_hashes(req.origin_input_ids[: rec.prefill_len], self.page_size)[-1]
+            rec.chain = PageRun(list(rec.req.origin_input_ids[: rec.prefill_len]), self.page_size)
 
     # --- offload -----------------------------------------------------------------------------------
     def start_copy(self, m: DecodeOffloadMachine, chunk: Chunk) -> None:
@@ -144,25 +147,25 @@ class OffloadEffects:
 
     # --- copy acknowledgements ---------------------------------------------------------------------
     def hash_chunk(self, m: DecodeOffloadMachine, chunk: Chunk) -> None:
+        # Linking only: the digests are computed when first asked for, by the backup worker's write
+        # (off the scheduler thread) or by whoever reads them first; the chain fixes what they are.
         rec = chunk.record
-        chunk.hashes = page_hashes(chunk.tokens, self.page_size, rec.last_hash)
-        rec.last_hash = chunk.hashes[-1]
+        rec.chain = chunk.run = PageRun(chunk.tokens, self.page_size, rec.chain)
 
     def submit_backup(self, m: DecodeOffloadMachine, chunk: Chunk) -> None:
-        storage, host_pool = self.storage, self.host_pool
-        direct = getattr(storage, "batch_set_from_host", None)  # zero-copy from a registered host pool
-
-        def write() -> list[bool]:  # runs on the backup worker's thread
-            hashes, host_indices = chunk.hashes, chunk.host_indices
-            if storage is None:
-                return [False] * len(hashes)
-            if direct is not None:
-                return direct(hashes, host_pool, host_indices)
-            pages = host_pool.get_pages_bytes(host_indices)
-            return storage.batch_set(hashes, list(pages.unbind(0)))
-
-        chunk.job = BackupJob(payload=chunk, write=write)
+        chunk.job = BackupJob(chunk, self._write_backup)
         self.worker.submit(chunk.job)
+
+    def _write_backup(self, chunk: Chunk) -> list[bool]:
+        """A chunk's storage write, per-page success; runs on the backup worker's thread."""
+        storage, host_pool, hashes = self.storage, self.host_pool, chunk.hashes
+        if storage is None:
+            return [False] * len(hashes)
+        direct = getattr(storage, "batch_set_from_host", None)  # zero-copy from a registered host pool
+        if direct is not None:
+            return direct(hashes, host_pool, chunk.host_indices)
+        pages = host_pool.get_pages_bytes(chunk.host_indices)
+        return storage.batch_set(hashes, list(pages.unbind(0)))
 
     def park_chunk(self, m: DecodeOffloadMachine, chunk: Chunk) -> None:
         self.parked.append(chunk)
@@ -183,15 +186,14 @@ class OffloadEffects:
     def free_host_chunk(self, m: DecodeOffloadMachine, chunk: Chunk) -> None:
         if self.ledger is not None:
             self.ledger.free_host(chunk.record.key, "backup", chunk.serial, chunk.host_indices.tolist())
-        self._host_to_free.append(chunk.host_slots)
+        self._host_to_free += chunk.host_pages
 
     def flush(self) -> None:
-        """Return every host slot freed since the last flush in one pool call (the progress check ends
+        """Return every host page freed since the last flush in one pool call (the progress check ends
         with this, so no allocation ever sees a slot between its free and its return)."""
         if self._host_to_free:
-            batch = self._host_to_free
-            self._host_to_free = []
-            self.host_pool.free(batch[0] if len(batch) == 1 else np.concatenate(batch))
+            pages, self._host_to_free = self._host_to_free, []
+            self.host_pool.free_pages(pages)
 
     # --- end of life -------------------------------------------------------------------------------
     def freeze_lengths(self, m: DecodeOffloadMachine, arg: Any) -> None:

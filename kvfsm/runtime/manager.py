@@ -144,28 +144,34 @@ class DecodeOffloadManager:
                 raise ValueError(f"req_pool_indices must be rows in [0, {self.req_to_token.rows}) or -1")
             nxt = self._row_next[rows]  # row -1 reads the sentinel: look at the request itself
             picked = np.flatnonzero((committed - nxt >= self.stride) | (nxt < 0)).tolist()
-        # Check every picked request before anything changes, then admit, then submit.
-        todo: list[tuple[Optional[RequestRecord], OffloadRequest]] = []
+        # Check every picked request before anything changes, then admit, then submit. The steady state
+        # (every picked request live in an offloadable state) needs one pass.
+        todo: list[tuple[Optional[RequestRecord], OffloadRequest, int]] = []
         seen: set[int] = set()
+        records, due_tokens = self._records, self._due_tokens
+        admit = False
         for i in picked:
             req = reqs[i]
             row = req.req_pool_idx
             if row is None or row == -1 or not req.output_ids:
                 continue
-            if id(req) in seen:
+            key = id(req)
+            if key in seen:
                 raise ValueError(f"request {req.rid!r} appears twice in one offload_batch call")
-            seen.add(id(req))
-            rec = self._records.get(id(req))
+            seen.add(key)
+            rec = records.get(key)
             if rec is None or rec.row != row or rec.req_ref() is not req or rec.machine.state not in _OFFLOADABLE:
                 self._check_offloadable(req)
-                rec = None
-            todo.append((rec, req))
-        due: list[tuple[RequestRecord, OffloadRequest, int]] = []
-        for rec, req in todo:
-            rec = rec or self._record(req)
-            n = self._due_tokens(req, rec)
-            if n > 0:
-                due.append((rec, req, n))
+                todo.append((None, req, 0))
+                admit = True
+            else:
+                todo.append((rec, req, due_tokens(req, rec)))
+        if admit:
+            for k, (rec, req, n) in enumerate(todo):
+                if rec is None:
+                    rec = self._record(req)
+                    todo[k] = (rec, req, due_tokens(req, rec))
+        due = [item for item in todo if item[2] > 0]
         return self._submit(due) if due else 0
 
     def _offloadable_record(self, req: OffloadRequest) -> Optional[RequestRecord]:
@@ -201,38 +207,38 @@ class DecodeOffloadManager:
         return min(n, self._max_chunk)
 
     def _submit(self, due: list[tuple[RequestRecord, OffloadRequest, int]]) -> int:
-        """Host slots and one copy for the due chunks, then each request's `offload` (or `host_full`)."""
+        """Host pages and one copy for the due chunks, then each request's `offload` (or `host_full`)."""
         fx = self.fx
         host_pool = fx.host_pool
-        total = sum(n for _, _, n in due)
-        host = host_pool.alloc(total)
+        ps = self.config.page_size
+        pages = host_pool.alloc_pages(sum(n for _, _, n in due) // ps)  # chunks are whole strides: whole pages
         full: list[tuple[RequestRecord, OffloadRequest, int]] = []
-        if host is None:  # not all fit: allocate in call order, as a loop of offload() calls would
-            fits, hosts = [], []
+        if pages is None:  # not all fit: allocate in call order, as a loop of offload() calls would
+            fits, pages = [], []
             for item in due:
-                h = host_pool.alloc(item[2])
-                if h is None:
+                p = host_pool.alloc_pages(item[2] // ps)
+                if p is None:
                     full.append(item)
                 else:
                     fits.append(item)
-                    hosts.append(h)
+                    pages += p
             if not fits:
                 for rec, _, _ in full:
                     rec.machine.host_full(None)
                 return 0
-            due, host = fits, hosts[0] if len(hosts) == 1 else torch.cat(hosts)
+            due = fits
+        host = host_pool.slots_of(pages)
         registered = 0  # host slots [0, registered) belong to chunks a machine took
         handle = None
         try:
             device = self._device_slots(due)
             handle = fx.copy_engine.submit_d2h(fx.device_pool, device, host_pool, host)
-            host_np = host.numpy()
             offset = 0
             for rec, req, n in due:
                 start = rec.prefill_len + rec.inc_len
                 end = offset + n
                 chunk = Chunk(rec, start, start + n, token_slice(req, start, start + n), handle, device, host,
-                              offset, end, host_np)
+                              offset, end, pages[offset // ps:end // ps])
                 rec.machine.offload(chunk)
                 registered = offset = end
         except BaseException:
@@ -256,11 +262,14 @@ class DecodeOffloadManager:
         width = table.shape[1]
         if table.device.type == "cpu":
             table = table.numpy()  # a view; numpy gathers a chunk list cheaper than torch
-        lengths = np.fromiter((n for _, _, n in due), dtype=np.int64, count=len(due))
-        firsts = np.fromiter((rec.row * width + rec.prefill_len + rec.inc_len for rec, _, _ in due),
-                             dtype=np.int64, count=len(due))
-        before = np.cumsum(lengths) - lengths
-        flat = np.repeat(firsts - before, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
+        firsts = np.array([rec.row * width + rec.prefill_len + rec.inc_len for rec, _, _ in due], dtype=np.int64)
+        lengths = [n for _, _, n in due]
+        n0 = lengths[0]
+        if lengths.count(n0) == len(lengths):  # the steady state: every chunk is one stride
+            flat = (firsts[:, None] + np.arange(n0, dtype=np.int64)).reshape(-1)
+        else:
+            lens = np.array(lengths, dtype=np.int64)
+            flat = np.repeat(firsts - (np.cumsum(lens) - lens), lens) + np.arange(int(lens.sum()), dtype=np.int64)
         if isinstance(table, np.ndarray):
             return torch.from_numpy(table.reshape(-1)[flat])
         return table.view(-1).index_select(0, torch.from_numpy(flat).to(table.device))

@@ -198,3 +198,39 @@ def test_undo_alloc_restores_the_free_list_exactly() -> None:
     with pytest.raises(DoubleFree):
         a.undo_alloc(x)  # already given back: rejected, nothing changes
     assert [t.tolist() for t in a.snapshot()] == before
+
+
+def test_page_api_matches_slots_and_rejects_like_free() -> None:
+    a = TokenSlotAllocator(64, page_size=4)
+    pages = a.alloc_pages(3)
+    assert pages is not None and len(pages) == 3 and a.free_slots == a.capacity - 12
+    assert a.slots_of(pages).tolist() == [p * 4 + i for p in pages for i in range(4)]
+    assert a.alloc_pages(100) is None
+    before = snap(a)
+    # each rejection names the same typed error the slot path raises, and changes nothing
+    for bad, exc in [([pages[0], pages[0]], DuplicateIndex), ([0], NeverAllocated), ([15], NeverAllocated),
+                     ([16], OutOfRange), ([-1], OutOfRange), ([pages[0], 14], NeverAllocated)]:
+        with pytest.raises(exc):
+            a.free_pages(bad)
+        assert snap(a) == before
+    a.free_pages(pages[:2])
+    with pytest.raises(DoubleFree):
+        a.free_pages(pages[1:])  # pages[1] already free: the whole batch is refused
+    a.free_pages(pages[2:])
+    assert a.free_slots == a.capacity
+    a.check_conservation()
+
+
+def test_whole_page_fast_path_falls_back_to_the_exact_checks() -> None:
+    """Batches that look like whole pages in order but are not valid go through the sorting path."""
+    a = TokenSlotAllocator(64, page_size=4)
+    x = a.alloc(8)
+    assert x is not None and a.pages_of(x.numpy()) is not None
+    assert a.pages_of(torch.cat([x[:4], x[:4]]).numpy()) is None  # a page twice
+    assert a.pages_of((x + 1).numpy()) is None  # not page aligned
+    assert_rejected(a, DuplicateIndex, torch.cat([x[:4], x[:4]]))
+    assert_rejected(a, PartialPage, x[:6])
+    a.free(x[:4])
+    assert_rejected(a, DoubleFree, x)  # whole pages in order, one already free
+    a.free(x[4:].flip(0))  # whole pages, shuffled within the page: the exact path accepts it
+    assert a.free_slots == a.capacity

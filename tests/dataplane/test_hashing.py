@@ -82,3 +82,35 @@ def test_partial_page_and_bad_ids_raise() -> None:
     with pytest.raises(ValueError):
         page_hashes([1, 2], 0)
     assert page_hashes([], 4) == []
+
+
+def test_page_runs_hash_lazily_along_the_chain() -> None:
+    """A chain of runs, hashed on first use in any order (and from racing threads), equals the eager
+    hashes of the concatenated tokens, and a hashed run stops referencing its predecessor."""
+    import threading
+
+    from kvfsm.dataplane import PageRun
+
+    tokens = list(range(1000, 1040))
+    want = naive(tokens, 4)
+    for ask in ([0, 1, 2, 3], [3], [2, 0, 3, 1]):
+        seed = PageRun(tokens[:8], 4)
+        runs = [seed]
+        for lo, hi in [(8, 16), (16, 32), (32, 40)]:
+            runs.append(PageRun(tokens[lo:hi], 4, runs[-1]))
+        for i in ask:
+            runs[i].hashes
+        assert [h for r in runs for h in r.hashes] == want
+        assert all(not isinstance(r.prior, PageRun) for r in runs)
+        assert runs[-1].last_hash == want[-1]
+    seed = PageRun(tokens[:8], 4, "ab" * 32)
+    runs = [seed] + [PageRun(tokens[i:i + 8], 4) for i in range(8, 40, 8)]
+    for prev, run in zip(runs, runs[1:]):
+        run.prior = prev
+    threads = [threading.Thread(target=lambda r=r: r.hashes) for r in reversed(runs) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [h for r in runs for h in r.hashes] == naive(tokens, 4, "ab" * 32)
+    assert PageRun([], 4, "cd" * 32).last_hash == "cd" * 32

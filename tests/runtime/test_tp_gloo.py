@@ -57,15 +57,15 @@ def _instrument(engine: SimEngine, log: list[list[Any]], writes: list[list[Any]]
     """Log (iteration, kind, slots) for every device and host free (the scheduler thread, in check_progress
     and release) and (keys, page digests, results) for every storage write (the backup worker, whose
     writes happen at each rank's own time, so only their order is compared)."""
-    alloc_free, host_free, store_set = engine.allocator.free, engine.host_pool.free, engine.storage.batch_set
+    alloc_free, host_free, store_set = engine.allocator.free, engine.host_pool.free_pages, engine.storage.batch_set
 
     def dev_free(indices: Any) -> None:
         log.append([clock[0], "device_free", sorted(int(i) for i in torch.as_tensor(indices).reshape(-1).tolist())])
         alloc_free(indices)
 
-    def h_free(indices: Any) -> None:
-        log.append([clock[0], "host_free", [int(i) for i in torch.as_tensor(indices).reshape(-1).tolist()]])
-        host_free(indices)
+    def h_free(pages: Any) -> None:
+        log.append([clock[0], "host_free", engine.host_pool.slots_of(pages).tolist()])
+        host_free(pages)
 
     def batch_set(keys: Any, pages: Any) -> list[bool]:
         digests = [hashlib.sha256(p.contiguous().numpy().tobytes()).hexdigest()[:16] for p in pages]
@@ -74,7 +74,7 @@ def _instrument(engine: SimEngine, log: list[list[Any]], writes: list[list[Any]]
         return ok
 
     engine.allocator.free = dev_free  # type: ignore[method-assign]
-    engine.host_pool.free = h_free  # type: ignore[method-assign]
+    engine.host_pool.free_pages = h_free  # type: ignore[method-assign]
     engine.storage.batch_set = batch_set  # type: ignore[method-assign]
 
 

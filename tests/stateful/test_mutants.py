@@ -114,9 +114,9 @@ def _tp_engine(group: _ThreadGroup, log: list) -> SimEngine:
     consensus = ProgressConsensus(None)
     consensus.group, consensus.world = group, group.world  # the real agree(), over the in-process group
     e.manager.consensus = consensus
-    alloc_free, host_free = e.allocator.free, e.host_pool.free
+    alloc_free, host_free = e.allocator.free, e.host_pool.free_pages
     e.allocator.free = lambda idx: (log.append(("device_free", torch.as_tensor(idx).tolist())), alloc_free(idx))[1]
-    e.host_pool.free = lambda idx: (log.append(("host_free", torch.as_tensor(idx).tolist())), host_free(idx))[1]
+    e.host_pool.free_pages = lambda pages: (log.append(("host_free", e.host_pool.slots_of(pages).tolist())), host_free(pages))[1]
     return e
 
 
