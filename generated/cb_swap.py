@@ -40,6 +40,17 @@ HANDLED: dict[str, frozenset[int]] = {
     'cancel': frozenset({RESIDENT, SWAPPING_OUT, SWAPPED, SWAPPING_IN}),
 }
 
+# States in which each event is a declared no-op (the observer sees IGNORED_TRANSITION).
+IGNORED: dict[str, frozenset[int]] = {
+    'preempt': frozenset(),
+    'soft_reset': frozenset(),
+    'swap_out_done': frozenset(),
+    'restore': frozenset(),
+    'swap_in_done': frozenset(),
+    'finish': frozenset({ENDING, RELEASED}),
+    'cancel': frozenset({ENDING, RELEASED}),
+}
+
 # Single-owner resources (held from creation) that each state still holds, proven by `kvfsm validate`.
 HOLDS: dict[int, frozenset[str]] = {
     RESIDENT: frozenset(()),

@@ -43,6 +43,20 @@ HANDLED: dict[str, frozenset[int]] = {
     'retract': frozenset({ALLOCATED, OFFLOADING, INFLIGHT}),
 }
 
+# States in which each event is a declared no-op (the observer sees IGNORED_TRANSITION).
+IGNORED: dict[str, frozenset[int]] = {
+    'offload': frozenset(),
+    'host_full': frozenset(),
+    'copy_done': frozenset(),
+    'copy_parked': frozenset(),
+    'backup_resubmit': frozenset(),
+    'backup_done': frozenset(),
+    'backup_failed': frozenset(),
+    'finish': frozenset({FINISHED, DRAINING, RELEASED}),
+    'abort': frozenset({FINISHED, DRAINING, RELEASED}),
+    'retract': frozenset({FINISHED, DRAINING, RELEASED}),
+}
+
 # Single-owner resources (held from creation) that each state still holds, proven by `kvfsm validate`.
 HOLDS: dict[int, frozenset[str]] = {
     ALLOCATED: frozenset(('device_slots', 'protected_prefix', 'table_row')),

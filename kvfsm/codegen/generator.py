@@ -66,7 +66,9 @@ def render(spec: CompiledSpec, spec_path: str) -> str:
         if branches[-1]["kind"] == "error":
             branches[-1]["last"] = True
         events.append(dict(name=e, doc=em.doc, branches=branches,
-                           handled_consts=[const[s] for s in spec.states if spec.handlers(s, e)]))
+                           handled_consts=[const[s] for s in spec.states if spec.handlers(s, e)],
+                           ignored_consts=[const[s] for s in spec.states
+                                           if (o := spec.outcomes.get((s, e))) is not None and o.kind == "ignore"]))
     model = spec.model
     create = model.create
     ctx = dict(

@@ -32,7 +32,6 @@ from kvfsm.runtime.trace import TraceWriter
 
 _OFFLOADABLE = spec_gen.HANDLED["offload"]
 _ROW_HOLDERS = frozenset(s for s, held in spec_gen.HOLDS.items() if "table_row" in held)
-_END_EVENTS = ("finish", "abort", "retract")
 
 IntArray = Union[np.ndarray, torch.Tensor, Sequence[int]]
 
@@ -92,7 +91,10 @@ class DecodeOffloadManager:
         self._sizes = (config.page_size, self.stride, self.fx.host_pool.capacity, self.fx.worker.capacity)
         self._sizes_agree = self.consensus.check_same(*self._sizes)
         self.trace = TraceWriter(config.trace_path, spec_gen.SPEC_SHA256) if config.trace_path else None
-        self.coverage: set[int] = set()
+        self.coverage: set[int] = set()  # transition ids taken (checked mode or tracing)
+        # Machines report each transition only where someone listens (checked mode, trace): the hot
+        # path's bookkeeping (the row hint, ignored releases) is kept by the manager's own calls.
+        self._observer = self._observe if (self.ledger is not None or self.trace is not None) else None
         self._records: dict[int, RequestRecord] = {}  # id(request object) -> its current lifecycle
         self._serial = 0
         self._max_chunk = self.fx.host_pool.capacity // self.stride * self.stride
@@ -228,6 +230,7 @@ class DecodeOffloadManager:
                 return 0
             due = fits
         host = host_pool.slots_of(pages)
+        row_next = self._row_next
         registered = 0  # host slots [0, registered) belong to chunks a machine took
         handle = None
         try:
@@ -240,6 +243,7 @@ class DecodeOffloadManager:
                 chunk = Chunk(rec, start, start + n, token_slice(req, start, start + n), handle, device, host,
                               offset, end, pages[offset // ps:end // ps])
                 rec.machine.offload(chunk)
+                row_next[rec.row] = start + n
                 registered = offset = end
         except BaseException:
             # Slots of chunks no machine took go back, after the copy (if any) stopped writing them.
@@ -362,7 +366,10 @@ class DecodeOffloadManager:
             rec = self._admit(req)
         elif self._readmitted(rec, req):
             rec = self._admit(req)  # re-admitted after a retract: a new lifecycle
+        if rec.machine.state in spec_gen.IGNORED[event]:
+            self.metrics.ignored_duplicate_releases += 1  # a declared no-op: the call below changes nothing
         getattr(rec.machine, event)(None)
+        self._row_next[rec.row] = -1  # ended (or already was): offload looks at the request itself
 
     def _record(self, req: OffloadRequest) -> RequestRecord:
         rec = self._records.get(id(req))
@@ -400,21 +407,13 @@ class DecodeOffloadManager:
         rec = RequestRecord(key=f"{req.rid}#{self._serial}", rid=req.rid, req_ref=ref, req=req, row=row,
                             prefix_len=int(req.prefix_len),
                             prefill_len=prompt_len // self.config.page_size * self.config.page_size)
-        rec.machine = DecodeOffloadMachine(self.fx, rec, self._observe)
+        rec.machine = DecodeOffloadMachine(self.fx, rec, self._observer)
         self._records[key] = rec
         return rec
 
     def _observe(self, m: DecodeOffloadMachine, event: str, src: int, dst: int, tid: int) -> None:
-        if tid < 0:
-            if event in _END_EVENTS:
-                self.metrics.ignored_duplicate_releases += 1
-        else:
+        if tid >= 0:
             self.coverage.add(tid)
-            if event == "offload":
-                rec = m.ctx
-                self._row_next[rec.row] = rec.prefill_len + rec.inc_len
-            elif event in _END_EVENTS:
-                self._row_next[m.ctx.row] = -1
         if self.trace is not None:
             row = spec_gen.TRANSITIONS[tid] if tid >= 0 else None
             self.trace.transition(m.ctx.key, event, spec_gen.STATES[src], spec_gen.STATES[dst], tid,
