@@ -84,7 +84,6 @@ class TokenSlotAllocator:
         self._ever_bytes = bytearray(self.num_pages)
         self._allocated = torch.frombuffer(self._allocated_bytes, dtype=torch.bool)  # shares memory
         self._allocated_np = self._allocated.numpy()  # the same bytes again, for numpy
-        self._ever_np = np.frombuffer(self._ever_bytes, dtype=np.uint8)
 
     # ---- accounting -------------------------------------------------------------------------------
     @property
@@ -114,10 +113,6 @@ class TokenSlotAllocator:
         if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= self.num_slots):
             raise OutOfRange(f"slot index outside [0, {self.num_slots})")
         return torch.from_numpy(self._allocated_np[idx // self.page_size])
-
-    def owns_pages(self, pages: np.ndarray) -> bool:
-        """Whether every page id in `pages` (in range) is allocated now."""
-        return bool(self._allocated_np[pages].all())
 
     def check_conservation(self) -> None:
         """Raise ConservationError unless free list and allocated-mask describe the same partition."""
@@ -169,7 +164,7 @@ class TokenSlotAllocator:
 
     def slots_of(self, pages: Sequence[int] | np.ndarray) -> np.ndarray:
         """The slot indices (int64, page by page, in order) of `pages`."""
-        return (np.asarray(pages, dtype=np.int64)[:, None] * self.page_size + self._offsets_np).reshape(-1)
+        return np.add.outer(np.asarray(pages, dtype=np.int64) * self.page_size, self._offsets_np).reshape(-1)
 
     def free_pages(self, pages: Sequence[int]) -> None:
         """Free the pages named (page ids, each once, each allocated), or raise and change nothing.
@@ -191,47 +186,51 @@ class TokenSlotAllocator:
     def free(self, indices: IndexLike) -> None:
         """Free exactly the pages covered by `indices` (whole pages, each once), or raise and change nothing."""
         pages = self._validate_free(as_index_tensor(indices, torch.device("cpu")))
-        self._allocated_np[pages] = False
-        self._free_pages.extend(pages.tolist())
+        mask = self._allocated_bytes
+        for p in pages:
+            mask[p] = 0
+        self._free_pages.extend(pages)
 
     def undo_alloc(self, indices: IndexLike) -> None:
         """Give back slots exactly as the alloc calls that returned them (in that order) found the pool:
         the pages go back to the front of the free list. For rolling back a call that cannot complete."""
         idx = as_index_tensor(indices, torch.device("cpu"))
         self._validate_free(idx)  # whole allocated pages, each once
-        pages = idx.numpy()[:: self.page_size] // self.page_size
-        self._allocated_np[pages] = False
-        self._free_pages.extendleft(reversed(pages.tolist()))
+        pages = (idx.numpy()[:: self.page_size] // self.page_size).tolist()
+        mask = self._allocated_bytes
+        for p in pages:
+            mask[p] = 0
+        self._free_pages.extendleft(reversed(pages))
 
-    def pages_of(self, idx: np.ndarray) -> np.ndarray | None:
+    def pages_of(self, idx: np.ndarray) -> list[int] | None:
         """The page ids, if `idx` (int64, flat) is whole pages, each in slot order, each page once, in
-        range; None otherwise (the exact checks then decide). O(batch) without a sort: the fast path for
-        the allocations this allocator hands out."""
+        range; None otherwise (the exact checks then decide). No sort and a handful of numpy calls (what
+        a hot path pays for, more than the batch size): the fast path for what alloc hands out."""
         ps, n = self.page_size, idx.size
         if ps == 1 or n == 0 or n % ps:
             return None
         rows = idx.reshape(-1, ps)
-        firsts = rows[:, 0]
-        if not (rows == firsts[:, None] + self._offsets_np).all():
+        pages = rows[:, 0] // ps
+        if not (rows == np.add.outer(pages * ps, self._offsets_np)).all():  # aligned and consecutive
             return None
-        pages = firsts // ps
-        if (firsts - pages * ps).any() or int(firsts.min()) < 0 or int(firsts.max()) >= self.num_slots:
+        listed = pages.tolist()
+        if min(listed) < 0 or max(listed) >= self.num_pages or len(set(listed)) != len(listed):
             return None
-        if pages.size > 1:
-            order = np.sort(pages)  # a page count, not a slot count (np.unique is far slower at this size)
-            if (order[1:] == order[:-1]).any():
-                return None
-        return pages
+        return listed
 
-    def _validate_free(self, idx: torch.Tensor) -> np.ndarray:
-        """The pages a free of `idx` would return (int64), or raise the exact error."""
+    def owns_pages(self, pages: Sequence[int]) -> bool:
+        """Whether every page id in `pages` (in range) is allocated now."""
+        return all(map(self._allocated_bytes.__getitem__, pages))
+
+    def _validate_free(self, idx: torch.Tensor) -> list[int]:
+        """The pages a free of `idx` would return, or raise the exact error."""
         arr = idx.numpy()
         pages = self.pages_of(arr)
         if pages is not None and self.owns_pages(pages):
             return pages
         n = int(arr.size)
         if n == 0:
-            return np.empty(0, dtype=np.int64)
+            return []
         ps = self.page_size
         s = np.sort(arr)
         lo, hi = int(s[0]), int(s[-1])
@@ -246,8 +245,9 @@ class TokenSlotAllocator:
         rows = s.reshape(-1, ps)
         if ps > 1 and (((rows - rows[:, :1]) != self._offsets_np).any() or (rows[:, 0] % ps != 0).any()):
             raise PartialPage(f"free batch of {n} slots does not cover whole pages of {ps}")
-        pages = rows[:, 0] // ps
-        bad = pages[~self._allocated_np[pages]].tolist()
+        pages = (rows[:, 0] // ps).tolist()
+        mask = self._allocated_bytes
+        bad = [p for p in pages if not mask[p]]
         if bad:
             never = [p for p in bad if not self._ever_bytes[p]]
             if never:

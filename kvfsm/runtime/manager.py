@@ -38,6 +38,8 @@ IntArray = Union[np.ndarray, torch.Tensor, Sequence[int]]
 
 def _int_array(values: IntArray, name: str, count: int) -> np.ndarray:
     """A flat int64 numpy view of an engine's batch array (CPU), checked against the batch size."""
+    if type(values) is np.ndarray and values.dtype == np.int64 and values.shape == (count,):
+        return values  # already what is needed (the usual case): no numpy call
     if isinstance(values, torch.Tensor):
         if values.device.type != "cpu":
             raise ValueError(f"{name} must be on the CPU (got {values.device}): reading it would sync the GPU")
@@ -98,11 +100,15 @@ class DecodeOffloadManager:
         self._records: dict[int, RequestRecord] = {}  # id(request object) -> its current lifecycle
         self._serial = 0
         self._max_chunk = self.fx.host_pool.capacity // self.stride * self.stride
-        # Per table row: where the next chunk of the live, offloadable lifecycle holding it starts, or -1
-        # (look at the request itself). A hint (offload's early exit, offload_batch's pre-selection) that
-        # never decides what is copied; kept by _due_tokens and _observe.
-        self._row_next = np.full(req_to_token.rows + 1, -1, dtype=np.int64)  # [-1]: sentinel for row -1
+        # Per table row: the committed length at which the live, offloadable lifecycle holding it has its
+        # next whole stride (next chunk start + stride), or -1 (look at the request itself). A hint
+        # (offload's early exit, offload_batch's pre-selection) that never decides what is copied; kept
+        # by _due_tokens, _submit and _end.
+        self._due_at = np.full(req_to_token.rows + 1, -1, dtype=np.int64)  # [-1]: sentinel for row -1
         self._rows = req_to_token.rows
+        table = req_to_token.req_to_token
+        self._table_flat = table.numpy().reshape(-1) if table.device.type == "cpu" else None  # a view
+        self._arange = np.arange(max(self.stride, 1), dtype=np.int64)
 
     # --- the integration surface -------------------------------------------------------------------
     @property
@@ -113,8 +119,8 @@ class DecodeOffloadManager:
         """Submit the request's next stride-aligned chunk; False when there is none yet or no host room."""
         row = req.req_pool_idx
         if type(row) is int and 0 <= row < self._rows:
-            start = self._row_next[row]
-            if start >= 0 and req.kv_committed_len - start < self.stride:
+            due_at = self._due_at[row]
+            if req.kv_committed_len < due_at:
                 # Most calls: the live lifecycle holding this row has no whole stride of committed KV yet
                 # (committed bounds what can be offloaded), so nothing to look up.
                 return False
@@ -144,8 +150,8 @@ class DecodeOffloadManager:
             committed = _int_array(kv_committed_lens, "kv_committed_lens", count)
             if rows.size and (int(rows.max()) >= self.req_to_token.rows or int(rows.min()) < -1):
                 raise ValueError(f"req_pool_indices must be rows in [0, {self.req_to_token.rows}) or -1")
-            nxt = self._row_next[rows]  # row -1 reads the sentinel: look at the request itself
-            picked = np.flatnonzero((committed - nxt >= self.stride) | (nxt < 0)).tolist()
+            # row -1 reads the sentinel -1: look at the request itself
+            picked = np.flatnonzero(committed >= self._due_at[rows]).tolist()
         # Check every picked request before anything changes, then admit, then submit. The steady state
         # (every picked request live in an offloadable state) needs one pass.
         todo: list[tuple[Optional[RequestRecord], OffloadRequest, int]] = []
@@ -200,7 +206,7 @@ class DecodeOffloadManager:
     def _due_tokens(self, req: OffloadRequest, rec: RequestRecord) -> int:
         """Tokens of the next chunk: whole strides of committed KV past what was offloaded."""
         start = rec.prefill_len + rec.inc_len
-        self._row_next[rec.row] = start
+        self._due_at[rec.row] = start + self.stride
         # The last sampled token has no KV yet; never offload past what is committed.
         available = min(len(req.origin_input_ids) + len(req.output_ids) - 1, req.kv_committed_len)
         n = (available - start) // self.stride * self.stride
@@ -230,7 +236,7 @@ class DecodeOffloadManager:
                 return 0
             due = fits
         host = host_pool.slots_of(pages)
-        row_next = self._row_next
+        due_at, stride = self._due_at, self.stride
         registered = 0  # host slots [0, registered) belong to chunks a machine took
         handle = None
         try:
@@ -243,7 +249,7 @@ class DecodeOffloadManager:
                 chunk = Chunk(rec, start, start + n, token_slice(req, start, start + n), handle, device, host,
                               offset, end, pages[offset // ps:end // ps])
                 rec.machine.offload(chunk)
-                row_next[rec.row] = start + n
+                due_at[rec.row] = start + n + stride
                 registered = offset = end
         except BaseException:
             # Slots of chunks no machine took go back, after the copy (if any) stopped writing them.
@@ -264,19 +270,24 @@ class DecodeOffloadManager:
             start = rec.prefill_len + rec.inc_len
             return table[rec.row, start:start + n].clone()
         width = table.shape[1]
-        if table.device.type == "cpu":
-            table = table.numpy()  # a view; numpy gathers a chunk list cheaper than torch
-        firsts = np.array([rec.row * width + rec.prefill_len + rec.inc_len for rec, _, _ in due], dtype=np.int64)
+        firsts = [rec.row * width + rec.prefill_len + rec.inc_len for rec, _, _ in due]
         lengths = [n for _, _, n in due]
         n0 = lengths[0]
         if lengths.count(n0) == len(lengths):  # the steady state: every chunk is one stride
-            flat = (firsts[:, None] + np.arange(n0, dtype=np.int64)).reshape(-1)
+            flat = np.add.outer(firsts, self._aranges(n0)).reshape(-1)
         else:
             lens = np.array(lengths, dtype=np.int64)
-            flat = np.repeat(firsts - (np.cumsum(lens) - lens), lens) + np.arange(int(lens.sum()), dtype=np.int64)
-        if isinstance(table, np.ndarray):
-            return torch.from_numpy(table.reshape(-1)[flat])
+            flat = np.repeat(np.subtract(firsts, np.cumsum(lens) - lens), lens) + self._aranges(int(lens.sum()))
+        if self._table_flat is not None:  # CPU table: numpy gathers a chunk list cheaper than torch
+            return torch.from_numpy(self._table_flat[flat])
         return table.view(-1).index_select(0, torch.from_numpy(flat).to(table.device))
+
+    def _aranges(self, n: int) -> np.ndarray:
+        """0..n-1 (int64), cached: a stride's offsets are the same every step."""
+        got = self._arange
+        if got.size < n:
+            got = self._arange = np.arange(max(n, 2 * got.size), dtype=np.int64)
+        return got[:n]
 
     def check_progress(self) -> None:
         """Observe completed copies and backups (MIN-agreed across TP ranks) and feed them to the machines."""
@@ -369,7 +380,7 @@ class DecodeOffloadManager:
         if rec.machine.state in spec_gen.IGNORED[event]:
             self.metrics.ignored_duplicate_releases += 1  # a declared no-op: the call below changes nothing
         getattr(rec.machine, event)(None)
-        self._row_next[rec.row] = -1  # ended (or already was): offload looks at the request itself
+        self._due_at[rec.row] = -1  # ended (or already was): offload looks at the request itself
 
     def _record(self, req: OffloadRequest) -> RequestRecord:
         rec = self._records.get(id(req))
