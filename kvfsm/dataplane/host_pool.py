@@ -159,6 +159,9 @@ class HostKVPool:
     # ---- whole pages as bytes (for storage) -------------------------------------------------------
     def _page_index(self, indices: IndexLike) -> torch.Tensor:
         idx = as_index_tensor(indices, torch.device("cpu"))
+        pages = self.allocator.pages_of(idx.numpy())  # whole pages in order, each once: the usual case
+        if pages is not None and self.allocator.owns_pages(pages):
+            return idx
         ps = self.page_size
         if idx.numel() == 0 or idx.numel() % ps:
             raise PartialPage(f"{idx.numel()} host slots are not whole pages of {ps}")

@@ -153,19 +153,35 @@ class OffloadEffects:
         rec.chain = chunk.run = PageRun(chunk.tokens, self.page_size, rec.chain)
 
     def submit_backup(self, m: DecodeOffloadMachine, chunk: Chunk) -> None:
-        chunk.job = BackupJob(chunk, self._write_backup)
+        chunk.job = BackupJob(chunk, self._write_backup, self._write_backups)
         self.worker.submit(chunk.job)
 
     def _write_backup(self, chunk: Chunk) -> list[bool]:
         """A chunk's storage write, per-page success; runs on the backup worker's thread."""
-        storage, host_pool, hashes = self.storage, self.host_pool, chunk.hashes
+        return self._write_backups([chunk])[0]
+
+    def _write_backups(self, chunks: list[Chunk]) -> list[list[bool]]:
+        """Several chunks' storage writes in one store call (the worker batches what it finds queued);
+        per chunk, per-page success. Hashing happens here, on the worker's thread."""
+        storage, host_pool = self.storage, self.host_pool
+        keys = [h for chunk in chunks for h in chunk.hashes]
         if storage is None:
-            return [False] * len(hashes)
-        direct = getattr(storage, "batch_set_from_host", None)  # zero-copy from a registered host pool
-        if direct is not None:
-            return direct(hashes, host_pool, chunk.host_indices)
-        pages = host_pool.get_pages_bytes(chunk.host_indices)
-        return storage.batch_set(hashes, list(pages.unbind(0)))
+            ok = [False] * len(keys)
+        else:
+            slots = host_pool.slots_of([p for chunk in chunks for p in chunk.host_pages])
+            direct = getattr(storage, "batch_set_from_host", None)  # zero-copy from a registered host pool
+            if direct is not None:
+                ok = list(direct(keys, host_pool, slots))
+            else:
+                ok = list(storage.batch_set(keys, list(host_pool.get_pages_bytes(slots).unbind(0))))
+            if len(ok) != len(keys):
+                raise ValueError(f"storage answered {len(ok)} results for {len(keys)} pages")
+        out, at = [], 0
+        for chunk in chunks:
+            n = (chunk.end - chunk.start) // self.page_size
+            out.append(ok[at:at + n])
+            at += n
+        return out
 
     def park_chunk(self, m: DecodeOffloadMachine, chunk: Chunk) -> None:
         self.parked.append(chunk)

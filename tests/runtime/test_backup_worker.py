@@ -1,0 +1,76 @@
+"""The backup worker: jobs are chunks, written in batches, each ending exactly as if run alone."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from kvfsm.runtime import BackupJob, ThreadBackupWorker
+from kvfsm.runtime.backup import run_jobs
+
+
+class Store:
+    """Per-payload page results; payloads named 'raise' make any write that includes them raise."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[str]] = []
+
+    def write(self, payload: str) -> list[bool]:
+        return self.write_many([payload])[0]
+
+    def write_many(self, payloads: list[str]) -> list[list[bool]]:
+        self.calls.append(list(payloads))
+        if "raise" in payloads:
+            raise OSError("store down")
+        return [[not p.startswith("bad")] * 2 for p in payloads]
+
+
+def jobs_for(store: Store, payloads: list[str]) -> list[BackupJob]:
+    return [BackupJob(p, store.write, store.write_many) for p in payloads]
+
+
+def outcome(jobs: list[BackupJob]) -> list[tuple[bool, list[bool], bool]]:
+    return [(j.ok, j.results, j.error is not None) for j in jobs]
+
+
+@pytest.mark.parametrize("payloads", [["a", "b", "c"], ["a", "bad", "c"], ["a", "raise", "c"], ["raise"], []])
+def test_batched_equals_one_by_one(payloads: list[str]) -> None:
+    alone, together = Store(), Store()
+    one_by_one = jobs_for(alone, payloads)
+    for job in one_by_one:
+        job.run()
+    batched = jobs_for(together, payloads)
+    run_jobs(batched)
+    assert outcome(batched) == outcome(one_by_one)
+    if len(payloads) > 1 and "raise" not in payloads:
+        assert together.calls == [payloads]  # one store call for the whole run of jobs
+    if "raise" in payloads and len(payloads) > 1:
+        assert [p for call in together.calls[1:] for p in call] == payloads  # retried job by job
+
+
+def test_a_malformed_batch_answer_falls_back_to_single_writes() -> None:
+    store = Store()
+    short = jobs_for(store, ["a", "b"])
+    for job in short:
+        job.write_many = lambda payloads: [[True]]  # one answer for two jobs
+    run_jobs(short)
+    assert outcome(short) == [(True, [True, True], False)] * 2
+
+
+def test_thread_worker_writes_what_is_queued_together_and_completes_in_order() -> None:
+    store = Store()
+    gate = threading.Event()
+    first = BackupJob("first", lambda p: (gate.wait(5), [True])[1])  # holds the thread while more queue up
+    worker = ThreadBackupWorker(16)
+    worker.submit(first)
+    worker.flush()
+    rest = jobs_for(store, [f"p{i}" for i in range(5)])
+    for job in rest:
+        worker.submit(job)
+    worker.flush()
+    gate.set()
+    assert worker.wait_idle()
+    assert [worker.collect().payload for _ in range(6)] == ["first"] + [f"p{i}" for i in range(5)]
+    assert store.calls == [[f"p{i}" for i in range(5)]]
+    worker.close()
