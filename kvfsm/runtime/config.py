@@ -34,6 +34,10 @@ class OffloadConfig(BaseModel):
     storage_extra: dict[str, Any] = Field(default_factory=dict, description="Backend-specific settings.")
     model_name: str = Field("model", min_length=1)
     backup_queue_size: int = Field(64, ge=1, description="Backups queued or running at once; beyond it chunks park.")
+    stored_index_pages: int = Field(1 << 20, ge=0, description=(
+        "Pages the manager's stored-page index (hash -> request, position) keeps, oldest dropped first; "
+        "0 keeps none. Bounded so a long-running server does not grow without limit; storage stays the "
+        "authority on what it holds."))
     checked: bool = Field(False, description="Keep the slot ownership ledger and check invariants every transition.")
     trace_path: Optional[Path] = Field(None, description="Write one JSON line per transition here.")
 

@@ -111,14 +111,16 @@ class OffloadEffects:
     def __init__(self, *, page_size: int, device_pool: DeviceKVPool, allocator: TokenSlotAllocator,
                  req_to_token: ReqToTokenPool, prefix_cache: PrefixCache, host_pool: HostKVPool,
                  copy_engine: CopyEngine, storage: Optional[StorageBackend], worker: BackupWorker,
-                 metrics: OffloadMetrics, ledger: Optional[SlotLedger]) -> None:
+                 metrics: OffloadMetrics, ledger: Optional[SlotLedger], stored_index_pages: int = 1 << 20) -> None:
         self.page_size = page_size
         self.device_pool, self.allocator, self.req_to_token = device_pool, allocator, req_to_token
         self.prefix_cache, self.host_pool, self.copy_engine = prefix_cache, host_pool, copy_engine
         self.storage, self.worker, self.metrics, self.ledger = storage, worker, metrics, ledger
         self.copy_fifo: collections.deque[Chunk] = collections.deque()  # submission order = completion order
         self.parked: collections.deque[Chunk] = collections.deque()
-        self.stored: dict[str, tuple[str, int]] = {}  # page hash -> (request key, position): what storage holds
+        # page hash -> (request key, position) of the newest stored pages (bounded: oldest dropped first)
+        self.stored: collections.OrderedDict[str, tuple[str, int]] = collections.OrderedDict()
+        self._stored_limit = stored_index_pages
         self._host_to_free: list[int] = []  # pages freed by free_host_chunk, returned to the pool in flush()
         self._offsets = torch.arange(page_size, dtype=torch.int64)
         self._bytes_per_token = host_pool.config.bytes_per_token
@@ -190,10 +192,14 @@ class OffloadEffects:
     # --- backups -----------------------------------------------------------------------------------
     def mark_stored(self, m: DecodeOffloadMachine, chunk: Chunk) -> None:
         rec = chunk.record
-        for i, h in enumerate(chunk.hashes):
-            self.stored[h] = (rec.key, chunk.start + i * self.page_size)
-        rec.stored_pages += len(chunk.hashes)
-        self.metrics.stored_pages += len(chunk.hashes)
+        stored, hashes = self.stored, chunk.hashes
+        if self._stored_limit:
+            for i, h in enumerate(hashes):
+                stored[h] = (rec.key, chunk.start + i * self.page_size)
+            while len(stored) > self._stored_limit:
+                stored.popitem(last=False)
+        rec.stored_pages += len(hashes)
+        self.metrics.stored_pages += len(hashes)
 
     def count_backup_failure(self, m: DecodeOffloadMachine, chunk: Chunk) -> None:
         chunk.record.failed_backups += 1

@@ -88,7 +88,8 @@ class DecodeOffloadManager:
                                  req_to_token=req_to_token, prefix_cache=prefix_cache, host_pool=host_pool,
                                  copy_engine=copy_engine, storage=storage,
                                  worker=backup_worker or ThreadBackupWorker(config.backup_queue_size),
-                                 metrics=self.metrics, ledger=self.ledger)
+                                 metrics=self.metrics, ledger=self.ledger,
+                                 stored_index_pages=config.stored_index_pages)
         self.consensus = ProgressConsensus(tp_group)
         self._sizes = (config.page_size, self.stride, self.fx.host_pool.capacity, self.fx.worker.capacity)
         self._sizes_agree = self.consensus.check_same(*self._sizes)

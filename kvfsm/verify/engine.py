@@ -57,6 +57,7 @@ class SimEngine:
     kv_heads: int = 1
     head_dim: int = 2
     host_layout: str = "layer_first"
+    stored_index_pages: int = 1 << 20
 
     def __post_init__(self) -> None:
         self.kv = KVCacheConfig(num_layers=self.num_layers, kv_heads=self.kv_heads, head_dim=self.head_dim,
@@ -72,7 +73,8 @@ class SimEngine:
         self.storage = self.make_storage()
         self.config = OffloadConfig(page_size=self.page_size, offload_stride=self.stride, host_pool_ratio=1.0,
                                     copy_backend="deferred", storage_backend="none", checked=self.checked,
-                                    backup_queue_size=self.backup_queue, trace_path=self.trace_path)
+                                    backup_queue_size=self.backup_queue, trace_path=self.trace_path,
+                                    stored_index_pages=self.stored_index_pages)
         self.manager = DecodeOffloadManager(
             self.config, device_pool=self.device_pool, allocator=self.allocator, req_to_token=self.req_to_token,
             prefix_cache=self.protected, host_pool=self.host_pool, copy_engine=self.copies, storage=self.storage,

@@ -675,3 +675,24 @@ def test_thread_worker_and_file_storage_round_trip(tmp_path: Path) -> None:
     assert sim.allocator.free_slots == sim.allocator.capacity and protected.size == 0
     assert manager.host_pool.free_slots == manager.host_pool.capacity
     assert sim.req_to_token.free_rows == sim.rows
+
+
+@pytest.mark.parametrize("limit", [0, 3])
+def test_the_stored_page_index_is_bounded(limit: int) -> None:
+    """A long-running manager keeps at most `stored_index_pages` entries (newest kept); counts stay whole."""
+    e = SimEngine(page_size=2, device_slots=96, host_slots=32, rows=2, max_context=48, stored_index_pages=limit)
+    r = e.admit("a", 4)
+    order: list[str] = []
+    for _ in range(12):
+        e.decode(r)
+        e.manager.offload(r)
+        before = set(e.manager.fx.stored)
+        settle(e)
+        order += [h for h in e.manager.fx.stored if h not in before]
+    assert e.manager.metrics.stored_pages >= 5
+    assert len(e.manager.fx.stored) == min(limit, e.manager.metrics.stored_pages)
+    if limit:
+        assert list(e.manager.fx.stored) == order[-limit:]
+    e.end(r)
+    settle(e)
+    e.check_teardown()
