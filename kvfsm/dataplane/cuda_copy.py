@@ -84,8 +84,10 @@ class AutoPolicy:
     - dma_floor_copy_bytes / dma_max_small_copies: a copy that would need more than dma_max_small_copies
       DMA copies averaging under dma_floor_copy_bytes takes the direct path even when "dma"/"hybrid" is
       forced. The pipeline is useless there (0.09-0.13 of the ceiling for 2 KiB copies), and on the H200
-      with the CUDA 13.0 driver a load-back of ~500K batched 2 KiB copies (layer_first, page 1, 1 GiB)
-      crashed inside cuMemcpyBatchAsync (bench/results/dma_crash-h200.log).
+      with the CUDA 13.0 driver batched load-backs of 2 KiB copies crashed inside cuMemcpyBatchAsync:
+      ~500K copies (layer_first, page 1, 1 GiB) and, intermittently, 24576 (a 48 MiB GPU test)
+      (bench/results/dma_crash-h200.log). The few hundred tiny copies of the small-KV GPU tests, which
+      exercise the pipeline, never did; 1024 keeps those and nothing like what crashed.
     """
 
     d2h_min_copy_bytes: int = 512 * KiB
@@ -94,7 +96,7 @@ class AutoPolicy:
     no_triton_min_copy_bytes: int = 16 * KiB
     hybrid_fraction: float | None = None
     dma_floor_copy_bytes: int = 16 * KiB
-    dma_max_small_copies: int = 65536
+    dma_max_small_copies: int = 1024
 
 
 def choose_backend(
