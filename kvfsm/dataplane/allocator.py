@@ -23,7 +23,6 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from .device_pool import resolve_device
 from .errors import (
     ConservationError,
     DoubleAlloc,
@@ -96,7 +95,7 @@ class TokenSlotAllocator:
         return len(self._free_pages) * self.page_size
 
     @property
-    def free_pages(self) -> int:
+    def free_page_count(self) -> int:
         return len(self._free_pages)
 
     @property

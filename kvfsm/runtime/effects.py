@@ -13,7 +13,6 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import numpy as np
 import torch
 
 from generated.decode_offload import DecodeOffloadMachine

@@ -234,3 +234,11 @@ def test_whole_page_fast_path_falls_back_to_the_exact_checks() -> None:
     assert_rejected(a, DoubleFree, x)  # whole pages in order, one already free
     a.free(x[4:].flip(0))  # whole pages, shuffled within the page: the exact path accepts it
     assert a.free_slots == a.capacity
+
+
+def test_counts_and_page_methods_do_not_collide() -> None:
+    a = TokenSlotAllocator(32, page_size=4)
+    pages = a.alloc_pages(2)
+    assert pages is not None and a.free_page_count == 5 and a.free_slots == 20
+    a.free_pages(pages)
+    assert a.free_page_count == 7
