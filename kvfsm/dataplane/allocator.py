@@ -147,6 +147,8 @@ class TokenSlotAllocator:
     def alloc_pages(self, k: int) -> list[int] | None:
         """k whole pages as page ids (free-list order), or None if fewer are free: the form for callers
         that track pages (slot i of page p is p * page_size + i); O(k) list work, no tensors."""
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            raise ValueError(f"page count must be a non-negative int, got {k!r}")
         free = self._free_pages
         if k > len(free):
             return None
@@ -173,8 +175,11 @@ class TokenSlotAllocator:
         if not pages:
             return
         mask = self._allocated_bytes
-        ok = (min(pages) >= self.reserved_pages and max(pages) < self.num_pages and len(set(pages)) == len(pages)
-              and all(map(mask.__getitem__, pages)))
+        try:
+            ok = (min(pages) >= self.reserved_pages and max(pages) < self.num_pages
+                  and len(set(pages)) == len(pages) and all(map(mask.__getitem__, pages)))
+        except TypeError:
+            raise OutOfRange(f"page ids must be integers, got {list(pages)[:8]}") from None
         if not ok:
             self._validate_free(torch.from_numpy(self.slots_of(pages)))
             raise AssertionError("unreachable: the exact check accepted a batch the page check rejected")

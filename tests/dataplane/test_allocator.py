@@ -213,6 +213,12 @@ def test_page_api_matches_slots_and_rejects_like_free() -> None:
         with pytest.raises(exc):
             a.free_pages(bad)
         assert snap(a) == before
+    for bad in ([float(pages[0])], [pages[0], "x"]):
+        with pytest.raises(OutOfRange):
+            a.free_pages(bad)  # type: ignore[list-item]
+        assert snap(a) == before
+    with pytest.raises(ValueError):
+        a.alloc_pages(1.5)  # type: ignore[arg-type]
     a.free_pages(pages[:2])
     with pytest.raises(DoubleFree):
         a.free_pages(pages[1:])  # pages[1] already free: the whole batch is refused
