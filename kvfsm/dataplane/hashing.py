@@ -91,12 +91,15 @@ class PageRun:
     resolved when this run is first hashed. Linking is O(1), so the scheduler thread only links a chunk
     into its request's chain and the backup worker, which needs the keys, does the hashing, off the
     decode step. Any thread may ask: the result is the same, and a run never loses its prior (it is
-    replaced by the equal hex digest), so two threads racing compute equal lists."""
+    replaced by the equal hex digest), so two threads racing compute equal lists. A hashed run drops
+    its tokens (set after its hashes, so a racing reader that finds none finds the hashes): a prompt
+    prefix is held only until the request's first backup hashes it."""
 
     __slots__ = ("tokens", "page_size", "prior", "_hashes")
 
     def __init__(self, tokens: TokenIds, page_size: int, prior: "PageRun | str | None" = None) -> None:
-        self.tokens, self.page_size, self.prior = tokens, page_size, prior
+        self.tokens: TokenIds | None = tokens
+        self.page_size, self.prior = page_size, prior
         self._hashes: list[str] | None = None
 
     @property
@@ -111,11 +114,14 @@ class PageRun:
             pending.append(prior)
             prior = prior.prior
         for run in reversed(pending):
+            tokens = run.tokens
+            if tokens is None or run._hashes is not None:
+                continue  # another thread hashed it meanwhile
             p = run.prior
             prior_hex = p.last_hash if isinstance(p, PageRun) else p
-            hashes = page_hashes(run.tokens, run.page_size, prior_hex)
-            run._hashes = hashes
+            run._hashes = page_hashes(tokens, run.page_size, prior_hex)
             run.prior = prior_hex  # the same value, without keeping the predecessor alive
+            run.tokens = None
         return self._hashes  # type: ignore[return-value]
 
     @property

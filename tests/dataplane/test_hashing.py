@@ -101,7 +101,7 @@ def test_page_runs_hash_lazily_along_the_chain() -> None:
         for i in ask:
             runs[i].hashes
         assert [h for r in runs for h in r.hashes] == want
-        assert all(not isinstance(r.prior, PageRun) for r in runs)
+        assert all(not isinstance(r.prior, PageRun) and r.tokens is None for r in runs)
         assert runs[-1].last_hash == want[-1]
     seed = PageRun(tokens[:8], 4, "ab" * 32)
     runs = [seed] + [PageRun(tokens[i:i + 8], 4) for i in range(8, 40, 8)]
