@@ -222,15 +222,17 @@ class TokenSlotAllocator:
             return None
         return listed
 
-    def owns_pages(self, pages: Sequence[int]) -> bool:
-        """Whether every page id in `pages` (in range) is allocated now."""
-        return all(map(self._allocated_bytes.__getitem__, pages))
+    def owned_pages(self, idx: np.ndarray) -> list[int] | None:
+        """`pages_of(idx)` when every one of those pages is allocated now, else None: the fast path of
+        every check that a batch is allocated whole pages (free, copy planning, page bytes)."""
+        pages = self.pages_of(idx)
+        return pages if pages is not None and all(map(self._allocated_bytes.__getitem__, pages)) else None
 
     def _validate_free(self, idx: torch.Tensor) -> list[int]:
         """The pages a free of `idx` would return, or raise the exact error."""
         arr = idx.numpy()
-        pages = self.pages_of(arr)
-        if pages is not None and self.owns_pages(pages):
+        pages = self.owned_pages(arr)
+        if pages is not None:
             return pages
         n = int(arr.size)
         if n == 0:

@@ -118,18 +118,14 @@ def plan_copy(
         raise CopyError(f"{dev_idx.numel()} device slots vs {host_idx.numel()} host slots")
     if host_idx.numel():
         allocator = host_pool.allocator
-        pages = allocator.pages_of(host_idx.numpy())  # whole pages in slot order (what the pool hands out)
-        if pages is None:
-            s = np.sort(host_idx.numpy())  # anything else: one sort gives range and duplicates
+        if allocator.owned_pages(host_idx.numpy()) is None:  # not allocated whole pages in slot order
+            s = np.sort(host_idx.numpy())  # one sort gives range and duplicates
             if int(s[0]) < 0 or int(s[-1]) >= host_pool.size:
                 raise OutOfRange(f"host slot outside [0, {host_pool.size})")
             if s.size > 1 and bool((s[1:] == s[:-1]).any()):
                 raise DuplicateIndex("a host slot appears twice in one copy")
-            allocated = bool(allocator.is_allocated(s).all())
-        else:
-            allocated = allocator.owns_pages(pages)
-        if not allocated:
-            raise NotAllocated("copy touches a host slot that is not allocated")
+            if not bool(allocator.is_allocated(s).all()):
+                raise NotAllocated("copy touches a host slot that is not allocated")
         if dev_idx.device.type == "cpu" and (int(dev_idx.min()) < 0 or int(dev_idx.max()) >= device_pool.size):
             raise OutOfRange(f"device slot outside [0, {device_pool.size})")
     return CopyPlan(direction, device_pool, host_pool, dev_idx, host_idx)

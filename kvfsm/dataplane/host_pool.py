@@ -159,8 +159,7 @@ class HostKVPool:
     # ---- whole pages as bytes (for storage) -------------------------------------------------------
     def _page_index(self, indices: IndexLike) -> torch.Tensor:
         idx = as_index_tensor(indices, torch.device("cpu"))
-        pages = self.allocator.pages_of(idx.numpy())  # whole pages in order, each once: the usual case
-        if pages is not None and self.allocator.owns_pages(pages):
+        if self.allocator.owned_pages(idx.numpy()) is not None:  # whole allocated pages in order: the usual case
             return idx
         ps = self.page_size
         if idx.numel() == 0 or idx.numel() % ps:
