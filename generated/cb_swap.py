@@ -5,11 +5,17 @@
 Read beside spec/cb_swap.yaml: every branch names its transition id (T<n>) and the spec line it came from.
 Order inside a handled branch: guard, actions (the data plane), counter updates, state, observer.
 An action that raises leaves the machine unchanged.
+
+Each event also has a batch form, `<event>_each(machines, args)`: the same transitions for a list of
+machines (the manager's hot path, where one scheduler iteration fires an event for dozens of requests).
+It decides every item first (guards, counters, state, in list order, so a machine may appear more than
+once), then calls each action once for all the items that take it, in a fixed order per event. A rejected
+item or a raising action puts every machine back as the batch found it.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 from kvfsm.errors import EventRejected, GuardRejected
 
@@ -109,32 +115,91 @@ def violated_invariants(m: "CbSwapMachine") -> list[str]:
     return bad
 
 
+def _restore(undo: list[tuple[Any, ...]]) -> None:
+    """Put a batch's machines back as it found them (newest first: a repeated machine ends at its first pre-image)."""
+    for m, s, copies in reversed(undo):
+        m.state, m.copies = s, copies
+
 class CbSwapEffects(Protocol):
-    """The data plane's side of the contract: one method per spec action, called as action(machine, arg)."""
+    """The data plane's side of the contract: one method per spec action, called as action(machine, arg),
+    and its batch form action_each([(machine, arg), ...]) (see CbSwapEffectsEach for the defaults)."""
 
     def start_swap_out(self, m: "CbSwapMachine", arg: Any) -> None:
         """Take the victim's freshly reserved host blocks and submit the device-to-host copy of its device blocks, ordered after the compute stream. [acquires host_blocks; reads device_blocks]"""
 
+    def start_swap_out_each(self, items: list[tuple["CbSwapMachine", Any]]) -> None: ...
+
     def count_soft_reset(self, m: "CbSwapMachine", arg: Any) -> None:
         """Count a victim the host pool could not hold; nothing was reserved or copied, the engine discards its KV and re-prefills it."""
+
+    def count_soft_reset_each(self, items: list[tuple["CbSwapMachine", Any]]) -> None: ...
 
     def verify_swap_out(self, m: "CbSwapMachine", arg: Any) -> None:
         """In checked mode, compare the landed host blocks with the device blocks they were copied from, so a copy that moved nothing is caught (B15). [reads device_blocks, host_blocks]"""
 
+    def verify_swap_out_each(self, items: list[tuple["CbSwapMachine", Any]]) -> None: ...
+
     def release_device_blocks(self, m: "CbSwapMachine", arg: Any) -> None:
         """Return the request's device blocks to the engine's pool, exactly once and only when no copy still reads or writes them (B2, B9). [releases device_blocks]"""
+
+    def release_device_blocks_each(self, items: list[tuple["CbSwapMachine", Any]]) -> None: ...
 
     def start_swap_in(self, m: "CbSwapMachine", arg: Any) -> None:
         """Take the fresh device blocks the engine allocated on rescheduling, submit the host-to-device copy into them and order the compute stream after it. [acquires device_blocks; reads host_blocks]"""
 
+    def start_swap_in_each(self, items: list[tuple["CbSwapMachine", Any]]) -> None: ...
+
     def verify_swap_in(self, m: "CbSwapMachine", arg: Any) -> None:
         """In checked mode, compare the restored device blocks with the host blocks and with the KV recorded at swap-out, so a lost or misplaced restore is caught (B15). [reads device_blocks, host_blocks]"""
+
+    def verify_swap_in_each(self, items: list[tuple["CbSwapMachine", Any]]) -> None: ...
 
     def free_host_blocks(self, m: "CbSwapMachine", arg: Any) -> None:
         """Return the request's host blocks to the host pool, exactly once (B10). [releases host_blocks]"""
 
+    def free_host_blocks_each(self, items: list[tuple["CbSwapMachine", Any]]) -> None: ...
+
     def defer_release(self, m: "CbSwapMachine", arg: Any) -> None:
         """Take the device blocks out of the engine's block table without freeing them, so the engine forgets the request but nobody reuses them before the copy lands (B2). [reads device_blocks]"""
+
+    def defer_release_each(self, items: list[tuple["CbSwapMachine", Any]]) -> None: ...
+
+
+class CbSwapEffectsEach:
+    """Default batch forms: `action_each(items)` is the action once per (machine, arg), in order. An effects
+    class inherits these and overrides the ones it can do for a whole batch at once."""
+
+    def start_swap_out_each(self, items: list[tuple["CbSwapMachine", Any]]) -> None:
+        for m, arg in items:
+            self.start_swap_out(m, arg)  # type: ignore[attr-defined]
+
+    def count_soft_reset_each(self, items: list[tuple["CbSwapMachine", Any]]) -> None:
+        for m, arg in items:
+            self.count_soft_reset(m, arg)  # type: ignore[attr-defined]
+
+    def verify_swap_out_each(self, items: list[tuple["CbSwapMachine", Any]]) -> None:
+        for m, arg in items:
+            self.verify_swap_out(m, arg)  # type: ignore[attr-defined]
+
+    def release_device_blocks_each(self, items: list[tuple["CbSwapMachine", Any]]) -> None:
+        for m, arg in items:
+            self.release_device_blocks(m, arg)  # type: ignore[attr-defined]
+
+    def start_swap_in_each(self, items: list[tuple["CbSwapMachine", Any]]) -> None:
+        for m, arg in items:
+            self.start_swap_in(m, arg)  # type: ignore[attr-defined]
+
+    def verify_swap_in_each(self, items: list[tuple["CbSwapMachine", Any]]) -> None:
+        for m, arg in items:
+            self.verify_swap_in(m, arg)  # type: ignore[attr-defined]
+
+    def free_host_blocks_each(self, items: list[tuple["CbSwapMachine", Any]]) -> None:
+        for m, arg in items:
+            self.free_host_blocks(m, arg)  # type: ignore[attr-defined]
+
+    def defer_release_each(self, items: list[tuple["CbSwapMachine", Any]]) -> None:
+        for m, arg in items:
+            self.defer_release(m, arg)  # type: ignore[attr-defined]
 
 
 class CbSwapMachine:
@@ -329,3 +394,266 @@ class CbSwapMachine:
             if self.observer is not None:
                 self.observer(self, 'cancel', s, s, IGNORED_TRANSITION)
             return
+
+
+    @staticmethod
+    def preempt_each(machines: Sequence["CbSwapMachine"], args: Sequence[Any]) -> None:
+        """`m.preempt(arg)` for each machine and its arg, in order, as one batch (see the module doc); actions in the order start_swap_out. A machine with an observer (checked mode, tracing) makes it run item by item."""
+        if len(args) != len(machines):
+            raise ValueError(f"{len(machines)} machines but {len(args)} args")
+        if not machines:
+            return
+        fx = machines[0].fx
+        for m in machines:
+            if m.observer is not None or m.fx is not fx:
+                for m, arg in zip(machines, args):
+                    m.preempt(arg)
+                return
+        undo: list[tuple[Any, ...]] = []
+        start_swap_out: list[tuple[CbSwapMachine, Any]] = []
+        for m, arg in zip(machines, args):
+            s = m.state
+            undo.append((m, s, m.copies))
+            if s == RESIDENT:
+                # T0 resident --preempt--> swapping_out  (spec line 92)
+                start_swap_out.append((m, arg))
+                m.copies += 1
+                m.state = SWAPPING_OUT
+                continue
+            # swapping_out, swapped, swapping_in, ending, released: declared error
+            _restore(undo)
+            raise EventRejected(m, 'preempt', STATES[s], 'Only a resident request holds device blocks to swap out; preempting it again would copy or free blocks it no longer owns (B1, B9).')
+        try:
+            if start_swap_out:
+                fx.start_swap_out_each(start_swap_out)
+        except BaseException:
+            _restore(undo)
+            raise
+
+    @staticmethod
+    def soft_reset_each(machines: Sequence["CbSwapMachine"], args: Sequence[Any]) -> None:
+        """`m.soft_reset(arg)` for each machine and its arg, in order, as one batch (see the module doc); actions in the order count_soft_reset, release_device_blocks. A machine with an observer (checked mode, tracing) makes it run item by item."""
+        if len(args) != len(machines):
+            raise ValueError(f"{len(machines)} machines but {len(args)} args")
+        if not machines:
+            return
+        fx = machines[0].fx
+        for m in machines:
+            if m.observer is not None or m.fx is not fx:
+                for m, arg in zip(machines, args):
+                    m.soft_reset(arg)
+                return
+        undo: list[tuple[Any, ...]] = []
+        count_soft_reset: list[tuple[CbSwapMachine, Any]] = []
+        release_device_blocks: list[tuple[CbSwapMachine, Any]] = []
+        for m, arg in zip(machines, args):
+            s = m.state
+            undo.append((m, s, m.copies))
+            if s == RESIDENT:
+                # T1 resident --soft_reset--> released  (spec line 93)
+                count_soft_reset.append((m, arg))
+                release_device_blocks.append((m, arg))
+                m.state = RELEASED
+                continue
+            # swapping_out, swapped, swapping_in, ending, released: declared error
+            _restore(undo)
+            raise EventRejected(m, 'soft_reset', STATES[s], 'Only a resident request holds device blocks to swap out; preempting it again would copy or free blocks it no longer owns (B1, B9).')
+        try:
+            if count_soft_reset:
+                fx.count_soft_reset_each(count_soft_reset)
+            if release_device_blocks:
+                fx.release_device_blocks_each(release_device_blocks)
+        except BaseException:
+            _restore(undo)
+            raise
+
+    @staticmethod
+    def swap_out_done_each(machines: Sequence["CbSwapMachine"], args: Sequence[Any]) -> None:
+        """`m.swap_out_done(arg)` for each machine and its arg, in order, item by item: this event's transitions order their actions differently, so no single batch order keeps them all."""
+        if len(args) != len(machines):
+            raise ValueError(f"{len(machines)} machines but {len(args)} args")
+        for m, arg in zip(machines, args):
+            m.swap_out_done(arg)
+
+    @staticmethod
+    def restore_each(machines: Sequence["CbSwapMachine"], args: Sequence[Any]) -> None:
+        """`m.restore(arg)` for each machine and its arg, in order, as one batch (see the module doc); actions in the order start_swap_in. A machine with an observer (checked mode, tracing) makes it run item by item."""
+        if len(args) != len(machines):
+            raise ValueError(f"{len(machines)} machines but {len(args)} args")
+        if not machines:
+            return
+        fx = machines[0].fx
+        for m in machines:
+            if m.observer is not None or m.fx is not fx:
+                for m, arg in zip(machines, args):
+                    m.restore(arg)
+                return
+        undo: list[tuple[Any, ...]] = []
+        start_swap_in: list[tuple[CbSwapMachine, Any]] = []
+        for m, arg in zip(machines, args):
+            s = m.state
+            undo.append((m, s, m.copies))
+            if s == SWAPPED:
+                # T3 swapped --restore--> swapping_in  (spec line 98)
+                start_swap_in.append((m, arg))
+                m.copies += 1
+                m.state = SWAPPING_IN
+                continue
+            # resident, swapping_out, swapping_in, ending, released: declared error
+            _restore(undo)
+            raise EventRejected(m, 'restore', STATES[s], 'Only a swapped request, whose swap-out has landed, can be restored; anything else would read host blocks not yet written or not its own (B15).')
+        try:
+            if start_swap_in:
+                fx.start_swap_in_each(start_swap_in)
+        except BaseException:
+            _restore(undo)
+            raise
+
+    @staticmethod
+    def swap_in_done_each(machines: Sequence["CbSwapMachine"], args: Sequence[Any]) -> None:
+        """`m.swap_in_done(arg)` for each machine and its arg, in order, as one batch (see the module doc); actions in the order verify_swap_in, free_host_blocks, release_device_blocks. A machine with an observer (checked mode, tracing) makes it run item by item."""
+        if len(args) != len(machines):
+            raise ValueError(f"{len(machines)} machines but {len(args)} args")
+        if not machines:
+            return
+        fx = machines[0].fx
+        for m in machines:
+            if m.observer is not None or m.fx is not fx:
+                for m, arg in zip(machines, args):
+                    m.swap_in_done(arg)
+                return
+        undo: list[tuple[Any, ...]] = []
+        verify_swap_in: list[tuple[CbSwapMachine, Any]] = []
+        free_host_blocks: list[tuple[CbSwapMachine, Any]] = []
+        release_device_blocks: list[tuple[CbSwapMachine, Any]] = []
+        for m, arg in zip(machines, args):
+            s = m.state
+            undo.append((m, s, m.copies))
+            if s == SWAPPING_IN:
+                # T4 swapping_in --swap_in_done--> resident  (spec line 99)
+                verify_swap_in.append((m, arg))
+                free_host_blocks.append((m, arg))
+                m.copies -= 1
+                m.state = RESIDENT
+                continue
+            if s == ENDING:
+                # T13 ending --swap_in_done--> released  (spec line 106)
+                free_host_blocks.append((m, arg))
+                release_device_blocks.append((m, arg))
+                m.copies -= 1
+                m.state = RELEASED
+                continue
+            # resident, swapping_out, swapped, released: declared error
+            _restore(undo)
+            raise EventRejected(m, 'swap_in_done', STATES[s], 'No swap-in of this request is in flight; the acknowledgement belongs to no copy (B6).')
+        try:
+            if verify_swap_in:
+                fx.verify_swap_in_each(verify_swap_in)
+            if free_host_blocks:
+                fx.free_host_blocks_each(free_host_blocks)
+            if release_device_blocks:
+                fx.release_device_blocks_each(release_device_blocks)
+        except BaseException:
+            _restore(undo)
+            raise
+
+    @staticmethod
+    def finish_each(machines: Sequence["CbSwapMachine"], args: Sequence[Any]) -> None:
+        """`m.finish(arg)` for each machine and its arg, in order, as one batch (see the module doc); actions in the order release_device_blocks, defer_release. A machine with an observer (checked mode, tracing) makes it run item by item."""
+        if len(args) != len(machines):
+            raise ValueError(f"{len(machines)} machines but {len(args)} args")
+        if not machines:
+            return
+        fx = machines[0].fx
+        for m in machines:
+            if m.observer is not None or m.fx is not fx:
+                for m, arg in zip(machines, args):
+                    m.finish(arg)
+                return
+        undo: list[tuple[Any, ...]] = []
+        release_device_blocks: list[tuple[CbSwapMachine, Any]] = []
+        defer_release: list[tuple[CbSwapMachine, Any]] = []
+        for m, arg in zip(machines, args):
+            s = m.state
+            undo.append((m, s, m.copies))
+            if s == RESIDENT:
+                # T5 resident --finish--> released  (spec line 103)
+                release_device_blocks.append((m, arg))
+                m.state = RELEASED
+                continue
+            if s == SWAPPING_OUT:
+                # T8 swapping_out --finish--> ending  (spec line 105)
+                defer_release.append((m, arg))
+                m.state = ENDING
+                continue
+            if s == SWAPPING_IN:
+                # T10 swapping_in --finish--> ending  (spec line 105)
+                defer_release.append((m, arg))
+                m.state = ENDING
+                continue
+            if s == ENDING or s == RELEASED:  # ending, released: declared no-op
+                continue
+            # swapped: declared error
+            _restore(undo)
+            raise EventRejected(m, 'finish', STATES[s], 'A swapped request is waiting, not running; the engine cannot finish it without restoring it first.')
+        try:
+            if release_device_blocks:
+                fx.release_device_blocks_each(release_device_blocks)
+            if defer_release:
+                fx.defer_release_each(defer_release)
+        except BaseException:
+            _restore(undo)
+            raise
+
+    @staticmethod
+    def cancel_each(machines: Sequence["CbSwapMachine"], args: Sequence[Any]) -> None:
+        """`m.cancel(arg)` for each machine and its arg, in order, as one batch (see the module doc); actions in the order release_device_blocks, defer_release, free_host_blocks. A machine with an observer (checked mode, tracing) makes it run item by item."""
+        if len(args) != len(machines):
+            raise ValueError(f"{len(machines)} machines but {len(args)} args")
+        if not machines:
+            return
+        fx = machines[0].fx
+        for m in machines:
+            if m.observer is not None or m.fx is not fx:
+                for m, arg in zip(machines, args):
+                    m.cancel(arg)
+                return
+        undo: list[tuple[Any, ...]] = []
+        release_device_blocks: list[tuple[CbSwapMachine, Any]] = []
+        defer_release: list[tuple[CbSwapMachine, Any]] = []
+        free_host_blocks: list[tuple[CbSwapMachine, Any]] = []
+        for m, arg in zip(machines, args):
+            s = m.state
+            undo.append((m, s, m.copies))
+            if s == RESIDENT:
+                # T6 resident --cancel--> released  (spec line 103)
+                release_device_blocks.append((m, arg))
+                m.state = RELEASED
+                continue
+            if s == SWAPPING_OUT:
+                # T9 swapping_out --cancel--> ending  (spec line 105)
+                defer_release.append((m, arg))
+                m.state = ENDING
+                continue
+            if s == SWAPPED:
+                # T7 swapped --cancel--> released  (spec line 104)
+                free_host_blocks.append((m, arg))
+                m.state = RELEASED
+                continue
+            if s == SWAPPING_IN:
+                # T11 swapping_in --cancel--> ending  (spec line 105)
+                defer_release.append((m, arg))
+                m.state = ENDING
+                continue
+            if s == ENDING or s == RELEASED:  # ending, released: declared no-op
+                continue
+        try:
+            if release_device_blocks:
+                fx.release_device_blocks_each(release_device_blocks)
+            if defer_release:
+                fx.defer_release_each(defer_release)
+            if free_host_blocks:
+                fx.free_host_blocks_each(free_host_blocks)
+        except BaseException:
+            _restore(undo)
+            raise

@@ -5,11 +5,17 @@
 Read beside spec/decode_offload.yaml: every branch names its transition id (T<n>) and the spec line it came from.
 Order inside a handled branch: guard, actions (the data plane), counter updates, state, observer.
 An action that raises leaves the machine unchanged.
+
+Each event also has a batch form, `<event>_each(machines, args)`: the same transitions for a list of
+machines (the manager's hot path, where one scheduler iteration fires an event for dozens of requests).
+It decides every item first (guards, counters, state, in list order, so a machine may appear more than
+once), then calls each action once for all the items that take it, in a fixed order per event. A rejected
+item or a raising action puts every machine back as the batch found it.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 from kvfsm.errors import EventRejected, GuardRejected
 
@@ -140,41 +146,118 @@ def violated_invariants(m: "DecodeOffloadMachine") -> list[str]:
     return bad
 
 
+def _restore(undo: list[tuple[Any, ...]]) -> None:
+    """Put a batch's machines back as it found them (newest first: a repeated machine ends at its first pre-image)."""
+    for m, s, copies, parked, backups in reversed(undo):
+        m.state, m.copies, m.parked, m.backups = s, copies, parked, backups
+
 class DecodeOffloadEffects(Protocol):
-    """The data plane's side of the contract: one method per spec action, called as action(machine, arg)."""
+    """The data plane's side of the contract: one method per spec action, called as action(machine, arg),
+    and its batch form action_each([(machine, arg), ...]) (see DecodeOffloadEffectsEach for the defaults)."""
 
     def seed_hash_chain(self, m: "DecodeOffloadMachine", arg: Any) -> None:
         """Seed the request's page-hash chain with the prompt's page-aligned prefix (stored by the prefill side); its hashes are computed on first use. [reads table_row]"""
 
+    def seed_hash_chain_each(self, items: list[tuple["DecodeOffloadMachine", Any]]) -> None: ...
+
     def start_copy(self, m: "DecodeOffloadMachine", arg: Any) -> None:
         """Take the chunk's freshly allocated host slots and its async device-to-host copy (ordered after the compute stream; one submission for all chunks of an offload call, made just before). [acquires host_slots; reads device_slots, table_row]"""
+
+    def start_copy_each(self, items: list[tuple["DecodeOffloadMachine", Any]]) -> None: ...
 
     def count_host_full(self, m: "DecodeOffloadMachine", arg: Any) -> None:
         """Count a host-pool-full retry; nothing was allocated or recorded, the chunk is retried on a later step (B7)."""
 
+    def count_host_full_each(self, items: list[tuple["DecodeOffloadMachine", Any]]) -> None: ...
+
     def hash_chunk(self, m: "DecodeOffloadMachine", arg: Any) -> None:
         """Link the copied chunk's pages into the request's page-hash chain (each page's hash chains on the one before); the hashes are computed on first use, normally by the backup worker, off the scheduler thread."""
+
+    def hash_chunk_each(self, items: list[tuple["DecodeOffloadMachine", Any]]) -> None: ...
 
     def submit_backup(self, m: "DecodeOffloadMachine", arg: Any) -> None:
         """Queue the chunk's host-to-storage backup on the backup worker. [reads host_slots]"""
 
+    def submit_backup_each(self, items: list[tuple["DecodeOffloadMachine", Any]]) -> None: ...
+
     def park_chunk(self, m: "DecodeOffloadMachine", arg: Any) -> None:
         """Keep the copied chunk in host memory until the backup queue has room (back-pressure, never a drop)."""
+
+    def park_chunk_each(self, items: list[tuple["DecodeOffloadMachine", Any]]) -> None: ...
 
     def mark_stored(self, m: "DecodeOffloadMachine", arg: Any) -> None:
         """Record the chunk's pages as stored under their hashes (only after the store reported success), in the manager's index of the newest stored pages (bounded by stored_index_pages; the store stays the authority)."""
 
+    def mark_stored_each(self, items: list[tuple["DecodeOffloadMachine", Any]]) -> None: ...
+
     def count_backup_failure(self, m: "DecodeOffloadMachine", arg: Any) -> None:
         """Count a failed backup; its pages are never reported as stored (B13)."""
+
+    def count_backup_failure_each(self, items: list[tuple["DecodeOffloadMachine", Any]]) -> None: ...
 
     def free_host_chunk(self, m: "DecodeOffloadMachine", arg: Any) -> None:
         """Return the chunk's host slots to the host pool, exactly once (one pool call for every chunk a progress check frees, before it returns). [releases host_slots]"""
 
+    def free_host_chunk_each(self, items: list[tuple["DecodeOffloadMachine", Any]]) -> None: ...
+
     def freeze_lengths(self, m: "DecodeOffloadMachine", arg: Any) -> None:
         """Record the committed and allocated lengths at end of life, so a deferred release frees exactly what the request held then."""
 
+    def freeze_lengths_each(self, items: list[tuple["DecodeOffloadMachine", Any]]) -> None: ...
+
     def release_request(self, m: "DecodeOffloadMachine", arg: Any) -> None:
         """Free device slots [0, committed), the over-allocation [ceil_page(committed), allocated), the table row and the protected prefix, exactly once (B1, B3, B5, B9). [releases device_slots, table_row, protected_prefix]"""
+
+    def release_request_each(self, items: list[tuple["DecodeOffloadMachine", Any]]) -> None: ...
+
+
+class DecodeOffloadEffectsEach:
+    """Default batch forms: `action_each(items)` is the action once per (machine, arg), in order. An effects
+    class inherits these and overrides the ones it can do for a whole batch at once."""
+
+    def seed_hash_chain_each(self, items: list[tuple["DecodeOffloadMachine", Any]]) -> None:
+        for m, arg in items:
+            self.seed_hash_chain(m, arg)  # type: ignore[attr-defined]
+
+    def start_copy_each(self, items: list[tuple["DecodeOffloadMachine", Any]]) -> None:
+        for m, arg in items:
+            self.start_copy(m, arg)  # type: ignore[attr-defined]
+
+    def count_host_full_each(self, items: list[tuple["DecodeOffloadMachine", Any]]) -> None:
+        for m, arg in items:
+            self.count_host_full(m, arg)  # type: ignore[attr-defined]
+
+    def hash_chunk_each(self, items: list[tuple["DecodeOffloadMachine", Any]]) -> None:
+        for m, arg in items:
+            self.hash_chunk(m, arg)  # type: ignore[attr-defined]
+
+    def submit_backup_each(self, items: list[tuple["DecodeOffloadMachine", Any]]) -> None:
+        for m, arg in items:
+            self.submit_backup(m, arg)  # type: ignore[attr-defined]
+
+    def park_chunk_each(self, items: list[tuple["DecodeOffloadMachine", Any]]) -> None:
+        for m, arg in items:
+            self.park_chunk(m, arg)  # type: ignore[attr-defined]
+
+    def mark_stored_each(self, items: list[tuple["DecodeOffloadMachine", Any]]) -> None:
+        for m, arg in items:
+            self.mark_stored(m, arg)  # type: ignore[attr-defined]
+
+    def count_backup_failure_each(self, items: list[tuple["DecodeOffloadMachine", Any]]) -> None:
+        for m, arg in items:
+            self.count_backup_failure(m, arg)  # type: ignore[attr-defined]
+
+    def free_host_chunk_each(self, items: list[tuple["DecodeOffloadMachine", Any]]) -> None:
+        for m, arg in items:
+            self.free_host_chunk(m, arg)  # type: ignore[attr-defined]
+
+    def freeze_lengths_each(self, items: list[tuple["DecodeOffloadMachine", Any]]) -> None:
+        for m, arg in items:
+            self.freeze_lengths(m, arg)  # type: ignore[attr-defined]
+
+    def release_request_each(self, items: list[tuple["DecodeOffloadMachine", Any]]) -> None:
+        for m, arg in items:
+            self.release_request(m, arg)  # type: ignore[attr-defined]
 
 
 class DecodeOffloadMachine:
@@ -674,3 +757,604 @@ class DecodeOffloadMachine:
             if self.observer is not None:
                 self.observer(self, 'retract', s, s, IGNORED_TRANSITION)
             return
+
+
+    @staticmethod
+    def offload_each(machines: Sequence["DecodeOffloadMachine"], args: Sequence[Any]) -> None:
+        """`m.offload(arg)` for each machine and its arg, in order, as one batch (see the module doc); actions in the order start_copy. A machine with an observer (checked mode, tracing) makes it run item by item."""
+        if len(args) != len(machines):
+            raise ValueError(f"{len(machines)} machines but {len(args)} args")
+        if not machines:
+            return
+        fx = machines[0].fx
+        for m in machines:
+            if m.observer is not None or m.fx is not fx:
+                for m, arg in zip(machines, args):
+                    m.offload(arg)
+                return
+        undo: list[tuple[Any, ...]] = []
+        start_copy: list[tuple[DecodeOffloadMachine, Any]] = []
+        for m, arg in zip(machines, args):
+            s = m.state
+            undo.append((m, s, m.copies, m.parked, m.backups))
+            if s == ALLOCATED:
+                # T0 allocated --offload--> offloading  (spec line 128)
+                start_copy.append((m, arg))
+                m.copies += 1
+                m.state = OFFLOADING
+                continue
+            if s == OFFLOADING:
+                # T1 offloading --offload--> offloading  (spec line 128)
+                start_copy.append((m, arg))
+                m.copies += 1
+                continue
+            if s == INFLIGHT:
+                # T2 inflight --offload--> offloading  (spec line 128)
+                start_copy.append((m, arg))
+                m.copies += 1
+                m.state = OFFLOADING
+                continue
+            # finished, draining, released: declared error
+            _restore(undo)
+            raise EventRejected(m, 'offload', STATES[s], 'A finished, aborted or retracted request cannot offload; its slots may already be reused (B1, B6).')
+        try:
+            if start_copy:
+                fx.start_copy_each(start_copy)
+        except BaseException:
+            _restore(undo)
+            raise
+
+    @staticmethod
+    def host_full_each(machines: Sequence["DecodeOffloadMachine"], args: Sequence[Any]) -> None:
+        """`m.host_full(arg)` for each machine and its arg, in order, as one batch (see the module doc); actions in the order count_host_full. A machine with an observer (checked mode, tracing) makes it run item by item."""
+        if len(args) != len(machines):
+            raise ValueError(f"{len(machines)} machines but {len(args)} args")
+        if not machines:
+            return
+        fx = machines[0].fx
+        for m in machines:
+            if m.observer is not None or m.fx is not fx:
+                for m, arg in zip(machines, args):
+                    m.host_full(arg)
+                return
+        undo: list[tuple[Any, ...]] = []
+        count_host_full: list[tuple[DecodeOffloadMachine, Any]] = []
+        for m, arg in zip(machines, args):
+            s = m.state
+            undo.append((m, s, m.copies, m.parked, m.backups))
+            if s == ALLOCATED:
+                # T3 allocated --host_full--> allocated  (spec line 130)
+                count_host_full.append((m, arg))
+                continue
+            if s == OFFLOADING:
+                # T4 offloading --host_full--> offloading  (spec line 130)
+                count_host_full.append((m, arg))
+                continue
+            if s == INFLIGHT:
+                # T5 inflight --host_full--> inflight  (spec line 130)
+                count_host_full.append((m, arg))
+                continue
+            # finished, draining, released: declared error
+            _restore(undo)
+            raise EventRejected(m, 'host_full', STATES[s], 'A finished, aborted or retracted request cannot offload; its slots may already be reused (B1, B6).')
+        try:
+            if count_host_full:
+                fx.count_host_full_each(count_host_full)
+        except BaseException:
+            _restore(undo)
+            raise
+
+    @staticmethod
+    def copy_done_each(machines: Sequence["DecodeOffloadMachine"], args: Sequence[Any]) -> None:
+        """`m.copy_done(arg)` for each machine and its arg, in order, as one batch (see the module doc); actions in the order hash_chunk, submit_backup, release_request. A machine with an observer (checked mode, tracing) makes it run item by item."""
+        if len(args) != len(machines):
+            raise ValueError(f"{len(machines)} machines but {len(args)} args")
+        if not machines:
+            return
+        fx = machines[0].fx
+        for m in machines:
+            if m.observer is not None or m.fx is not fx:
+                for m, arg in zip(machines, args):
+                    m.copy_done(arg)
+                return
+        undo: list[tuple[Any, ...]] = []
+        hash_chunk: list[tuple[DecodeOffloadMachine, Any]] = []
+        submit_backup: list[tuple[DecodeOffloadMachine, Any]] = []
+        release_request: list[tuple[DecodeOffloadMachine, Any]] = []
+        for m, arg in zip(machines, args):
+            s = m.state
+            undo.append((m, s, m.copies, m.parked, m.backups))
+            if s == OFFLOADING:
+                if m.copies > 1:  # more_copies
+                    # T6 offloading --copy_done [more_copies]--> offloading  (spec line 133)
+                    hash_chunk.append((m, arg))
+                    submit_backup.append((m, arg))
+                    m.copies -= 1
+                    m.backups += 1
+                    continue
+                if m.copies == 1:  # last_copy
+                    # T7 offloading --copy_done [last_copy]--> inflight  (spec line 135)
+                    hash_chunk.append((m, arg))
+                    submit_backup.append((m, arg))
+                    m.copies -= 1
+                    m.backups += 1
+                    m.state = INFLIGHT
+                    continue
+                _restore(undo)
+                raise GuardRejected(m, 'copy_done', 'offloading', ('more_copies', 'last_copy'))
+            if s == FINISHED:
+                if m.copies > 1:  # more_copies
+                    # T10 finished --copy_done [more_copies]--> finished  (spec line 141)
+                    hash_chunk.append((m, arg))
+                    submit_backup.append((m, arg))
+                    m.copies -= 1
+                    m.backups += 1
+                    continue
+                if m.copies == 1:  # last_copy
+                    # T11 finished --copy_done [last_copy]--> draining  (spec line 143)
+                    hash_chunk.append((m, arg))
+                    submit_backup.append((m, arg))
+                    release_request.append((m, arg))
+                    m.copies -= 1
+                    m.backups += 1
+                    m.state = DRAINING
+                    continue
+                _restore(undo)
+                raise GuardRejected(m, 'copy_done', 'finished', ('more_copies', 'last_copy'))
+            # allocated, inflight, draining, released: declared error
+            _restore(undo)
+            raise EventRejected(m, 'copy_done', STATES[s], 'No copy of this request is in flight; the acknowledgement belongs to no copy (B6, B9).')
+        try:
+            if hash_chunk:
+                fx.hash_chunk_each(hash_chunk)
+            if submit_backup:
+                fx.submit_backup_each(submit_backup)
+            if release_request:
+                fx.release_request_each(release_request)
+        except BaseException:
+            _restore(undo)
+            raise
+
+    @staticmethod
+    def copy_parked_each(machines: Sequence["DecodeOffloadMachine"], args: Sequence[Any]) -> None:
+        """`m.copy_parked(arg)` for each machine and its arg, in order, as one batch (see the module doc); actions in the order hash_chunk, park_chunk, release_request. A machine with an observer (checked mode, tracing) makes it run item by item."""
+        if len(args) != len(machines):
+            raise ValueError(f"{len(machines)} machines but {len(args)} args")
+        if not machines:
+            return
+        fx = machines[0].fx
+        for m in machines:
+            if m.observer is not None or m.fx is not fx:
+                for m, arg in zip(machines, args):
+                    m.copy_parked(arg)
+                return
+        undo: list[tuple[Any, ...]] = []
+        hash_chunk: list[tuple[DecodeOffloadMachine, Any]] = []
+        park_chunk: list[tuple[DecodeOffloadMachine, Any]] = []
+        release_request: list[tuple[DecodeOffloadMachine, Any]] = []
+        for m, arg in zip(machines, args):
+            s = m.state
+            undo.append((m, s, m.copies, m.parked, m.backups))
+            if s == OFFLOADING:
+                if m.copies > 1:  # more_copies
+                    # T8 offloading --copy_parked [more_copies]--> offloading  (spec line 137)
+                    hash_chunk.append((m, arg))
+                    park_chunk.append((m, arg))
+                    m.copies -= 1
+                    m.parked += 1
+                    continue
+                if m.copies == 1:  # last_copy
+                    # T9 offloading --copy_parked [last_copy]--> inflight  (spec line 139)
+                    hash_chunk.append((m, arg))
+                    park_chunk.append((m, arg))
+                    m.copies -= 1
+                    m.parked += 1
+                    m.state = INFLIGHT
+                    continue
+                _restore(undo)
+                raise GuardRejected(m, 'copy_parked', 'offloading', ('more_copies', 'last_copy'))
+            if s == FINISHED:
+                if m.copies > 1:  # more_copies
+                    # T12 finished --copy_parked [more_copies]--> finished  (spec line 145)
+                    hash_chunk.append((m, arg))
+                    park_chunk.append((m, arg))
+                    m.copies -= 1
+                    m.parked += 1
+                    continue
+                if m.copies == 1:  # last_copy
+                    # T13 finished --copy_parked [last_copy]--> draining  (spec line 147)
+                    hash_chunk.append((m, arg))
+                    park_chunk.append((m, arg))
+                    release_request.append((m, arg))
+                    m.copies -= 1
+                    m.parked += 1
+                    m.state = DRAINING
+                    continue
+                _restore(undo)
+                raise GuardRejected(m, 'copy_parked', 'finished', ('more_copies', 'last_copy'))
+            # allocated, inflight, draining, released: declared error
+            _restore(undo)
+            raise EventRejected(m, 'copy_parked', STATES[s], 'No copy of this request is in flight; the acknowledgement belongs to no copy (B6, B9).')
+        try:
+            if hash_chunk:
+                fx.hash_chunk_each(hash_chunk)
+            if park_chunk:
+                fx.park_chunk_each(park_chunk)
+            if release_request:
+                fx.release_request_each(release_request)
+        except BaseException:
+            _restore(undo)
+            raise
+
+    @staticmethod
+    def backup_resubmit_each(machines: Sequence["DecodeOffloadMachine"], args: Sequence[Any]) -> None:
+        """`m.backup_resubmit(arg)` for each machine and its arg, in order, as one batch (see the module doc); actions in the order submit_backup. A machine with an observer (checked mode, tracing) makes it run item by item."""
+        if len(args) != len(machines):
+            raise ValueError(f"{len(machines)} machines but {len(args)} args")
+        if not machines:
+            return
+        fx = machines[0].fx
+        for m in machines:
+            if m.observer is not None or m.fx is not fx:
+                for m, arg in zip(machines, args):
+                    m.backup_resubmit(arg)
+                return
+        undo: list[tuple[Any, ...]] = []
+        submit_backup: list[tuple[DecodeOffloadMachine, Any]] = []
+        for m, arg in zip(machines, args):
+            s = m.state
+            undo.append((m, s, m.copies, m.parked, m.backups))
+            if s == OFFLOADING:
+                if m.parked >= 1:  # has_parked
+                    # T14 offloading --backup_resubmit [has_parked]--> offloading  (spec line 151)
+                    submit_backup.append((m, arg))
+                    m.parked -= 1
+                    m.backups += 1
+                    continue
+                _restore(undo)
+                raise GuardRejected(m, 'backup_resubmit', 'offloading', ('has_parked',))
+            if s == INFLIGHT:
+                if m.parked >= 1:  # has_parked
+                    # T15 inflight --backup_resubmit [has_parked]--> inflight  (spec line 151)
+                    submit_backup.append((m, arg))
+                    m.parked -= 1
+                    m.backups += 1
+                    continue
+                _restore(undo)
+                raise GuardRejected(m, 'backup_resubmit', 'inflight', ('has_parked',))
+            if s == FINISHED:
+                if m.parked >= 1:  # has_parked
+                    # T16 finished --backup_resubmit [has_parked]--> finished  (spec line 151)
+                    submit_backup.append((m, arg))
+                    m.parked -= 1
+                    m.backups += 1
+                    continue
+                _restore(undo)
+                raise GuardRejected(m, 'backup_resubmit', 'finished', ('has_parked',))
+            if s == DRAINING:
+                if m.parked >= 1:  # has_parked
+                    # T17 draining --backup_resubmit [has_parked]--> draining  (spec line 151)
+                    submit_backup.append((m, arg))
+                    m.parked -= 1
+                    m.backups += 1
+                    continue
+                _restore(undo)
+                raise GuardRejected(m, 'backup_resubmit', 'draining', ('has_parked',))
+            # allocated, released: declared error
+            _restore(undo)
+            raise EventRejected(m, 'backup_resubmit', STATES[s], 'No chunk of this request holds host slots; freeing them again would be a host double free (B10).')
+        try:
+            if submit_backup:
+                fx.submit_backup_each(submit_backup)
+        except BaseException:
+            _restore(undo)
+            raise
+
+    @staticmethod
+    def backup_done_each(machines: Sequence["DecodeOffloadMachine"], args: Sequence[Any]) -> None:
+        """`m.backup_done(arg)` for each machine and its arg, in order, as one batch (see the module doc); actions in the order mark_stored, free_host_chunk. A machine with an observer (checked mode, tracing) makes it run item by item."""
+        if len(args) != len(machines):
+            raise ValueError(f"{len(machines)} machines but {len(args)} args")
+        if not machines:
+            return
+        fx = machines[0].fx
+        for m in machines:
+            if m.observer is not None or m.fx is not fx:
+                for m, arg in zip(machines, args):
+                    m.backup_done(arg)
+                return
+        undo: list[tuple[Any, ...]] = []
+        mark_stored: list[tuple[DecodeOffloadMachine, Any]] = []
+        free_host_chunk: list[tuple[DecodeOffloadMachine, Any]] = []
+        for m, arg in zip(machines, args):
+            s = m.state
+            undo.append((m, s, m.copies, m.parked, m.backups))
+            if s == OFFLOADING:
+                if m.backups >= 1:  # has_backup
+                    # T18 offloading --backup_done [has_backup]--> offloading  (spec line 153)
+                    mark_stored.append((m, arg))
+                    free_host_chunk.append((m, arg))
+                    m.backups -= 1
+                    continue
+                _restore(undo)
+                raise GuardRejected(m, 'backup_done', 'offloading', ('has_backup',))
+            if s == INFLIGHT:
+                if m.backups >= 1 and m.parked + m.backups > 1:  # more_host_chunks
+                    # T22 inflight --backup_done [more_host_chunks]--> inflight  (spec line 157)
+                    mark_stored.append((m, arg))
+                    free_host_chunk.append((m, arg))
+                    m.backups -= 1
+                    continue
+                if m.backups == 1 and m.parked == 0:  # last_host_chunk
+                    # T26 inflight --backup_done [last_host_chunk]--> allocated  (spec line 161)
+                    mark_stored.append((m, arg))
+                    free_host_chunk.append((m, arg))
+                    m.backups -= 1
+                    m.state = ALLOCATED
+                    continue
+                _restore(undo)
+                raise GuardRejected(m, 'backup_done', 'inflight', ('more_host_chunks', 'last_host_chunk'))
+            if s == FINISHED:
+                if m.backups >= 1:  # has_backup
+                    # T19 finished --backup_done [has_backup]--> finished  (spec line 153)
+                    mark_stored.append((m, arg))
+                    free_host_chunk.append((m, arg))
+                    m.backups -= 1
+                    continue
+                _restore(undo)
+                raise GuardRejected(m, 'backup_done', 'finished', ('has_backup',))
+            if s == DRAINING:
+                if m.backups >= 1 and m.parked + m.backups > 1:  # more_host_chunks
+                    # T23 draining --backup_done [more_host_chunks]--> draining  (spec line 157)
+                    mark_stored.append((m, arg))
+                    free_host_chunk.append((m, arg))
+                    m.backups -= 1
+                    continue
+                if m.backups == 1 and m.parked == 0:  # last_host_chunk
+                    # T28 draining --backup_done [last_host_chunk]--> released  (spec line 165)
+                    mark_stored.append((m, arg))
+                    free_host_chunk.append((m, arg))
+                    m.backups -= 1
+                    m.state = RELEASED
+                    continue
+                _restore(undo)
+                raise GuardRejected(m, 'backup_done', 'draining', ('more_host_chunks', 'last_host_chunk'))
+            # allocated, released: declared error
+            _restore(undo)
+            raise EventRejected(m, 'backup_done', STATES[s], 'No chunk of this request holds host slots; freeing them again would be a host double free (B10).')
+        try:
+            if mark_stored:
+                fx.mark_stored_each(mark_stored)
+            if free_host_chunk:
+                fx.free_host_chunk_each(free_host_chunk)
+        except BaseException:
+            _restore(undo)
+            raise
+
+    @staticmethod
+    def backup_failed_each(machines: Sequence["DecodeOffloadMachine"], args: Sequence[Any]) -> None:
+        """`m.backup_failed(arg)` for each machine and its arg, in order, as one batch (see the module doc); actions in the order count_backup_failure, free_host_chunk. A machine with an observer (checked mode, tracing) makes it run item by item."""
+        if len(args) != len(machines):
+            raise ValueError(f"{len(machines)} machines but {len(args)} args")
+        if not machines:
+            return
+        fx = machines[0].fx
+        for m in machines:
+            if m.observer is not None or m.fx is not fx:
+                for m, arg in zip(machines, args):
+                    m.backup_failed(arg)
+                return
+        undo: list[tuple[Any, ...]] = []
+        count_backup_failure: list[tuple[DecodeOffloadMachine, Any]] = []
+        free_host_chunk: list[tuple[DecodeOffloadMachine, Any]] = []
+        for m, arg in zip(machines, args):
+            s = m.state
+            undo.append((m, s, m.copies, m.parked, m.backups))
+            if s == OFFLOADING:
+                if m.backups >= 1:  # has_backup
+                    # T20 offloading --backup_failed [has_backup]--> offloading  (spec line 155)
+                    count_backup_failure.append((m, arg))
+                    free_host_chunk.append((m, arg))
+                    m.backups -= 1
+                    continue
+                _restore(undo)
+                raise GuardRejected(m, 'backup_failed', 'offloading', ('has_backup',))
+            if s == INFLIGHT:
+                if m.backups >= 1 and m.parked + m.backups > 1:  # more_host_chunks
+                    # T24 inflight --backup_failed [more_host_chunks]--> inflight  (spec line 159)
+                    count_backup_failure.append((m, arg))
+                    free_host_chunk.append((m, arg))
+                    m.backups -= 1
+                    continue
+                if m.backups == 1 and m.parked == 0:  # last_host_chunk
+                    # T27 inflight --backup_failed [last_host_chunk]--> allocated  (spec line 163)
+                    count_backup_failure.append((m, arg))
+                    free_host_chunk.append((m, arg))
+                    m.backups -= 1
+                    m.state = ALLOCATED
+                    continue
+                _restore(undo)
+                raise GuardRejected(m, 'backup_failed', 'inflight', ('more_host_chunks', 'last_host_chunk'))
+            if s == FINISHED:
+                if m.backups >= 1:  # has_backup
+                    # T21 finished --backup_failed [has_backup]--> finished  (spec line 155)
+                    count_backup_failure.append((m, arg))
+                    free_host_chunk.append((m, arg))
+                    m.backups -= 1
+                    continue
+                _restore(undo)
+                raise GuardRejected(m, 'backup_failed', 'finished', ('has_backup',))
+            if s == DRAINING:
+                if m.backups >= 1 and m.parked + m.backups > 1:  # more_host_chunks
+                    # T25 draining --backup_failed [more_host_chunks]--> draining  (spec line 159)
+                    count_backup_failure.append((m, arg))
+                    free_host_chunk.append((m, arg))
+                    m.backups -= 1
+                    continue
+                if m.backups == 1 and m.parked == 0:  # last_host_chunk
+                    # T29 draining --backup_failed [last_host_chunk]--> released  (spec line 167)
+                    count_backup_failure.append((m, arg))
+                    free_host_chunk.append((m, arg))
+                    m.backups -= 1
+                    m.state = RELEASED
+                    continue
+                _restore(undo)
+                raise GuardRejected(m, 'backup_failed', 'draining', ('more_host_chunks', 'last_host_chunk'))
+            # allocated, released: declared error
+            _restore(undo)
+            raise EventRejected(m, 'backup_failed', STATES[s], 'No chunk of this request holds host slots; freeing them again would be a host double free (B10).')
+        try:
+            if count_backup_failure:
+                fx.count_backup_failure_each(count_backup_failure)
+            if free_host_chunk:
+                fx.free_host_chunk_each(free_host_chunk)
+        except BaseException:
+            _restore(undo)
+            raise
+
+    @staticmethod
+    def finish_each(machines: Sequence["DecodeOffloadMachine"], args: Sequence[Any]) -> None:
+        """`m.finish(arg)` for each machine and its arg, in order, as one batch (see the module doc); actions in the order freeze_lengths, release_request. A machine with an observer (checked mode, tracing) makes it run item by item."""
+        if len(args) != len(machines):
+            raise ValueError(f"{len(machines)} machines but {len(args)} args")
+        if not machines:
+            return
+        fx = machines[0].fx
+        for m in machines:
+            if m.observer is not None or m.fx is not fx:
+                for m, arg in zip(machines, args):
+                    m.finish(arg)
+                return
+        undo: list[tuple[Any, ...]] = []
+        freeze_lengths: list[tuple[DecodeOffloadMachine, Any]] = []
+        release_request: list[tuple[DecodeOffloadMachine, Any]] = []
+        for m, arg in zip(machines, args):
+            s = m.state
+            undo.append((m, s, m.copies, m.parked, m.backups))
+            if s == ALLOCATED:
+                # T30 allocated --finish--> released  (spec line 171)
+                freeze_lengths.append((m, arg))
+                release_request.append((m, arg))
+                m.state = RELEASED
+                continue
+            if s == OFFLOADING:
+                # T36 offloading --finish--> finished  (spec line 173)
+                freeze_lengths.append((m, arg))
+                m.state = FINISHED
+                continue
+            if s == INFLIGHT:
+                # T33 inflight --finish--> draining  (spec line 172)
+                freeze_lengths.append((m, arg))
+                release_request.append((m, arg))
+                m.state = DRAINING
+                continue
+            if s == FINISHED:  # finished: declared no-op
+                continue
+            if s == DRAINING or s == RELEASED:  # draining, released: declared no-op
+                continue
+        try:
+            if freeze_lengths:
+                fx.freeze_lengths_each(freeze_lengths)
+            if release_request:
+                fx.release_request_each(release_request)
+        except BaseException:
+            _restore(undo)
+            raise
+
+    @staticmethod
+    def abort_each(machines: Sequence["DecodeOffloadMachine"], args: Sequence[Any]) -> None:
+        """`m.abort(arg)` for each machine and its arg, in order, as one batch (see the module doc); actions in the order freeze_lengths, release_request. A machine with an observer (checked mode, tracing) makes it run item by item."""
+        if len(args) != len(machines):
+            raise ValueError(f"{len(machines)} machines but {len(args)} args")
+        if not machines:
+            return
+        fx = machines[0].fx
+        for m in machines:
+            if m.observer is not None or m.fx is not fx:
+                for m, arg in zip(machines, args):
+                    m.abort(arg)
+                return
+        undo: list[tuple[Any, ...]] = []
+        freeze_lengths: list[tuple[DecodeOffloadMachine, Any]] = []
+        release_request: list[tuple[DecodeOffloadMachine, Any]] = []
+        for m, arg in zip(machines, args):
+            s = m.state
+            undo.append((m, s, m.copies, m.parked, m.backups))
+            if s == ALLOCATED:
+                # T31 allocated --abort--> released  (spec line 171)
+                freeze_lengths.append((m, arg))
+                release_request.append((m, arg))
+                m.state = RELEASED
+                continue
+            if s == OFFLOADING:
+                # T37 offloading --abort--> finished  (spec line 173)
+                freeze_lengths.append((m, arg))
+                m.state = FINISHED
+                continue
+            if s == INFLIGHT:
+                # T34 inflight --abort--> draining  (spec line 172)
+                freeze_lengths.append((m, arg))
+                release_request.append((m, arg))
+                m.state = DRAINING
+                continue
+            if s == FINISHED:  # finished: declared no-op
+                continue
+            if s == DRAINING or s == RELEASED:  # draining, released: declared no-op
+                continue
+        try:
+            if freeze_lengths:
+                fx.freeze_lengths_each(freeze_lengths)
+            if release_request:
+                fx.release_request_each(release_request)
+        except BaseException:
+            _restore(undo)
+            raise
+
+    @staticmethod
+    def retract_each(machines: Sequence["DecodeOffloadMachine"], args: Sequence[Any]) -> None:
+        """`m.retract(arg)` for each machine and its arg, in order, as one batch (see the module doc); actions in the order freeze_lengths, release_request. A machine with an observer (checked mode, tracing) makes it run item by item."""
+        if len(args) != len(machines):
+            raise ValueError(f"{len(machines)} machines but {len(args)} args")
+        if not machines:
+            return
+        fx = machines[0].fx
+        for m in machines:
+            if m.observer is not None or m.fx is not fx:
+                for m, arg in zip(machines, args):
+                    m.retract(arg)
+                return
+        undo: list[tuple[Any, ...]] = []
+        freeze_lengths: list[tuple[DecodeOffloadMachine, Any]] = []
+        release_request: list[tuple[DecodeOffloadMachine, Any]] = []
+        for m, arg in zip(machines, args):
+            s = m.state
+            undo.append((m, s, m.copies, m.parked, m.backups))
+            if s == ALLOCATED:
+                # T32 allocated --retract--> released  (spec line 171)
+                freeze_lengths.append((m, arg))
+                release_request.append((m, arg))
+                m.state = RELEASED
+                continue
+            if s == OFFLOADING:
+                # T38 offloading --retract--> finished  (spec line 173)
+                freeze_lengths.append((m, arg))
+                m.state = FINISHED
+                continue
+            if s == INFLIGHT:
+                # T35 inflight --retract--> draining  (spec line 172)
+                freeze_lengths.append((m, arg))
+                release_request.append((m, arg))
+                m.state = DRAINING
+                continue
+            if s == FINISHED:  # finished: declared no-op
+                continue
+            if s == DRAINING or s == RELEASED:  # draining, released: declared no-op
+                continue
+        try:
+            if freeze_lengths:
+                fx.freeze_lengths_each(freeze_lengths)
+            if release_request:
+                fx.release_request_each(release_request)
+        except BaseException:
+            _restore(undo)
+            raise

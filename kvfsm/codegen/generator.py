@@ -38,10 +38,28 @@ def _effects_note(acquires, reads, releases) -> str:
     return "; ".join(parts)
 
 
+def batch_action_order(spec: CompiledSpec, event: str) -> list[str] | None:
+    """One order of the actions of `event`'s transitions that keeps each transition's own order: the order
+    in which its batch form (`<event>_each`) calls them. None when two transitions order two actions both
+    ways: that event's batch form then runs item by item."""
+    order: list[str] = []
+    transitions = [t for s in spec.states for t in spec.handlers(s, event)]
+    for t in transitions:
+        for a in t.actions:
+            if a not in order:
+                order.append(a)
+    for t in transitions:
+        at = [order.index(a) for a in t.actions]
+        if at != sorted(at):
+            return None
+    return order
+
+
 def render(spec: CompiledSpec, spec_path: str) -> str:
     """The generated module's source text for `spec`, as it would be written at `spec_path`'s sibling."""
     const = {s: s.upper() for s in spec.states}
     guard_py = {g: ex.render(node, lambda n: f"self.{n}") for g, node in spec.guards.items()}
+    guard_m = {g: ex.render(node, lambda n: f"m.{n}") for g, node in spec.guards.items()}
     events = []
     for e, em in spec.model.events.items():
         branches = []
@@ -52,7 +70,8 @@ def render(spec: CompiledSpec, spec_path: str) -> str:
                     kind="transitions", state=s, const=const[s], guarded=all(t.guard for t in ts),
                     guards=tuple(t.guard for t in ts),
                     transitions=[dict(id=t.id, label=t.label, line=t.line, guard=t.guard,
-                                      guard_py=guard_py.get(t.guard or ""), actions=t.actions, updates=t.update,
+                                      guard_py=guard_py.get(t.guard or ""), guard_m=guard_m.get(t.guard or ""),
+                                      actions=t.actions, updates=t.update,
                                       src=t.src, dst=t.dst, dst_const=const[t.dst]) for t in ts]))
         for kind in ("ignore", "error"):
             groups: dict[str, list[str]] = {}
@@ -65,7 +84,7 @@ def render(spec: CompiledSpec, spec_path: str) -> str:
                                      test=" or ".join(f"s == {const[s]}" for s in states)))
         if branches[-1]["kind"] == "error":
             branches[-1]["last"] = True
-        events.append(dict(name=e, doc=em.doc, branches=branches,
+        events.append(dict(name=e, doc=em.doc, branches=branches, batch_actions=batch_action_order(spec, e),
                            handled_consts=[const[s] for s in spec.states if spec.handlers(s, e)],
                            ignored_consts=[const[s] for s in spec.states
                                            if (o := spec.outcomes.get((s, e))) is not None and o.kind == "ignore"]))

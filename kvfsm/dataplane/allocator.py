@@ -33,11 +33,35 @@ from .errors import (
     PartialPage,
 )
 
-IndexLike = torch.Tensor | Sequence[int]
+
+
+class PageSlots:
+    """Slots of whole pages with the page ids they were built from (`TokenSlotAllocator.page_slots`).
+
+    A copy plan checks such a batch with a pass over its page list instead of re-deriving pages from
+    4-8K slot indices with numpy (each numpy call costs tens of microseconds when a decode step has left
+    the CPU caches cold). Only the allocator builds one, so the slots are the pages' by construction.
+    """
+
+    __slots__ = ("allocator", "pages", "slots")
+
+    def __init__(self, allocator: "TokenSlotAllocator", pages: list[int], slots: torch.Tensor) -> None:
+        self.allocator, self.pages, self.slots = allocator, pages, slots
+
+    def __len__(self) -> int:
+        return int(self.slots.numel())
+
+    def __repr__(self) -> str:
+        return f"PageSlots(pages={self.pages[:8]}{'...' if len(self.pages) > 8 else ''}, slots={len(self)})"
+
+
+IndexLike = torch.Tensor | PageSlots | Sequence[int]
 
 
 def as_index_tensor(indices: IndexLike, device: torch.device) -> torch.Tensor:
     """A flat int64 tensor on `device`; rejects floating/bool tensors (an index that silently truncates)."""
+    if isinstance(indices, PageSlots):
+        return indices.slots.to(device=device)
     if isinstance(indices, torch.Tensor):
         if indices.dtype.is_floating_point or indices.dtype.is_complex or indices.dtype == torch.bool:
             raise OutOfRange(f"slot indices must be an integer tensor, got {indices.dtype}")
@@ -167,6 +191,22 @@ class TokenSlotAllocator:
         """The slot indices (int64, page by page, in order) of `pages`."""
         return np.add.outer(np.asarray(pages, dtype=np.int64) * self.page_size, self._offsets_np).reshape(-1)
 
+    def page_slots(self, pages: list[int]) -> PageSlots:
+        """`pages` (e.g. from alloc_pages) with their slots, in order."""
+        return PageSlots(self, list(pages), torch.from_numpy(self.slots_of(pages)))
+
+    def owns_page_list(self, pages: Sequence[int]) -> bool:
+        """Whether `pages` are page ids in range, each once, each allocated now: three C-level passes over
+        the list (what frees and copy checks of whole-page batches cost), no tensors."""
+        if not pages:
+            return True
+        mask = self._allocated_bytes
+        try:
+            return (min(pages) >= self.reserved_pages and max(pages) < self.num_pages
+                    and len(set(pages)) == len(pages) and all(map(mask.__getitem__, pages)))
+        except TypeError:
+            raise OutOfRange(f"page ids must be integers, got {list(pages)[:8]}") from None
+
     def free_pages(self, pages: Sequence[int]) -> None:
         """Free the pages named (page ids, each once, each allocated), or raise and change nothing.
 
@@ -174,15 +214,10 @@ class TokenSlotAllocator:
         fails any of them is re-checked slot by slot, which names the error exactly."""
         if not pages:
             return
-        mask = self._allocated_bytes
-        try:
-            ok = (min(pages) >= self.reserved_pages and max(pages) < self.num_pages
-                  and len(set(pages)) == len(pages) and all(map(mask.__getitem__, pages)))
-        except TypeError:
-            raise OutOfRange(f"page ids must be integers, got {list(pages)[:8]}") from None
-        if not ok:
+        if not self.owns_page_list(pages):
             self._validate_free(torch.from_numpy(self.slots_of(pages)))
             raise AssertionError("unreachable: the exact check accepted a batch the page check rejected")
+        mask = self._allocated_bytes
         for p in pages:
             mask[p] = 0
         self._free_pages.extend(pages)

@@ -24,7 +24,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from .allocator import IndexLike, as_index_tensor
+from .allocator import IndexLike, PageSlots, as_index_tensor
 from .device_pool import DeviceKVPool
 from .errors import CopyError, DuplicateIndex, NotAllocated, OutOfRange
 from .host_pool import HostKVPool
@@ -118,7 +118,11 @@ def plan_copy(
         raise CopyError(f"{dev_idx.numel()} device slots vs {host_idx.numel()} host slots")
     if host_idx.numel():
         allocator = host_pool.allocator
-        if allocator.owned_pages(host_idx.numpy()) is None:  # not allocated whole pages in slot order
+        if isinstance(host_indices, PageSlots) and host_indices.allocator is allocator:
+            owned = allocator.owns_page_list(host_indices.pages)  # the pages, checked as a list
+        else:
+            owned = allocator.owned_pages(host_idx.numpy()) is not None  # whole allocated pages in slot order?
+        if not owned:
             s = np.sort(host_idx.numpy())  # one sort gives range and duplicates
             if int(s[0]) < 0 or int(s[-1]) >= host_pool.size:
                 raise OutOfRange(f"host slot outside [0, {host_pool.size})")
@@ -126,7 +130,8 @@ def plan_copy(
                 raise DuplicateIndex("a host slot appears twice in one copy")
             if not bool(allocator.is_allocated(s).all()):
                 raise NotAllocated("copy touches a host slot that is not allocated")
-        if dev_idx.device.type == "cpu" and (int(dev_idx.min()) < 0 or int(dev_idx.max()) >= device_pool.size):
+        # negative slots read as huge unsigned ones: one reduction checks both bounds
+        if dev_idx.device.type == "cpu" and int(dev_idx.numpy().view(np.uint64).max()) >= device_pool.size:
             raise OutOfRange(f"device slot outside [0, {device_pool.size})")
     return CopyPlan(direction, device_pool, host_pool, dev_idx, host_idx)
 

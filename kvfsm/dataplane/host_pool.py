@@ -22,7 +22,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from .allocator import IndexLike, TokenSlotAllocator, as_index_tensor
+from .allocator import IndexLike, PageSlots, TokenSlotAllocator, as_index_tensor
 from .config import KVCacheConfig
 from .device_pool import DeviceKVPool
 from .errors import HostMemoryError, NotAllocated, PartialPage
@@ -145,6 +145,10 @@ class HostKVPool:
     def free_pages(self, pages: Sequence[int]) -> None:
         self.allocator.free_pages(pages)
 
+    def page_slots(self, pages: list[int]) -> PageSlots:
+        """Host pages with their slots (see TokenSlotAllocator.page_slots): what the copy engine checks cheaply."""
+        return self.allocator.page_slots(pages)
+
     def slots_of(self, pages: Sequence[int] | np.ndarray) -> torch.Tensor:
         """Host slot indices (int64, CPU) of whole pages, page by page."""
         return torch.from_numpy(self.allocator.slots_of(pages))
@@ -158,6 +162,9 @@ class HostKVPool:
 
     # ---- whole pages as bytes (for storage) -------------------------------------------------------
     def _page_index(self, indices: IndexLike) -> torch.Tensor:
+        if (isinstance(indices, PageSlots) and indices.allocator is self.allocator and indices.pages
+                and self.allocator.owns_page_list(indices.pages)):
+            return indices.slots  # checked as a page list; anything else takes the checks below
         idx = as_index_tensor(indices, torch.device("cpu"))
         if self.allocator.owned_pages(idx.numpy()) is not None:  # whole allocated pages in order: the usual case
             return idx

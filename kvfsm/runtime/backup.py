@@ -92,6 +92,15 @@ class BackupWorker(ABC):
         self._outstanding += 1
         self._enqueue(job)
 
+    def submit_many(self, jobs: list[BackupJob]) -> None:
+        """submit() each job, in order, or raise BackupQueueFull (queuing none) when they do not all fit."""
+        if len(jobs) > self.room():
+            raise BackupQueueFull(f"{len(jobs)} backups submitted with room for {self.room()} "
+                                  f"({self._outstanding} outstanding of {self.capacity})")
+        self._outstanding += len(jobs)
+        for job in jobs:
+            self._enqueue(job)
+
     def collect(self) -> BackupJob:
         """The oldest finished job (FIFO)."""
         job = self._pop_done()

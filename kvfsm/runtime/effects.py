@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from generated.decode_offload import DecodeOffloadMachine
+from generated.decode_offload import DecodeOffloadEffectsEach, DecodeOffloadMachine
 from kvfsm.dataplane import CopyEngine, CopyHandle, HostKVPool, PageRun, ReqToTokenPool, TokenSlotAllocator
 from kvfsm.dataplane.device_pool import DeviceKVPool
 from kvfsm.dataplane.storage import StorageBackend
@@ -104,8 +104,14 @@ class Chunk:
         return f"Chunk(#{self.serial} {self.record.key} [{self.start}, {self.end}))"
 
 
-class OffloadEffects:
-    """Implements `generated.decode_offload.DecodeOffloadEffects` over real pools, copies and storage."""
+Items = list[tuple[DecodeOffloadMachine, Any]]
+
+
+class OffloadEffects(DecodeOffloadEffectsEach):
+    """Implements `generated.decode_offload.DecodeOffloadEffects` over real pools, copies and storage.
+
+    The actions a scheduler iteration takes for dozens of chunks are written once, in their batch form
+    (`<action>_each`, what the machines' batch events call); the single form is the batch of one."""
 
     def __init__(self, *, page_size: int, device_pool: DeviceKVPool, allocator: TokenSlotAllocator,
                  req_to_token: ReqToTokenPool, prefix_cache: PrefixCache, host_pool: HostKVPool,
@@ -132,30 +138,49 @@ class OffloadEffects:
 
     # --- offload -----------------------------------------------------------------------------------
     def start_copy(self, m: DecodeOffloadMachine, chunk: Chunk) -> None:
-        rec = chunk.record
-        if self.ledger is not None:
-            self.ledger.copy_started(rec.key, chunk.serial, chunk.device_indices.tolist(), chunk.host_indices.tolist())
-        self.copy_fifo.append(chunk)
-        n = chunk.end - chunk.start
-        rec.inc_len += n
+        self.start_copy_each([(m, chunk)])
+
+    def start_copy_each(self, items: Items) -> None:
+        ledger = self.ledger
+        total = 0
+        for _, chunk in items:
+            rec = chunk.record
+            if ledger is not None:
+                ledger.copy_started(rec.key, chunk.serial, chunk.device_indices.tolist(), chunk.host_indices.tolist())
+            self.copy_fifo.append(chunk)
+            n = chunk.end - chunk.start
+            rec.inc_len += n
+            total += n
         metrics = self.metrics
-        metrics.chunks += 1
-        metrics.offloaded_tokens += n
-        metrics.offloaded_bytes += n * self._bytes_per_token
+        metrics.chunks += len(items)
+        metrics.offloaded_tokens += total
+        metrics.offloaded_bytes += total * self._bytes_per_token
 
     def count_host_full(self, m: DecodeOffloadMachine, arg: Any) -> None:
         self.metrics.host_full_retries += 1
 
     # --- copy acknowledgements ---------------------------------------------------------------------
     def hash_chunk(self, m: DecodeOffloadMachine, chunk: Chunk) -> None:
+        self.hash_chunk_each([(m, chunk)])
+
+    def hash_chunk_each(self, items: Items) -> None:
         # Linking only: the digests are computed when first asked for, by the backup worker's write
         # (off the scheduler thread) or by whoever reads them first; the chain fixes what they are.
-        rec = chunk.record
-        rec.chain = chunk.run = PageRun(chunk.tokens, self.page_size, rec.chain)
+        ps = self.page_size
+        for _, chunk in items:
+            rec = chunk.record
+            rec.chain = chunk.run = PageRun(chunk.tokens, ps, rec.chain)
 
     def submit_backup(self, m: DecodeOffloadMachine, chunk: Chunk) -> None:
-        chunk.job = BackupJob(chunk, self._write_backup, self._write_backups)
-        self.worker.submit(chunk.job)
+        self.submit_backup_each([(m, chunk)])
+
+    def submit_backup_each(self, items: Items) -> None:
+        write, write_many = self._write_backup, self._write_backups
+        jobs = []
+        for _, chunk in items:
+            chunk.job = BackupJob(chunk, write, write_many)
+            jobs.append(chunk.job)
+        self.worker.submit_many(jobs)
 
     def _write_backup(self, chunk: Chunk) -> list[bool]:
         """A chunk's storage write, per-page success; runs on the backup worker's thread."""
@@ -169,7 +194,7 @@ class OffloadEffects:
         if storage is None:
             ok = [False] * len(keys)
         else:
-            slots = host_pool.slots_of([p for chunk in chunks for p in chunk.host_pages])
+            slots = host_pool.page_slots([p for chunk in chunks for p in chunk.host_pages])
             direct = getattr(storage, "batch_set_from_host", None)  # zero-copy from a registered host pool
             if direct is not None:
                 ok = list(direct(keys, host_pool, slots))
@@ -185,29 +210,48 @@ class OffloadEffects:
         return out
 
     def park_chunk(self, m: DecodeOffloadMachine, chunk: Chunk) -> None:
-        self.parked.append(chunk)
-        self.metrics.parked_chunks += 1
+        self.park_chunk_each([(m, chunk)])
+
+    def park_chunk_each(self, items: Items) -> None:
+        self.parked.extend(chunk for _, chunk in items)
+        self.metrics.parked_chunks += len(items)
 
     # --- backups -----------------------------------------------------------------------------------
     def mark_stored(self, m: DecodeOffloadMachine, chunk: Chunk) -> None:
-        rec = chunk.record
-        stored, hashes = self.stored, chunk.hashes
-        if self._stored_limit:
-            for i, h in enumerate(hashes):
-                stored[h] = (rec.key, chunk.start + i * self.page_size)
-            while len(stored) > self._stored_limit:
-                stored.popitem(last=False)
-        rec.stored_pages += len(hashes)
-        self.metrics.stored_pages += len(hashes)
+        self.mark_stored_each([(m, chunk)])
+
+    def mark_stored_each(self, items: Items) -> None:
+        stored, limit, ps = self.stored, self._stored_limit, self.page_size
+        pages = 0
+        for _, chunk in items:
+            rec = chunk.record
+            hashes = chunk.hashes
+            if limit:
+                for i, h in enumerate(hashes):
+                    stored[h] = (rec.key, chunk.start + i * ps)
+                while len(stored) > limit:
+                    stored.popitem(last=False)
+            rec.stored_pages += len(hashes)
+            pages += len(hashes)
+        self.metrics.stored_pages += pages
 
     def count_backup_failure(self, m: DecodeOffloadMachine, chunk: Chunk) -> None:
-        chunk.record.failed_backups += 1
-        self.metrics.backup_failures += 1
+        self.count_backup_failure_each([(m, chunk)])
+
+    def count_backup_failure_each(self, items: Items) -> None:
+        for _, chunk in items:
+            chunk.record.failed_backups += 1
+        self.metrics.backup_failures += len(items)
 
     def free_host_chunk(self, m: DecodeOffloadMachine, chunk: Chunk) -> None:
-        if self.ledger is not None:
-            self.ledger.free_host(chunk.record.key, "backup", chunk.serial, chunk.host_indices.tolist())
-        self._host_to_free += chunk.host_pages
+        self.free_host_chunk_each([(m, chunk)])
+
+    def free_host_chunk_each(self, items: Items) -> None:
+        ledger, to_free = self.ledger, self._host_to_free
+        for _, chunk in items:
+            if ledger is not None:
+                ledger.free_host(chunk.record.key, "backup", chunk.serial, chunk.host_indices.tolist())
+            to_free += chunk.host_pages
 
     def flush(self) -> None:
         """Return every host page freed since the last flush in one pool call (the progress check ends

@@ -149,10 +149,15 @@ class DecodeOffloadManager:
         else:
             rows = _int_array(req_pool_indices, "req_pool_indices", count)
             committed = _int_array(kv_committed_lens, "kv_committed_lens", count)
-            if rows.size and (int(rows.max()) >= self.req_to_token.rows or int(rows.min()) < -1):
-                raise ValueError(f"req_pool_indices must be rows in [0, {self.req_to_token.rows}) or -1")
-            # row -1 reads the sentinel -1: look at the request itself
-            picked = np.flatnonzero(committed >= self._due_at[rows]).tolist()
+            # row -1 reads the sentinel -1 (look at the request itself); a row past the table is an
+            # IndexError of the gather (one reduction fewer than checking both bounds first)
+            try:
+                hints = self._due_at[rows] if rows.size and int(rows.min()) >= -1 else None
+            except IndexError:
+                hints = None
+            if hints is None and rows.size:
+                raise ValueError(f"req_pool_indices must be rows in [0, {self._rows}) or -1")
+            picked = np.flatnonzero(committed >= hints).tolist() if rows.size else []
         # Check every picked request before anything changes, then admit, then submit. The steady state
         # (every picked request live in an offloadable state) needs one pass.
         todo: list[tuple[Optional[RequestRecord], OffloadRequest, int]] = []
@@ -232,35 +237,35 @@ class DecodeOffloadManager:
                     fits.append(item)
                     pages += p
             if not fits:
-                for rec, _, _ in full:
-                    rec.machine.host_full(None)
+                DecodeOffloadMachine.host_full_each([rec.machine for rec, _, _ in full], [None] * len(full))
                 return 0
             due = fits
-        host = host_pool.slots_of(pages)
-        due_at, stride = self._due_at, self.stride
-        registered = 0  # host slots [0, registered) belong to chunks a machine took
+        host_pages = host_pool.page_slots(pages)  # the copy engine checks these as a page list
+        host = host_pages.slots
         handle = None
         try:
             device = self._device_slots(due)
-            handle = fx.copy_engine.submit_d2h(fx.device_pool, device, host_pool, host)
-            offset = 0
+            handle = fx.copy_engine.submit_d2h(fx.device_pool, device, host_pool, host_pages)
+            chunks, offset = [], 0
             for rec, req, n in due:
                 start = rec.prefill_len + rec.inc_len
                 end = offset + n
-                chunk = Chunk(rec, start, start + n, token_slice(req, start, start + n), handle, device, host,
-                              offset, end, pages[offset // ps:end // ps])
-                rec.machine.offload(chunk)
-                due_at[rec.row] = start + n + stride
-                registered = offset = end
+                chunks.append(Chunk(rec, start, start + n, token_slice(req, start, start + n), handle, device, host,
+                                    offset, end, pages[offset // ps:end // ps]))
+                offset = end
+            DecodeOffloadMachine.offload_each([rec.machine for rec, _, _ in due], chunks)
         except BaseException:
-            # Slots of chunks no machine took go back, after the copy (if any) stopped writing them.
-            if registered < host.numel():
-                if handle is not None:
-                    handle.wait()
-                host_pool.undo_alloc(host[registered:])
+            # No machine took a chunk (the batch is all or nothing): the slots go back, after the copy
+            # (if any) stopped writing them.
+            if handle is not None:
+                handle.wait()
+            host_pool.undo_alloc(host)
             raise
-        for rec, _, _ in full:  # only once the call can no longer fail
-            rec.machine.host_full(None)
+        due_at, stride = self._due_at, self.stride
+        for chunk in chunks:
+            due_at[chunk.record.row] = chunk.end + stride
+        if full:  # only once the call can no longer fail
+            DecodeOffloadMachine.host_full_each([rec.machine for rec, _, _ in full], [None] * len(full))
         return len(due)
 
     def _device_slots(self, due: list[tuple[RequestRecord, OffloadRequest, int]]) -> torch.Tensor:
@@ -305,30 +310,42 @@ class DecodeOffloadManager:
                 seen_done = handle
             n_copies += 1
         n_copies, n_backups = self.consensus.agree(n_copies, fx.worker.completed())
+        worker = fx.worker
         try:
-            for _ in range(n_backups):
-                job = fx.worker.collect()
-                chunk: Chunk = job.payload
-                if job.ok:
-                    chunk.record.machine.backup_done(chunk)
-                else:
-                    chunk.record.machine.backup_failed(chunk)
-            while fx.parked and fx.worker.room() > 0:
-                chunk = fx.parked.popleft()
-                chunk.record.machine.backup_resubmit(chunk)
-            for _ in range(n_copies):
-                chunk = fx.copy_fifo.popleft()
+            # Each kind of completion as one batch event per run of equal outcomes, in FIFO order: the
+            # transitions, frees and writes of a loop of single events, with each action called once.
+            if n_backups:
+                jobs = [worker.collect() for _ in range(n_backups)]
+                outcomes = [job.ok for job in jobs]
+                i = 0
+                while i < n_backups:
+                    ok, j = outcomes[i], i + 1
+                    while j < n_backups and outcomes[j] == ok:
+                        j += 1
+                    chunks = [job.payload for job in jobs[i:j]]
+                    event = DecodeOffloadMachine.backup_done_each if ok else DecodeOffloadMachine.backup_failed_each
+                    event([chunk.record.machine for chunk in chunks], chunks)
+                    i = j
+            resubmit = min(len(fx.parked), worker.room())
+            if resubmit:
+                chunks = [fx.parked.popleft() for _ in range(resubmit)]
+                DecodeOffloadMachine.backup_resubmit_each([chunk.record.machine for chunk in chunks], chunks)
+            if n_copies:
+                chunks = [fx.copy_fifo.popleft() for _ in range(n_copies)]
                 if self.ledger is not None:
-                    self.ledger.copy_completed(chunk.serial, chunk.device_indices.tolist())
-                if fx.worker.room() > 0:
-                    chunk.record.machine.copy_done(chunk)
-                else:
-                    chunk.record.machine.copy_parked(chunk)
+                    for chunk in chunks:
+                        self.ledger.copy_completed(chunk.serial, chunk.device_indices.tolist())
+                room = worker.room()  # the first `room` get their backup queued, the rest are parked
+                done, parked = chunks[:room], chunks[room:]
+                if done:
+                    DecodeOffloadMachine.copy_done_each([chunk.record.machine for chunk in done], done)
+                if parked:
+                    DecodeOffloadMachine.copy_parked_each([chunk.record.machine for chunk in parked], parked)
         finally:
             fx.flush()
-            fx.worker.flush()
+            worker.flush()
         self.metrics.copies_in_flight = len(fx.copy_fifo)
-        self.metrics.backups_in_flight = fx.worker.outstanding() + len(fx.parked)
+        self.metrics.backups_in_flight = worker.outstanding() + len(fx.parked)
 
     def finalize(self, req: OffloadRequest) -> None:
         """The request finished: release now, or at its last copy acknowledgement (the seed's finalize)."""
