@@ -130,8 +130,11 @@ def plan_copy(
                 raise DuplicateIndex("a host slot appears twice in one copy")
             if not bool(allocator.is_allocated(s).all()):
                 raise NotAllocated("copy touches a host slot that is not allocated")
+        if isinstance(device_indices, PageSlots) and device_indices.allocator.num_slots <= device_pool.size and \
+                device_indices.allocator.owns_page_list(device_indices.pages):
+            pass  # whole device pages the pool's allocator has handed out (and not taken back): in range
         # negative slots read as huge unsigned ones: one reduction checks both bounds
-        if dev_idx.device.type == "cpu" and int(dev_idx.numpy().view(np.uint64).max()) >= device_pool.size:
+        elif dev_idx.device.type == "cpu" and int(dev_idx.numpy().view(np.uint64).max()) >= device_pool.size:
             raise OutOfRange(f"device slot outside [0, {device_pool.size})")
     return CopyPlan(direction, device_pool, host_pool, dev_idx, host_idx)
 

@@ -18,6 +18,7 @@ import generated.decode_offload as spec_gen
 from generated.decode_offload import DecodeOffloadMachine
 from kvfsm.dataplane import (CopyEngine, CpuCopyEngine, DeferredCpuCopyEngine, HostKVPool, ReqToTokenPool,
                              TokenSlotAllocator, make_copy_engine)
+from kvfsm.dataplane.allocator import PageSlots
 from kvfsm.dataplane.device_pool import DeviceKVPool
 from kvfsm.dataplane.storage import FileStorage, StorageBackend
 from kvfsm.errors import LifecycleError
@@ -109,6 +110,8 @@ class DecodeOffloadManager:
         self._rows = req_to_token.rows
         table = req_to_token.req_to_token
         self._table_flat = table.numpy().reshape(-1) if table.device.type == "cpu" else None  # a view
+        self._width = table.shape[1]
+        self._page_offsets = np.arange(config.page_size, dtype=np.int64)
         self._arange = np.arange(max(self.stride, 1), dtype=np.int64)
 
     # --- the integration surface -------------------------------------------------------------------
@@ -157,7 +160,7 @@ class DecodeOffloadManager:
                 hints = None
             if hints is None and rows.size:
                 raise ValueError(f"req_pool_indices must be rows in [0, {self._rows}) or -1")
-            picked = np.flatnonzero(committed >= hints).tolist() if rows.size else []
+            picked = np.flatnonzero(committed >= hints) if rows.size else ()  # a few: iterated as is
         # Check every picked request before anything changes, then admit, then submit. The steady state
         # (every picked request live in an offloadable state) needs one pass.
         todo: list[tuple[Optional[RequestRecord], OffloadRequest, int]] = []
@@ -240,12 +243,12 @@ class DecodeOffloadManager:
                 DecodeOffloadMachine.host_full_each([rec.machine for rec, _, _ in full], [None] * len(full))
                 return 0
             due = fits
-        host_pages = host_pool.page_slots(pages)  # the copy engine checks these as a page list
-        host = host_pages.slots
         handle = None
         try:
-            device = self._device_slots(due)
-            handle = fx.copy_engine.submit_d2h(fx.device_pool, device, host_pool, host_pages)
+            device_arg, host_pages = self._copy_slots(due, pages)
+            device = device_arg.slots if isinstance(device_arg, PageSlots) else device_arg
+            host = host_pages.slots
+            handle = fx.copy_engine.submit_d2h(fx.device_pool, device_arg, host_pool, host_pages)
             chunks, offset = [], 0
             for rec, req, n in due:
                 start = rec.prefill_len + rec.inc_len
@@ -259,7 +262,7 @@ class DecodeOffloadManager:
             # (if any) stopped writing them.
             if handle is not None:
                 handle.wait()
-            host_pool.undo_alloc(host)
+            host_pool.undo_alloc(torch.from_numpy(host_pool.allocator.slots_of(pages)))
             raise
         due_at, stride = self._due_at, self.stride
         for chunk in chunks:
@@ -267,6 +270,31 @@ class DecodeOffloadManager:
         if full:  # only once the call can no longer fail
             DecodeOffloadMachine.host_full_each([rec.machine for rec, _, _ in full], [None] * len(full))
         return len(due)
+
+    def _copy_slots(self, due: list[tuple[RequestRecord, OffloadRequest, int]],
+                    host_pages: list[int]) -> tuple[Union[torch.Tensor, PageSlots], PageSlots]:
+        """(device slots, host slots) of the due chunks, in order, both as PageSlots when the request table
+        is on the CPU and every chunk page starts a device page: a request's KV pages are whole device
+        pages (the paged allocator's layout, which release relies on too), so a page's start names it.
+        Then one numpy call builds both slot lists from 2 x pages starts, read from the table as Python
+        ints, and the copy checks both as page lists. Anything else gathers every token's device slot."""
+        ps = self.config.page_size
+        host_pool = self.fx.host_pool
+        if self._table_flat is None or ps == 1:
+            return self._device_slots(due), host_pool.page_slots(host_pages)
+        width = self._width
+        ints = memoryview(self._table_flat)  # Python ints per index: reading page starts costs no numpy call
+        starts = []
+        for rec, _, n in due:
+            first = rec.row * width + rec.prefill_len + rec.inc_len
+            starts += ints[first:first + n:ps]
+        if any(s % ps for s in starts):  # not page-aligned: not the paged layout, gather token by token
+            return self._device_slots(due), host_pool.page_slots(host_pages)
+        count = len(starts)
+        starts += [p * ps for p in host_pages]
+        both = np.add.outer(starts, self._page_offsets)  # (2 x pages, page size): device rows, then host rows
+        device = PageSlots(self.fx.allocator, [s // ps for s in starts[:count]], torch.from_numpy(both[:count].reshape(-1)))
+        return device, PageSlots(host_pool.allocator, host_pages, torch.from_numpy(both[count:].reshape(-1)))
 
     def _device_slots(self, due: list[tuple[RequestRecord, OffloadRequest, int]]) -> torch.Tensor:
         """Device slots of every due chunk, concatenated in order: one gather from the request table."""

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from catalog_faults import b1, b2, b5, b6_readmit, b7, b8, b9, b10, b13, b15
+from kvfsm.dataplane.allocator import PageSlots
 from kvfsm.runtime.manager import DecodeOffloadManager
 from kvfsm.verify.commands import check
 from kvfsm.verify.explorer import (ExplorerConfig, World, apply, build, canonical_key, check_world, clone,
@@ -222,15 +223,16 @@ def test_copy_failure_or_divergence_falls_back_to_replay(monkeypatch: pytest.Mon
 def test_offload_batch_event_catches_a_batch_only_bug(monkeypatch: pytest.MonkeyPatch) -> None:
     """The explorer's offload_batch event reaches code a loop of offload() never runs: a device-slot
     gather that is wrong only for multi-chunk batches is caught there and only there."""
-    right = DecodeOffloadManager._device_slots
+    right = DecodeOffloadManager._copy_slots
 
-    def wrong(self, due):  # type: ignore[no-untyped-def]
-        out = right(self, due)
+    def wrong(self, due, host_pages):  # type: ignore[no-untyped-def]
+        device, host = right(self, due, host_pages)
         if len(due) > 1:
-            out[due[0][2]:] += 2  # the second chunk reads slots two past its own
-        return out
+            device = (device.slots if isinstance(device, PageSlots) else device).clone()
+            device[due[0][2]:] += 2  # the second chunk reads slots two past its own
+        return device, host
 
-    monkeypatch.setattr(DecodeOffloadManager, "_device_slots", wrong)
+    monkeypatch.setattr(DecodeOffloadManager, "_copy_slots", wrong)
     res = explore(ExplorerConfig(requests=2, decodes=2), max_depth=12)
     assert res.violation is not None and res.violation.name == "offload_own_slots"
     assert res.violation.events[-1] == ("offload_batch",)
