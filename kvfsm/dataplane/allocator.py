@@ -49,7 +49,8 @@ class PageSlots:
         self.allocator, self.pages, self.slots = allocator, pages, slots
 
     def __len__(self) -> int:
-        return int(self.slots.numel())
+        """The slot count, from the page list (no tensor call)."""
+        return len(self.pages) * self.allocator.page_size
 
     def __repr__(self) -> str:
         return f"PageSlots(pages={self.pages[:8]}{'...' if len(self.pages) > 8 else ''}, slots={len(self)})"
@@ -60,8 +61,8 @@ IndexLike = torch.Tensor | PageSlots | Sequence[int]
 
 def as_index_tensor(indices: IndexLike, device: torch.device) -> torch.Tensor:
     """A flat int64 tensor on `device`; rejects floating/bool tensors (an index that silently truncates)."""
-    if isinstance(indices, PageSlots):
-        return indices.slots.to(device=device)
+    if isinstance(indices, PageSlots):  # built on the CPU
+        return indices.slots if device.type == "cpu" else indices.slots.to(device=device)
     if isinstance(indices, torch.Tensor):
         if indices.dtype.is_floating_point or indices.dtype.is_complex or indices.dtype == torch.bool:
             raise OutOfRange(f"slot indices must be an integer tensor, got {indices.dtype}")

@@ -80,10 +80,7 @@ class CopyPlan:
     host_pool: HostKVPool
     device_idx: torch.Tensor
     host_idx: torch.Tensor
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.host_idx.numel())
+    num_tokens: int  # len(host_idx), counted once when planned
 
     @property
     def nbytes(self) -> int:
@@ -95,6 +92,9 @@ class CopyPlan:
         if self.direction == "d2h":
             return d, self.device_idx, h, self.host_idx
         return h, self.host_idx, d, self.device_idx
+
+
+_CPU = torch.device("cpu")
 
 
 def plan_copy(
@@ -113,10 +113,13 @@ def plan_copy(
     if (dc.num_planes, dc.num_layers, dc.token_shape, dc.dtype) != (hc.num_planes, hc.num_layers, hc.token_shape, hc.dtype):
         raise CopyError(f"device pool {dc} and host pool {hc} hold different KV shapes")
     dev_idx = as_index_tensor(device_indices, device_pool.device)
-    host_idx = as_index_tensor(host_indices, torch.device("cpu"))
-    if dev_idx.numel() != host_idx.numel():
-        raise CopyError(f"{dev_idx.numel()} device slots vs {host_idx.numel()} host slots")
-    if host_idx.numel():
+    host_idx = as_index_tensor(host_indices, _CPU)
+    # a PageSlots counts its slots from its page list (no tensor call)
+    n_dev = len(device_indices) if isinstance(device_indices, PageSlots) else int(dev_idx.numel())
+    n_host = len(host_indices) if isinstance(host_indices, PageSlots) else int(host_idx.numel())
+    if n_dev != n_host:
+        raise CopyError(f"{n_dev} device slots vs {n_host} host slots")
+    if n_host:
         allocator = host_pool.allocator
         if isinstance(host_indices, PageSlots) and host_indices.allocator is allocator:
             owned = allocator.owns_page_list(host_indices.pages)  # the pages, checked as a list
@@ -136,7 +139,7 @@ def plan_copy(
         # negative slots read as huge unsigned ones: one reduction checks both bounds
         elif dev_idx.device.type == "cpu" and int(dev_idx.numpy().view(np.uint64).max()) >= device_pool.size:
             raise OutOfRange(f"device slot outside [0, {device_pool.size})")
-    return CopyPlan(direction, device_pool, host_pool, dev_idx, host_idx)
+    return CopyPlan(direction, device_pool, host_pool, dev_idx, host_idx, n_host)
 
 
 def torch_copy_rows(src5: torch.Tensor, src_idx: torch.Tensor, dst5: torch.Tensor, dst_idx: torch.Tensor) -> None:

@@ -264,9 +264,8 @@ class DecodeOffloadManager:
                 handle.wait()
             host_pool.undo_alloc(torch.from_numpy(host_pool.allocator.slots_of(pages)))
             raise
-        due_at, stride = self._due_at, self.stride
-        for chunk in chunks:
-            due_at[chunk.record.row] = chunk.end + stride
+        stride = self.stride
+        self._due_at[[c.record.row for c in chunks]] = [c.end + stride for c in chunks]  # one numpy call
         if full:  # only once the call can no longer fail
             DecodeOffloadMachine.host_full_each([rec.machine for rec, _, _ in full], [None] * len(full))
         return len(due)
@@ -283,18 +282,20 @@ class DecodeOffloadManager:
         if self._table_flat is None or ps == 1:
             return self._device_slots(due), host_pool.page_slots(host_pages)
         width = self._width
-        ints = memoryview(self._table_flat)  # Python ints per index: reading page starts costs no numpy call
-        starts = []
+        positions = []  # flat table index of each chunk page's first token
         for rec, _, n in due:
             first = rec.row * width + rec.prefill_len + rec.inc_len
-            starts += ints[first:first + n:ps]
+            positions += range(first, first + n, ps)
+        starts = self._table_flat[positions].tolist()
         if any(s % ps for s in starts):  # not page-aligned: not the paged layout, gather token by token
             return self._device_slots(due), host_pool.page_slots(host_pages)
         count = len(starts)
         starts += [p * ps for p in host_pages]
-        both = np.add.outer(starts, self._page_offsets)  # (2 x pages, page size): device rows, then host rows
-        device = PageSlots(self.fx.allocator, [s // ps for s in starts[:count]], torch.from_numpy(both[:count].reshape(-1)))
-        return device, PageSlots(host_pool.allocator, host_pages, torch.from_numpy(both[count:].reshape(-1)))
+        both = np.add.outer(starts, self._page_offsets).reshape(-1)  # device slots, then host slots
+        both = torch.from_numpy(both)
+        split = count * ps
+        device = PageSlots(self.fx.allocator, [s // ps for s in starts[:count]], both[:split])
+        return device, PageSlots(host_pool.allocator, host_pages, both[split:])
 
     def _device_slots(self, due: list[tuple[RequestRecord, OffloadRequest, int]]) -> torch.Tensor:
         """Device slots of every due chunk, concatenated in order: one gather from the request table."""
