@@ -98,6 +98,9 @@ class BackupWorker(ABC):
             raise BackupQueueFull(f"{len(jobs)} backups submitted with room for {self.room()} "
                                   f"({self._outstanding} outstanding of {self.capacity})")
         self._outstanding += len(jobs)
+        self._enqueue_many(jobs)
+
+    def _enqueue_many(self, jobs: list[BackupJob]) -> None:
         for job in jobs:
             self._enqueue(job)
 
@@ -106,6 +109,15 @@ class BackupWorker(ABC):
         job = self._pop_done()
         self._outstanding -= 1
         return job
+
+    def collect_many(self, n: int) -> list[BackupJob]:
+        """The n oldest finished jobs (FIFO); n must not exceed completed()."""
+        if n > self.completed():
+            raise ValueError(f"collect_many({n}) with {self.completed()} completed")
+        pop = self._pop_done
+        jobs = [pop() for _ in range(n)]
+        self._outstanding -= n
+        return jobs
 
     @abstractmethod
     def completed(self) -> int:
@@ -156,6 +168,10 @@ class ThreadBackupWorker(BackupWorker):
         # check. No wake-up is lost: flush() takes the lock, so it finds this thread either running
         # (it re-reads the queue before waiting) or waiting (the notify reaches it).
         self._todo.append(job)
+        self._queued = True
+
+    def _enqueue_many(self, jobs: list[BackupJob]) -> None:
+        self._todo.extend(jobs)  # one deque call, as atomic for the worker thread as append
         self._queued = True
 
     def flush(self) -> None:

@@ -105,7 +105,7 @@ class DecodeOffloadManager:
         # Per table row: the committed length at which the live, offloadable lifecycle holding it has its
         # next whole stride (next chunk start + stride), or -1 (look at the request itself). A hint
         # (offload's early exit, offload_batch's pre-selection) that never decides what is copied; kept
-        # by _due_tokens, _submit and _end.
+        # by offload, offload_batch and _end.
         self._due_at = np.full(req_to_token.rows + 1, -1, dtype=np.int64)  # [-1]: sentinel for row -1
         self._rows = req_to_token.rows
         table = req_to_token.req_to_token
@@ -131,8 +131,10 @@ class DecodeOffloadManager:
         rec = self._offloadable_record(req)
         if rec is None:
             return False
-        n = self._due_tokens(req, rec)
-        return n > 0 and self._submit([(rec, req, n)]) == 1
+        n = self._chunk_tokens(req, rec)
+        submitted = n > 0 and self._submit([(rec, req, n)]) == 1
+        self._due_at[rec.row] = rec.prefill_len + rec.inc_len + self.stride
+        return submitted
 
     def offload_batch(self, reqs: Sequence[OffloadRequest], req_pool_indices: Optional[IntArray] = None,
                       kv_committed_lens: Optional[IntArray] = None) -> int:
@@ -165,7 +167,7 @@ class DecodeOffloadManager:
         # (every picked request live in an offloadable state) needs one pass.
         todo: list[tuple[Optional[RequestRecord], OffloadRequest, int]] = []
         seen: set[int] = set()
-        records, due_tokens = self._records, self._due_tokens
+        records, chunk_tokens = self._records, self._chunk_tokens
         admit = False
         for i in picked:
             req = reqs[i]
@@ -182,14 +184,18 @@ class DecodeOffloadManager:
                 todo.append((None, req, 0))
                 admit = True
             else:
-                todo.append((rec, req, due_tokens(req, rec)))
+                todo.append((rec, req, chunk_tokens(req, rec)))
         if admit:
             for k, (rec, req, n) in enumerate(todo):
                 if rec is None:
                     rec = self._record(req)
-                    todo[k] = (rec, req, due_tokens(req, rec))
+                    todo[k] = (rec, req, chunk_tokens(req, rec))
         due = [item for item in todo if item[2] > 0]
-        return self._submit(due) if due else 0
+        submitted = self._submit(due) if due else 0
+        if todo:  # every looked-at row's next due point, in one numpy call
+            stride = self.stride
+            self._due_at[[rec.row for rec, _, _ in todo]] = [rec.prefill_len + rec.inc_len + stride for rec, _, _ in todo]
+        return submitted
 
     def _offloadable_record(self, req: OffloadRequest) -> Optional[RequestRecord]:
         """The request's live lifecycle (admitting it if new); None if it holds no row or sampled nothing."""
@@ -212,10 +218,9 @@ class DecodeOffloadManager:
             return
         self._check_admissible(req)
 
-    def _due_tokens(self, req: OffloadRequest, rec: RequestRecord) -> int:
+    def _chunk_tokens(self, req: OffloadRequest, rec: RequestRecord) -> int:
         """Tokens of the next chunk: whole strides of committed KV past what was offloaded."""
         start = rec.prefill_len + rec.inc_len
-        self._due_at[rec.row] = start + self.stride
         # The last sampled token has no KV yet; never offload past what is committed.
         available = min(len(req.origin_input_ids) + len(req.output_ids) - 1, req.kv_committed_len)
         n = (available - start) // self.stride * self.stride
@@ -264,8 +269,6 @@ class DecodeOffloadManager:
                 handle.wait()
             host_pool.undo_alloc(torch.from_numpy(host_pool.allocator.slots_of(pages)))
             raise
-        stride = self.stride
-        self._due_at[[c.record.row for c in chunks]] = [c.end + stride for c in chunks]  # one numpy call
         if full:  # only once the call can no longer fail
             DecodeOffloadMachine.host_full_each([rec.machine for rec, _, _ in full], [None] * len(full))
         return len(due)
@@ -291,11 +294,9 @@ class DecodeOffloadManager:
             return self._device_slots(due), host_pool.page_slots(host_pages)
         count = len(starts)
         starts += [p * ps for p in host_pages]
-        both = np.add.outer(starts, self._page_offsets).reshape(-1)  # device slots, then host slots
-        both = torch.from_numpy(both)
-        split = count * ps
-        device = PageSlots(self.fx.allocator, [s // ps for s in starts[:count]], both[:split])
-        return device, PageSlots(host_pool.allocator, host_pages, both[split:])
+        both = np.add.outer(starts, self._page_offsets)  # device pages' slots, then host pages'
+        device = PageSlots(self.fx.allocator, [s // ps for s in starts[:count]], torch.from_numpy(both[:count].reshape(-1)))
+        return device, PageSlots(host_pool.allocator, host_pages, torch.from_numpy(both[count:].reshape(-1)))
 
     def _device_slots(self, due: list[tuple[RequestRecord, OffloadRequest, int]]) -> torch.Tensor:
         """Device slots of every due chunk, concatenated in order: one gather from the request table."""
@@ -344,7 +345,7 @@ class DecodeOffloadManager:
             # Each kind of completion as one batch event per run of equal outcomes, in FIFO order: the
             # transitions, frees and writes of a loop of single events, with each action called once.
             if n_backups:
-                jobs = [worker.collect() for _ in range(n_backups)]
+                jobs = worker.collect_many(n_backups)
                 outcomes = [job.ok for job in jobs]
                 i = 0
                 while i < n_backups:

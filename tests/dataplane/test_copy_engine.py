@@ -176,6 +176,53 @@ def test_submit_validation(engine_name: str) -> None:
         eng.close()
 
 
+@pytest.mark.parametrize("engine_name", sorted(CPU_ENGINES))
+def test_page_slots_are_checked_as_page_lists(engine_name: str) -> None:
+    """PageSlots (slots built from page ids) take the page-list check; whatever fails it gets the exact
+    slot checks, so the errors are the ones plain tensors get, and nothing is copied."""
+    eng = CPU_ENGINES[engine_name]()
+    cfg = KVCacheConfig.tiny()
+    dev = make_device_pool(cfg, 64)
+    dev_alloc = TokenSlotAllocator(64, 4)
+    host = make_host_pool(cfg, 32, 4)
+    pages = host.alloc_pages(2)
+    dev_pages = dev_alloc.alloc_pages(2)
+    assert pages is not None and dev_pages is not None
+    hp, dp = host.page_slots(pages), dev_alloc.page_slots(dev_pages)
+    assert len(hp) == 8 and hp.slots.tolist() == [p * 4 + i for p in pages for i in range(4)]
+    host_before = host.kv_buffer.clone()
+    handle = eng.submit_d2h(dev, dp, host, hp)
+    handle.wait()
+    assert torch.equal(bits(host.kv_buffer[:, :, hp.slots]), bits(dev.storage[:, :, dp.slots]))
+    host.kv_buffer.copy_(host_before)
+    twice = host.allocator.page_slots([pages[0], pages[0]])
+    with pytest.raises(DuplicateIndex):
+        eng.submit_d2h(dev, dp, host, twice)
+    host.free_pages([pages[1]])
+    with pytest.raises(NotAllocated):
+        eng.submit_d2h(dev, dp, host, hp)  # a page freed since its slots were built
+    dev_alloc.free_pages(dev_pages)  # device pages not (or no longer) handed out: the range check decides
+    fresh = host.page_slots([pages[0]] + (host.alloc_pages(1) or []))
+    eng.submit_d2h(dev, dp, host, fresh).wait()
+    with pytest.raises(OutOfRange):
+        eng.submit_d2h(dev, TokenSlotAllocator(128, 4).page_slots([30, 31]), host, fresh)
+    if isinstance(eng, ThreadCpuCopyEngine):
+        eng.close()
+
+
+def test_owns_page_list() -> None:
+    a = TokenSlotAllocator(32, 4)
+    pages = a.alloc_pages(3)
+    assert pages is not None and a.owns_page_list(pages) and a.owns_page_list([])
+    assert not a.owns_page_list(pages + pages[:1])  # a page twice
+    assert not a.owns_page_list([0])  # the padding page
+    assert not a.owns_page_list([8])  # out of range
+    a.free_pages(pages[:1])
+    assert not a.owns_page_list(pages)
+    with pytest.raises(OutOfRange):
+        a.owns_page_list([1.5])  # type: ignore[list-item]
+
+
 # ---- Triton kernel (GPU, or the Triton interpreter on CPU when TRITON_INTERPRET=1) -------------------
 
 _interp = os.environ.get("TRITON_INTERPRET") == "1"

@@ -74,3 +74,24 @@ def test_thread_worker_writes_what_is_queued_together_and_completes_in_order() -
     assert [worker.collect().payload for _ in range(6)] == ["first"] + [f"p{i}" for i in range(5)]
     assert store.calls == [[f"p{i}" for i in range(5)]]
     worker.close()
+
+
+def test_submit_many_is_all_or_nothing_and_collect_many_is_fifo() -> None:
+    from kvfsm.runtime.backup import BackupQueueFull, SteppedBackupWorker
+
+    store = Store()
+    w = SteppedBackupWorker(3)
+    with pytest.raises(BackupQueueFull):
+        w.submit_many(jobs_for(store, ["a", "b", "c", "d"]))
+    assert w.outstanding() == 0 and w.pending == []  # nothing queued
+    jobs = jobs_for(store, ["a", "bad", "c"])
+    w.submit_many(jobs)
+    assert w.room() == 0 and w.pending == jobs
+    w.run(2)
+    w.run(0)
+    with pytest.raises(ValueError):
+        w.collect_many(3)  # only two finished
+    got = w.collect_many(2)
+    assert [j.payload for j in got] == ["c", "a"] and w.outstanding() == 1  # completion order
+    w.run_all()
+    assert [j.payload for j in w.collect_many(1)] == ["bad"] and w.outstanding() == 0
