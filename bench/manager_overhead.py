@@ -1,7 +1,8 @@
 """Manager work per scheduler iteration with many live requests (issue 4's budget).
 
 Each iteration is a simulated decode step: the engine thread sleeps `--step-ms` (as it would while the
-GPU computes; the backup thread runs then), every request gains one token (not timed), and then the
+GPU computes; the backup thread runs then; `--step-waits spin` busy-waits instead, as a default CUDA
+synchronize does), every request gains one token (not timed), and then the
 manager runs, timed: one offload per request plus one progress check. Two ways to make the offload
 calls are measured in the same run: a Python loop of `offload(req)` and one `offload_batch(reqs, rows,
 committed)` with the engine's batch arrays. What is timed is the manager's bookkeeping: machines, index
@@ -13,6 +14,9 @@ bytes is not; two copy models keep it out:
   inline  the synchronous CPU engine copies inside submit and that time is subtracted (its memory
           traffic still evicts the manager's data from the CPU caches mid-iteration, which a GPU copy
           would not: an upper bound).
+
+Beside each configuration, bench/iteration_floor.py's bare iteration (the same operations with no
+kvfsm code, no checks and no lifecycle) is timed in the same run and regime; rows report the ratio.
 
 The backup thread's work (page hashing, storage writes) runs inside the simulated step before the
 timed region starts; how long it needed past the step's 20 ms is reported as `backup_overrun_ms_mean`
@@ -32,6 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result  # noqa: E402
+from iteration_floor import run as run_floor  # noqa: E402
 
 from kvfsm.dataplane import CpuCopyEngine, HostKVPool, KVCacheConfig, ReqToTokenPool, TokenSlotAllocator  # noqa: E402
 from kvfsm.dataplane.copy_engine import CopyHandle, CopyPlan, _DoneHandle, plan_copy, run_plan  # noqa: E402
@@ -193,6 +198,9 @@ def main() -> None:
     ap.add_argument("--step-waits", nargs="+", choices=["sleep", "spin"], default=["sleep"],
                     help="how the engine thread waits out the simulated step: sleep (off the CPU; the verdict "
                          "uses the first) or spin (busy-waiting, as a default CUDA synchronize does)")
+    ap.add_argument("--no-floor", action="store_true",
+                    help="skip bench/iteration_floor.py's bare iteration (otherwise measured in this run, per "
+                         "page/stride, live count and step wait, and each row reports its ratio to it)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.torch_threads)
@@ -200,11 +208,17 @@ def main() -> None:
     for cfg in args.configs:
         page, stride = (int(x) for x in cfg.split("/"))
         for n in args.live:
+            floors = {} if args.no_floor else {
+                wait: run_floor(n, args.iterations + 2, page, stride, args.step_ms / 1e3, wait)["floor_us_per_iteration_mean"]
+                for wait in args.step_waits}
             for copy_model in args.copy_models:
                 for mode in args.modes:
                     for wait in args.step_waits:
                         row = run(n, args.iterations + 1, page, stride, context=256, mode=mode,
                                   step_s=args.step_ms / 1e3, copy_model=copy_model, step_wait=wait)
+                        if floors:
+                            row["floor_us_per_iteration_mean"] = floors[wait]
+                            row["over_floor"] = row["manager_us_per_iteration_mean"] / floors[wait]
                         print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
                         rows.append(row)
     target = {"us_per_iteration_max_at_4096": 400, "share_of_20ms_max": 0.02}

@@ -20,11 +20,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import manager_overhead as bench  # noqa: E402
 
+from generated.decode_offload import DecodeOffloadMachine  # noqa: E402
 from kvfsm.runtime import effects, manager  # noqa: E402
 
-PHASES = [(manager.DecodeOffloadManager, ("offload_batch", "_submit", "_device_slots", "check_progress")),
-          (effects.OffloadEffects, ("start_copy", "hash_chunk", "submit_backup", "mark_stored", "free_host_chunk",
-                                    "flush"))]
+PHASES = [(manager.DecodeOffloadManager, ("offload_batch", "_submit", "_copy_slots", "check_progress")),
+          (DecodeOffloadMachine, ("offload_each", "copy_done_each", "backup_done_each")),
+          (effects.OffloadEffects, ("start_copy_each", "hash_chunk_each", "submit_backup_each", "mark_stored_each",
+                                    "free_host_chunk_each", "flush"))]
 
 
 def main() -> None:
