@@ -220,3 +220,29 @@ def test_failed_submission_frees_the_host_slots_and_fires_nothing(monkeypatch: p
     with pytest.raises(CopyError):
         e.manager.offload_batch(*batch_arrays(e))  # 4+4+4 tokens > 8 host slots: the fallback path too
     assert snapshot(e) == before
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_table_row_not_in_page_order_is_copied_token_by_token(batched: bool) -> None:
+    """Chunk pages are read as whole device pages only when each starts a page; a row whose slots are in
+    another order (here the two slots of its first page swapped) is gathered token by token, and the
+    host pages still hold each position's KV."""
+    e = SimEngine(page_size=2, host_slots=32, device_slots=96, rows=4)
+    r = e.admit("a", 1)
+    table = e.req_to_token.req_to_token
+    table[r.req_pool_idx, :2] = table[r.req_pool_idx, :2].flip(0).clone()
+    e._write_kv(r, 0, 1)  # position 0's KV, now at the slot the row names
+    for _ in range(2):
+        e.decode(r)
+    submitted = e.manager.offload_batch(*batch_arrays(e)) if batched else int(e.manager.offload(r))
+    assert submitted == 1
+    chunk = e.manager.fx.copy_fifo[0]
+    assert chunk.device_indices.tolist() == table[r.req_pool_idx, :2].tolist()
+    e.copies.complete_all()
+    assert e.host_page_ok(chunk)
+    e.end(r)
+    while not e.manager.idle():
+        e.copies.complete_all()
+        e.worker.run_all()
+        e.manager.check_progress()
+    e.check_teardown()  # release found the row's pages from its (swapped) page starts
