@@ -10,7 +10,8 @@ Each event also has a batch form, `<event>_each(machines, args)`: the same trans
 machines (the manager's hot path, where one scheduler iteration fires an event for dozens of requests).
 It decides every item first (guards, counters, state, in list order, so a machine may appear more than
 once), then calls each action once for all the items that take it, in a fixed order per event. A rejected
-item or a raising action puts every machine back as the batch found it.
+item raises before any action runs; a raising action puts every machine back as the batch found it (the
+actions that already ran stay done, as when an action of a single event raises).
 """
 
 from __future__ import annotations

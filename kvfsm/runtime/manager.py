@@ -267,7 +267,7 @@ class DecodeOffloadManager:
             # (if any) stopped writing them.
             if handle is not None:
                 handle.wait()
-            host_pool.undo_alloc(torch.from_numpy(host_pool.allocator.slots_of(pages)))
+            host_pool.undo_alloc(host_pool.slots_of(pages))
             raise
         if full:  # only once the call can no longer fail
             DecodeOffloadMachine.host_full_each([rec.machine for rec, _, _ in full], [None] * len(full))
@@ -276,10 +276,13 @@ class DecodeOffloadManager:
     def _copy_slots(self, due: list[tuple[RequestRecord, OffloadRequest, int]],
                     host_pages: list[int]) -> tuple[Union[torch.Tensor, PageSlots], PageSlots]:
         """(device slots, host slots) of the due chunks, in order, both as PageSlots when the request table
-        is on the CPU and every chunk page starts a device page: a request's KV pages are whole device
-        pages (the paged allocator's layout, which release relies on too), so a page's start names it.
-        Then one numpy call builds both slot lists from 2 x pages starts, read from the table as Python
-        ints, and the copy checks both as page lists. Anything else gathers every token's device slot."""
+        is on the CPU and every chunk page starts a device page. A request's KV pages are whole device
+        pages with their slots in order (the paged allocator's layout, which release relies on too), so a
+        page's first slot names it: one numpy gather reads the chunk pages' first slots, one numpy call
+        expands device and host pages into slots, and the copy checks both as page lists. A row whose
+        chunk pages do not start on a page boundary is gathered token by token (as with page size 1 or a
+        table on the GPU); one whose first slots are aligned but whose other slots are out of order breaks
+        the layout this method (like release) relies on, and is not detected here."""
         ps = self.config.page_size
         host_pool = self.fx.host_pool
         if self._table_flat is None or ps == 1:
