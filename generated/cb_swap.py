@@ -121,6 +121,7 @@ def _restore(undo: list[tuple[Any, ...]]) -> None:
     for m, s, copies in reversed(undo):
         m.state, m.copies = s, copies
 
+
 class CbSwapEffects(Protocol):
     """The data plane's side of the contract: one method per spec action, called as action(machine, arg),
     and its batch form action_each([(machine, arg), ...]) (see CbSwapEffectsEach for the defaults)."""

@@ -152,6 +152,7 @@ def _restore(undo: list[tuple[Any, ...]]) -> None:
     for m, s, copies, parked, backups in reversed(undo):
         m.state, m.copies, m.parked, m.backups = s, copies, parked, backups
 
+
 class DecodeOffloadEffects(Protocol):
     """The data plane's side of the contract: one method per spec action, called as action(machine, arg),
     and its batch form action_each([(machine, arg), ...]) (see DecodeOffloadEffectsEach for the defaults)."""

@@ -34,7 +34,6 @@ from .errors import (
 )
 
 
-
 class PageSlots:
     """Slots of whole pages with the page ids they were built from (`TokenSlotAllocator.page_slots`).
 
