@@ -87,10 +87,7 @@ class BackupWorker(ABC):
         return self._outstanding
 
     def submit(self, job: BackupJob) -> None:
-        if self.room() <= 0:
-            raise BackupQueueFull(f"{self._outstanding} backups outstanding of {self.capacity}")
-        self._outstanding += 1
-        self._enqueue(job)
+        self.submit_many([job])
 
     def submit_many(self, jobs: list[BackupJob]) -> None:
         """submit() each job, in order, or raise BackupQueueFull (queuing none) when they do not all fit."""

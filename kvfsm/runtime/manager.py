@@ -51,6 +51,17 @@ def _int_array(values: IntArray, name: str, count: int) -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
+def _fire(event_each: Any, chunks: list[Chunk]) -> None:
+    """A generated batch event for `chunks`, each on its request's machine (nothing when empty)."""
+    if chunks:
+        event_each([chunk.record.machine for chunk in chunks], chunks)
+
+
+def _host_full(due: list[tuple[RequestRecord, OffloadRequest, int]]) -> None:
+    """The spec's host_full for each request whose chunk found no host room."""
+    DecodeOffloadMachine.host_full_each([rec.machine for rec, _, _ in due], [None] * len(due))
+
+
 class TPMismatch(LifecycleError):
     """The TP ranks disagree on sizes (page, stride, host pool, backup queue): MIN-agreed counts would then
     free different slots on different ranks, so progress is refused and nothing changes."""
@@ -245,7 +256,7 @@ class DecodeOffloadManager:
                     fits.append(item)
                     pages += p
             if not fits:
-                DecodeOffloadMachine.host_full_each([rec.machine for rec, _, _ in full], [None] * len(full))
+                _host_full(full)
                 return 0
             due = fits
         handle = None
@@ -270,7 +281,7 @@ class DecodeOffloadManager:
             host_pool.undo_alloc(host_pool.slots_of(pages))
             raise
         if full:  # only once the call can no longer fail
-            DecodeOffloadMachine.host_full_each([rec.machine for rec, _, _ in full], [None] * len(full))
+            _host_full(full)
         return len(due)
 
     def _copy_slots(self, due: list[tuple[RequestRecord, OffloadRequest, int]],
@@ -285,21 +296,21 @@ class DecodeOffloadManager:
         the layout this method (like release) relies on, and is not detected here."""
         ps = self.config.page_size
         host_pool = self.fx.host_pool
-        if self._table_flat is None or ps == 1:
-            return self._device_slots(due), host_pool.page_slots(host_pages)
-        width = self._width
-        positions = []  # flat table index of each chunk page's first token
-        for rec, _, n in due:
-            first = rec.row * width + rec.prefill_len + rec.inc_len
-            positions += range(first, first + n, ps)
-        starts = self._table_flat[positions].tolist()
-        if any(s % ps for s in starts):  # not page-aligned: not the paged layout, gather token by token
-            return self._device_slots(due), host_pool.page_slots(host_pages)
-        count = len(starts)
-        starts += [p * ps for p in host_pages]
-        both = np.add.outer(starts, self._page_offsets)  # device pages' slots, then host pages'
-        device = PageSlots(self.fx.allocator, [s // ps for s in starts[:count]], torch.from_numpy(both[:count].reshape(-1)))
-        return device, PageSlots(host_pool.allocator, host_pages, torch.from_numpy(both[count:].reshape(-1)))
+        if self._table_flat is not None and ps > 1:
+            width = self._width
+            positions = []  # flat table index of each chunk page's first token
+            for rec, _, n in due:
+                first = rec.row * width + rec.prefill_len + rec.inc_len
+                positions += range(first, first + n, ps)
+            starts = self._table_flat[positions].tolist()
+            if not any(s % ps for s in starts):  # the paged layout
+                count = len(starts)
+                starts += [p * ps for p in host_pages]
+                both = np.add.outer(starts, self._page_offsets)  # device pages' slots, then host pages'
+                device = PageSlots(self.fx.allocator, [s // ps for s in starts[:count]],
+                                   torch.from_numpy(both[:count].reshape(-1)))
+                return device, PageSlots(host_pool.allocator, host_pages, torch.from_numpy(both[count:].reshape(-1)))
+        return self._device_slots(due), host_pool.page_slots(host_pages)  # token by token
 
     def _device_slots(self, due: list[tuple[RequestRecord, OffloadRequest, int]]) -> torch.Tensor:
         """Device slots of every due chunk, concatenated in order: one gather from the request table."""
@@ -355,25 +366,20 @@ class DecodeOffloadManager:
                     ok, j = outcomes[i], i + 1
                     while j < n_backups and outcomes[j] == ok:
                         j += 1
-                    chunks = [job.payload for job in jobs[i:j]]
-                    event = DecodeOffloadMachine.backup_done_each if ok else DecodeOffloadMachine.backup_failed_each
-                    event([chunk.record.machine for chunk in chunks], chunks)
+                    _fire(DecodeOffloadMachine.backup_done_each if ok else DecodeOffloadMachine.backup_failed_each,
+                          [job.payload for job in jobs[i:j]])
                     i = j
             resubmit = min(len(fx.parked), worker.room())
             if resubmit:
-                chunks = [fx.parked.popleft() for _ in range(resubmit)]
-                DecodeOffloadMachine.backup_resubmit_each([chunk.record.machine for chunk in chunks], chunks)
+                _fire(DecodeOffloadMachine.backup_resubmit_each, [fx.parked.popleft() for _ in range(resubmit)])
             if n_copies:
                 chunks = [fx.copy_fifo.popleft() for _ in range(n_copies)]
                 if self.ledger is not None:
                     for chunk in chunks:
                         self.ledger.copy_completed(chunk.serial, chunk.device_indices.tolist())
                 room = worker.room()  # the first `room` get their backup queued, the rest are parked
-                done, parked = chunks[:room], chunks[room:]
-                if done:
-                    DecodeOffloadMachine.copy_done_each([chunk.record.machine for chunk in done], done)
-                if parked:
-                    DecodeOffloadMachine.copy_parked_each([chunk.record.machine for chunk in parked], parked)
+                _fire(DecodeOffloadMachine.copy_done_each, chunks[:room])
+                _fire(DecodeOffloadMachine.copy_parked_each, chunks[room:])
         finally:
             fx.flush()
             worker.flush()
