@@ -73,7 +73,8 @@ class CopyEngine(ABC):
 
 @dataclass
 class CopyPlan:
-    """A validated copy: the two `(P, L, S, H, D)` views and int64 indices (device ones on their device)."""
+    """A validated copy: the two `(P, L, S, H, D)` views and int64 indices (host ones on the CPU; device
+    ones on the CPU unless they were given on the GPU: an engine uploads CPU ones without blocking)."""
 
     direction: Direction
     device_pool: DeviceKVPool
@@ -106,13 +107,21 @@ def plan_copy(
 ) -> CopyPlan:
     """Check that the pools match and the indices are sane; raise CopyError/SlotError before any copy.
 
-    Host indices must be distinct, in range and allocated (cheap: CPU). Device indices are range-checked
-    only when they live on the CPU: on CUDA that check would synchronise with the compute stream.
+    Host indices must be distinct, in range and allocated (cheap: CPU). Device indices stay where they
+    arrive: CPU indices (what the manager passes, read from the request table's host mirror) are checked
+    on the CPU against the device allocator's host-side state (PageSlots) or the pool's range, and the
+    engine uploads them without blocking; indices already on the GPU are counted, never read, since
+    reading them would wait for the compute stream.
     """
     dc, hc = device_pool.config, host_pool.config
     if (dc.num_planes, dc.num_layers, dc.token_shape, dc.dtype) != (hc.num_planes, hc.num_layers, hc.token_shape, hc.dtype):
         raise CopyError(f"device pool {dc} and host pool {hc} hold different KV shapes")
-    dev_idx = as_index_tensor(device_indices, device_pool.device)
+    on_device = isinstance(device_indices, torch.Tensor) and device_indices.device.type != "cpu"
+    if on_device and device_pool.device.type != "cpu" and device_indices.device != device_pool.device:  # type: ignore[union-attr]
+        raise CopyError(f"device slots on {device_indices.device}, device pool on {device_pool.device}")  # type: ignore[union-attr]
+    # CPU pools (the CPU engines) take their indices on the CPU; otherwise they stay where they are
+    dev_idx = as_index_tensor(device_indices, device_pool.device if device_pool.device.type == "cpu" or on_device
+                              else _CPU)
     host_idx = as_index_tensor(host_indices, _CPU)
     # a PageSlots counts its slots from its page list (no tensor call)
     n_dev = len(device_indices) if isinstance(device_indices, PageSlots) else int(dev_idx.numel())

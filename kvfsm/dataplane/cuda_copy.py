@@ -54,6 +54,7 @@ from .device_pool import DeviceKVPool, resolve_device
 from .errors import CopyError
 from .host_pool import HostKVPool
 from .pipeline import CudaOps, PipelineSettings, launch_pipeline
+from .staging import PinnedIndexStaging
 from .triton_kernels import HAVE_TRITON, KernelConfig, default_config, kv_rows_copy
 
 Backend = Literal["auto", "triton", "torch", "dma", "hybrid"]
@@ -269,7 +270,9 @@ class CudaCopyEngine(CopyEngine):
         self.copy_streams = [self.stream] + [torch.cuda.Stream(device=self.device) for _ in range(n_copy - 1)]
         streams = {"kern": self.kernel_stream, "direct": self.direct_stream}
         streams.update({f"copy{i}": s for i, s in enumerate(self.copy_streams)})
-        self._ops = CudaOps(self.device, streams)
+        # index uploads: pinned staging reused by event query (an upload from pageable memory would wait)
+        self._staging = PinnedIndexStaging()
+        self._ops = CudaOps(self.device, streams, self._staging)
 
     def submit_d2h(
         self, device_pool: DeviceKVPool, device_indices: IndexLike, host_pool: HostKVPool, host_indices: IndexLike
@@ -320,29 +323,30 @@ class CudaCopyEngine(CopyEngine):
                 return handle
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
-            host_idx = plan.host_idx
-            perm = None
+            host_np = plan.host_idx.numpy()
+            order = None
             if backend == "triton" and self.triton_host_order and plan.num_tokens > 1:
-                order = dma.order_by_host(host_idx.numpy())
-                host_idx = torch.from_numpy(host_idx.numpy()[order])
-                perm = torch.from_numpy(order).pin_memory()
-                keep.append(perm)
-            host_idx_pinned = host_idx.pin_memory()  # an H2D from pageable memory could synchronise
+                order = dma.order_by_host(host_np)
+                host_np = host_np[order]
             with torch.cuda.stream(self.stream):
-                self.stream.wait_event(ready)
                 dev_idx = plan.device_idx
-                if dev_idx.device == self.device:
-                    dev_idx.record_stream(self.stream)  # made on the compute stream, read on ours
+                if dev_idx.device.type == "cpu":  # uploaded before the wait: it overlaps the decode step
+                    dev_np = dev_idx.numpy()
+                    dev_idx = self._staging.upload(dev_np if order is None else dev_np[order], self.device, self.stream)
                 else:
-                    dev_idx = dev_idx.to(self.device, non_blocking=True)
-                if perm is not None:
-                    dev_idx = dev_idx.index_select(0, perm.to(self.device, non_blocking=True))
-                keep += [ready, dev_idx, host_idx_pinned]
+                    dev_idx.record_stream(self.stream)  # made on the compute stream, read on ours
+                    if order is not None:
+                        perm = self._staging.upload(order, self.device, self.stream)
+                        self.stream.wait_event(ready)  # the caller's indices are ready only after its work
+                        dev_idx = dev_idx.index_select(0, perm)
+                host_idx_dev = None
+                if backend == "triton" and plan.num_tokens:
+                    host_idx_dev = self._staging.upload(host_np, self.device, self.stream)
+                self.stream.wait_event(ready)
+                keep += [ready, dev_idx, host_idx_dev]
                 if plan.num_tokens == 0:
                     pass
                 elif backend == "triton":
-                    host_idx_dev = host_idx_pinned.to(self.device, non_blocking=True)
-                    keep.append(host_idx_dev)
                     cfg = self.kernel_config or default_config(plan.host_pool.layout)
                     info["pre_launch_ms"] = (time.perf_counter() - t0) * 1e3
                     if plan.direction == "d2h":

@@ -34,6 +34,7 @@ import torch
 from . import dma
 from .copy_engine import CopyPlan
 from .cuda_driver import CudaDriver
+from .staging import PinnedIndexStaging
 from .triton_kernels import HAVE_TRITON, KernelConfig, default_config, kv_rows_copy
 
 # ---- settings ---------------------------------------------------------------------------------------
@@ -88,9 +89,11 @@ class StreamOps(Protocol):
 class CudaOps:
     """StreamOps on CUDA streams; batched DMA through CudaDriver.run_batch (one call per list)."""
 
-    def __init__(self, device: torch.device, streams: dict[str, torch.cuda.Stream]) -> None:
+    def __init__(self, device: torch.device, streams: dict[str, torch.cuda.Stream],
+                 staging: PinnedIndexStaging | None = None) -> None:
         self.device = device
         self.streams = streams
+        self.staging = staging or PinnedIndexStaging()
         self._driver: CudaDriver | None = None
 
     @property
@@ -116,10 +119,9 @@ class CudaOps:
         self.streams[s].wait_event(event)
 
     def upload(self, s: str, arr: np.ndarray, keep: list[object]) -> torch.Tensor:
-        pinned = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.int64)).pin_memory()  # pageable H2D could sync
-        keep.append(pinned)
-        with torch.cuda.stream(self.streams[s]):
-            return pinned.to(self.device, non_blocking=True)
+        # through pinned staging (an upload from pageable memory waits for the stream); staging keeps the
+        # pinned region until the copy has passed, the caller keeps the result
+        return self.staging.upload(np.asarray(arr, dtype=np.int64), self.device, self.streams[s])
 
     def empty(self, s: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         with torch.cuda.stream(self.streams[s]):
@@ -159,8 +161,9 @@ def launch_pipeline(ops: StreamOps, plan: CopyPlan, st: PipelineSettings, keep: 
     n, host, d2h = plan.num_tokens, plan.host_pool, plan.direction == "d2h"
     bpt, layout = host.config.bytes_per_token, host.layout
     dev_view, host_view = plan.device_pool.token_view(), host.token_view()
-    dev_idx = plan.device_idx  # on the device, made on the caller's stream
-    if not dev_idx.is_contiguous():  # the kernels read indices as flat arrays (copied on the caller's stream)
+    dev_idx = plan.device_idx  # on the device (made on the caller's stream), or on the CPU (uploaded here)
+    dev_np = dev_idx.numpy() if dev_idx.device.type == "cpu" else None
+    if dev_np is None and not dev_idx.is_contiguous():  # the kernels read flat arrays (copied on the caller's stream)
         dev_idx = dev_idx.contiguous()
         keep.append(dev_idx)
     host_np = plan.host_idx.numpy()
@@ -182,9 +185,13 @@ def launch_pipeline(ops: StreamOps, plan: CopyPlan, st: PipelineSettings, keep: 
     # the kernel's lower efficiency.
     head = head_tokens(n, bpt, st.head_bytes, st.head_min_bytes) if direct_ok and ops.caller_idle() else 0
     if head:
+        head_dev = ops.upload("direct", dev_np[:head], keep) if dev_np is not None else dev_idx[:head]
+        head_host = ops.upload("direct", host_np[:head], keep)
+        keep += [head_dev, head_host]
         ops.wait("direct", ready)
-        ops.record_stream(dev_idx, "direct")
-        direct("direct", dev_idx[:head], ops.upload("direct", host_np[:head], keep))
+        if dev_np is None:
+            ops.record_stream(dev_idx, "direct")
+        direct("direct", head_dev, head_host)
         finals["direct"] = True
     info["first_enqueued_ms"] = (time.perf_counter() - t0) * 1e3 if head else None
 
@@ -196,11 +203,17 @@ def launch_pipeline(ops: StreamOps, plan: CopyPlan, st: PipelineSettings, keep: 
                 planned_ms=(time.perf_counter() - t0) * 1e3)
     # 3) index tensors on the kernel stream: permuted device slots (+ host slots of the hybrid share)
     if ns or nd:
-        ops.wait("kern", ready)
-        ops.record_stream(dev_idx, "kern")
-        up = pp.perm if nd == 0 else np.concatenate([pp.perm, host_np[pp.perm[ns:]]])
-        idx = ops.upload("kern", up, keep)
-        dev_perm = ops.index_select("kern", dev_idx, idx[: ns + nd])
+        if dev_np is not None:  # CPU slots: permuted here, uploaded with the hybrid share's host slots
+            up = dev_np[pp.perm] if nd == 0 else np.concatenate([dev_np[pp.perm], host_np[pp.perm[ns:]]])
+            idx = ops.upload("kern", up, keep)
+            ops.wait("kern", ready)
+            dev_perm = idx[: ns + nd]
+        else:  # device slots: permuted on the device, after the caller's stream made them
+            up = pp.perm if nd == 0 else np.concatenate([pp.perm, host_np[pp.perm[ns:]]])
+            idx = ops.upload("kern", up, keep)
+            ops.wait("kern", ready)
+            ops.record_stream(dev_idx, "kern")
+            dev_perm = ops.index_select("kern", dev_idx, idx[: ns + nd])
         keep += [idx, dev_perm]
         finals["kern"] = True
     if ns:

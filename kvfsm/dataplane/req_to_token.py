@@ -1,8 +1,14 @@
 """Request rows → device slot indices.
 
 Each live request owns one row of an int64 `[rows, max_context]` table; the attention kernels read
-slot indices from it. Rows are few and handed out one at a time, so a Python free list is enough; the
-table itself stays a device tensor.
+slot indices from it. Rows are few and handed out one at a time, so a Python free list is enough.
+
+The table may live on the GPU (as SGLang keeps `req_to_token`), but it always has a host mirror,
+`host_table`, written by the same `write()` call: the offload manager reads slots only from the mirror,
+so no manager call ever reads GPU memory (which would wait for the decode step the GPU is running).
+On a GPU table, `write()` uploads the new slots with a non-blocking copy from pinned memory on the
+caller's current stream, ordered before whatever the caller enqueues next (the attention that reads them).
+Writes must go through `write()`: a slot written into the device tensor directly is invisible to the mirror.
 """
 
 from __future__ import annotations
@@ -25,7 +31,10 @@ class ReqToTokenPool:
         self.rows = int(rows)
         self.max_context = int(max_context)
         self.device = resolve_device(device)
-        self.req_to_token = torch.zeros((self.rows, self.max_context), dtype=torch.int64, device=self.device)
+        self.host_table = torch.zeros((self.rows, self.max_context), dtype=torch.int64)  # the mirror (CPU)
+        # the table the kernels read: the mirror itself on the CPU, else a device copy kept equal by write()
+        self.req_to_token = self.host_table if self.device.type == "cpu" else torch.zeros_like(
+            self.host_table, device=self.device)
         self._free: deque[int] = deque(range(self.rows))
         self._allocated = [False] * self.rows
         self._ever = [False] * self.rows
@@ -58,19 +67,32 @@ class ReqToTokenPool:
         self._free.append(row)
 
     def write(self, row: int, start: int, slots: IndexLike) -> None:
-        """Store slot indices for positions `[start, start + len(slots))` of an allocated row."""
+        """Store slot indices for positions `[start, start + len(slots))` of an allocated row, in the host
+        mirror and (GPU table) the device table. Pass CPU slots (what TokenSlotAllocator.alloc returns on
+        a CPU allocator): slots given on the GPU must be read into the mirror, which waits for the GPU."""
         self._check_live(row)
-        idx = as_index_tensor(slots, self.device)
-        if start < 0 or start + idx.numel() > self.max_context:
-            raise OutOfRange(f"positions [{start}, {start + idx.numel()}) outside [0, {self.max_context})")
-        self.req_to_token[row, start : start + idx.numel()] = idx
+        idx = as_index_tensor(slots, torch.device("cpu"))
+        end = start + idx.numel()
+        if start < 0 or end > self.max_context:
+            raise OutOfRange(f"positions [{start}, {end}) outside [0, {self.max_context})")
+        self.host_table[row, start:end] = idx
+        if self.req_to_token is not self.host_table:
+            self.req_to_token[row, start:end].copy_(idx.pin_memory(), non_blocking=True)
 
     def read(self, row: int, start: int, end: int) -> torch.Tensor:
-        """Slot indices of positions `[start, end)` of an allocated row (a view)."""
+        """Slot indices of positions `[start, end)` of an allocated row (a view of the table's device)."""
+        self._check_span(row, start, end)
+        return self.req_to_token[row, start:end]
+
+    def read_host(self, row: int, start: int, end: int) -> torch.Tensor:
+        """The same slots from the host mirror (a CPU view): reading them never waits for the GPU."""
+        self._check_span(row, start, end)
+        return self.host_table[row, start:end]
+
+    def _check_span(self, row: int, start: int, end: int) -> None:
         self._check_live(row)
         if not 0 <= start <= end <= self.max_context:
             raise OutOfRange(f"positions [{start}, {end}) outside [0, {self.max_context})")
-        return self.req_to_token[row, start:end]
 
     def check_conservation(self) -> None:
         free = set(self._free)

@@ -22,6 +22,7 @@ from kvfsm.dataplane.storage import StorageBackend
 from kvfsm.runtime.backup import BackupJob, BackupWorker
 from kvfsm.runtime.ledger import SlotLedger
 from kvfsm.runtime.metrics import OffloadMetrics
+from kvfsm.runtime.stored_index import StoredPageIndex
 from kvfsm.runtime.protocols import OffloadRequest, PrefixCache
 
 _serials = itertools.count(1)
@@ -124,8 +125,7 @@ class OffloadEffects(DecodeOffloadEffectsEach):
         self.copy_fifo: collections.deque[Chunk] = collections.deque()  # submission order = completion order
         self.parked: collections.deque[Chunk] = collections.deque()
         # page hash -> (request key, position) of the newest stored pages (bounded: oldest dropped first)
-        self.stored: collections.OrderedDict[str, tuple[str, int]] = collections.OrderedDict()
-        self._stored_limit = stored_index_pages
+        self.stored = StoredPageIndex(stored_index_pages)
         self._host_to_free: list[int] = []  # pages freed by free_host_chunk, returned to the pool in flush()
         self._offsets = torch.arange(page_size, dtype=torch.int64)
         self._bytes_per_token = host_pool.config.bytes_per_token
@@ -221,16 +221,13 @@ class OffloadEffects(DecodeOffloadEffectsEach):
         self.mark_stored_each([(m, chunk)])
 
     def mark_stored_each(self, items: Items) -> None:
-        stored, limit, ps = self.stored, self._stored_limit, self.page_size
+        put, ps = self.stored.put, self.page_size
         pages = 0
         for _, chunk in items:
             rec = chunk.record
             hashes = chunk.hashes
-            if limit:
-                for i, h in enumerate(hashes):
-                    stored[h] = (rec.key, chunk.start + i * ps)
-                while len(stored) > limit:
-                    stored.popitem(last=False)
+            for i, h in enumerate(hashes):
+                put(h, rec.key, chunk.start + i * ps)
             rec.stored_pages += len(hashes)
             pages += len(hashes)
         self.metrics.stored_pages += pages
@@ -277,8 +274,7 @@ class OffloadEffects(DecodeOffloadEffectsEach):
         positions = list(range(0, end_committed, ps)) + list(range(end_committed, allocated, ps))
         if not positions:
             return torch.empty(0, dtype=torch.int64)
-        table = self.req_to_token.req_to_token[rec.row]
-        starts = table[torch.tensor(positions, dtype=torch.int64, device=table.device)].to("cpu")
+        starts = self.req_to_token.host_table[rec.row, positions]  # the host mirror: no GPU read
         starts = starts - starts % ps
         return (starts[:, None] + self._offsets).reshape(-1)
 

@@ -8,6 +8,7 @@ completed) and turns each answer into an event of the request's generated machin
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any, Iterable, Optional, Sequence, Union
 
@@ -60,6 +61,25 @@ def _fire(event_each: Any, chunks: list[Chunk]) -> None:
 def _host_full(due: list[tuple[RequestRecord, OffloadRequest, int]]) -> None:
     """The spec's host_full for each request whose chunk found no host room."""
     DecodeOffloadMachine.host_full_each([rec.machine for rec, _, _ in due], [None] * len(due))
+
+
+def _forget(records: dict[int, RequestRecord], key: int, _ref: object) -> None:
+    """The request object is gone: drop its record (and, if its lifecycle has ended, the record's link
+    to its machine: machine.ctx is the record, so the pair is a reference cycle that only the garbage
+    collector would free; a server's collector walking thousands of them is a pause on the hot path)."""
+    rec = records.pop(key, None)
+    if rec is not None and rec.machine is not None and rec.machine.state in spec_gen.TERMINAL:
+        rec.machine = None
+
+
+def _unlink_released(chunks: list[Chunk]) -> None:
+    """After completions: a lifecycle that just ended and whose request object is already gone (it
+    finished under in-flight backups, then the engine dropped it) gives up its record <-> machine cycle."""
+    for chunk in chunks:
+        rec = chunk.record
+        m = rec.machine
+        if m is not None and m.state in spec_gen.TERMINAL and rec.req_ref() is None:
+            rec.machine = None
 
 
 class TPMismatch(LifecycleError):
@@ -119,8 +139,10 @@ class DecodeOffloadManager:
         # by offload, offload_batch and _end.
         self._due_at = np.full(req_to_token.rows + 1, -1, dtype=np.int64)  # [-1]: sentinel for row -1
         self._rows = req_to_token.rows
-        table = req_to_token.req_to_token
-        self._table_flat = table.numpy().reshape(-1) if table.device.type == "cpu" else None  # a view
+        # Slots are read from the request table's host mirror only (a view), wherever the table itself
+        # lives: no call of this manager reads GPU memory, so none waits for the decode step.
+        table = req_to_token.host_table
+        self._table_flat = table.numpy().reshape(-1)
         self._width = table.shape[1]
         self._page_offsets = np.arange(config.page_size, dtype=np.int64)
         self._arange = np.arange(max(self.stride, 1), dtype=np.int64)
@@ -286,17 +308,17 @@ class DecodeOffloadManager:
 
     def _copy_slots(self, due: list[tuple[RequestRecord, OffloadRequest, int]],
                     host_pages: list[int]) -> tuple[Union[torch.Tensor, PageSlots], PageSlots]:
-        """(device slots, host slots) of the due chunks, in order, both as PageSlots when the request table
-        is on the CPU and every chunk page starts a device page. A request's KV pages are whole device
+        """(device slots, host slots) of the due chunks, in order (CPU tensors, read from the request
+        table's host mirror), both as PageSlots when every chunk page starts a device page. A request's KV pages are whole device
         pages with their slots in order (the paged allocator's layout, which release relies on too), so a
         page's first slot names it: one numpy gather reads the chunk pages' first slots, one numpy call
         expands device and host pages into slots, and the copy checks both as page lists. A row whose
-        chunk pages do not start on a page boundary is gathered token by token (as with page size 1 or a
-        table on the GPU); one whose first slots are aligned but whose other slots are out of order breaks
+        chunk pages do not start on a page boundary is gathered token by token (as with page size 1);
+        one whose first slots are aligned but whose other slots are out of order breaks
         the layout this method (like release) relies on, and is not detected here."""
         ps = self.config.page_size
         host_pool = self.fx.host_pool
-        if self._table_flat is not None and ps > 1:
+        if ps > 1:
             width = self._width
             positions = []  # flat table index of each chunk page's first token
             for rec, _, n in due:
@@ -313,13 +335,12 @@ class DecodeOffloadManager:
         return self._device_slots(due), host_pool.page_slots(host_pages)  # token by token
 
     def _device_slots(self, due: list[tuple[RequestRecord, OffloadRequest, int]]) -> torch.Tensor:
-        """Device slots of every due chunk, concatenated in order: one gather from the request table."""
-        table = self.req_to_token.req_to_token
+        """Device slots of every due chunk, concatenated in order: one gather from the table's host mirror."""
         if len(due) == 1:
             rec, _, n = due[0]
             start = rec.prefill_len + rec.inc_len
-            return table[rec.row, start:start + n].clone()
-        width = table.shape[1]
+            return self.req_to_token.host_table[rec.row, start:start + n].clone()
+        width = self._width
         firsts = [rec.row * width + rec.prefill_len + rec.inc_len for rec, _, _ in due]
         lengths = [n for _, _, n in due]
         n0 = lengths[0]
@@ -328,9 +349,7 @@ class DecodeOffloadManager:
         else:
             lens = np.array(lengths, dtype=np.int64)
             flat = np.repeat(np.subtract(firsts, np.cumsum(lens) - lens), lens) + self._aranges(int(lens.sum()))
-        if self._table_flat is not None:  # CPU table: numpy gathers a chunk list cheaper than torch
-            return torch.from_numpy(self._table_flat[flat])
-        return table.view(-1).index_select(0, torch.from_numpy(flat).to(table.device))
+        return torch.from_numpy(self._table_flat[flat])  # numpy gathers a chunk list cheaper than torch
 
     def _aranges(self, n: int) -> np.ndarray:
         """0..n-1 (int64), cached: a stride's offsets are the same every step."""
@@ -369,6 +388,10 @@ class DecodeOffloadManager:
                     _fire(DecodeOffloadMachine.backup_done_each if ok else DecodeOffloadMachine.backup_failed_each,
                           [job.payload for job in jobs[i:j]])
                     i = j
+                ended = [job.payload for job in jobs]
+                for job in jobs:
+                    job.payload = None  # the chunk holds its job: no chunk <-> job cycle outlives the backup
+                _unlink_released(ended)
             resubmit = min(len(fx.parked), worker.room())
             if resubmit:
                 _fire(DecodeOffloadMachine.backup_resubmit_each, [fx.parked.popleft() for _ in range(resubmit)])
@@ -380,6 +403,7 @@ class DecodeOffloadManager:
                 room = worker.room()  # the first `room` get their backup queued, the rest are parked
                 _fire(DecodeOffloadMachine.copy_done_each, chunks[:room])
                 _fire(DecodeOffloadMachine.copy_parked_each, chunks[room:])
+                _unlink_released(chunks)
         finally:
             fx.flush()
             worker.flush()
@@ -467,7 +491,7 @@ class DecodeOffloadManager:
         row = req.req_pool_idx
         key = id(req)
         try:
-            ref = weakref.ref(req, lambda _r, k=key, t=self._records: t.pop(k, None))
+            ref = weakref.ref(req, functools.partial(_forget, self._records, key))
         except TypeError:
             raise InvalidRequest(f"request {req.rid!r}: request objects must support weak references") from None
         self._serial += 1

@@ -1,0 +1,89 @@
+"""The index of stored pages: page hash -> (owning lifecycle's key, token position), newest `limit` kept.
+
+Why not an OrderedDict of tuples: at the default million entries that is a million GC-tracked tuples,
+and every full collection of a server process walks them all (tens of milliseconds, on the scheduler
+thread, at random iterations). Here nothing the collector tracks grows with the index: a plain dict of
+str -> int (CPython leaves such a dict untracked) maps each hash to its slot in a ring of numpy arrays
+(object arrays of str are not traversed either), and the oldest entry is dropped first when full.
+Storing a hash again updates its value and keeps its age, as an OrderedDict would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+import numpy as np
+
+
+class StoredPageIndex(Mapping[str, tuple[str, int]]):
+    """Insertion-ordered, bounded map of page hash -> (lifecycle key, position)."""
+
+    def __init__(self, limit: int) -> None:
+        if limit < 0:
+            raise ValueError(f"stored-page index limit must be >= 0, got {limit}")
+        self.limit = limit
+        self._slot: dict[str, int] = {}  # hash -> sequence number (slot = seq % capacity)
+        self._first = 0  # sequence number of the oldest entry
+        self._next = 0  # sequence number of the next entry
+        self._alloc(min(limit, 1024))
+
+    def _alloc(self, capacity: int) -> None:
+        self._hash = np.empty(capacity, dtype=object)
+        self._owner = np.empty(capacity, dtype=object)
+        self._pos = np.zeros(capacity, dtype=np.int64)
+
+    def _grow(self) -> None:
+        """Double the ring (up to the limit), oldest entry first at slot first % new capacity."""
+        old, n = self._hash.size, self._next - self._first
+        order = [(self._first + i) % old for i in range(n)] if old else []
+        h, o, p = self._hash[order], self._owner[order], self._pos[order]
+        self._alloc(min(self.limit, max(2 * old, 1)))
+        cap = self._hash.size
+        at = [(self._first + i) % cap for i in range(n)]
+        self._hash[at], self._owner[at], self._pos[at] = h, o, p
+
+    def put(self, page_hash: str, owner: str, position: int) -> None:
+        """Record a stored page (a hash stored again keeps its age); drops the oldest beyond the limit."""
+        if not self.limit:
+            return
+        seq = self._slot.get(page_hash)
+        if seq is None:
+            if self._next - self._first == self._hash.size:
+                if self._hash.size < self.limit:
+                    self._grow()
+                else:
+                    self._drop_oldest()
+            seq = self._next
+            self._next += 1
+            self._slot[page_hash] = seq
+            self._hash[seq % self._hash.size] = page_hash
+        slot = seq % self._hash.size
+        self._owner[slot] = owner
+        self._pos[slot] = position
+
+    def _drop_oldest(self) -> None:
+        slot = self._first % self._hash.size
+        del self._slot[self._hash[slot]]
+        self._hash[slot] = self._owner[slot] = None
+        self._first += 1
+
+    def __getitem__(self, page_hash: str) -> tuple[str, int]:
+        slot = self._slot[page_hash] % self._hash.size
+        return self._owner[slot], int(self._pos[slot])
+
+    def __contains__(self, page_hash: object) -> bool:
+        return page_hash in self._slot
+
+    def __iter__(self) -> Iterator[str]:
+        """Oldest first."""
+        cap = self._hash.size
+        return (self._hash[s % cap] for s in range(self._first, self._next))
+
+    def __len__(self) -> int:
+        return self._next - self._first
+
+    def __repr__(self) -> str:
+        return f"StoredPageIndex({len(self)} of {self.limit} pages)"
+
+
+__all__ = ["StoredPageIndex"]
