@@ -77,7 +77,8 @@ class ReqToTokenPool:
             raise OutOfRange(f"positions [{start}, {end}) outside [0, {self.max_context})")
         self.host_table[row, start:end] = idx
         if self.req_to_token is not self.host_table:
-            self.req_to_token[row, start:end].copy_(idx.pin_memory(), non_blocking=True)
+            src = idx.pin_memory() if self.device.type == "cuda" else idx  # pageable memory would sync
+            self.req_to_token[row, start:end].copy_(src, non_blocking=True)
 
     def read(self, row: int, start: int, end: int) -> torch.Tensor:
         """Slot indices of positions `[start, end)` of an allocated row (a view of the table's device)."""

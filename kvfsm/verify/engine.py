@@ -58,13 +58,14 @@ class SimEngine:
     head_dim: int = 2
     host_layout: str = "layer_first"
     stored_index_pages: int = 1 << 20
+    table_device: str = "cpu"  # "meta": a request table nobody can read (the manager must use its host mirror)
 
     def __post_init__(self) -> None:
         self.kv = KVCacheConfig(num_layers=self.num_layers, kv_heads=self.kv_heads, head_dim=self.head_dim,
                                 attention="mha", dtype=torch.float32)
         self.device_pool = DeviceKVPool.create(self.kv, self.device_slots)
         self.allocator = TokenSlotAllocator(self.device_slots, self.page_size)
-        self.req_to_token = ReqToTokenPool(self.rows, self.max_context)
+        self.req_to_token = ReqToTokenPool(self.rows, self.max_context, self.table_device)
         self.protected = ProtectedSize()
         self.host_pool = HostKVPool(self.kv, self.host_slots, self.page_size, layout=self.host_layout)
         self.copies = DeferredCpuCopyEngine()
@@ -91,7 +92,7 @@ class SimEngine:
 
     # --- engine actions ----------------------------------------------------------------------------
     def _write_kv(self, req: SimRequest, start: int, end: int) -> None:
-        slots = self.req_to_token.read(req.req_pool_idx, start, end)
+        slots = self.req_to_token.read_host(req.req_pool_idx, start, end)
         values = torch.tensor([kv_value(req.serial, p) for p in range(start, end)], dtype=torch.float32)
         self.device_pool.token_view()[:, :, slots] = values.view(1, 1, -1, 1, 1)
 
