@@ -69,7 +69,10 @@ def serve(model: TinyDecoder, kv: KVCacheConfig, device: str, requests: int, man
         free, hfree, put = allocator.free, host.free_pages, storage.batch_set
         allocator.free = lambda idx: (log.append(["device_free", sorted(torch.as_tensor(idx).tolist())]), free(idx))[1]
         host.free_pages = lambda pages: (log.append(["host_free", sorted(host.slots_of(pages).tolist())]), hfree(pages))[1]
+        put_host = storage.batch_set_from_host  # the backup worker's path
         storage.batch_set = lambda keys, pages: (log.append(["store", list(keys)]), put(keys, pages))[1]
+        storage.batch_set_from_host = lambda keys, pool, idx: (log.append(["store", list(keys)]),
+                                                               put_host(keys, pool, idx))[1]
         config = OffloadConfig(page_size=PAGE, offload_stride=2 * PAGE, checked=True, storage_dir=manager_kwargs["dir"],
                                backup_queue_size=4)
         manager = DecodeOffloadManager(config, device_pool=pool, allocator=allocator, req_to_token=table,

@@ -19,6 +19,7 @@ deterministically, for tests. `MemoryStorage` is a dict-backed backend for fast 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import re
@@ -28,7 +29,9 @@ import uuid
 import zlib
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
 
 import torch
 
@@ -98,6 +101,9 @@ class FileStorage:
         self.fsync = fsync
         self.stats = StorageStats()
         self._lock = threading.Lock()
+        # temp names unique per process, instance and write (a counter: cheaper than a uuid per page)
+        self._tmp_tag = f"{os.getpid()}.{uuid.uuid4().hex[:12]}"
+        self._tmp_serial = itertools.count()
 
     def path_of(self, key: str) -> str:
         """The file that holds `key` (after the deployment suffix)."""
@@ -113,17 +119,33 @@ class FileStorage:
     # ---- writes -----------------------------------------------------------------------------------
     def batch_set(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[bool]:
         _check_batch(keys, pages)
-        paths = [self.path_of(k) for k in keys]
-        return [self._set_one(k, p, page) for k, p, page in zip(keys, paths, pages)]
+        return self._write(keys, [page.detach().to("cpu").contiguous().reshape(-1).numpy() for page in pages])
 
-    def _set_one(self, key: str, path: str, page: torch.Tensor) -> bool:
+    def batch_set_from_host(self, keys: Sequence[str], host_pool: Any, host_indices: Any) -> list[bool]:
+        """Store the whole pages at `host_indices` of a HostKVPool under `keys` (one per page, in order),
+        gathered in one call: the backup worker's path, which runs beside the scheduler thread and should
+        hold the interpreter lock as little as it can (no tensor call per page)."""
+        data = host_pool.get_pages_bytes(host_indices).numpy()
+        if data.shape[0] != len(keys):
+            raise ValueError(f"{len(keys)} keys for {data.shape[0]} pages")
+        return self._write(keys, data)
+
+    def _write(self, keys: Sequence[str], payloads: Sequence[np.ndarray] | np.ndarray) -> list[bool]:
+        paths = [self.path_of(k) for k in keys]  # a bad key rejects the batch before anything is written
+        results = [self._set_one(k, p, payload) for k, p, payload in zip(keys, paths, payloads)]
+        with self._lock:
+            self.stats.writes_ok += results.count("writes_ok")
+            self.stats.writes_skipped += results.count("writes_skipped")
+            self.stats.writes_failed += results.count("writes_failed")
+        return [r != "writes_failed" for r in results]
+
+    def _set_one(self, key: str, path: str, payload: np.ndarray) -> str:
+        """Write one page; returns the stats field it counts as."""
         if os.path.exists(path):
-            self._count("writes_skipped")
-            return True
-        payload = page.detach().to("cpu").contiguous().reshape(-1).numpy()
+            return "writes_skipped"
         kb = (key + self.suffix).encode()
         header = _HEADER.pack(_MAGIC, zlib.crc32(payload) & 0xFFFFFFFF, len(kb), payload.nbytes)
-        tmp = os.path.join(self.directory, f".{os.path.basename(path)}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+        tmp = os.path.join(self.directory, f".{os.path.basename(path)}.{self._tmp_tag}.{next(self._tmp_serial)}.tmp")
         try:
             with open(tmp, "wb") as f:
                 f.write(header)
@@ -141,10 +163,8 @@ class FileStorage:
                 os.unlink(tmp)
             except OSError:
                 pass
-            self._count("writes_failed")
-            return False
-        self._count("writes_ok")
-        return True
+            return "writes_failed"
+        return "writes_ok"
 
     def _fsync_dir(self) -> None:
         fd = os.open(self.directory, os.O_RDONLY)

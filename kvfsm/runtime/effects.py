@@ -195,7 +195,7 @@ class OffloadEffects(DecodeOffloadEffectsEach):
             ok = [False] * len(keys)
         else:
             slots = host_pool.page_slots([p for chunk in chunks for p in chunk.host_pages])
-            direct = getattr(storage, "batch_set_from_host", None)  # zero-copy from a registered host pool
+            direct = getattr(storage, "batch_set_from_host", None)  # the store gathers the pages itself
             if direct is not None:
                 ok = list(direct(keys, host_pool, slots))
             else:
