@@ -75,7 +75,12 @@ class SeedAlgorithmOffload:
         return True
 
     def _write(self, hashes: list[str], pages: list[int]) -> list[bool]:
+        if self.storage is None:
+            return [False] * len(hashes)
         slots = self.host_pool.page_slots(pages)
+        direct = getattr(self.storage, "batch_set_from_host", None)  # the same store path as kvfsm's
+        if direct is not None:
+            return list(direct(hashes, self.host_pool, slots))
         return list(self.storage.batch_set(hashes, list(self.host_pool.get_pages_bytes(slots).unbind(0))))
 
     def check_progress(self) -> None:

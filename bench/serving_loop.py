@@ -164,7 +164,7 @@ class ServingLoop:
 
     def __init__(self, algo: str, live: int, page: int, stride: int, layers: int, table_device: str,
                  device: str, step_ms: float, store_dir: Path, host_gib: float, seed: int,
-                 prompt: tuple[int, int] = PROMPT, output: tuple[int, int] = OUTPUT) -> None:
+                 prompt: tuple[int, int] = PROMPT, output: tuple[int, int] = OUTPUT, store_kind: str = "file") -> None:
         self.algo, self.live_target, self.page, self.stride = algo, live, page, stride
         self.prompt, self.output = prompt, output
         self.rng = random.Random(seed)
@@ -180,7 +180,7 @@ class ServingLoop:
         host_slots = int(host_gib * 2**30) // kv.bytes_per_token // page * page
         self.host_pool = HostKVPool(kv, host_slots, page, layout="page_first", pin_memory=device == "cuda")
         self.store_dir = store_dir
-        storage = FileStorage(store_dir, model_name="bench")
+        storage = FileStorage(store_dir, model_name="bench") if store_kind == "file" else None
         if device == "cuda":
             from kvfsm.dataplane import CudaCopyEngine
             engine: Any = CudaCopyEngine(device)
@@ -189,7 +189,8 @@ class ServingLoop:
         self.copy_engine = engine
         if algo == "kvfsm":
             config = OffloadConfig(page_size=page, offload_stride=stride, host_layout="page_first",
-                                   storage_dir=store_dir, model_name="bench")
+                                   storage_dir=store_dir, model_name="bench",
+                                   storage_backend="file" if storage is not None else "none")
             self.manager: Any = DecodeOffloadManager(
                 config, device_pool=self.pool, allocator=self.allocator, req_to_token=self.table,
                 prefix_cache=ProtectedSize(), host_pool=self.host_pool, copy_engine=engine, storage=storage)
@@ -198,6 +199,17 @@ class ServingLoop:
                                                 allocator=self.allocator, req_to_token=self.table,
                                                 host_pool=self.host_pool, copy_engine=engine, storage=storage)
         self.step = DecodeStep(self.pool, step_ms, max(live, prompt[1]))
+        self.freeze_gc = True
+        self.submit_s = 0.0  # time inside the copy engine's submit_d2h (part of the manager's calls)
+        submit = engine.submit_d2h
+
+        def timed_submit(*a: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return submit(*a)
+            finally:
+                self.submit_s += time.perf_counter() - t
+        engine.submit_d2h = timed_submit
         self.live: list[LoopRequest] = []
         self.serial = 0
 
@@ -246,6 +258,9 @@ class ServingLoop:
             put = self.manager.fx.stored.put
             for i in range(min(prefill_index, self.manager.fx.stored.limit)):
                 put(f"{i:064x}", "earlier#0", 0)
+        if self.freeze_gc:  # what servers do after start-up (vLLM, SGLang): the heap so far is never walked again
+            gc.collect()
+            gc.freeze()
         cuda = self.pool.device.type == "cuda"
         mgr = self.manager
         per_iter: list[dict[str, float]] = []
@@ -267,6 +282,7 @@ class ServingLoop:
                 rows = np.fromiter((r.req_pool_idx for r in live), dtype=np.int64, count=len(live))
                 committed = np.fromiter((r.kv_committed_len for r in live), dtype=np.int64, count=len(live))
                 n_gc = len(gcp.pauses)
+                submit0 = self.submit_s
                 if cuda:
                     torch.cuda.set_sync_debug_mode("error")
                 t0 = time.perf_counter()
@@ -299,6 +315,7 @@ class ServingLoop:
                     per_iter.append({"offload_ms": (t1 - t0) * 1e3, "finalize_ms": (t2 - t1) * 1e3,
                                      "check_ms": (t3 - t2) * 1e3, "total_ms": (t3 - t0) * 1e3,
                                      "gc_in_manager_ms": gc_in, "chunks": chunks,
+                                     "engine_submit_ms": (self.submit_s - submit0) * 1e3,
                                      "host_used_pages": self.host_pool.allocator.num_pages
                                      - self.host_pool.allocator.free_page_count - 1,
                                      "copies_in_flight": self._copies_in_flight()})
@@ -323,7 +340,8 @@ class ServingLoop:
         host = col.get("host_used_pages", [0])
         out: dict[str, Any] = {
             "algo": self.algo, "iterations_timed": iterations, "step_wall_ms_mean": wall * 1e3 / max(1, iterations),
-            **{name: stats(col.get(f"{name}_ms", [])) for name in ("total", "offload", "finalize", "check")},
+            **{name: stats(col.get(f"{name}_ms", [])) for name in ("total", "offload", "finalize", "check",
+                                                                      "engine_submit")},
             "chunks_per_iteration": stats(col.get("chunks", [])),
             "gc": {"pauses": len(gc_pauses), "max_ms": max((ms for _, ms in gc_pauses), default=0.0),
                    "by_generation": {g: sum(1 for gg, _ in gc_pauses if gg == g) for g in (0, 1, 2)},
@@ -344,6 +362,7 @@ class ServingLoop:
 
     def teardown(self) -> dict[str, Any]:
         """Drain, then what a full collection costs and finds with the manager still alive."""
+        gc.unfreeze()
         for req in self.live:
             req.done = True
             self.manager.finalize(req)
@@ -378,7 +397,8 @@ def run_config(algo: str, live: int, page: int, stride: int, table: str, args: a
     loop = None
     try:
         loop = ServingLoop(algo, live, page, stride, args.layers, table, args.device, args.step_ms, store,
-                           args.host_gib, args.seed, tuple(args.prompt), tuple(args.output))
+                           args.host_gib, args.seed, tuple(args.prompt), tuple(args.output), args.storage)
+        loop.freeze_gc = not args.no_gc_freeze
         res = {"live": live, "page": page, "stride": stride, "table": table, "layers": args.layers,
                "matmuls_per_step": loop.step.matmuls}
         res.update(loop.run(args.warmup, args.iterations, args.prefill_index))
@@ -435,11 +455,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--prompt", type=int, nargs=2, default=list(PROMPT), metavar=("MIN", "MAX"))
     ap.add_argument("--output", type=int, nargs=2, default=list(OUTPUT), metavar=("MIN", "MAX"))
     ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--storage", default="file", choices=["file", "none"],
+                    help="none: a probe without storage writes (every backup fails at once, freeing its pages)")
+    ap.add_argument("--no-gc-freeze", action="store_true", help="leave start-up objects to the collector")
+    ap.add_argument("--switch-interval-ms", type=float, default=None, help="sys.setswitchinterval (a probe)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: results under bench/results/quick/")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.device == "cpu":
         args.tables = ["cpu"]
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
     tag = "quick-" if args.quick else ""
     out = args.out or (RESULTS / "quick" / f"serving_loop-{tag}{args.device}.json" if args.quick or args.device == "cpu"
                        else None)

@@ -13,6 +13,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from generated.decode_offload import DecodeOffloadEffectsEach, DecodeOffloadMachine
@@ -128,6 +129,8 @@ class OffloadEffects(DecodeOffloadEffectsEach):
         self.stored = StoredPageIndex(stored_index_pages)
         self._host_to_free: list[int] = []  # pages freed by free_host_chunk, returned to the pool in flush()
         self._offsets = torch.arange(page_size, dtype=torch.int64)
+        self._offsets_np = self._offsets.numpy()
+        self._table = req_to_token.host_table.numpy()  # a view
         self._bytes_per_token = host_pool.config.bytes_per_token
 
     # --- create ------------------------------------------------------------------------------------
@@ -269,14 +272,11 @@ class OffloadEffects(DecodeOffloadEffectsEach):
         [ceil_page(committed), allocated): every page the request holds, each once."""
         req, ps = rec.req, self.page_size
         committed, allocated = rec.end_lengths or (req.kv_committed_len, req.kv_allocated_len)
-        allocated = max(allocated, committed)
-        end_committed = -(-committed // ps) * ps
-        positions = list(range(0, end_committed, ps)) + list(range(end_committed, allocated, ps))
-        if not positions:
-            return torch.empty(0, dtype=torch.int64)
-        starts = self.req_to_token.host_table[rec.row, positions]  # the host mirror: no GPU read
-        starts = starts - starts % ps
-        return (starts[:, None] + self._offsets).reshape(-1)
+        # pages at positions [0, ceil_page(committed)) and [ceil_page(committed), allocated): together
+        # every page start below ceil_page(max(committed, allocated))
+        end = -(-max(allocated, committed) // ps) * ps
+        starts = self._table[rec.row, 0:end:ps]  # the request table's host mirror: never a GPU read
+        return torch.from_numpy(np.add.outer(starts - starts % ps, self._offsets_np).reshape(-1))
 
     def release_request(self, m: DecodeOffloadMachine, arg: Any) -> None:
         rec = m.ctx
