@@ -188,8 +188,11 @@ class ServingLoop:
             engine = ThreadCpuCopyEngine()
         self.copy_engine = engine
         if algo == "kvfsm":
+            # the backup queue holds a few iterations of chunks (at 4096 live and stride 16, 256 land per
+            # iteration: the default 64 would park most of them)
             config = OffloadConfig(page_size=page, offload_stride=stride, host_layout="page_first",
                                    storage_dir=store_dir, model_name="bench",
+                                   backup_queue_size=max(64, 4 * live // stride),
                                    storage_backend="file" if storage is not None else "none")
             self.manager: Any = DecodeOffloadManager(
                 config, device_pool=self.pool, allocator=self.allocator, req_to_token=self.table,
@@ -203,12 +206,18 @@ class ServingLoop:
         self.submit_s = 0.0  # time inside the copy engine's submit_d2h (part of the manager's calls)
         submit = engine.submit_d2h
 
+        self.submit_info: dict[str, list[float]] = {}  # the CUDA engine's own submit-side times, per field
+
         def timed_submit(*a: Any) -> Any:
             t = time.perf_counter()
             try:
-                return submit(*a)
+                handle = submit(*a)
             finally:
                 self.submit_s += time.perf_counter() - t
+            for k, v in getattr(handle, "info", {}).items():
+                if k.endswith("_ms") and isinstance(v, (int, float)):
+                    self.submit_info.setdefault(k, []).append(v)
+            return handle
         engine.submit_d2h = timed_submit
         self.live: list[LoopRequest] = []
         self.serial = 0
@@ -320,11 +329,26 @@ class ServingLoop:
                                      - self.host_pool.allocator.free_page_count - 1,
                                      "copies_in_flight": self._copies_in_flight()})
             wall = time.perf_counter() - t_start
+            tracked = self._tracked_objects()
             offloaded = self._offloaded_tokens() - offloaded0
             gc_pauses = list(gcp.pauses)
         if cuda:
             torch.cuda.synchronize()
-        return self._summary(per_iter, gc_pauses, offloaded, wall, iterations)
+        out = self._summary(per_iter, gc_pauses, offloaded, wall, iterations)
+        out["tracked_objects"] = tracked
+        out["submit_info_ms_median"] = {k: float(np.median(v)) for k, v in self.submit_info.items()}
+        return out
+
+    @staticmethod
+    def _tracked_objects() -> dict[str, Any]:
+        """What a full collection would walk now (frozen start-up objects excluded), by type."""
+        objs = gc.get_objects()
+        counts: dict[str, int] = {}
+        for o in objs:
+            name = type(o).__qualname__
+            counts[name] = counts.get(name, 0) + 1
+        top = sorted(counts.items(), key=lambda kv: -kv[1])[:12]
+        return {"total": len(objs), "frozen": gc.get_freeze_count(), "top": dict(top)}
 
     def _offloaded_tokens(self) -> int:
         m = self.manager

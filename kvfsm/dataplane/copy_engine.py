@@ -82,6 +82,7 @@ class CopyPlan:
     device_idx: torch.Tensor
     host_idx: torch.Tensor
     num_tokens: int  # len(host_idx), counted once when planned
+    host_pages: list[int] | None = None  # the host slots' page ids, when they came as PageSlots of this pool
 
     @property
     def nbytes(self) -> int:
@@ -148,7 +149,9 @@ def plan_copy(
         # negative slots read as huge unsigned ones: one reduction checks both bounds
         elif dev_idx.device.type == "cpu" and int(dev_idx.numpy().view(np.uint64).max()) >= device_pool.size:
             raise OutOfRange(f"device slot outside [0, {device_pool.size})")
-    return CopyPlan(direction, device_pool, host_pool, dev_idx, host_idx, n_host)
+    pages = host_indices.pages if isinstance(host_indices, PageSlots) and host_indices.allocator is host_pool.allocator \
+        else None
+    return CopyPlan(direction, device_pool, host_pool, dev_idx, host_idx, n_host, pages)
 
 
 def torch_copy_rows(src5: torch.Tensor, src_idx: torch.Tensor, dst5: torch.Tensor, dst_idx: torch.Tensor) -> None:

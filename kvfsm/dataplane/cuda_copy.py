@@ -128,12 +128,19 @@ def choose_backend(
     return "triton"
 
 
-def mean_copy_bytes(host: HostKVPool, host_idx: torch.Tensor | np.ndarray) -> float:
+def mean_copy_bytes(host: HostKVPool, host_idx: torch.Tensor | np.ndarray, pages: list[int] | None = None) -> float:
     """Mean bytes of one DMA copy for these host slots: tokens per run of consecutive slots (batch order,
     a lower bound of the staged order's) times the bytes of one token within one row (page_first: all
-    layers of a plane; layer_first: one layer)."""
-    h = host_idx.numpy() if isinstance(host_idx, torch.Tensor) else np.asarray(host_idx)
-    return dma.mean_run_tokens(h) * dma.geometry(host, 1).unit
+    layers of a plane; layer_first: one layer). With the slots' page ids (whole pages, each in slot
+    order) the runs are counted over the page list, without touching the slots."""
+    if pages is not None:
+        if not pages:
+            return 0.0
+        runs = 1 + sum(b != a + 1 for a, b in zip(pages, pages[1:]))
+        tokens = len(pages) / runs * host.page_size
+    else:
+        tokens = dma.mean_run_tokens(host_idx.numpy() if isinstance(host_idx, torch.Tensor) else np.asarray(host_idx))
+    return tokens * dma.geometry(host, 1).unit
 
 
 # ---- the engine ---------------------------------------------------------------------------------------
@@ -290,7 +297,10 @@ class CudaCopyEngine(CopyEngine):
         """The backend for one copy (see the module docstring and AutoPolicy)."""
         if plan.num_tokens == 0:
             return "triton" if HAVE_TRITON and self.backend != "torch" else "torch"
-        mean = mean_copy_bytes(plan.host_pool, plan.host_idx) if self.backend in ("auto", "dma", "hybrid") else 0.0
+        if self.backend == "auto" and HAVE_TRITON and plan.nbytes < self.policy.min_bytes:
+            return "triton"  # below min_bytes "auto" takes the kernel whatever the copy sizes (AutoPolicy)
+        mean = mean_copy_bytes(plan.host_pool, plan.host_idx, plan.host_pages) \
+            if self.backend in ("auto", "dma", "hybrid") else 0.0
         return choose_backend(self.backend, plan.direction, plan.nbytes, mean, HAVE_TRITON, self.policy)
 
     def pipeline_settings(self, direction: str, backend: str) -> PipelineSettings:
@@ -328,22 +338,34 @@ class CudaCopyEngine(CopyEngine):
             if backend == "triton" and self.triton_host_order and plan.num_tokens > 1:
                 order = dma.order_by_host(host_np)
                 host_np = host_np[order]
+            staged = False
             with torch.cuda.stream(self.stream):
+                # One upload (through pinned staging, before the wait: it overlaps the decode step) carries
+                # what the kernel needs that lives on the CPU; its staging region is released by `done`.
                 dev_idx = plan.device_idx
-                if dev_idx.device.type == "cpu":  # uploaded before the wait: it overlaps the decode step
-                    dev_np = dev_idx.numpy()
-                    dev_idx = self._staging.upload(dev_np if order is None else dev_np[order], self.device, self.stream)
+                on_cpu = dev_idx.device.type == "cpu"
+                if on_cpu:
+                    dev_np = dev_idx.numpy() if order is None else dev_idx.numpy()[order]
+                parts = ([dev_np] if on_cpu else []) + ([host_np] if backend == "triton" and plan.num_tokens else [])
+                if not on_cpu and order is not None:
+                    parts.append(order)
+                up = None
+                if parts:
+                    up = self._staging.upload_here(parts[0] if len(parts) == 1 else np.concatenate(parts), self.device)
+                    staged = True
+                n = plan.num_tokens
+                at = 0
+                if on_cpu:
+                    dev_idx, at = up[:n], n
                 else:
                     dev_idx.record_stream(self.stream)  # made on the compute stream, read on ours
-                    if order is not None:
-                        perm = self._staging.upload(order, self.device, self.stream)
-                        self.stream.wait_event(ready)  # the caller's indices are ready only after its work
-                        dev_idx = dev_idx.index_select(0, perm)
                 host_idx_dev = None
-                if backend == "triton" and plan.num_tokens:
-                    host_idx_dev = self._staging.upload(host_np, self.device, self.stream)
-                self.stream.wait_event(ready)
-                keep += [ready, dev_idx, host_idx_dev]
+                if backend == "triton" and n:
+                    host_idx_dev, at = up[at:at + n], at + n
+                self.stream.wait_event(ready)  # the KV (and device indices) the caller's stream writes
+                if not on_cpu and order is not None:
+                    dev_idx = dev_idx.index_select(0, up[at:at + n])
+                keep += [ready, dev_idx, host_idx_dev, up]
                 if plan.num_tokens == 0:
                     pass
                 elif backend == "triton":
@@ -375,6 +397,8 @@ class CudaCopyEngine(CopyEngine):
                     keep += [staging, pinned]
                 done = torch.cuda.Event()
                 done.record(self.stream)
+                if staged:
+                    self._staging.mark(done)
         handle = CudaCopyHandle(plan, done, keep, finalize)
         handle.backend = backend
         info["submit_ms"] = (time.perf_counter() - t0) * 1e3

@@ -98,15 +98,22 @@ class PinnedIndexStaging:
     def upload(self, values: np.ndarray, device: torch.device, stream: Any) -> torch.Tensor:
         """`values` (int64) as a new tensor on `device`, copied on `stream` without blocking the host. The
         result belongs to `stream`: work on another stream must wait for it and record_stream it."""
-        n = int(values.size)
-        pinned, view = self.reserve(n)
-        np.copyto(view, values.reshape(-1), casting="same_kind")
         with torch.cuda.stream(stream):
-            out = torch.empty(n, dtype=torch.int64, device=device)
-            out.copy_(pinned, non_blocking=True)
+            out = self.upload_here(values, device)
             event = torch.cuda.Event()
             event.record(stream)
         self.mark(event)
+        return out
+
+    def upload_here(self, values: np.ndarray, device: torch.device) -> torch.Tensor:
+        """`upload` on the current stream, leaving the region reserved: the caller must `mark()` it with an
+        event it records on this stream after the copy (a copy engine marks it with its completion event,
+        saving an event per upload)."""
+        n = int(values.size)
+        pinned, view = self.reserve(n)
+        np.copyto(view, values.reshape(-1), casting="same_kind")
+        out = torch.empty(n, dtype=torch.int64, device=device)
+        out.copy_(pinned, non_blocking=True)
         return out
 
 

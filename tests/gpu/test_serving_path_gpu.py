@@ -162,7 +162,7 @@ def test_manager_entry_points_never_wait(spin, tmp_path: Path, attention: str, t
                     victim.done = True
                     {"finish": manager.finalize, "abort": manager.abort, "retract": manager.retract}[how](victim)
             manager.check_progress()
-    assert manager.metrics.chunks > 40 and manager.metrics.copies_in_flight > 0  # copies were pending
+    assert manager.metrics.chunks > 16 and manager.metrics.copies_in_flight > 0  # copies were pending
     with no_sync():
         for req in reqs:
             manager.finalize(req)
@@ -171,7 +171,7 @@ def test_manager_entry_points_never_wait(spin, tmp_path: Path, attention: str, t
     # every stored page holds the rows the engine wrote there
     scratch = HostKVPool(pool.config, 16, 16, layout="page_first", pin_memory=False)
     page_slots = scratch.page_slots(scratch.allocator.alloc_pages(1))
-    assert len(manager.fx.stored) == manager.metrics.stored_pages > 40
+    assert len(manager.fx.stored) == manager.metrics.stored_pages > 16
     for h, (key, pos) in manager.fx.stored.items():
         (page,) = storage.batch_get([h])
         assert page is not None

@@ -101,6 +101,17 @@ def test_manager_hands_the_copy_engine_cpu_slots(monkeypatch: pytest.MonkeyPatch
     assert seen and set(seen) == {"cpu"}
 
 
+def test_mean_copy_size_from_the_page_list_equals_the_slot_count() -> None:
+    from kvfsm.dataplane.cuda_copy import mean_copy_bytes
+    _, host_pool = _pools("meta")
+    rng = random.Random(1)
+    for _ in range(50):
+        pages = rng.sample(range(1, 8), rng.randint(1, 7))
+        pages.sort(key=lambda p: p + rng.random() * 3)  # runs of neighbours, broken at random
+        slots = host_pool.allocator.slots_of(pages)
+        assert mean_copy_bytes(host_pool, slots, pages) == pytest.approx(mean_copy_bytes(host_pool, slots))
+
+
 # ---- pinned index staging ----------------------------------------------------------------------------
 
 class FakeEvent:
