@@ -17,7 +17,8 @@ them, fewer than 32 so that thousands of requests fit the device), the backup th
 (on /dev/shm when present). The garbage collector stays on; its pauses are recorded by `gc.callbacks`.
 The stored-page index starts full (`--prefill-index`, the default limit), as in a long-running server.
 In the same run, the seed's per-request algorithm (bench/seed_baseline.py) runs the same loop on the
-same kind of pools and engine: each row reports kvfsm's time against it as a ratio.
+same kind of pools and engine, and so does the floor of any manager (bench/bare_offload.py: selection,
+one copy, host frees, nothing else): the targets report kvfsm's time against both as ratios.
 
 `--device cpu` runs the same loop with a threaded CPU copy engine and a sleeping step: a smoke test
 of this script (tests/bench/), never a figure. `--quick` results go to bench/results/quick/ unless
@@ -41,6 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, write_result  # noqa: E402
+from bare_offload import BareOffload  # noqa: E402
 from seed_baseline import SeedAlgorithmOffload  # noqa: E402
 
 from kvfsm.dataplane import (HostKVPool, KVCacheConfig, ReqToTokenPool, ThreadCpuCopyEngine,  # noqa: E402
@@ -160,7 +162,7 @@ def stats(xs: list[float]) -> dict[str, float]:
 
 
 class ServingLoop:
-    """The decode loop around one offload algorithm ("kvfsm" or "seed")."""
+    """The decode loop around one offload algorithm ("kvfsm", "seed" or "bare")."""
 
     def __init__(self, algo: str, live: int, page: int, stride: int, layers: int, table_device: str,
                  device: str, step_ms: float, store_dir: Path, host_gib: float, seed: int,
@@ -197,10 +199,13 @@ class ServingLoop:
             self.manager: Any = DecodeOffloadManager(
                 config, device_pool=self.pool, allocator=self.allocator, req_to_token=self.table,
                 prefix_cache=ProtectedSize(), host_pool=self.host_pool, copy_engine=engine, storage=storage)
-        else:
+        elif algo == "seed":
             self.manager = SeedAlgorithmOffload(page_size=page, stride=stride, device_pool=self.pool,
                                                 allocator=self.allocator, req_to_token=self.table,
                                                 host_pool=self.host_pool, copy_engine=engine, storage=storage)
+        else:
+            self.manager = BareOffload(page_size=page, stride=stride, device_pool=self.pool, allocator=self.allocator,
+                                       req_to_token=self.table, host_pool=self.host_pool, copy_engine=engine)
         self.step = DecodeStep(self.pool, step_ms, max(live, prompt[1]))
         self.freeze_gc = True
         self.submit_s = 0.0  # time inside the copy engine's submit_d2h (part of the manager's calls)
@@ -296,10 +301,10 @@ class ServingLoop:
                     torch.cuda.set_sync_debug_mode("error")
                 t0 = time.perf_counter()
                 try:
-                    if self.algo == "kvfsm":
-                        chunks = mgr.offload_batch(live, rows, committed)
-                    else:
+                    if self.algo == "seed":
                         chunks = sum(mgr.offload(r) for r in live)
+                    else:
+                        chunks = mgr.offload_batch(live, rows, committed)
                     t1 = time.perf_counter()
                     for req in ended:
                         req.done = True
@@ -355,7 +360,8 @@ class ServingLoop:
         return m.metrics.offloaded_tokens if self.algo == "kvfsm" else m.offloaded_tokens
 
     def _copies_in_flight(self) -> int:
-        return len(self.manager.fx.copy_fifo) if self.algo == "kvfsm" else len(self.manager.writes)
+        m = self.manager
+        return len(m.fx.copy_fifo) if self.algo == "kvfsm" else len(m.writes if self.algo == "seed" else m.inflight)
 
     def _summary(self, rows: list[dict[str, float]], gc_pauses: list[tuple[int, float]], offloaded: int,
                  wall: float, iterations: int) -> dict[str, Any]:
@@ -443,8 +449,10 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in rows:
         if r["algo"] != "kvfsm" or r["live"] != top:
             continue
-        base = next((b for b in rows if b["algo"] == "seed" and (b["live"], b["page"], b["stride"])
-                     == (r["live"], r["page"], r["stride"])), None)
+        def same(algo: str) -> Any:
+            return next((b for b in rows if b["algo"] == algo and (b["live"], b["page"], b["stride"])
+                         == (r["live"], r["page"], r["stride"])), None)
+        base, floor = same("seed"), same("bare")
         t = {"live": r["live"], "page": r["page"], "stride": r["stride"], "table": r["table"]}
         med = r["total"]["median"]
         if (r["page"], r["stride"]) == (64, 64):
@@ -456,6 +464,9 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if base is not None:
             ratio = base["total"]["median"] / med if med else float("inf")
             t["faster_than_seed_3x"] = [ratio, ratio >= 3.0]
+        if floor is not None:  # not a target: how far above the floor of any manager in this loop
+            t["ratio_to_bare_floor"] = [med / floor["total"]["median"] if floor["total"]["median"] else None,
+                                        floor["total"]["median"]]
         t["gc_frees_nothing_of_kvfsm"] = [r["teardown"]["garbage_of_kvfsm"], r["teardown"]["garbage_of_kvfsm"] == 0]
         out.append(t)
     return out
@@ -468,7 +479,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--tables", nargs="+", default=["cuda", "cpu"], choices=["cuda", "cpu"],
                     help="where kvfsm's request table lives (the seed baseline runs with the first)")
     ap.add_argument("--iterations", type=int, default=300)
-    ap.add_argument("--warmup", type=int, default=100, help="untimed iterations first (the first chunks are due)")
+    ap.add_argument("--warmup", type=int, default=80, help="untimed iterations first (the first chunks are due)")
     ap.add_argument("--layers", type=int, default=2, help="Llama-3-8B rows, this many layers (32 in the model)")
     ap.add_argument("--step-ms", type=float, default=20.0)
     ap.add_argument("--host-gib", type=float, default=8.0)
@@ -479,6 +490,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--prompt", type=int, nargs=2, default=list(PROMPT), metavar=("MIN", "MAX"))
     ap.add_argument("--output", type=int, nargs=2, default=list(OUTPUT), metavar=("MIN", "MAX"))
     ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--no-floor", action="store_true", help="skip bench/bare_offload.py's floor")
     ap.add_argument("--storage", default="file", choices=["file", "none"],
                     help="none: a probe without storage writes (every backup fails at once, freeing its pages)")
     ap.add_argument("--no-gc-freeze", action="store_true", help="leave start-up objects to the collector")
@@ -510,6 +522,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 add(run_config("kvfsm", live, page, stride, table, args))
             if not args.no_baseline:
                 add(run_config("seed", live, page, stride, args.tables[0], args))
+            if not args.no_floor:
+                add(run_config("bare", live, page, stride, args.tables[0], args))
     print(f"wrote {write_result('serving_loop', payload, out)}")
     for t in payload["targets"]:
         print(t)

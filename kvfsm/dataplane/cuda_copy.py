@@ -79,6 +79,12 @@ class AutoPolicy:
       h2d_min_copy_bytes = 16 KiB.
     - min_bytes: below 16 MiB the fixed costs of the pipeline (staging, several launches, a driver call
       per chunk) are not worth it; one direct kernel launch is simplest and fast enough.
+    - d2h_min_bytes: offload is submitted from the scheduler thread behind a decode step, where the
+      pipeline's planning is host time the scheduler pays while the direct kernel's lower link efficiency
+      costs nothing it waits for. In the serving loop on the H200 (bench/results/serving_loop-h200.json,
+      4096 live, 32 MiB per submit) the pipeline took 1.9 ms of host time per submit, the direct kernel
+      0.4-0.5 ms; offload takes the pipeline only from 256 MiB per copy (a few percent of link time on
+      such copies is then worth more than the planning).
     - no_triton_min_copy_bytes: without Triton the alternative is the torch path (host scatter on the CPU,
       0.06-0.2 of the ceiling), so the pipeline (torch gathers, batched DMA) wins for copies >= 16 KiB.
     - hybrid_fraction: when set, offloads below the DMA threshold use "hybrid" instead of "triton".
@@ -94,10 +100,15 @@ class AutoPolicy:
     d2h_min_copy_bytes: int = 512 * KiB
     h2d_min_copy_bytes: int = 16 * KiB
     min_bytes: int = 16 * MiB
+    d2h_min_bytes: int = 256 * MiB
     no_triton_min_copy_bytes: int = 16 * KiB
     hybrid_fraction: float | None = None
     dma_floor_copy_bytes: int = 16 * KiB
     dma_max_small_copies: int = 1024
+
+    def min_bytes_for(self, direction: str) -> int:
+        """The smallest copy the pipeline takes in this direction (with Triton there)."""
+        return self.d2h_min_bytes if direction == "d2h" else self.min_bytes
 
 
 def choose_backend(
@@ -121,9 +132,9 @@ def choose_backend(
     if not have_triton:
         return "dma" if mean_copy >= policy.no_triton_min_copy_bytes else "torch"
     threshold = policy.d2h_min_copy_bytes if direction == "d2h" else policy.h2d_min_copy_bytes
-    if nbytes >= policy.min_bytes and mean_copy >= threshold:
+    if nbytes >= policy.min_bytes_for(direction) and mean_copy >= threshold:
         return "dma"
-    if direction == "d2h" and policy.hybrid_fraction and nbytes >= policy.min_bytes:
+    if direction == "d2h" and policy.hybrid_fraction and nbytes >= policy.d2h_min_bytes:
         return "hybrid"
     return "triton"
 
@@ -237,6 +248,7 @@ class CudaCopyEngine(CopyEngine):
         dma_min_copy_bytes_d2h: int = AutoPolicy.d2h_min_copy_bytes,
         dma_min_copy_bytes_h2d: int = AutoPolicy.h2d_min_copy_bytes,
         dma_min_bytes: int = AutoPolicy.min_bytes,
+        dma_min_bytes_d2h: int = AutoPolicy.d2h_min_bytes,
         auto_hybrid_fraction: float | None = None,
     ) -> None:
         if not torch.cuda.is_available():
@@ -265,7 +277,7 @@ class CudaCopyEngine(CopyEngine):
         }
         self.hybrid_fraction = hybrid_fraction
         self.triton_host_order = triton_host_order
-        self.policy = AutoPolicy(dma_min_copy_bytes_d2h, dma_min_copy_bytes_h2d, dma_min_bytes,
+        self.policy = AutoPolicy(dma_min_copy_bytes_d2h, dma_min_copy_bytes_h2d, dma_min_bytes, dma_min_bytes_d2h,
                                  hybrid_fraction=auto_hybrid_fraction)
         self.stream = torch.cuda.Stream(device=self.device)  # single-kernel paths; copy stream 0
         # gathers/scatters of the pipeline, at high priority: when the direct kernel (head, hybrid share) fills
@@ -297,7 +309,7 @@ class CudaCopyEngine(CopyEngine):
         """The backend for one copy (see the module docstring and AutoPolicy)."""
         if plan.num_tokens == 0:
             return "triton" if HAVE_TRITON and self.backend != "torch" else "torch"
-        if self.backend == "auto" and HAVE_TRITON and plan.nbytes < self.policy.min_bytes:
+        if self.backend == "auto" and HAVE_TRITON and plan.nbytes < self.policy.min_bytes_for(plan.direction):
             return "triton"  # below min_bytes "auto" takes the kernel whatever the copy sizes (AutoPolicy)
         mean = mean_copy_bytes(plan.host_pool, plan.host_idx, plan.host_pages) \
             if self.backend in ("auto", "dma", "hybrid") else 0.0

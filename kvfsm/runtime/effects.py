@@ -33,11 +33,13 @@ def token_slice(req: OffloadRequest, start: int, end: int) -> list[int]:
     """Tokens [start, end) of prompt + outputs without building the whole list (hot path)."""
     prompt = req.origin_input_ids
     n = len(prompt)
-    if end <= n:
-        return list(prompt[start:end])
-    if start >= n:
-        return list(req.output_ids[start - n:end - n])
-    return list(prompt[start:]) + list(req.output_ids[: end - n])
+    if start >= n:  # a decode chunk: a list's slice is already a new list (no second copy)
+        part = req.output_ids[start - n:end - n]
+    elif end <= n:
+        part = prompt[start:end]
+    else:
+        return list(prompt[start:]) + list(req.output_ids[: end - n])
+    return part if type(part) is list else list(part)
 
 
 @dataclass(eq=False)

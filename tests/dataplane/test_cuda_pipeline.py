@@ -150,6 +150,10 @@ def test_policy_edges() -> None:
     p = AutoPolicy()
     big, wide = 2**30, 4 * MiB
     assert choose_backend("auto", "d2h", 1 * MiB, wide, True) == "triton"  # too small for the pipeline
+    # a decode step's offload (32 MiB at 4096 live): host time beats the pipeline's last percent of link
+    assert choose_backend("auto", "d2h", 32 * MiB, wide, True) == "triton"
+    assert choose_backend("auto", "h2d", 32 * MiB, wide, True) == "dma"
+    assert choose_backend("auto", "d2h", p.d2h_min_bytes, wide, True) == "dma"
     assert choose_backend("auto", "d2h", 0, wide, True) == "triton"
     assert choose_backend("auto", "d2h", big, wide, False) == "dma"  # no Triton: anything beats the torch path
     assert choose_backend("auto", "h2d", big, 4 * KiB, False) == "torch"
