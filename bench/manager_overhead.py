@@ -1,4 +1,9 @@
-"""Manager work per scheduler iteration with many live requests (issue 4's budget).
+"""Manager work per scheduler iteration with many live requests: the CPU regression guard.
+
+Not the verdict on the manager's cost: it runs a CPU step engine, so it cannot see a call that waits
+for the GPU, the CUDA engine's submit, or a collector walking a server's heap. The verdict is
+bench/serving_loop.py on a GPU (the real manager, CudaCopyEngine, a busy compute stream). This script
+keeps a cheap, GPU-free figure that a change to the hot path can be compared against.
 
 Each iteration is a simulated decode step: the engine thread sleeps `--step-ms` (as it would while the
 GPU computes; the backup thread runs then; `--step-waits spin` busy-waits instead, as a default CUDA

@@ -373,7 +373,9 @@ def test_cuda_pipeline_round_trip_tiny(backend: str, config: KVCacheConfig, layo
 @pytest.mark.parametrize("backend", ["dma", "hybrid", "auto"])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_cuda_pipeline_round_trip_llama(backend: str, layout: str, page_size: int) -> None:
-    """Llama-3-8B KV, 48 MiB per copy (auto takes the pipeline), default engine settings, plus a head."""
+    """Llama-3-8B KV, 48 MiB per copy (auto loads back through the pipeline and offloads through the
+    direct kernel: a decode step's offload below AutoPolicy.d2h_min_bytes), default engine settings, plus
+    a head."""
     from kvfsm.dataplane import CudaCopyEngine
 
     if backend == "hybrid" and not HAVE_TRITON:
@@ -381,9 +383,8 @@ def test_cuda_pipeline_round_trip_llama(backend: str, layout: str, page_size: in
     cfg = KVCacheConfig.llama3_8b()
     expect = None
     if backend == "auto" and HAVE_TRITON:
-        wide = layout == "page_first" and page_size == 16
         h2d_dma = layout == "page_first" or page_size == 16  # copies of 64 KiB / 1 MiB, 32 KiB; not 2 KiB rows
-        expect = ("dma" if wide else "triton", "dma" if h2d_dma else "triton")
+        expect = ("triton", "dma" if h2d_dma else "triton")  # 48 MiB < d2h_min_bytes: offload takes the kernel
     n_pages = 384 // page_size
     for eng in (CudaCopyEngine(backend=backend),  # type: ignore[arg-type]
                 CudaCopyEngine(backend=backend, dma_head_min_bytes=0, dma_head_bytes=4 * MiB,  # type: ignore[arg-type]
