@@ -45,9 +45,11 @@ def snapshot(engine: SimEngine) -> tuple[Any, ...]:
             engine.allocator.snapshot()[0].tolist(), len(engine.copies.pending))
 
 
-def run_workload(batched: bool, seed: int, steps: int = 60, **engine_kw: Any) -> list[dict[str, Any]]:
+def run_workload(batched: bool, seed: int, steps: int = 60, engine: SimEngine | None = None,
+                 **engine_kw: Any) -> list[dict[str, Any]]:
+    """A random workload (every ending, retraction under memory pressure) to teardown; on `engine` if given."""
     rng = random.Random(seed)
-    e = SimEngine(**engine_kw)
+    e = engine if engine is not None else SimEngine(**engine_kw)
     log = []
     serial = 0
     for step in range(steps):

@@ -171,35 +171,6 @@ def test_staging_mark_without_reserve_is_an_error() -> None:
 
 # ---- the garbage collector -----------------------------------------------------------------------------
 
-def _serve(e: SimEngine, rng: random.Random, steps: int) -> None:
-    """A random decode loop over `e` that ends every request; the requests are dropped as it goes."""
-    serial = 0
-    for _ in range(steps):
-        if len(e.live) < e.rows and rng.random() < 0.5:
-            serial += 1
-            e.admit(f"r{serial}", rng.randint(1, 9))
-        for req in list(e.live):
-            if not e.decode(req):
-                e.end(req, "retract")
-        reqs = list(e.live)
-        e.manager.offload_batch(reqs, [r.req_pool_idx for r in reqs], [r.kv_committed_len for r in reqs])
-        del reqs
-        if rng.random() < 0.6:
-            e.copies.complete_all()
-        if rng.random() < 0.5 and e.worker.pending:
-            e.worker.run(0)
-        e.manager.check_progress()
-        if e.live and rng.random() < 0.2:
-            e.end(rng.choice(e.live), rng.choice(["finish", "abort", "retract"]))
-    for req in list(e.live):
-        e.end(req)
-    while not e.manager.idle():
-        e.copies.complete_all()
-        while e.worker.pending:
-            e.worker.run(0)
-        e.manager.check_progress()
-
-
 class FlakyStoreEngine(SimEngine):
     """A store that fails every third page write (by key), so backups fail as well as succeed."""
 
@@ -218,7 +189,7 @@ def test_the_hot_path_leaves_no_reference_cycles(checked: bool) -> None:
     try:
         gc.set_debug(gc.DEBUG_SAVEALL)
         for seed in range(3):
-            _serve(e, random.Random(seed), 80)
+            run_workload(True, seed, 80, engine=e)
         m = e.manager.metrics
         assert m.releases > 10 and m.stored_pages > 10 and m.backup_failures > 0
         gc.collect()
