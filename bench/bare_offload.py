@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from kvfsm.dataplane import CopyEngine, HostKVPool, ReqToTokenPool, TokenSlotAllocator
-from kvfsm.dataplane.device_pool import DeviceKVPool
+from kvfsm.dataplane.pools.device_pool import DeviceKVPool
 
 
 class BareOffload:

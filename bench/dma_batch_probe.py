@@ -53,8 +53,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from kvfsm.dataplane import HAVE_TRITON, DeviceKVPool, HostKVPool, KVCacheConfig  # noqa: E402
-from kvfsm.dataplane import cuda_driver, dma  # noqa: E402
-from kvfsm.dataplane.triton_kernels import default_config, kv_rows_copy  # noqa: E402
+from kvfsm.dataplane.copy import cuda_driver, dma  # noqa: E402
+from kvfsm.dataplane.copy.triton_kernels import default_config, kv_rows_copy  # noqa: E402
 from offload_bandwidth import (  # noqa: E402
     Timer,
     contiguous_ceilings,

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result  # noqa: E402
 
 from kvfsm.dataplane import HostKVPool, KVCacheConfig  # noqa: E402
-from kvfsm.dataplane.mooncake import MooncakeStorage, master_binary, master_command  # noqa: E402
+from kvfsm.dataplane.storage.mooncake import MooncakeStorage, master_binary, master_command  # noqa: E402
 
 TARGET_OVERHEAD = 0.10
 SLOW_REPS = 5

@@ -61,9 +61,9 @@ from kvfsm.dataplane import (  # noqa: E402
     KernelConfig,
     KVCacheConfig,
 )
-from kvfsm.dataplane.copy_engine import torch_copy_rows  # noqa: E402
-from kvfsm.dataplane.cuda_copy import mean_copy_bytes  # noqa: E402
-from kvfsm.dataplane.triton_kernels import default_config  # noqa: E402
+from kvfsm.dataplane.copy.base import torch_copy_rows  # noqa: E402
+from kvfsm.dataplane.copy.cuda import mean_copy_bytes  # noqa: E402
+from kvfsm.dataplane.copy.triton_kernels import default_config  # noqa: E402
 
 TARGET_OFFLOAD = 0.97
 TARGET_LOADBACK = 0.95
@@ -324,7 +324,7 @@ def run_case(
     offload: dict[str, Any] = {"sweep": []}
     loadback: dict[str, Any] = {"sweep": []}
     if cuda and HAVE_TRITON:
-        from kvfsm.dataplane.triton_kernels import kv_rows_copy
+        from kvfsm.dataplane.copy.triton_kernels import kv_rows_copy
 
         for c in configs:
             with guard(offload["sweep"], cfg_name(c)):

@@ -47,8 +47,8 @@ from seed_baseline import SeedAlgorithmOffload  # noqa: E402
 
 from kvfsm.dataplane import (HostKVPool, KVCacheConfig, ReqToTokenPool, ThreadCpuCopyEngine,  # noqa: E402
                              TokenSlotAllocator)
-from kvfsm.dataplane.device_pool import DeviceKVPool  # noqa: E402
-from kvfsm.dataplane.staging import PinnedIndexStaging  # noqa: E402
+from kvfsm.dataplane.pools.device_pool import DeviceKVPool  # noqa: E402
+from kvfsm.dataplane.copy.staging import PinnedIndexStaging  # noqa: E402
 from kvfsm.dataplane.storage import FileStorage  # noqa: E402
 from kvfsm.runtime import DecodeOffloadManager, OffloadConfig, ProtectedSize  # noqa: E402
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvfsm.dataplane import HostKVPool, KVCacheConfig, ReqToTokenPool, TokenSlotAllocator, make_copy_engine  # noqa: E402
-from kvfsm.dataplane.device_pool import DeviceKVPool  # noqa: E402
+from kvfsm.dataplane.pools.device_pool import DeviceKVPool  # noqa: E402
 from kvfsm.dataplane.storage import FileStorage  # noqa: E402
 from kvfsm.engine.model import TinyDecoder, TinyModelConfig  # noqa: E402
 from kvfsm.engine.scheduler import DecodeEngine, make_workload  # noqa: E402

@@ -23,7 +23,7 @@ from rich.table import Table
 
 from kvfsm.codegen import generate
 from kvfsm.dataplane import HostKVPool, ReqToTokenPool, TokenSlotAllocator, make_copy_engine
-from kvfsm.dataplane.device_pool import DeviceKVPool
+from kvfsm.dataplane.pools.device_pool import DeviceKVPool
 from kvfsm.dataplane.storage import FileStorage
 from kvfsm.docsgen import markdown
 from kvfsm.engine.model import TinyDecoder, TinyModelConfig

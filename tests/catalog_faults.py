@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import generated.decode_offload as gen
-import kvfsm.dataplane.copy_engine as copy_engine
+import kvfsm.dataplane.copy.base as copy_engine
 from generated.decode_offload import DecodeOffloadMachine
 from kvfsm.runtime import ProtectedSize
 from kvfsm.runtime.effects import OffloadEffects

@@ -4,9 +4,9 @@ Depends on torch and numpy only (no pydantic, no other kvfsm package), so it imp
 carry nothing else. Nothing here knows about requests' lifecycles: the runtime above drives it.
 """
 
-from .allocator import TokenSlotAllocator
-from .config import KVCacheConfig
-from .copy_engine import (
+from .pools.allocator import TokenSlotAllocator
+from .pools.config import KVCacheConfig
+from .copy.base import (
     CopyEngine,
     CopyHandle,
     CpuCopyEngine,
@@ -14,8 +14,8 @@ from .copy_engine import (
     DeferredHandle,
     ThreadCpuCopyEngine,
 )
-from .cuda_copy import CudaCopyEngine, CudaCopyHandle
-from .device_pool import DeviceKVPool, MHADeviceKVPool, MLADeviceKVPool
+from .copy.cuda import CudaCopyEngine, CudaCopyHandle
+from .pools.device_pool import DeviceKVPool, MHADeviceKVPool, MLADeviceKVPool
 from .errors import (
     ConservationError,
     CopyError,
@@ -30,10 +30,10 @@ from .errors import (
     SlotError,
 )
 from .hashing import PageRun, page_hash, page_hashes
-from .host_pool import HostKVPool, available_host_memory
-from .req_to_token import ReqToTokenPool
+from .pools.host_pool import HostKVPool, available_host_memory
+from .pools.req_to_token import ReqToTokenPool
 from .storage import FaultyStorage, FileStorage, MemoryStorage, StorageBackend, storage_key_suffix
-from .triton_kernels import HAVE_TRITON, KernelConfig
+from .copy.triton_kernels import HAVE_TRITON, KernelConfig
 
 
 def make_copy_engine(device: str | None = None) -> CopyEngine:

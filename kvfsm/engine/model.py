@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kvfsm.dataplane import KVCacheConfig
-from kvfsm.dataplane.device_pool import DeviceKVPool
+from kvfsm.dataplane.pools.device_pool import DeviceKVPool
 
 
 @dataclass(frozen=True)

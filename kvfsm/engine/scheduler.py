@@ -15,7 +15,7 @@ from typing import Callable, Optional
 import torch
 
 from kvfsm.dataplane import ReqToTokenPool, TokenSlotAllocator
-from kvfsm.dataplane.device_pool import DeviceKVPool
+from kvfsm.dataplane.pools.device_pool import DeviceKVPool
 from kvfsm.engine.model import TinyDecoder
 from kvfsm.runtime import DecodeOffloadManager, ProtectedSize
 

@@ -56,7 +56,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from generated import cb_swap as spec_gen
 from generated.cb_swap import CbSwapMachine
 from kvfsm.dataplane import CopyEngine, CopyHandle, CpuCopyEngine, HostKVPool, KVCacheConfig
-from kvfsm.dataplane.device_pool import DeviceKVPool, resolve_device
+from kvfsm.dataplane.pools.device_pool import DeviceKVPool, resolve_device
 from kvfsm.errors import LifecycleError
 from kvfsm.runtime.ledger import CheckedModeError
 

@@ -18,7 +18,7 @@ import torch
 
 from generated.decode_offload import DecodeOffloadEffectsEach, DecodeOffloadMachine
 from kvfsm.dataplane import CopyEngine, CopyHandle, HostKVPool, PageRun, ReqToTokenPool, TokenSlotAllocator
-from kvfsm.dataplane.device_pool import DeviceKVPool
+from kvfsm.dataplane.pools.device_pool import DeviceKVPool
 from kvfsm.dataplane.storage import StorageBackend
 from kvfsm.runtime.backup import BackupJob, BackupWorker
 from kvfsm.runtime.ledger import SlotLedger

@@ -19,8 +19,8 @@ import generated.decode_offload as spec_gen
 from generated.decode_offload import DecodeOffloadMachine
 from kvfsm.dataplane import (CopyEngine, CpuCopyEngine, DeferredCpuCopyEngine, HostKVPool, ReqToTokenPool,
                              TokenSlotAllocator, make_copy_engine)
-from kvfsm.dataplane.allocator import PageSlots
-from kvfsm.dataplane.device_pool import DeviceKVPool
+from kvfsm.dataplane.pools.allocator import PageSlots
+from kvfsm.dataplane.pools.device_pool import DeviceKVPool
 from kvfsm.dataplane.storage import FileStorage, StorageBackend
 from kvfsm.errors import LifecycleError
 from kvfsm.runtime.backup import BackupWorker, ThreadBackupWorker

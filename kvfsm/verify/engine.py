@@ -16,7 +16,7 @@ import torch
 
 from kvfsm.dataplane import (DeferredCpuCopyEngine, HostKVPool, KVCacheConfig, ReqToTokenPool, TokenSlotAllocator,
                              page_hashes)
-from kvfsm.dataplane.device_pool import DeviceKVPool
+from kvfsm.dataplane.pools.device_pool import DeviceKVPool
 from kvfsm.dataplane.storage import FaultyStorage, MemoryStorage
 from kvfsm.engine.scheduler import EngineRequest, grow_slots
 from kvfsm.runtime import DecodeOffloadManager, OffloadConfig, ProtectedSize, SteppedBackupWorker

@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvfsm.dataplane import dma
-from kvfsm.dataplane.cuda_driver import memmove_batch
-from kvfsm.dataplane.triton_kernels import KernelConfig
+from kvfsm.dataplane.copy import dma
+from kvfsm.dataplane.copy.cuda_driver import memmove_batch
+from kvfsm.dataplane.copy.triton_kernels import KernelConfig
 
 
 class SimEvent:

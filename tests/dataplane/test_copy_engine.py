@@ -233,8 +233,8 @@ KERNEL_CASES = pytest.mark.parametrize(
 
 
 def triton_vs_torch(device: str, dtype: torch.dtype, attention: str, head_dim: int, layout: str) -> None:
-    from kvfsm.dataplane.copy_engine import torch_copy_rows
-    from kvfsm.dataplane.triton_kernels import KernelConfig, kv_rows_copy
+    from kvfsm.dataplane.copy.base import torch_copy_rows
+    from kvfsm.dataplane.copy.triton_kernels import KernelConfig, kv_rows_copy
 
     mla = attention == "mla"
     cfg = KVCacheConfig(num_layers=3, kv_heads=1 if mla else 2, head_dim=head_dim * 8 if mla else head_dim,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvfsm.dataplane import cuda_driver, dma
+from kvfsm.dataplane.copy import cuda_driver, dma
 from kvfsm.dataplane.errors import CopyError
 
 

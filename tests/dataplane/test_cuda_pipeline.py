@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from kvfsm.dataplane import HAVE_TRITON, DeviceKVPool, HostKVPool, KVCacheConfig
-from kvfsm.dataplane import dma
-from kvfsm.dataplane.copy_engine import plan_copy
-from kvfsm.dataplane.cuda_copy import AutoPolicy, choose_backend, mean_copy_bytes
-from kvfsm.dataplane.pipeline import PipelineSettings, head_tokens, launch_pipeline
+from kvfsm.dataplane.copy import dma
+from kvfsm.dataplane.copy.base import plan_copy
+from kvfsm.dataplane.copy.cuda import AutoPolicy, choose_backend, mean_copy_bytes
+from kvfsm.dataplane.copy.pipeline import PipelineSettings, head_tokens, launch_pipeline
 
 from .helpers import bits, check_orders_after_compute_and_never_blocks, fill_random, make_device_pool
 from .stream_sim import SimOps

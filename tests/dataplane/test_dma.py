@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kvfsm.dataplane import DeviceKVPool, HostKVPool, KVCacheConfig
-from kvfsm.dataplane import dma
-from kvfsm.dataplane.cuda_driver import memmove_batch
+from kvfsm.dataplane.copy import dma
+from kvfsm.dataplane.copy.cuda_driver import memmove_batch
 
 from .helpers import bits, fill_random, make_device_pool
 

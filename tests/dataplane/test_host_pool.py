@@ -16,8 +16,8 @@ from kvfsm.dataplane import (
     NeverAllocated,
     NotAllocated,
     PartialPage,
-    host_pool as host_pool_mod,
 )
+from kvfsm.dataplane.pools import host_pool as host_pool_mod
 
 from .helpers import bits, fill_random
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvfsm.dataplane import FaultyStorage, FileStorage, MemoryStorage, StorageBackend, page_hashes, storage_key_suffix
-from kvfsm.dataplane import storage as storage_mod
+from kvfsm.dataplane.storage import file as storage_mod
 
 
 def pages(n: int, size: int = 1000, seed: int = 0) -> list[torch.Tensor]:

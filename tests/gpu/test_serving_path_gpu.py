@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kvfsm.dataplane import (CudaCopyEngine, HostKVPool, KVCacheConfig, ReqToTokenPool, TokenSlotAllocator)
-from kvfsm.dataplane.device_pool import DeviceKVPool
+from kvfsm.dataplane.pools.device_pool import DeviceKVPool
 from kvfsm.dataplane.storage import FileStorage
 from kvfsm.engine.scheduler import EngineRequest
 from kvfsm.runtime import DecodeOffloadManager, OffloadConfig, ProtectedSize

@@ -20,7 +20,7 @@ require_transformers()
 import kvfsm.integrations.transformers as kt  # noqa: E402
 from generated import cb_swap as gen  # noqa: E402
 from kvfsm.dataplane import CopyEngine, CpuCopyEngine, DeferredCpuCopyEngine  # noqa: E402
-from kvfsm.dataplane.copy_engine import plan_copy  # noqa: E402
+from kvfsm.dataplane.copy.base import plan_copy  # noqa: E402
 from kvfsm.runtime.ledger import CheckedModeError  # noqa: E402
 
 NEW_TOKENS = 24

@@ -25,7 +25,7 @@ import pytest
 
 from mooncake_helpers import free_port
 
-from kvfsm.dataplane.mooncake import LOOPBACK_ENV, MooncakeUnavailable, import_store_class, master_binary, master_command
+from kvfsm.dataplane.storage.mooncake import LOOPBACK_ENV, MooncakeUnavailable, import_store_class, master_binary, master_command
 
 # Before any client exists in this process (or in a child it starts).
 os.environ.update(LOOPBACK_ENV)
@@ -187,7 +187,7 @@ def shared_storage(mooncake_master: Master) -> Iterator[Any]:
 
     TP rank 1 of 2 of model "shared/model"; tests keep their pages apart by key.
     """
-    from kvfsm.dataplane.mooncake import MooncakeStorage
+    from kvfsm.dataplane.storage.mooncake import MooncakeStorage
 
     s = MooncakeStorage(mooncake_master.addr, mooncake_master.metadata,
                         **_defaults({"model_name": "shared/model", "tp_rank": 1, "tp_size": 2}))
@@ -200,7 +200,7 @@ def shared_storage(mooncake_master: Master) -> Iterator[Any]:
 @pytest.fixture
 def make_storage(mooncake_master: Master) -> Iterator[Callable[..., Any]]:
     """MooncakeStorage factory with small, bounded settings and a model name unique to the test."""
-    from kvfsm.dataplane.mooncake import MooncakeStorage
+    from kvfsm.dataplane.storage.mooncake import MooncakeStorage
 
     made: list[MooncakeStorage] = []
     model = f"test/{uuid.uuid4().hex[:8]}"

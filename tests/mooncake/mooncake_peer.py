@@ -23,7 +23,7 @@ def seeded_page(seed: int, nbytes: int) -> torch.Tensor:
 
 def main() -> None:
     req = json.loads(sys.stdin.readline())
-    from kvfsm.dataplane.mooncake import MooncakeStorage
+    from kvfsm.dataplane.storage.mooncake import MooncakeStorage
 
     s = MooncakeStorage(req["master"], req["metadata"], model_name=req["model"], tp_rank=req.get("tp_rank", 0),
                         tp_size=req.get("tp_size", 1),  # page size: learned from the store

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from kvfsm.dataplane.mooncake import OBJECT_NOT_FOUND, RPC_FAIL, MooncakeStorage
+from kvfsm.dataplane.storage.mooncake import OBJECT_NOT_FOUND, RPC_FAIL, MooncakeStorage
 
 
 class ScriptedClient:

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from kvfsm.dataplane import HostKVPool, KVCacheConfig
-from kvfsm.dataplane.mooncake import MooncakeUnavailable, NO_AVAILABLE_HANDLE, error_name
+from kvfsm.dataplane.storage.mooncake import MooncakeUnavailable, NO_AVAILABLE_HANDLE, error_name
 from kvfsm.dataplane.storage import StorageBackend
 from kvfsm.verify.engine import kv_value
 from mooncake_helpers import StoreEngine, free_port
@@ -242,7 +242,7 @@ def test_master_killed_mid_run(master_factory, make_storage) -> None:
 
 
 def test_unreachable_master_is_a_clear_error(mooncake_available) -> None:
-    from kvfsm.dataplane.mooncake import MooncakeStorage
+    from kvfsm.dataplane.storage.mooncake import MooncakeStorage
 
     port = free_port()
     t0 = time.monotonic()

@@ -22,9 +22,9 @@ import pytest
 import torch
 
 from kvfsm.dataplane import HostKVPool, KVCacheConfig, OutOfRange, ReqToTokenPool
-from kvfsm.dataplane.copy_engine import plan_copy
-from kvfsm.dataplane.device_pool import DeviceKVPool
-from kvfsm.dataplane.staging import PinnedIndexStaging
+from kvfsm.dataplane.copy.base import plan_copy
+from kvfsm.dataplane.pools.device_pool import DeviceKVPool
+from kvfsm.dataplane.copy.staging import PinnedIndexStaging
 from kvfsm.dataplane.storage import FaultyStorage
 from kvfsm.runtime.stored_index import StoredPageIndex
 from kvfsm.verify.engine import SimEngine
@@ -102,7 +102,7 @@ def test_manager_hands_the_copy_engine_cpu_slots(monkeypatch: pytest.MonkeyPatch
 
 
 def test_mean_copy_size_from_the_page_list_equals_the_slot_count() -> None:
-    from kvfsm.dataplane.cuda_copy import mean_copy_bytes
+    from kvfsm.dataplane.copy.cuda import mean_copy_bytes
     _, host_pool = _pools("meta")
     rng = random.Random(1)
     for _ in range(50):

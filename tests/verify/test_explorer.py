@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from catalog_faults import b1, b2, b5, b6_readmit, b7, b8, b9, b10, b13, b15
-from kvfsm.dataplane.allocator import PageSlots
+from kvfsm.dataplane.pools.allocator import PageSlots
 from kvfsm.runtime.manager import DecodeOffloadManager
 from kvfsm.verify.commands import check
 from kvfsm.verify.explorer import (ExplorerConfig, World, apply, build, canonical_key, check_world, clone,

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from . import dma
-from .copy_engine import CopyPlan
+from .base import CopyPlan
 from .cuda_driver import CudaDriver
 from .staging import PinnedIndexStaging
 from .triton_kernels import HAVE_TRITON, KernelConfig, default_config, kv_rows_copy

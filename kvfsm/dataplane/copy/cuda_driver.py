@@ -22,7 +22,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from .errors import CopyError
+from ..errors import CopyError
 
 CUDA_ERROR_NOT_SUPPORTED = 801
 CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1

@@ -23,7 +23,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from .host_pool import HostKVPool
+from ..pools.host_pool import HostKVPool
 
 Run = tuple[int, int, int]  # (position in the batch, first host slot, length in tokens)
 

@@ -47,12 +47,12 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from .allocator import IndexLike
+from ..pools.allocator import IndexLike
 from . import dma
-from .copy_engine import CopyEngine, CopyHandle, CopyPlan, plan_copy
-from .device_pool import DeviceKVPool, resolve_device
-from .errors import CopyError
-from .host_pool import HostKVPool
+from .base import CopyEngine, CopyHandle, CopyPlan, plan_copy
+from ..pools.device_pool import DeviceKVPool, resolve_device
+from ..errors import CopyError
+from ..pools.host_pool import HostKVPool
 from .pipeline import CudaOps, PipelineSettings, launch_pipeline
 from .staging import PinnedIndexStaging
 from .triton_kernels import HAVE_TRITON, KernelConfig, default_config, kv_rows_copy

@@ -19,7 +19,7 @@ import torch
 
 from .allocator import IndexLike, as_index_tensor
 from .device_pool import resolve_device
-from .errors import ConservationError, DoubleFree, NeverAllocated, NotAllocated, OutOfRange
+from ..errors import ConservationError, DoubleFree, NeverAllocated, NotAllocated, OutOfRange
 
 
 class ReqToTokenPool:

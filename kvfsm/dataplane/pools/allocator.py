@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from .errors import (
+from ..errors import (
     ConservationError,
     DoubleAlloc,
     DoubleFree,

@@ -25,7 +25,7 @@ import torch
 from .allocator import IndexLike, PageSlots, TokenSlotAllocator, as_index_tensor
 from .config import KVCacheConfig
 from .device_pool import DeviceKVPool
-from .errors import HostMemoryError, NotAllocated, PartialPage
+from ..errors import HostMemoryError, NotAllocated, PartialPage
 
 Layout = Literal["layer_first", "page_first"]
 LAYOUTS: tuple[Layout, ...] = ("layer_first", "page_first")

@@ -24,10 +24,10 @@ from typing import Literal
 import numpy as np
 import torch
 
-from .allocator import IndexLike, PageSlots, as_index_tensor
-from .device_pool import DeviceKVPool
-from .errors import CopyError, DuplicateIndex, NotAllocated, OutOfRange
-from .host_pool import HostKVPool
+from ..pools.allocator import IndexLike, PageSlots, as_index_tensor
+from ..pools.device_pool import DeviceKVPool
+from ..errors import CopyError, DuplicateIndex, NotAllocated, OutOfRange
+from ..pools.host_pool import HostKVPool
 
 Direction = Literal["d2h", "h2d"]
 
