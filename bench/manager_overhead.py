@@ -44,7 +44,8 @@ from common import write_result  # noqa: E402
 from iteration_floor import run as run_floor  # noqa: E402
 
 from kvfsm.dataplane import CpuCopyEngine, HostKVPool, KVCacheConfig, ReqToTokenPool, TokenSlotAllocator  # noqa: E402
-from kvfsm.dataplane.copy.base import CopyHandle, CopyPlan, _DoneHandle, plan_copy, run_plan  # noqa: E402
+from kvfsm.dataplane.copy.base import CopyHandle, CopyPlan, plan_copy, run_plan  # noqa: E402
+from kvfsm.dataplane.copy.cpu import _DoneHandle  # noqa: E402
 from kvfsm.dataplane.pools.device_pool import DeviceKVPool  # noqa: E402
 from kvfsm.dataplane.storage import MemoryStorage  # noqa: E402
 from kvfsm.runtime import DecodeOffloadManager, OffloadConfig, ProtectedSize, ThreadBackupWorker  # noqa: E402

@@ -6,14 +6,8 @@ carry nothing else. Nothing here knows about requests' lifecycles: the runtime a
 
 from .pools.allocator import TokenSlotAllocator
 from .pools.config import KVCacheConfig
-from .copy.base import (
-    CopyEngine,
-    CopyHandle,
-    CpuCopyEngine,
-    DeferredCpuCopyEngine,
-    DeferredHandle,
-    ThreadCpuCopyEngine,
-)
+from .copy.base import CopyEngine, CopyHandle
+from .copy.cpu import CpuCopyEngine, DeferredCpuCopyEngine, DeferredHandle, ThreadCpuCopyEngine
 from .copy.cuda import CudaCopyEngine, CudaCopyHandle
 from .pools.device_pool import DeviceKVPool, MHADeviceKVPool, MLADeviceKVPool
 from .errors import (

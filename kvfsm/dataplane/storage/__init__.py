@@ -1,5 +1,18 @@
-"""L3 storage: page-keyed backends for host pages serialised as flat uint8 tensors."""
+"""L3 storage: page-keyed backends for host pages serialised as flat uint8 tensors.
 
-from .file import FaultyStorage, FileStorage, MemoryStorage, StorageBackend, StorageStats, storage_key_suffix
+- `base`: the `StorageBackend` protocol the runtime depends on, key suffixes, shared stats.
+- `file`: `FileStorage`, the embedded default (one checksummed file per page, atomic publish).
+- `memory`: `MemoryStorage`, a dict, for tests and demos.
+- `faulty`: `FaultyStorage`, fault injection around any backend, for tests.
+- `mooncake`: `MooncakeStorage`, a shared distributed store (`pip install 'kvfsm[mooncake]'`; imported
+  from `kvfsm.dataplane.storage.mooncake`, not here, so that this package never needs the extra).
+
+A new backend goes in its own module here, implementing `StorageBackend`.
+"""
+
+from .base import StorageBackend, StorageStats, storage_key_suffix
+from .faulty import FaultyStorage
+from .file import FileStorage
+from .memory import MemoryStorage
 
 __all__ = ["FaultyStorage", "FileStorage", "MemoryStorage", "StorageBackend", "StorageStats", "storage_key_suffix"]

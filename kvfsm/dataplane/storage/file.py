@@ -1,20 +1,13 @@
-"""L3 storage: page-keyed backends for host pages serialised as flat uint8 tensors.
+"""FileStorage: the embedded default L3 store, one checksummed file per page.
 
-`StorageBackend` is the protocol the runtime depends on (same shape as SGLang's HiCacheStorage batch
-API): batch_set reports success per page, batch_get returns None for anything it cannot vouch for, and
-batch_exists is the length of the stored prefix (pages are chained by hash, so only a prefix is usable).
-
-`FileStorage` is the embedded default. Keys are suffixed like SGLang's HiCacheFile backend
-(`{hash}_{model}_{tp_rank}_{tp_size}`, `{hash}_{model}` for MLA whose latent is identical on every TP
-rank; "/" in the model name becomes "-") and stored as `{key}.bin`. Each file is a small header (magic,
-crc32 of the payload, key and payload lengths), the key, then the payload. Writes go to a temp file in
-the same directory and are published with os.replace, so a reader sees a whole page or none; a torn or
-corrupted file (bad length, bad magic, other key, bad checksum) is counted, logged, moved aside as
-`*.corrupt` and reported as None: never returned. Failed writes (OSError: disk full, read-only dir) are
-counted and reported per page as False, never raised (B13: a failed store is never visible as stored).
-
-`FaultyStorage` wraps any backend and fails chosen writes / corrupts or drops chosen reads,
-deterministically, for tests. `MemoryStorage` is a dict-backed backend for fast tests.
+Keys are suffixed like SGLang's HiCacheFile backend (`{hash}_{model}_{tp_rank}_{tp_size}`, `{hash}_{model}`
+for MLA whose latent is identical on every TP rank; "/" in the model name becomes "-") and stored as
+`{key}.bin`. Each file is a small header (magic, crc32 of the payload, key and payload lengths), the key,
+then the payload. Writes go to a temp file in the same directory and are published with os.replace, so a
+reader sees a whole page or none; a torn or corrupted file (bad length, bad magic, other key, bad
+checksum) is counted, logged, moved aside as `*.corrupt` and reported as None: never returned. Failed
+writes (OSError: disk full, read-only dir) are counted and reported per page as False, never raised
+(B13: a failed store is never visible as stored).
 """
 
 from __future__ import annotations
@@ -27,61 +20,20 @@ import struct
 import threading
 import uuid
 import zlib
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import numpy as np
-
 import torch
+
+from .base import StorageStats, _check_batch, storage_key_suffix
 
 logger = logging.getLogger(__name__)
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9_\-][A-Za-z0-9_.\-]{0,199}$")
 _MAGIC = b"KVFSPG01"
 _HEADER = struct.Struct("<8sIIQ")  # magic, crc32(payload), key length, payload length
-
-
-@runtime_checkable
-class StorageBackend(Protocol):
-    """Page-keyed L3 store."""
-
-    def batch_set(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[bool]:
-        """Store each page under its key; one success flag per page (a False page is not stored)."""
-        ...
-
-    def batch_get(self, keys: Sequence[str]) -> list[torch.Tensor | None]:
-        """The stored uint8 page per key, or None when missing or not intact."""
-        ...
-
-    def batch_exists(self, keys: Sequence[str]) -> int:
-        """How many leading keys are stored (stops at the first missing one)."""
-        ...
-
-
-def _check_batch(keys: Sequence[str], pages: Sequence[torch.Tensor]) -> None:
-    if len(keys) != len(pages):
-        raise ValueError(f"{len(keys)} keys but {len(pages)} pages")
-    for p in pages:
-        if not isinstance(p, torch.Tensor) or p.dtype != torch.uint8:
-            raise ValueError("pages must be uint8 tensors (HostKVPool.get_pages_bytes rows)")
-
-
-def storage_key_suffix(model_name: str = "", tp_rank: int = 0, tp_size: int = 1, is_mla: bool = False) -> str:
-    """SGLang HiCacheFile's per-deployment key suffix."""
-    model = "-".join(model_name.split("/")) if model_name else ""
-    return f"_{model}" if is_mla else f"_{model}_{tp_rank}_{tp_size}"
-
-
-@dataclass
-class StorageStats:
-    writes_ok: int = 0
-    writes_skipped: int = 0  # key already stored (content-addressed: same key, same bytes)
-    writes_failed: int = 0
-    reads_ok: int = 0
-    reads_missing: int = 0
-    reads_corrupt: int = 0
 
 
 class FileStorage:
@@ -238,102 +190,3 @@ class FileStorage:
             if not os.path.exists(self.path_of(k)):
                 return i
         return len(keys)
-
-
-class MemoryStorage:
-    """Dict-backed backend (copies pages in and out), for tests and single-process demos."""
-
-    def __init__(self) -> None:
-        self.pages: dict[str, torch.Tensor] = {}
-
-    def batch_set(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[bool]:
-        _check_batch(keys, pages)
-        for k, p in zip(keys, pages):
-            self.pages.setdefault(k, p.detach().to("cpu").reshape(-1).clone())
-        return [True] * len(keys)
-
-    def batch_get(self, keys: Sequence[str]) -> list[torch.Tensor | None]:
-        return [None if (p := self.pages.get(k)) is None else p.clone() for k in keys]
-
-    def batch_exists(self, keys: Sequence[str]) -> int:
-        for i, k in enumerate(keys):
-            if k not in self.pages:
-                return i
-        return len(keys)
-
-
-KeySelector = Collection[str] | Callable[[str], bool]
-
-
-def _selector(spec: KeySelector | None) -> Callable[[str], bool]:
-    if spec is None:
-        return lambda _k: False
-    if callable(spec):
-        return spec
-    chosen = frozenset(spec)
-    return chosen.__contains__
-
-
-class FaultyStorage:
-    """Wraps a backend and injects faults chosen up front, deterministically.
-
-    fail_writes: keys (or a predicate) whose writes fail (reported False, never reach the inner store);
-    fail_write_ordinals: 0-based positions, counted over all pages ever passed to batch_set, that fail;
-    corrupt_reads: keys whose read returns the stored page with byte 0 flipped (silent corruption);
-    drop_reads: keys whose read returns None (a lost or detected-bad page).
-    """
-
-    def __init__(
-        self,
-        inner: StorageBackend,
-        fail_writes: KeySelector | None = None,
-        fail_write_ordinals: Collection[int] = (),
-        corrupt_reads: KeySelector | None = None,
-        drop_reads: KeySelector | None = None,
-    ) -> None:
-        self.inner = inner
-        self._fail = _selector(fail_writes)
-        self._fail_ordinals = frozenset(fail_write_ordinals)
-        self._corrupt = _selector(corrupt_reads)
-        self._drop = _selector(drop_reads)
-        self.pages_written = 0
-        self.failed_writes: list[str] = []
-        self.corrupted_reads: list[str] = []
-        self.dropped_reads: list[str] = []
-
-    def batch_set(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[bool]:
-        _check_batch(keys, pages)
-        ok = [True] * len(keys)
-        passed: list[int] = []
-        for i, k in enumerate(keys):
-            ordinal = self.pages_written + i
-            if self._fail(k) or ordinal in self._fail_ordinals:
-                ok[i] = False
-                self.failed_writes.append(k)
-            else:
-                passed.append(i)
-        self.pages_written += len(keys)
-        if passed:
-            inner_ok = self.inner.batch_set([keys[i] for i in passed], [pages[i] for i in passed])
-            for i, r in zip(passed, inner_ok):
-                ok[i] = bool(r)
-        return ok
-
-    def batch_get(self, keys: Sequence[str]) -> list[torch.Tensor | None]:
-        out = self.inner.batch_get(keys)
-        for i, k in enumerate(keys):
-            if out[i] is None:
-                continue
-            if self._drop(k):
-                out[i] = None
-                self.dropped_reads.append(k)
-            elif self._corrupt(k):
-                bad = out[i].clone()  # type: ignore[union-attr]
-                if bad.numel():
-                    bad[0] ^= 0xFF
-                out[i] = bad
-                self.corrupted_reads.append(k)
-        return out
-
-    def batch_exists(self, keys: Sequence[str]) -> int:
-        return self.inner.batch_exists(keys)

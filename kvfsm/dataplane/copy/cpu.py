@@ -1,0 +1,156 @@
+"""CPU copy engines (the CUDA engine's interface, for CI and model checking).
+
+- CpuCopyEngine: copies during submit; handles are born done.
+- ThreadCpuCopyEngine: copies on one worker thread, in submission order; done() polls.
+- DeferredCpuCopyEngine: copies only when the test says so (complete(handle), complete_next(),
+  complete_all()), reading the source *then*. A device slot freed and rewritten before completion
+  therefore really corrupts the copy, which is how tests catch B2 (free while a copy still reads).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from itertools import count
+
+from ..errors import CopyError
+from .base import CopyEngine, CopyHandle, CopyPlan, plan_copy, run_plan
+
+
+class _DoneHandle(CopyHandle):
+    def __init__(self, plan: CopyPlan) -> None:
+        self.direction, self.num_tokens, self.nbytes = plan.direction, plan.num_tokens, plan.nbytes
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        return None
+
+
+class CpuCopyEngine(CopyEngine):
+    """Synchronous: the copy has happened when submit returns."""
+
+    def submit_d2h(self, device_pool, device_indices, host_pool, host_indices) -> CopyHandle:  # type: ignore[no-untyped-def]
+        plan = plan_copy("d2h", device_pool, device_indices, host_pool, host_indices)
+        run_plan(plan)
+        return _DoneHandle(plan)
+
+    def submit_h2d(self, host_pool, host_indices, device_pool, device_indices) -> CopyHandle:  # type: ignore[no-untyped-def]
+        plan = plan_copy("h2d", device_pool, device_indices, host_pool, host_indices)
+        run_plan(plan)
+        return _DoneHandle(plan)
+
+
+class _FutureHandle(CopyHandle):
+    def __init__(self, plan: CopyPlan, future: Future[None]) -> None:
+        self.direction, self.num_tokens, self.nbytes = plan.direction, plan.num_tokens, plan.nbytes
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self) -> None:
+        self._future.result()
+
+
+class ThreadCpuCopyEngine(CopyEngine):
+    """Asynchronous on one worker thread (FIFO), like a copy stream; a copy reads its source when it runs."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvfsm-copy")
+
+    def _submit(self, plan: CopyPlan) -> CopyHandle:
+        plan.device_idx, plan.host_idx = plan.device_idx.clone(), plan.host_idx.clone()
+        return _FutureHandle(plan, self._pool.submit(run_plan, plan))
+
+    def submit_d2h(self, device_pool, device_indices, host_pool, host_indices) -> CopyHandle:  # type: ignore[no-untyped-def]
+        return self._submit(plan_copy("d2h", device_pool, device_indices, host_pool, host_indices))
+
+    def submit_h2d(self, host_pool, host_indices, device_pool, device_indices) -> CopyHandle:  # type: ignore[no-untyped-def]
+        return self._submit(plan_copy("h2d", device_pool, device_indices, host_pool, host_indices))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> ThreadCpuCopyEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class DeferredHandle(CopyHandle):
+    """A copy that happens when its engine is told to complete it (wait() completes it too)."""
+
+    def __init__(self, engine: DeferredCpuCopyEngine, plan: CopyPlan, seq: int) -> None:
+        self.direction, self.num_tokens, self.nbytes = plan.direction, plan.num_tokens, plan.nbytes
+        self.seq = seq
+        self._engine = engine
+        self._plan: CopyPlan | None = plan
+
+    def done(self) -> bool:
+        return self._plan is None
+
+    def wait(self) -> None:
+        self._engine.complete(self)
+
+    def __repr__(self) -> str:
+        return f"DeferredHandle(#{self.seq} {self.direction} {self.num_tokens} tokens, done={self.done()})"
+
+
+class DeferredCpuCopyEngine(CopyEngine):
+    """Copies are recorded at submit and performed at complete(): the test controls completion order."""
+
+    def __init__(self) -> None:
+        self._pending: OrderedDict[int, DeferredHandle] = OrderedDict()
+        self._seq = count()
+        self._lock = threading.Lock()
+
+    def _submit(self, plan: CopyPlan) -> DeferredHandle:
+        plan.device_idx, plan.host_idx = plan.device_idx.clone(), plan.host_idx.clone()
+        with self._lock:
+            handle = DeferredHandle(self, plan, next(self._seq))
+            self._pending[handle.seq] = handle
+        return handle
+
+    def submit_d2h(self, device_pool, device_indices, host_pool, host_indices) -> DeferredHandle:  # type: ignore[no-untyped-def]
+        return self._submit(plan_copy("d2h", device_pool, device_indices, host_pool, host_indices))
+
+    def submit_h2d(self, host_pool, host_indices, device_pool, device_indices) -> DeferredHandle:  # type: ignore[no-untyped-def]
+        return self._submit(plan_copy("h2d", device_pool, device_indices, host_pool, host_indices))
+
+    @property
+    def pending(self) -> list[DeferredHandle]:
+        """Handles not yet completed, oldest first."""
+        with self._lock:
+            return list(self._pending.values())
+
+    def complete(self, handle: DeferredHandle) -> bool:
+        """Perform the copy now, reading the source as it is now. False if it was already completed."""
+        with self._lock:
+            plan = handle._plan
+            if plan is None:
+                return False
+            if self._pending.get(handle.seq) is not handle:
+                raise CopyError(f"{handle!r} was not submitted to this engine")
+            run_plan(plan)  # marked done only once the copy has really happened
+            del self._pending[handle.seq]
+            handle._plan = None
+        return True
+
+    def complete_next(self) -> DeferredHandle | None:
+        """Complete the oldest pending copy; None when nothing is pending."""
+        with self._lock:
+            if not self._pending:
+                return None
+            handle = next(iter(self._pending.values()))
+        self.complete(handle)
+        return handle
+
+    def complete_all(self) -> int:
+        n = 0
+        while self.complete_next() is not None:
+            n += 1
+        return n

@@ -1,0 +1,58 @@
+"""The storage protocol: what the runtime needs of an L3 store, and what every backend shares.
+
+`StorageBackend` is the protocol the runtime depends on (same shape as SGLang's HiCacheStorage batch
+API): batch_set reports success per page, batch_get returns None for anything it cannot vouch for, and
+batch_exists is the length of the stored prefix (pages are chained by hash, so only a prefix is usable).
+A backend may also offer `batch_set_from_host(keys, host_pool, host_indices)`, which the backup worker
+prefers: the store gathers the pages itself (FileStorage in one copy, Mooncake zero-copy). Keys carry a
+deployment suffix (`storage_key_suffix`), like SGLang's HiCacheFile backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class StorageBackend(Protocol):
+    """Page-keyed L3 store."""
+
+    def batch_set(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[bool]:
+        """Store each page under its key; one success flag per page (a False page is not stored)."""
+        ...
+
+    def batch_get(self, keys: Sequence[str]) -> list[torch.Tensor | None]:
+        """The stored uint8 page per key, or None when missing or not intact."""
+        ...
+
+    def batch_exists(self, keys: Sequence[str]) -> int:
+        """How many leading keys are stored (stops at the first missing one)."""
+        ...
+
+
+def _check_batch(keys: Sequence[str], pages: Sequence[torch.Tensor]) -> None:
+    if len(keys) != len(pages):
+        raise ValueError(f"{len(keys)} keys but {len(pages)} pages")
+    for p in pages:
+        if not isinstance(p, torch.Tensor) or p.dtype != torch.uint8:
+            raise ValueError("pages must be uint8 tensors (HostKVPool.get_pages_bytes rows)")
+
+
+def storage_key_suffix(model_name: str = "", tp_rank: int = 0, tp_size: int = 1, is_mla: bool = False) -> str:
+    """SGLang HiCacheFile's per-deployment key suffix."""
+    model = "-".join(model_name.split("/")) if model_name else ""
+    return f"_{model}" if is_mla else f"_{model}_{tp_rank}_{tp_size}"
+
+
+@dataclass
+class StorageStats:
+    writes_ok: int = 0
+    writes_skipped: int = 0  # key already stored (content-addressed: same key, same bytes)
+    writes_failed: int = 0
+    reads_ok: int = 0
+    reads_missing: int = 0
+    reads_corrupt: int = 0
