@@ -86,7 +86,7 @@ ENGINES: list[tuple[str, dict[str, Any], bool]] = [
                           "dma_h2d_chunk_bytes": 256 * MiB, "dma_h2d_streams": 4}, True),
     ("dma_d256x4_h64x4", {"backend": "dma", "dma_d2h_chunk_bytes": 256 * MiB, "dma_d2h_streams": 4,
                           "dma_h2d_chunk_bytes": 64 * MiB, "dma_h2d_streams": 4}, True),
-    # Like bench/dma_batch_probe.py's best rows: even 64 MiB chunks, no ramp, no head.
+    # Like bench/probes/dma_batch_probe.py's best rows: even 64 MiB chunks, no ramp, no head.
     ("dma_flat64", {"backend": "dma", "dma_head_bytes": 0, "dma_first_chunk_bytes": 64 * MiB,
                     "dma_chunk_bytes": 64 * MiB, "dma_h2d_last_chunk_bytes": 64 * MiB}, True),
     ("dma_flat64_head", {"backend": "dma", "dma_first_chunk_bytes": 64 * MiB, "dma_chunk_bytes": 64 * MiB,

@@ -163,7 +163,7 @@ def cold_calls(lines: list[str]) -> None:
     if not runs:
         return
     lines += ["## One call right after a simulated step", "",
-              "bench/cold_call_probe.py: each primitive of the manager's hot path timed as the first call after "
+              "bench/probes/cold_call_probe.py: each primitive of the manager's hot path timed as the first call after "
               "a simulated 20 ms step (cold) and right after that (warm), median over samples. Issue 4's budget is "
               "spent in this regime.", "",
               "| result file | machine | primitive | cold us | warm us | cold / warm |", "|---|---|---|---|---|---|"]

@@ -12,7 +12,7 @@ anyone while the copy runs.
 
 Backends (measured on an H200 with Llama-3-8B KV, 1 GiB per copy, random host pages; ratios are GB/s over
 the same run's contiguous pinned copy: bench/results/offload_bandwidth-h200.json and
-bench/results/dma_batch_probe-h200.{json,log} from bench/dma_batch_probe.py):
+bench/results/dma_batch_probe-h200.{json,log} from bench/probes/dma_batch_probe.py):
 - "triton": one kernel gathers device rows and writes them straight into scattered pinned host slots
   through unified addressing (and the reverse for load-back). No staging, no host-side work. SM stores
   over PCIe: offload 0.93-0.947 and load-back 0.90-0.925 at every page size.
@@ -211,7 +211,7 @@ class CudaCopyEngine(CopyEngine):
     (the pipeline's gathers/scatters and index preparation), further copy streams, `direct_stream` (the
     direct kernel's head and hybrid share inside the pipeline).
 
-    Staged pipeline parameters, per direction (defaults from bench/dma_batch_probe.py on the H200):
+    Staged pipeline parameters, per direction (defaults from bench/probes/dma_batch_probe.py on the H200):
     offload 64 MiB chunks on 1 copy stream (0.978 at page 64, 0.963 at page 16; more streams did not
     help), load-back 256 MiB chunks split over 2 copy streams (0.981-0.982 at pages 16/64; at page 1 big
     chunks lost only because the first chunk's CPU submit was exposed, which the ramp removes). Chunks

@@ -183,7 +183,7 @@ class HostKVPool:
         layers, then the page's tokens).
 
         One numpy copy per page out of the pool's (P, L, pages, page, H, D) view. What it saves
-        (bench/page_bytes_probe.py, 32 MiB of Llama-3-8B rows, one thread): a torch index_select of the
+        (bench/probes/page_bytes_probe.py, 32 MiB of Llama-3-8B rows, one thread): a torch index_select of the
         strided token view plus a permute copied at ~1.3 GB/s, 7x slower. The backup worker calls this
         for every batch of chunks it writes, on a thread that shares the interpreter with the scheduler."""
         idx = self._page_index(host_indices)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for common
 from common import write_result  # noqa: E402
 
 from kvfsm.dataplane import HostKVPool, KVCacheConfig  # noqa: E402

@@ -3,6 +3,9 @@
 A development aid beside the benchmark (its numbers are not results): it runs the benchmark's batched
 steady state and prints the mean time of each manager phase (`_submit` includes the CPU copy itself,
 which the benchmark subtracts) and the functions with the most own time.
+
+Decision it informed: which phases of an iteration to batch (the generated `<event>_each` batch events,
+one host allocation and one copy per offload_batch call).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for common
 import manager_overhead as bench  # noqa: E402
 
 from generated.decode_offload import DecodeOffloadMachine  # noqa: E402

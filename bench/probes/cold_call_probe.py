@@ -9,6 +9,10 @@ primitive's first run and, right after, its second (warm) run. The median over `
 The primitives are the building blocks of the manager's hot path (numpy and torch calls on batch-sized
 arrays, Python list, dict and object work on 64 items), so the result says which of them a budget of a
 few hundred microseconds per iteration can afford.
+
+Decision it informed: the hot path works on batch arrays and page lists with as few numpy and torch
+calls as it can (each costs tens of microseconds cold), and bench/serving_loop.py measures the floor
+of any manager (bench/bare_offload.py) in the same regime before a per-iteration budget is judged.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for common
 from common import write_result  # noqa: E402
 
 

@@ -1,7 +1,7 @@
 """How fast can the GPU's SMs write pinned host memory? (A development probe for issue 3's page-1 target.)
 
 The copy engine's scattered offload is either SM stores through unified addressing (the Triton kernel) or
-DMA copies, one per contiguous host run (`bench/dma_batch_probe.py`). Page-size-1 offload has host runs
+DMA copies, one per contiguous host run (`bench/probes/dma_batch_probe.py`). Page-size-1 offload has host runs
 of 64 KiB (page_first) or 2 KiB (layer_first), too short for the DMA engines, so it rests on SM stores.
 This probe measures, in one run and against that run's contiguous DMA ceiling (`copy_` of 1 GiB):
 
@@ -12,6 +12,9 @@ This probe measures, in one run and against that run's contiguous DMA ceiling (`
                   Triton and the driver allow it (the error is recorded otherwise).
 
 Each result is verified bit-exact. Run on the device machine; JSON lands in bench/results/.
+
+Decision it informed: page-size-1 offload rests on SM stores, which cap at ~0.95 of the DMA ceiling on
+the H200, so no kernel-driven path reaches a 0.97 target there (recorded as the limit, not chased).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for common
 from common import write_result  # noqa: E402
 
 try:

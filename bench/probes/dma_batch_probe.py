@@ -26,6 +26,9 @@ Every result is checked bit-exact (poisoned destination first). Each case is wra
 its error and the run goes on; --budget-s skips what is left once the run gets long. On a machine without
 CUDA it runs a tiny CPU planning smoke instead (and --help / import work anywhere).
 Its recorded results (bench/results/dma_batch_probe-*) came from an earlier version, before dma.py was split.
+
+Decision it informed: the CUDA engine's staged "dma" pipeline (kvfsm/dataplane/copy/pipeline.py) and
+the thresholds of its "auto" policy (AutoPolicy in kvfsm/dataplane/copy/cuda.py).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repo (bench/probes/ -> ..)
 for p in (str(ROOT), str(ROOT / "bench")):
     if p not in sys.path:
         sys.path.insert(0, p)
