@@ -4,6 +4,9 @@ The engine calls `offload(req)` after a decode step, `check_progress()` every sc
 `finalize(req)` / `abort(req)` / `retract(req)` when a request ends. The manager decides only what the
 spec cannot see (how long a chunk is, whether host memory or backup-queue room exists, which copies
 completed) and turns each answer into an event of the request's generated machine.
+
+(About 500 lines: one class, the engine's whole integration surface, single and batch paths side by side
+so that a reader can check that both make the same transitions.)
 """
 
 from __future__ import annotations
