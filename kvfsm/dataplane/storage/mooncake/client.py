@@ -59,7 +59,7 @@ from urllib.parse import urlsplit
 
 import torch
 
-from .base import StorageStats, _check_batch, storage_key_suffix
+from ..base import StorageStats, _check_batch, storage_key_suffix
 
 logger = logging.getLogger(__name__)
 
