@@ -1,121 +1,30 @@
-"""L3 storage on Mooncake Store: the `StorageBackend` protocol over `mooncake.store.MooncakeDistributedStore`.
+"""MooncakeStorage, the `StorageBackend` over one Mooncake Store client, and MooncakeStats.
 
-Install with `pip install 'kvfsm[mooncake]'` (the non-CUDA wheel; CUDA hosts install the
-`mooncake-transfer-engine` wheel instead). `mooncake` is imported only when a `MooncakeStorage` is built, so
-kvfsm imports without it. The binaries need `libibverbs1` even for the TCP protocol.
-
-Keys are `{page hash}{suffix}` with FileStorage's suffix (`_{model}_{tp_rank}_{tp_size}`, `_{model}` for MLA),
-so engines of one deployment (same model, same TP rank) share pages and nothing else does.
-
-Data path (one client call per batch, no per-page round trips):
-  * batch_set -> `batch_put_from` with each page's own address. A page inside a registered region
-    (`register_buffer`, `register_host_pool`, the read pool) is always sent in place; any other page too
-    when the protocol lets the transfer engine read unregistered host memory (`tcp`), else it is staged
-    through a registered buffer first (one memcpy). `batch_set_from_host` gathers pages straight out of a
-    registered HostKVPool (`batch_put_from_multi_buffers`, one range per plane and layer, per token for
-    page_first), no serialisation copy at all.
-  * batch_get -> `batch_get_into` straight into recycled page buffers (registered when the transport
-    needs it) that the returned tensors alias; a buffer is reused only once nothing references it any
-    more, so a read neither copies nor page-faults fresh memory.
-  * batch_exists -> `batch_is_exist`, counted as a prefix.
-
-Failures are reported per page, never raised (B13: a page is reported stored only when the store said so):
-a full store (NO_AVAILABLE_HANDLE, with eviction off or nothing evictable), an RPC failure, a dead master
-all become False / None / a shorter prefix, counted in `stats` and logged once per call. An object of
-another size than `page_nbytes` is fetched again at its own size (one get_size round trip).
-
-Mooncake is a cache: under memory pressure the master evicts objects (`--eviction_high_watermark_ratio`),
-and a restarted master starts with an empty index. A page once reported stored can therefore go missing
-later; reads then return None and the stored-prefix query stops there, as for a page never stored.
-
-Bounded time: construction probes the master and the metadata server with a TCP connect and raises
-`MooncakeUnavailable` with the address when either is unreachable (instead of the client's ~90 s of setup
-retries). The client's setup() and close() hold the GIL, so no Python timeout can cut them short: setup is
-bounded through the client's own settings, which construction sets when the environment does not
-(`MC_STORE_CLIENT_SETUP_RETRIES` from setup_timeout_s, `MC_RPC_TIMEOUT_MS` from op_timeout_s; both are read
-at setup). Every other client call runs on one of a few daemon worker threads and is waited for at most
-`op_timeout_s`; past that the call is reported failed. If such an abandoned put finishes later, the keys
-it wrote are removed again (the pages may have changed meanwhile), and the buffers an abandoned get
-writes into stay reserved until it returns. While every worker is stuck, calls fail at once instead of
-queueing. close() waits for running calls before closing the client (never under one).
+The batch data path described in the package docstring: keys, registered regions, puts (in place, staged, or
+gathered from a HostKVPool), reads into `read_pool` buffers, exists, per-page failure accounting. The client
+comes from `connect`; every call on it goes through `runner`.
+Over 500 lines as one class on purpose: its read, write and registration paths share the client, regions and pools.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import mmap
-import os
-import queue
-import socket
-import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
 
 import torch
 
 from ..base import StorageStats, _check_batch, storage_key_suffix
+from .connect import _host_port, connect
+from .errors import INVALID_PARAMS, OBJECT_ALREADY_EXISTS, OBJECT_NOT_FOUND, OK, RPC_FAIL, TIMEOUT, error_name
+from .read_pool import _ReadPool
+from .runner import _Runner
 
-logger = logging.getLogger(__name__)
-
-# Status codes the client returns (mooncake-store ErrorCode); anything else is logged by number.
-OK = 0
-NO_AVAILABLE_HANDLE = -200  # no space in any mounted segment: the store is full
-INVALID_PARAMS = -600  # e.g. the destination is smaller than the object
-OBJECT_NOT_FOUND = -704
-OBJECT_ALREADY_EXISTS = -705
-RPC_FAIL = -900
-RPC_TIMEOUT = -901
-ERROR_NAMES = {NO_AVAILABLE_HANDLE: "NO_AVAILABLE_HANDLE (store full)", INVALID_PARAMS: "INVALID_PARAMS",
-               OBJECT_NOT_FOUND: "OBJECT_NOT_FOUND", OBJECT_ALREADY_EXISTS: "OBJECT_ALREADY_EXISTS",
-               RPC_FAIL: "RPC_FAIL (master unreachable?)", RPC_TIMEOUT: "RPC_TIMEOUT"}
-TIMEOUT = "TIMEOUT"  # the call did not return within op_timeout_s
-WEDGED = "WEDGED"  # every worker is stuck in an earlier call; not attempted
-
-_INSTALL_HINT = ("pip install 'kvfsm[mooncake]' (CPU wheel mooncake-transfer-engine-non-cuda; on CUDA hosts "
-                 "pip install mooncake-transfer-engine) and apt-get install libibverbs1")
-
-
-class MooncakeUnavailable(RuntimeError):
-    """The Mooncake client cannot be used: not installed, master or metadata server unreachable, setup failed."""
-
-
-def error_name(code: int | str) -> str:
-    return code if isinstance(code, str) else ERROR_NAMES.get(code, f"error {code}")
-
-
-def import_store_class() -> Any:
-    """`mooncake.store.MooncakeDistributedStore`, or MooncakeUnavailable saying what to install."""
-    try:
-        from mooncake.store import MooncakeDistributedStore
-    except (ImportError, OSError) as e:
-        raise MooncakeUnavailable(f"mooncake is not usable ({e}); {_INSTALL_HINT}") from e
-    return MooncakeDistributedStore
-
-
-def _host_port(addr: str, default_port: int) -> tuple[str, int]:
-    if "://" in addr:
-        u = urlsplit(addr)
-        return u.hostname or "127.0.0.1", u.port or default_port
-    host, _, port = addr.rpartition(":")
-    if not host:
-        return addr, default_port
-    return host.strip("[]"), int(port)
-
-
-def probe(addr: str, what: str, timeout: float, default_port: int) -> None:
-    """Raise MooncakeUnavailable unless a TCP connection to `addr` opens within `timeout` seconds."""
-    host, port = _host_port(addr, default_port)
-    try:
-        socket.create_connection((host, port), timeout=timeout).close()
-    except OSError as e:
-        raise MooncakeUnavailable(f"Mooncake {what} at {host}:{port} is unreachable ({e}); "
-                                  f"is mooncake_master running there?") from e
+logger = logging.getLogger(__package__)  # the backend's one logger, as before the package split
 
 
 @dataclass
@@ -125,199 +34,6 @@ class MooncakeStats(StorageStats):
     errors: Counter = field(default_factory=Counter)  # per-page failure reasons by name
 
 
-# ---- bounded calls ----------------------------------------------------------------------------------
-_PENDING, _RUNNING, _FINISHED, _CANCELLED, _ABANDONED = range(5)
-
-
-class _Job:
-    """One client call; `done` is released when it has finished (the cheapest thing to wait on)."""
-
-    __slots__ = ("fn", "on_late", "done", "state", "result", "error")
-
-    def __init__(self, fn: Callable[[], Any], on_late: Callable[[Any], None] | None) -> None:
-        self.fn, self.on_late = fn, on_late
-        self.done = threading.Lock()
-        self.done.acquire()
-        self.state = _PENDING
-        self.result: Any = None
-        self.error: BaseException | None = None
-
-
-class _Runner:
-    """A few daemon threads running client calls; callers wait at most a timeout (never joined at exit)."""
-
-    def __init__(self, workers: int, name: str) -> None:
-        self.workers = workers
-        self._q: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self.stuck = 0  # abandoned calls still running
-        self._threads = [threading.Thread(target=self._loop, name=f"{name}-{i}", daemon=True) for i in range(workers)]
-        for t in self._threads:
-            t.start()
-
-    def _loop(self) -> None:
-        while True:
-            job = self._q.get()
-            if job is None:
-                return
-            with self._lock:
-                if job.state == _CANCELLED:  # its caller gave up before it started: never run it
-                    continue
-                job.state = _RUNNING
-            try:
-                job.result = job.fn()
-            except BaseException as e:  # reported to the caller, never kills the worker
-                job.error = e
-            with self._lock:
-                late = job.state == _ABANDONED
-                job.state = _FINISHED
-                if late:
-                    self.stuck -= 1
-            job.done.release()
-            if late and job.on_late is not None and job.error is None:
-                try:
-                    job.on_late(job.result)
-                except Exception:  # cleanup of an abandoned call is best effort
-                    logger.exception("cleanup after a late Mooncake call failed")
-            job.fn = job.on_late = None  # type: ignore[assignment]  # drop buffer references now
-
-    def submit(self, fn: Callable[[], Any], on_late: Callable[[Any], None] | None = None) -> _Job | None:
-        """Queue a call; None when every worker is stuck in an abandoned call (then nothing is queued)."""
-        if self.stuck >= self.workers:
-            return None
-        job = _Job(fn, on_late)
-        self._q.put(job)
-        return job
-
-    def call(self, fn: Callable[[], Any], timeout: float, on_late: Callable[[Any], None] | None = None) -> tuple[str, Any]:
-        return self.wait(self.submit(fn, on_late), timeout)
-
-    def wait(self, job: _Job | None, timeout: float) -> tuple[str, Any]:
-        """("ok", result) | ("error", exc) | (TIMEOUT, None) | (WEDGED, None)."""
-        if job is None:
-            return WEDGED, None
-        if not job.done.acquire(timeout=max(0.0, timeout)):
-            with self._lock:
-                if job.state == _PENDING:
-                    job.state = _CANCELLED
-                    return TIMEOUT, None
-                if job.state == _RUNNING:  # it may still complete: on_late undoes what it did
-                    job.state = _ABANDONED
-                    self.stuck += 1
-                    return TIMEOUT, None
-            # finished just as the wait timed out: its result is set
-        if job.error is not None:
-            return "error", job.error
-        return "ok", job.result
-
-    def close(self) -> None:
-        """Workers exit once the calls queued so far are done."""
-        for _ in self._threads:
-            self._q.put(None)
-
-    def join(self) -> None:
-        for t in self._threads:
-            t.join()
-
-
-# ---- recycled receive buffers -------------------------------------------------------------------------
-class _Slab:
-    __slots__ = ("mm", "anchor", "whole", "base", "free")
-
-    def __init__(self, pages: int, page_nbytes: int) -> None:
-        self.mm = mmap.mmap(-1, pages * page_nbytes)
-        self.anchor = ctypes.c_char.from_buffer(self.mm)  # keeps the mapping exported (its address stable)
-        self.base = ctypes.addressof(self.anchor)
-        self.whole = memoryview(self.mm)
-        self.free = bytearray(b"\x01" * pages)  # 1: no lease covers the page
-
-
-class _ReadPool:
-    """Page buffers for reads, handed out as leases and reused once nothing references them.
-
-    Buffers live in anonymous mmap slabs (registered with the client when the transport needs it). A
-    lease is a memoryview over a run of consecutive pages; the tensors returned for it are rows of one
-    `torch.frombuffer` of the lease, so any row or view derived from one keeps the lease referenced, and
-    the lease's reference count says when its pages are free again.
-    """
-
-    def __init__(self, page_nbytes: int, cap_bytes: int, register: Callable[[int, int], bool] | None) -> None:
-        self.page_nbytes = page_nbytes
-        self.cap_pages = max(0, cap_bytes // page_nbytes)
-        self._register = register
-        self.slabs: list[_Slab] = []
-        self.pages = 0
-        self._leases: list[tuple[memoryview, int, int, int]] = []  # (lease, slab, first page, pages)
-        self._probe = [(memoryview(b""), 0, 0, 0)]  # never handed out: what "unreferenced" counts as
-        self._lock = threading.Lock()
-
-    @staticmethod
-    def _refs(buf: memoryview) -> int:
-        return sys.getrefcount(buf)
-
-    def _reclaim(self) -> None:
-        entry = self._probe[0]
-        lease = entry[0]
-        baseline = self._refs(lease)  # measured exactly as each lease is below
-        keep = []
-        for entry in self._leases:
-            lease = entry[0]
-            if self._refs(lease) <= baseline:
-                _, si, first, n = entry
-                self.slabs[si].free[first:first + n] = b"\x01" * n
-            else:
-                keep.append(entry)
-        del lease, entry
-        self._leases = keep
-
-    def _grow(self, want: int) -> bool:
-        n = min(self.cap_pages - self.pages, max(want, min((64 << 20) // self.page_nbytes, 1024)))
-        if n < want:
-            return False
-        slab = _Slab(n, self.page_nbytes)
-        if self._register is not None and not self._register(slab.base, n * self.page_nbytes):
-            return False  # not registered now (client busy or master away): fresh memory this time
-        self.slabs.append(slab)
-        self.pages += n
-        return True
-
-    def _lease(self, si: int, first: int, n: int) -> tuple[memoryview, int]:
-        slab, pb = self.slabs[si], self.page_nbytes
-        slab.free[first:first + n] = bytes(n)
-        lease = slab.whole[first * pb:(first + n) * pb]
-        self._leases.append((lease, si, first, n))
-        return lease, slab.base + first * pb
-
-    def take(self, n: int) -> list[tuple[memoryview, int, int]]:
-        """Leases covering up to n pages: (lease, address, pages); fewer pages once the cap is reached."""
-        with self._lock:
-            self._reclaim()
-            run = b"\x01" * n
-            for si, slab in enumerate(self.slabs):  # one run of n free pages: one lease
-                first = slab.free.find(run)
-                if first >= 0:
-                    lease, addr = self._lease(si, first, n)
-                    return [(lease, addr, n)]
-            if self._grow(n):
-                lease, addr = self._lease(len(self.slabs) - 1, 0, n)
-                return [(lease, addr, n)]
-            out: list[tuple[memoryview, int, int]] = []  # fragmented or full: whatever runs are free
-            need = n
-            for si, slab in enumerate(self.slabs):
-                first = slab.free.find(1)
-                while first >= 0 and need:
-                    end = slab.free.find(0, first)
-                    k = min((len(slab.free) if end < 0 else end) - first, need)
-                    lease, addr = self._lease(si, first, k)
-                    out.append((lease, addr, k))
-                    need -= k
-                    first = slab.free.find(1, first + k)
-                if not need:
-                    break
-            return out
-
-
-# ---- the backend ----------------------------------------------------------------------------------------
 class MooncakeStorage:
     """`StorageBackend` on a Mooncake Store cluster (master + clients that mount memory segments).
 
@@ -373,45 +89,13 @@ class MooncakeStorage:
         self._closed = False
         self._put_config = None
         if client is None:
-            store_cls = import_store_class()
-            from mooncake.store import ReplicateConfig
-            self._put_config = ReplicateConfig()
-            self._put_config.replica_num = int(replica_num)
-            probe(master_server_addr, "master", connect_timeout_s, 50051)
-            if self.metadata_server.startswith(("http://", "https://")):
-                probe(self.metadata_server, "metadata server", connect_timeout_s, 8080)
-            # The client's setup holds the GIL (no Python-side timeout can fire during it): bound it by its own
-            # retry count and RPC timeout, unless the environment already says otherwise.
-            os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", str(max(1, int(setup_timeout_s // 5))))
-            os.environ.setdefault("MC_RPC_TIMEOUT_MS", str(max(1000, int(op_timeout_s * 1000))))
-            client = self._setup(store_cls, local_hostname, global_segment_size, local_buffer_size, device_name,
-                                 setup_timeout_s)
+            client, self._put_config = connect(
+                master_server_addr, self.metadata_server, local_hostname=local_hostname, protocol=protocol,
+                device_name=device_name, global_segment_size=global_segment_size,
+                local_buffer_size=local_buffer_size, replica_num=replica_num, op_timeout_s=op_timeout_s,
+                setup_timeout_s=setup_timeout_s, connect_timeout_s=connect_timeout_s)
         self.client = client
         self._runner = _Runner(max(1, int(workers)), "kvfsm-mooncake")
-
-    def _setup(self, store_cls: Any, local_hostname: str, global_segment_size: int, local_buffer_size: int,
-               device_name: str, timeout: float) -> Any:
-        client = store_cls()
-        box: dict[str, Any] = {}
-
-        def go() -> None:
-            try:
-                box["rc"] = client.setup(local_hostname, self.metadata_server, int(global_segment_size),
-                                         int(local_buffer_size), self.protocol, device_name, self.master_server_addr)
-            except BaseException as e:  # reported below
-                box["error"] = e
-
-        t = threading.Thread(target=go, name="kvfsm-mooncake-setup", daemon=True)
-        t.start()
-        t.join(timeout)
-        where = f"master {self.master_server_addr}, metadata {self.metadata_server}"
-        if t.is_alive():
-            raise MooncakeUnavailable(f"Mooncake client setup did not finish within {timeout:g}s ({where})")
-        if "error" in box:
-            raise MooncakeUnavailable(f"Mooncake client setup failed ({where}): {box['error']}") from box["error"]
-        if box.get("rc") != 0:
-            raise MooncakeUnavailable(f"Mooncake client setup returned {box.get('rc')} ({where})")
-        return client
 
     @classmethod
     def from_config(cls, config: Any, *, tp_rank: int = 0, tp_size: int = 1, is_mla: bool = False,
@@ -844,37 +528,3 @@ class MooncakeStorage:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def master_command(binary: str, rpc_port: int, http_port: int, metrics_port: int, host: str = "127.0.0.1",
-                   extra: Sequence[str] = ()) -> list[str]:
-    """The mooncake_master command line kvfsm's tests and benchmark use: RPC, HTTP metadata and metrics on `host`."""
-    return [binary, f"--rpc_address={host}", f"--rpc_port={rpc_port}", "--enable_http_metadata_server=true",
-            f"--http_metadata_server_host={host}", f"--http_metadata_server_port={http_port}",
-            f"--metrics_host={host}", f"--metrics_port={metrics_port}", "--enable_metric_reporting=false",
-            "--logtostderr", *extra]
-
-
-def master_binary() -> str | None:
-    """Path of the mooncake_master binary shipped in the mooncake wheel (None when not installed)."""
-    import importlib.util
-    try:
-        spec = importlib.util.find_spec("mooncake")
-    except (ImportError, ValueError):
-        return None
-    for d in (spec.submodule_search_locations or []) if spec else []:
-        path = os.path.join(d, "mooncake_master")
-        if os.path.isfile(path):
-            if not os.access(path, os.X_OK):
-                os.chmod(path, os.stat(path).st_mode | 0o111)
-            return path
-    return None
-
-
-LOOPBACK_ENV: Mapping[str, str] = {
-    "MC_TE_FILTERS": "lo",  # the transfer engine picks the loopback interface
-    "MC_TCP_BIND_ADDRESS": "127.0.0.1",  # and binds its TCP transport there
-}
-
-__all__ = ["ERROR_NAMES", "LOOPBACK_ENV", "MooncakeStats", "MooncakeStorage", "MooncakeUnavailable", "error_name",
-           "import_store_class", "master_binary", "master_command", "probe"]
