@@ -213,8 +213,8 @@ def test_copy_failure_or_divergence_falls_back_to_replay(monkeypatch: pytest.Mon
     assert res.mode == "replay" and "could not be copied" in res.fallback
     assert res.keys == plain.keys
 
-    import kvfsm.verify.explorer as explorer
-    monkeypatch.setattr(explorer, "clone", lambda w: World(w.config))  # a "copy" that forgets everything
+    import kvfsm.verify.explorer.search as search  # the module whose `clone` the search calls
+    monkeypatch.setattr(search, "clone", lambda w: World(w.config))  # a "copy" that forgets everything
     res = explore(cfg, keep_keys=True, validate_every=1)
     assert res.mode == "replay" and ("diverged" in res.fallback or "does not happen" in res.fallback)
     assert res.keys == plain.keys
