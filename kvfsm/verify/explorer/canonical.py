@@ -1,0 +1,146 @@
+"""State canonicalisation: the key the search deduplicates states by.
+
+`canonical_key` is the engine's whole bookkeeping with record names and serials replaced by request
+positions, and device pages, host pages and table rows renamed in order of first use (free ones are
+interchangeable: only their number counts), so interleavings that leave the same state up to which
+physical page went to whom meet. Requests are interchangeable too (symmetry=False turns that off): the
+key is taken in the request order that sorts their local states, the smallest hash among orders that
+tie. Attributes a fault adds to records or chunks are part of the key, so a fault's side state is not
+merged away.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Optional, Sequence
+
+from kvfsm.verify.explorer.checks import _Snap
+from kvfsm.verify.explorer.world import _DEFERRED, LIVE, World
+
+
+def canonical_key(w: World, snap: Optional[_Snap] = None, symmetry: bool = True) -> tuple:
+    """The whole bookkeeping of engine, manager and pools, with record names and serials replaced by
+    request positions, and device pages, host pages and rows renamed in order of first use (free pages and
+    free rows are interchangeable: only their number counts). Equal keys: equal futures, up to names.
+
+    symmetry: requests are interchangeable too (they differ only in their tokens): the key is the one of
+    the request order that sorts their local states, the smallest hash among orders that tie."""
+    s = snap or _Snap(w)
+    n = len(w.reqs)
+    if not symmetry or n < 2:
+        return _key(w, s, list(range(n)))
+    # a request's local state, without its index: the requests' order in the key is sorted by it
+    mine: dict[int, list[int]] = {}
+    for k, chunks in enumerate((s.copies, s.parked, s.backups)):
+        for c in chunks:
+            mine.setdefault(s.index_of(c.record), [0, 0, 0])[k] += 1
+    sig = []
+    for i, req in enumerate(w.reqs):
+        local: tuple = tuple(w.ctl[i])
+        if req is not None:
+            mach = w.engine.manager.machine_of(req)
+            local += (req.kv_committed_len, req.kv_allocated_len, req.done, req.req_pool_idx is None,
+                      mach.snapshot() if mach is not None else None, tuple(mine.get(i, ())))
+        sig.append(hash(local))
+    groups: dict[int, list[int]] = {}
+    for i in range(n):
+        groups.setdefault(sig[i], []).append(i)
+    ordered = [groups[h] for h in sorted(groups)]
+    if all(len(g) == 1 for g in ordered):
+        return _key(w, s, [g[0] for g in ordered])
+    best: Optional[tuple] = None
+    for parts in itertools.product(*(itertools.permutations(g) for g in ordered)):
+        key = _key(w, s, [i for part in parts for i in part])
+        if best is None or hash(key) < hash(best):
+            best = key
+    return best
+
+
+def _key(w: World, s: _Snap, order: list[int]) -> tuple:
+    e, m, ps = w.engine, w.engine.manager, s.ps
+    pos = {i: k for k, i in enumerate(order)}
+    label: dict[int, tuple] = {}
+    by_key: dict[str, tuple] = {}
+    nth: dict[int, int] = {}
+    current = sorted((r for r in s.records if id(r) in s.current), key=lambda r: pos[s.current[id(r)]])
+    records = current + [r for r in s.records if id(r) not in s.current]
+    for rec in records:
+        i = s.index_of(rec)
+        p = pos.get(i, -1)
+        if s.current.get(id(rec)) == i:
+            lab = (p, 0)
+        else:
+            nth[p] = nth.get(p, 0) + 1
+            lab = (p, nth[p])
+        label[id(rec)] = lab
+        by_key[rec.key] = lab
+    pmap: dict[int, int] = {}  # device page -> name
+    hmap: dict[int, int] = {}  # host page -> name
+    rmap: dict[Any, int] = {}  # row -> name
+
+    def dev(slots: Sequence[int]) -> tuple:
+        return tuple((pmap.setdefault(x // ps, len(pmap)), x % ps) for x in slots)
+
+    def hst(slots: Sequence[int]) -> tuple:
+        return tuple((hmap.setdefault(x // ps, len(hmap)), x % ps) for x in slots)
+
+    def row(r: Any) -> Any:
+        return rmap.setdefault(r, len(rmap)) if isinstance(r, int) else r
+
+    reqs = []
+    for i in order:
+        req = w.reqs[i]
+        if req is None:
+            reqs.append(tuple(w.ctl[i]))
+            continue
+        alloc = max(req.kv_allocated_len, req.kv_committed_len)
+        r = req.req_pool_idx
+        held = (dev(s.table[r][:-(-alloc // ps) * ps]) if w.ctl[i][0] == LIVE and isinstance(r, int)
+                and 0 <= r < len(s.table) else ())
+        reqs.append((tuple(w.ctl[i]), row(r), req.kv_committed_len, req.kv_allocated_len, len(req.output_ids),
+                     req.done, held))
+    recs = []
+    for rec in records:
+        deferred = ()
+        if rec.machine.state in _DEFERRED:
+            ended = w.ends.get((s.index_of(rec), rec.row))
+            n = -(-ended[1] // ps) * ps if ended else 0
+            deferred = (ended, dev(s.table[rec.row][:n]))
+        recs.append((label[id(rec)], rec.machine.snapshot(), row(rec.row), rec.inc_len, rec.end_lengths,
+                     rec.req is None, deferred, _extras(rec)))
+    chunk_no: dict[int, int] = {}
+
+    def chunk(c: Any) -> tuple:
+        chunk_no[c.serial] = len(chunk_no)
+        return (label[id(c.record)], c.start, c.end, dev(s.dev_idx[id(c)]), hst(s.host_idx[id(c)]), _extras(c))
+
+    fifo = tuple((chunk(c), c.handle.done()) for c in s.copies)
+    parked = tuple(chunk(c) for c in s.parked)
+    pending = tuple(chunk(c) for c in s.pending)
+    collected = tuple((chunk(j.payload), j.ok) for j in s.done_jobs)
+    ledger = ()
+    led = m.ledger
+    if led is not None:
+        ledger = (tuple(sorted((pmap.setdefault(p, len(pmap)), by_key.get(o, o)) for p, o in led.device_owner.items())),
+                  tuple(sorted((pmap.setdefault(p, len(pmap)), tuple(sorted(chunk_no.get(x, -1) for x in r)))
+                               for p, r in led.device_readers.items() if r)),
+                  tuple(sorted((hmap.setdefault(p, len(hmap)), chunk_no.get(x, -1))
+                               for p, x in led.host_owner.items())))
+    # pools: which named pages are allocated, how many allocated pages nobody names (a leak), how many free
+    alloc_named = tuple(sorted(pmap[p] for p, a in enumerate(s.alloc) if a and p in pmap))
+    halloc_named = tuple(sorted(hmap[p] for p, a in enumerate(s.halloc) if a and p in hmap))
+    rows_named = tuple(sorted(rmap[r] for r, a in enumerate(s.rows_alloc) if a and r in rmap))
+    return (tuple(reqs), tuple(recs), fifo, parked, pending, collected, len(e.copies.pending), len(m.fx.parked),
+            e.worker.outstanding(), alloc_named, sum(s.alloc) - len(alloc_named), len(s.free),
+            halloc_named, sum(s.halloc) - len(halloc_named), len(s.hfree),
+            rows_named, sum(s.rows_alloc) - len(rows_named), e.req_to_token.free_rows, e.protected.size, ledger)
+
+
+def _extras(obj: Any) -> tuple:
+    """Attributes an object carries beyond its dataclass fields (state a fault keeps on the side)."""
+    names = getattr(type(obj), "__dataclass_fields__", None)
+    d = getattr(obj, "__dict__", None)
+    if names is None or d is None or len(d) == len(names):
+        return ()
+    return tuple(sorted((k, v if isinstance(v, (bool, int, float, str, type(None))) else type(v).__name__)
+                        for k, v in d.items() if k not in names))

@@ -1,0 +1,86 @@
+"""The explored world: the bound (`ExplorerConfig`) and one implementation state (`World`).
+
+A World is a SimEngine in checked mode (real CPU pools, copies that land only when an event completes
+them, backups that run only when an event runs them) plus the explorer's own per-request bookkeeping:
+each request's phase, its re-admissions, and the lengths each ended lifecycle held. Everything here is
+copied together when the search branches (kvfsm.verify.explorer.cloning), so it holds no other state.
+The phases and the spec's state sets the events, checks and key are written against live here too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Callable, Optional
+
+import generated.decode_offload as gen
+from kvfsm.verify.engine import SimEngine, SimRequest
+
+Event = tuple  # ("admit", i), ("copy", j), ("progress",), ...
+Faults = Callable[[SimEngine], None]
+
+# a request's phase in the explorer's own bookkeeping (World.ctl[i][0])
+NEW, LIVE, ENDED, RETRACTED = 0, 1, 2, 3
+# the machine states in which a lifecycle is live (offload is handled)
+_LIVE_STATES = gen.HANDLED["offload"]
+# a lifecycle that ended while copies were in flight: it keeps its slots until the last copy ack
+_DEFERRED = frozenset(s for s, held in gen.HOLDS.items() if "device_slots" in held) - _LIVE_STATES
+
+
+@dataclass(frozen=True)
+class ExplorerConfig:
+    """The bound: requests, pool sizes and per-request budgets (all finite, so the space is finite)."""
+
+    requests: int = 3
+    slots: int = 16  # device slots (page 0 is the allocator's padding page)
+    page_size: int = 2
+    stride: int = 2
+    host_slots: int = 8
+    backup_queue: int = 1
+    prompt_len: int = 3  # every request's prompt (its first token is unique, so hash chains differ)
+    prefix_len: int = 2  # each request's protected prefix (clipped to its prompt)
+    decodes: int = 1  # decode steps per request (over all its lifecycles)
+    speculative: int = 0  # > 0 adds decode_spec i, a decode that over-allocates this many extra slots
+    readmits: int = 0  # re-admissions of a retracted request object ...
+    readmitters: Optional[int] = None  # ... for the first this-many requests (default: all of them)
+    end_kinds: tuple[str, ...] = ("finish", "abort", "retract")
+    duplicate_end: bool = True  # end_again i: finish of a request that already ended (B9)
+    backup_failures: bool = True  # backup_fail j besides backup j
+    batch_offload: bool = True  # offload_batch: one manager.offload_batch over every live request
+    rows: Optional[int] = None  # request-table rows (default: one per request, one more per re-admittable one)
+    max_context: int = 16
+
+    @property
+    def table_rows(self) -> int:
+        if self.rows is not None:
+            return self.rows
+        readmitters = self.requests if self.readmitters is None else min(self.readmitters, self.requests)
+        return self.requests + (readmitters if self.readmits else 0)
+
+    def engine(self, trace_path: Optional[str] = None) -> SimEngine:
+        return SimEngine(page_size=self.page_size, stride=self.stride, device_slots=self.slots,
+                         host_slots=self.host_slots, rows=self.table_rows, max_context=self.max_context,
+                         backup_queue=self.backup_queue, checked=True, trace_path=trace_path)
+
+    def describe(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in asdict(self).items())
+
+
+class World:
+    """One implementation state; everything in it is copied together when the search branches."""
+
+    def __init__(self, config: ExplorerConfig, faults: Optional[Faults] = None,
+                 trace_path: Optional[str] = None) -> None:
+        self.config = config
+        self.engine = config.engine(trace_path)
+        if faults is not None:
+            faults(self.engine)
+        self.reqs: list[Optional[SimRequest]] = [None] * config.requests
+        # per request: [phase, re-admissions left, re-admissions done]
+        n = config.requests if config.readmitters is None else config.readmitters
+        self.ctl: list[list[int]] = [[NEW, config.readmits if i < n else 0, 0] for i in range(config.requests)]
+        # (request index, row) -> (committed, allocated, prefix) when the engine ended that lifecycle
+        self.ends: dict[tuple[int, int], tuple[int, int, int]] = {}
+        self.checked: tuple = ()  # the pool snapshots whose conservation was last checked
+
+    def prompt(self, i: int) -> list[int]:
+        return [100_000 + i] + [1000 + j for j in range(self.config.prompt_len - 1)]
