@@ -25,3 +25,17 @@ def test_readme_integration_example_runs(tmp_path):
 def test_committed_auditor_docs_are_fresh(name):
     spec = load_spec(ROOT / f"spec/{name}.yaml")
     assert (ROOT / f"docs/spec/{name}.md").read_text() == markdown(spec, f"spec/{name}.yaml")
+
+
+def test_readme_architecture_block_matches_the_tree():
+    """Every package folder of kvfsm/ is named in the README's architecture block, and every module the
+    block names exists: a reader can say where a backend, a copy path or an integration goes."""
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"```\n(spec/.*?)```", text, re.S).group(1)
+    folders = sorted(p.parent.relative_to(ROOT / "kvfsm") for p in (ROOT / "kvfsm").rglob("__init__.py")
+                     if p.parent != ROOT / "kvfsm")
+    for folder in folders:
+        assert f"{folder.name}/" in block, f"kvfsm/{folder} is not in the README's architecture block"
+    modules = {p.name for p in (ROOT / "kvfsm").rglob("*.py")} | {p.name for p in (ROOT / "generated").glob("*.py")}
+    for name in re.findall(r"\b([a-z_]+\.py)\b", block):
+        assert name in modules, f"the README's architecture block names {name}, which does not exist"
