@@ -312,12 +312,12 @@ class DecodeOffloadManager:
     def _copy_slots(self, due: list[tuple[RequestRecord, OffloadRequest, int]],
                     host_pages: list[int]) -> tuple[Union[torch.Tensor, PageSlots], PageSlots]:
         """(device slots, host slots) of the due chunks, in order (CPU tensors, read from the request
-        table's host mirror), both as PageSlots when every chunk page starts a device page. A request's KV pages are whole device
-        pages with their slots in order (the paged allocator's layout, which release relies on too), so a
-        page's first slot names it: one numpy gather reads the chunk pages' first slots, one numpy call
-        expands device and host pages into slots, and the copy checks both as page lists. A row whose
-        chunk pages do not start on a page boundary is gathered token by token (as with page size 1);
-        one whose first slots are aligned but whose other slots are out of order breaks
+        table's host mirror), both as PageSlots when every chunk page starts a device page. A request's KV
+        pages are whole device pages with their slots in order (the paged allocator's layout, which
+        release relies on too), so a page's first slot names it: one numpy gather reads the chunk pages'
+        first slots, one numpy call expands device and host pages into slots, and the copy checks both as
+        page lists. A row whose chunk pages do not start on a page boundary is gathered token by token (as
+        with page size 1); one whose first slots are aligned but whose other slots are out of order breaks
         the layout this method (like release) relies on, and is not detected here."""
         ps = self.config.page_size
         host_pool = self.fx.host_pool

@@ -30,9 +30,10 @@ bench/results/dma_batch_probe-h200.{json,log} from bench/probes/dma_batch_probe.
   CPU into pinned memory at submit, then copies and scatters on the device.
 "auto" (default) chooses per copy, by direction and the mean size of one DMA copy (tokens per run of
 consecutive host slots x bytes per token within one row: x64 KiB for page_first, x2 KiB for
-layer_first with Llama-3-8B): "dma" when the copy moves >= dma_min_bytes and the mean copy is >=
-dma_min_copy_bytes_d2h (offload) / dma_min_copy_bytes_h2d (load-back), else "triton" (or "hybrid" for
-offload when auto_hybrid_fraction is set), else "torch" when Triton is missing.
+layer_first with Llama-3-8B): "dma" when the copy moves >= dma_min_bytes_d2h (offload, 256 MiB: below
+it the pipeline's planning costs the scheduler more than the kernel's link efficiency) / dma_min_bytes
+(load-back, 16 MiB) and the mean copy is >= dma_min_copy_bytes_d2h / dma_min_copy_bytes_h2d, else
+"triton" (or "hybrid" for offload when auto_hybrid_fraction is set), else "torch" when Triton is missing.
 """
 
 from __future__ import annotations
@@ -47,12 +48,12 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from ..errors import CopyError
 from ..pools.allocator import IndexLike
+from ..pools.device_pool import DeviceKVPool, resolve_device
+from ..pools.host_pool import HostKVPool
 from . import dma
 from .base import CopyEngine, CopyHandle, CopyPlan, plan_copy
-from ..pools.device_pool import DeviceKVPool, resolve_device
-from ..errors import CopyError
-from ..pools.host_pool import HostKVPool
 from .pipeline import CudaOps, PipelineSettings, launch_pipeline
 from .staging import PinnedIndexStaging
 from .triton_kernels import HAVE_TRITON, KernelConfig, default_config, kv_rows_copy
@@ -81,9 +82,9 @@ class AutoPolicy:
       per chunk) are not worth it; one direct kernel launch is simplest and fast enough.
     - d2h_min_bytes: offload is submitted from the scheduler thread behind a decode step, where the
       pipeline's planning is host time the scheduler pays while the direct kernel's lower link efficiency
-      costs nothing it waits for. In the serving loop on the H200 (bench/results/serving_loop-h200.json,
-      4096 live, 32 MiB per submit) the pipeline took 1.9 ms of host time per submit, the direct kernel
-      0.4-0.5 ms; offload takes the pipeline only from 256 MiB per copy (a few percent of link time on
+      costs nothing it waits for. In the serving loop on the H200 (4096 live, 32 MiB per submit) the
+      pipeline took 1.9 ms of host time per submit (bench/results/serving_loop-h200-before-policy.json),
+      the direct kernel 0.4-0.7 ms (1024 live there; 4096 live in serving_loop-h200.json); offload takes the pipeline only from 256 MiB per copy (a few percent of link time on
       such copies is then worth more than the planning).
     - no_triton_min_copy_bytes: without Triton the alternative is the torch path (host scatter on the CPU,
       0.06-0.2 of the ceiling), so the pipeline (torch gathers, batched DMA) wins for copies >= 16 KiB.
