@@ -166,7 +166,8 @@ class ServingLoop:
 
     def __init__(self, algo: str, live: int, page: int, stride: int, layers: int, table_device: str,
                  device: str, step_ms: float, store_dir: Path, host_gib: float, seed: int,
-                 prompt: tuple[int, int] = PROMPT, output: tuple[int, int] = OUTPUT, store_kind: str = "file") -> None:
+                 prompt: tuple[int, int] = PROMPT, output: tuple[int, int] = OUTPUT, store_kind: str = "file",
+                 store_writers: int = 4) -> None:
         self.algo, self.live_target, self.page, self.stride = algo, live, page, stride
         self.prompt, self.output = prompt, output
         self.rng = random.Random(seed)
@@ -182,7 +183,7 @@ class ServingLoop:
         host_slots = int(host_gib * 2**30) // kv.bytes_per_token // page * page
         self.host_pool = HostKVPool(kv, host_slots, page, layout="page_first", pin_memory=device == "cuda")
         self.store_dir = store_dir
-        storage = FileStorage(store_dir, model_name="bench") if store_kind == "file" else None
+        storage = FileStorage(store_dir, model_name="bench", writers=store_writers) if store_kind == "file" else None
         if device == "cuda":
             from kvfsm.dataplane import CudaCopyEngine
             engine: Any = CudaCopyEngine(device)
@@ -427,7 +428,8 @@ def run_config(algo: str, live: int, page: int, stride: int, table: str, args: a
     loop = None
     try:
         loop = ServingLoop(algo, live, page, stride, args.layers, table, args.device, args.step_ms, store,
-                           args.host_gib, args.seed, tuple(args.prompt), tuple(args.output), args.storage)
+                           args.host_gib, args.seed, tuple(args.prompt), tuple(args.output), args.storage,
+                           args.store_writers)
         loop.freeze_gc = not args.no_gc_freeze
         res = {"live": live, "page": page, "stride": stride, "table": table, "layers": args.layers,
                "matmuls_per_step": loop.step.matmuls}
@@ -494,6 +496,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--storage", default="file", choices=["file", "none"],
                     help="none: a probe without storage writes (every backup fails at once, freeing its pages)")
     ap.add_argument("--no-gc-freeze", action="store_true", help="leave start-up objects to the collector")
+    ap.add_argument("--store-writers", type=int, default=4,
+                    help="FileStorage writer threads (the recorded H200 run used 4; the library default is 1)")
     ap.add_argument("--switch-interval-ms", type=float, default=None, help="sys.setswitchinterval (a probe)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: results under bench/results/quick/")
     ap.add_argument("--out", default=None)

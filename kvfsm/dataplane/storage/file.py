@@ -47,7 +47,7 @@ class FileStorage:
         tp_size: int = 1,
         is_mla: bool = False,
         fsync: bool = False,
-        writers: int = 4,
+        writers: int = 1,
     ) -> None:
         if writers < 1:
             raise ValueError(f"writers must be >= 1, got {writers}")
@@ -89,10 +89,13 @@ class FileStorage:
         return self._write(keys, data)
 
     def _write(self, keys: Sequence[str], payloads: Sequence[np.ndarray] | np.ndarray) -> list[bool]:
-        """Each page to its file; a batch is spread over `writers` threads. Why: one thread wrote ~650 MB/s
-        of 512 KiB pages on the H200 host, half of what 4096 live requests decode into a file store
-        (bench/results/serving_loop-h200.json); checksums, copies and file writes release the interpreter
-        lock, so writers overlap."""
+        """Each page to its file; with `writers` > 1 a batch is spread over that many threads.
+
+        A trade, measured on the H200 host in bench/serving_loop.py (4096 live, 32 MiB decoded per step):
+        one writer stores ~650 MB/s and falls behind (bench/results/serving_loop-h200-before-policy.json);
+        four keep up at stride 16 (bench/results/serving_loop-h200.json, run with --store-writers 4), but
+        their share of the interpreter lock stretched each decode iteration from 43 to 81 ms there. The
+        default is one writer: a lagging store only delays backups, a slower scheduler slows decoding."""
         paths = [self.path_of(k) for k in keys]  # a bad key rejects the batch before anything is written
         if self.writers > 1 and len(keys) > 1:
             if self._pool is None:
