@@ -84,8 +84,8 @@ class AutoPolicy:
       pipeline's planning is host time the scheduler pays while the direct kernel's lower link efficiency
       costs nothing it waits for. In the serving loop on the H200 (4096 live, 32 MiB per submit) the
       pipeline took 1.9 ms of host time per submit (bench/results/serving_loop-h200-before-policy.json),
-      the direct kernel 0.4-0.7 ms (1024 live there; 4096 live in serving_loop-h200.json); offload takes the pipeline only from 256 MiB per copy (a few percent of link time on
-      such copies is then worth more than the planning).
+      the direct kernel 0.4-0.7 ms (1024 live there; 4096 live in serving_loop-h200.json). Offload takes
+      the pipeline only from 256 MiB per copy, where a few percent of link time is worth the planning.
     - no_triton_min_copy_bytes: without Triton the alternative is the torch path (host scatter on the CPU,
       0.06-0.2 of the ceiling), so the pipeline (torch gathers, batched DMA) wins for copies >= 16 KiB.
     - hybrid_fraction: when set, offloads below the DMA threshold use "hybrid" instead of "triton".
@@ -351,7 +351,6 @@ class CudaCopyEngine(CopyEngine):
             if backend == "triton" and self.triton_host_order and plan.num_tokens > 1:
                 order = dma.order_by_host(host_np)
                 host_np = host_np[order]
-            staged = False
             with torch.cuda.stream(self.stream):
                 # One upload (through pinned staging, before the wait: it overlaps the decode step) carries
                 # what the kernel needs that lives on the CPU; its staging region is released by `done`.
@@ -365,7 +364,6 @@ class CudaCopyEngine(CopyEngine):
                 up = None
                 if parts:
                     up = self._staging.upload_here(parts[0] if len(parts) == 1 else np.concatenate(parts), self.device)
-                    staged = True
                 n = plan.num_tokens
                 at = 0
                 if on_cpu:
@@ -410,7 +408,7 @@ class CudaCopyEngine(CopyEngine):
                     keep += [staging, pinned]
                 done = torch.cuda.Event()
                 done.record(self.stream)
-                if staged:
+                if up is not None:
                     self._staging.mark(done)
         handle = CudaCopyHandle(plan, done, keep, finalize)
         handle.backend = backend
