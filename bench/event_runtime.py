@@ -13,7 +13,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result  # noqa: E402
 
-import generated.decode_offload as gen  # noqa: E402
+import kvfsm.generated.decode_offload as gen  # noqa: E402
 from kvfsm.reference import ReferenceMachine  # noqa: E402
 from kvfsm.spec import load_spec  # noqa: E402
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
+from typing import Optional
 
 import typer
 from rich.console import Console
@@ -12,12 +13,25 @@ from kvfsm.codegen import generate
 from kvfsm.docsgen import diagram as render_diagram
 from kvfsm.docsgen import markdown
 from kvfsm.spec import CompiledSpec, SpecInvalid, load_spec
+from kvfsm.spec.locations import packaged_spec, schema_path, spec_stamp
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="A formally specified KV-cache offload lifecycle.")
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 INVALID = 2
+
+# Every command that reads a spec takes `--spec`; the spec tools also take it as their first argument.
+# Without either, they use the shipped spec (installed or in a checkout, from any directory).
+SPEC_ARG = typer.Argument(None, show_default=False, help="The spec (default: the shipped decode_offload spec).")
+SPEC_OPT = typer.Option(None, "--spec", show_default=False, help="The spec (default: the shipped decode_offload spec).")
+
+
+def _spec_path(positional: Optional[Path], option: Optional[Path]) -> Path:
+    if positional is not None and option is not None and positional != option:
+        err.print(f"two different specs given: {positional} and --spec {option}", markup=False)
+        raise typer.Exit(INVALID)
+    return option or positional or packaged_spec()
 
 
 def _load(spec: Path) -> CompiledSpec:
@@ -29,18 +43,39 @@ def _load(spec: Path) -> CompiledSpec:
         raise typer.Exit(INVALID) from None
 
 
+def _version(value: bool) -> None:
+    if not value:
+        return
+    import kvfsm
+    import kvfsm.generated.cb_swap as cb
+    import kvfsm.generated.decode_offload as do
+    out.print(f"kvfsm {kvfsm.__version__}; generated from {do.SPEC_PATH} sha256 {do.SPEC_SHA256[:16]}, "
+              f"{cb.SPEC_PATH} sha256 {cb.SPEC_SHA256[:16]}", markup=False)
+    raise typer.Exit(0)
+
+
+@app.callback()
+def main(version: bool = typer.Option(False, "--version", is_eager=True, callback=_version,
+                                      help="Print the version and the hashes of the specs the runtime was generated from.")) -> None:
+    """A formally specified KV-cache offload lifecycle."""
+
+
 @app.command()
-def validate(spec: Path) -> None:
+def validate(spec_arg: Optional[Path] = SPEC_ARG, spec_opt: Optional[Path] = SPEC_OPT) -> None:
     """Check a spec; print one `file:line: element: message` per error and exit 2 when invalid."""
+    spec = _spec_path(spec_arg, spec_opt)
     s = _load(spec)
     out.print(f"{spec}: ok: {len(s.states)} states, {len(s.events)} events, {len(s.transitions)} transitions, "
               f"{len(s.outcomes)} declared no-ops/errors, sha256 {s.sha256[:12]}", markup=False)
 
 
 @app.command()
-def gen(spec: Path, out_dir: Path = typer.Option(Path("generated"), "--out", help="Where generated modules go."),
+def gen(spec_arg: Optional[Path] = SPEC_ARG, spec_opt: Optional[Path] = SPEC_OPT,
+        out_dir: Optional[Path] = typer.Option(None, "--out", show_default=False,
+                                               help="Where generated modules go (default: the generated/ beside the spec's folder)."),
         check: bool = typer.Option(False, "--check", help="Exit 1 when the generated code is stale; write nothing.")) -> None:
-    """Generate the runtime machine for SPEC into generated/."""
+    """Generate the runtime machine for the spec into its generated/ (the same from any directory)."""
+    spec = _spec_path(spec_arg, spec_opt)
     try:
         result = generate(spec, out_dir, check=check)
     except SpecInvalid as exc:
@@ -58,14 +93,13 @@ class DiagramFormat(str, Enum):
     dot = "dot"
 
 
-SCHEMA_PATH = Path("spec/kvfsm-spec.schema.json")
-
-
 @app.command()
-def schema(output: Path = typer.Option(SCHEMA_PATH, "--out", help="Where the JSON Schema goes."),
+def schema(output: Optional[Path] = typer.Option(None, "--out", show_default=False,
+                                                 help="Where the JSON Schema goes (default: the shipped one beside the specs)."),
            check: bool = typer.Option(False, "--check", help="Exit 1 when the file is stale; write nothing.")) -> None:
     """Export the spec format's JSON Schema (from the pydantic models) for editors and other tools."""
     from kvfsm.spec.model import json_schema_text
+    output = output or schema_path()
     text = json_schema_text()
     current = output.read_text() if output.exists() else None
     if check:
@@ -80,15 +114,18 @@ def schema(output: Path = typer.Option(SCHEMA_PATH, "--out", help="Where the JSO
 
 
 @app.command()
-def diagram(spec: Path, fmt: DiagramFormat = typer.Option(DiagramFormat.mermaid, "--format")) -> None:
+def diagram(spec_arg: Optional[Path] = SPEC_ARG, spec_opt: Optional[Path] = SPEC_OPT,
+            fmt: DiagramFormat = typer.Option(DiagramFormat.mermaid, "--format")) -> None:
     """Print the state diagram (Mermaid or Graphviz dot)."""
-    out.print(render_diagram(_load(spec), fmt.value), end="", markup=False)
+    out.print(render_diagram(_load(_spec_path(spec_arg, spec_opt)), fmt.value), end="", markup=False)
 
 
 @app.command()
-def docs(spec: Path, output: Path = typer.Option(None, "--out", help="Write here instead of stdout.")) -> None:
-    """Render the auditor's Markdown reference for SPEC."""
-    text = markdown(_load(spec), spec.as_posix())
+def docs(spec_arg: Optional[Path] = SPEC_ARG, spec_opt: Optional[Path] = SPEC_OPT,
+         output: Path = typer.Option(None, "--out", help="Write here instead of stdout.")) -> None:
+    """Render the auditor's Markdown reference for the spec."""
+    spec = _spec_path(spec_arg, spec_opt)
+    text = markdown(_load(spec), spec_stamp(spec))
     if output is None:
         out.print(text, end="", markup=False)
     else:
@@ -99,11 +136,13 @@ def docs(spec: Path, output: Path = typer.Option(None, "--out", help="Write here
 
 @app.command()
 def demo(workdir: Path = typer.Option(None, "--dir", help="Where the store, trace and docs go (default: a temp dir)."),
-         requests: int = typer.Option(48, help="How many requests to serve."),
-         json_out: Path = typer.Option(None, "--json", help="Also write the report as JSON here.")) -> None:
-    """Validate and generate the spec, then serve a decode workload with and without offload and compare."""
+         requests: int = typer.Option(48, min=1, help="How many requests to serve."),
+         json_out: Path = typer.Option(None, "--json", help="Also write the report as JSON here."),
+         spec: Optional[Path] = SPEC_OPT) -> None:
+    """Validate the spec and check the runtime's machine is generated from it, then serve a decode workload
+    with and without offload and compare."""
     from kvfsm.demo import main as run
-    run(workdir, requests, json_out)
+    run(workdir, requests, json_out, spec_path=spec or packaged_spec())
 
 
 @app.command()
@@ -140,18 +179,21 @@ def check(requests: int = typer.Option(3, help="Requests in the bounded world.")
           decodes: int = typer.Option(1, help="Decode steps per request."),
           readmits: int = typer.Option(0, help="Retract-and-readmit cycles per request."),
           max_depth: int = typer.Option(None, help="Stop exploring below this depth."),
-          out_test: Path = typer.Option(None, "--out-test", help="Where to write a counterexample as a pytest.")) -> None:
-    """Explore every interleaving of engine events over the real manager and pools; exit 1 on a violation."""
+          out_test: Path = typer.Option(None, "--out-test", help="Where to write a counterexample as a pytest."),
+          spec: Optional[Path] = SPEC_OPT) -> None:
+    """Explore every interleaving of engine events over the real manager and pools; exit 1 on a violation,
+    2 on a meaningless bound or a spec the runtime was not generated from."""
     from kvfsm.verify import commands
     raise typer.Exit(commands.check(requests, slots, page_size, stride, host_slots, max_depth, out_test,
-                                    decodes=decodes, readmits=readmits, backup_queue=backup_queue))
+                                    decodes=decodes, readmits=readmits, backup_queue=backup_queue,
+                                    spec_path=spec or packaged_spec()))
 
 
 @app.command()
-def replay(trace: Path) -> None:
+def replay(trace: Path, spec: Optional[Path] = SPEC_OPT) -> None:
     """Check a recorded transition trace (JSON lines) against the spec; exit 1 at the first illegal step."""
     from kvfsm.verify import commands
-    raise typer.Exit(commands.replay(trace))
+    raise typer.Exit(commands.replay(trace, spec_path=spec or packaged_spec()))
 
 
 if __name__ == "__main__":

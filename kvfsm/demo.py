@@ -1,6 +1,6 @@
 """`kvfsm demo`: the spec tool chain, then a real decode workload served twice, with and without offload.
 
-1. Validate the spec, check generated/ is fresh, write the auditor docs.
+1. Validate the spec, check the runtime's generated machine is what it generates, write the auditor docs.
 2. Serve many concurrent requests of mixed lengths (admission, decode, finish, abort, retraction under
    memory pressure, slot reuse) with a tiny paged-attention decoder: once freeing KV itself, once with
    the DecodeOffloadManager streaming KV device -> host -> a file store (checked mode on, trace on).
@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from kvfsm.codegen import generate
+from kvfsm.codegen import runtime_mismatch
 from kvfsm.dataplane import HostKVPool, ReqToTokenPool, TokenSlotAllocator, make_copy_engine
 from kvfsm.dataplane.pools.device_pool import DeviceKVPool
 from kvfsm.dataplane.storage import FileStorage
@@ -30,6 +30,7 @@ from kvfsm.engine.model import TinyDecoder, TinyModelConfig
 from kvfsm.engine.scheduler import DecodeEngine, EngineRequest, make_workload
 from kvfsm.runtime import DecodeOffloadManager, OffloadConfig, ProtectedSize, ThreadBackupWorker
 from kvfsm.spec import load_spec
+from kvfsm.spec.locations import packaged_spec, spec_stamp
 
 PAGE = 16
 
@@ -84,14 +85,15 @@ def _serve(model: TinyDecoder, pools: _Pools, requests: list[EngineRequest], bat
 
 
 def run_demo(workdir: Path, requests: int = 48, batch: int = 16, device: Optional[str] = None,
-             console: Optional[Console] = None) -> DemoReport:
+             console: Optional[Console] = None, spec_path: Optional[Path] = None) -> DemoReport:
     console = console or Console()
-    spec_path = Path("spec/decode_offload.yaml")
+    spec_path = Path(spec_path or packaged_spec())
     spec = load_spec(spec_path)
-    if generate(spec_path, check=True).changed:
-        raise SystemExit(f"generated/ is stale; run `kvfsm gen {spec_path}`")
+    mismatch = runtime_mismatch(spec_path)
+    if mismatch is not None:
+        raise SystemExit(mismatch)
     docs = workdir / "decode_offload.md"
-    docs.write_text(markdown(spec, spec_path.as_posix()))
+    docs.write_text(markdown(spec, spec_stamp(spec_path)))
     console.print(f"spec {spec_path}: valid ({len(spec.states)} states, {len(spec.transitions)} transitions); "
                   f"generated code fresh; auditor docs -> {docs}")
 
@@ -206,12 +208,13 @@ def _load_back(manager: DecodeOffloadManager, storage: FileStorage, host: HostKV
     return hits, loaded
 
 
-def main(workdir: Optional[Path] = None, requests: int = 48, json_out: Optional[Path] = None) -> None:
+def main(workdir: Optional[Path] = None, requests: int = 48, json_out: Optional[Path] = None,
+         spec_path: Optional[Path] = None) -> None:
     torch.set_num_threads(1)  # one-token steps on tiny tensors: threads only add synchronisation
     console = Console()
     root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="kvfsm-demo-"))
     root.mkdir(parents=True, exist_ok=True)
-    r = run_demo(root, requests=requests, console=console)
+    r = run_demo(root, requests=requests, console=console, spec_path=spec_path)
     t = Table(title=f"kvfsm demo ({r.device})", show_header=False)
     rows = [("requests (aborted)", f"{r.requests} ({r.aborted})"), ("decode tokens", r.tokens),
             ("retractions under memory pressure", r.retractions),

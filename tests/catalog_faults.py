@@ -11,9 +11,9 @@ from typing import Callable
 import pytest
 import torch
 
-import generated.decode_offload as gen
+import kvfsm.generated.decode_offload as gen
 import kvfsm.dataplane.copy.base as copy_engine
-from generated.decode_offload import DecodeOffloadMachine
+from kvfsm.generated.decode_offload import DecodeOffloadMachine
 from kvfsm.runtime import ProtectedSize
 from kvfsm.runtime.effects import OffloadEffects
 from kvfsm.runtime.manager import DecodeOffloadManager

@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for common
 import manager_overhead as bench  # noqa: E402
 
-from generated.decode_offload import DecodeOffloadMachine  # noqa: E402
+from kvfsm.generated.decode_offload import DecodeOffloadMachine  # noqa: E402
 from kvfsm.runtime import effects, manager  # noqa: E402
 
 PHASES = [(manager.DecodeOffloadManager, ("offload_batch", "_submit", "_copy_slots", "check_progress")),

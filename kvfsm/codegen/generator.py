@@ -15,6 +15,7 @@ import jinja2
 from kvfsm.spec import CompiledSpec, load_spec
 from kvfsm.spec import expr as ex
 from kvfsm.spec.checks import holdings
+from kvfsm.spec.locations import default_out_dir, generated_dir, spec_stamp
 
 
 def module_name(spec: CompiledSpec) -> str:
@@ -114,28 +115,37 @@ def render(spec: CompiledSpec, spec_path: str) -> str:
     return _env().get_template("machine.py.j2").render(**ctx)
 
 
-def _display_path(path: Path) -> str:
-    """The spec path as stamped in the output: relative to the working directory, so it is reproducible."""
-    try:
-        return path.resolve().relative_to(Path.cwd().resolve()).as_posix()
-    except ValueError:
-        return path.name
-
-
 @dataclass(frozen=True)
 class GenResult:
     path: Path
     changed: bool
 
 
-def generate(spec_path: str | Path, out_dir: str | Path = "generated", check: bool = False) -> GenResult:
-    """Write (or with `check`, compare) the generated module for the spec at `spec_path`."""
+def generate(spec_path: str | Path, out_dir: str | Path | None = None, check: bool = False) -> GenResult:
+    """Write (or with `check`, compare) the generated module for the spec at `spec_path`.
+
+    `out_dir` defaults to the spec's own `generated/` (`locations.default_out_dir`), and the stamped spec
+    path does not depend on the working directory, so any directory gives the same result."""
     spec = load_spec(spec_path)
-    target = Path(out_dir) / f"{module_name(spec)}.py"
-    source = render(spec, _display_path(Path(spec_path)))
+    target = Path(out_dir if out_dir is not None else default_out_dir(Path(spec_path))) / f"{module_name(spec)}.py"
+    source = render(spec, spec_stamp(Path(spec_path)))
     current = target.read_text() if target.exists() else None
     changed = current != source
     if changed and not check:
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(source)
     return GenResult(target, changed)
+
+
+def runtime_mismatch(spec_path: str | Path, module: str = "decode_offload") -> str | None:
+    """Why the runtime's machine `kvfsm.generated.<module>` is not what `spec_path` generates, or None.
+
+    `demo` and `check` run the manager, which runs that machine: a claim about a spec the runtime was not
+    generated from would be about nothing. Raises SpecInvalid for an invalid spec."""
+    spec = load_spec(spec_path)
+    if module_name(spec) != module:
+        return f"{spec_path} generates {module_name(spec)}.py, but the manager runs {module}.py"
+    result = generate(spec_path, generated_dir(), check=True)
+    if result.changed:
+        return f"{result.path} is not what {spec_path} generates: run `kvfsm gen {spec_path}`"
+    return None

@@ -16,7 +16,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from generated.decode_offload import DecodeOffloadEffectsEach, DecodeOffloadMachine
+from kvfsm.generated.decode_offload import DecodeOffloadEffectsEach, DecodeOffloadMachine
 from kvfsm.dataplane import CopyEngine, CopyHandle, HostKVPool, PageRun, ReqToTokenPool, TokenSlotAllocator
 from kvfsm.dataplane.pools.device_pool import DeviceKVPool
 from kvfsm.dataplane.storage import StorageBackend
@@ -112,7 +112,7 @@ Items = list[tuple[DecodeOffloadMachine, Any]]
 
 
 class OffloadEffects(DecodeOffloadEffectsEach):
-    """Implements `generated.decode_offload.DecodeOffloadEffects` over real pools, copies and storage.
+    """Implements `kvfsm.generated.decode_offload.DecodeOffloadEffects` over real pools, copies and storage.
 
     The actions a scheduler iteration takes for dozens of chunks are written once, in their batch form
     (`<action>_each`, what the machines' batch events call); the single form is the batch of one."""

@@ -18,8 +18,8 @@ from typing import Any, Iterable, Optional, Sequence, Union
 import numpy as np
 import torch
 
-import generated.decode_offload as spec_gen
-from generated.decode_offload import DecodeOffloadMachine
+import kvfsm.generated.decode_offload as spec_gen
+from kvfsm.generated.decode_offload import DecodeOffloadMachine
 from kvfsm.dataplane import (CopyEngine, CpuCopyEngine, DeferredCpuCopyEngine, HostKVPool, ReqToTokenPool,
                              TokenSlotAllocator, make_copy_engine)
 from kvfsm.dataplane.pools.allocator import PageSlots

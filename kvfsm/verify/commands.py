@@ -18,8 +18,11 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from kvfsm.codegen import runtime_mismatch
+from kvfsm.spec import SpecInvalid, load_spec
+from kvfsm.spec.locations import packaged_spec
 from kvfsm.verify.coverage import report
-from kvfsm.verify.explorer import ExplorerConfig, counterexample_test, explore
+from kvfsm.verify.explorer import BoundInvalid, ExplorerConfig, counterexample_test, explore
 from kvfsm.verify.replay import check_trace
 
 out = Console(highlight=False, soft_wrap=True)
@@ -28,11 +31,31 @@ err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 def check(requests: int = 3, slots: int = 16, page_size: int = 2, stride: int = 2, host_slots: int = 8,
           max_depth: Optional[int] = None, out_test: Optional[Path] = None, *, decodes: int = 1, readmits: int = 0,
-          backup_queue: int = 1, prompt_len: int = 3, speculative: int = 0, quiet: bool = False) -> int:
-    """Bounded exhaustive exploration of the implementation; 0 when no invariant fails, 1 on a violation."""
-    cfg = ExplorerConfig(requests=requests, slots=slots, page_size=page_size, stride=stride, host_slots=host_slots,
-                         backup_queue=backup_queue, prompt_len=prompt_len, decodes=decodes, readmits=readmits,
-                         speculative=speculative, max_context=max(16, prompt_len + decodes + speculative + page_size))
+          backup_queue: int = 1, prompt_len: int = 3, speculative: int = 0, quiet: bool = False,
+          spec_path: Optional[Path] = None) -> int:
+    """Bounded exhaustive exploration of the implementation; 0 when no invariant fails, 1 on a violation,
+    2 on a bound that means nothing or a spec the runtime's machine was not generated from."""
+    spec_path = Path(spec_path or packaged_spec())
+    try:
+        mismatch = runtime_mismatch(spec_path)
+    except SpecInvalid as exc:
+        for e in exc.errors:
+            err.print(str(e), markup=False)
+        return 2
+    if mismatch is not None:
+        err.print(mismatch, markup=False)
+        return 2
+    if max_depth is not None and max_depth < 1:
+        err.print(f"max_depth={max_depth}: must be at least 1", markup=False)
+        return 2
+    try:
+        cfg = ExplorerConfig(requests=requests, slots=slots, page_size=page_size, stride=stride,
+                             host_slots=host_slots, backup_queue=backup_queue, prompt_len=prompt_len,
+                             decodes=decodes, readmits=readmits, speculative=speculative,
+                             max_context=max(16, prompt_len + decodes + speculative + page_size))
+    except BoundInvalid as exc:
+        err.print(f"meaningless bound: {exc}", markup=False)
+        return 2
     bound = cfg.describe() + (f", max_depth={max_depth}" if max_depth is not None else "")
     out.print(Text.assemble(("exploring ", "bold"), bound))
     t0 = time.perf_counter()
@@ -43,7 +66,7 @@ def check(requests: int = 3, slots: int = 16, page_size: int = 2, stride: int = 
                       f"({time.perf_counter() - t0:6.1f} s)", markup=False)
 
     res = explore(cfg, max_depth=max_depth, on_level=level)
-    cov = report({"explorer": res.coverage})
+    cov = report({"explorer": res.coverage}, load_spec(spec_path))
     tab = Table(show_header=False, box=None)
     for k, v in (("states", f"{res.states}"), ("edges (events run)", f"{res.edges}"),
                  ("depth", f"{res.depth}"),
@@ -74,13 +97,19 @@ def check(requests: int = 3, slots: int = 16, page_size: int = 2, stride: int = 
     return 1
 
 
-def replay(trace: Path) -> int:
+def replay(trace: Path, spec_path: Optional[Path] = None) -> int:
     """Check a recorded trace against the spec: 0 when every step is legal, 1 at the first illegal one."""
     trace = Path(trace)
     if not trace.exists():
         err.print(f"{trace}: no such file", markup=False)
         return 2
-    res = check_trace(trace)
+    try:
+        spec = load_spec(spec_path or packaged_spec())
+    except SpecInvalid as exc:
+        for e in exc.errors:
+            err.print(str(e), markup=False)
+        return 2
+    res = check_trace(trace, spec)
     if res.error is not None:
         e = res.error
         who = f" (request {e.request})" if e.request else ""

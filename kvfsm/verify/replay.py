@@ -21,14 +21,13 @@ from typing import Any, Optional
 
 from kvfsm.spec import CompiledSpec, load_spec
 from kvfsm.spec import expr as ex
+from kvfsm.spec.locations import packaged_spec
 
-DEFAULT_SPEC = "spec/decode_offload.yaml"
 
 
 def default_spec_path() -> Path:
-    """spec/decode_offload.yaml of this checkout (falling back to the working directory's)."""
-    here = Path(__file__).resolve().parents[2] / DEFAULT_SPEC
-    return here if here.exists() else Path(DEFAULT_SPEC)
+    """The shipped decode_offload spec (in a checkout `spec/`, installed inside the package)."""
+    return packaged_spec()
 
 
 @dataclass

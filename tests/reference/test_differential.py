@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import generated.decode_offload as gen
+import kvfsm.generated.decode_offload as gen
 from kvfsm.errors import EventRejected, GuardRejected
 from kvfsm.reference import ReferenceMachine
 from kvfsm.spec import load_spec

@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-import generated.cb_swap as cb_gen
-import generated.decode_offload as gen
-from generated.decode_offload import DecodeOffloadEffectsEach, DecodeOffloadMachine
+import kvfsm.generated.cb_swap as cb_gen
+import kvfsm.generated.decode_offload as gen
+from kvfsm.generated.decode_offload import DecodeOffloadEffectsEach, DecodeOffloadMachine
 from kvfsm.codegen.generator import batch_action_order
 from kvfsm.errors import EventRejected
 from kvfsm.spec import load_spec

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-import generated.decode_offload as spec_gen
+import kvfsm.generated.decode_offload as spec_gen
 from kvfsm.errors import EventRejected
 from kvfsm.verify.engine import SimEngine, SimRequest
 

@@ -12,7 +12,7 @@ from typing import Any, Optional
 import pytest
 import torch
 
-import generated.decode_offload as spec_gen
+import kvfsm.generated.decode_offload as spec_gen
 from kvfsm.dataplane import DoubleFree, page_hashes
 from kvfsm.errors import EventRejected
 from kvfsm.runtime import (CheckedModeError, ConfigError, DecodeOffloadManager, InvalidRequest, OffloadConfig,

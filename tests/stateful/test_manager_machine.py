@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
                                  run_state_machine_as_test)
 
-import generated.decode_offload as gen
+import kvfsm.generated.decode_offload as gen
 from kvfsm.dataplane import page_hashes
 from kvfsm.verify.engine import SimEngine, SimRequest, kv_value
 

@@ -1,4 +1,4 @@
-"""The spec's actions: `SwapEffects` implements `generated.cb_swap.CbSwapEffects` (the bytes a transition
+"""The spec's actions: `SwapEffects` implements `kvfsm.generated.cb_swap.CbSwapEffects` (the bytes a transition
 moves), over the per-request records it acts on (`SwapCopy`, `SwapRecord`) and the copy engine it moves
 them with (`_engine_for`).
 
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from generated.cb_swap import CbSwapMachine
+from kvfsm.generated.cb_swap import CbSwapMachine
 from kvfsm.dataplane import CopyEngine, CopyHandle, CpuCopyEngine
 from kvfsm.runtime.ledger import CheckedModeError
 
@@ -57,7 +57,7 @@ class SwapRecord:
 
 
 class SwapEffects:
-    """Implements `generated.cb_swap.CbSwapEffects` over the engine's cache, a HostKVPool and a CopyEngine."""
+    """Implements `kvfsm.generated.cb_swap.CbSwapEffects` over the engine's cache, a HostKVPool and a CopyEngine."""
 
     def __init__(self, owner: "KvfsmOffloadingManager") -> None:
         self.o = owner

@@ -18,7 +18,7 @@ from typing import Any, Optional
 import torch
 
 from generated import cb_swap as spec_gen
-from generated.cb_swap import CbSwapMachine
+from kvfsm.generated.cb_swap import CbSwapMachine
 from kvfsm.dataplane import HostKVPool
 from kvfsm.errors import LifecycleError
 from kvfsm.runtime.ledger import CheckedModeError

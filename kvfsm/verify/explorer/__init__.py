@@ -22,9 +22,9 @@ from kvfsm.verify.explorer.cloning import CloneError, clone
 from kvfsm.verify.explorer.counterexample import counterexample_test
 from kvfsm.verify.explorer.events import apply, build, enabled, event_label, replay_events
 from kvfsm.verify.explorer.search import Counterexample, ExploreResult, explore
-from kvfsm.verify.explorer.world import ENDED, LIVE, NEW, RETRACTED, Event, ExplorerConfig, Faults, World
+from kvfsm.verify.explorer.world import BoundInvalid, ENDED, LIVE, NEW, RETRACTED, Event, ExplorerConfig, Faults, World
 
 # `_describe` (exception -> (violation name, detail)) is re-exported for kvfsm.verify.coverage's fuzzer.
-__all__ = ["CloneError", "Counterexample", "ENDED", "Event", "ExploreResult", "ExplorerConfig", "Faults", "LIVE",
+__all__ = ["BoundInvalid", "CloneError", "Counterexample", "ENDED", "Event", "ExploreResult", "ExplorerConfig", "Faults", "LIVE",
            "NEW", "RETRACTED", "Violation", "World", "apply", "build", "canonical_key", "check_world", "clone",
            "counterexample_test", "enabled", "event_label", "explore", "replay_events"]

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-import generated.decode_offload as gen
+import kvfsm.generated.decode_offload as gen
 from kvfsm.verify.engine import SimRequest, kv_value
 from kvfsm.verify.explorer.world import _DEFERRED, _LIVE_STATES, LIVE, World
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-import generated.decode_offload as gen
+import kvfsm.generated.decode_offload as gen
 from kvfsm.verify.engine import SimEngine, SimRequest
 from kvfsm.verify.explorer.checks import Violation, _check, _check_chunk, check_world
 from kvfsm.verify.explorer.world import (_LIVE_STATES, ENDED, LIVE, NEW, RETRACTED, Event, ExplorerConfig, Faults,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
-import generated.decode_offload as gen
+import kvfsm.generated.decode_offload as gen
 from kvfsm.verify.engine import SimEngine, SimRequest
 
 Event = tuple  # ("admit", i), ("copy", j), ("progress",), ...
@@ -24,6 +24,11 @@ NEW, LIVE, ENDED, RETRACTED = 0, 1, 2, 3
 _LIVE_STATES = gen.HANDLED["offload"]
 # a lifecycle that ended while copies were in flight: it keeps its slots until the last copy ack
 _DEFERRED = frozenset(s for s, held in gen.HOLDS.items() if "device_slots" in held) - _LIVE_STATES
+
+
+class BoundInvalid(ValueError):
+    """An ExplorerConfig that bounds nothing meaningful (a zero-sized pool, no requests, ...): rejected before
+    any world is built, so a bad bound is never reported as an invariant violation."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,22 @@ class ExplorerConfig:
     batch_offload: bool = True  # offload_batch: one manager.offload_batch over every live request
     rows: Optional[int] = None  # request-table rows (default: one per request, one more per re-admittable one)
     max_context: int = 16
+
+    def __post_init__(self) -> None:
+        at_least = {"requests": 1, "slots": 1, "page_size": 1, "stride": 1, "host_slots": 1, "backup_queue": 1,
+                    "prompt_len": 1, "prefix_len": 0, "decodes": 0, "speculative": 0, "readmits": 0}
+        for name, low in at_least.items():
+            if getattr(self, name) < low:
+                raise BoundInvalid(f"{name}={getattr(self, name)}: must be at least {low}")
+        if self.slots < 2 * self.page_size:
+            raise BoundInvalid(f"slots={self.slots}: must hold the padding page and one more "
+                               f"(at least {2 * self.page_size} at page_size={self.page_size})")
+        if self.stride % self.page_size:
+            raise BoundInvalid(f"stride={self.stride}: must be a multiple of page_size={self.page_size}")
+        if self.max_context < self.prompt_len + self.decodes + self.speculative:
+            raise BoundInvalid(f"max_context={self.max_context}: shorter than prompt_len + decodes + speculative")
+        if self.rows is not None and self.rows < 1:
+            raise BoundInvalid(f"rows={self.rows}: must be at least 1")
 
     @property
     def table_rows(self) -> int:
