@@ -180,13 +180,16 @@ def check(requests: int = typer.Option(3, help="Requests in the bounded world.")
           readmits: int = typer.Option(0, help="Retract-and-readmit cycles per request."),
           max_depth: int = typer.Option(None, help="Stop exploring below this depth."),
           out_test: Path = typer.Option(None, "--out-test", help="Where to write a counterexample as a pytest."),
-          spec: Optional[Path] = SPEC_OPT) -> None:
+          spec: Optional[Path] = SPEC_OPT,
+          require_all: bool = typer.Option(False, "--require-all",
+                                           help="Exit 3 when the bound leaves a spec transition unreached.")) -> None:
     """Explore every interleaving of engine events over the real manager and pools; exit 1 on a violation,
-    2 on a meaningless bound or a spec the runtime was not generated from."""
+    2 on a meaningless bound or a spec the runtime was not generated from, 3 with --require-all when a
+    transition is unreached."""
     from kvfsm.verify import commands
     raise typer.Exit(commands.check(requests, slots, page_size, stride, host_slots, max_depth, out_test,
                                     decodes=decodes, readmits=readmits, backup_queue=backup_queue,
-                                    spec_path=spec or packaged_spec()))
+                                    spec_path=spec or packaged_spec(), require_all=require_all))
 
 
 @app.command()
