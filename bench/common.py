@@ -1,4 +1,11 @@
-"""Helpers every benchmark shares: where results go and which machine produced them."""
+"""Helpers every benchmark shares: where results go and which machine produced them.
+
+`result_path` is the one answer to "where does a run's JSON go": a recorded run writes
+bench/results/<name>-<machine>.json (committed); a quick run (`--quick`, "checks the script, not the
+numbers") writes bench/results/quick/<name>-quick-<machine>.json, which git ignores, so a quick run
+never overwrites a recorded result. `--out` overrides both. Quick JSON carries `"quick": true`, and
+bench/plots.py refuses to render it into docs/.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
+QUICK = RESULTS / "quick"  # git-ignored: quick runs and their plots
 
 
 def machine() -> dict[str, Any]:
@@ -34,12 +42,26 @@ def machine() -> dict[str, Any]:
     return info
 
 
-def write_result(name: str, payload: dict[str, Any], out: str | Path | None = None) -> Path:
-    """Write `payload` plus machine info and a UTC timestamp as JSON; return the path."""
-    tag = machine().get("gpu", "cpu").replace(" ", "-").lower()
-    path = Path(out) if out else RESULTS / f"{name}-{tag}.json"
+def machine_tag() -> str:
+    """The machine part of a result file's name: the GPU's name, or `cpu`."""
+    return machine().get("gpu", "cpu").replace(" ", "-").lower()
+
+
+def result_path(name: str, tag: str | None = None, *, quick: bool = False, out: str | Path | None = None) -> Path:
+    """Where a run's JSON goes: `out` when given, else bench/results/quick/<name>-quick-<tag>.json for a
+    quick run, else bench/results/<name>-<tag>.json (tag: `machine_tag()` unless a script names its own)."""
+    if out:
+        return Path(out)
+    tag = tag or machine_tag()
+    return QUICK / f"{name}-quick-{tag}.json" if quick else RESULTS / f"{name}-{tag}.json"
+
+
+def write_result(name: str, payload: dict[str, Any], out: str | Path | None = None, *, quick: bool = False,
+                 tag: str | None = None) -> Path:
+    """Write `payload` plus machine info, a UTC timestamp and the quick flag as JSON; return the path."""
+    path = result_path(name, tag, quick=quick, out=out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"benchmark": name, "machine": machine(),
+    doc = {"benchmark": name, "machine": machine(), "quick": bool(quick),
            "utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), **payload}
     path.write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n")
     return path

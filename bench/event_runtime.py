@@ -59,6 +59,8 @@ def construction(factory, n: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--cycles", type=int, default=200_000)
+    ap.add_argument("--quick", action="store_true",
+                    help="a smoke run (checks the script, not the numbers): results under bench/results/quick/")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     spec = load_spec("spec/decode_offload.yaml")
@@ -80,7 +82,7 @@ def main() -> None:
     }
     result["meets_targets"] = (result["generated_us_per_event"] <= 0.3 and result["speedup_vs_reference"] >= 25
                                and result["generated_construct_us"] <= 2.0)
-    path = write_result("event_runtime", result, args.out)
+    path = write_result("event_runtime", result, args.out, quick=args.quick)
     for k, v in result.items():
         print(f"{k}: {v}")
     print(f"-> {path}")

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Page-hash throughput on one CPU core (target: >= 20 M tokens/s at page size 64).
 
-Writes JSON to bench/results/hash_throughput-<machine>.json (or --out) with platform and CPU info.
+Writes JSON to bench/results/hash_throughput-<machine>.json (or --out; --quick: bench/results/quick/) with
+platform and CPU info.
 """
 
 from __future__ import annotations
@@ -20,8 +21,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 import numpy as np  # noqa: E402
+
+from common import result_path  # noqa: E402
 
 from kvfsm.dataplane.hashing import page_hashes  # noqa: E402
 
@@ -63,6 +67,8 @@ def main() -> int:
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--core", type=int, default=None, help="pin to this CPU core (default: the first allowed)")
+    ap.add_argument("--quick", action="store_true",
+                    help="a smoke run (checks the script, not the numbers): results under bench/results/quick/")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 
@@ -87,6 +93,7 @@ def main() -> int:
     best, median = min(times), statistics.median(times)
     result = {
         "benchmark": "hash_throughput",
+        "quick": bool(args.quick),
         "timestamp": datetime.now(timezone.utc).isoformat(),
         "machine": {
             "hostname": platform.node(),
@@ -110,7 +117,7 @@ def main() -> int:
         "meets_target": n / median >= TARGET_TOKENS_PER_S,
         "matches_naive_sha256": correct,
     }
-    out = args.out or ROOT / "bench" / "results" / f"hash_throughput-{machine_slug()}.json"
+    out = result_path("hash_throughput", machine_slug(), quick=args.quick, out=args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(

@@ -207,6 +207,8 @@ def main() -> None:
     ap.add_argument("--no-floor", action="store_true",
                     help="skip bench/iteration_floor.py's bare iteration (otherwise measured in this run, per "
                          "page/stride, live count and step wait, and each row reports its ratio to it)")
+    ap.add_argument("--quick", action="store_true",
+                    help="a smoke run (checks the script, not the numbers): results under bench/results/quick/")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.torch_threads)
@@ -234,7 +236,7 @@ def main() -> None:
     path = write_result("manager_overhead", {"runs": rows, "targets": target, "torch_threads": args.torch_threads,
                                              "verdict_copy_model": args.copy_models[0],
                                              "verdict_step_wait": args.step_waits[0],
-                                             "batch_meets_target_at_4096": verdict}, args.out)
+                                             "batch_meets_target_at_4096": verdict}, args.out, quick=args.quick)
     print(f"meets target (batch, 4096 live, {args.copy_models[0]} copies) by page/stride: {verdict}\n-> {path}")
 
 

@@ -28,7 +28,8 @@ Reported per case and direction:
 Every result is checked bit-exact against the source (destination poisoned first).
 
 `--smoke` runs tiny sizes on CPU (CpuCopyEngine and torch ops; ratios are meaningless there) so the
-script itself can be checked without a GPU.
+script itself can be checked without a GPU. Smoke and `--quick` results go to bench/results/quick/
+(bench/common.py's `result_path`), never over a recorded result.
 """
 
 from __future__ import annotations
@@ -50,8 +51,11 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
+
+from common import result_path  # noqa: E402
 
 from kvfsm.dataplane import (  # noqa: E402
     HAVE_TRITON,
@@ -469,7 +473,10 @@ def run_case(
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU (checks the script, not the numbers)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny sizes on CPU (checks the script, not the numbers; results under bench/results/quick/)")
+    ap.add_argument("--quick", action="store_true",
+                    help="a smoke run of the GPU path (small --gib): results under bench/results/quick/")
     ap.add_argument("--gib", type=float, default=1.0, help="GiB per batch (default 1)")
     ap.add_argument("--page-sizes", default="1,16,64")
     ap.add_argument("--layouts", default="page_first,layer_first")
@@ -507,7 +514,8 @@ def main() -> int:
     dev.storage.view(torch.uint8).random_(0, 256)  # random bits (compared bitwise, NaN patterns included)
     cases: list[dict[str, Any]] = []
     name = slug(torch.cuda.get_device_name()) if cuda else "cpu-smoke"
-    out = args.out or ROOT / "bench" / "results" / f"offload_bandwidth-{name}.json"
+    quick = bool(args.quick or args.smoke)  # neither is a figure: never written over a recorded result
+    out = result_path("offload_bandwidth", name, quick=quick, out=args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
 
     def write(final: bool) -> bool:
@@ -520,6 +528,7 @@ def main() -> int:
         result = {
             "benchmark": "offload_bandwidth",
             "smoke": bool(args.smoke),
+            "quick": quick,
             "complete": final,
             "timestamp": datetime.now(timezone.utc).isoformat(),
             "machine": machine_info(cuda),

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, write_result  # noqa: E402
+from common import write_result  # noqa: E402
 from bare_offload import BareOffload  # noqa: E402
 from seed_baseline import SeedAlgorithmOffload  # noqa: E402
 
@@ -506,9 +506,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         args.tables = ["cpu"]
     if args.switch_interval_ms is not None:
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
-    tag = "quick-" if args.quick else ""
-    out = args.out or (RESULTS / "quick" / f"serving_loop-{tag}{args.device}.json" if args.quick or args.device == "cpu"
-                       else None)
+    quick = args.quick or args.device == "cpu"  # a CPU run is a smoke test of the script, never a figure
+    tag = args.device if quick else None
     rows: list[dict[str, Any]] = []
     payload: dict[str, Any] = {}
 
@@ -517,7 +516,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(_line(row), flush=True)
         payload.update(settings={k: v for k, v in vars(args).items() if k != "out"}, rows=rows,
                        targets=targets(rows))
-        write_result("serving_loop", payload, out)
+        write_result("serving_loop", payload, args.out, quick=quick, tag=tag)
 
     for live in args.live:
         for pair in args.pages:
@@ -528,7 +527,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 add(run_config("seed", live, page, stride, args.tables[0], args))
             if not args.no_floor:
                 add(run_config("bare", live, page, stride, args.tables[0], args))
-    print(f"wrote {write_result('serving_loop', payload, out)}")
+    print(f"wrote {write_result('serving_loop', payload, args.out, quick=quick, tag=tag)}")
     for t in payload["targets"]:
         print(t)
     return 0

@@ -20,7 +20,8 @@ not reported as representative). Outputs of the modes are compared token for tok
   python bench/transformers_offload.py             # CUDA when present: ~0.14B-parameter random Llama, bf16
   python bench/transformers_offload.py --quick     # CPU: the tests' tiny Llama (the engine's own CPU
                                                     # offloading needs pinned memory, so it soft-resets there)
-Writes bench/results/transformers_offload-<machine>.json (or --out).
+Writes bench/results/transformers_offload-<machine>.json (or --out); `--quick` writes
+bench/results/quick/transformers_offload-quick-<machine>.json instead.
 """
 
 from __future__ import annotations
@@ -219,7 +220,7 @@ def run(model: Any, inputs: list[list[int]], args: argparse.Namespace, mode: str
 
 def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="tiny model on the CPU, seconds")
+    p.add_argument("--quick", action="store_true", help="tiny model on the CPU, seconds; results under bench/results/quick/")
     p.add_argument("--model", choices=("tiny", "small", "medium"), default=None,
                    help="random Llama size (default: small on CUDA, tiny with --quick)")
     p.add_argument("--cuda-graphs", action="store_true",
@@ -264,7 +265,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                   layers=model.config.num_hidden_layers, kv_heads=model.config.num_key_value_heads,
                   head_dim=model.config.hidden_size // model.config.num_attention_heads,
                   transformers=transformers.__version__)
-    name = "transformers_offload" + ("-quick" if args.quick else "")
+    name = "transformers_offload"
     modes = ["engine", "kvfsm"] + (["soft_reset"] if args.soft_reset else [])
     timings = [False] + ([True] if args.sync_timing and device == "cuda" else [])
     runs: list[dict[str, Any]] = []
@@ -276,7 +277,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                 runs.append(row)
                 write_result(name, {"params": params, "partial": True,
                                     "runs": [{k: v for k, v in r.items() if k != "_outputs"} for r in runs]},
-                             args.out)
+                             args.out, quick=args.quick)
                 print(f"{mode:10s} sync={sync!s:5s} rep={rep} wall={row['wall_s']:.2f}s "
                       f"{row['throughput_tok_s']:.0f} tok/s out={row['swapped_out']} soft={row['soft_resets']} "
                       f"in={row['restores']} d2h={row['bytes_d2h'] / 2**20:.1f}MiB "
@@ -296,7 +297,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     if ("kvfsm", False) in last and ("engine", False) in last:
         e, k = last[("engine", False)], last[("kvfsm", False)]
         summary["kvfsm_vs_engine_throughput"] = round(k["throughput_tok_s"] / e["throughput_tok_s"], 4)
-    path = write_result(name, {"params": params, "summary": summary, "runs": runs}, args.out)
+    path = write_result(name, {"params": params, "summary": summary, "runs": runs}, args.out, quick=args.quick)
     print(f"wrote {path}")
 
 

@@ -146,28 +146,53 @@ def demo(workdir: Path = typer.Option(None, "--dir", help="Where the store, trac
 
 
 @app.command()
-def bench(quick: bool = typer.Option(False, help="Small sizes: checks the scripts, not the numbers.")) -> None:
-    """Run bench/ (bandwidth on CUDA, per-event runtime, manager overhead), write JSON, render docs/ plots."""
+def bench(quick: bool = typer.Option(False, help="Small sizes: checks the scripts, not the numbers. Writes only under "
+                                                 "bench/results/quick/ (its plots in bench/results/quick/plots/).")) -> None:
+    """Run bench/ (bandwidth on CUDA, per-event runtime, manager overhead, hashing), write JSON, render the plots.
+
+    A full run writes bench/results/<name>-<machine>.json and renders docs/results.md and its plots from
+    bench/results/. A quick run writes bench/results/quick/ (git-ignored; JSON marked "quick": true) and
+    renders its plots there, so nothing committed changes."""
+    import os
     import subprocess
     import sys
 
     import torch
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     root = Path.cwd()
     if not (root / "bench" / "plots.py").exists():
         err.print("run `kvfsm bench` from the repository root (bench/ holds the scripts)")
         raise typer.Exit(INVALID)
-    runs = [["event_runtime.py"] + (["--cycles", "2000"] if quick else []),
-            ["manager_overhead.py"] + (["--live", "64", "256", "--iterations", "8"] if quick else []),
-            ["hash_throughput.py"] + (["--tokens", "65536", "--reps", "1"] if quick else [])]
+    q = ["--quick"] if quick else []
+    runs = [["event_runtime.py", *q] + (["--cycles", "2000"] if quick else []),
+            ["manager_overhead.py", *q] + (["--live", "64", "256", "--iterations", "8"] if quick else []),
+            ["hash_throughput.py", *q] + (["--tokens", "65536", "--reps", "1"] if quick else [])]
     if torch.cuda.is_available():
-        runs.append(["offload_bandwidth.py"] + (["--gib", "0.125"] if quick else []))
+        runs.append(["offload_bandwidth.py", *q] + (["--gib", "0.125"] if quick else []))
+    elif quick:
+        runs.append(["offload_bandwidth.py", "--smoke"])  # the script's CPU path; smoke results are quick results
     else:
         out.print("no CUDA here: skipping bench/offload_bandwidth.py (its GPU results are in bench/results/)")
-    for script, *args in runs:
-        out.print(f"$ python bench/{script} {' '.join(args)}", markup=False)
-        subprocess.run([sys.executable, str(root / "bench" / script), *args], check=True)
-    subprocess.run([sys.executable, str(root / "bench" / "plots.py")], check=True)
+    quick_dir = root / "bench" / "results" / "quick"
+    runs.append(["plots.py"] + (["--results", str(quick_dir), "--out", str(quick_dir / "plots")] if quick else []))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with Progress(TextColumn("[bold]kvfsm bench[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+                  TimeElapsedColumn(), console=out) as progress:
+        task = progress.add_task("", total=len(runs))
+        for script, *args in runs:
+            progress.update(task, description=f"bench/{script}")
+            progress.console.print(f"$ python bench/{script} {' '.join(args)}", markup=False, highlight=False)
+            proc = subprocess.Popen([sys.executable, str(root / "bench" / script), *args], cwd=root, env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+            assert proc.stdout is not None
+            for line in proc.stdout:  # through the progress console, so the bar stays below the output
+                progress.console.print(line.rstrip("\n"), markup=False, highlight=False)
+            if proc.wait():
+                err.print(f"bench/{script} exited with {proc.returncode}", markup=False)
+                raise typer.Exit(proc.returncode)
+            progress.advance(task)
+        progress.update(task, description="done" + (f": results and plots in {quick_dir}" if quick else ""))
 
 
 @app.command()

@@ -23,7 +23,7 @@ per branch, per depth and over all worlds, the fraction of worlds branched corre
 (unless --no-explore) the whole default-bound search timed in copy and in replay mode.
 
     python bench/probes/clone_probe.py            # bench/results/clone_probe-cpu.json (~25 s)
-    python bench/probes/clone_probe.py --quick    # a smoke run: bench/results/quick/clone_probe-cpu.json
+    python bench/probes/clone_probe.py --quick    # a smoke run: bench/results/quick/clone_probe-quick-cpu.json
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for common
-from common import RESULTS, write_result  # noqa: E402
+from common import write_result  # noqa: E402
 
 from kvfsm.verify.explorer import (ExplorerConfig, World, apply, build, canonical_key, check_world,  # noqa: E402
                                    clone, enabled, explore)
@@ -253,8 +253,7 @@ def main() -> None:
         payload["long_bound"] = probe_bound(LONG, args.long_depths, args.worlds, args.cont, args.reps, rng)
     if not args.no_explore:
         payload["explore_default_bound"] = search_modes(DEFAULT)
-    out = args.out or (RESULTS / "quick" / "clone_probe-cpu.json" if args.quick else None)
-    print(write_result("clone_probe", payload, out))
+    print(write_result("clone_probe", payload, args.out, quick=args.quick))
 
 
 if __name__ == "__main__":

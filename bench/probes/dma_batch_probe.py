@@ -55,6 +55,7 @@ for p in (str(ROOT), str(ROOT / "bench")):
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from common import result_path  # noqa: E402
 from kvfsm.dataplane import HAVE_TRITON, DeviceKVPool, HostKVPool, KVCacheConfig  # noqa: E402
 from kvfsm.dataplane.copy import cuda_driver, dma  # noqa: E402
 from kvfsm.dataplane.copy.triton_kernels import default_config, kv_rows_copy  # noqa: E402
@@ -578,7 +579,7 @@ def cpu_smoke() -> dict[str, Any]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=None, help="JSON output (default bench/results/dma_batch_probe-<gpu>.json)")
+    ap.add_argument("--out", type=Path, default=None, help="JSON output (default bench/results/dma_batch_probe-<gpu>.json; with --quick, under bench/results/quick/)")
     ap.add_argument("--quick", action="store_true",
                     help="0.25 GiB, 3 reps, page sizes 1,64, 64 MiB chunks, 1-2 streams, sizes 64K,2M")
     ap.add_argument("--gib", type=float, default=None, help="GiB per batch (default 1)")
@@ -622,7 +623,8 @@ def main() -> int:
         return 0 if all(v["verified"] for v in result["cpu_smoke"].values()) else 1
 
     t_start = time.perf_counter()
-    out = args.out or ROOT / "bench" / "results" / f"dma_batch_probe-{slug(torch.cuda.get_device_name())}.json"
+    out = result_path("dma_batch_probe", slug(torch.cuda.get_device_name()), quick=q, out=args.out)
+    result["quick"] = q
     torch.cuda.init()
     print("diagnostics:", flush=True)
     try:
