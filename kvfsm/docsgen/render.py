@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
+from pathlib import Path
 
 import jinja2
 
@@ -39,6 +41,7 @@ def diagram(spec: CompiledSpec, fmt: str = "mermaid") -> str:
     raise ValueError(f"unknown diagram format {fmt!r} (use mermaid or dot)")
 
 
+_BUG_ID = re.compile(r"\bB\d{1,2}\b")
 _DOC = jinja2.Environment(loader=jinja2.PackageLoader("kvfsm.docsgen", "templates"), trim_blocks=True,
                           lstrip_blocks=True, keep_trailing_newline=True, undefined=jinja2.StrictUndefined)
 
@@ -46,5 +49,8 @@ _DOC = jinja2.Environment(loader=jinja2.PackageLoader("kvfsm.docsgen", "template
 def markdown(spec: CompiledSpec, spec_path: str) -> str:
     """The auditor's reference: every element with its doc, the full transition table, the diagram."""
     outcomes = sorted(spec.outcomes.values(), key=lambda o: (o.kind, spec.states.index(o.state), spec.events.index(o.event)))
+    # kvfsm's own specs cite its bug classes (B<n>): their pages (docs/spec/) link the catalog beside them.
+    cites_catalog = _BUG_ID.search(Path(spec.path).read_text()) is not None
     return _DOC.get_template("spec.md.j2").render(spec=spec, model=spec.model, spec_path=spec_path,
-                                                   outcomes=outcomes, mermaid=diagram(spec, "mermaid"))
+                                                   outcomes=outcomes, mermaid=diagram(spec, "mermaid"),
+                                                   cites_catalog=cites_catalog)

@@ -1,4 +1,4 @@
-"""One scenario per behaviour of the seed (docs/architecture.md) and per bug class the manager must rule out,
+"""One scenario per behaviour of the seed and per bug class (docs/bug-catalog.md) the manager must rule out,
 driven through SimEngine (real CPU pools, copies that land only when told, backups that run only when told)."""
 
 from __future__ import annotations
