@@ -1,8 +1,12 @@
-"""Typed errors raised by generated machines; a raised error means the machine changed nothing."""
+"""Typed errors of kvfsm's public surface; a raised error means nothing was changed.
+
+Lifecycle errors come from generated machines and the manager's request checks; `ConfigError` from the
+configuration, always before anything is allocated.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional, Sequence
 
 
 class LifecycleError(Exception):
@@ -23,3 +27,51 @@ class GuardRejected(EventRejected):
     def __init__(self, machine: Any, event: str, state: str, guards: tuple[str, ...]) -> None:
         super().__init__(machine, event, state, f"no guard holds ({', '.join(guards)})")
         self.guards = guards
+
+
+class InvalidRequest(LifecycleError):
+    """The request cannot be admitted (bad table row, missing fields); nothing was changed."""
+
+
+class RowInUse(InvalidRequest):
+    """A request object names a table row that another live request object holds.
+
+    Admitting it would let one request's end free the other's slots and row (its own end then a
+    DoubleFree), so it is refused, in unchecked mode too."""
+
+    def __init__(self, request: str, row: int, holder: str) -> None:
+        self.request, self.row, self.holder = request, row, holder
+        super().__init__(f"request {request!r} names table row {row}, which live request {holder} holds: "
+                         f"each live request must have its own row (is this a copy of the request object?)")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.request, self.row, self.holder)
+
+
+class RequestFieldMissing(InvalidRequest):
+    """A request object lacks a field of the request protocol (`kvfsm.runtime.OffloadRequest`)."""
+
+    def __init__(self, request: str, field: str, protocol: str = "kvfsm.runtime.OffloadRequest") -> None:
+        self.request, self.field, self.protocol = request, field, protocol
+        super().__init__(f"request {request} has no attribute {field!r}, a field of the request protocol "
+                         f"{protocol} that the manager reads")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.request, self.field, self.protocol)
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid. `field` names it (dotted inside mappings, e.g.
+    `storage_extra.master_server_addr`; None when the whole source is unusable), `reason` says why and
+    `source` where the value came from (code, a file, the environment). Every problem found is in
+    `problems`; `field` and `reason` are the first."""
+
+    def __init__(self, field: Optional[str], reason: str, source: str = "OffloadConfig",
+                 others: Sequence[tuple[Optional[str], str]] = ()) -> None:
+        self.field, self.reason, self.source = field, reason, source
+        self.problems: tuple[tuple[Optional[str], str], ...] = ((field, reason), *others)
+        text = "; ".join(f"{f}: {r}" if f else r for f, r in self.problems)
+        super().__init__(f"{source}: {text}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.field, self.reason, self.source, self.problems[1:])

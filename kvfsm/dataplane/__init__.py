@@ -31,11 +31,17 @@ from .copy.triton_kernels import HAVE_TRITON, KernelConfig
 
 
 def make_copy_engine(device: str | None = None) -> CopyEngine:
-    """CudaCopyEngine (Triton when it imports) when CUDA is present and `device` is not "cpu", else CPU."""
+    """CudaCopyEngine (Triton when it imports) when CUDA is present and `device` is not "cpu", else CPU
+    (a WARNING when a CUDA `device` was named: the CPU engine is then a fallback, not a choice)."""
+    import logging
+
     import torch
 
     if device != "cpu" and torch.cuda.is_available():
         return CudaCopyEngine(device)
+    if device not in (None, "cpu"):
+        logging.getLogger(__name__).warning("make_copy_engine(%r): CUDA is not available, using the CPU copy engine",
+                                            device)
     return CpuCopyEngine()
 
 

@@ -1,37 +1,58 @@
 """Manager configuration: one validated pydantic model, from code, a YAML/JSON file, or KVFSM_* variables.
 
-Validation happens before any memory is allocated, and a bad value names its field.
+Every way of making a config (the constructor, `model_validate`, `load`, `from_file`, `from_env`) raises
+`kvfsm.errors.ConfigError` naming the field and the reason (the pydantic error chained as its cause),
+before any memory is allocated. What depends on the machine and on the pools the manager is given (is
+CUDA there, does the stride fit the host pool, is Mooncake installed, is `storage_dir` usable) is checked
+when the manager is built, still before it allocates anything (`kvfsm.runtime.build`).
 """
 
 from __future__ import annotations
 
+import difflib
 import json
+import logging
 import os
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Mapping, Optional
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from kvfsm.errors import ConfigError
+from kvfsm.runtime.storage_options import check_storage_extra
+
+logger = logging.getLogger(__name__)
+
 ENV_PREFIX = "KVFSM_"
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field and the source."""
+# KVFSM_* variables that are not config fields: read by the data plane (KVFSM_CU_BATCH) and by kvfsm's own
+# test and benchmark tooling. from_env does not warn about these.
+OTHER_ENV_VARS = frozenset({"KVFSM_CU_BATCH", "KVFSM_FUZZ", "KVFSM_REQUIRE_MOONCAKE", "KVFSM_REQUIRE_TRANSFORMERS",
+                            "KVFSM_MUTANT_REPORT", "KVFSM_MUTANT_SHRINK"})
+# Fields whose environment value is taken as the string it is (KVFSM_MODEL_NAME=1234 is a name, not a number).
+_STRING_FIELDS = frozenset({"model_name", "storage_dir", "trace_path"})
 
 
 class OffloadConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     page_size: int = Field(1, ge=1, description="Tokens per KV page.")
-    offload_stride: int = Field(0, ge=0, description="Tokens per offloaded chunk; <= 0 means one page.")
+    offload_stride: int = Field(0, ge=0, description=(
+        "Tokens per offloaded chunk; 0 means one page. Not a multiple of page_size: rounded down to whole "
+        "pages (at least one), with a WARNING."))
     host_pool_ratio: Optional[float] = Field(2.0, gt=0, description="Host pool size as a multiple of the device pool.")
     host_pool_bytes: Optional[int] = Field(None, gt=0, description="Host pool size in bytes (wins over the ratio).")
     host_layout: Literal["layer_first", "page_first"] = "layer_first"
-    copy_backend: Literal["auto", "cpu", "cuda", "deferred"] = "auto"
-    storage_backend: Literal["file", "none"] = "file"
+    copy_backend: Literal["auto", "cpu", "cuda", "deferred"] = Field("auto", description=(
+        "'cuda' needs CUDA and a device pool on it (else ConfigError); 'auto' picks CUDA for a CUDA device "
+        "pool and the CPU engine otherwise, with a WARNING."))
+    storage_backend: Literal["file", "mooncake", "none"] = Field("file", description=(
+        "'file': FileStorage in storage_dir; 'mooncake': MooncakeStorage (pip install 'kvfsm[mooncake]'), "
+        "its options in storage_extra, master_server_addr required; 'none': no store, unless storage= is given."))
     storage_dir: Path = Path("kvfsm-store")
-    storage_extra: dict[str, Any] = Field(default_factory=dict, description="Backend-specific settings.")
+    storage_extra: dict[str, Any] = Field(default_factory=dict, description=(
+        "Keyword options of the selected backend's constructor (FileStorage: fsync, writers; MooncakeStorage: "
+        "master_server_addr, metadata_server, ...), checked against it."))
     model_name: str = Field("model", min_length=1)
     backup_queue_size: int = Field(64, ge=1, description="Backups queued or running at once; beyond it chunks park.")
     stored_index_pages: int = Field(1 << 20, ge=0, description=(
@@ -41,26 +62,48 @@ class OffloadConfig(BaseModel):
     checked: bool = Field(False, description="Keep the slot ownership ledger and check invariants every transition.")
     trace_path: Optional[Path] = Field(None, description="Write one JSON line per transition here.")
 
+    def __init__(self, **values: Any) -> None:
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            raise _config_error(exc, "OffloadConfig") from exc
+
+    @classmethod
+    def model_validate(cls, obj: Any, **kwargs: Any) -> "OffloadConfig":  # type: ignore[override]
+        return cls._validate(obj, "OffloadConfig", **kwargs)
+
+    @classmethod
+    def _validate(cls, obj: Any, source: str, **kwargs: Any) -> "OffloadConfig":
+        try:
+            return super().model_validate(obj, **kwargs)
+        except ValidationError as exc:
+            raise _config_error(exc, source) from exc
+
     @model_validator(mode="after")
-    def _sizes(self) -> "OffloadConfig":
+    def _fields_agree(self) -> "OffloadConfig":
+        # A ConfigError raised here reaches the caller as itself (see _config_error), with the field it names.
         if self.host_pool_ratio is None and self.host_pool_bytes is None:
-            raise ValueError("set host_pool_ratio or host_pool_bytes")
+            raise ConfigError("host_pool_bytes", "set host_pool_bytes or host_pool_ratio (both are None)")
+        check_storage_extra(self.storage_backend, self.storage_extra)
+        if self.offload_stride > 0 and self.offload_stride % self.page_size:
+            # The seed rounds, and configs written for it (and the verifier's bounds) rely on it: rounding
+            # stays, but never silently.
+            logger.warning("offload_stride=%d is not a multiple of page_size=%d: chunks are %d tokens",
+                           self.offload_stride, self.page_size, self.stride)
         return self
 
     @property
     def stride(self) -> int:
-        """The seed's offload stride: a page, or the configured stride rounded down to whole pages."""
+        """The seed's offload stride: a page, or the configured stride rounded down to whole pages (at least
+        one page); a stride that needed rounding was logged as a WARNING when the config was made."""
         if self.offload_stride <= 0:
             return self.page_size
         return max(self.page_size, self.offload_stride // self.page_size * self.page_size)
 
     @classmethod
     def load(cls, source: str = "<code>", **values: Any) -> "OffloadConfig":
-        try:
-            return cls(**values)
-        except ValidationError as exc:
-            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or '<config>'}: {e['msg']}" for e in exc.errors())
-            raise ConfigError(f"{source}: invalid offload config: {problems}") from None
+        """A config from field values; a ConfigError names `source`, the field and the reason."""
+        return cls._validate(values, source)
 
     @classmethod
     def from_file(cls, path: str | Path) -> "OffloadConfig":
@@ -70,23 +113,54 @@ class OffloadConfig(BaseModel):
             text = path.read_text()
             data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
         except (OSError, ValueError, yaml.YAMLError) as exc:
-            raise ConfigError(f"{path}: cannot read offload config: {exc}") from None
+            raise ConfigError(None, f"cannot read offload config: {exc}", str(path)) from exc
         if not isinstance(data, dict):
-            raise ConfigError(f"{path}: offload config must be a mapping of field names to values")
-        return cls.load(str(path), **data)
+            raise ConfigError(None, "offload config must be a mapping of field names to values", str(path))
+        return cls._validate(data, str(path))
 
     @classmethod
-    def from_env(cls, environ: Optional[dict[str, str]] = None, **overrides: Any) -> "OffloadConfig":
-        """Fields from KVFSM_<FIELD> variables (JSON values where they parse, else strings)."""
+    def from_env(cls, environ: Optional[Mapping[str, str]] = None, **overrides: Any) -> "OffloadConfig":
+        """Fields from KVFSM_<FIELD> variables (JSON values where they parse, else strings; text fields as
+        given). A KVFSM_* name that is no field (nor one of OTHER_ENV_VARS) is logged as a WARNING with the
+        closest field's variable: the environment is shared with other tools and versions, so an unknown
+        name is not an error, but a typo must not go unnoticed."""
         env = os.environ if environ is None else environ
+        known = {ENV_PREFIX + name.upper(): name for name in cls.model_fields}
         values: dict[str, Any] = {}
-        for name in cls.model_fields:
-            raw = env.get(ENV_PREFIX + name.upper())
-            if raw is None:
+        for var, raw in env.items():
+            if not var.startswith(ENV_PREFIX) or var in OTHER_ENV_VARS:
+                continue
+            name = known.get(var)
+            if name is None:
+                near = difflib.get_close_matches(var, known, n=1)
+                logger.warning("environment variable %s is not an offload config field%s; ignored", var,
+                               f" (did you mean {near[0]}?)" if near else "")
+                continue
+            if name in _STRING_FIELDS:
+                values[name] = raw
                 continue
             try:
                 values[name] = json.loads(raw)
             except ValueError:
                 values[name] = raw
         values.update(overrides)
-        return cls.load("environment", **values)
+        return cls._validate(values, "environment (KVFSM_*)")
+
+
+def _config_error(exc: ValidationError, source: str) -> ConfigError:
+    """One ConfigError for every problem pydantic found: each named by its field, unknown fields with the
+    closest known one."""
+    problems: list[tuple[Optional[str], str]] = []
+    for err in exc.errors():
+        raised = (err.get("ctx") or {}).get("error")
+        if isinstance(raised, ConfigError):  # from _fields_agree: keeps its own field
+            problems.extend(raised.problems)
+            continue
+        field = ".".join(map(str, err["loc"])) or None
+        reason = err["msg"]
+        if err["type"] == "extra_forbidden" and field is not None:
+            near = difflib.get_close_matches(field, OffloadConfig.model_fields, n=1)
+            reason = f"unknown field{f'; did you mean {near[0]!r}?' if near else ''}"
+        problems.append((field, reason))
+    (field, reason), others = problems[0], problems[1:]
+    return ConfigError(field, reason, source, others)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import collections
 import itertools
+import logging
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -26,7 +28,9 @@ from kvfsm.runtime.metrics import OffloadMetrics
 from kvfsm.runtime.stored_index import StoredPageIndex
 from kvfsm.runtime.protocols import OffloadRequest, PrefixCache
 
+logger = logging.getLogger(__name__)
 _serials = itertools.count(1)
+FAILURE_LOG_INTERVAL_S = 10.0  # backup failures are logged at most this often (a dead store fails every chunk)
 
 
 def token_slice(req: OffloadRequest, start: int, end: int) -> list[int]:
@@ -134,6 +138,8 @@ class OffloadEffects(DecodeOffloadEffectsEach):
         self._offsets_np = self._offsets.numpy()
         self._table = req_to_token.host_table.numpy()  # a view
         self._bytes_per_token = host_pool.config.bytes_per_token
+        self._failures_logged_at = -FAILURE_LOG_INTERVAL_S  # time.monotonic() of the last failure WARNING
+        self._failures_unlogged = 0  # failures since then
 
     # --- create ------------------------------------------------------------------------------------
     def seed_hash_chain(self, m: DecodeOffloadMachine, arg: Any) -> None:
@@ -244,6 +250,28 @@ class OffloadEffects(DecodeOffloadEffectsEach):
         for _, chunk in items:
             chunk.record.failed_backups += 1
         self.metrics.backup_failures += len(items)
+        if self.storage is not None:  # without a store every backup fails: said once, when the manager was built
+            self._log_failures(items)
+
+    def _log_failures(self, items: Items) -> None:
+        """One WARNING for the first failure, then at most one per FAILURE_LOG_INTERVAL_S with the count
+        since the last: the first says what failed and why, the rest that it goes on."""
+        self._failures_unlogged += len(items)
+        now = time.monotonic()
+        if now - self._failures_logged_at < FAILURE_LOG_INTERVAL_S:
+            return
+        chunk = items[0][1]
+        job = chunk.job
+        if job is not None and job.error is not None:
+            why = f"the store raised {job.error!r}"
+        elif job is not None and job.results:
+            why = f"the store refused {job.results.count(False)} of {len(job.results)} pages"
+        else:
+            why = "the store reported no result"
+        logger.warning("%d backup(s) failed since the last report (e.g. %r: %s); their pages are not stored "
+                       "(metrics.backup_failures=%d)", self._failures_unlogged, chunk, why,
+                       self.metrics.backup_failures)
+        self._failures_logged_at, self._failures_unlogged = now, 0
 
     def free_host_chunk(self, m: DecodeOffloadMachine, chunk: Chunk) -> None:
         self.free_host_chunk_each([(m, chunk)])
@@ -293,3 +321,6 @@ class OffloadEffects(DecodeOffloadEffectsEach):
             req.req_pool_idx = None
         rec.req = None
         self.metrics.releases += 1
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("request %s released: %d device slots, table row %d, prefix %d", rec.key, len(slots),
+                         rec.row, rec.prefix_len)

@@ -5,13 +5,14 @@ The engine calls `offload(req)` after a decode step, `check_progress()` every sc
 spec cannot see (how long a chunk is, whether host memory or backup-queue room exists, which copies
 completed) and turns each answer into an event of the request's generated machine.
 
-(About 500 lines: one class, the engine's whole integration surface, single and batch paths side by side
+(About 600 lines: one class, the engine's whole integration surface, single and batch paths side by side
 so that a reader can check that both make the same transitions.)
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import weakref
 from typing import Any, Iterable, Optional, Sequence, Union
 
@@ -20,20 +21,23 @@ import torch
 
 import kvfsm.generated.decode_offload as spec_gen
 from kvfsm.generated.decode_offload import DecodeOffloadMachine
-from kvfsm.dataplane import (CopyEngine, CpuCopyEngine, DeferredCpuCopyEngine, HostKVPool, ReqToTokenPool,
-                             TokenSlotAllocator, make_copy_engine)
+from kvfsm.dataplane import CopyEngine, HostKVPool, ReqToTokenPool, TokenSlotAllocator
 from kvfsm.dataplane.pools.allocator import PageSlots
 from kvfsm.dataplane.pools.device_pool import DeviceKVPool
-from kvfsm.dataplane.storage import FileStorage, StorageBackend
-from kvfsm.errors import LifecycleError
+from kvfsm.dataplane.storage import StorageBackend
+from kvfsm.errors import InvalidRequest, LifecycleError, RowInUse
 from kvfsm.runtime.backup import BackupWorker, ThreadBackupWorker
+from kvfsm.runtime.build import build_components, close_storage
 from kvfsm.runtime.config import OffloadConfig
 from kvfsm.runtime.effects import Chunk, OffloadEffects, RequestRecord, token_slice
 from kvfsm.runtime.ledger import CheckedModeError, SlotLedger
 from kvfsm.runtime.metrics import OffloadMetrics
-from kvfsm.runtime.protocols import OffloadRequest, PrefixCache
+from kvfsm.runtime.protocols import OffloadRequest, PrefixCache, check_request_fields, describe, raise_if_field_missing
 from kvfsm.runtime.tp import ProgressConsensus
 from kvfsm.runtime.trace import TraceWriter
+
+logger = logging.getLogger(__name__)
+_DEBUG = logging.DEBUG
 
 _OFFLOADABLE = spec_gen.HANDLED["offload"]
 _ROW_HOLDERS = frozenset(s for s, held in spec_gen.HOLDS.items() if "table_row" in held)
@@ -90,10 +94,6 @@ class TPMismatch(LifecycleError):
     free different slots on different ranks, so progress is refused and nothing changes."""
 
 
-class InvalidRequest(LifecycleError):
-    """The request cannot be admitted (bad table row, missing fields); nothing was changed."""
-
-
 class DecodeOffloadManager:
     """One generated DecodeOffloadMachine per request object, driving real pools, copies and storage."""
 
@@ -107,16 +107,11 @@ class DecodeOffloadManager:
         self.config = config
         self.stride = config.stride
         self.req_to_token = req_to_token
-        if host_pool is None:
-            host_pool = HostKVPool.for_device_pool(device_pool, page_size=config.page_size,
-                                                   ratio=None if config.host_pool_bytes else config.host_pool_ratio,
-                                                   size_bytes=config.host_pool_bytes, layout=config.host_layout)
-        if copy_engine is None:
-            copy_engine = {"cpu": CpuCopyEngine, "deferred": DeferredCpuCopyEngine}.get(
-                config.copy_backend, lambda: make_copy_engine(None if config.copy_backend == "auto" else "cuda"))()
-        if storage is None and config.storage_backend == "file":
-            storage = FileStorage(config.storage_dir, model_name=config.model_name, tp_rank=tp_rank,
-                                  tp_size=tp_size, is_mla=device_pool.config.is_mla)
+        # Every ConfigError (stride vs host pool, CUDA, storage) is raised here, before anything is allocated.
+        parts = build_components(config, device_pool=device_pool, host_pool=host_pool, copy_engine=copy_engine,
+                                 storage=storage, tp_rank=tp_rank, tp_size=tp_size)
+        host_pool, copy_engine, storage = parts.host_pool, parts.copy_engine, parts.storage
+        self._owned_storage = storage if parts.owns_storage else None  # closed by close()
         self.metrics = OffloadMetrics()
         self.ledger = SlotLedger(config.page_size) if config.checked else None
         self.fx = OffloadEffects(page_size=config.page_size, device_pool=device_pool, allocator=allocator,
@@ -134,6 +129,9 @@ class DecodeOffloadManager:
         # path's bookkeeping (the row hint, ignored releases) is kept by the manager's own calls.
         self._observer = self._observe if (self.ledger is not None or self.trace is not None) else None
         self._records: dict[int, RequestRecord] = {}  # id(request object) -> its current lifecycle
+        # Per table row: the record of the lifecycle admitted last on it (stale once that one released the
+        # row). Admission refuses a row whose record still holds it for another request object (RowInUse).
+        self._row_holder: list[Optional[RequestRecord]] = [None] * req_to_token.rows
         self._serial = 0
         self._max_chunk = self.fx.host_pool.capacity // self.stride * self.stride
         # Per table row: the committed length at which the live, offloadable lifecycle holding it has its
@@ -156,15 +154,23 @@ class DecodeOffloadManager:
         return self.fx.host_pool
 
     def offload(self, req: OffloadRequest) -> bool:
-        """Submit the request's next stride-aligned chunk; False when there is none yet or no host room."""
-        row = req.req_pool_idx
-        if type(row) is int and 0 <= row < self._rows:
-            due_at = self._due_at[row]
-            if req.kv_committed_len < due_at:
-                # Most calls: the live lifecycle holding this row has no whole stride of committed KV yet
-                # (committed bounds what can be offloaded), so nothing to look up.
-                return False
-        rec = self._offloadable_record(req)
+        """Submit the request's next stride-aligned chunk; False when there is none yet or no host room.
+
+        A request whose lifecycle ended (finished, aborted, retracted) raises EventRejected, one naming a row
+        another live request holds RowInUse, one lacking a protocol field RequestFieldMissing; each changes
+        nothing."""
+        try:
+            row = req.req_pool_idx
+            if type(row) is int and 0 <= row < self._rows:
+                due_at = self._due_at[row]
+                if req.kv_committed_len < due_at:
+                    # Most calls: the live lifecycle holding this row has no whole stride of committed KV yet
+                    # (committed bounds what can be offloaded), so nothing to look up.
+                    return False
+            rec = self._offloadable_record(req)
+        except AttributeError as exc:
+            raise_if_field_missing(req, exc)
+            raise
         if rec is None:
             return False
         n = self._chunk_tokens(req, rec)
@@ -205,22 +211,34 @@ class DecodeOffloadManager:
         seen: set[int] = set()
         records, chunk_tokens = self._records, self._chunk_tokens
         admit = False
-        for i in picked:
-            req = reqs[i]
-            row = req.req_pool_idx
-            if row is None or row == -1 or not req.output_ids:
-                continue
-            key = id(req)
-            if key in seen:
-                raise ValueError(f"request {req.rid!r} appears twice in one offload_batch call")
-            seen.add(key)
-            rec = records.get(key)
-            if rec is None or rec.row != row or rec.req_ref() is not req or rec.machine.state not in _OFFLOADABLE:
-                self._check_offloadable(req)
-                todo.append((None, req, 0))
-                admit = True
-            else:
-                todo.append((rec, req, chunk_tokens(req, rec)))
+        new_rows: dict[int, OffloadRequest] = {}  # rows of the requests this call admits
+        req: Any = None
+        try:
+            for i in picked:
+                req = reqs[i]
+                row = req.req_pool_idx
+                if row is None or row == -1 or not req.output_ids:
+                    if row is None or row == -1:
+                        self._reject_if_ended(req)
+                    continue
+                key = id(req)
+                if key in seen:
+                    raise ValueError(f"request {req.rid!r} appears twice in one offload_batch call")
+                seen.add(key)
+                rec = records.get(key)
+                if rec is None or rec.row != row or rec.req_ref() is not req or rec.machine.state not in _OFFLOADABLE:
+                    self._check_offloadable(req)
+                    if self._current(req) is None:  # admitted below: its row must not be another's
+                        other = new_rows.setdefault(row, req)
+                        if other is not req:
+                            raise RowInUse(describe(req), row, f"{describe(other)} (admitted by this call)")
+                    todo.append((None, req, 0))
+                    admit = True
+                else:
+                    todo.append((rec, req, chunk_tokens(req, rec)))
+        except AttributeError as exc:
+            raise_if_field_missing(req, exc)
+            raise
         if admit:
             for k, (rec, req, n) in enumerate(todo):
                 if rec is None:
@@ -237,6 +255,8 @@ class DecodeOffloadManager:
         """The request's live lifecycle (admitting it if new); None if it holds no row or sampled nothing."""
         row = req.req_pool_idx
         if row is None or row == -1 or not req.output_ids:
+            if row is None or row == -1:
+                self._reject_if_ended(req)
             return None
         rec = self._records.get(id(req))
         # Fast path (every decode step): the request's current, live lifecycle.
@@ -245,10 +265,18 @@ class DecodeOffloadManager:
             rec = self._record(req)
         return rec
 
+    def _reject_if_ended(self, req: OffloadRequest) -> None:
+        """A request without a row whose lifecycle ended (release set its req_pool_idx to None) cannot
+        offload: the spec's typed error, EventRejected, changing nothing. One never admitted just has
+        nothing to offload yet."""
+        rec = self._records.get(id(req))
+        if rec is not None and rec.req_ref() is req and rec.machine.state not in _OFFLOADABLE:
+            rec.machine.offload(None)
+
     def _check_offloadable(self, req: OffloadRequest) -> None:
         """Raise, changing nothing, unless `req` is live in an offloadable state or can be admitted."""
-        rec = self._records.get(id(req))
-        if rec is not None and rec.req_ref() is req and not self._readmitted(rec, req):
+        rec = self._current(req)
+        if rec is not None:
             if rec.machine.state not in _OFFLOADABLE:
                 rec.machine.offload(None)  # the spec's typed error for this state; nothing changes
             return
@@ -307,6 +335,9 @@ class DecodeOffloadManager:
             raise
         if full:  # only once the call can no longer fail
             _host_full(full)
+        if logger.isEnabledFor(_DEBUG):
+            for chunk in chunks:
+                logger.debug("request %s offloaded tokens [%d, %d)", chunk.record.key, chunk.start, chunk.end)
         return len(due)
 
     def _copy_slots(self, due: list[tuple[RequestRecord, OffloadRequest, int]],
@@ -445,32 +476,50 @@ class DecodeOffloadManager:
         raise RuntimeError("manager did not drain")
 
     def close(self) -> None:
+        """Stop the backup worker, close the trace and the store the manager built (drain() first to finish
+        what is in flight)."""
         self.fx.worker.close()
         if self.trace is not None:
             self.trace.close()
+        if self._owned_storage is not None:
+            close_storage(self._owned_storage)
+            self._owned_storage = None
 
     def live_records(self) -> list[RequestRecord]:
         return [r for r in self._records.values() if r.machine.state in _ROW_HOLDERS]
 
     # --- internals ---------------------------------------------------------------------------------
     def _end(self, req: OffloadRequest, event: str) -> None:
-        rec = self._records.get(id(req))
-        if rec is None or rec.req_ref() is not req:
-            if req.req_pool_idx is None or req.req_pool_idx == -1:
-                return  # never admitted: nothing is held
-            rec = self._admit(req)
-        elif self._readmitted(rec, req):
-            rec = self._admit(req)  # re-admitted after a retract: a new lifecycle
-        if rec.machine.state in spec_gen.IGNORED[event]:
+        try:
+            rec = self._records.get(id(req))
+            if rec is None or rec.req_ref() is not req:
+                if req.req_pool_idx is None or req.req_pool_idx == -1:
+                    return  # never admitted: nothing is held
+                rec = self._admit(req)
+            elif self._readmitted(rec, req):
+                rec = self._admit(req)  # re-admitted after a retract: a new lifecycle
+        except AttributeError as exc:
+            raise_if_field_missing(req, exc)
+            raise
+        m = rec.machine
+        if m.state in spec_gen.IGNORED[event]:
             self.metrics.ignored_duplicate_releases += 1  # a declared no-op: the call below changes nothing
-        getattr(rec.machine, event)(None)
+        before = m.state
+        getattr(m, event)(None)
         self._due_at[rec.row] = -1  # ended (or already was): offload looks at the request itself
+        if logger.isEnabledFor(_DEBUG):
+            logger.debug("request %s %s: %s -> %s", rec.key, event, spec_gen.STATES[before], spec_gen.STATES[m.state])
 
-    def _record(self, req: OffloadRequest) -> RequestRecord:
+    def _current(self, req: OffloadRequest) -> Optional[RequestRecord]:
+        """The request object's current lifecycle, or None when the next call admits a new one."""
         rec = self._records.get(id(req))
         if rec is not None and rec.req_ref() is req and not self._readmitted(rec, req):
             return rec
-        return self._admit(req)
+        return None
+
+    def _record(self, req: OffloadRequest) -> RequestRecord:
+        rec = self._current(req)
+        return rec if rec is not None else self._admit(req)
 
     def _readmitted(self, rec: RequestRecord, req: OffloadRequest) -> bool:
         """Whether `req`, whose lifecycle `rec` has ended, was admitted again (it names a row it now holds)."""
@@ -485,9 +534,16 @@ class DecodeOffloadManager:
                 and self.req_to_token.is_allocated(row))
 
     def _check_admissible(self, req: OffloadRequest) -> None:
+        """Raise, changing nothing, unless `req` can start a lifecycle: every protocol field, an allocated
+        row, and no other live request object holding that row (which the new lifecycle's release would
+        free under it: a DoubleFree at its own release)."""
+        check_request_fields(req)
         row = req.req_pool_idx
         if not isinstance(row, int) or not 0 <= row < self.req_to_token.rows or not self.req_to_token.is_allocated(row):
             raise InvalidRequest(f"request {getattr(req, 'rid', req)!r} has table row {row!r}, which is not an allocated row")
+        holder = self._row_holder[row]
+        if holder is not None and holder.machine is not None and holder.machine.state in _ROW_HOLDERS:
+            raise RowInUse(describe(req), row, holder.key)
 
     def _admit(self, req: OffloadRequest) -> RequestRecord:
         self._check_admissible(req)
@@ -504,6 +560,10 @@ class DecodeOffloadManager:
                             prefill_len=prompt_len // self.config.page_size * self.config.page_size)
         rec.machine = DecodeOffloadMachine(self.fx, rec, self._observer)
         self._records[key] = rec
+        self._row_holder[row] = rec
+        if logger.isEnabledFor(_DEBUG):
+            logger.debug("request %s admitted: table row %d, prompt %d tokens, prefix %d", rec.key, row, prompt_len,
+                         rec.prefix_len)
         return rec
 
     def _observe(self, m: DecodeOffloadMachine, event: str, src: int, dst: int, tid: int) -> None:
@@ -520,4 +580,4 @@ class DecodeOffloadManager:
                 raise CheckedModeError(m.ctx.key, event, None, f"spec invariants violated: {', '.join(bad)} in {m!r}")
 
 
-__all__ = ["CheckedModeError", "DecodeOffloadManager", "InvalidRequest", "TPMismatch"]
+__all__ = ["CheckedModeError", "DecodeOffloadManager", "InvalidRequest", "RowInUse", "TPMismatch"]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, Optional, Protocol, Sequence, runtime_checkable
+
+from kvfsm.errors import RequestFieldMissing
 
 
 @runtime_checkable
@@ -19,6 +21,32 @@ class OffloadRequest(Protocol):
     prefix_len: int  # tokens matched in the prefix cache and protected there
 
     def finished(self) -> bool: ...
+
+
+REQUEST_FIELDS = tuple(OffloadRequest.__annotations__)  # the protocol's fields: what the manager reads
+
+
+def describe(req: Any) -> str:
+    """A request for an error message: its rid and type (the rid may be what is missing)."""
+    rid = getattr(req, "rid", None)
+    return f"{rid!r} ({type(req).__name__})" if rid is not None else f"<{type(req).__name__} object>"
+
+
+def check_request_fields(req: Any) -> None:
+    """Raise RequestFieldMissing naming the first OffloadRequest field `req` lacks (checked once, when a
+    lifecycle starts, so that no later call fails half-way on a raw AttributeError)."""
+    for name in REQUEST_FIELDS:
+        if not hasattr(req, name):
+            raise RequestFieldMissing(describe(req), name)
+
+
+def raise_if_field_missing(req: Any, exc: AttributeError) -> None:
+    """For an AttributeError raised while reading `req`: RequestFieldMissing (from it) when `req` lacks a
+    protocol field; otherwise return, and the caller re-raises `exc` (an AttributeError of its own)."""
+    try:
+        check_request_fields(req)
+    except RequestFieldMissing as missing:
+        raise missing from exc
 
 
 class PrefixCache(Protocol):
