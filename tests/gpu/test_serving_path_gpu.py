@@ -66,6 +66,8 @@ def test_copy_engine_submits_never_wait(spin, attention: str, backend: str, wher
     dev_arg = {"cpu": slots.slots, "gpu": slots.slots.cuda(), "page_slots": slots}[where]
     host_slots = host.page_slots(host.allocator.alloc_pages(12))
     engine.submit_d2h(pool, dev_arg, host, host_slots).wait()  # compile kernels, load the driver
+    engine.submit_h2d(host, host_slots, pool, dev_arg).wait()  # both directions: a first h2d compiles its
+    # kernel for longer than the busy stream below runs, and would then find its copy done (order-dependent)
     want = pool.token_view()[:, :, slots.slots.cuda()].cpu()
     torch.cuda.synchronize()
 
