@@ -18,7 +18,7 @@ from cb_helpers import cb_config, generation_config, prompts, reference_outputs,
 require_transformers()
 
 import kvfsm.integrations.transformers as kt  # noqa: E402
-from generated import cb_swap as gen  # noqa: E402
+from kvfsm.generated import cb_swap as gen  # noqa: E402
 from kvfsm.dataplane import CopyEngine, CpuCopyEngine, DeferredCpuCopyEngine  # noqa: E402
 from kvfsm.dataplane.copy.base import plan_copy  # noqa: E402
 from kvfsm.runtime.ledger import CheckedModeError  # noqa: E402

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-from generated import cb_swap as spec_gen
+from kvfsm.generated import cb_swap as spec_gen
 from kvfsm.generated.cb_swap import CbSwapMachine
 from kvfsm.dataplane import HostKVPool
 from kvfsm.errors import LifecycleError
