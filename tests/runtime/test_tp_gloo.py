@@ -7,11 +7,17 @@ a random, rank-seeded subset of its pending copies and runs a random number of i
 device and host free is logged as (iteration, kind, slots) and every storage write as (keys, page digests,
 results) in order; the logs are gathered to rank 0 and written per rank as JSON. With ProgressConsensus
 the logs are identical; with `agree` replaced by the identity (the control) they differ, so the test can
-fail."""
+fail.
+
+The ranks also all-reduce known tensors with every reduction op gloo has, and the parent checks that the
+in-process stand-in (tests/tp_threads.py, which test_tp_inprocess.py runs the consensus over)
+reduces them the same way. Each rank's exit is checked too: exit code 0, and its process group and store
+really destroyed (the file:// rendezvous file is gone once every rank's store is)."""
 
 from __future__ import annotations
 
 import datetime
+import gc
 import hashlib
 import json
 import multiprocessing
@@ -29,6 +35,7 @@ from kvfsm.dataplane.storage import FaultyStorage
 from kvfsm.runtime import TPMismatch
 from kvfsm.runtime.tp import ProgressConsensus
 from kvfsm.verify.engine import SimEngine
+from tp_threads import REDUCE_OPS, reduce_inputs, reduce_stacked
 
 SEED = 20240611
 STEPS = 160
@@ -150,6 +157,7 @@ def _one_run(rank: int, world: int, out: Path) -> None:
     _instrument(engine, log, writes, clock)
     _workload(engine, rank, clock)
     engine.check_teardown()  # each rank is consistent on its own either way
+    engine.manager.close()
     summary = {"rank": rank, "log": log, "writes": writes, "metrics": engine.manager.metrics.as_dict()}
     out.mkdir(exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps(summary))
@@ -176,8 +184,25 @@ def _mismatch_run(rank: int, out: Path) -> None:
     dist.barrier()
 
 
+def _reduce_ops_run(rank: int, out: Path) -> None:
+    """all_reduce of known rank-specific tensors with every op gloo has (int64; float32 where it applies)."""
+    results: dict[str, list[Any]] = {}
+    for op in REDUCE_OPS:
+        for dtype, t in reduce_inputs(rank).items():
+            if t.is_floating_point() and op in ("BAND", "BOR", "BXOR"):
+                continue
+            dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
+            results[f"{op}/{dtype}"] = t.tolist()
+    t = reduce_inputs(rank)["int64"]
+    dist.all_reduce(t)  # no op: the default
+    results["default/int64"] = t.tolist()
+    out.mkdir(exist_ok=True)
+    (out / f"rank{rank}.json").write_text(json.dumps(results))
+
+
 def _worker(rank: int, world: int, init: str, out_dir: str) -> None:
-    """One rank: the workload with ProgressConsensus, then again with `agree` as the identity (control)."""
+    """One rank: the workload with ProgressConsensus, again with `agree` as the identity (control), ranks of
+    different sizes, the reduction ops; then a clean exit."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=TIMEOUT_S))
@@ -187,7 +212,12 @@ def _worker(rank: int, world: int, init: str, out_dir: str) -> None:
             mpatch.setattr(ProgressConsensus, "agree", lambda self, *counts: counts)
             _one_run(rank, world, Path(out_dir, "control"))
         _mismatch_run(rank, Path(out_dir, "mismatch"))
+        _reduce_ops_run(rank, Path(out_dir, "reduce"))
     finally:
+        # The runs' engines are garbage by now, but a manager lives in reference cycles, and its
+        # ProgressConsensus holds the process group: without a collection here the group (and its store)
+        # outlive destroy_process_group, and a rank leaves through os._exit with them never destroyed.
+        gc.collect()
         dist.destroy_process_group()
 
 
@@ -219,8 +249,10 @@ def tp_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
             if p.is_alive():
                 p.kill()
                 p.join()
-    runs = {mode: _read(tmp / mode, world) for mode in ("consensus", "control")}
+    runs: dict[str, Any] = {mode: _read(tmp / mode, world) for mode in ("consensus", "control")}
     runs["mismatch"] = [json.loads((tmp / "mismatch" / f"rank{r}.json").read_text()) for r in range(world)]
+    runs["reduce"] = [json.loads((tmp / "reduce" / f"rank{r}.json").read_text()) for r in range(world)]
+    runs["exit"] = {"codes": [p.exitcode for p in ctx.processes], "rendezvous_left": (tmp / "store").exists()}
     return runs
 
 
@@ -256,3 +288,23 @@ def test_disagreeing_sizes_refuse_progress_on_every_rank(tp_runs: dict[str, list
     for r in tp_runs["mismatch"]:
         assert r["outcome"].startswith("TPMismatch"), r
         assert r["unchanged"]
+
+
+def test_ranks_exit_cleanly(tp_runs: dict[str, Any]) -> None:
+    """Every rank exits 0 with its process group destroyed: the last store to go removes the rendezvous file."""
+    assert all(code == 0 for code in tp_runs["exit"]["codes"]), tp_runs["exit"]
+    assert not tp_runs["exit"]["rendezvous_left"], "a rank's process group (and store) outlived its exit"
+
+
+def test_in_process_stand_in_reduces_like_gloo(tp_runs: dict[str, Any]) -> None:
+    """tests/tp_threads.py (what test_tp_inprocess.py runs the consensus over) against real gloo."""
+    ranks = tp_runs["reduce"]
+    world = len(ranks)
+    inputs = [reduce_inputs(r) for r in range(world)]
+    assert len(ranks[0]) == 4 * 2 + 3 + 1
+    for name, gloo in ranks[0].items():
+        op, dtype = name.split("/")
+        stacked = torch.stack([x[dtype] for x in inputs])
+        want = reduce_stacked(stacked, dist.ReduceOp.SUM if op == "default" else getattr(dist.ReduceOp, op))
+        assert want.tolist() == gloo, (name, want.tolist(), gloo)
+        assert all(r[name] == gloo for r in ranks), name
