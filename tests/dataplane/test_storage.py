@@ -142,3 +142,20 @@ def test_faulty_storage_is_deterministic(tmp_path: Path) -> None:
     assert torch.equal(got[0], ps[0]) and torch.equal(got[5], ps[5])  # type: ignore[arg-type]
     assert got[2] is not None and not torch.equal(got[2], ps[2]) and got[2][1:].equal(ps[2][1:])
     assert f.corrupted_reads == [ks[2]] and f.dropped_reads == [ks[3]]
+
+
+def test_close_stops_the_writer_threads_and_a_later_write_restarts_them(tmp_path: Path) -> None:
+    import threading
+
+    def writer_threads() -> int:
+        return sum(t.name.startswith("kvfsm-file-store") for t in threading.enumerate())
+
+    fs = FileStorage(tmp_path, model_name="m", writers=3)
+    pages = list(torch.arange(4 * 8, dtype=torch.uint8).reshape(4, 8))
+    assert fs.batch_set([f"{i:064x}" for i in range(4)], pages) == [True] * 4
+    assert writer_threads() > 0
+    fs.close()
+    assert writer_threads() == 0
+    assert fs.batch_set([f"{i:064x}" for i in range(4, 8)], pages) == [True] * 4
+    fs.close()
+    assert writer_threads() == 0

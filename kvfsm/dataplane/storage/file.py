@@ -171,6 +171,13 @@ class FileStorage:
             self.stats.writes_failed += results.count("writes_failed")
         return [r != "writes_failed" for r in results]
 
+    def close(self) -> None:
+        """Shut down the writer threads (`writers` > 1), after the writes they run; a later write starts
+        them again. The manager calls it for a store it built (DecodeOffloadManager.close)."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
     def _set_one(self, key: str, path: str, payload: np.ndarray) -> str:
         """Write one page; returns the stats field it counts as."""
         if os.path.exists(path):
