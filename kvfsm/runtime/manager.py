@@ -335,6 +335,9 @@ class DecodeOffloadManager:
             raise
         if full:  # only once the call can no longer fail
             _host_full(full)
+        # The gauge is exact after every manager call, not only after a progress check (an operator reads
+        # it between the two: copies submitted here are in flight until a progress check acknowledges them).
+        self.metrics.copies_in_flight = len(fx.copy_fifo)
         if logger.isEnabledFor(_DEBUG):
             for chunk in chunks:
                 logger.debug("request %s offloaded tokens [%d, %d)", chunk.record.key, chunk.start, chunk.end)
