@@ -6,7 +6,7 @@ STAMP := $(VENV)/.kvfsm-installed
 TEST_STAMP := $(VENV)/.kvfsm-test-installed
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 
-.PHONY: demo test venv test-deps bench clean
+.PHONY: demo test venv test-deps bench clean mutate
 
 venv: $(STAMP)
 
@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 $(TEST_STAMP): $(STAMP)
 	dpkg -s libibverbs1 >/dev/null 2>&1 || { $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null && \
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null; }
-	$(BIN)/python -m pip install -q -e '.[dev,bench,mooncake,transformers]'
+	$(BIN)/python -m pip install -q -e '.[dev,bench,mooncake,transformers,mutation]'
 	touch $(TEST_STAMP)
 
 test-deps: $(TEST_STAMP)
@@ -34,10 +34,18 @@ demo: $(STAMP)
 test: $(TEST_STAMP)
 	for spec in spec/*.yaml; do $(BIN)/kvfsm gen $$spec --check || exit 1; done
 	$(BIN)/kvfsm schema --check
-	KVFSM_REQUIRE_MOONCAKE=1 KVFSM_REQUIRE_TRANSFORMERS=1 $(BIN)/python -m pytest -q
+	KVFSM_REQUIRE_MOONCAKE=1 KVFSM_REQUIRE_TRANSFORMERS=1 KVFSM_REQUIRE_MUTMUT=1 $(BIN)/python -m pytest -q
 
 bench: $(STAMP)
 	$(BIN)/kvfsm bench
+
+# Mutation testing (docs/mutation.md): every mutant of the runtime, the data plane and the generated machine
+# against the fast test subset, then docs/mutation.md and tests/mutation/survivors.json. About an hour on 2 cores.
+MUTATE_CHILDREN ?= 2
+
+mutate: $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[dev,bench,mutation]'
+	$(BIN)/python tests/mutation/mutate.py run --max-children $(MUTATE_CHILDREN)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

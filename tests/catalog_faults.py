@@ -2,6 +2,11 @@
 with `monkeypatch`. Shared by the stateful suite (tests/stateful/test_mutants.py), which must fail with
 each fault in place, and the bounded explorer (tests/verify/test_explorer.py), which must find a shortest
 trace to it. Each fault's docstring is what docs/mutants.md says it injects.
+
+Every mutant the two suites run is defined here and nowhere else: `b<n>(mp)` patches the runtime's classes
+(the form both suites use), `b3_engine(engine)` is the explorer's per-engine `faults` hook for the same B3
+fault (the explorer copies worlds, so it injects into each engine it builds), and `b14` is the TP fault the
+stateful suite's two-rank harness runs.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import kvfsm.generated.decode_offload as gen
 import kvfsm.dataplane.copy.base as copy_engine
 from kvfsm.generated.decode_offload import DecodeOffloadMachine
 from kvfsm.runtime import ProtectedSize
+from kvfsm.runtime.tp import ProgressConsensus
 from kvfsm.runtime.effects import OffloadEffects
 from kvfsm.runtime.manager import DecodeOffloadManager
 
@@ -67,6 +73,11 @@ def b2(mp: pytest.MonkeyPatch) -> None:
 def b3(mp: pytest.MonkeyPatch) -> None:
     """The prefix cache's protected size is never decremented (S #12774)."""
     mp.setattr(ProtectedSize, "release_protected", lambda self, n: None)
+
+
+def b3_engine(engine) -> None:
+    """The `faults` hook: the prefix cache's protected size is never decremented (S #12774)."""
+    engine.protected.release_protected = lambda n: None
 
 
 def b3_host(mp: pytest.MonkeyPatch) -> None:
@@ -228,6 +239,11 @@ def b13(mp: pytest.MonkeyPatch) -> None:
             self.mark_stored(m, chunk)
         return count_backup_failure
     _wrap(mp, OffloadEffects, "count_backup_failure", make)
+
+
+def b14(mp: pytest.MonkeyPatch) -> None:
+    """ProgressConsensus.agree returns this rank's own counts (no MIN all-reduce)."""
+    mp.setattr(ProgressConsensus, "agree", lambda self, *counts: counts)
 
 
 def b15(mp: pytest.MonkeyPatch) -> None:

@@ -28,6 +28,7 @@ ENV_PREFIX = "KVFSM_"
 # KVFSM_* variables that are not config fields: read by the data plane (KVFSM_CU_BATCH) and by kvfsm's own
 # test and benchmark tooling. from_env does not warn about these.
 OTHER_ENV_VARS = frozenset({"KVFSM_CU_BATCH", "KVFSM_FUZZ", "KVFSM_REQUIRE_MOONCAKE", "KVFSM_REQUIRE_TRANSFORMERS",
+                            "KVFSM_REQUIRE_MUTMUT",
                             "KVFSM_MUTANT_REPORT", "KVFSM_MUTANT_SHRINK"})
 # Fields whose environment value is taken as the string it is (KVFSM_MODEL_NAME=1234 is a name, not a number).
 _STRING_FIELDS = frozenset({"model_name", "storage_dir", "trace_path"})

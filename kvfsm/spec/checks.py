@@ -3,6 +3,10 @@
 Guards and invariants are linear comparisons over small counters, so determinism and inductiveness are
 decided by enumerating every counter valuation in a box [0, B]^n, with B two past the largest literal in
 the spec: enough for every guard in the shipped spec to take each of its truth values.
+
+Counter updates are tied to their causes: each action and each event declares the update it `implies`, and
+a transition's `update` must be exactly their sum (check_updates), so an action cannot be given another
+action's counter update, and no counter moves without a declared cause.
 """
 
 from __future__ import annotations
@@ -136,6 +140,48 @@ def check_invariants(spec: CompiledSpec) -> list[SpecError]:
     return errors
 
 
+def implied_update(spec: CompiledSpec, t: Transition) -> dict[str, list[tuple[str, int, int]]]:
+    """Counter -> the (source, delta, line) of every implication a transition carries: its event's and each of
+    its actions' `implies` (an action listed twice implies twice)."""
+    model, lines = spec.model, spec.lines
+    out: dict[str, list[tuple[str, int, int]]] = defaultdict(list)
+    for c, d in model.events[t.event].implies.items():
+        out[c].append((f"event {t.event!r}", d, lines.line(("events", t.event, "implies", c))))
+    for a in t.actions:
+        for c, d in model.actions[a].implies.items():
+            out[c].append((f"action {a!r}", d, lines.line(("actions", a, "implies", c))))
+    return out
+
+
+def check_updates(spec: CompiledSpec) -> list[SpecError]:
+    """Counters move only for a declared reason: a transition's `update` is exactly the sum of the updates its
+    event and its actions imply. An update no action or event implies, an implied update the transition
+    leaves out, or a different delta (an action given another action's counter update) is an error."""
+    errors: list[SpecError] = []
+    seen: set[tuple[int, str, str]] = set()
+    for t in spec.transitions:
+        declared = dict(t.update)
+        implied = implied_update(spec, t)
+        for c in sorted(set(declared) | set(implied), key=spec.counters.index):
+            d, srcs = declared.get(c, 0), implied.get(c, [])
+            v = sum(delta for _, delta, _ in srcs)
+            if d == v or (t.rule, t.event, c) in seen:
+                continue
+            seen.add((t.rule, t.event, c))
+            said = f"updates {c} by {d:+d}" if d else f"does not update {c}"
+            if not srcs:
+                acts = ", ".join(repr(a) for a in t.actions) or "none"
+                msg = (f"{said}, but neither its event {t.event!r} nor any of its actions ({acts}) implies a change "
+                       f"of {c}; declare `implies: {{{c}: {d:+d}}}` on the action or event that causes it")
+            else:
+                why = ", ".join(f"{src} (line {line}) implies {c} {delta:+d}" for src, delta, line in srcs)
+                total = f"{c} {v:+d}" if v else f"no net change of {c}"
+                msg = f"{said}, but {why}" + (f": {total} in all" if len(srcs) > 1 else "")
+            loc = ("transitions", t.rule, "update") if declared else ("transitions", t.rule)
+            errors.append(spec.lines.error(loc, f"transitions[{t.rule}] {t.label}", msg))
+    return errors
+
+
 def check_resources(spec: CompiledSpec) -> list[SpecError]:
     """Conservation: what is acquired is released somewhere; what a new machine holds is released exactly once."""
     errors: list[SpecError] = []
@@ -192,7 +238,7 @@ def holdings(spec: CompiledSpec) -> tuple[dict[str, frozenset[str]], list[tuple[
     return held_at, unique
 
 
-CHECKS = (check_structure, check_determinism, check_invariants, check_resources)
+CHECKS = (check_structure, check_updates, check_determinism, check_invariants, check_resources)
 
 
 def load_spec(path: str | Path) -> CompiledSpec:

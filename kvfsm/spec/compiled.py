@@ -138,12 +138,22 @@ def build(path: str | Path) -> CompiledSpec:
         for verb in ("acquires", "reads", "releases"):
             for r in getattr(act, verb):
                 known(("actions", a, verb), f"action {a!r}", "resource", r, model.resources)
+        for c in act.implies:
+            known(("actions", a, "implies", c), f"action {a!r}", "counter", c, model.counters)
+    for e, ev in model.events.items():
+        for c in ev.implies:
+            known(("events", e, "implies", c), f"event {e!r}", "counter", c, model.counters)
     if model.create is not None:
         for r in model.create.holds:
             known(("create", "holds"), "create", "resource", r, model.resources)
         for a in model.create.actions:
             if known(("create", "actions"), "create", "action", a, model.actions) and model.actions[a].acquires:
                 err(("create", "actions"), "create", f"action {a!r} acquires; what a new machine holds belongs in `holds`")
+            elif a in model.actions and model.actions[a].implies:
+                implied = ", ".join(f"{c} {d:+d}" for c, d in model.actions[a].implies.items())
+                err(("create", "actions"), "create",
+                    f"action {a!r} implies {implied} (line {lines.line(('actions', a, 'implies'))}); a new machine's "
+                    "counters start at their `initial` values, so a creation action may imply no update")
 
     transitions: list[Transition] = []
     for r, rule in enumerate(model.transitions):

@@ -21,6 +21,9 @@ Name = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_]*$", max_length
 MachineName = Annotated[str, StringConstraints(pattern=r"^[A-Z][A-Za-z0-9]*$", max_length=64)]
 Doc = Annotated[str, StringConstraints(min_length=1, max_length=400, pattern=r"^[^\n]+$")]
 Names = Union[Name, list[Name]]
+# A counter update: each named counter moves by +1 or -1 (a transition's `update`, and the update an action or
+# an event implies, which `kvfsm validate` checks every transition's `update` against).
+Update = dict[Name, Literal[1, -1]]
 
 
 class _Strict(BaseModel):
@@ -46,6 +49,9 @@ class Action(_Strict):
     acquires: list[Name] = []
     reads: list[Name] = []
     releases: list[Name] = []
+    implies: Update = Field({}, description=(
+        "The counter update running this action implies (submitting a copy: `{copies: +1}`). `kvfsm validate` "
+        "checks that every transition's `update` is exactly the sum of its event's and its actions' `implies`."))
 
 
 class Create(_Strict):
@@ -63,6 +69,9 @@ class State(_Strict):
 
 class Event(_Strict):
     doc: Doc
+    implies: Update = Field({}, description=(
+        "The counter update the event itself reports, in every transition it fires, whatever the machine does "
+        "about it: an acknowledgement ends something an action started (`copy_done`: `{copies: -1}`)."))
 
 
 def _as_list(value: object) -> object:
@@ -77,7 +86,7 @@ class TransitionRule(_Strict):
     guard: Optional[Name] = None
     to: Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_]*$", max_length=64)]  # a state, or 'same': a self-loop
     actions: list[Name] = []
-    update: dict[Name, Literal[1, -1]] = {}
+    update: Update = {}
     doc: Optional[Doc] = None
 
     _lists = field_validator("src", "on", mode="before")(_as_list)

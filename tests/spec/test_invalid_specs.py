@@ -15,6 +15,8 @@ from typer.testing import CliRunner
 
 from kvfsm.cli import app
 from kvfsm.spec import SpecInvalid, load_spec
+from kvfsm.spec.checks import CHECKS, check_updates
+from kvfsm.spec.compiled import build
 
 ROOT = Path(__file__).resolve().parents[2]
 SPECS = ROOT / "tests" / "specs"
@@ -76,7 +78,8 @@ def test_minimal_and_shipped_specs_are_valid() -> None:
         assert spec.transitions and spec.states
 
 
-CLI_CASES = ["unknown_event.yaml", "nondeterministic.yaml", "malformed_yaml.yaml", "resource_leak.yaml"]
+CLI_CASES = ["unknown_event.yaml", "nondeterministic.yaml", "malformed_yaml.yaml", "resource_leak.yaml",
+             "shipped_update_of_another_action.yaml"]
 
 
 @pytest.mark.parametrize("name", CLI_CASES)
@@ -96,6 +99,36 @@ def test_cli_validate_accepts_minimal() -> None:
     result = CliRunner().invoke(app, ["validate", str(MINIMAL)])
     assert result.exit_code == 0, result.output
     assert "ok:" in result.stdout and result.stderr == ""
+
+
+# --- counter updates tied to the actions and events that imply them (issue #18) --------------------
+
+UPDATE_CASES = ["shipped_update_of_another_action", "shipped_implied_update_missing", "update_not_implied",
+                "double_implied_update"]
+
+
+@pytest.mark.parametrize("name", UPDATE_CASES)
+def test_counter_update_disagreeing_with_its_actions_is_rejected(name: str) -> None:
+    """Each of these passes every other check (so `kvfsm validate` once accepted it, and only the stateful suite
+    could notice); the update check rejects it at the transition's line, naming the counter and the action or
+    event whose `implies` disagrees, with that declaration's line."""
+    path = SPECS / "invalid" / f"{name}.yaml"
+    spec = build(path)
+    assert [e for check in CHECKS if check is not check_updates for e in check(spec)] == []
+    line, substring = expectation(path)
+    errors = check_updates(spec)
+    assert errors and all(e.element.startswith("transitions[") for e in errors), errors
+    assert any(e.line == line and substring in e.message for e in errors), "\n".join(map(str, errors))
+
+
+def test_shipped_specs_declare_what_their_updates_imply() -> None:
+    """Every counter update of the shipped specs has a cause: some action or event implies each counter's moves."""
+    for path in sorted((ROOT / "spec").glob("*.yaml")):
+        spec = load_spec(path)
+        causes = {c for a in spec.model.actions.values() for c in a.implies} | \
+                 {c for e in spec.model.events.values() for c in e.implies}
+        updated = {c for t in spec.transitions for c, _ in t.update}
+        assert updated and updated <= causes, path.name
 
 
 # --- specs the checker once accepted by mistake: now each must be rejected ------------------------

@@ -5,9 +5,10 @@ stateful suite catches it.
 Each mutant test runs the stateful machine of test_manager_machine.py (its own step counter, derandomized,
 no example database) with the fault in place and asserts that the run FAILS; it records the first failing
 check (an invariant name, or the exception a guard raised), the rule steps it took to get there and the
-steps of the shrunk example. B14 (TP ranks diverge) runs two ranks in one process: two SimEngines whose
-`check_progress` calls meet in a thread barrier standing in for the MIN all-reduce (the real
-ProgressConsensus code runs; only torch.distributed.all_reduce is replaced by the in-process exchange).
+steps of the shrunk example. B14 (TP ranks diverge; its fault is `b14` of the catalog too) runs two ranks in
+one process: two SimEngines whose `check_progress` calls meet in a thread barrier standing in for the MIN
+all-reduce (the real ProgressConsensus code runs; only torch.distributed.all_reduce is replaced by the
+in-process exchange).
 
 `python tests/stateful/report_mutants.py` (or KVFSM_MUTANT_REPORT=docs/mutants.md pytest this file) writes
 the Markdown report docs/mutants.md.
@@ -31,7 +32,7 @@ from kvfsm.runtime.tp import ProgressConsensus
 from kvfsm.verify.engine import SimEngine
 
 import test_manager_machine as tm
-from catalog_faults import b1, b2, b3, b3_host, b4, b5, b6, b6_readmit, b7, b8, b9, b10, b11, b12, b13, b15
+from catalog_faults import b1, b2, b3, b3_host, b4, b5, b6, b6_readmit, b7, b8, b9, b10, b11, b12, b13, b14, b15
 
 DEEP = tm.DEEP
 REPORT: dict[str, dict[str, Any]] = {}
@@ -202,7 +203,7 @@ def test_tp_ranks_agree_with_consensus(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_mutant_b14_tp_divergence_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.distributed, "all_reduce", lambda t, op=None, group=None: group.all_reduce(t))
-    monkeypatch.setattr(ProgressConsensus, "agree", lambda self, *counts: counts)  # the fault: no MIN
+    b14(monkeypatch)  # the fault: no MIN
     t0 = time.perf_counter()
     found = None
     for seed in TP_SEEDS:
@@ -210,7 +211,7 @@ def test_mutant_b14_tp_divergence_is_caught(monkeypatch: pytest.MonkeyPatch) -> 
         if found:
             break
     REPORT["B14"] = {"bug": "TP ranks diverge", "checked": True, "caught": found is not None,
-                     "fault": "ProgressConsensus.agree returns this rank's own counts (no MIN all-reduce).",
+                     "fault": (b14.__doc__ or "").strip(),
                      "first": {"check": "tp_identical_frees", "exc": found or "", "steps_total": None,
                                "steps_example": None, "seed": seed},
                      "last": None, "steps_run": None, "seconds": time.perf_counter() - t0}
@@ -257,11 +258,56 @@ def write_report(path: Path) -> None:
     path.write_text("\n".join(lines))
 
 
-def test_zz_report() -> None:
-    """Write docs/mutants.md when asked (KVFSM_MUTANT_REPORT=path); always check every run mutant was caught."""
+CATALOG = Path(__file__).resolve().parents[2] / "docs" / "bug-catalog.md"
+
+
+def _catalog_ids() -> list[str]:
+    """The bug classes of docs/bug-catalog.md's table (B1 ... B15)."""
+    import re
+    return sorted(set(re.findall(r"^\| \[(B\d+)\]\(#b\d+\) \|", CATALOG.read_text(), re.M)), key=lambda b: int(b[1:]))
+
+
+def _selected(session: pytest.Session) -> set[str]:
+    """The mutants whose tests this session selected (B14 is its own test)."""
+    out = set()
+    for item in session.items:
+        if getattr(item, "originalname", None) == "test_mutant_is_caught":
+            out.add(item.callspec.params["mid"])  # type: ignore[attr-defined]
+        elif item.name == "test_mutant_b14_tp_divergence_is_caught":
+            out.add("B14")
+    return out
+
+
+def test_zz_report(request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """The mutant report: every catalog class has a mutant, every mutant this session selected ran and was
+    caught inside the machine's steps with a named first check, and the Markdown report (written to
+    KVFSM_MUTANT_REPORT when set, docs/mutants.md by report_mutants.py) says so row by row."""
+    ids = _catalog_ids()
+    assert ids == [f"B{i}" for i in range(1, 16)], ids
+    covered = {mid.split("-")[0] for mid in MUTANTS} | {"B14"}
+    assert set(ids) <= covered, f"catalog classes without a mutant: {sorted(set(ids) - covered)}"
     if not REPORT:
         pytest.skip("no mutant ran in this session")
-    target = os.environ.get("KVFSM_MUTANT_REPORT")
-    if target:
-        write_report(Path(target))
-    assert all(r["caught"] for r in REPORT.values()), [k for k, r in REPORT.items() if not r["caught"]]
+    selected = _selected(request.session)
+    assert set(REPORT) == selected, f"selected but not reported: {sorted(selected - set(REPORT))}"
+    for mid, r in REPORT.items():
+        assert r["caught"], f"mutant {mid} survived"
+        first = r["first"] or {}
+        assert first.get("check"), f"mutant {mid}: no first check recorded"
+        assert first.get("exc"), f"mutant {mid}: no failure message recorded"
+        if mid == "B14":
+            assert first["check"] == "tp_identical_frees" and "differ" in first["exc"], first
+        else:
+            assert r["steps_run"] > 0 and first["steps_total"] > 0 and first["where"], (mid, first)
+    target = Path(os.environ.get("KVFSM_MUTANT_REPORT") or tmp_path / "mutants.md")
+    write_report(target)
+    text = target.read_text()
+    rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| B")}
+    assert set(rows) == set(REPORT), sorted(set(REPORT) ^ set(rows))
+    for mid, line in rows.items():
+        assert "| yes |" in line and f"`{REPORT[mid]['first']['check']}`" in line, line
+    assert "**NO**" not in text
+    assert f"{len(REPORT)} of {len(REPORT)} mutants caught." in text
+    if selected >= set(MUTANTS) | {"B14"}:  # the whole table ran: every catalog class was caught
+        caught = {mid.split("-")[0] for mid, r in REPORT.items() if r["caught"]}
+        assert set(ids) <= caught, f"catalog classes not caught: {sorted(set(ids) - caught)}"

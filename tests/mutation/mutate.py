@@ -1,0 +1,465 @@
+"""Mutation testing of the runtime, the data plane and the generated machine, with mutmut (docs/mutation.md).
+
+    .venv/bin/python tests/mutation/mutate.py run [--max-children 2]   # `make mutate`: every mutant, then the report
+    .venv/bin/python tests/mutation/mutate.py report                   # rewrite docs/mutation.md from the last run
+    .venv/bin/python tests/mutation/mutate.py rerun                    # the last run's survivors, after adding tests
+    .venv/bin/python tests/mutation/mutate.py sample [--n 40 --seed 18 --budget 280]   # the CI sample
+
+mutmut never touches the checkout: this script lays out a workspace in build/mutation/ (the mutated files,
+the rest of the package unmutated, the fast test subset, and a pyproject.toml holding mutmut's
+configuration), and mutmut writes its mutated copy under build/mutation/mutants/ and runs the tests there.
+A survivor of the full run is either killed by a test added to tests/mutation/test_kills.py (`rerun` then
+runs the survivors again) or listed, with the reason it is equivalent, in tests/mutation/equivalent.py; the
+report marks the rest unexplained. The report's survivors (tests/mutation/survivors.json) are what
+tests/mutation/test_mutation_sample.py holds a seeded sample of mutants to.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+WORK = ROOT / "build" / "mutation"  # the full run's workspace (the CI sample uses build/mutation-sample/)
+REPORT = ROOT / "docs" / "mutation.md"
+SURVIVORS = Path(__file__).resolve().parent / "survivors.json"  # the full run's survivors, machine-readable
+PY = sys.executable
+
+# What is mutated: the runtime, the data plane's pools, copy planning, storage (not Mooncake) and hashing,
+# and the generated decode-offload machine (fnmatch patterns: `*` also crosses `/`).
+# The generated machines are laid out as the wheel installs them (kvfsm/generated/), so the module mutmut
+# mutates has the name the runtime imports: kvfsm/generated/decode_offload.py is generated/decode_offload.py.
+MUTATE = ["kvfsm/runtime/*.py", "kvfsm/dataplane/pools/*.py", "kvfsm/dataplane/copy/base.py",
+          "kvfsm/dataplane/storage/*.py", "kvfsm/dataplane/hashing.py", "kvfsm/generated/decode_offload.py"]
+DO_NOT_MUTATE = ["kvfsm/dataplane/storage/mooncake/*", "*/__init__.py"]
+
+# Lines whose statements are not mutated: what they change is wording for people, not behaviour (the text of
+# a raised error or a log line, a repr). The tests pin down that the error is raised, its type, and where a
+# message is an interface (a config error naming its field), what it names; mutating every word of it would
+# bury the survivors that matter under hundreds that do not.
+NOT_BEHAVIOUR = [r"^\s*raise \w+(\.\w+)*\(", r"\blogger\.(debug|info|warning|error|exception)\(",
+                 r"\bwarnings\.warn\(", r"^\s*def __repr__\("]
+
+# The fast subset the mutants run against: about 15 s in all on 2 cores; mutmut runs, for each mutant,
+# only the tests of this subset that call the mutated function (its first, clean run records which).
+TESTS = [
+    "tests/dataplane/test_allocator.py", "tests/dataplane/test_host_pool.py", "tests/dataplane/test_req_to_token.py",
+    "tests/dataplane/test_hashing.py", "tests/dataplane/test_storage.py", "tests/dataplane/test_copy_engine.py",
+    "tests/runtime/test_scenarios.py", "tests/runtime/test_batch_events.py", "tests/runtime/test_backup_worker.py",
+    "tests/runtime/test_offload_batch.py", "tests/runtime/test_config_errors.py",
+    "tests/runtime/test_first_use_traps.py", "tests/reference/test_differential.py",
+    "tests/mutation/test_kills.py",
+]
+# Left out of the subset: the test that starts a real Mooncake master (2 s, and a mutant stopped mid-test
+# leaves its master running), and all but the first 60 seeds of the random batch-vs-loop test (the other
+# 240 cost 3 s per mutant of the generated machine; tests/mutation/test_kills.py runs every pair of states).
+DESELECT = ["tests/runtime/test_config_errors.py::test_a_manager_built_from_a_mooncake_config_stores_and_reads_back"] + [
+    f"tests/runtime/test_batch_events.py::test_batch_equals_loop_of_single_events[{seed}]" for seed in range(60, 300)]
+# Files the subset imports besides its test files (copied as they are).
+SUPPORT = ["tests/conftest.py", "tests/catalog_faults.py", "tests/dataplane/__init__.py",
+           "tests/dataplane/conftest.py", "tests/dataplane/helpers.py", "tests/dataplane/stream_sim.py"]
+# Hypothesis runs derandomized in the workspace, so a mutant's verdict does not depend on luck.
+CONFTEST_ADDENDUM = '''
+
+# --- added by tests/mutation/mutate.py: deterministic examples for mutation runs ---
+settings.register_profile("mutation", parent=settings.get_profile("ci"), derandomize=True, database=None)
+settings.load_profile("mutation")
+'''
+
+
+def mutmut_config(tests: list[str]) -> str:
+    def toml_list(items: list[str]) -> str:
+        return "[" + ", ".join(json.dumps(i) for i in items) + "]"
+    return "\n".join([
+        "# Written by tests/mutation/mutate.py; mutmut reads its configuration from here.",
+        "[tool.mutmut]",
+        'source_paths = ["kvfsm"]',
+        f"only_mutate = {toml_list(MUTATE)}",
+        f"do_not_mutate = {toml_list(DO_NOT_MUTATE)}",
+        'also_copy = ["spec"]',
+        f"pytest_add_cli_args_test_selection = {toml_list(tests)}",
+        "pytest_add_cli_args = " + toml_list(["-p", "no:cacheprovider", "-p", "no:randomly", "-q", "-x"]
+                                             + [a for d in DESELECT for a in ("--deselect", d)]),
+        f"do_not_mutate_patterns = {toml_list(NOT_BEHAVIOUR)}",
+        "use_git_change_detection = false",
+        "track_dependencies = false",
+        "use_setproctitle = false",
+        # a mutant that spins is stopped after 2 x (its tests' clean time + 2 s) of CPU, not mutmut's 15 x
+        "timeout_multiplier = 2.0",
+        "timeout_constant = 2.0",
+        "",
+        "[tool.pytest.ini_options]",
+        'testpaths = ["tests"]',
+        'markers = ["gpu: needs a CUDA device", "slow: long-running"]',
+        "",
+    ])
+
+
+def layout() -> None:
+    """A fresh workspace: the package, the generated machines and specs, the test subset, the configuration."""
+    if WORK.exists():
+        shutil.rmtree(WORK)
+    WORK.mkdir(parents=True)
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for top in ("kvfsm", "spec"):
+        shutil.copytree(ROOT / top, WORK / top, ignore=ignore)
+    gen = WORK / "kvfsm" / "generated"  # the wheel's layout: the machines in the package, the specs beside them
+    for f in (ROOT / "generated").glob("*.py"):
+        shutil.copy2(f, gen / f.name)
+    shutil.copytree(ROOT / "spec", gen / "spec")
+    for rel in TESTS + SUPPORT:
+        (WORK / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / rel, WORK / rel)
+    conftest = WORK / "tests" / "conftest.py"
+    conftest.write_text(conftest.read_text() + CONFTEST_ADDENDUM)
+    (WORK / "pyproject.toml").write_text(mutmut_config(TESTS))
+
+
+GENERATE = """
+import sys
+from pathlib import Path
+import mutmut.__main__ as mm
+mm.set_mutant_under_test("mutant_generation")
+Path("mutants").mkdir(exist_ok=True)
+mm.copy_src_dir(); mm.copy_also_copy_files(); mm.setup_source_paths(); mm.store_lines_covered_by_tests()
+mm.create_mutants(int(sys.argv[1]))
+"""
+
+
+def generate(max_children: int) -> int:
+    """Write the mutants (and their .meta files) without running any test."""
+    return mutmut_python(GENERATE, str(max_children))
+
+
+def mutmut_python(code: str, *args: str, timeout: float | None = None) -> int:
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    env.pop("PYTHONPATH", None)
+    try:
+        return subprocess.run([PY, "-c", code, *args], cwd=WORK, env=env, timeout=timeout).returncode
+    except subprocess.TimeoutExpired:
+        return 124
+
+
+def mutmut(*args: str, timeout: float | None = None) -> int:
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    env.pop("PYTHONPATH", None)
+    cmd = [PY, "-c", "import sys; from mutmut.__main__ import cli; sys.exit(cli())", *args]
+    try:
+        return subprocess.run(cmd, cwd=WORK, env=env, timeout=timeout).returncode
+    except subprocess.TimeoutExpired:
+        return 124
+
+
+# --- results ---------------------------------------------------------------------------------------------
+
+STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests", 34: "skipped", 36: "timeout",
+          -24: "timeout", 24: "timeout", 152: "timeout", 255: "timeout", -11: "segfault", -9: "segfault"}
+KILLED = {"killed", "timeout", "segfault"}  # a mutant that hangs or crashes the tests is caught too
+
+
+@dataclass
+class Mutant:
+    name: str
+    path: str
+    status: str
+
+    @property
+    def function(self) -> str:
+        return self.name.rsplit("__mutmut_", 1)[0]
+
+
+def results() -> list[Mutant]:
+    out = []
+    for meta in sorted((WORK / "mutants").rglob("*.py.meta")):
+        path = str(meta.relative_to(WORK / "mutants"))[: -len(".meta")]
+        data = json.loads(meta.read_text())
+        for name, code in sorted(data.get("exit_code_by_key", {}).items()):
+            out.append(Mutant(name, path, "not checked" if code is None else STATUS.get(code, "suspicious")))
+    return out
+
+
+def diff_of(m: Mutant) -> str:
+    """The mutant's change, as the `-`/`+` lines of mutmut's diff."""
+    cwd = os.getcwd()
+    os.chdir(WORK)
+    try:
+        from mutmut.mutation.diff_apply import get_diff_for_mutant
+        diff = get_diff_for_mutant(m.name, path=m.path)
+    finally:
+        os.chdir(cwd)
+    return "\n".join(l for l in diff.splitlines() if l[:1] in "+-" and not l.startswith(("+++", "---")))
+
+
+def equivalents() -> list[tuple[str, re.Pattern[str], str]]:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from equivalent import EQUIVALENT
+    return [(fn, re.compile(change, re.S), why) for fn, change, why in EQUIVALENT]
+
+
+def equivalent_reason(equiv: list[tuple[str, re.Pattern[str], str]], function: str, change: str) -> str | None:
+    """The reason the first matching entry gives (function: a regex over mutmut's name for the function
+    without its module; change: a regex over the whole normalized change; both must match whole), or None."""
+    short = function.rsplit(".", 1)[-1]
+    for fn, pattern, why in equiv:
+        if re.fullmatch(fn, short) and pattern.fullmatch(_norm(change)):
+            return why
+    return None
+
+
+def _norm(change: str) -> str:
+    return "\n".join(re.sub(r"\s+", " ", l.strip()) for l in change.strip().splitlines())
+
+
+# --- the report -------------------------------------------------------------------------------------------
+
+def _md(text: str) -> str:
+    text = text.replace("`", "'").replace("|", "\\|")
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def write_report(mutants: list[Mutant], seconds: float, run: dict | None) -> dict:
+    equiv = equivalents()
+    checked = [m for m in mutants if m.status not in ("not checked", "skipped")]
+    killed = [m for m in checked if m.status in KILLED]
+    survivors = [m for m in checked if m.status not in KILLED]
+    rows, unexplained = [], 0
+    for m in survivors:
+        change = diff_of(m)
+        why = equivalent_reason(equiv, m.function, change)
+        if why is None:
+            unexplained += 1
+        rows.append((m, change, why))
+    rate = len(killed) / len(checked) if checked else 0.0
+    max_children = (run or {}).get("max_children", 2)
+    per_file: dict[str, list[int]] = {}
+    for m in checked:
+        k = per_file.setdefault(m.path, [0, 0])
+        k[0] += m.status in KILLED
+        k[1] += 1
+    summary = {"mutants": len(checked), "killed": len(killed), "survived": len(survivors),
+               "equivalent": len(survivors) - unexplained, "unexplained": unexplained,
+               "kill_rate": round(rate, 4), "seconds": round(seconds)}
+    lines = [
+        "# Mutation testing",
+        "",
+        "<!-- GENERATED by `make mutate` (tests/mutation/mutate.py): the text from DOC in that script, the numbers "
+        "and survivors from the last run, the reasons from tests/mutation/equivalent.py. Do not edit. -->",
+        "",
+        *DOC.strip("\n").splitlines(),
+        "",
+        "## Last full run",
+        "",
+        f"- mutants: {len(checked)} over {len(per_file)} files; killed {len(killed)} "
+        f"(timeouts and crashes count as killed); survived {len(survivors)}",
+        f"- **kill rate: {rate:.2%}** (`kill_rate = {rate:.4f}`); the CI sample is held to this run's verdict on "
+        "each mutant it picks (tests/mutation/survivors.json)",
+        f"- survivors explained as equivalent: {len(survivors) - unexplained}; unexplained: {unexplained}",
+        f"- wall time: {seconds / 60:.1f} min for the run on {os.cpu_count()} cores, {max_children} mutants at a time"
+        + "".join(f"; then {r['survivors']} survivors run again against the tests added to kill them: "
+                  f"{r['seconds'] / 60:.1f} min" for r in (run or {}).get("reruns", [])),
+        "",
+        f"<!-- mutation-summary: {json.dumps(summary, sort_keys=True)} -->",
+        "",
+        "| file | mutants | killed | kill rate |",
+        "|---|---|---|---|",
+    ]
+    for path, (k, n) in sorted(per_file.items()):
+        lines.append(f"| `{path}` | {n} | {k} | {k / n:.1%} |")
+    lines += ["", "### Survivors", "",
+              "Each survivor is an equivalent mutant (no test of the subset can tell it from the original; the reason is "
+              "given, from tests/mutation/equivalent.py) or **unexplained**: a behaviour no test of the subset pins down. "
+              "One line per mutant: the mutated function, mutmut's number, the line it changes and what it becomes.", ""]
+    if not rows:
+        lines.append("None.")
+    by_path: dict[str, list[tuple[Mutant, str, str | None]]] = {}
+    for row in rows:
+        by_path.setdefault(row[0].path, []).append(row)
+    for path, group in sorted(by_path.items()):
+        lines += [f"#### `{path}` ({len(group)})", ""]
+        for m, change, why in group:
+            fn = m.function.rsplit(".", 1)[-1].replace("x\u01c1", "").replace("\u01c1", ".").removeprefix("x_")
+            num = m.name.rsplit("__mutmut_", 1)[-1]
+            old = " / ".join(l[1:].strip() for l in change.splitlines() if l.startswith("-"))
+            new = " / ".join(l[1:].strip() for l in change.splitlines() if l.startswith("+"))
+            lines.append(f"- `{fn}` #{num} ({m.status}): `{_md(old)}` → `{_md(new)}`: "
+                         + (why if why else "**unexplained**"))
+        lines.append("")
+    REPORT.write_text("\n".join(lines).rstrip("\n") + "\n")
+    SURVIVORS.write_text(json.dumps({"summary": summary, "survivors": [
+        {"function": m.function, "change": _norm(change), "status": m.status, "equivalent": why is not None}
+        for m, change, why in rows]}, indent=1, sort_keys=True) + "\n")
+    return summary
+
+
+DOC = """
+`make mutate` runs [mutmut](https://github.com/boxed/mutmut) 3 over the runtime, the data plane and the
+generated machine, against a fast subset of the test suite, and regenerates this page; a seeded sample of
+the same mutants runs in `make test` (tests/mutation/test_mutation_sample.py) and fails when its kill rate
+falls below the one recorded here. (These are mechanical mutants, every small change mutmut can make; the
+hand-written faults of the bug classes in [bug-catalog.md](bug-catalog.md) and what catches them are
+[mutants.md](mutants.md).)
+
+## Why mutmut
+
+The two maintained Python mutation testers, mutmut 3.8 and cosmic-ray 8.7, both install on Python 3.11
+without touching the pinned CPU torch. mutmut was chosen after running it on this layout; cosmic-ray was
+judged from its documented execution model:
+
+- **mutmut 3** writes every mutant of a file into one mutated copy of the tree (`mutants/`, here under
+  `build/mutation/`), selected at run time through a trampoline per function, and forks the already
+  initialised test process for each mutant: torch, the package and the test modules are imported once,
+  and each mutant runs only the tests that called its function in the clean run, stopping at the first
+  failure. The checkout is never modified, which matters in a working tree several engineers share, and a
+  mutant can be named (`mutmut run NAME`), so the CI sample runs exactly the mutants it picked.
+- **cosmic-ray 8** applies each mutation to the source file in place and runs the test command afresh for
+  it: every mutant pays the torch import and pytest start-up (a few seconds here) and runs the whole
+  subset, and while it runs the shared checkout holds a mutated file that other engineers' test runs import.
+
+Two things this layout needed: mutmut names a module after its path, so the workspace lays the generated
+machines out as the wheel does (`kvfsm/generated/decode_offload.py`, the module the runtime imports; from
+`generated/` mutmut would mutate a module nothing imports by that name); and mutmut's configuration lives
+in the workspace's own `pyproject.toml`, written by the script, not in the project's. mutmut 3 mutates code
+inside functions only (module constants and class bodies are not mutated): the logic the tests must pin
+down is in functions and methods.
+
+## Scope
+
+- mutated (`MUTATE` in tests/mutation/mutate.py): `kvfsm/runtime/`, `kvfsm/dataplane/pools/`,
+  `kvfsm/dataplane/copy/base.py` (copy planning), `kvfsm/dataplane/storage/` without Mooncake (its tests need
+  a Mooncake master), `kvfsm/dataplane/hashing.py` and `generated/decode_offload.py` (named
+  `kvfsm/generated/decode_offload.py` below); no `__init__.py`. The text of raised errors, log lines,
+  warnings and reprs is not mutated (`NOT_BEHAVIOUR`): it is wording, and its mutants would bury the ones
+  that matter; that an error is raised, and its type, still is;
+- the tests (`TESTS`): the data plane's pool, allocator, table, hashing, storage and copy-engine tests, the
+  runtime's scenario, batch-event, backup-worker, offload-batch, config-error and first-use tests, the
+  generated-vs-reference differential test, and tests/mutation/test_kills.py (tests written to kill
+  survivors of this run). The stateful suite and the explorer are left out: a few seconds per mutant is
+  the budget, and they take minutes. Hypothesis runs derandomized in the workspace;
+- a survivor that no test can kill is listed in tests/mutation/equivalent.py with the reason (keyed by its
+  function and its change, so the entry survives renumbering); the report marks every other survivor
+  **unexplained**.
+
+## Files
+
+- `tests/mutation/mutate.py`: lays out the workspace, runs mutmut and writes this page (`run`), runs the
+  last run's survivors again after tests were added to kill them (`rerun`), rewrites this page (`report`)
+  and runs the CI sample (`sample`);
+- `tests/mutation/equivalent.py`: the equivalent survivors and why;
+- `tests/mutation/test_kills.py`: the tests added to kill survivors;
+- `tests/mutation/survivors.json`: this run's survivors, machine-readable (function, change, status);
+- `tests/mutation/test_mutation_sample.py`: the CI step (`make test` runs it), 40 mutants picked with a fixed
+  seed and time-boxed to 5 minutes, failing when fewer of them are killed than this run killed of the same
+  mutants (a mutant not listed in survivors.json counts as killed by this run).
+"""
+
+
+# --- commands ---------------------------------------------------------------------------------------------
+
+def cmd_run(args: argparse.Namespace) -> int:
+    layout()
+    t0 = time.monotonic()
+    rc = mutmut("run", "--max-children", str(args.max_children))
+    seconds = time.monotonic() - t0
+    (WORK / "run.json").write_text(json.dumps({"seconds": seconds, "rc": rc, "max_children": args.max_children}))
+    summary = write_report(results(), seconds, {"seconds": seconds})
+    print(json.dumps(summary))
+    return 0 if rc == 0 else rc
+
+
+def cmd_rerun(args: argparse.Namespace) -> int:
+    """Run the last run's survivors again against the current test files (after tests were added to kill
+    them), without generating or running anything else; then rewrite the report."""
+    for rel in TESTS + SUPPORT:
+        for base in (WORK, WORK / "mutants"):
+            (base / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / rel, base / rel)
+    for base in (WORK, WORK / "mutants"):
+        (base / "tests" / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text() + CONFTEST_ADDENDUM)
+    survivors = [m.name for m in results() if m.status not in KILLED and m.status not in ("not checked", "skipped")
+                 and re.search(args.only or "", m.name)]
+    t0 = time.monotonic()
+    rc = mutmut("run", "--max-children", str(args.max_children), *survivors, timeout=args.budget) if survivors else 0
+    run = json.loads((WORK / "run.json").read_text()) if (WORK / "run.json").exists() else {"seconds": 0}
+    run.setdefault("reruns", []).append({"survivors": len(survivors), "seconds": time.monotonic() - t0, "rc": rc})
+    (WORK / "run.json").write_text(json.dumps(run))
+    print(json.dumps(write_report(results(), run["seconds"], run)))
+    return 0 if rc == 0 else rc
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    run = json.loads((WORK / "run.json").read_text()) if (WORK / "run.json").exists() else {"seconds": 0}
+    print(json.dumps(write_report(results(), run["seconds"], run)))
+    return 0
+
+
+def committed() -> tuple[dict, set[tuple[str, str]]]:
+    """The committed full run: its summary and the (function, change) of every mutant that survived it."""
+    data = json.loads(SURVIVORS.read_text())
+    return data["summary"], {(s["function"], s["change"]) for s in data["survivors"]}
+
+
+def cmd_sample(args: argparse.Namespace) -> int:
+    """Generate every mutant, run a seeded sample of them within a time budget; print the kill rate, and the
+    kill rate the committed full run had on the same mutants (those it lists as survivors survived it, the
+    rest were killed), so the two are compared mutant for mutant, not as two samples of a rate."""
+    global WORK
+    WORK = ROOT / "build" / "mutation-sample"
+    layout()
+    t0 = time.monotonic()
+    rc = generate(args.max_children)
+    names = sorted(m.name for m in results())
+    if not names:
+        print(f"no mutants generated (mutmut exit {rc})")
+        return 2
+    pick = sorted(random.Random(args.seed).sample(names, min(args.n, len(names))))
+    left = max(30.0, args.budget - (time.monotonic() - t0))
+    rc = mutmut("run", "--max-children", str(args.max_children), *pick, timeout=left)
+    done = {m.name: m for m in results() if m.name in set(pick)}
+    checked = [m for m in done.values() if m.status not in ("not checked", "skipped")]
+    killed = sum(m.status in KILLED for m in checked)
+    summary, survived_before = committed()
+    keys = {m.name: (m.function, _norm(diff_of(m))) for m in checked}
+    before = sum(keys[m.name] not in survived_before for m in checked)
+    new_survivors = [m.name for m in checked if m.status not in KILLED and keys[m.name] not in survived_before]
+    out = {"sampled": len(pick), "checked": len(checked), "killed": killed,
+           "kill_rate": round(killed / len(checked), 4) if checked else None,
+           "committed_kill_rate_on_sample": round(before / len(checked), 4) if checked else None,
+           "committed_kill_rate": summary["kill_rate"], "seconds": round(time.monotonic() - t0),
+           "new_survivors": new_survivors, "mutmut_exit": rc}
+    print(json.dumps(out))
+    (WORK / "sample.json").write_text(json.dumps(out))
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    run = sub.add_parser("run", help="every mutant, then docs/mutation.md")
+    run.add_argument("--max-children", type=int, default=2)
+    sub.add_parser("report", help="docs/mutation.md from the last run")
+    rerun = sub.add_parser("rerun", help="the last run's survivors again, against the current tests")
+    rerun.add_argument("--max-children", type=int, default=2)
+    rerun.add_argument("--only", default=None, help="a regex: only the survivors whose mutmut name it matches")
+    rerun.add_argument("--budget", type=float, default=None, help="stop after this many seconds (the rest keep "
+                                                                   "their verdict of the last run)")
+    sample = sub.add_parser("sample", help="a seeded sample, time-boxed")
+    sample.add_argument("--n", type=int, default=40)
+    sample.add_argument("--seed", type=int, default=18)
+    sample.add_argument("--budget", type=float, default=280.0)
+    sample.add_argument("--max-children", type=int, default=2)
+    args = ap.parse_args()
+    return {"run": cmd_run, "report": cmd_report, "rerun": cmd_rerun, "sample": cmd_sample}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
