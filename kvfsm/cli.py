@@ -195,14 +195,27 @@ def bench(quick: bool = typer.Option(False, help="Small sizes: checks the script
         progress.update(task, description="done" + (f": results and plots in {quick_dir}" if quick else ""))
 
 
+class BoundName(str, Enum):
+    ci = "ci"
+    default = "default"
+
+
 @app.command()
-def check(requests: int = typer.Option(3, help="Requests in the bounded world."),
-          slots: int = typer.Option(16, help="Device slots."),
-          page_size: int = typer.Option(2), stride: int = typer.Option(2),
-          host_slots: int = typer.Option(8, help="Host pool slots."),
-          backup_queue: int = typer.Option(1, help="Backups outstanding at once."),
-          decodes: int = typer.Option(1, help="Decode steps per request."),
-          readmits: int = typer.Option(0, help="Retract-and-readmit cycles per request."),
+def check(requests: Optional[int] = typer.Option(None, help="Requests in the bounded world (bound options explore "
+                                                            "one bound; unset ones take ExplorerConfig's defaults)."),
+          slots: Optional[int] = typer.Option(None, help="Device slots."),
+          page_size: Optional[int] = typer.Option(None), stride: Optional[int] = typer.Option(None),
+          host_slots: Optional[int] = typer.Option(None, help="Host pool slots."),
+          backup_queue: Optional[int] = typer.Option(None, help="Backups outstanding at once."),
+          decodes: Optional[int] = typer.Option(None, help="Decode steps per request."),
+          readmits: Optional[int] = typer.Option(None, help="Retract-and-readmit cycles per request."),
+          speculative: Optional[int] = typer.Option(None, help="Extra slots a speculative decode over-allocates."),
+          bound: Optional[BoundName] = typer.Option(None, "--bound", help="A named bound: a union of sub-bounds, each "
+                                                    "explored exhaustively (the default without bound options)."),
+          ci: bool = typer.Option(False, "--ci", help="The CI bound (--bound ci): what .ci/run explores."),
+          jobs: int = typer.Option(1, "--jobs", help="Worker processes expanding each BFS level."),
+          report: Optional[Path] = typer.Option(None, "--report", help="Rewrite this named bound's section of the "
+                                                "coverage page (docs/explorer-coverage.md)."),
           max_depth: int = typer.Option(None, help="Stop exploring below this depth."),
           out_test: Path = typer.Option(None, "--out-test", help="Where to write a counterexample as a pytest."),
           spec: Optional[Path] = SPEC_OPT,
@@ -212,9 +225,14 @@ def check(requests: int = typer.Option(3, help="Requests in the bounded world.")
     2 on a meaningless bound or a spec the runtime was not generated from, 3 with --require-all when a
     transition is unreached."""
     from kvfsm.verify import commands
+    if ci and bound is not None and bound is not BoundName.ci:
+        err.print(f"--ci and --bound {bound.value} name different bounds", markup=False)
+        raise typer.Exit(INVALID)
+    name = "ci" if ci else bound.value if bound is not None else None
     raise typer.Exit(commands.check(requests, slots, page_size, stride, host_slots, max_depth, out_test,
                                     decodes=decodes, readmits=readmits, backup_queue=backup_queue,
-                                    spec_path=spec or packaged_spec(), require_all=require_all))
+                                    speculative=speculative, spec_path=spec or packaged_spec(),
+                                    require_all=require_all, bound=name, jobs=jobs, report=report))
 
 
 @app.command()

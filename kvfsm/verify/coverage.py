@@ -3,9 +3,10 @@
 The manager records the id of every transition its machines take in `manager.coverage`; the explorer
 unions them over every edge it runs (ExploreResult.coverage) and `fuzz` over a long random walk. A
 `CoverageReport` sets those sets against the spec's declared transitions and names what was never
-exercised; `STANDARD_BOUNDS` are small explorer bounds that together exercise every declared transition
-(one request with three chunks; one request against a one-page host pool; two requests contending for
-it), which the test suite enforces.
+exercised; `STANDARD_BOUNDS` are the smallest explorer bounds that together exercise every declared
+transition (one request with three chunks; one request against a one-page host pool; two requests
+contending for it), which the test suite enforces in seconds. The named bounds `kvfsm check` explores
+(kvfsm.verify.bounds: ci, default) are bigger unions of the same kind.
 """
 
 from __future__ import annotations

@@ -49,6 +49,14 @@ def test_check_names_unreached_transitions_and_require_all_fails() -> None:
     assert strict.exit_code == UNREACHED, strict.output
 
 
+@pytest.mark.parametrize("args", [["--ci", "--bound", "default"], ["--bound", "ci", "--requests", "1"],
+                                  ["--requests", "1", "--report", "page.md"], ["--bound", "nightly"]])
+def test_named_bounds_and_bound_options_do_not_mix(args: list[str]) -> None:
+    res = cli("check", *args)
+    assert res.exit_code == 2, res.output
+    assert "exploring" not in res.output
+
+
 def test_check_and_demo_refuse_a_spec_the_runtime_was_not_generated_from(tmp_path: Path) -> None:
     edited = tmp_path / "spec" / "decode_offload.yaml"
     edited.parent.mkdir()

@@ -1,9 +1,10 @@
 """The bounded exhaustive explorer of the implementation (issue 5, part 3).
 
-- the copy-based search (clone) and the replay-based one reach exactly the same states;
+- every way of branching (copy: one snapshot per state, clone: one per child, replay) reaches exactly the
+  same states;
 - a clone is independent of its original (pools, allocator masks that share a bytearray, closures);
-- small bounds are explored completely without a violation, and the default bound (3 requests x 16 slots)
-  to a depth in CI, completely under KVFSM_FUZZ=deep;
+- small bounds are explored completely without a violation, and ExplorerConfig() (3 requests x 16 slots, the
+  named bounds' `three-requests` sub-bound) to a depth in CI, completely under KVFSM_FUZZ=deep;
 - catalog mutants (docs/bug-catalog.md; the faults are tests/catalog_faults.py) are found with a shortest
   event trace, and the pytest file the explorer writes for it fails while the mutant is in place and
   passes once it is gone.
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from catalog_faults import b1, b2, b5, b6_readmit, b7, b8, b9, b10, b13, b15
+from catalog_faults import b1, b2, b3_engine as b3_faults, b5, b6_readmit, b7, b8, b9, b10, b13, b15
 from kvfsm.dataplane.pools.allocator import PageSlots
 from kvfsm.runtime.manager import DecodeOffloadManager
 from kvfsm.verify.commands import check
@@ -33,12 +34,13 @@ DEEP = os.environ.get("KVFSM_FUZZ", "ci") == "deep"
                          ids=["1req-readmit", "2req"])
 def test_copy_and_replay_reach_the_same_states(cfg: ExplorerConfig) -> None:
     by_copy = explore(cfg, keep_keys=True)
-    by_replay = explore(cfg, mode="replay", keep_keys=True)
-    assert by_copy.violation is None and by_replay.violation is None
-    assert by_copy.complete and by_replay.complete
-    assert by_copy.keys == by_replay.keys
-    assert by_copy.coverage == by_replay.coverage
-    assert by_copy.depth == by_replay.depth
+    assert by_copy.violation is None and by_copy.complete and by_copy.snapshots > 0
+    for mode in ("clone", "replay"):
+        other = explore(cfg, mode=mode, keep_keys=True)
+        assert other.violation is None and other.complete and other.mode == mode
+        assert by_copy.keys == other.keys
+        assert by_copy.coverage == other.coverage
+        assert by_copy.depth == other.depth and by_copy.edges == other.edges
 
 
 def test_symmetry_reduction_loses_nothing() -> None:
@@ -99,7 +101,7 @@ def test_small_bounds_are_clean(cfg: ExplorerConfig) -> None:
 
 
 def test_default_bound_3_requests_16_slots() -> None:
-    """The default bound: 3 requests x 16 device slots (complete under KVFSM_FUZZ=deep; ~30 s)."""
+    """ExplorerConfig(): 3 requests x 16 device slots (complete under KVFSM_FUZZ=deep; ~10 s)."""
     cfg = ExplorerConfig()
     assert (cfg.requests, cfg.slots) == (3, 16)
     res = explore(cfg, max_depth=None if DEEP else 9)
@@ -130,11 +132,6 @@ def test_check_command_writes_the_counterexample(tmp_path: Path, capsys: pytest.
 
 
 # --- catalog mutants --------------------------------------------------------------------------------------
-def b3_faults(engine) -> None:
-    """The `faults` hook: the prefix cache's protected size is never decremented (S #12774)."""
-    engine.protected.release_protected = lambda n: None
-
-
 ONE = ExplorerConfig(requests=1)
 # id -> (monkeypatch mutant or None, faults hook or None, bound, length of the shortest trace, violation names)
 MUTANTS = {
@@ -213,11 +210,13 @@ def test_copy_failure_or_divergence_falls_back_to_replay(monkeypatch: pytest.Mon
     assert res.mode == "replay" and "could not be copied" in res.fallback
     assert res.keys == plain.keys
 
-    import kvfsm.verify.explorer.search as search  # the module whose `clone` the search calls
-    monkeypatch.setattr(search, "clone", lambda w: World(w.config))  # a "copy" that forgets everything
-    res = explore(cfg, keep_keys=True, validate_every=1)
-    assert res.mode == "replay" and ("diverged" in res.fallback or "does not happen" in res.fallback)
-    assert res.keys == plain.keys
+    import kvfsm.verify.explorer.expand as expand  # the module whose Snapshot and clone the search branches with
+    monkeypatch.setattr(expand.Snapshot, "thaw", lambda self: World(cfg))  # a "copy" that forgets everything
+    monkeypatch.setattr(expand, "clone", lambda w: World(w.config))
+    for mode in ("copy", "clone"):
+        res = explore(cfg, keep_keys=True, validate_every=1, mode=mode)
+        assert res.mode == "replay" and ("diverged" in res.fallback or "does not happen" in res.fallback)
+        assert res.keys == plain.keys
 
 
 def test_offload_batch_event_catches_a_batch_only_bug(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,6 +7,16 @@ physical page went to whom meet. Requests are interchangeable too (symmetry=Fals
 key is taken in the request order that sorts their local states, the smallest hash among orders that
 tie. Attributes a fault adds to records or chunks are part of the key, so a fault's side state is not
 merged away.
+
+Equal keys must mean equal futures, or the set of keys reached depends on which world of a key the search
+happens to keep (which the partial-order reduction changes). So the key leaves out what nothing reads again
+but the allocators' free-list order would leak into: the device slots of a chunk whose copy progress has
+already seen, the row of a lifecycle that gave it back (unless its request may still be re-admitted, when
+the manager compares it); and it keeps the order in which named free rows will be handed out.
+
+`canonical` also returns the `Naming` the key was taken under (request positions, chunk and copy
+numbers), so that the partial-order reduction can store sleep sets in the key's own terms: two worlds
+with one key may name the same request, chunk or copy differently.
 """
 
 from __future__ import annotations
@@ -15,10 +25,41 @@ import itertools
 from typing import Any, Optional, Sequence
 
 from kvfsm.verify.explorer.checks import _Snap
-from kvfsm.verify.explorer.world import _DEFERRED, LIVE, World
+from kvfsm.verify.explorer.world import _DEFERRED, _ROW_HOLDING, LIVE, RETRACTED, World
+
+
+class Naming:
+    """How a key names a world's requests, chunks and copies: request index -> position, chunk serial ->
+    number, copy handle seq -> number (its first chunk's). `canon` turns a world-local event id
+    (kvfsm.verify.explorer.independence.stable_id) into the key's terms, None for what the key does not name."""
+
+    __slots__ = ("pos", "chunk", "handle", "rep")
+
+    def __init__(self, pos: Sequence[int], chunk: dict[int, int], handle: dict[int, int]) -> None:
+        self.pos, self.chunk, self.handle = pos, chunk, handle
+        # request index -> the smallest index it can be swapped with without changing the key (itself
+        # unless the world is symmetric in them): their events lead to children with equal keys
+        self.rep: Sequence[int] = range(len(pos))
+
+    def canon(self, sid: tuple) -> Optional[tuple]:
+        kind = sid[0]
+        if len(sid) == 1:
+            return sid
+        if kind == "copy":
+            n = self.handle.get(sid[1])
+        elif kind in ("backup", "backup_fail"):
+            n = self.chunk.get(sid[1])
+        else:
+            n = self.pos[sid[1]]
+        return None if n is None else (kind, n)
 
 
 def canonical_key(w: World, snap: Optional[_Snap] = None, symmetry: bool = True) -> tuple:
+    """The state key the search deduplicates by (see `canonical`)."""
+    return canonical(w, snap, symmetry)[0]
+
+
+def canonical(w: World, snap: Optional[_Snap] = None, symmetry: bool = True) -> tuple[tuple, Naming]:
     """The whole bookkeeping of engine, manager and pools, with record names and serials replaced by
     request positions, and device pages, host pages and rows renamed in order of first use (free pages and
     free rows are interchangeable: only their number counts). Equal keys: equal futures, up to names.
@@ -48,15 +89,33 @@ def canonical_key(w: World, snap: Optional[_Snap] = None, symmetry: bool = True)
     ordered = [groups[h] for h in sorted(groups)]
     if all(len(g) == 1 for g in ordered):
         return _key(w, s, [g[0] for g in ordered])
-    best: Optional[tuple] = None
+    best: Optional[tuple[tuple, Naming]] = None
+    ties: list[list[int]] = []  # the orders that give the best key
     for parts in itertools.product(*(itertools.permutations(g) for g in ordered)):
-        key = _key(w, s, [i for part in parts for i in part])
-        if best is None or hash(key) < hash(best):
-            best = key
+        order = [i for part in parts for i in part]
+        got = _key(w, s, order)
+        if best is None or hash(got[0]) < hash(best[0]):
+            best, ties = got, [order]
+        elif hash(got[0]) == hash(best[0]) and got[0] == best[0]:
+            ties.append(order)
+    if len(ties) > 1:  # automorphisms: request ties[0][k] plays other[k]; orbits by union-find
+        root = list(range(n))
+
+        def find(i: int) -> int:
+            while root[i] != i:
+                i = root[i]
+            return i
+
+        for other in ties[1:]:
+            for a, b in zip(ties[0], other):
+                ra, rb = find(a), find(b)
+                if ra != rb:
+                    root[max(ra, rb)] = min(ra, rb)
+        best[1].rep = [find(i) for i in range(n)]
     return best
 
 
-def _key(w: World, s: _Snap, order: list[int]) -> tuple:
+def _key(w: World, s: _Snap, order: list[int]) -> tuple[tuple, Naming]:
     e, m, ps = w.engine, w.engine.manager, s.ps
     pos = {i: k for k, i in enumerate(order)}
     label: dict[int, tuple] = {}
@@ -99,6 +158,19 @@ def _key(w: World, s: _Snap, order: list[int]) -> tuple:
                 and 0 <= r < len(s.table) else ())
         reqs.append((tuple(w.ctl[i]), row(r), req.kv_committed_len, req.kv_allocated_len, len(req.output_ids),
                      req.done, held))
+    def rec_row(rec: Any) -> Any:
+        # A lifecycle that gave its row back names it only where the manager still compares it: the
+        # current record of a request that may be re-admitted (DecodeOffloadManager._readmitted tells a
+        # re-admission by the row the request holds next). Elsewhere the number is stale, and whether it
+        # coincides with a row handed out since depends on the free list's order, which the key omits.
+        if rec.machine.state in _ROW_HOLDING:
+            return row(rec.row)
+        i = s.index_of(rec)
+        if i < 0 or s.current.get(id(rec)) != i:
+            return None
+        phase, left, _ = w.ctl[i]
+        return row(rec.row) if (phase == RETRACTED and left > 0) or phase == LIVE else None
+
     recs = []
     for rec in records:
         deferred = ()
@@ -106,15 +178,19 @@ def _key(w: World, s: _Snap, order: list[int]) -> tuple:
             ended = w.ends.get((s.index_of(rec), rec.row))
             n = -(-ended[1] // ps) * ps if ended else 0
             deferred = (ended, dev(s.table[rec.row][:n]))
-        recs.append((label[id(rec)], rec.machine.snapshot(), row(rec.row), rec.inc_len, rec.end_lengths,
+        recs.append((label[id(rec)], rec.machine.snapshot(), rec_row(rec), rec.inc_len, rec.end_lengths,
                      rec.req is None, deferred, _extras(rec)))
     chunk_no: dict[int, int] = {}
 
-    def chunk(c: Any) -> tuple:
+    def chunk(c: Any, copying: bool = False) -> tuple:
+        # the device slots only while the copy is in the FIFO: once progress has seen it complete nothing
+        # reads them again, and whether they coincide with pages handed out since depends on the order
+        # the allocator's free list happens to be in (a key naming them would not determine the future)
         chunk_no[c.serial] = len(chunk_no)
-        return (label[id(c.record)], c.start, c.end, dev(s.dev_idx[id(c)]), hst(s.host_idx[id(c)]), _extras(c))
+        return (label[id(c.record)], c.start, c.end, dev(s.dev_idx[id(c)]) if copying else (),
+                hst(s.host_idx[id(c)]), _extras(c))
 
-    fifo = tuple((chunk(c), c.handle.done()) for c in s.copies)
+    fifo = tuple((chunk(c, True), c.handle.done()) for c in s.copies)
     parked = tuple(chunk(c) for c in s.parked)
     pending = tuple(chunk(c) for c in s.pending)
     collected = tuple((chunk(j.payload), j.ok) for j in s.done_jobs)
@@ -130,10 +206,16 @@ def _key(w: World, s: _Snap, order: list[int]) -> tuple:
     alloc_named = tuple(sorted(pmap[p] for p, a in enumerate(s.alloc) if a and p in pmap))
     halloc_named = tuple(sorted(hmap[p] for p, a in enumerate(s.halloc) if a and p in hmap))
     rows_named = tuple(sorted(rmap[r] for r, a in enumerate(s.rows_alloc) if a and r in rmap))
-    return (tuple(reqs), tuple(recs), fifo, parked, pending, collected, len(e.copies.pending), len(m.fx.parked),
-            e.worker.outstanding(), alloc_named, sum(s.alloc) - len(alloc_named), len(s.free),
-            halloc_named, sum(s.halloc) - len(halloc_named), len(s.hfree),
-            rows_named, sum(s.rows_alloc) - len(rows_named), e.req_to_token.free_rows, e.protected.size, ledger)
+    rows_next = tuple(rmap.get(r, -1) for r in s.rows_free)  # when each named free row is handed out
+    key = (tuple(reqs), tuple(recs), fifo, parked, pending, collected, len(e.copies.pending), len(m.fx.parked),
+           e.worker.outstanding(), alloc_named, sum(s.alloc) - len(alloc_named), len(s.free),
+           halloc_named, sum(s.halloc) - len(halloc_named), len(s.hfree),
+           rows_named, sum(s.rows_alloc) - len(rows_named), e.req_to_token.free_rows, e.protected.size, ledger,
+           rows_next)
+    handle: dict[int, int] = {}
+    for c in s.copies:
+        handle.setdefault(c.handle.seq, chunk_no[c.serial])
+    return key, Naming([pos[i] for i in range(len(w.reqs))], chunk_no, handle)
 
 
 def _extras(obj: Any) -> tuple:

@@ -60,6 +60,9 @@ class _Snap:
         self.free, self.alloc = tuple(free.tolist()), tuple(alloc.tolist())
         self.hfree, self.halloc = tuple(hfree.tolist()), tuple(halloc.tolist())
         self.rows_alloc = tuple(e.req_to_token.is_allocated(r) for r in range(e.req_to_token.rows))
+        # the order free rows are handed out in (the pool's FIFO; it has no public view of it): whether a
+        # re-admitted request gets its old row number back depends on it (DecodeOffloadManager._readmitted)
+        self.rows_free = tuple(getattr(e.req_to_token, "_free", ()))
         # every lifecycle record still known: each request's current one, then those only chunks reach
         # (ended lifecycles waiting for in-flight work), in a canonical order
         self.current: dict[int, int] = {}  # id(record) -> request index

@@ -45,6 +45,9 @@ _CODE: dict[int, tuple[types.CodeType, bytes]] = {}  # id(code) -> (code, marsha
 _CODE_LOADED: dict[bytes, types.CodeType] = {}
 _LOCKS = {type(threading.Lock()): threading.Lock, type(threading.RLock()): threading.RLock}
 _COUNT_RE = re.compile(r"count\((-?\d+)\)")
+# Object arrays are pickled by their filled slots (off: element by element, as pickle does); a switch so that
+# bench/explorer_speed.py can measure what it saves.
+SPARSE_OBJECT_ARRAYS = True
 
 
 class CloneError(RuntimeError):
@@ -78,6 +81,15 @@ def _rebuild_tensor(r: _Region, offset: int, dtype: torch.dtype, size: tuple, st
 def _rebuild_ndarray(r: _Region, offset: int, dtype: Any, shape: tuple, strides: tuple) -> Any:
     import numpy as np
     return np.ndarray(shape, dtype=dtype, buffer=r.ba, offset=offset, strides=strides)
+
+
+def _rebuild_object_array(shape: tuple, filled: list[tuple[int, Any]]) -> Any:
+    import numpy as np
+    a = np.empty(shape, dtype=object)
+    flat = a.reshape(-1)  # a view: C-contiguous
+    for i, v in filled:
+        flat[i] = v
+    return a
 
 
 class _Unpickler(pickle.Unpickler):
@@ -160,6 +172,12 @@ class _Pickler(pickle.Pickler):
             while getattr(root, "base", None) is not None and type(root.base).__name__ == "ndarray":
                 root = root.base
             base = root.base
+            if (SPARSE_OBJECT_ARRAYS and base is None and obj.dtype.hasobject and obj.dtype.names is None
+                    and obj.flags.c_contiguous):
+                # an object array that owns its memory, by its filled slots only: the manager's stored-page
+                # index keeps two 1024-slot rings of mostly None (2000 of a world's 3000 pickled objects)
+                filled = [(i, v) for i, v in enumerate(obj.reshape(-1).tolist()) if v is not None]
+                return (_rebuild_object_array, (obj.shape, filled))
             if base is None or obj.size == 0:
                 if obj.size:
                     at = obj.__array_interface__["data"][0]
@@ -206,18 +224,32 @@ def _empty_tensor(dtype: torch.dtype, size: tuple) -> torch.Tensor:
     return torch.empty(size, dtype=dtype)
 
 
+class Snapshot:
+    """A world pickled once, thawed into any number of independent copies. The search expands a state by
+    thawing one copy per child: pickling is 3/4 of a clone's cost (0.50 of 0.70 ms at the default bound,
+    bench/explorer_speed.py), so it is paid once per state instead of once per child."""
+
+    __slots__ = ("data", "shared")
+
+    def __init__(self, w: World) -> None:
+        # immutable: the configs, and the pages in the in-memory store (it copies pages in and out)
+        self.shared = {id(o): o for o in (w.config, w.engine.config, w.engine.kv, *w.engine.store.pages.values())}
+        buf = io.BytesIO()
+        pickler = _Pickler(buf, self.shared)
+        pickler.dump(w)
+        pickler.check_aliasing()
+        self.data = buf.getvalue()
+
+    def thaw(self) -> World:
+        """An independent copy of the world as it was when the snapshot was taken."""
+        new = _Unpickler(io.BytesIO(self.data), self.shared).load()
+        _fix_records(new)
+        return new
+
+
 def clone(w: World) -> World:
     """An independent copy of a world (engine, pools, manager, requests, pending copies and backups)."""
-    # immutable: the configs, and the pages in the in-memory store (it copies pages in and out)
-    shared = {id(o): o for o in (w.config, w.engine.config, w.engine.kv, *w.engine.store.pages.values())}
-    buf = io.BytesIO()
-    pickler = _Pickler(buf, shared)
-    pickler.dump(w)
-    pickler.check_aliasing()
-    buf.seek(0)
-    new = _Unpickler(buf, shared).load()
-    _fix_records(new)
-    return new
+    return Snapshot(w).thaw()
 
 
 def _fix_records(w: World) -> None:

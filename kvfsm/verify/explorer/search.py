@@ -1,31 +1,35 @@
 """The search: breadth-first over every interleaving of events, stopping at the first violation.
 
 Breadth-first, so the first violation has a shortest event trace (re-executed from scratch to confirm
-it; `Counterexample` holds it). Branching copies a state with `clone` (kvfsm.verify.explorer.cloning);
-`mode="replay"` re-executes every prefix from a fresh engine instead. Tests check both modes reach the
-same states, and a copy-mode search checks every `validate_every`-th copy against re-execution and
-starts over in replay mode if a copy ever fails or diverges. Events that most likely change nothing (a
-progress check with nothing to observe, an offload with nothing to offload, a duplicate finish) run on
-the parent itself instead of a copy; the canonical key decides whether they did.
+it; `Counterexample` holds it). Each state is expanded by kvfsm.verify.explorer.expand (branching,
+checks, keys, sleep sets); `jobs` > 1 expands each level's states in worker processes
+(kvfsm.verify.explorer.parallel), merging their children in frontier order, so the states, edges,
+coverage and first violation are the ones of `jobs=1`. Tests check every branching mode and the
+reductions reach the same states, and a copy-mode search starts over in replay mode if a copy ever
+fails or diverges from re-execution.
 
-Default bound (3 requests x 16 slots, page 2, stride 2, 8 host slots, backup queue 1, prompt 3, one decode
-each): 1399 states, 14555 events, depth 18; about 12 s (copy mode; 6.6 s in replay mode, see
-kvfsm.verify.explorer.cloning) and 268 MiB peak RSS on one core.
+Partial-order reduction (`por`, on by default): sleep sets with state matching. Each reached key keeps
+the intersection of the sleep sets it was reached with in its own level; a key reached again in a later
+level with a sleep set missing some of the kept events is re-expanded for just those (`reexpanded`), so
+the reduction never depends on which path reached a state first. Every state is still reached at the
+depth of its shortest trace; edges into reached states are what it saves (tests/verify/
+test_reduction_soundness.py; bench/explorer_speed.py measures each technique).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import resource
 import time
-from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
-from kvfsm.verify.explorer.canonical import canonical_key
+from kvfsm.verify.explorer.canonical import Naming, canonical
 from kvfsm.verify.explorer.checks import _describe, check_world
-from kvfsm.verify.explorer.cloning import clone
-from kvfsm.verify.explorer.events import apply, build, enabled, event_label
-from kvfsm.verify.explorer.world import _LIVE_STATES, ENDED, Event, ExplorerConfig, Faults, World
+from kvfsm.verify.explorer.events import build, event_label
+from kvfsm.verify.explorer.expand import EMPTY, MODES, CopyDiverged, Expander, Found, Item
+from kvfsm.verify.explorer.world import Event, ExplorerConfig, Faults, World
 
 
 @dataclass
@@ -43,66 +47,93 @@ class Counterexample:
 class ExploreResult:
     config: ExplorerConfig
     states: int = 0
-    edges: int = 0
+    edges: int = 0  # events run
     depth: int = 0  # the longest shortest trace to a reached state
     complete: bool = False  # every reachable state (within max_depth) was expanded
     seconds: float = 0.0
     peak_rss_mib: float = 0.0
     max_frontier: int = 0
+    pruned: int = 0  # events the sleep sets left unrun (partial-order reduction)
+    mirrored: int = 0  # events left unrun because a symmetric request's event stands for them (orbits)
+    reexpanded: int = 0  # states expanded again for events a later, smaller sleep set wakes
     copies: int = 0  # states copied (or rebuilt, in replay mode) to branch
+    snapshots: int = 0  # states pickled once for their children (copy mode)
     in_place: int = 0  # events run on their parent without a copy (guessed no-ops)
     mispredicted: int = 0  # of those, events that were not no-ops (the parent was rebuilt)
     validated: int = 0  # copied states checked against re-executing their events
     mode: str = "copy"  # how states were branched
+    por: bool = True
+    symmetry: bool = True
+    orbits: bool = True
+    jobs: int = 1
     fallback: Optional[str] = None  # why a copy-mode search started over in replay mode
     coverage: set[int] = field(default_factory=set)
     violation: Optional[Counterexample] = None
-    keys: Optional[set] = None
+    keys: Optional[dict] = None  # keep_keys: every reached key -> the depth it was first reached at
 
-
-class _CopyDiverged(Exception):
-    pass
+    @property
+    def states_per_second(self) -> float:
+        return self.states / self.seconds if self.seconds else 0.0
 
 
 def explore(config: ExplorerConfig = ExplorerConfig(), *, max_depth: Optional[int] = None,
             faults: Optional[Faults] = None, mode: str = "copy", max_states: Optional[int] = None,
             keep_keys: bool = False, on_level: Optional[Callable[[int, int, int], None]] = None,
-            validate_every: int = 64, symmetry: bool = True) -> ExploreResult:
+            validate_every: int = 64, symmetry: bool = True, por: bool = True, orbits: bool = True,
+            jobs: int = 1) -> ExploreResult:
     """Breadth-first search over every interleaving; stops at the first (hence shortest) violation.
 
     faults: called on every freshly built SimEngine (to patch its instances); class-level monkeypatches
-    applied by the caller are seen as well. on_level(depth, states, frontier) reports progress.
-    In copy mode every `validate_every`-th copied child is checked against re-executing its events from
-    scratch; when a copy fails or diverges, the search starts over in replay mode (result.fallback says why).
-    symmetry=False keeps states that differ only by which request is which apart (for faults that single
-    out one request).
+    applied by the caller are seen as well (by --jobs workers too: they are forked). on_level(depth,
+    states, frontier) reports progress. mode: how a state is branched ("copy", "clone" or "replay", see
+    kvfsm.verify.explorer.expand). symmetry=False keeps states that differ only by which request is which
+    apart (for faults that single out one request); por=False runs every edge (no sleep sets).
     """
-    if mode not in ("copy", "replay"):
-        raise ValueError(f"mode must be 'copy' or 'replay', got {mode!r}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if jobs < 1:
+        raise ValueError(f"jobs must be at least 1, got {jobs}")
     t0 = time.perf_counter()
+    args = (config, max_depth, faults, max_states, keep_keys, on_level, validate_every, symmetry, por, orbits, jobs, t0)
+    with _quiet_runtime():
+        try:
+            return _explore(mode, *args)
+        except CopyDiverged as why:
+            res = _explore("replay", *args)
+            res.fallback = str(why)
+            return res
+
+
+@contextlib.contextmanager
+def _quiet_runtime() -> Iterator[None]:
+    """The explorer fails backups on purpose (backup_fail j); the runtime's WARNING for each one is noise
+    here (failures are what the checks report, as exceptions)."""
+    log = logging.getLogger("kvfsm.runtime")
+    level = log.level
+    log.setLevel(max(level, logging.ERROR))
     try:
-        return _explore(config, max_depth, faults, mode, max_states, keep_keys, on_level, validate_every, symmetry,
-                        t0)
-    except _CopyDiverged as why:
-        res = _explore(config, max_depth, faults, "replay", max_states, keep_keys, on_level, validate_every,
-                       symmetry, t0)
-        res.fallback = str(why)
-        return res
+        yield
+    finally:
+        log.setLevel(level)
 
 
-def _explore(config: ExplorerConfig, max_depth: Optional[int], faults: Optional[Faults], mode: str,
+def _explore(mode: str, config: ExplorerConfig, max_depth: Optional[int], faults: Optional[Faults],
              max_states: Optional[int], keep_keys: bool, on_level: Optional[Callable[[int, int, int], None]],
-             validate_every: int, symmetry: bool, t0: float) -> ExploreResult:
-    res = ExploreResult(config)
-    res.mode = mode
-    visited: set = set()
+             validate_every: int, symmetry: bool, por: bool, orbits: bool, jobs: int, t0: float) -> ExploreResult:
+    res = ExploreResult(config, mode=mode, por=por, symmetry=symmetry, orbits=orbits and symmetry, jobs=jobs)
+    x = Expander(config, faults, mode, symmetry, por, orbits, validate_every)
+    visited: dict[tuple, frozenset] = {}  # key -> the sleep set it is expanded with (EMPTY without por)
+    depths: Optional[dict[tuple, int]] = {} if keep_keys else None
 
     def finish() -> ExploreResult:
+        for k, v in x.counters().items():
+            setattr(res, k, v)
+        res.coverage = x.coverage
         res.seconds = time.perf_counter() - t0
         res.peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         res.states = len(visited)
-        if keep_keys:
-            res.keys = visited
+        if depths is not None:
+            res.keys = depths
         return res
 
     def fail(trace: tuple, exc: BaseException) -> ExploreResult:
@@ -111,105 +142,100 @@ def _explore(config: ExplorerConfig, max_depth: Optional[int], faults: Optional[
 
     try:
         root = World(config, faults)
-        visited.add(canonical_key(root, check_world(root), symmetry))
+        root_key, naming = canonical(root, check_world(root), symmetry)
     except Exception as exc:  # noqa: BLE001 - any failure is the report
         return fail((), exc)
-    # (world or None in replay mode, shortest trace to it, its key, the events really executed on it)
-    frontier: deque = deque([(root, (), next(iter(visited)), ())])
-    depth = 0
-    while frontier:
-        if max_depth is not None and depth >= max_depth:
-            return finish()
-        if on_level is not None:
-            on_level(depth, len(visited), len(frontier))
-        res.max_frontier = max(res.max_frontier, len(frontier))
-        nxt: deque = deque()
+    visited[root_key] = EMPTY
+    if depths is not None:
+        depths[root_key] = 0
+    frontier = [Item(root if mode != "replay" else None, (), root_key, (), naming)]
+    pool = None
+    if jobs > 1:
+        from kvfsm.verify.explorer.parallel import Pool
+        pool = Pool(x, jobs)
+    try:
+        depth = 0
         while frontier:
-            parent, trace, parent_key, hist = frontier.popleft()
-            if parent is None:
-                parent = build(config, trace, faults, check=False)
-                hist = trace
-            events = enabled(parent)
-            # Events that most likely change nothing run on the parent itself, last (no copy): when the key
-            # did not change the parent is still itself; when it did, it is a child and the parent is rebuilt.
-            inplace = [ev for ev in events if _likely_noop(parent, ev)]
-            copied = [ev for ev in events if ev not in inplace]
-            for n, ev in enumerate(copied + inplace):
-                in_place = n >= len(copied)
-                if in_place or n == len(events) - 1:
-                    child = parent
-                    res.in_place += in_place
-                elif mode == "copy":
-                    try:
-                        child = clone(parent)
-                    except Exception as exc:  # noqa: BLE001 - anything pickling cannot copy
-                        raise _CopyDiverged(f"a state could not be copied ({exc!r})") from exc
-                    res.copies += 1
+            if max_depth is not None and depth >= max_depth:
+                return finish()
+            if on_level is not None:
+                on_level(depth, len(visited), len(frontier))
+            res.max_frontier = max(res.max_frontier, len(frontier))
+            level = _Level(visited, por, max_states, depths)
+            try:
+                if pool is None:
+                    for item in frontier:
+                        x.expand(item, item.sleep if item.only is not None else visited[item.key], level.offer)
                 else:
-                    child = build(config, trace, faults, check=False)
-                    res.copies += 1
-                child_hist = (hist if child is parent or mode == "copy" else trace) + (ev,)
-                res.edges += 1
-                try:
-                    apply(child, ev)
-                    key = canonical_key(child, check_world(child), symmetry)
-                except Exception as exc:  # noqa: BLE001 - any failure is the report
-                    res.coverage |= child.engine.manager.coverage
-                    res.depth = depth + 1
-                    events = _shortest(config, faults, trace + (ev,), child_hist)
-                    if events is None and mode == "copy":
-                        raise _CopyDiverged("a violation in a copied state does not happen when its events are "
-                                            "re-executed") from exc
-                    return fail(events or child_hist, exc)
-                res.coverage |= child.engine.manager.coverage
-                if mode == "copy" and child is not parent and validate_every and res.copies % validate_every == 0:
-                    again = build(config, child_hist, faults, check=False)
-                    if canonical_key(again, None, symmetry) != key:
-                        raise _CopyDiverged(f"a copied state diverged from re-executing its {len(child_hist)} events")
-                    res.validated += 1
-                if in_place:
-                    if key == parent_key:
-                        hist = child_hist  # a no-op: the parent is still the parent
-                        continue
-                    res.mispredicted += 1
-                    if n < len(events) - 1:  # the parent became a child: rebuild it for the other events
-                        parent = build(config, trace, faults, check=False)
-                        hist = trace
-                if key in visited:
-                    continue
-                visited.add(key)
-                nxt.append((child if mode == "copy" else None, trace + (ev,), key, child_hist))
-                if max_states is not None and len(visited) >= max_states:
-                    res.depth = depth + 1
-                    return finish()
-        frontier = nxt
-        depth += 1
-        if frontier:
-            res.depth = depth
-    res.complete = True
-    return finish()
+                    pool.expand(frontier, visited, level)
+            except Found as found:
+                res.depth = depth + 1
+                events = _shortest(config, faults, found.trace, found.hist)
+                if events is None and mode != "replay":
+                    raise CopyDiverged("a violation in a copied state does not happen when its events are "
+                                       "re-executed") from found.exc
+                return fail(events or found.hist, found.exc)
+            except _Full:
+                res.depth = depth + 1
+                return finish()
+            frontier = level.close()
+            res.reexpanded += level.reexpanded
+            depth += 1
+            if level.fresh:
+                res.depth = depth
+        res.complete = True
+        return finish()
+    finally:
+        if pool is not None:
+            pool.close()
 
 
-def _likely_noop(w: World, ev: Event) -> bool:
-    """A guess (never trusted: the key decides) that `ev` changes nothing the key sees."""
-    kind = ev[0]
-    e = w.engine
-    fx = e.manager.fx
-    if kind == "progress":
-        head_done = bool(fx.copy_fifo) and fx.copy_fifo[0].handle.done()
-        return not head_done and e.worker.completed() == 0 and not (fx.parked and e.worker.room() > 0)
-    if kind == "end_again":
-        return w.ctl[ev[1]][0] == ENDED
-    if kind == "offload":
-        req = w.reqs[ev[1]]
-        mach = e.manager.machine_of(req)
-        if mach is None or mach.state not in _LIVE_STATES:
-            return False
-        rec = mach.ctx
-        available = min(len(req.origin_input_ids) + len(req.output_ids) - 1, req.kv_committed_len)
-        n = (available - rec.prefill_len - rec.inc_len) // e.manager.stride * e.manager.stride
-        return n <= 0 or e.host_pool.free_slots < n
-    return False
+class _Full(Exception):
+    """max_states reached."""
+
+
+class _Level:
+    """The children of one BFS level, merged in frontier order: a key first reached here becomes an item
+    of the next level (its first arrival's world and trace) expanded with the intersection of every sleep
+    set it arrives with here; a key reached in an earlier level and arriving here with a sleep set that
+    lacks some of its kept events is re-expanded for those events (from this level's first trace to it)."""
+
+    def __init__(self, visited: dict[tuple, frozenset], por: bool, max_states: Optional[int],
+                 depths: Optional[dict[tuple, int]] = None) -> None:
+        self.visited, self.por, self.max_states, self.depths = visited, por, max_states, depths
+        self.fresh: dict[tuple, Item] = {}
+        self.revisits: dict[tuple, tuple[tuple, frozenset]] = {}
+        self.reexpanded = 0
+
+    def offer(self, key: tuple, naming: Optional[Naming], world: Optional[World], trace: tuple, hist: tuple,
+              sleep: frozenset) -> None:
+        kept = self.visited.get(key)
+        if kept is None:
+            self.visited[key] = sleep
+            self.fresh[key] = Item(world, trace, key, hist, naming)
+            if self.depths is not None:
+                self.depths[key] = len(trace)
+            if self.max_states is not None and len(self.visited) >= self.max_states:
+                raise _Full
+        elif not self.por or not kept:
+            return
+        elif key in self.fresh:
+            self.visited[key] = kept & sleep
+        else:
+            seen = self.revisits.get(key)
+            self.revisits[key] = (trace, sleep) if seen is None else (seen[0], seen[1] & sleep)
+
+    def close(self) -> list[Item]:
+        """The next frontier: the keys first reached here, then the re-expansions."""
+        items = list(self.fresh.values())
+        for key, (trace, sleep) in self.revisits.items():
+            kept = self.visited[key]
+            missing = kept - sleep
+            if missing:
+                self.visited[key] = kept & sleep
+                items.append(Item(None, trace, key, trace, None, only=missing, sleep=sleep))
+                self.reexpanded += 1
+        return items
 
 
 def _reproduces(config: ExplorerConfig, faults: Optional[Faults], events: Sequence[Event]) -> bool:

@@ -24,6 +24,8 @@ NEW, LIVE, ENDED, RETRACTED = 0, 1, 2, 3
 _LIVE_STATES = gen.HANDLED["offload"]
 # a lifecycle that ended while copies were in flight: it keeps its slots until the last copy ack
 _DEFERRED = frozenset(s for s, held in gen.HOLDS.items() if "device_slots" in held) - _LIVE_STATES
+# the machine states in which a lifecycle holds its table row
+_ROW_HOLDING = frozenset(s for s, held in gen.HOLDS.items() if "table_row" in held)
 
 
 class BoundInvalid(ValueError):
