@@ -198,13 +198,14 @@ class _Level:
     """The children of one BFS level, merged in frontier order: a key first reached here becomes an item
     of the next level (its first arrival's world and trace) expanded with the intersection of every sleep
     set it arrives with here; a key reached in an earlier level and arriving here with a sleep set that
-    lacks some of its kept events is re-expanded for those events (from this level's first trace to it)."""
+    lacks some of its kept events is re-expanded for those events (on the world of the first arrival that
+    lacked some, or rebuilt from this level's first trace to it)."""
 
     def __init__(self, visited: dict[tuple, frozenset], por: bool, max_states: Optional[int],
                  depths: Optional[dict[tuple, int]] = None) -> None:
         self.visited, self.por, self.max_states, self.depths = visited, por, max_states, depths
         self.fresh: dict[tuple, Item] = {}
-        self.revisits: dict[tuple, tuple[tuple, frozenset]] = {}
+        self.revisits: dict[tuple, Item] = {}
         self.reexpanded = 0
 
     def offer(self, key: tuple, naming: Optional[Naming], world: Optional[World], trace: tuple, hist: tuple,
@@ -223,17 +224,26 @@ class _Level:
             self.visited[key] = kept & sleep
         else:
             seen = self.revisits.get(key)
-            self.revisits[key] = (trace, sleep) if seen is None else (seen[0], seen[1] & sleep)
+            if seen is None:
+                # the first arrival that may wake kept events keeps its world for the re-expansion
+                self.revisits[key] = Item(world if kept - sleep else None, trace, key, hist, naming, sleep=sleep)
+            else:
+                if seen.world is None and world is not None and kept - sleep:
+                    seen.world, seen.trace, seen.hist, seen.naming = world, trace, hist, naming
+                seen.sleep &= sleep
 
     def close(self) -> list[Item]:
         """The next frontier: the keys first reached here, then the re-expansions."""
         items = list(self.fresh.values())
-        for key, (trace, sleep) in self.revisits.items():
+        for key, item in self.revisits.items():
             kept = self.visited[key]
-            missing = kept - sleep
+            missing = kept - item.sleep
             if missing:
-                self.visited[key] = kept & sleep
-                items.append(Item(None, trace, key, trace, None, only=missing, sleep=sleep))
+                self.visited[key] = kept & item.sleep
+                if item.world is None:
+                    item.hist, item.naming = item.trace, None
+                item.only = missing
+                items.append(item)
                 self.reexpanded += 1
         return items
 
