@@ -3,7 +3,8 @@ with `monkeypatch`. Shared by the stateful suite (tests/stateful/test_mutants.py
 each fault in place, and the bounded explorer (tests/verify/test_explorer.py), which must find a shortest
 trace to it. Each fault's docstring is what docs/mutants.md says it injects.
 
-Every mutant the two suites run is defined here and nowhere else: `b<n>(mp)` patches the runtime's classes
+Every mutant the two suites run is defined here and nowhere else, and each bites in checked and unchecked
+mode alike (`_wrap_action` patches an action's single and batch forms): `b<n>(mp)` patches the runtime's classes
 (the form both suites use), `b3_engine(engine)` is the explorer's per-engine `faults` hook for the same B3
 fault (the explorer copies worlds, so it injects into each engine it builds), and `b14` is the TP fault the
 stateful suite's two-rank harness runs.
@@ -31,6 +32,17 @@ def _wrap(mp: pytest.MonkeyPatch, cls: type, name: str, make: Callable[[Callable
     mp.setattr(cls, name, make(getattr(cls, name)))
 
 
+def _wrap_action(mp: pytest.MonkeyPatch, name: str, make: Callable[[Callable], Callable]) -> None:
+    """Inject a fault into a spec action in both forms the generated machine calls: the single form (checked
+    mode's item-by-item events) and the batch form `<name>_each` (unchecked mode's batch events, what
+    production runs). `make(orig)` returns the faulty single form; the batch form runs it item by item, its
+    `orig` being the real batch form on one item (so the fault never recurses through the patched pair)."""
+    real_each = getattr(OffloadEffects, f"{name}_each")
+    faulty = make(lambda self, m, arg: real_each(self, [(m, arg)]))
+    mp.setattr(OffloadEffects, name, faulty)
+    mp.setattr(OffloadEffects, f"{name}_each", lambda self, items: [faulty(self, m, arg) for m, arg in items] and None)
+
+
 def _wrap_end_events(mp: pytest.MonkeyPatch, fn: Callable) -> None:
     """fn(orig, machine, event, arg) replaces finish/abort/retract of the generated machine."""
     for event in ("finish", "abort", "retract"):
@@ -48,7 +60,7 @@ def b1(mp: pytest.MonkeyPatch) -> None:
             if chunk.start == rec.prefill_len and rec.prefill_len:
                 self.allocator.free(self.req_to_token.req_to_token[rec.row, :rec.prefill_len].clone())
         return start_copy
-    _wrap(mp, OffloadEffects, "start_copy", make)
+    _wrap_action(mp, "start_copy", make)
 
 
 def b2(mp: pytest.MonkeyPatch) -> None:
@@ -88,7 +100,7 @@ def b3_host(mp: pytest.MonkeyPatch) -> None:
                 return
             orig(self, m, chunk)
         return free_host_chunk
-    _wrap(mp, OffloadEffects, "free_host_chunk", make)
+    _wrap_action(mp, "free_host_chunk", make)
 
 
 def b4(mp: pytest.MonkeyPatch) -> None:
@@ -202,7 +214,7 @@ def b10(mp: pytest.MonkeyPatch) -> None:
             orig(self, m, chunk)
             self.host_pool.free(chunk.host_indices)
         return count_backup_failure
-    _wrap(mp, OffloadEffects, "count_backup_failure", make)
+    _wrap_action(mp, "count_backup_failure", make)
 
 
 def b11(mp: pytest.MonkeyPatch) -> None:
@@ -238,7 +250,7 @@ def b13(mp: pytest.MonkeyPatch) -> None:
             orig(self, m, chunk)
             self.mark_stored(m, chunk)
         return count_backup_failure
-    _wrap(mp, OffloadEffects, "count_backup_failure", make)
+    _wrap_action(mp, "count_backup_failure", make)
 
 
 def b14(mp: pytest.MonkeyPatch) -> None:

@@ -9,8 +9,7 @@ against real gloo ranks on the same inputs (`reduce_inputs`).
 (a consensus whose `group` is a ThreadGroup); anything else still reaches the real function.
 
 It lives in tests/ (on the path of every test directory, like catalog_faults.py) so that any in-process TP
-test can use it: tests/runtime/test_tp_inprocess.py does, and the B14 mutant of tests/stateful/test_mutants.py
-could replace its op-blind `_ThreadGroup` with it.
+test can use it: tests/runtime/test_tp_inprocess.py and the TP runs of tests/stateful/test_mutants.py do.
 """
 
 from __future__ import annotations
@@ -93,8 +92,8 @@ class ThreadGroup:
 
 
 class OpBlindGroup(ThreadGroup):
-    """The stand-in tests/stateful/test_mutants.py uses (at this commit): MIN whatever `op` says. Kept to show
-    what it cannot see."""
+    """MIN whatever `op` says (what tests/stateful/test_mutants.py used before it took ThreadGroup). Kept to
+    show what it cannot see."""
 
     def reduce(self, stacked: torch.Tensor, op: Any) -> torch.Tensor:
         return stacked.amin(dim=0)

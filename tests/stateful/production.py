@@ -501,7 +501,11 @@ class Shadow:
 
     def refresh_landed(self) -> None:
         """The CUDA engine's copies land on the GPU: one has landed once its completion event has (the torch
-        backend then scatters on the host when done() first sees it, which this does as the manager would)."""
+        backend then scatters on the host when done() first sees it, which this does as the manager would).
+        Every check that asks "has this copy landed?" (a device free, a host free, a store call) refreshes
+        first: the answer must be the event's at the moment of the free or write, not at the last progress
+        check, or a copy that landed in between (the manager's own done() saw it) reads as a free under a
+        copy (a false B2 seen once on the H200)."""
         if self.rank.cfg.copy != "cuda":
             return
         with self.lock:
@@ -520,6 +524,7 @@ class Shadow:
     # --- frees --------------------------------------------------------------------------------------------
     def on_device_free(self, slots: list[int]) -> None:
         ps = self.ps
+        self.refresh_landed()
         with self.lock:
             pages = sorted({s // ps for s in slots})
             self.log.append(("device_free", tuple(sorted(slots))))
@@ -572,6 +577,7 @@ class Shadow:
             self.releasing = None
 
     def on_host_free(self, pages: list[int]) -> None:
+        self.refresh_landed()
         with self.lock:
             self.log.append(("host_free", tuple(pages)))
             chunks: dict[int, SChunk] = {}
@@ -612,6 +618,7 @@ class Shadow:
                     ) -> list[tuple[SChunk, list[int]]]:
         """A store call starts: attribute its pages to chunks and check each page's key and bytes."""
         ps, kv = self.ps, self.rank.kv
+        self.refresh_landed()
         if slots is None or len(slots) != len(keys) * ps:
             self.fail("store_call_slots", f"store call of {len(keys)} keys with host slots {slots}")
             return []

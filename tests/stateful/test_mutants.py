@@ -32,6 +32,7 @@ from kvfsm.runtime.tp import ProgressConsensus
 from kvfsm.verify.engine import SimEngine
 
 import test_manager_machine as tm
+from tp_threads import ThreadGroup, route_all_reduce
 from catalog_faults import b1, b2, b3, b3_host, b4, b5, b6, b6_readmit, b7, b8, b9, b10, b11, b12, b13, b14, b15
 
 DEEP = tm.DEEP
@@ -93,24 +94,7 @@ def test_mutant_is_caught(mid: str, monkeypatch: pytest.MonkeyPatch) -> None:
 
 # --- B14: TP ranks diverge -----------------------------------------------------------------------------
 
-class _ThreadGroup:
-    """Two ranks in one process: all_reduce(MIN) through a barrier (what gloo/NCCL do across processes)."""
-
-    def __init__(self, world: int) -> None:
-        self.world = world
-        self.barrier = threading.Barrier(world, timeout=30)
-        self.slots: list[Any] = [None] * world
-        self.rank_of: dict[int, int] = {}
-
-    def all_reduce(self, t: torch.Tensor, op: Any = None, group: Any = None) -> None:
-        rank = self.rank_of[threading.get_ident()]
-        self.slots[rank] = t.clone()
-        self.barrier.wait()
-        t.copy_(torch.stack(self.slots).min(dim=0).values)
-        self.barrier.wait()
-
-
-def _tp_engine(group: _ThreadGroup, log: list) -> SimEngine:
+def _tp_engine(group: ThreadGroup, log: list) -> SimEngine:
     e = SimEngine(page_size=2, stride=4, device_slots=96, host_slots=16, rows=4, max_context=48, backup_queue=2)
     consensus = ProgressConsensus(None)
     consensus.group, consensus.world = group, group.world  # the real agree(), over the in-process group
@@ -121,17 +105,17 @@ def _tp_engine(group: _ThreadGroup, log: list) -> SimEngine:
     return e
 
 
-def run_tp_ranks(seed: int, iterations: int = 80) -> Optional[str]:
+def run_tp_ranks(seed: int, iterations: int = 80, group: Optional[ThreadGroup] = None) -> Optional[str]:
     """Two ranks, identical scheduler decisions, rank-specific completion timing; the first divergence of
     their free logs (device and host frees, in order) or stored keys, or None."""
-    group = _ThreadGroup(2)
+    group = group or ThreadGroup(2)
     logs: list[list] = [[], []]
     engines = [_tp_engine(group, logs[r]) for r in range(2)]
     timing = [random.Random(seed * 7 + r + 1) for r in range(2)]
     errors: list[BaseException] = []
 
     def progress(rank: int) -> None:
-        group.rank_of[threading.get_ident()] = rank
+        group.bind(rank)
         try:
             e, rng = engines[rank], timing[rank]
             pending = [h for h in e.copies.pending if rng.random() < 0.5]
@@ -143,7 +127,7 @@ def run_tp_ranks(seed: int, iterations: int = 80) -> Optional[str]:
             e.manager.check_progress()
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
-            group.barrier.abort()
+            group.abort()
 
     work = random.Random(seed)
     retracted: list[list] = [[], []]
@@ -193,16 +177,15 @@ TP_SEEDS = range(40 if DEEP else 8)
 
 def test_tp_ranks_agree_with_consensus(monkeypatch: pytest.MonkeyPatch) -> None:
     """The harness itself: with the real MIN consensus both ranks free and store identically."""
-    group_calls = []
-    monkeypatch.setattr(torch.distributed, "all_reduce",
-                        lambda t, op=None, group=None: (group_calls.append(1), group.all_reduce(t))[1])
+    route_all_reduce(monkeypatch)  # the consensus's own reduction op reaches the in-process group
     for seed in TP_SEEDS:
-        assert run_tp_ranks(seed) is None, f"seed {seed}: ranks diverged with consensus"
-    assert group_calls
+        group = ThreadGroup(2)
+        assert run_tp_ranks(seed, group=group) is None, f"seed {seed}: ranks diverged with consensus"
+        assert group.calls, "the consensus never reduced across the ranks"
 
 
 def test_mutant_b14_tp_divergence_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch.distributed, "all_reduce", lambda t, op=None, group=None: group.all_reduce(t))
+    route_all_reduce(monkeypatch)
     b14(monkeypatch)  # the fault: no MIN
     t0 = time.perf_counter()
     found = None

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, Phase, settings
 import kvfsm.runtime.backup as backup_mod
 import kvfsm.runtime.build as build
 import test_manager_machine as tm
-from catalog_faults import b2, b5, b8, b15
+from catalog_faults import b1, b2, b3_host, b5, b8, b10, b13, b15
 from kvfsm.dataplane.copy.cpu import DeferredHandle, _FutureHandle
 from kvfsm.dataplane.storage import FileStorage
 from kvfsm.runtime.backup import BackupJob, ThreadBackupWorker
@@ -156,31 +156,6 @@ def raising_store_assumed_written(mp: pytest.MonkeyPatch) -> None:
         except Exception:
             self.error, self.results = None, [True] * len(self.payload.hashes)
     mp.setattr(BackupJob, "run", run)
-
-
-# --- unchecked mode: the catalog's faults in the batch forms production runs ----------------------------
-# (tests/catalog_faults.py's b13 and b10 wrap the single-form actions, which only checked mode's item-by-item
-# events call; unchecked batch events call OffloadEffects' *_each forms)
-
-def b13_batch(mp: pytest.MonkeyPatch) -> None:
-    """A failed backup is treated as a success: its pages are reported as stored (D #15079), batch form."""
-    def make(orig: Callable) -> Callable:
-        def count_backup_failure_each(self: Any, items: list) -> None:
-            orig(self, items)
-            self.mark_stored_each(items)
-        return count_backup_failure_each
-    _wrap(mp, OffloadEffects, "count_backup_failure_each", make)
-
-
-def b10_batch(mp: pytest.MonkeyPatch) -> None:
-    """A failed backup frees its chunk's host pages in the failure path, and the collection frees them
-    again (batch form)."""
-    def make(orig: Callable) -> Callable:
-        def count_backup_failure_each(self: Any, items: list) -> None:
-            orig(self, items)
-            self.host_pool.free_pages([p for _, chunk in items for p in chunk.host_pages])
-        return count_backup_failure_each
-    _wrap(mp, OffloadEffects, "count_backup_failure_each", make)
 
 
 # --- TP ---------------------------------------------------------------------------------------------------
@@ -330,8 +305,12 @@ MUTANTS: dict[str, Mutant] = {
     "B5-unchecked": Mutant("unchecked shadow", U, b5, ("release_exact",)),
     "B8-unchecked": Mutant("unchecked shadow", U, b8, ("release_due", "partial_release", "row_conservation",
                                                       "protected_release")),
-    "B10-unchecked": Mutant("unchecked shadow", U, b10_batch, ("host_free", "DoubleFree")),
-    "B13-unchecked": Mutant("unchecked shadow", U, b13_batch, ("stored_means_confirmed", "metric_stored_pages")),
+    "B1-unchecked": Mutant("unchecked shadow", U, b1, ("release_live", "release_owner", "device_conservation",
+                                                      "DoubleFree")),
+    "B3-host-unchecked": Mutant("unchecked shadow", U, b3_host, ("host_conservation", "teardown_drains",
+                                                                "ledger_host_pages", "gauge_backups_in_flight")),
+    "B10-unchecked": Mutant("unchecked shadow", U, b10, ("host_free", "DoubleFree")),
+    "B13-unchecked": Mutant("unchecked shadow", U, b13, ("stored_means_confirmed", "metric_stored_pages")),
     # the engine resets or reuses an ended request object before its deferred release
     "release-reads-current-lengths": Mutant("request mutation", U, release_reads_current_lengths,
                                             ("release_owner", "release_exact", "DoubleFree", "PartialPage")),
