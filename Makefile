@@ -31,10 +31,13 @@ test-deps: $(TEST_STAMP)
 demo: $(STAMP)
 	$(BIN)/kvfsm demo
 
-test: $(TEST_STAMP)
+# Every test: the spec checks, the suite, then the differential test against the real SGLang 0.5.23 in its
+# own venv (test-upstream, below).
+test: $(TEST_STAMP) $(UPSTREAM_STAMP)
 	for spec in spec/*.yaml; do $(BIN)/kvfsm gen $$spec --check || exit 1; done
 	$(BIN)/kvfsm schema --check
 	KVFSM_REQUIRE_MOONCAKE=1 KVFSM_REQUIRE_TRANSFORMERS=1 KVFSM_REQUIRE_MUTMUT=1 $(BIN)/python -m pytest -q
+	$(MAKE) test-upstream
 
 bench: $(STAMP)
 	$(BIN)/kvfsm bench
@@ -49,3 +52,29 @@ mutate: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# The differential test against the real SGLang 0.5.23 (docs/sglang-upstream.md, tests/upstream/) has its own
+# venv: sglang pins a CUDA torch, so it goes in --no-deps beside the CPU torch with only what its decode
+# offload path imports (tests/upstream/requirements.txt); the last step JIT-builds upstream's native hash
+# (a C++ extension: g++, ninja and OpenSSL's headers, installed from Debian when missing).
+UPSTREAM_VENV := .venv-sglang
+UPSTREAM_BIN := $(UPSTREAM_VENV)/bin
+UPSTREAM_STAMP := $(UPSTREAM_VENV)/.kvfsm-sglang-installed
+
+.PHONY: upstream-venv test-upstream
+
+upstream-venv: $(UPSTREAM_STAMP)
+
+$(UPSTREAM_STAMP): pyproject.toml tests/upstream/requirements.txt
+	dpkg -s g++ ninja-build libssl-dev >/dev/null 2>&1 || { $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null && \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ ninja-build libssl-dev >/dev/null; }
+	test -x $(UPSTREAM_BIN)/python || $(PY) -m venv $(UPSTREAM_VENV)
+	$(UPSTREAM_BIN)/python -m pip install -q --upgrade pip
+	$(UPSTREAM_BIN)/python -m pip install -q torch==2.13.0
+	$(UPSTREAM_BIN)/python -m pip install -q --no-deps -r tests/upstream/requirements.txt
+	$(UPSTREAM_BIN)/python -m pip install -q -e '.[dev]'
+	$(UPSTREAM_BIN)/python tests/upstream/harness.py --warm
+	touch $(UPSTREAM_STAMP)
+
+test-upstream: $(UPSTREAM_STAMP)
+	KVFSM_REQUIRE_SGLANG=1 $(UPSTREAM_BIN)/python -m pytest -q -p no:cacheprovider tests/upstream

@@ -48,7 +48,7 @@ from kvfsm.dataplane.copy.base import CopyHandle, CopyPlan, plan_copy, run_plan 
 from kvfsm.dataplane.copy.cpu import _DoneHandle  # noqa: E402
 from kvfsm.dataplane.pools.device_pool import DeviceKVPool  # noqa: E402
 from kvfsm.dataplane.storage import MemoryStorage  # noqa: E402
-from kvfsm.runtime import DecodeOffloadManager, OffloadConfig, ProtectedSize, ThreadBackupWorker  # noqa: E402
+from kvfsm.runtime import DecodeOffloadManager, OffloadConfig, SimplePrefixCache, ThreadBackupWorker  # noqa: E402
 from kvfsm.verify.engine import SimRequest  # noqa: E402
 
 
@@ -111,7 +111,7 @@ def run(live: int, iterations: int, page: int, stride: int, context: int, mode: 
     worker = ThreadBackupWorker(4 * live)
     engine = StepCopyEngine() if copy_model == "step" else TimedCopyEngine()
     manager = DecodeOffloadManager(config, device_pool=device_pool, allocator=allocator, req_to_token=table,
-                                   prefix_cache=ProtectedSize(), host_pool=host, copy_engine=engine,
+                                   prefix_cache=SimplePrefixCache(), host_pool=host, copy_engine=engine,
                                    storage=MemoryStorage(), backup_worker=worker)
     # Requests at every phase of the stride, so each iteration has live/stride chunks due (steady state):
     # a 128-token prompt (whole pages) and 1..stride tokens already decoded.

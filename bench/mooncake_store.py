@@ -102,12 +102,12 @@ def bench_size(s: MooncakeStorage, page_nbytes: int, pages: int, reps: int) -> d
     kv_keys = [f"kvfsm-{tag}-{i}" for i in range(pages)]
     host_keys = [f"host-{tag}-{i}" for i in range(pages)]
     mgr_keys = [f"mgr-{tag}-{i}" for i in range(pages)]
-    mk = [s.key_of(k) for k in kv_keys]
+    mk = [o for k in kv_keys for o in s.key_of(k)]  # a page is a K and a V object
 
     def clear() -> None:
         client.batch_remove(raw_keys, True)
         client.batch_remove(mk, True)
-        client.batch_remove([s.key_of(k) for k in host_keys + mgr_keys], True)
+        client.batch_remove([o for k in host_keys + mgr_keys for o in s.key_of(k)], True)
 
     t: dict[str, list[float]] = {k: [] for k in ("raw_put", "kvfsm_put", "raw_get", "kvfsm_get", "kvfsm_put_from_host",
                                                   "kvfsm_put_via_get_pages_bytes")}

@@ -377,7 +377,49 @@ def cold_calls(page: Page) -> None:
     page.lines.append("")
 
 
-RENDERERS = (serving_loop, bandwidth, event_cost, manager_time, cold_calls)
+def explorer_speed(page: Page) -> None:
+    runs = page.load("explorer_speed-*.json")
+    if not runs:
+        return
+    page.lines += ["## The bounded explorer: states per CPU second, technique by technique", "",
+                   "bench/explorer_speed.py: `kvfsm check`'s search over the real manager and pools, the techniques "
+                   "of issue 19 added one at a time on the same bounds (every step reaches the same states). "
+                   "Speed-up is CPU time against the step before; the first step is the search before issue 19.", ""]
+    for path, d in runs:
+        bounds = list(d["ladder"][0]["bounds"])
+        page.lines += [f"From `{_rel(path)}`, machine: {_machine(d)}.", "",
+                       "| step | " + " | ".join(f"{b} states/CPU s (events)" for b in bounds) + " | CPU s, all | speed-up |",
+                       "|---|" + "---|" * len(bounds) + "---|---|"]
+        before = None
+        for step in d["ladder"]:
+            cpu = sum(r["cpu_s"] for r in step["bounds"].values())
+            cells = [f"{r['states_per_cpu_s']:.0f} ({r['edges']})" for r in step["bounds"].values()]
+            gain = "-" if before is None else f"{before / cpu:.2f}x"
+            page.lines.append(f"| {step['step']} | " + " | ".join(cells) + f" | {cpu:.1f} | {gain} |")
+            before = cpu
+        first, last = d["ladder"][0]["bounds"], d["ladder"][-1]["bounds"]
+        total = sum(r["cpu_s"] for r in first.values()) / sum(r["cpu_s"] for r in last.values())
+        page.lines += ["", f"All techniques together: {total:.2f}x less CPU for the same states.", "",
+                       "Request symmetry (merging states that differ only by which request is which), off against on:",
+                       "", "| bound | states off | states on | states factor | CPU speed-up |", "|---|---|---|---|---|"]
+        for b, r in d["symmetry"].items():
+            page.lines.append(f"| {b} | {r['off']['states']} | {r['on']['states']} | {r['states_factor']:.2f}x | "
+                              f"{r['cpu_speedup']:.2f}x |")
+        page.lines += ["", "The named bounds as `kvfsm check` explores them (wall seconds on this machine):", "",
+                       "| command | sub-bounds | states | events | wall s | CPU s |", "|---|---|---|---|---|---|"]
+        for b in d["named_bounds"].values():
+            t = b["total"]
+            page.lines.append(f"| `{b['command']}` | {len(b['parts'])} | {t['states']} | {t['edges']} | "
+                              f"{t['wall_s']:.1f} | {t['cpu_s']:.1f} |")
+        jobs = d.get("jobs") or []
+        if len(jobs) > 1:
+            page.lines += ["", f"`--jobs` on `{d['jobs_bound']}`: " + ", ".join(
+                f"{j['jobs']} job(s) {j['wall_s']:.1f} s wall" for j in jobs) +
+                f" (this machine has {d['machine'].get('cpu_count', '?')} cores)."]
+    page.lines.append("")
+
+
+RENDERERS = (serving_loop, bandwidth, event_cost, manager_time, cold_calls, explorer_speed)
 
 
 def render(results: Path = RESULTS, out: Path = DOCS, *, close: bool = True) -> tuple[str, dict[str, Figure]]:

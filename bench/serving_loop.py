@@ -50,7 +50,7 @@ from kvfsm.dataplane import (HostKVPool, KVCacheConfig, ReqToTokenPool, ThreadCp
 from kvfsm.dataplane.pools.device_pool import DeviceKVPool  # noqa: E402
 from kvfsm.dataplane.copy.staging import PinnedIndexStaging  # noqa: E402
 from kvfsm.dataplane.storage import FileStorage  # noqa: E402
-from kvfsm.runtime import DecodeOffloadManager, OffloadConfig, ProtectedSize  # noqa: E402
+from kvfsm.runtime import DecodeOffloadManager, OffloadConfig, SimplePrefixCache  # noqa: E402
 
 PROMPT = (32, 256)  # prompt lengths, uniform (--prompt)
 OUTPUT = (64, 512)  # output lengths, uniform: a request finishes (finalize) when it has them (--output)
@@ -199,7 +199,7 @@ class ServingLoop:
                                    storage_backend="file" if storage is not None else "none")
             self.manager: Any = DecodeOffloadManager(
                 config, device_pool=self.pool, allocator=self.allocator, req_to_token=self.table,
-                prefix_cache=ProtectedSize(), host_pool=self.host_pool, copy_engine=engine, storage=storage)
+                prefix_cache=SimplePrefixCache(), host_pool=self.host_pool, copy_engine=engine, storage=storage)
         elif algo == "seed":
             self.manager = SeedAlgorithmOffload(page_size=page, stride=stride, device_pool=self.pool,
                                                 allocator=self.allocator, req_to_token=self.table,

@@ -27,7 +27,7 @@ from kvfsm.dataplane.pools.device_pool import DeviceKVPool  # noqa: E402
 from kvfsm.dataplane.storage import FileStorage  # noqa: E402
 from kvfsm.engine.model import TinyDecoder, TinyModelConfig  # noqa: E402
 from kvfsm.engine.scheduler import DecodeEngine, make_workload  # noqa: E402
-from kvfsm.runtime import DecodeOffloadManager, OffloadConfig, ProtectedSize, ThreadBackupWorker  # noqa: E402
+from kvfsm.runtime import DecodeOffloadManager, OffloadConfig, SimplePrefixCache, ThreadBackupWorker  # noqa: E402
 
 PAGE = 16
 
@@ -60,7 +60,7 @@ def serve(model: TinyDecoder, kv: KVCacheConfig, device: str, requests: int, man
     pool = DeviceKVPool.create(kv, slots, device)
     allocator = TokenSlotAllocator(slots, PAGE, device)
     table = ReqToTokenPool(8, 512, device)
-    protected = ProtectedSize()
+    protected = SimplePrefixCache(allocator)
     manager = None
     if manager_kwargs is not None:
         host = HostKVPool(kv, slots // 2, PAGE)

@@ -58,6 +58,10 @@ IGNORED: dict[str, frozenset[int]] = {
     'cancel': frozenset({ENDING, RELEASED}),
 }
 
+# Policies: the manager's rules an integrator selects (spec `policies`): name -> (default, choices).
+POLICIES: dict[str, tuple[str, tuple[str, ...]]] = {
+}
+
 # Single-owner resources (held from creation) that each state still holds, proven by `kvfsm validate`.
 HOLDS: dict[int, frozenset[str]] = {
     RESIDENT: frozenset(()),

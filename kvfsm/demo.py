@@ -28,7 +28,7 @@ from kvfsm.dataplane.storage import FileStorage
 from kvfsm.docsgen import markdown
 from kvfsm.engine.model import TinyDecoder, TinyModelConfig
 from kvfsm.engine.scheduler import DecodeEngine, EngineRequest, make_workload
-from kvfsm.runtime import DecodeOffloadManager, OffloadConfig, ProtectedSize, ThreadBackupWorker
+from kvfsm.runtime import DecodeOffloadManager, OffloadConfig, SimplePrefixCache, ThreadBackupWorker
 from kvfsm.spec import load_spec
 from kvfsm.spec.locations import packaged_spec, spec_stamp
 
@@ -60,7 +60,7 @@ class _Pools:
         self.pool = DeviceKVPool.create(model_cfg.kv_config(), slots, device)
         self.allocator = TokenSlotAllocator(slots, PAGE, device)
         self.table = ReqToTokenPool(rows, 512, device)
-        self.protected = ProtectedSize()
+        self.protected = SimplePrefixCache(self.allocator)
 
     def full(self) -> bool:
         return (self.allocator.free_slots == self.allocator.capacity and self.table.free_rows == self.table.rows

@@ -29,6 +29,19 @@ class GuardRejected(EventRejected):
         self.guards = guards
 
 
+class RetractionRefused(LifecycleError):
+    """Under the spec's `retraction: fail_closed` policy, retraction is refused while a device-to-host copy is
+    tracked (on any TP rank, for `drain_before_retraction`; for the request itself, for `retract`): retracting
+    would free device slots a copy still reads. Nothing was changed."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(f"retraction refused: {reason}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.reason,)
+
+
 class InvalidRequest(LifecycleError):
     """The request cannot be admitted (bad table row, missing fields); nothing was changed."""
 

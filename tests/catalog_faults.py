@@ -20,7 +20,7 @@ import torch
 import kvfsm.generated.decode_offload as gen
 import kvfsm.dataplane.copy.base as copy_engine
 from kvfsm.generated.decode_offload import DecodeOffloadMachine
-from kvfsm.runtime import ProtectedSize
+from kvfsm.runtime import SimplePrefixCache
 from kvfsm.runtime.tp import ProgressConsensus
 from kvfsm.runtime.effects import OffloadEffects
 from kvfsm.runtime.manager import DecodeOffloadManager
@@ -83,13 +83,13 @@ def b2(mp: pytest.MonkeyPatch) -> None:
 
 
 def b3(mp: pytest.MonkeyPatch) -> None:
-    """The prefix cache's protected size is never decremented (S #12774)."""
-    mp.setattr(ProtectedSize, "release_protected", lambda self, n: None)
+    """Release never unlocks the matched prefix: the prefix cache's protected size never comes down (S #12774)."""
+    mp.setattr(SimplePrefixCache, "unlock", lambda self, lock: None)
 
 
 def b3_engine(engine) -> None:
-    """The `faults` hook: the prefix cache's protected size is never decremented (S #12774)."""
-    engine.protected.release_protected = lambda n: None
+    """The `faults` hook: release never unlocks the matched prefix (S #12774)."""
+    engine.protected.unlock = lambda lock: None
 
 
 def b3_host(mp: pytest.MonkeyPatch) -> None:
@@ -104,23 +104,23 @@ def b3_host(mp: pytest.MonkeyPatch) -> None:
 
 
 def b4(mp: pytest.MonkeyPatch) -> None:
-    """Release decrements the protected size twice (S #27666)."""
+    """Release unlocks the matched prefix twice: the protected size is decremented twice (S #27666)."""
     def make(orig):
         def release_request(self, m, arg):
-            prefix = m.ctx.prefix_len
+            lock = m.ctx.lock
             orig(self, m, arg)
-            self.prefix_cache.release_protected(prefix)
+            self.prefix_cache.unlock(lock)
         return release_request
     _wrap(mp, OffloadEffects, "release_request", make)
 
 
 def b5(mp: pytest.MonkeyPatch) -> None:
-    """Release frees [0, ceil_page(committed)) only: the speculative over-allocation leaks (S #19518)."""
+    """Release frees [prefix_len, ceil_page(committed)) only: the speculative over-allocation leaks (S #19518)."""
     def make(orig):
         def request_slots(self, rec):
             committed, _ = rec.end_lengths or (rec.req.kv_committed_len, rec.req.kv_allocated_len)
             pages = -(-committed // self.page_size)
-            starts = self.req_to_token.req_to_token[rec.row, 0:pages * self.page_size:self.page_size]
+            starts = self.req_to_token.req_to_token[rec.row, rec.prefix_len:pages * self.page_size:self.page_size]
             starts = starts - starts % self.page_size
             return (starts[:, None] + self._offsets).reshape(-1)
         return request_slots
@@ -181,7 +181,8 @@ def b8(mp: pytest.MonkeyPatch) -> None:
             rec = m.ctx
             if not getattr(rec, "aborted_in_flight", False):
                 return orig(self, m, arg)
-            self.prefix_cache.release_protected(rec.prefix_len)
+            self.prefix_cache.unlock(rec.lock)
+            rec.lock = None
             if rec.req.req_pool_idx == rec.row:
                 rec.req.req_pool_idx = None
             rec.req = None
@@ -218,12 +219,13 @@ def b10(mp: pytest.MonkeyPatch) -> None:
 
 
 def b11(mp: pytest.MonkeyPatch) -> None:
-    """Release frees [0, committed) and [committed, allocated) as two ranges not split at a page boundary (S #38941)."""
+    """Release frees [prefix_len, committed) and [committed, allocated) as two ranges not split at a page boundary (S #38941)."""
     def make(orig):
         def request_slots(self, rec):
             ps = self.page_size
             committed, allocated = rec.end_lengths or (rec.req.kv_committed_len, rec.req.kv_allocated_len)
-            positions = list(range(0, committed, ps)) + list(range(committed, max(allocated, committed), ps))
+            positions = (list(range(rec.prefix_len, committed, ps))
+                         + list(range(max(committed, rec.prefix_len), max(allocated, committed), ps)))
             if not positions:
                 return torch.empty(0, dtype=torch.int64)
             starts = self.req_to_token.req_to_token[rec.row, torch.tensor(positions)]
@@ -263,3 +265,16 @@ def b15(mp: pytest.MonkeyPatch) -> None:
     def torch_copy_rows(src5, src_idx, dst5, dst_idx):
         dst5[:, :, dst_idx.to(dst5.device)].copy_(src5[:, :, src_idx.to(src5.device)].to(dst5.device))
     mp.setattr(copy_engine, "torch_copy_rows", torch_copy_rows)
+
+
+def b16(mp: pytest.MonkeyPatch) -> None:
+    """Release frees [0, allocated), the matched prefix's pages included (SGLang 0.5.23 frees from cache_protected_len)."""
+    def make(orig):
+        def request_slots(self, rec):
+            prefix, rec.prefix_len = rec.prefix_len, 0
+            try:
+                return orig(self, rec)
+            finally:
+                rec.prefix_len = prefix
+        return request_slots
+    _wrap(mp, OffloadEffects, "request_slots", make)

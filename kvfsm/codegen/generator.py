@@ -111,6 +111,9 @@ def render(spec: CompiledSpec, spec_path: str) -> str:
         create_doc=create.doc if create else "A new machine in its initial state.",
         create_holds=", ".join(create.holds) if create else "",
         create_actions=list(create.actions) if create else [],
+        policies=[dict(name=n, default=pol.default, choices=tuple(pol.choices),
+                       line=spec.lines.line(("policies", n)))
+                  for n, pol in model.policies.items()],
     )
     return _env().get_template("machine.py.j2").render(**ctx)
 

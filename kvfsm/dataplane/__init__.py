@@ -23,7 +23,7 @@ from .errors import (
     PartialPage,
     SlotError,
 )
-from .hashing import PageRun, page_hash, page_hashes
+from .hashing import PageRun, page_hash, page_hashes, request_namespace, storage_namespace_seed
 from .pools.host_pool import HostKVPool, available_host_memory
 from .pools.req_to_token import ReqToTokenPool
 from .storage import FaultyStorage, FileStorage, MemoryStorage, StorageBackend, storage_key_suffix
@@ -82,6 +82,8 @@ __all__ = [
     "make_copy_engine",
     "page_hash",
     "page_hashes",
+    "request_namespace",
+    "storage_namespace_seed",
     "PageRun",
     "storage_key_suffix",
 ]

@@ -17,7 +17,7 @@ import torch
 from kvfsm.dataplane import ReqToTokenPool, TokenSlotAllocator
 from kvfsm.dataplane.pools.device_pool import DeviceKVPool
 from kvfsm.engine.model import TinyDecoder
-from kvfsm.runtime import DecodeOffloadManager, ProtectedSize
+from kvfsm.runtime import DecodeOffloadManager, SimplePrefixCache
 
 
 def grow_slots(allocator: TokenSlotAllocator, table: ReqToTokenPool, req, length: int) -> bool:
@@ -49,6 +49,7 @@ class EngineRequest:
         self.kv_committed_len = 0
         self.kv_allocated_len = 0
         self.prefix_len = prefix_len
+        self.lock = None  # the prefix cache's lock on [0, prefix_len), taken at admission
         self.max_new = max_new
         self.abort_at = abort_at
         self.done = False
@@ -82,7 +83,7 @@ class EngineStats:
 
 class DecodeEngine:
     def __init__(self, model: TinyDecoder, pool: DeviceKVPool, allocator: TokenSlotAllocator, table: ReqToTokenPool,
-                 protected: ProtectedSize, max_batch: int, manager: Optional[DecodeOffloadManager] = None,
+                 protected: SimplePrefixCache, max_batch: int, manager: Optional[DecodeOffloadManager] = None,
                  speculative: int = 0) -> None:
         self.model, self.pool, self.allocator, self.table = model, pool, allocator, table
         self.protected, self.manager, self.max_batch = protected, manager, max_batch
@@ -94,12 +95,15 @@ class DecodeEngine:
         return grow_slots(self.allocator, self.table, req, length)
 
     def _release_without_manager(self, req: EngineRequest) -> None:
+        """What the manager's release does: free the request's own pages [prefix_len, allocated), its row, and
+        unlock its matched prefix (the prefix cache evicts those pages)."""
         held = -(-req.kv_allocated_len // self.page) * self.page
-        starts = self.table.read(req.req_pool_idx, 0, held)[:: self.page]
+        starts = self.table.read(req.req_pool_idx, req.prefix_len, held)[:: self.page]
         slots = (starts[:, None] + torch.arange(self.page, device=starts.device)).reshape(-1)
         self.allocator.free(slots)
         self.table.free(req.req_pool_idx)
-        self.protected.release_protected(req.prefix_len)
+        self.protected.unlock(req.lock)
+        req.lock = None
         req.req_pool_idx = None
 
     def _end(self, req: EngineRequest, how: str) -> None:
@@ -128,7 +132,8 @@ class DecodeEngine:
             assert nxt == req.output_ids[-1], f"{req.rid}: recomputation after retraction disagrees"
         else:
             req.output_ids.append(nxt)
-        self.protected.protect(req.prefix_len)
+        req.prefix_len = min(req.prefix_len, len(req.origin_input_ids)) // self.page * self.page
+        req.lock = self.protected.lock(self.table.read_host(row, 0, req.prefix_len))
         return True
 
     def run(self, requests: list[EngineRequest], on_step: Optional[Callable[[int], None]] = None) -> EngineStats:

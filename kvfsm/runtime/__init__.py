@@ -1,13 +1,13 @@
 """The offload manager: generated per-request machines driving the data plane."""
 
-from kvfsm.errors import ConfigError, InvalidRequest, RequestFieldMissing, RowInUse
+from kvfsm.errors import ConfigError, InvalidRequest, RequestFieldMissing, RetractionRefused, RowInUse
 from kvfsm.runtime.backup import BackupJob, BackupWorker, SteppedBackupWorker, ThreadBackupWorker
 from kvfsm.runtime.config import OffloadConfig
 from kvfsm.runtime.ledger import CheckedModeError, SlotLedger
 from kvfsm.runtime.manager import DecodeOffloadManager, TPMismatch
 from kvfsm.runtime.metrics import OffloadMetrics
-from kvfsm.runtime.protocols import OffloadRequest, PrefixCache, ProtectedSize
+from kvfsm.runtime.protocols import OffloadRequest, PrefixCache, PrefixLock, SimplePrefixCache
 
 __all__ = ["BackupJob", "BackupWorker", "CheckedModeError", "ConfigError", "DecodeOffloadManager", "InvalidRequest",
-           "OffloadConfig", "OffloadMetrics", "OffloadRequest", "PrefixCache", "ProtectedSize", "RequestFieldMissing",
-           "RowInUse", "SlotLedger", "SteppedBackupWorker", "TPMismatch", "ThreadBackupWorker"]
+           "OffloadConfig", "OffloadMetrics", "OffloadRequest", "PrefixCache", "PrefixLock", "RequestFieldMissing",
+           "RetractionRefused", "RowInUse", "SimplePrefixCache", "SlotLedger", "SteppedBackupWorker", "TPMismatch", "ThreadBackupWorker"]

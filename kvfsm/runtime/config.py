@@ -60,6 +60,10 @@ class OffloadConfig(BaseModel):
         "Pages the manager's stored-page index (hash -> request, position) keeps, oldest dropped first; "
         "0 keeps none. Bounded so a long-running server does not grow without limit; storage stays the "
         "authority on what it holds."))
+    retraction: Literal["deferred", "fail_closed"] = Field("deferred", description=(
+        "The spec's `retraction` policy (spec/decode_offload.yaml, `policies`): 'deferred' retracts in every live "
+        "state, deferring the release past in-flight copies; 'fail_closed' is SGLang 0.5.23's rule: "
+        "drain_before_retraction() and retract() refuse while a device-to-host copy is tracked."))
     checked: bool = Field(False, description="Keep the slot ownership ledger and check invariants every transition.")
     trace_path: Optional[Path] = Field(None, description="Write one JSON line per transition here.")
 

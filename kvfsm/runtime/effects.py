@@ -55,8 +55,10 @@ class RequestRecord:
     req_ref: "weakref.ReferenceType[Any]"
     req: Optional[Any]  # strong until release: release must read the request's lengths
     row: int
-    prefix_len: int
+    prefix_len: int  # positions [0, prefix_len) are the prefix cache's pages (whole pages), locked by `lock`
     prefill_len: int  # page-aligned prompt prefix, stored by the prefill side
+    namespace: Optional[str] = None  # the chain's seed from the request's extra_key and cache_salt (None: plain)
+    lock: Any = None  # the prefix cache's lock on [0, prefix_len), unlocked at release (None: nothing to unlock)
     inc_len: int = 0  # tokens after the prefix already submitted for offload
     chain: Optional[PageRun] = None  # the last run of the request's page-hash chain (hashed lazily)
     stored_pages: int = 0
@@ -66,8 +68,9 @@ class RequestRecord:
 
     @property
     def last_hash(self) -> Optional[str]:
-        """The page hash the next chunk chains on (hashes the chain up to here if nothing has yet)."""
-        return None if self.chain is None else self.chain.last_hash
+        """The page hash the next chunk chains on (hashes the chain up to here if nothing has yet; the
+        namespace seed, or None, before the first page)."""
+        return self.namespace if self.chain is None else self.chain.last_hash
 
     def __repr__(self) -> str:
         return self.key
@@ -145,7 +148,8 @@ class OffloadEffects(DecodeOffloadEffectsEach):
     def seed_hash_chain(self, m: DecodeOffloadMachine, arg: Any) -> None:
         rec: RequestRecord = m.ctx
         if rec.prefill_len:
-            rec.chain = PageRun(list(rec.req.origin_input_ids[: rec.prefill_len]), self.page_size)
+            rec.chain = PageRun(list(rec.req.origin_input_ids[: rec.prefill_len]), self.page_size,
+                                namespace=rec.namespace)
 
     # --- offload -----------------------------------------------------------------------------------
     def start_copy(self, m: DecodeOffloadMachine, chunk: Chunk) -> None:
@@ -180,7 +184,7 @@ class OffloadEffects(DecodeOffloadEffectsEach):
         ps = self.page_size
         for _, chunk in items:
             rec = chunk.record
-            rec.chain = chunk.run = PageRun(chunk.tokens, ps, rec.chain)
+            rec.chain = chunk.run = PageRun(chunk.tokens, ps, rec.chain, namespace=rec.namespace)
 
     def submit_backup(self, m: DecodeOffloadMachine, chunk: Chunk) -> None:
         self.submit_backup_each([(m, chunk)])
@@ -298,14 +302,15 @@ class OffloadEffects(DecodeOffloadEffectsEach):
         m.ctx.end_lengths = (int(req.kv_committed_len), int(req.kv_allocated_len))
 
     def request_slots(self, rec: RequestRecord) -> torch.Tensor:
-        """Device slots of pages covering [0, ceil_page(committed)) plus the over-allocation
-        [ceil_page(committed), allocated): every page the request holds, each once."""
+        """Device slots of the request's own pages: those covering [prefix_len, ceil_page(committed)) plus the
+        over-allocation [ceil_page(committed), allocated), each once. The matched prefix's pages [0,
+        prefix_len) are the prefix cache's (SGLang 0.5.23 frees [cache_protected_len, kv_allocated_len))."""
         req, ps = rec.req, self.page_size
         committed, allocated = rec.end_lengths or (req.kv_committed_len, req.kv_allocated_len)
-        # pages at positions [0, ceil_page(committed)) and [ceil_page(committed), allocated): together
-        # every page start below ceil_page(max(committed, allocated))
+        # pages at positions [prefix_len, ceil_page(committed)) and [ceil_page(committed), allocated):
+        # together every page start in [prefix_len, ceil_page(max(committed, allocated)))
         end = -(-max(allocated, committed) // ps) * ps
-        starts = self._table[rec.row, 0:end:ps]  # the request table's host mirror: never a GPU read
+        starts = self._table[rec.row, rec.prefix_len:end:ps]  # the request table's host mirror: never a GPU read
         return torch.from_numpy(np.add.outer(starts - starts % ps, self._offsets_np).reshape(-1))
 
     def release_request(self, m: DecodeOffloadMachine, arg: Any) -> None:
@@ -314,13 +319,19 @@ class OffloadEffects(DecodeOffloadEffectsEach):
         slots = self.request_slots(rec)
         if self.ledger is not None:
             self.ledger.release_device(rec.key, "release", slots.tolist())
-        self.allocator.free(slots)
+        if len(slots):  # none when the matched prefix is all the request holds
+            self.allocator.free(slots)
         self.req_to_token.free(rec.row)
-        self.prefix_cache.release_protected(rec.prefix_len)
+        lock, rec.lock = rec.lock, None
+        if self.ledger is not None:
+            self.ledger.prefix_unlocked(rec.key)
+        self.prefix_cache.unlock(lock)  # the prefix's pages stay with the cache: unlocked, never freed (B16)
         if req.req_pool_idx == rec.row:
             req.req_pool_idx = None
+        if lock is not None and getattr(req, "lock", None) is lock:
+            req.lock = None  # as SGLang does: the request no longer holds it
         rec.req = None
         self.metrics.releases += 1
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("request %s released: %d device slots, table row %d, prefix %d", rec.key, len(slots),
-                         rec.row, rec.prefix_len)
+            logger.debug("request %s released: %d device slots, table row %d, prefix %d unlocked", rec.key,
+                         len(slots), rec.row, rec.prefix_len)

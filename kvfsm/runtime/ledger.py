@@ -1,7 +1,7 @@
 """Checked mode's slot ownership ledger: every device and host page is free or owned by exactly one owner.
 
-Owners are request records (device pages) and chunks (host pages); in-flight copies are readers of
-device pages. A violation raises CheckedModeError naming the request, the event and the slot, before
+Owners are request records (device pages), the prefix cache (the pages of a matched prefix, while some
+request holds a lock on them) and chunks (host pages); in-flight copies are readers of device pages. A violation raises CheckedModeError naming the request, the event and the slot, before
 the data plane is touched, so the ledger catches B1 (reuse of a live request's slot), B2 (free under
 an in-flight copy), B9/B10 (double release) in the implementation, not only in the spec.
 """
@@ -12,6 +12,9 @@ from collections import defaultdict
 from typing import Iterable
 
 from kvfsm.errors import LifecycleError
+
+
+PREFIX_CACHE = "<prefix cache>"  # the owner of a matched prefix's pages
 
 
 class CheckedModeError(LifecycleError):
@@ -28,6 +31,7 @@ class SlotLedger:
         self.device_readers: dict[int, set[int]] = defaultdict(set)
         self.device_released: dict[int, str] = {}  # page -> the request that released it, until claimed again
         self.host_owner: dict[int, int] = {}
+        self.prefix_holders: dict[int, set[str]] = defaultdict(set)  # prefix-cache page -> requests locking it
 
     def _pages(self, slots: Iterable[int]) -> list[int]:
         return sorted({int(s) // self.page_size for s in slots})
@@ -37,8 +41,9 @@ class SlotLedger:
         for page in self._pages(slots):
             other = self.device_owner.get(page)
             if other is not None and other != owner:
+                whose = "the prefix cache (a matched prefix)" if other == PREFIX_CACHE else f"live request {other}"
                 raise CheckedModeError(owner, event, page * self.page_size,
-                                       f"device slot belongs to live request {other} (premature reuse, B1)")
+                                       f"device slot belongs to {whose} (premature reuse, B1)")
         for page in self._pages(slots):
             self.device_owner[page] = owner
             self.device_released.pop(page, None)
@@ -47,6 +52,9 @@ class SlotLedger:
         pages = self._pages(slots)
         for page in pages:
             other = self.device_owner.get(page)
+            if other == PREFIX_CACHE:
+                raise CheckedModeError(owner, event, page * self.page_size,
+                                       "freeing a page of a matched prefix, which the prefix cache owns (B16)")
             if other is not None and other != owner:
                 raise CheckedModeError(owner, event, page * self.page_size,
                                        f"freeing a device slot owned by request {other}")
@@ -59,6 +67,30 @@ class SlotLedger:
         for page in pages:
             self.device_owner.pop(page, None)
             self.device_released[page] = owner
+
+    def prefix_locked(self, owner: str, slots: Iterable[int]) -> None:
+        """`owner`'s matched prefix: these pages are the prefix cache's while `owner` holds its lock, so no
+        release of `owner`'s (or anyone's) may free them (B16); they must not be a live request's own."""
+        pages = self._pages(slots)
+        for page in pages:
+            other = self.device_owner.get(page)
+            if other is not None and not other.startswith(PREFIX_CACHE):
+                raise CheckedModeError(owner, "admit", page * self.page_size,
+                                       f"matched prefix page belongs to live request {other} (premature reuse, B1)")
+        for page in pages:
+            self.device_owner[page] = PREFIX_CACHE
+            self.prefix_holders[page].add(owner)
+            self.device_released.pop(page, None)
+
+    def prefix_unlocked(self, owner: str) -> None:
+        """`owner` unlocked its prefix: a page no lock holds any more may be evicted (it leaves the ledger)."""
+        for page in [p for p, holders in self.prefix_holders.items() if owner in holders]:
+            holders = self.prefix_holders[page]
+            holders.discard(owner)
+            if not holders:
+                del self.prefix_holders[page]
+                if self.device_owner.get(page) == PREFIX_CACHE:
+                    del self.device_owner[page]
 
     def copy_started(self, owner: str, chunk: int, device_slots: Iterable[int], host_slots: Iterable[int]) -> None:
         device_slots = list(device_slots)

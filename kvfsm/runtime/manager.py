@@ -25,14 +25,15 @@ from kvfsm.dataplane import CopyEngine, HostKVPool, ReqToTokenPool, TokenSlotAll
 from kvfsm.dataplane.pools.allocator import PageSlots
 from kvfsm.dataplane.pools.device_pool import DeviceKVPool
 from kvfsm.dataplane.storage import StorageBackend
-from kvfsm.errors import InvalidRequest, LifecycleError, RowInUse
+from kvfsm.errors import InvalidRequest, LifecycleError, RetractionRefused, RowInUse
 from kvfsm.runtime.backup import BackupWorker, ThreadBackupWorker
 from kvfsm.runtime.build import build_components, close_storage
 from kvfsm.runtime.config import OffloadConfig
 from kvfsm.runtime.effects import Chunk, OffloadEffects, RequestRecord, token_slice
 from kvfsm.runtime.ledger import CheckedModeError, SlotLedger
 from kvfsm.runtime.metrics import OffloadMetrics
-from kvfsm.runtime.protocols import OffloadRequest, PrefixCache, check_request_fields, describe, raise_if_field_missing
+from kvfsm.runtime.protocols import (OffloadRequest, PrefixCache, check_request_fields, describe, raise_if_field_missing,
+                                     request_namespace_seed)
 from kvfsm.runtime.tp import ProgressConsensus
 from kvfsm.runtime.trace import TraceWriter
 
@@ -106,6 +107,8 @@ class DecodeOffloadManager:
             raise InvalidRequest(f"allocator page size {allocator.page_size} != config.page_size {config.page_size}")
         self.config = config
         self.stride = config.stride
+        # the spec's `retraction` policy (its choices are OffloadConfig.retraction's: tests/runtime/test_retraction.py)
+        self._fail_closed = config.retraction == "fail_closed"
         self.req_to_token = req_to_token
         # Every ConfigError (stride vs host pool, CUDA, storage) is raised here, before anything is allocated.
         parts = build_components(config, device_pool=device_pool, host_pool=host_pool, copy_engine=copy_engine,
@@ -455,7 +458,43 @@ class DecodeOffloadManager:
         self._end(req, "abort")
 
     def retract(self, req: OffloadRequest) -> None:
+        """Under the spec's `retraction: fail_closed` policy, RetractionRefused (nothing changed) while a copy of
+        this request is in flight; otherwise as finish (`retract`)."""
+        if self._fail_closed:
+            rec = self._current(req)
+            if rec is not None and rec.machine.state == spec_gen.OFFLOADING:  # a live request a copy reads
+                raise RetractionRefused(f"request {rec.key} has {rec.machine.copies} device-to-host copies in flight "
+                                        "(policy retraction: fail_closed)")
         self._end(req, "retract")
+
+    def drain_before_retraction(self) -> None:
+        """What the engine calls before it retracts anything (SGLang's drain_before_retraction): a progress
+        check, then, under the spec's `retraction: fail_closed` policy, RetractionRefused on every TP rank alike
+        (the flag is MAX-agreed, one all-reduce) while any rank tracks a device-to-host copy. Under `deferred`
+        retraction is safe whatever is in flight, and only the progress check runs. Never waits for the GPU:
+        copies that have not landed stay tracked (SGLang synchronises on each acknowledgement it pops)."""
+        self.check_progress()
+        if self._fail_closed:
+            local = len(self.fx.copy_fifo)
+            if self.consensus.any(local > 0):
+                raise RetractionRefused(f"device-to-host copies are still in flight on some rank ({local} here; "
+                                        "policy retraction: fail_closed)")
+
+    def has_inflight_device_transfer(self) -> bool:
+        """Whether a device-to-host copy may still read device slots (SGLang's gate before moving KV pages)."""
+        return bool(self.fx.copy_fifo)
+
+    def release_host_resources(self) -> None:
+        """Give the host pool's pinned memory back now (SGLang's shutdown hook); the manager must be idle
+        (drain() first) and is unusable for offloading afterwards. A store that registered the pool with its
+        transport (Mooncake) unregisters it first."""
+        if not self.idle():
+            raise LifecycleError(f"release_host_resources while {len(self.fx.copy_fifo)} copies, {len(self.fx.parked)} "
+                                 f"parked chunks and {self.fx.worker.outstanding()} backups use host memory: drain() first")
+        unregister = getattr(self.fx.storage, "unregister_host_pool", None)
+        if unregister is not None and not self.fx.host_pool.released:
+            unregister(self.fx.host_pool)
+        self.fx.host_pool.release()
 
     def machine_of(self, req: OffloadRequest) -> Optional[DecodeOffloadMachine]:
         rec = self._records.get(id(req))
@@ -547,6 +586,12 @@ class DecodeOffloadManager:
         holder = self._row_holder[row]
         if holder is not None and holder.machine is not None and holder.machine.state in _ROW_HOLDERS:
             raise RowInUse(describe(req), row, holder.key)
+        prefix, ps = req.prefix_len, self.config.page_size
+        if not isinstance(prefix, int) or prefix < 0 or prefix % ps or prefix > len(req.origin_input_ids):
+            # the matched prefix's pages are the prefix cache's: a page split between it and the request
+            # would be freed by both, and a prefix past the prompt would overlap the chunks the manager copies
+            raise InvalidRequest(f"request {describe(req)}: prefix_len {prefix!r} must be a whole number of pages "
+                                 f"of {ps} within its {len(req.origin_input_ids)}-token prompt")
 
     def _admit(self, req: OffloadRequest) -> RequestRecord:
         self._check_admissible(req)
@@ -556,11 +601,15 @@ class DecodeOffloadManager:
             ref = weakref.ref(req, functools.partial(_forget, self._records, key))
         except TypeError:
             raise InvalidRequest(f"request {req.rid!r}: request objects must support weak references") from None
+        namespace = request_namespace_seed(req)  # InvalidRequest before anything is recorded
         self._serial += 1
         prompt_len = len(req.origin_input_ids)
         rec = RequestRecord(key=f"{req.rid}#{self._serial}", rid=req.rid, req_ref=ref, req=req, row=row,
                             prefix_len=int(req.prefix_len),
-                            prefill_len=prompt_len // self.config.page_size * self.config.page_size)
+                            prefill_len=prompt_len // self.config.page_size * self.config.page_size,
+                            namespace=namespace, lock=getattr(req, "lock", None))
+        if self.ledger is not None and rec.prefix_len:
+            self.ledger.prefix_locked(rec.key, self._table_flat[row * self._width:row * self._width + rec.prefix_len])
         rec.machine = DecodeOffloadMachine(self.fx, rec, self._observer)
         self._records[key] = rec
         self._row_holder[row] = rec

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional, Protocol, Sequence, runtime_checkable
 
-from kvfsm.errors import RequestFieldMissing
+import torch
+
+from kvfsm.dataplane.hashing import storage_namespace_seed
+from kvfsm.errors import InvalidRequest, RequestFieldMissing
 
 
 @runtime_checkable
@@ -18,12 +22,32 @@ class OffloadRequest(Protocol):
     req_pool_idx: Optional[int]  # row in the request-to-token table; None once released
     kv_committed_len: int  # positions whose KV is final
     kv_allocated_len: int  # positions with device slots (> committed under speculative decoding)
-    prefix_len: int  # tokens matched in the prefix cache and protected there
+    prefix_len: int  # positions [0, prefix_len) matched in the prefix cache (whole pages): the cache's pages
+    # Optional (read with a default of None): the storage namespace, as SGLang's Req holds it, already
+    # normalised (cache_salt "" is None, a LoRA id is appended to extra_key: see
+    # kvfsm.dataplane.hashing.request_namespace for raw client fields). Keys of a namespaced request chain
+    # on storage_namespace_seed(extra_key, cache_salt), so tenants never see each other's pages.
+    # extra_key: Optional[str]
+    # cache_salt: Optional[str]
+    # Optional too: `lock`, the prefix cache's lock on the matched prefix (None: nothing to unlock), read
+    # when the lifecycle starts and unlocked at its release (SGLang's req.lock).
+    # lock: Any
 
     def finished(self) -> bool: ...
 
 
 REQUEST_FIELDS = tuple(OffloadRequest.__annotations__)  # the protocol's fields: what the manager reads
+NAMESPACE_FIELDS = ("extra_key", "cache_salt")  # optional fields, None when absent
+
+
+def request_namespace_seed(req: Any) -> Optional[str]:
+    """The seed of `req`'s page-hash chain from its optional `extra_key` and `cache_salt` (None: no
+    namespace, the plain chain); InvalidRequest naming the field when one is not a str."""
+    parts = [getattr(req, name, None) for name in NAMESPACE_FIELDS]
+    try:
+        return storage_namespace_seed(*parts)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequest(f"request {describe(req)}: {exc}") from exc
 
 
 def describe(req: Any) -> str:
@@ -50,23 +74,82 @@ def raise_if_field_missing(req: Any, exc: AttributeError) -> None:
 
 
 class PrefixCache(Protocol):
-    """The prefix cache's protected-size accounting (SGLang's `protected_size_`)."""
+    """The engine's prefix cache, as the manager sees it (SGLang 0.5.23's `tree_cache.unlock`).
 
-    def release_protected(self, n: int) -> None: ...
+    The pages of a request's matched prefix, positions [0, prefix_len), belong to the cache, not to the
+    request: at admission the engine locks them for the request (the lock is the request's optional `lock`
+    field); at release the manager unlocks that lock, exactly once, and never frees those pages. Evicting
+    them, once no request holds a lock on them, is the cache's business."""
+
+    def unlock(self, lock: Any) -> None: ...
 
 
-class ProtectedSize:
-    """A protected-size counter that refuses to go negative (B4) and can be audited at teardown (B3)."""
+@dataclass(eq=False)
+class PrefixLock:
+    """One holder's lock on the device slots of a matched prefix (whole pages)."""
 
-    def __init__(self) -> None:
-        self.size = 0
+    slots: torch.Tensor
+    released: bool = False
 
-    def protect(self, n: int) -> None:
-        if n < 0:
-            raise ValueError(f"cannot protect a negative size {n}")
-        self.size += n
+    @property
+    def tokens(self) -> int:
+        return int(self.slots.numel())
 
-    def release_protected(self, n: int) -> None:
-        if n < 0 or n > self.size:
-            raise ValueError(f"protected size underflow: releasing {n} of {self.size} (B4)")
-        self.size -= n
+
+class SimplePrefixCache:
+    """A prefix cache that keeps a matched prefix's pages exactly while a request holds a lock on them, and
+    evicts them (returns them to the allocator) at the last unlock: the smallest cache an engine without a
+    radix tree can give the manager, and the one kvfsm's engines and tests use. It refuses to unlock a lock
+    twice (B4) and can be audited at teardown (`size`, `locked_pages`; B3)."""
+
+    def __init__(self, allocator: Optional[Any] = None) -> None:
+        self.allocator = allocator  # where evicted pages go (None: nothing is ever locked with slots)
+        self._holders: dict[int, int] = {}  # device page -> locks holding it
+        self.size = 0  # tokens locked (SGLang's protected size)
+
+    def lock(self, slots: Any) -> Optional[PrefixLock]:
+        """Lock the device slots of a matched prefix (whole pages, as the request's table row holds them);
+        None for an empty prefix, which needs no lock."""
+        slots = torch.as_tensor(slots, dtype=torch.int64).reshape(-1).cpu().clone()  # not a view of the table
+        if slots.numel() == 0:
+            return None
+        if self.allocator is None:
+            raise ValueError("SimplePrefixCache(allocator) is needed to lock pages: it evicts them there")
+        ps = self._page_size()
+        if slots.numel() % ps:
+            raise ValueError(f"a prefix lock covers whole pages of {ps}; got {slots.numel()} slots")
+        for page in self._pages(slots):
+            self._holders[page] = self._holders.get(page, 0) + 1
+        self.size += int(slots.numel())
+        return PrefixLock(slots)
+
+    def unlock(self, lock: Optional[PrefixLock]) -> None:
+        """Drop one lock; pages no lock holds any more are evicted. Unlocking None is a no-op (no prefix)."""
+        if lock is None:
+            return
+        if not isinstance(lock, PrefixLock) or lock.released:
+            raise ValueError(f"prefix lock unlocked twice or never taken: {lock!r} (B4)")
+        lock.released = True
+        self.size -= lock.tokens
+        evict = []
+        for page in self._pages(lock.slots):
+            left = self._holders[page] - 1
+            if left:
+                self._holders[page] = left
+            else:
+                del self._holders[page]
+                evict.append(page)
+        if evict and self.allocator is not None:
+            ps = self._page_size()
+            self.allocator.free(torch.tensor([p * ps + k for p in evict for k in range(ps)], dtype=torch.int64))
+
+    def locked_pages(self) -> set[int]:
+        """Device pages some lock holds."""
+        return set(self._holders)
+
+    def _page_size(self) -> int:
+        return int(getattr(self.allocator, "page_size", 1))
+
+    def _pages(self, slots: torch.Tensor) -> list[int]:
+        ps = self._page_size()
+        return sorted({int(s) // ps for s in slots.tolist()})

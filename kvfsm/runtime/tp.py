@@ -32,6 +32,12 @@ class ProgressConsensus:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return tuple(int(x) for x in t.tolist())
 
+    def any(self, flag: bool) -> bool:
+        """Whether `flag` holds on some rank (a MAX all-reduce; identity on one rank)."""
+        if self.world <= 1:
+            return bool(flag)
+        return -self.agree(-int(bool(flag)))[0] > 0
+
     def check_same(self, *values: int) -> bool:
         """Whether every rank passed the same values (used to reject a group that disagrees on sizes)."""
         if self.world <= 1:

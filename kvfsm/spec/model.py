@@ -9,7 +9,7 @@ from __future__ import annotations
 import keyword
 from typing import Annotated, Literal, Optional, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
 def _not_keyword(name: str) -> str:
     if keyword.iskeyword(name) or keyword.issoftkeyword(name) or name in ("same", "true", "false", "not", "and", "or"):
@@ -109,6 +109,21 @@ class Invariant(_Strict):
     states: Optional[list[Name]] = Field(None, min_length=1)
 
 
+class Policy(_Strict):
+    """A rule of the manager around the machines that an integrator selects, with the spec naming each choice:
+    what a choice changes is stated here, so an auditor reads it beside the transitions it constrains."""
+
+    doc: Doc
+    default: Name
+    choices: dict[Name, Doc] = Field(min_length=2)
+
+    @model_validator(mode="after")
+    def _default_is_a_choice(self) -> "Policy":
+        if self.default not in self.choices:
+            raise ValueError(f"default {self.default!r} is not one of the choices {', '.join(self.choices)}")
+        return self
+
+
 class SpecModel(_Strict):
     machine: MachineName
     doc: Doc
@@ -123,6 +138,7 @@ class SpecModel(_Strict):
     ignore: list[OutcomeRule] = []
     errors: list[OutcomeRule] = []
     invariants: list[Invariant] = []
+    policies: dict[Name, Policy] = {}
 
     @field_validator("invariants")
     @classmethod

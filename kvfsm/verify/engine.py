@@ -19,7 +19,7 @@ from kvfsm.dataplane import (DeferredCpuCopyEngine, HostKVPool, KVCacheConfig, R
 from kvfsm.dataplane.pools.device_pool import DeviceKVPool
 from kvfsm.dataplane.storage import FaultyStorage, MemoryStorage
 from kvfsm.engine.scheduler import EngineRequest, grow_slots
-from kvfsm.runtime import DecodeOffloadManager, OffloadConfig, ProtectedSize, SteppedBackupWorker
+from kvfsm.runtime import DecodeOffloadManager, OffloadConfig, SimplePrefixCache, SteppedBackupWorker
 
 _serials = itertools.count(1)
 
@@ -58,6 +58,7 @@ class SimEngine:
     head_dim: int = 2
     host_layout: str = "layer_first"
     stored_index_pages: int = 1 << 20
+    retraction: str = "deferred"  # the spec's retraction policy
     table_device: str = "cpu"  # "meta": a request table nobody can read (the manager must use its host mirror)
 
     def __post_init__(self) -> None:
@@ -66,7 +67,7 @@ class SimEngine:
         self.device_pool = DeviceKVPool.create(self.kv, self.device_slots)
         self.allocator = TokenSlotAllocator(self.device_slots, self.page_size)
         self.req_to_token = ReqToTokenPool(self.rows, self.max_context, self.table_device)
-        self.protected = ProtectedSize()
+        self.protected = SimplePrefixCache(self.allocator)  # holds each matched prefix's pages while locked
         self.host_pool = HostKVPool(self.kv, self.host_slots, self.page_size, layout=self.host_layout)
         self.copies = DeferredCpuCopyEngine()
         self.worker = SteppedBackupWorker(self.backup_queue)
@@ -75,7 +76,7 @@ class SimEngine:
         self.config = OffloadConfig(page_size=self.page_size, offload_stride=self.stride, host_pool_ratio=1.0,
                                     copy_backend="deferred", storage_backend="none", checked=self.checked,
                                     backup_queue_size=self.backup_queue, trace_path=self.trace_path,
-                                    stored_index_pages=self.stored_index_pages)
+                                    stored_index_pages=self.stored_index_pages, retraction=self.retraction)
         self.manager = DecodeOffloadManager(
             self.config, device_pool=self.device_pool, allocator=self.allocator, req_to_token=self.req_to_token,
             prefix_cache=self.protected, host_pool=self.host_pool, copy_engine=self.copies, storage=self.storage,
@@ -101,8 +102,11 @@ class SimEngine:
         return grow_slots(self.allocator, self.req_to_token, req, length)
 
     def admit(self, rid: str, prompt_len: int, prefix_len: int = 0, req: Optional[SimRequest] = None) -> Optional[SimRequest]:
-        """Prefill a request (or re-admit a retracted one); None when there is no row or no room."""
+        """Prefill a request (or re-admit a retracted one); None when there is no row or no room. Its prefix
+        (whole pages: `prefix_len` rounded down) is matched in the prefix cache, which holds its pages while
+        the request's lock is held."""
         req = req or SimRequest(rid, [1000 + i for i in range(prompt_len)], prefix_len)
+        req.prefix_len = min(req.prefix_len, len(req.origin_input_ids)) // self.page_size * self.page_size
         row = self.req_to_token.alloc()
         if row is None:
             return None
@@ -115,7 +119,7 @@ class SimEngine:
         self._write_kv(req, 0, req.kv_committed_len)
         if not req.output_ids:
             req.output_ids.append(7)
-        self.protected.protect(req.prefix_len)
+        req.lock = self.protected.lock(self.req_to_token.read_host(row, 0, req.prefix_len))
         req.done = False
         self.live.append(req)
         return req
@@ -135,6 +139,17 @@ class SimEngine:
         self.live.remove(req)
         {"finish": self.manager.finalize, "abort": self.manager.abort, "retract": self.manager.retract}[how](req)
 
+    def settle(self, max_rounds: int = 100) -> None:
+        """Let every copy land and every backup run until the manager is idle (the copy engine and the
+        backup worker here are stepped by the caller)."""
+        for _ in range(max_rounds):
+            if self.manager.idle():
+                return
+            self.copies.complete_all()
+            self.worker.run_all()
+            self.manager.check_progress()
+        raise AssertionError("manager did not become idle")
+
     # --- checks --------------------------------------------------------------------------------------
     def host_page_ok(self, chunk) -> bool:
         """The chunk's host pages hold f(writer, position) for every position they cover."""
@@ -143,13 +158,13 @@ class SimEngine:
         return bool(torch.equal(got, want))
 
     def check_teardown(self) -> None:
-        """Every pool back to full and nothing protected (B3, B5, B8)."""
+        """Every pool back to full and no prefix locked (B3, B5, B8, B16)."""
         assert not self.live
         assert self.manager.idle()
         assert self.allocator.free_slots == self.allocator.capacity, (self.allocator.free_slots, self.allocator.capacity)
         assert self.host_pool.free_slots == self.host_pool.capacity
         assert self.req_to_token.free_rows == self.rows
-        assert self.protected.size == 0
+        assert self.protected.size == 0 and not self.protected.locked_pages()
         self.allocator.check_conservation()
         self.host_pool.check_conservation()
         self.req_to_token.check_conservation()

@@ -34,7 +34,7 @@ HOST_PAGES = 6
 CHUNK_PAGES = 3  # the request's pages, stored at host pages 4, 1, 3 (out of order on purpose)
 HOST_PAGE_IDS = [4, 1, 3]
 RELOAD_PAGE_IDS = [2, 5, 0]
-HEADER = struct.Struct("<8sIIQ")  # docs/page-layout.md: magic, crc32(payload), key length, payload length
+SIDECAR = struct.Struct("<8sIIQII")  # docs/page-layout.md: magic, crc32(page file), crc32(key+format), its length, key length, format length
 HOST_SENTINEL, DEVICE_SENTINEL = 0x7A, 0x00  # byte values that no element pattern has in both its bytes
 
 # element bits: a base well inside the finite normal range of each dtype, plus a distinct code
@@ -126,14 +126,21 @@ def expected_payload(case: Case, j: int) -> bytes:
     return bytes(buf)
 
 
-def parse_page_file(raw: bytes) -> tuple[str, bytes]:
-    """(key, payload) of a FileStorage page file, per the doc's table; asserts the header's promises."""
-    magic, crc, klen, plen = HEADER.unpack_from(raw, 0)
-    assert magic == b"KVFSPG01"
-    assert len(raw) == 24 + klen + plen
-    key, payload = raw[24:24 + klen].decode("ascii"), raw[24 + klen:]
-    assert zlib.crc32(payload) & 0xFFFFFFFF == crc
-    return key, payload
+def parse_page_file(raw: bytes, sidecar: bytes, layout: str = "layer_first") -> tuple[str, bytes]:
+    """(key, payload) of a FileStorage page: the page file is the payload and nothing else (what SGLang's
+    HiCacheFile reads from offset 0); the sidecar's table (the doc's) vouches for it."""
+    magic, crc, side_crc, plen, klen, flen = SIDECAR.unpack_from(sidecar, 0)
+    assert magic == b"KVFSSC01"
+    assert len(sidecar) == 32 + klen + flen and len(raw) == plen
+    assert zlib.crc32(sidecar[32:]) & 0xFFFFFFFF == side_crc
+    key, fmt = sidecar[32:32 + klen].decode("ascii"), sidecar[32 + klen:].decode("ascii")
+    assert fmt.split(";")[0] == f"layout={layout}"
+    assert zlib.crc32(raw) & 0xFFFFFFFF == crc
+    return key, raw
+
+
+def read_page(directory: Path, name: str, layout: str = "layer_first") -> tuple[str, bytes]:
+    return parse_page_file((directory / f"{name}.bin").read_bytes(), (directory / f"{name}.kvfsm").read_bytes(), layout)
 
 
 def unravel(index: int, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -243,7 +250,7 @@ def file_problems(run: Run, directory: Path) -> list[str]:
         if not path.exists():
             problems.append(f"{case} page {j}: no file {path.name}")
             continue
-        stored_key, payload = parse_page_file(path.read_bytes())
+        stored_key, payload = read_page(directory, f"{key}{suffix}")
         if stored_key != key + suffix:
             problems.append(f"{case} page {j}: the file holds key {stored_key}")
         want = expected_payload(case, j)
@@ -260,7 +267,7 @@ def reload_problems(run: Run, directory: Path) -> list[str]:
     host.kv_buffer.view(torch.uint8).fill_(HOST_SENTINEL)
     host.alloc_pages(HOST_PAGES)
     suffix = f"_{MODEL.replace('/', '-')}" + ("" if c.is_mla else "_0_1")
-    payloads = [parse_page_file((directory / f"{k}{suffix}.bin").read_bytes())[1] for k in run.keys]
+    payloads = [read_page(directory, f"{k}{suffix}")[1] for k in run.keys]
     slots = host.slots_of(RELOAD_PAGE_IDS)
     host.set_pages_bytes(slots, torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8))
     want = expected_host(case, layout, host.size, RELOAD_PAGE_IDS)
@@ -309,7 +316,37 @@ def test_page_bytes_match_the_documented_layout(case: Case, tmp_path: Path) -> N
     assert file_problems(run, tmp_path) == []
     assert reload_problems(run, tmp_path) == []
     assert round_trip_ok(run)
-    assert len(os.listdir(tmp_path)) == CHUNK_PAGES
+    assert len(os.listdir(tmp_path)) == 2 * CHUNK_PAGES  # a page file and its sidecar per page
+
+
+def sglang_page_first_offset(c: KVCacheConfig, page_size: int, p: int, l: int, t: int, h: int, d: int) -> int:
+    """The doc's page_first page-file order: within each plane, token before layer (SGLang's default
+    `--hicache-mem-layout page_first` flat page: MHA (2, T, L, H, D), MLA (T, L, 1, D))."""
+    return c.element_size * ((((p * page_size + t) * c.num_layers + l) * c.kv_heads + h) * c.head_dim + d)
+
+
+@pytest.mark.parametrize("case", [Case("mha", torch.bfloat16, "layer_first", 4), Case("mha", torch.float32, "page_first", 4),
+                                  Case("mla", torch.float16, "page_first", 4), Case("mla", torch.bfloat16, "layer_first", 1)],
+                         ids=str)
+def test_page_first_store_files_match_the_documented_order(case: Case, tmp_path: Path) -> None:
+    """FileStorage(layout="page_first") writes each page in the doc's page_first order (whatever the host
+    pool's layout) and reads it back as canonical bytes."""
+    c, fmt = case.kv, PACK[case.kv.element_size]
+    first = offload(case, tmp_path / "canonical")
+    store = FileStorage(tmp_path, model_name=MODEL, is_mla=c.is_mla, layout="page_first",
+                        page_dims=(c.num_planes, c.num_layers, case.page_size))
+    assert store.batch_set_from_host(first.keys, first.host, first.host_slots) == [True] * CHUNK_PAGES
+    suffix = f"_{MODEL.replace('/', '-')}" + ("" if c.is_mla else "_0_1")
+    for j, key in enumerate(first.keys):
+        buf = bytearray(case.page_size * c.bytes_per_token)
+        for t in range(case.page_size):
+            for p, l, h, d in elements(c):
+                struct.pack_into(fmt, buf, sglang_page_first_offset(c, case.page_size, p, l, t, h, d),
+                                 case.code(p, l, j * case.page_size + t, h, d))
+        _, on_disk = read_page(tmp_path, f"{key}{suffix}", "page_first")
+        assert on_disk == bytes(buf), f"page {j}"
+        got = store.batch_get([key])[0]
+        assert got is not None and got.numpy().tobytes() == expected_payload(case, j)
 
 
 def test_codes_are_distinct_and_finite() -> None:

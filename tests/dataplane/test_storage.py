@@ -1,11 +1,14 @@
-"""Storage backends: atomic, checksummed FileStorage; prefix existence; per-page failure; FaultyStorage."""
+"""Storage backends: atomic FileStorage (raw page files + checksum sidecars, SGLang HiCacheFile compatible);
+prefix existence; per-page failure; unverified foreign pages; FaultyStorage."""
 
 from __future__ import annotations
 
 import errno
 import os
+import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -56,7 +59,9 @@ def test_atomic_writes_leave_no_temp_files(tmp_path: Path) -> None:
     ks = keys(4)
     assert fs.batch_set(ks, pages(4)) == [True] * 4
     names = sorted(os.listdir(tmp_path))
-    assert len(names) == 4 and all(n.endswith("_m_0_1.bin") for n in names)
+    assert len(names) == 8 and sorted(n for n in names if n.endswith("_m_0_1.bin")) == sorted(
+        os.path.basename(fs.path_of(k)) for k in ks)
+    assert sorted(n for n in names if n.endswith("_m_0_1.kvfsm")) == sorted(f"{k}_m_0_1.kvfsm" for k in ks)
     assert fs.stats.writes_ok == 4
 
 
@@ -77,36 +82,117 @@ def test_torn_write_is_never_returned(tmp_path: Path) -> None:
     assert fs.batch_get(ks[1:]) == [None]
 
 
-@pytest.mark.parametrize("where", ["payload", "header", "key"])
+@pytest.mark.parametrize("where", ["payload", "sidecar magic", "sidecar crc", "sidecar own crc", "sidecar key",
+                                   "sidecar format"])
 def test_flipped_byte_is_never_returned(tmp_path: Path, where: str) -> None:
     fs = FileStorage(tmp_path, "m")
     ks, ps = keys(1), pages(1)
     fs.batch_set(ks, ps)
     path = fs.path_of(ks[0])
-    offset = {"payload": os.path.getsize(path) - 7, "header": 2, "key": storage_mod._HEADER.size + 3}[where]
-    with open(path, "r+b") as f:
+    side = fs.sidecar_of(path)
+    hdr = storage_mod._SIDECAR.size
+    target, offset = {"payload": (path, os.path.getsize(path) - 7), "sidecar magic": (side, 2),
+                      "sidecar crc": (side, 9), "sidecar key": (side, hdr + 3), "sidecar own crc": (side, 13),
+                      "sidecar format": (side, os.path.getsize(side) - 1)}[where]
+    with open(target, "r+b") as f:
         f.seek(offset)
         b = f.read(1)
         f.seek(offset)
         f.write(bytes([b[0] ^ 0x01]))
     assert fs.batch_get(ks) == [None]
     assert fs.stats.reads_corrupt == 1
+    assert os.path.exists(path + ".corrupt") and os.path.exists(side + ".corrupt")  # both moved aside
     assert fs.batch_set(ks, ps) == [True]  # rewritable after being moved aside
     got = fs.batch_get(ks)[0]
     assert got is not None and torch.equal(got, ps[0])
 
 
+def test_page_file_is_the_raw_page_and_the_sidecar_is_documented(tmp_path: Path) -> None:
+    """What an SGLang HiCacheFile reader opens is the payload and nothing else; the check is beside it."""
+    import struct
+    import zlib
+
+    fs = FileStorage(tmp_path, "org/model", tp_rank=1, tp_size=2, stale_temp_age_s=None)
+    (k,), (p,) = keys(1), pages(1)
+    assert fs.batch_set([k], [p]) == [True]
+    path = fs.path_of(k)
+    assert os.path.basename(path) == f"{k}_org-model_1_2.bin"
+    assert Path(path).read_bytes() == p.numpy().tobytes()
+    side = Path(fs.sidecar_of(path)).read_bytes()
+    name = f"{k}_org-model_1_2".encode()
+    fmt = b"layout=layer_first"
+    assert side == struct.pack("<8sIIQII", b"KVFSSC01", zlib.crc32(p.numpy().tobytes()), zlib.crc32(name + fmt),
+                               p.numel(), len(name), len(fmt)) + name + fmt
+
+
+def test_pages_without_a_sidecar_are_length_checked_and_counted_unverified(tmp_path: Path) -> None:
+    """SGLang's HiCacheFile writes only `{key}.bin`: kvfsm returns it when its length is a page's, counts it
+    unverified, and leaves any other length where it is (not a miss it may move)."""
+    ks, ps = keys(3), pages(3)
+    unknown = FileStorage(tmp_path, "m")
+    for k, p in zip(ks, ps):
+        Path(unknown.path_of(k)).write_bytes(p.numpy().tobytes())
+    assert unknown.batch_get(ks[:1]) == [None]  # page size unknown: nothing to check the length against
+    assert unknown.stats.reads_missing == 1 and unknown.unverified_reads == 0
+    fs = FileStorage(tmp_path, "m", page_nbytes=1000)
+    Path(fs.path_of(ks[2])).write_bytes(ps[2].numpy().tobytes()[:999])
+    got = fs.batch_get(ks)
+    assert got[0] is not None and torch.equal(got[0], ps[0]) and torch.equal(got[1], ps[1])  # type: ignore[arg-type]
+    assert got[2] is None and os.path.exists(fs.path_of(ks[2]))  # short: refused, not moved
+    assert fs.unverified_reads == 2 and fs.stats.reads_ok == 2 and fs.stats.reads_corrupt == 1
+    assert fs.batch_exists(ks) == 3
+    assert fs.batch_set(ks[:1], ps[:1]) == [True] and fs.stats.writes_skipped == 1  # its key is stored already
+    learned = FileStorage(tmp_path / "other", "m")
+    learned.batch_set(keys(4)[3:], pages(4)[3:])  # a write teaches the page size
+    Path(learned.path_of(ks[0])).write_bytes(ps[0].numpy().tobytes())
+    assert learned.batch_get(ks[:1])[0] is not None and learned.unverified_reads == 1
+
+
+def test_sidecar_without_its_page_is_a_miss_and_is_rewritten(tmp_path: Path) -> None:
+    fs = FileStorage(tmp_path, "m")
+    ks, ps = keys(1), pages(1)
+    fs.batch_set(ks, ps)
+    os.unlink(fs.path_of(ks[0]))  # a writer killed between its two publishes (or SGLang's evictor)
+    assert fs.batch_get(ks) == [None] and fs.batch_exists(ks) == 0
+    assert fs.batch_set(ks, ps) == [True] and torch.equal(fs.batch_get(ks)[0], ps[0])  # type: ignore[arg-type]
+
+
+def test_page_first_layout_reorders_the_file_and_round_trips(tmp_path: Path) -> None:
+    """layout="page_first": the file holds SGLang's page_first flat page (plane, token, layer, row) and reads
+    back in kvfsm's canonical (plane, layer, token, row) order; a store of another layout refuses it."""
+    P, L, T, R = 2, 3, 4, 10
+    canon = torch.arange(P * L * T * R, dtype=torch.int64).remainder(251).to(torch.uint8)
+    fs = FileStorage(tmp_path, "m", layout="page_first", page_dims=(P, L, T))
+    (k,) = keys(1)
+    assert fs.batch_set([k], [canon]) == [True]
+    on_disk = np.frombuffer(Path(fs.path_of(k)).read_bytes(), dtype=np.uint8)
+    assert np.array_equal(on_disk, canon.numpy().reshape(P, L, T, R).transpose(0, 2, 1, 3).reshape(-1))
+    got = fs.batch_get([k])[0]
+    assert got is not None and torch.equal(got, canon)
+    other = FileStorage(tmp_path, "m")  # layer_first: the sidecar's format disagrees, the page stays
+    assert other.batch_get([k]) == [None] and other.stats.reads_missing == 1 and other.stats.reads_corrupt == 0
+    assert fs.batch_get([k])[0] is not None
+    with pytest.raises(ValueError, match="page_dims"):
+        FileStorage(tmp_path, "m", layout="page_first")
+    with pytest.raises(ValueError, match="layout"):
+        FileStorage(tmp_path, "m", layout="page_head")
+    with pytest.raises(ValueError, match="page_dims"):
+        FileStorage(tmp_path, "m", page_dims=(3, 1, 1))
+    with pytest.raises(ValueError, match="page_dims"):
+        FileStorage(tmp_path, "m", layout="page_first", page_dims=(2, 3, 4)).batch_set([k], [torch.zeros(7, dtype=torch.uint8)])
+
+
 def test_failed_writes_reported_per_page(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fs = FileStorage(tmp_path, "m")
     ks, ps = keys(3), pages(3)
-    real_replace = os.replace
+    real_link = os.link
 
-    def flaky_replace(src: str, dst: str) -> None:
+    def flaky_link(src: str, dst: str) -> None:  # the page's publish (its sidecar went first)
         if dst == fs.path_of(ks[1]):
             raise OSError(errno.ENOSPC, "No space left on device")
-        real_replace(src, dst)
+        real_link(src, dst)
 
-    monkeypatch.setattr(storage_mod.os, "replace", flaky_replace)
+    monkeypatch.setattr(storage_mod.os, "link", flaky_link)
     assert fs.batch_set(ks, ps) == [True, False, True]
     assert fs.stats.writes_failed == 1
     assert fs.batch_exists(ks) == 1
@@ -147,8 +233,10 @@ def test_faulty_storage_is_deterministic(tmp_path: Path) -> None:
 def test_close_stops_the_writer_threads_and_a_later_write_restarts_them(tmp_path: Path) -> None:
     import threading
 
+    others = {t.ident for t in threading.enumerate()}  # other tests' stores may still run their writers
+
     def writer_threads() -> int:
-        return sum(t.name.startswith("kvfsm-file-store") for t in threading.enumerate())
+        return sum(t.name.startswith("kvfsm-file-store") and t.ident not in others for t in threading.enumerate())
 
     fs = FileStorage(tmp_path, model_name="m", writers=3)
     pages = list(torch.arange(4 * 8, dtype=torch.uint8).reshape(4, 8))
@@ -159,3 +247,40 @@ def test_close_stops_the_writer_threads_and_a_later_write_restarts_them(tmp_path
     assert fs.batch_set([f"{i:064x}" for i in range(4, 8)], pages) == [True] * 4
     fs.close()
     assert writer_threads() == 0
+
+
+def test_the_sidecar_format_string_is_pinned() -> None:
+    """The format a sidecar records is on disk: two deployments compare it, so its spelling is the format."""
+    assert storage_mod.page_format("layer_first") == "layout=layer_first"
+    assert (storage_mod.page_format("page_first", (2, 3, 4), torch.bfloat16)
+            == "layout=page_first;dims=2x3x4;dtype=bfloat16")
+
+
+@pytest.mark.parametrize("damage,reason", [("truncated sidecar", r"truncated sidecar"),
+                                           ("sidecar magic", r"bad sidecar magic"),
+                                           ("payload byte", r"checksum mismatch"),
+                                           ("torn page", r"length \d+ != \d+ \(torn write\?\)")])
+def test_the_warning_names_what_is_wrong_with_a_page(tmp_path: Path, damage: str, reason: str,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """What an operator reads when a page is moved aside says why."""
+    fs = FileStorage(tmp_path, "m")
+    ks, ps = keys(1), pages(1)
+    fs.batch_set(ks, ps)
+    path = fs.path_of(ks[0])
+    side = fs.sidecar_of(path)
+    if damage == "truncated sidecar":
+        with open(side, "r+b") as f:
+            f.truncate(storage_mod._SIDECAR.size - 1)
+    elif damage == "torn page":
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) - 3)
+    else:
+        target, offset = (side, 2) if damage == "sidecar magic" else (path, 5)
+        with open(target, "r+b") as f:
+            f.seek(offset)
+            b = f.read(1)
+            f.seek(offset)
+            f.write(bytes([b[0] ^ 0x01]))
+    with caplog.at_level("WARNING", logger="kvfsm"):
+        assert fs.batch_get(ks) == [None]
+    assert any(re.search(rf"is corrupt \({reason}\); moved aside", r.getMessage()) for r in caplog.records), caplog.text

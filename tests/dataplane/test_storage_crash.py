@@ -2,12 +2,13 @@
 
 A writer process is killed while it stores pages: at random moments (several kill delays), and
 deterministically inside the two windows that matter, half-way through a page's payload write and between
-a complete data write and its publish (the child blocks there on a hook installed by monkeypatching inside
-the child, and the parent kills it). Then, in the parent, a restarted writer re-stores the pages the store
-claims plus a few, and a fresh reader checks every key: a page reads back byte-exact or is a miss (None),
-never a torn or wrong page and never an exception; `batch_exists` counts only pages that read back; what
-one writer stored is a prefix of what it wrote. Temp files of the killed writer break neither later
-writers nor readers, and the start-up sweep removes them once they are stale and their pid is dead.
+a complete data write (its sidecar already published) and the page's publish (the child blocks there on
+a hook installed by monkeypatching inside the child, and the parent kills it). Then, in the parent, a
+restarted writer re-stores the pages the store claims plus a few, and a fresh reader checks every key: a
+page reads back byte-exact or is a miss (None), never a torn or wrong page and never an exception;
+`batch_exists` counts only pages that read back; what one writer stored is a prefix of what it wrote.
+Temp files of the killed writer break neither later writers nor readers, and the start-up sweep removes
+them once they are stale and their pid is dead.
 
 An in-place writer (no temp file + rename: the mutant) must fail the same audit.
 
@@ -95,16 +96,18 @@ class _TornFile:
         return getattr(self._f, name)
 
 
-def _in_place_set_one(self: FileStorage, key: str, path: str, data: np.ndarray) -> str:
-    """The mutant: the same file format, written straight to the final name (no temp file, no rename)."""
+def _in_place_set_one(self: FileStorage, key: str, path: str, data: np.ndarray, fmt: bytes) -> str:
+    """The mutant: the same files (sidecar, then page), written straight to their final names (no temp file,
+    no rename)."""
     if os.path.exists(path):
         return "writes_skipped"
     kb = (key + self.suffix).encode()
-    header = storage_mod._HEADER.pack(storage_mod._MAGIC, zlib.crc32(data) & 0xFFFFFFFF, len(kb), data.nbytes)
+    side = storage_mod._SIDECAR.pack(storage_mod._MAGIC, zlib.crc32(data) & 0xFFFFFFFF, zlib.crc32(kb + fmt),
+                                     data.nbytes, len(kb), len(fmt)) + kb + fmt
     try:
+        with open(self.sidecar_of(path), "wb") as f:
+            f.write(side)
         with open(path, "wb") as f:
-            f.write(header)
-            f.write(kb)
             f.write(memoryview(data))
     except OSError:
         return "writes_failed"
@@ -118,24 +121,25 @@ def _install_hook(hook: str, directory: str) -> None:
 
         def hooked_open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
             f = real_open(file, mode, *args, **kwargs)
-            if "w" in mode and os.path.dirname(os.path.abspath(os.fspath(file))) == directory:
-                opened[0] += 1
+            path = os.path.abspath(os.fspath(file))
+            if "w" in mode and os.path.dirname(path) == directory and ".bin" in os.path.basename(path):
+                opened[0] += 1  # page files (temp or, for the mutant, final): sidecars are not counted
                 if opened[0] == HOOK_AT + 1:
                     return _TornFile(f)
             return f
 
         builtins.open = hooked_open  # this child only
     elif hook == "before_publish":
-        real_replace, calls = os.replace, [0]
+        real_link, calls = os.link, [0]
 
-        def hooked_replace(src: Any, dst: Any) -> None:
+        def hooked_link(src: Any, dst: Any) -> None:  # the page's publish; its sidecar is published already
             calls[0] += 1
             if calls[0] == HOOK_AT + 1:
                 _say({"hooked": "before_publish", "file": os.path.basename(os.fspath(src))})
                 _block()
-            real_replace(src, dst)
+            real_link(src, dst)
 
-        os.replace = hooked_replace  # type: ignore[assignment]  # this child only
+        os.link = hooked_link  # type: ignore[assignment]  # this child only
     else:
         raise ValueError(hook)
 
@@ -267,6 +271,11 @@ def temp_files(directory: Path) -> list[str]:
     return sorted(n for n in os.listdir(directory) if n.endswith(".tmp"))
 
 
+def page_temps(directory: Path) -> list[str]:
+    """Temp files of page data (the others are sidecars': `.{key}.kvfsm.{pid}...tmp`)."""
+    return [n for n in temp_files(directory) if ".bin." in n]
+
+
 def audit(directory: Path, keys: list[str], prefix_writer: bool = True) -> tuple[list[str], int]:
     """What a restarted writer and a fresh reader find after a crash: (problems, pages that read back).
 
@@ -318,7 +327,7 @@ def test_random_kill_leaves_whole_pages_or_misses(zygote: Zygote, tmp_path: Path
     delay = KILL_DELAYS_S[run] + random.Random(run).uniform(0, 0.002)
     ended = zygote.run({"dir": str(tmp_path), "batch": 1 + run % 3}, kill_after=delay)
     assert ended["signal"] == signal.SIGKILL or ended["finished"], (ended, zygote.stderr())
-    assert len(temp_files(tmp_path)) <= 1  # one writer: at most the page it was writing
+    assert len(page_temps(tmp_path)) <= 1 and len(temp_files(tmp_path)) <= 2  # the page being written, its sidecar
     problems, readable = audit(tmp_path, crash_keys())
     assert not problems, f"killed after {delay * 1e3:.1f} ms: {problems}"
     assert readable >= 2
@@ -330,7 +339,7 @@ def test_random_kill_with_parallel_writers(zygote: Zygote, tmp_path: Path) -> No
     pages need not land in order); every page is still whole or missing."""
     ended = zygote.run({"dir": str(tmp_path), "batch": 8, "writers": 4}, kill_after=0.02)
     assert ended["signal"] == signal.SIGKILL or ended["finished"], (ended, zygote.stderr())
-    assert len(temp_files(tmp_path)) <= 4
+    assert len(page_temps(tmp_path)) <= 4 and len(temp_files(tmp_path)) <= 8
     problems, _ = audit(tmp_path, crash_keys(), prefix_writer=False)
     assert not problems, problems
     shutil.rmtree(tmp_path)
@@ -338,15 +347,19 @@ def test_random_kill_with_parallel_writers(zygote: Zygote, tmp_path: Path) -> No
 
 @pytest.mark.parametrize("hook", ["mid_payload", "before_publish"])
 def test_kill_inside_the_write_window(zygote: Zygote, tmp_path: Path, hook: str) -> None:
-    """Killed half-way through a page's data, or with its data complete but not yet published: the page is
-    a miss, the pages before it read back, the temp file is all that is left of it and harms nothing."""
+    """Killed half-way through a page's data, or with its data complete but not yet published (its sidecar
+    is): the page is a miss, the pages before it read back, its temp files (and a published sidecar) are all
+    that is left of it and harm nothing."""
     ended = zygote.run({"dir": str(tmp_path), "batch": 1, "hook": hook}, kill_on="hooked")
     assert ended["signal"] == signal.SIGKILL, (ended, zygote.stderr())
     keys = crash_keys()
-    (tmp,) = temp_files(tmp_path)
+    (tmp,) = page_temps(tmp_path)
+    temps = temp_files(tmp_path)
     size = os.path.getsize(tmp_path / tmp)
-    full = storage_mod._HEADER.size + len(keys[HOOK_AT] + f"_{MODEL}_0_1") + PAGE_BYTES
-    assert size == (full if hook == "before_publish" else full - PAGE_BYTES // 2)
+    assert size == (PAGE_BYTES if hook == "before_publish" else PAGE_BYTES // 2)  # the page file is the page
+    sidecar = tmp_path / f"{keys[HOOK_AT]}_{MODEL}_0_1.kvfsm"
+    # the sidecar is published before the page: before_publish leaves it under its name, mid_payload as a temp
+    assert sidecar.exists() == (hook == "before_publish") and len(temps) == (1 if hook == "before_publish" else 2)
     reader = FileStorage(tmp_path, model_name=MODEL, stale_temp_age_s=None)
     assert reader.batch_exists(keys) == HOOK_AT
     got = reader.batch_get(keys[: HOOK_AT + 1])
@@ -355,14 +368,15 @@ def test_kill_inside_the_write_window(zygote: Zygote, tmp_path: Path, hook: str)
 
     problems, readable = audit(tmp_path, keys)  # a later writer stores the killed page; the temp is ignored
     assert not problems, problems
-    assert readable == HOOK_AT + 2 and temp_files(tmp_path) == [tmp]
+    assert readable == HOOK_AT + 2 and temp_files(tmp_path) == temps
 
     # the start-up sweep: a fresh temp stays (its writer might be alive elsewhere); a stale one of a dead pid goes
-    assert FileStorage(tmp_path, model_name=MODEL).swept_temps == 0 and temp_files(tmp_path) == [tmp]
+    assert FileStorage(tmp_path, model_name=MODEL).swept_temps == 0 and temp_files(tmp_path) == temps
     old = time.time() - 3600
-    os.utime(tmp_path / tmp, (old, old))
+    for name in temps:
+        os.utime(tmp_path / name, (old, old))
     swept = FileStorage(tmp_path, model_name=MODEL)
-    assert swept.swept_temps == 1 and temp_files(tmp_path) == []
+    assert swept.swept_temps == len(temps) and temp_files(tmp_path) == []
     assert swept.batch_exists(keys) == HOOK_AT + 2
 
 
@@ -401,6 +415,7 @@ def test_stale_temp_sweep_rules(tmp_path: Path) -> None:
     base = os.path.basename(fs.path_of(keys[0]))
     names = {
         "dead_old": f".{base}.{dead.pid}.0123456789ab.0.tmp",
+        "dead_sidecar_old": f".{base[:-4]}.kvfsm.{dead.pid}.0123456789ab.4.tmp",
         "dead_fresh": f".{base}.{dead.pid}.0123456789ab.1.tmp",
         "alive_old": f".{base}.{os.getppid()}.0123456789ab.2.tmp",
         "mine_old": f".{base}.{os.getpid()}.0123456789ab.3.tmp",
@@ -416,10 +431,10 @@ def test_stale_temp_sweep_rules(tmp_path: Path) -> None:
     assert FileStorage(tmp_path, model_name=MODEL, tp_rank=1, tp_size=2).swept_temps == 0  # rank 0 sweeps
     assert names["dead_old"] in os.listdir(tmp_path)
     fs2 = FileStorage(tmp_path, model_name=MODEL)
-    assert fs2.swept_temps == 1
+    assert fs2.swept_temps == 2
     left = set(os.listdir(tmp_path))
-    assert names["dead_old"] not in left
-    assert {n for w, n in names.items() if w != "dead_old"} <= left
+    assert names["dead_old"] not in left and names["dead_sidecar_old"] not in left
+    assert {n for w, n in names.items() if w not in ("dead_old", "dead_sidecar_old")} <= left
     got = fs2.batch_get(keys)
     assert all(g is not None and np.array_equal(g.numpy(), payload(k, 64)) for g, k in zip(got, keys))
     assert fs2.sweep_stale_temps(0.0) == 1  # age 0: the fresh temp of the dead pid goes too

@@ -4,7 +4,7 @@ other's pages (MHA), and share exactly one copy of each page where the code says
 Two FileStorage instances (tp_rank 0 and 1, tp_size 2, one directory, one model name) store the same page
 keys with different data, concurrently (one thread per rank, two writer threads each, a barrier start),
 through `batch_set` and through the backup worker's `batch_set_from_host`. Each rank then reads back only
-its own pages, byte-exact; the two ranks' files are disjoint, and each file's header names its own rank's
+its own pages, byte-exact; the two ranks' files are disjoint, and each page's sidecar names its own rank's
 key (parsed with struct per docs/page-layout.md, not by the code under test).
 
 MLA (`is_mla=True`): the latent is the same on every TP rank, so the documented key has no rank
@@ -31,7 +31,7 @@ from kvfsm.dataplane.storage import file as storage_mod
 MODEL = "org/Model-7B"
 N_PAGES = 48
 PAGE_BYTES = 8 * 1024
-HEADER = struct.Struct("<8sIIQ")  # docs/page-layout.md: magic, crc32, key length, payload length
+SIDECAR = struct.Struct("<8sIIQII")  # docs/page-layout.md: magic, crc32, crc32(key+format), page length, key length, format length
 
 
 def tp_keys(n: int = N_PAGES) -> list[str]:
@@ -45,11 +45,11 @@ def rank_page(rank: int, key: str, nbytes: int = PAGE_BYTES) -> torch.Tensor:
 
 
 def file_key(path: Path) -> str:
-    """The key a page file's header says it holds (docs/page-layout.md)."""
-    raw = path.read_bytes()
-    magic, _crc, klen, plen = HEADER.unpack_from(raw)
-    assert magic == b"KVFSPG01" and len(raw) == HEADER.size + klen + plen, path
-    return raw[HEADER.size:HEADER.size + klen].decode()
+    """The key a page file's sidecar says it holds (docs/page-layout.md), checked against the page's length."""
+    side = path.with_suffix(".kvfsm").read_bytes()
+    magic, _crc, _side_crc, plen, klen, flen = SIDECAR.unpack_from(side)
+    assert magic == b"KVFSSC01" and len(side) == SIDECAR.size + klen + flen and path.stat().st_size == plen, path
+    return side[SIDECAR.size:SIDECAR.size + klen].decode()
 
 
 def store_concurrently(stores: list[FileStorage], pages: list[list[torch.Tensor]], keys: list[str],
@@ -99,8 +99,8 @@ def mha_problems(directory: Path) -> list[str]:
     if len(set(files)) != len(files):
         problems.append(f"the ranks' page files overlap: {len(files) - len(set(files))} names shared")
     names = sorted(os.listdir(directory))
-    if len(names) != 2 * len(keys) or any(not n.endswith(".bin") for n in names):
-        problems.append(f"{len(names)} files in the store for 2 x {len(keys)} pages: {names[:4]}...")
+    if len(names) != 4 * len(keys) or any(not n.endswith((".bin", ".kvfsm")) for n in names):
+        problems.append(f"{len(names)} files in the store for 2 x {len(keys)} pages and sidecars: {names[:4]}...")
     for name in names:
         if not name.endswith(".bin"):
             continue
@@ -175,7 +175,7 @@ def test_mha_ranks_store_their_own_host_pages(tmp_path: Path, layout: str) -> No
         got = stores[r].batch_get(keys)
         assert all(g is not None and torch.equal(g, want[i]) for i, g in enumerate(got)), f"rank {r}"
         assert not torch.equal(want, pools[1 - r].get_pages_bytes(pools[1 - r].slots_of(range(16))))
-    assert len(os.listdir(tmp_path)) == 2 * 16
+    assert len(os.listdir(tmp_path)) == 2 * 2 * 16  # two ranks' pages and sidecars
 
 
 def test_mla_ranks_share_one_copy(tmp_path: Path) -> None:
@@ -187,7 +187,8 @@ def test_mla_ranks_share_one_copy(tmp_path: Path) -> None:
     latent = [rank_page(0, k) for k in keys]  # identical on both ranks
     results = store_concurrently(stores, [latent, latent], keys)
     assert results == [[True] * len(keys)] * 2
-    assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(stores[0].path_of(k)) for k in keys)
+    assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(p) for k in keys
+                                                  for p in (stores[0].path_of(k), stores[0].sidecar_of(stores[0].path_of(k))))
     written = sum(fs.stats.writes_ok for fs in stores)
     assert len(keys) <= written <= 2 * len(keys)  # a rank that finds the page stored skips it
     assert written + sum(fs.stats.writes_skipped for fs in stores) == 2 * len(keys)
@@ -195,7 +196,8 @@ def test_mla_ranks_share_one_copy(tmp_path: Path) -> None:
         got = fs.batch_get(keys)
         assert all(g is not None and torch.equal(g, p) for g, p in zip(got, latent))
     for name in os.listdir(tmp_path):
-        assert file_key(tmp_path / name) + ".bin" == name
+        if name.endswith(".bin"):
+            assert file_key(tmp_path / name) + ".bin" == name
 
 
 def test_mla_ranks_that_disagree_still_read_whole_pages(tmp_path: Path) -> None:
@@ -210,7 +212,8 @@ def test_mla_ranks_that_disagree_still_read_whole_pages(tmp_path: Path) -> None:
         a, b = got[0][i], got[1][i]
         assert a is not None and b is not None and torch.equal(a, b)
         assert torch.equal(a, pages[0][i]) or torch.equal(a, pages[1][i])
-    assert not [n for n in os.listdir(tmp_path) if not n.endswith(".bin")]
+    assert not [n for n in os.listdir(tmp_path) if not n.endswith((".bin", ".kvfsm"))]  # nothing moved aside
+    assert sum(fs.stats.reads_corrupt for fs in stores) == 0
 
 
 def test_the_manager_builds_the_documented_keys(tmp_path: Path) -> None:

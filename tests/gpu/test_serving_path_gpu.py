@@ -21,7 +21,7 @@ from kvfsm.dataplane import (CudaCopyEngine, HostKVPool, KVCacheConfig, ReqToTok
 from kvfsm.dataplane.pools.device_pool import DeviceKVPool
 from kvfsm.dataplane.storage import FileStorage
 from kvfsm.engine.scheduler import EngineRequest
-from kvfsm.runtime import DecodeOffloadManager, OffloadConfig, ProtectedSize
+from kvfsm.runtime import DecodeOffloadManager, OffloadConfig, SimplePrefixCache
 
 pytestmark = pytest.mark.gpu
 
@@ -142,7 +142,7 @@ def test_manager_entry_points_never_wait(spin, tmp_path: Path, attention: str, t
     config = OffloadConfig(page_size=16, offload_stride=16, host_layout="page_first", storage_dir=tmp_path,
                            checked=checked)
     manager = DecodeOffloadManager(config, device_pool=pool, allocator=allocator, req_to_token=table,
-                                   prefix_cache=ProtectedSize(), copy_engine=CudaCopyEngine(), storage=storage)
+                                   prefix_cache=SimplePrefixCache(), copy_engine=CudaCopyEngine(), storage=storage)
     engine = Engine(pool, allocator, table)
     reqs = [engine.admit(f"r{i}", 20 + 7 * i) for i in range(8)]
     ended: dict[str, str] = {}
@@ -196,7 +196,7 @@ def test_offload_batch_host_time_is_a_small_fraction_of_the_step(spin, tmp_path:
     manager = DecodeOffloadManager(
         OffloadConfig(page_size=page, offload_stride=page, host_layout="page_first", storage_dir=tmp_path,
                       host_pool_bytes=1 << 30), device_pool=pool, allocator=allocator, req_to_token=table,
-        prefix_cache=ProtectedSize(), copy_engine=CudaCopyEngine())
+        prefix_cache=SimplePrefixCache(), copy_engine=CudaCopyEngine())
     reqs = []
     for i in range(256):
         req = EngineRequest(f"r{i}", list(range(16)))

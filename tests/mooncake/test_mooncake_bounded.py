@@ -90,7 +90,8 @@ def test_round_trip_through_the_call_path() -> None:
     c = ScriptedClient()
     s = storage(c)
     assert s.batch_set(["a", "b"], pages(2)) == [True, True]
-    assert set(c.objects) == {"a_m_0_1", "b_m_0_1"}
+    assert set(c.objects) == {"m_a_0_k", "m_a_0_v", "m_b_0_k", "m_b_0_v"}  # SGLang's keys: K and V objects
+    assert bytes(c.objects["m_a_0_k"]) + bytes(c.objects["m_a_0_v"]) == pages(2)[0].numpy().tobytes()
     got = s.batch_get(["a", "b", "z"])
     assert torch.equal(got[0], pages(2)[0]) and torch.equal(got[1], pages(2)[1]) and got[2] is None
     assert s.batch_exists(["a", "z", "b"]) == 1
@@ -111,7 +112,7 @@ def test_timed_out_put_is_failed_and_undone_when_it_completes_late() -> None:
         if s.stats.late_removed:
             break
         time.sleep(0.01)
-    assert s.stats.late_removed == 1 and "late_m_0_1" not in c.objects  # ...so what it wrote is removed
+    assert s.stats.late_removed == 2 and not c.objects  # ...so what it wrote (K and V) is removed
     s.close()
 
 
@@ -138,7 +139,7 @@ def test_stuck_workers_fail_fast_and_close_waits_for_them() -> None:
 def test_client_errors_are_per_page_failures() -> None:
     class Failing(ScriptedClient):
         def batch_put_from(self, keys, ptrs, sizes, cfg=None):  # type: ignore[no-untyped-def]
-            return [0 if i % 2 == 0 else RPC_FAIL for i in range(len(keys))]
+            return [0 if i // 2 % 2 == 0 else RPC_FAIL for i in range(len(keys))]  # per page: K and V
 
         def batch_is_exist(self, keys):  # type: ignore[no-untyped-def]
             raise RuntimeError("client exploded")
@@ -146,7 +147,7 @@ def test_client_errors_are_per_page_failures() -> None:
     s = storage(Failing())
     assert s.batch_set(["a", "b", "c"], pages(3)) == [True, False, True]
     assert s.batch_exists(["a"]) == 0  # an exception is a failure, never raised to the caller
-    assert s.stats.errors["RPC_FAIL (master unreachable?)"] == 1
+    assert s.stats.errors["RPC_FAIL (master unreachable?)"] == 2  # both objects of the failed page
     s.close()
 
 
@@ -156,8 +157,8 @@ def test_from_config_keys_carry_model_and_rank() -> None:
     cfg = OffloadConfig(storage_backend="none", model_name="org/model",
                         storage_extra={"master_server_addr": "127.0.0.1:1", "op_timeout_s": 0.5})
     s = MooncakeStorage.from_config(cfg, tp_rank=1, tp_size=4, client=ScriptedClient())
-    assert s.key_of("abc") == "abc_org-model_1_4" and s.op_timeout_s == 0.5
+    assert s.key_of("abc") == ["org-model_abc_1_k", "org-model_abc_1_v"] and s.op_timeout_s == 0.5
     s.close()
     mla = MooncakeStorage.from_config(cfg, tp_rank=1, tp_size=4, is_mla=True, client=ScriptedClient())
-    assert mla.key_of("abc") == "abc_org-model"  # MLA: the latent is the same on every rank
+    assert mla.key_of("abc") == ["org-model_abc__k"]  # MLA: the latent is the same on every rank
     mla.close()

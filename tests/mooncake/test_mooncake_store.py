@@ -63,9 +63,10 @@ def test_batch_round_trip_and_keys(shared_storage, make_storage) -> None:
     got = s.batch_get(keys + ["e" * 64])
     assert got[-1] is None
     assert all(torch.equal(a, b) for a, b in zip(got, pages))
-    # Keys carry the deployment: model and TP rank/size (FileStorage's suffix, "/" -> "-").
-    assert s.key_of(keys[0]) == f"{keys[0]}_shared-model_1_2"
-    assert s.client.is_exist(f"{keys[0]}_shared-model_1_2") == 1
+    # SGLang 0.5.23's Mooncake keys: model prefix ("/" -> "-"), TP rank, one object per K and V half.
+    assert s.key_of(keys[0]) == [f"shared-model_{keys[0]}_1_k", f"shared-model_{keys[0]}_1_v"]
+    assert s.client.is_exist(f"shared-model_{keys[0]}_1_k") == 1 and s.client.is_exist(f"shared-model_{keys[0]}_1_v") == 1
+    assert s.client.get_size(f"shared-model_{keys[0]}_1_k") == 2048  # half the page each
     assert s.batch_set(keys[:3], pages[:3]) == [True] * 3  # content-addressed: storing again is a success
     other_rank = make_storage(model_name="shared/model", tp_rank=0, tp_size=2, global_segment_size=0)
     assert other_rank.batch_exists(keys) == 0 and other_rank.batch_get(keys[:1]) == [None]
@@ -135,6 +136,45 @@ def test_zero_copy_put_from_registered_host_pool(shared_storage, layout: str) ->
     pool.free(idx)
     pool.free(dst)
     s.unregister_host_pool(pool)
+
+
+@pytest.mark.parametrize("store_layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("pool_layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("attention", ["mha", "mla"])
+def test_objects_are_sglangs(make_storage, store_layout: str, pool_layout: str, attention: str) -> None:
+    """Each object holds what SGLang 0.5.23's MooncakeStore puts under its key (`get_page_buffer_meta`):
+    a page_first host pool (SGLang's `(2, size, L, H, D)`, MLA `(size, L, 1, D)`) sends, per K / V plane
+    (MLA: the latent), the page's one contiguous range; page_first_direct / MLA layer_first send (L, T, ...).
+    Checked against the raw pool buffer, whichever layout kvfsm's own pool has."""
+    kv = KVCacheConfig(num_layers=3, kv_heads=2 if attention == "mha" else 1, head_dim=8, attention=attention,
+                       dtype=torch.float16)
+    T = 4
+    pool = HostKVPool(kv, 32, page_size=T, layout=pool_layout)
+    pool.kv_buffer.view(torch.int16).copy_(torch.randint(-2**15, 2**15, pool.kv_buffer.shape, dtype=torch.int16))
+    idx = pool.alloc(8)
+    planes = kv.num_planes
+    s = make_storage(tp_rank=1, tp_size=2, is_mla=attention == "mla", layout=store_layout,
+                     page_dims=(planes, kv.num_layers, T))
+    keys = [f"obj-{attention}-{pool_layout}-{store_layout}-{i}" for i in range(2)]
+    assert s.batch_set_from_host(keys, pool, idx) == [True, True]
+    sg = HostKVPool(kv, 32, page_size=T, layout=store_layout)  # SGLang's pool of the store's layout
+    sg.alloc(8)
+    sg.set_pages_bytes(sg.slots_of([0, 1]), pool.get_pages_bytes(idx))
+    tv = sg.kv_buffer  # MHA (2, S, L, H, D) or (2, L, S, H, D); MLA (S, L, 1, D) or (L, S, 1, D)
+    for j, key in enumerate(keys):
+        names = s.key_of(key)
+        prefix = s.model_name.replace("/", "-")
+        assert names == ([f"{prefix}_{key}__k"] if attention == "mla" else [f"{prefix}_{key}_1_k", f"{prefix}_{key}_1_v"])
+        for p, name in enumerate(names):
+            plane = tv if attention == "mla" else tv[p]
+            if store_layout == "page_first":  # one contiguous range: tokens, then layers
+                want = plane[j * T:(j + 1) * T]
+            else:  # page_first_direct's (L, T, ...) order: per layer, the page's tokens
+                want = plane[:, j * T:(j + 1) * T]
+            got = s.client.get(name)
+            assert bytes(got) == want.contiguous().view(torch.uint8).numpy().tobytes(), (name, p)
+    back = s.batch_get(keys)
+    assert all(b is not None and torch.equal(b, w) for b, w in zip(back, pool.get_pages_bytes(idx).unbind(0)))
 
 
 # ---- through the manager --------------------------------------------------------------------------------

@@ -922,7 +922,7 @@ def test_page_hashes_of_every_token_container_and_every_bad_id() -> None:
     assert page_hashes([0, 0], 2) == page_hashes(np.zeros(2, dtype=np.int32), 2)  # token 0 is an id like any
     for empty in ([], np.array([], dtype=np.int64), torch.empty(0, dtype=torch.int64)):
         assert page_hashes(empty, 1) == []
-    for bad in ([-1, 2], np.array([-1, 2]), np.array([2**32, 1], dtype=np.int64), [2**32, 1], np.array([1.0, 2.0]),
+    for bad in ([-1, 2], np.array([-1, 2]), [2**63, 1], np.array([1.0, 2.0]),  # ids >= 2**32 are wide pages
                 np.array([True, False]), torch.tensor([-3, 1])):
         with pytest.raises(ValueError):
             page_hashes(bad, 2)
@@ -935,7 +935,7 @@ def test_storage_extra_of_none_takes_anything_and_unknown_keys_list_the_options(
     check_storage_extra("none", {"anything": object()})
     with pytest.raises(ConfigError) as exc:
         check_storage_extra("file", {"qqqqzzzz": 1})
-    assert exc.value.field == "storage_extra.qqqqzzzz" and "(options: fsync, " in exc.value.reason
+    assert exc.value.field == "storage_extra.qqqqzzzz" and "(options: dtype, fsync, layout, " in exc.value.reason
     with pytest.raises(ConfigError) as exc:
         check_storage_extra("file", {"writer": 2})
     assert "did you mean 'writers'?" in exc.value.reason
@@ -1050,3 +1050,678 @@ def test_a_mooncake_config_builds_its_client_with_the_deployment(monkeypatch) ->
     mla = DeviceKVPool.create(KVCacheConfig.tiny("mla"), 16)
     assert build.storage_factory(config, mla, tp_rank=1, tp_size=4)() == "client"
     assert calls == [(config, {"tp_rank": 1, "tp_size": 4, "is_mla": True})]
+
+
+# --- the manager's lifecycle bookkeeping (second pass over the survivors) --------------------------------
+
+def _engine(**kw: Any) -> Any:
+    from kvfsm.verify.engine import SimEngine
+
+    opts = dict(page_size=2, stride=4, device_slots=96, host_slots=16, rows=4, max_context=48, backup_queue=2)
+    opts.update(kw)
+    return SimEngine(**opts)
+
+
+def _due(e: Any, rid: str, steps: int = 4) -> Any:
+    """A request admitted with a 2-token prompt of its own (its page hashes are its own) and decoded `steps`
+    times: one stride (4 tokens) due per 4 steps."""
+    from kvfsm.verify.engine import SimRequest
+
+    base = 1000 + 10 * sum(map(ord, rid))
+    req = e.admit(rid, 2, req=SimRequest(rid, [base, base + 1]))
+    for _ in range(steps):
+        assert e.decode(req)
+    return req
+
+
+def _rebuild(e: Any, **kw: Any) -> Any:
+    """The engine's manager again, over the same pools, with some constructor arguments replaced."""
+    from kvfsm.runtime import DecodeOffloadManager
+
+    old = e.manager
+    args = dict(device_pool=e.device_pool, allocator=e.allocator, req_to_token=e.req_to_token,
+                prefix_cache=old.fx.prefix_cache, host_pool=e.host_pool, copy_engine=e.copies, storage=e.storage,
+                backup_worker=e.worker)
+    args.update(kw)
+    old.close()
+    e.manager = DecodeOffloadManager(e.config, **args)
+    return e.manager
+
+
+def _settle(e: Any) -> None:
+    """Every copy acknowledged, every backup run and collected."""
+    for h in list(e.copies.pending):
+        e.copies.complete(h)
+    e.manager.check_progress()
+    e.worker.run_all()
+    e.manager.check_progress()
+
+
+def test_a_dropped_request_gives_up_its_record_and_machine_without_the_collector() -> None:
+    """The weakref callback pops the record and, once the lifecycle ended, unlinks record and machine (the
+    cycle only the collector would free); a re-admitted object has two callbacks, and the second finds
+    nothing to pop and must not raise (an exception in a weakref callback is reported, not raised)."""
+    import gc
+    import sys
+
+    e = _engine()
+    mgr = e.manager
+    req = _due(e, "a")
+    assert mgr.offload(req)
+    rec = mgr.machine_of(req).ctx
+    e.end(req, "finish")  # a copy in flight: release deferred
+    _settle(e)
+    assert rec.machine is not None and rec.machine.state in gen.TERMINAL
+    unraisable: list[Any] = []
+    old_hook, sys.unraisablehook = sys.unraisablehook, unraisable.append
+    gc.disable()
+    try:
+        del req
+        assert id(rec) not in {id(r) for r in mgr._records.values()} and rec.machine is None
+        # dropped while its backup is still in flight: the completion unlinks it
+        req = _due(e, "b")
+        assert mgr.offload(req)
+        rec = mgr.machine_of(req).ctx
+        for h in list(e.copies.pending):
+            e.copies.complete(h)
+        mgr.check_progress()  # the copy acknowledged, the backup queued
+        e.end(req, "finish")
+        del req
+        assert rec.machine is not None  # not ended yet: its backup is outstanding
+        e.worker.run_all()
+        mgr.check_progress()
+        assert rec.machine is None
+        # retracted, re-admitted into a new lifecycle, dropped: both records' callbacks run
+        req = _due(e, "c")
+        assert mgr.offload(req)
+        first = mgr.machine_of(req)
+        e.end(req, "retract")
+        assert e.admit("c", 0, req=req) is req and e.decode(req)
+        assert mgr.offload(req) and mgr.machine_of(req) is not first
+        assert mgr.machine_of(req).ctx.key != first.ctx.key  # a lifecycle's key names it alone
+        e.end(req, "finish")
+        _settle(e)
+        del req
+    finally:
+        gc.enable()
+        sys.unraisablehook = old_hook
+    assert unraisable == [], [u.exc_value for u in unraisable]
+
+
+def test_a_manager_built_from_its_config_namespaces_owns_and_closes_its_store(monkeypatch, tmp_path) -> None:
+    """The store the manager builds carries its TP rank and size and is closed by close(); a store the
+    caller passed in is the caller's to close."""
+    from types import SimpleNamespace
+
+    from kvfsm.dataplane import ReqToTokenPool, TokenSlotAllocator
+    from kvfsm.dataplane.pools.config import KVCacheConfig
+    from kvfsm.dataplane.pools.device_pool import DeviceKVPool
+    from kvfsm.runtime import DecodeOffloadManager, OffloadConfig
+
+    closed: list[Any] = []
+    monkeypatch.setattr(FileStorage, "close", lambda self: closed.append(self), raising=False)
+    pool = DeviceKVPool.create(KVCacheConfig.tiny(), 64)
+
+    def manager(**kw: Any) -> DecodeOffloadManager:
+        config = OffloadConfig(page_size=4, storage_backend="file", storage_dir=tmp_path, model_name="m",
+                               host_pool_bytes=pool.config.bytes_per_token * 16, copy_backend="cpu")
+        return DecodeOffloadManager(config, device_pool=pool, allocator=TokenSlotAllocator(64, 4),
+                                    req_to_token=ReqToTokenPool(2, 16), prefix_cache=SimpleNamespace(), **kw)
+
+    built = manager(tp_rank=1, tp_size=2)
+    store = built.fx.storage
+    assert isinstance(store, FileStorage) and store.suffix == "_m_1_2"
+    built.close()
+    assert closed == [store]
+    built.close()
+    assert closed == [store]  # once
+    given = manager(storage=store)
+    given.close()
+    assert given.fx.storage is store and closed == [store]
+
+
+def test_progress_waits_for_the_slowest_rank_of_the_managers_tp_group(monkeypatch) -> None:
+    """With a TP group, check_progress applies only the completions every rank has: the other rank
+    reporting none, a finished copy stays in flight."""
+    e = _engine()
+    group = _FakeGroup(other=(0, 0))
+    _fake_dist(monkeypatch)
+    sizes = (2, 4, 16, 2)  # page size, stride, host slots, backup queue: the same on both ranks
+    group.queue = [sizes, tuple(-v for v in sizes)]
+    mgr = _rebuild(e, tp_group=group)
+    req = _due(e, "a")
+    assert mgr.offload(req)
+    for h in list(e.copies.pending):
+        e.copies.complete(h)
+    mgr.check_progress()
+    assert len(mgr.fx.copy_fifo) == 1 and mgr.machine_of(req).copies == 1 and group.calls[-1] == [0, 0]
+    group.other = (1, 0)
+    mgr.check_progress()
+    assert not mgr.fx.copy_fifo and mgr.machine_of(req).backups == 1
+
+
+def test_transitions_are_observed_only_in_checked_mode_or_when_traced(tmp_path, monkeypatch) -> None:
+    """Checked mode records every transition id taken (T0 included) and checks the spec's invariants after
+    each; a trace gets one line per transition even unchecked; unchecked and untraced, nothing listens."""
+    import json
+
+    from kvfsm.runtime.ledger import CheckedModeError
+
+    def run(e: Any) -> Any:
+        req = _due(e, "a")
+        assert e.manager.offload(req)
+        _settle(e)
+        e.end(req, "finish")
+        e.manager.finalize(req)  # a declared no-op
+        return e.manager
+
+    checked = run(_engine())
+    assert 0 in checked.coverage and checked.coverage <= set(range(len(gen.TRANSITIONS)))
+    assert gen.TRANSITIONS[0][:2] == ("allocated", "offload")
+    assert run(_engine(checked=False)).coverage == set()
+    trace = tmp_path / "t.jsonl"
+    traced = run(_engine(checked=False, trace_path=str(trace)))
+    traced.close()
+    lines = [json.loads(l) for l in trace.read_text().splitlines()[1:]]
+    assert [(l["event"], l["transition"]) for l in lines][0] == ("offload", 0) and len(lines) >= 5
+    assert lines[-1]["event"] == "finish" and lines[-1]["transition"] == gen.IGNORED_TRANSITION
+    import kvfsm.runtime.manager as manager_mod
+
+    monkeypatch.setattr(manager_mod.spec_gen, "violated_invariants", lambda m: ["an invariant"])
+    with pytest.raises(CheckedModeError):
+        run(_engine())
+    run(_engine(checked=False))  # unchecked: not checked
+
+
+def test_the_gauges_are_exact_after_every_manager_call() -> None:
+    e = _engine(backup_queue=1)
+    mgr = e.manager
+    a, b = _due(e, "a"), _due(e, "b")
+    assert mgr.offload_batch([a, b]) == 2
+    assert mgr.metrics.copies_in_flight == 2 and mgr.metrics.backups_in_flight == 0
+    for h in list(e.copies.pending):
+        e.copies.complete(h)
+    mgr.check_progress()  # one backup queued, one chunk parked: both in flight
+    assert mgr.metrics.copies_in_flight == 0 and mgr.metrics.backups_in_flight == 2
+    assert mgr.fx.worker.outstanding() == 1 and len(mgr.fx.parked) == 1
+
+
+def test_backups_completing_together_keep_each_ones_outcome() -> None:
+    """Three backups collected by one progress check, the last one failing: only it counts as failed."""
+    e = _engine(backup_queue=3)
+    mgr = e.manager
+    reqs = [_due(e, r) for r in "abc"]
+    assert mgr.offload_batch(reqs) == 3
+    for h in list(e.copies.pending):
+        e.copies.complete(h)
+    mgr.check_progress()
+    assert len(e.worker.pending) == 3
+    e.fail_writes.update(e.worker.pending[2].payload.hashes)
+    e.worker.run_all()
+    mgr.check_progress()
+    recs = [mgr.machine_of(r).ctx for r in reqs]
+    assert [(r.stored_pages, r.failed_backups) for r in recs] == [(2, 0), (2, 0), (0, 1)]
+
+
+def test_drain_waits_for_a_threaded_worker_and_gives_up_on_a_stepped_one() -> None:
+    """drain() waits for the backup thread between progress checks (a slow store drains in three), and
+    with a worker that has no wait_idle (stepped, nobody runs it) it runs out of iterations."""
+    from kvfsm.dataplane.storage.memory import MemoryStorage
+    from kvfsm.runtime.backup import ThreadBackupWorker
+
+    class SlowStore(MemoryStorage):
+        def batch_set(self, keys, pages):  # type: ignore[no-untyped-def]
+            time.sleep(0.2)
+            return super().batch_set(keys, pages)
+
+    e = _engine()
+    _rebuild(e, storage=SlowStore(), backup_worker=ThreadBackupWorker(2))
+    try:
+        req = _due(e, "a")
+        assert e.manager.offload(req)
+        e.manager.drain(max_iterations=3)
+        assert e.manager.idle() and e.manager.machine_of(req).ctx.stored_pages == 2
+    finally:
+        e.manager.close()
+    stepped = _engine()
+    req = _due(stepped, "a")
+    assert stepped.manager.offload(req)
+    with pytest.raises(RuntimeError, match="did not drain"):
+        stepped.manager.drain(max_iterations=3)
+
+
+def test_offload_batch_skips_requests_without_a_row_or_output_and_takes_arrays_only_as_a_pair() -> None:
+    e = _engine()
+    mgr = e.manager
+    waiting = _due(e, "w")
+    waiting.req_pool_idx = -1  # the engine's "no row" (it has outputs: only the row says it is not running)
+    fresh = e.admit("f", 2)
+    fresh.output_ids.clear()  # sampled nothing yet
+    due = _due(e, "d")
+    assert mgr.offload(waiting) is False and mgr.machine_of(waiting) is None
+    rows = [q.req_pool_idx for q in (waiting, fresh, due)]
+    assert mgr.offload_batch([waiting, fresh, due], rows, None) == 1  # one array: ignored, as with none
+    assert mgr.machine_of(waiting) is None and mgr.machine_of(fresh) is None
+    more = _due(e, "m")
+    assert mgr.offload_batch([waiting, more], None, [0, more.kv_committed_len]) == 1
+
+
+def test_an_ended_request_refuses_offload_whether_its_row_reads_none_or_minus_one() -> None:
+    e = _engine()
+    mgr = e.manager
+    req = _due(e, "a")
+    e.end(req, "abort")
+    assert req.req_pool_idx is None
+    for row in (None, -1):
+        req.req_pool_idx = row
+        with pytest.raises(EventRejected):
+            mgr.offload(req)
+        with pytest.raises(EventRejected):
+            mgr.offload_batch([req])
+    # a second end after the engine reset the row to -1 is the declared no-op, not a new admission
+    before = mgr.metrics.ignored_duplicate_releases
+    mgr.abort(req)
+    assert mgr.metrics.ignored_duplicate_releases == before + 1
+    # the engine also resets the lengths of an ended request: the batch arrays still get it looked at
+    req.kv_committed_len = 0
+    with pytest.raises(EventRejected):
+        mgr.offload_batch([req], [-1], [0])
+    # finished with its copy in flight (release deferred, the row still its own), lengths reset: still refused
+    late = _due(e, "b")
+    assert mgr.offload(late)
+    e.end(late, "finish")
+    late.kv_committed_len = 0
+    with pytest.raises(EventRejected):
+        mgr.offload(late)
+    _settle(e)
+    e.check_teardown()
+
+
+def test_a_request_without_a_protocol_field_is_reported_from_its_attribute_error() -> None:
+    from kvfsm.errors import RequestFieldMissing
+
+    class NoOutputs:
+        rid, req_pool_idx, kv_committed_len, kv_allocated_len, prefix_len = "x", 0, 4, 4, 0
+        origin_input_ids = [1, 2]
+
+    class NoRow:
+        rid = "y"
+
+    mgr = _engine().manager
+    for call, req in ((mgr.offload, NoOutputs()), (lambda r: mgr.offload_batch([r]), NoOutputs()),
+                      (mgr.finalize, NoRow())):
+        with pytest.raises(RequestFieldMissing) as exc:
+            call(req)
+        assert isinstance(exc.value.__cause__, AttributeError), call
+
+
+def test_a_retracted_request_readmitted_and_ended_before_any_offload_is_a_new_lifecycle() -> None:
+    e = _engine()
+    mgr = e.manager
+    req = _due(e, "a")
+    assert mgr.offload(req)
+    first = mgr.machine_of(req)
+    _settle(e)
+    e.end(req, "retract")
+    assert e.admit("a", 0, req=req) is req
+    e.end(req, "finish")  # the engine's next call is the end: the manager admits the new lifecycle there
+    assert mgr.machine_of(req) is not first and mgr.machine_of(req).state == gen.RELEASED
+    assert first.state == gen.RELEASED
+    e.check_teardown()
+
+
+def test_admission_refuses_a_row_past_the_table_and_live_records_are_the_row_holders() -> None:
+    from kvfsm.errors import InvalidRequest
+
+    e = _engine()
+    mgr = e.manager
+    a, b = _due(e, "a"), _due(e, "b")
+    assert mgr.offload(a) and mgr.offload(b)
+    e.end(b, "abort")
+    _settle(e)
+    assert mgr.live_records() == [mgr.machine_of(a).ctx]
+    c = _due(e, "c")
+    c.req_pool_idx = e.rows
+    with pytest.raises(InvalidRequest):
+        mgr.offload(c)
+
+
+def test_each_chunk_that_finds_no_host_room_counts_one_retry() -> None:
+    e = _engine(host_slots=4)
+    mgr = e.manager
+    a, b = _due(e, "a"), _due(e, "b")
+    assert mgr.offload(a)
+    assert mgr.offload(b) is False and mgr.offload(b) is False
+    assert mgr.metrics.host_full_retries == 2
+
+
+# --- the effects, the ledger and the backup jobs (second pass) ------------------------------------------
+
+def test_token_slice_is_the_list_slice_of_prompt_and_outputs_for_every_span() -> None:
+    import numpy as np
+    from types import SimpleNamespace
+
+    from kvfsm.runtime.effects import token_slice
+
+    for prompt in ([1, 2, 3], (1, 2, 3), np.array([1, 2, 3])):
+        req = SimpleNamespace(origin_input_ids=prompt, output_ids=[4, 5])
+        for start in range(6):
+            for end in range(start, 6):
+                got = token_slice(req, start, end)
+                assert type(got) is list and got == [1, 2, 3, 4, 5][start:end], (type(prompt), start, end)
+
+
+def test_a_chunk_has_no_hashes_until_its_copy_is_acknowledged() -> None:
+    e = _engine()
+    req = _due(e, "a")
+    assert e.manager.offload(req)
+    (chunk,) = e.manager.fx.copy_fifo
+    assert chunk.hashes == []
+    for h in list(e.copies.pending):
+        e.copies.complete(h)
+    e.manager.check_progress()
+    assert len(chunk.hashes) == 2
+
+
+def test_without_a_store_every_backup_fails_and_nothing_is_stored() -> None:
+    from kvfsm.verify.engine import SimEngine
+
+    class NoStore(SimEngine):
+        def make_storage(self) -> Any:
+            return None
+
+    e = NoStore(page_size=2, stride=4, device_slots=96, host_slots=16, rows=4, max_context=48, backup_queue=2)
+    req = _due(e, "a")
+    assert e.manager.offload(req)
+    _settle(e)
+    rec = e.manager.machine_of(req).ctx
+    assert (rec.stored_pages, rec.failed_backups) == (0, 1) and len(e.manager.fx.stored) == 0
+
+
+def test_one_store_call_for_several_chunks_gives_each_chunk_its_own_pages_outcome() -> None:
+    """The thread worker writes the three backups it finds queued in one store call; the store refuses the
+    last chunk's two pages (the 5th and 6th page of the call): only that chunk failed."""
+    from kvfsm.dataplane.storage import FaultyStorage
+    from kvfsm.dataplane.storage.memory import MemoryStorage
+    from kvfsm.runtime.backup import ThreadBackupWorker
+
+    e = _engine(backup_queue=3)
+    store = FaultyStorage(MemoryStorage(), fail_write_ordinals={4, 5})
+    _rebuild(e, storage=store, backup_worker=ThreadBackupWorker(3))
+    try:
+        reqs = [_due(e, r) for r in "abc"]
+        assert e.manager.offload_batch(reqs) == 3
+        e.manager.drain()
+        recs = [e.manager.machine_of(r).ctx for r in reqs]
+        assert [(r.stored_pages, r.failed_backups) for r in recs] == [(2, 0), (2, 0), (0, 1)]
+        assert store.pages_written == 6  # (one call: the ordinals are positions in it)
+    finally:
+        e.manager.close()
+
+
+def test_the_first_backup_failure_is_logged_on_a_host_booted_seconds_ago(monkeypatch, caplog) -> None:
+    import logging
+
+    import kvfsm.runtime.effects as effects
+
+    e = _engine()
+    monkeypatch.setattr(effects.time, "monotonic", lambda: 5.0)  # a monotonic clock that started 5 s ago
+    req = _due(e, "a")
+    assert e.manager.offload(req)
+    for h in list(e.copies.pending):
+        e.copies.complete(h)
+    e.manager.check_progress()
+    e.fail_writes.update(e.worker.pending[0].payload.hashes)
+    e.worker.run_all()
+    with caplog.at_level(logging.WARNING, logger="kvfsm"):
+        e.manager.check_progress()
+    assert [r.getMessage()[:20] for r in caplog.records] == ["1 backup(s) failed s"]
+
+
+def test_the_ledger_owns_pages_not_slots_and_keeps_every_reader() -> None:
+    from kvfsm.runtime.ledger import CheckedModeError, SlotLedger
+
+    led = SlotLedger(page_size=2)
+    led.claim_device("A", "offload", [0])
+    with pytest.raises(CheckedModeError):
+        led.claim_device("B", "offload", [1])  # slot 1 is on A's page
+    with pytest.raises(CheckedModeError):
+        led.release_device("B", "release", [1])  # freeing a page A owns
+    led.copy_started("A", 1, [0, 1], [4, 5])
+    led.copy_started("A", 2, [0, 1], [6, 7])
+    assert led.host_pages() == 2  # two host pages, four slots
+    led.copy_completed(1, [0, 1])
+    with pytest.raises(CheckedModeError):
+        led.release_device("A", "release", [0, 1])  # chunk 2 still reads page 0 (B2)
+    led.copy_completed(2, [0, 1])
+    led.release_device("A", "release", [0, 1])
+    with pytest.raises(CheckedModeError):
+        led.release_device("A", "release", [1])  # double release (B9)
+
+
+def test_stepped_worker_runs_the_oldest_job_by_default_and_run_all_counts() -> None:
+    w = SteppedBackupWorker(4)
+    w.submit_many([BackupJob(i, lambda p: [True]) for i in range(3)])
+    assert w.run().payload == 0
+    assert w.run_all() == 2 and w.completed() == 3
+
+    def raises(p: Any) -> list[bool]:
+        raise OSError("store down")
+
+    job = BackupJob(0, raises)
+    job.run()
+    assert job.results == [] and isinstance(job.error, OSError) and not job.ok
+
+
+# --- the pools' argument checks and exact paths (second pass) -------------------------------------------
+
+def test_slot_allocator_sizes_defaults_and_argument_checks() -> None:
+    from kvfsm.dataplane import TokenSlotAllocator
+
+    assert TokenSlotAllocator(3).page_size == 1  # the default page size: any slot count
+    assert TokenSlotAllocator(1, 1, reserve_padding_page=False).capacity == 1
+    for args, kw in (((4, 0), {}), ((4, -2), {}), ((6, 4), {"reserve_padding_page": False}), ((0, 1), {}),
+                     ((-4, 2), {}), ((1, 1), {}), ((4, 4), {})):  # the last two: only the padding page
+        with pytest.raises(ValueError):
+            TokenSlotAllocator(*args, **kw)
+    for a in (TokenSlotAllocator(8, 1), TokenSlotAllocator(8, 2)):
+        for bad in (True, -2, 1.0):
+            with pytest.raises(ValueError):
+                a.alloc(bad)  # type: ignore[arg-type]
+        assert a.free_slots == a.capacity
+
+
+def test_a_free_batch_is_refused_exactly_slot_by_slot() -> None:
+    from kvfsm.dataplane import TokenSlotAllocator
+    from kvfsm.dataplane.errors import DuplicateIndex, OutOfRange, PartialPage
+
+    one = TokenSlotAllocator(8, 1, reserve_padding_page=False)
+    slots = one.alloc(8)
+    for bad, err in (([8], OutOfRange), ([5, 5], DuplicateIndex), ([1, 2, 2], DuplicateIndex)):
+        with pytest.raises(err):
+            one.free(bad)
+    assert one.free_slots == 0
+    one.free(one.page_slots([3, 1]))  # a PageSlots frees like its slots
+    assert one.free_slots == 2
+    two = TokenSlotAllocator(8, 2, reserve_padding_page=False)
+    two.alloc(8)
+    with pytest.raises(PartialPage):
+        two.free([1, 2])  # two slots, one from each of two pages
+    assert two.free_slots == 0
+
+
+def test_conservation_checks_catch_a_free_list_that_names_a_reserved_or_missing_page() -> None:
+    from collections import deque
+
+    from kvfsm.dataplane import ReqToTokenPool, TokenSlotAllocator
+    from kvfsm.dataplane.errors import ConservationError
+
+    for free in ([0, 3], [4, 3]):  # page 0 is the padding page; page 4 is past the pool
+        a = TokenSlotAllocator(8, 2)
+        assert a.alloc_pages(1) == [1]
+        a.check_conservation()
+        a._free_pages = deque(free)
+        with pytest.raises(ConservationError):
+            a.check_conservation()
+    t = ReqToTokenPool(2, 4)
+    assert t.alloc() == 0
+    t.check_conservation()
+    t._free = deque([0])  # the allocated row listed free, the free one missing: the counts still add up
+    with pytest.raises(ConservationError):
+        t.check_conservation()
+
+
+def test_kv_config_parses_its_dtype_and_refuses_zero_sizes() -> None:
+    from kvfsm.dataplane.pools.config import KVCacheConfig
+
+    assert KVCacheConfig(num_layers=1, head_dim=2, dtype="float16").dtype is torch.float16  # type: ignore[arg-type]
+    for kw in ({"num_layers": 0}, {"head_dim": 0}, {"kv_heads": 0}, {"num_layers": 1.0}):
+        with pytest.raises(ValueError):
+            KVCacheConfig(**{"num_layers": 1, "head_dim": 2, **kw})
+
+
+def test_device_pools_default_to_the_cpu_pick_their_attention_and_expose_their_planes() -> None:
+    from kvfsm.dataplane.pools.config import KVCacheConfig
+    from kvfsm.dataplane.pools.device_pool import DeviceKVPool, MHADeviceKVPool, MLADeviceKVPool
+
+    mha, mla = KVCacheConfig.tiny(), KVCacheConfig.tiny("mla")
+    assert MHADeviceKVPool(mha, 1).device == torch.device("cpu")
+    for bad in (0, -1):
+        with pytest.raises(ValueError):
+            MHADeviceKVPool(mha, bad)
+    assert type(DeviceKVPool.create(mha, 4)) is MHADeviceKVPool and type(DeviceKVPool.create(mla, 4)) is MLADeviceKVPool
+    meta = DeviceKVPool.create(mha, 4, device="meta")
+    assert meta.device.type == "meta" and meta.storage.device.type == "meta"  # (a pool that allocates nothing)
+    p = DeviceKVPool.create(mha, 4)
+    p.storage.copy_(torch.arange(p.storage.numel(), dtype=p.storage.dtype).view_as(p.storage))
+    for layer in range(mha.num_layers):
+        assert torch.equal(p.k_buffer(layer), p.storage[0, layer]) and torch.equal(p.v_buffer(layer), p.storage[1, layer])
+        assert [t.data_ptr() for t in p.layer_buffers(layer)] == [p.storage[i, layer].data_ptr() for i in range(2)]
+    q = DeviceKVPool.create(mla, 4)
+    q.storage.copy_(torch.arange(q.storage.numel(), dtype=q.storage.dtype).view_as(q.storage))
+    assert torch.equal(q.kv_buffer(1), q.storage[0, 1]) and len(q.layer_buffers(1)) == 1
+
+
+def test_host_memory_is_read_from_meminfo_and_the_pool_keeps_its_headroom(monkeypatch) -> None:
+    import kvfsm.dataplane.pools.host_pool as hp
+    from kvfsm.dataplane import HostKVPool
+    from kvfsm.dataplane.errors import HostMemoryError
+    from kvfsm.dataplane.pools.config import KVCacheConfig
+
+    if os.path.exists("/proc/meminfo"):
+        got = hp.available_host_memory()
+        assert isinstance(got, int) and got > 0
+    cfg = KVCacheConfig.tiny()
+    need = 8 * cfg.bytes_per_token
+    monkeypatch.setattr(hp, "available_host_memory", lambda: need + 100)
+    assert HostKVPool(cfg, 8, headroom_bytes=100).size == 8  # exactly fits
+    with pytest.raises(HostMemoryError):
+        HostKVPool(cfg, 8, headroom_bytes=101)
+
+
+def test_host_pool_sizes_and_page_checks_of_every_index_form() -> None:
+    from kvfsm.dataplane import HostKVPool
+    from kvfsm.dataplane.errors import NotAllocated, PartialPage
+    from kvfsm.dataplane.pools.config import KVCacheConfig
+
+    cfg = KVCacheConfig.tiny()
+    assert HostKVPool(cfg, 2, page_size=2).size == 2  # one page is enough
+    for bad in (0, -1):
+        with pytest.raises(ValueError):
+            HostKVPool(cfg, 8, page_size=bad)
+    one = HostKVPool(cfg, 4)
+    one.allocator.alloc(4)
+    assert one.get_pages_bytes([0, 1]).shape[0] == 2 and one.get_pages_bytes(torch.tensor([2])).shape[0] == 1
+    two = HostKVPool(cfg, 8, page_size=2)
+    pages = two.allocator.alloc_pages(2)
+    with pytest.raises(PartialPage):
+        two.get_pages_bytes([])
+    with pytest.raises(PartialPage):
+        two.get_pages_bytes([pages[0] * 2, pages[0] * 2 + 3])  # aligned start, not one page
+    slots = two.allocator.page_slots(pages)
+    assert two.get_pages_bytes(slots).shape[0] == 2
+    # a PageSlots of another allocator (page size 4) counts by its slots, never by its page ids
+    from kvfsm.dataplane import TokenSlotAllocator
+
+    four = TokenSlotAllocator(8, 4, reserve_padding_page=False)
+    assert pages == [0, 1]  # this pool's pages 0 and 1: slots 0..3, which the other calls its page 0
+    theirs = four.page_slots([1])  # slots 4..7: pages 2 and 3 here, not allocated
+    with pytest.raises(NotAllocated):
+        two.get_pages_bytes(theirs)
+    assert two.get_pages_bytes(four.page_slots([0])).shape[0] == 2  # slots 0..3: this pool's two pages
+    two.allocator.free_pages(pages)
+    for stale in (slots, slots.slots):
+        with pytest.raises(NotAllocated):
+            two.get_pages_bytes(stale)  # pages given back: their bytes are no one's
+
+
+def test_request_table_empty_spans_page_slots_and_plan_copy_of_a_page_list_past_the_pool() -> None:
+    from kvfsm.dataplane import HostKVPool, ReqToTokenPool, TokenSlotAllocator
+    from kvfsm.dataplane.copy.base import plan_copy
+    from kvfsm.dataplane.errors import OutOfRange
+    from kvfsm.dataplane.pools.allocator import PageSlots
+    from kvfsm.dataplane.pools.config import KVCacheConfig
+    from kvfsm.dataplane.pools.device_pool import DeviceKVPool
+
+    t = ReqToTokenPool(2, 8)
+    row = t.alloc()
+    alloc = TokenSlotAllocator(16, 2)
+    t.write(row, 0, alloc.page_slots(alloc.alloc_pages(2)))
+    assert t.read_host(row, 0, 4).tolist() == alloc.slots_of([1, 2]).tolist()
+    assert t.read_host(row, 2, 2).numel() == 0 and t.read(row, 4, 4).numel() == 0
+    cfg = KVCacheConfig.tiny()
+    dev = DeviceKVPool.create(cfg, 16)
+    host = HostKVPool(cfg, 4, page_size=2)
+    hslots = host.allocator.page_slots(host.allocator.alloc_pages(1))
+    bogus = PageSlots(alloc, [8], torch.tensor([16, 17]))  # a page list naming a page past the pool
+    with pytest.raises(OutOfRange):
+        plan_copy("d2h", dev, bogus, host, hslots)
+
+
+def test_build_passes_the_configs_host_layout_and_ratio_and_closes_a_store_it_built_when_a_later_step_fails(
+        monkeypatch, tmp_path) -> None:
+    import kvfsm.runtime.build as build
+    from kvfsm.dataplane import HostKVPool
+    from kvfsm.dataplane.pools.config import KVCacheConfig
+    from kvfsm.dataplane.pools.device_pool import DeviceKVPool
+    from kvfsm.runtime.config import OffloadConfig
+
+    pool = DeviceKVPool.create(KVCacheConfig.tiny(), 64)
+    laid = build.build_components(OffloadConfig(page_size=4, host_layout="page_first", host_pool_ratio=0.5,
+                                                copy_backend="cpu"), device_pool=pool)
+    assert laid.host_pool.layout == "page_first" and laid.host_pool.capacity == 32
+    exact = OffloadConfig(page_size=4, offload_stride=16, host_pool_bytes=pool.config.bytes_per_token * 16,
+                          copy_backend="cpu")
+    assert build.build_components(exact, device_pool=pool).host_pool.capacity == 16  # one stride fits exactly
+    closed: list[Any] = []
+    monkeypatch.setattr(FileStorage, "close", lambda self: closed.append(self), raising=False)
+
+    def no_room(*a: Any, **kw: Any) -> Any:
+        raise MemoryError("no host memory")
+
+    monkeypatch.setattr(HostKVPool, "for_device_pool", no_room)
+    with pytest.raises(MemoryError):
+        build.build_components(OffloadConfig(page_size=4, storage_backend="file", storage_dir=tmp_path,
+                                             copy_backend="cpu"), device_pool=pool)
+    assert len(closed) == 1 and isinstance(closed[0], FileStorage)
+
+
+def test_storage_extra_numbers_positive_or_non_negative_as_each_option_says() -> None:
+    from kvfsm.errors import ConfigError
+    from kvfsm.runtime.storage_options import check_storage_extra
+
+    check_storage_extra("file", {"writers": 1})
+    check_storage_extra("mooncake", {"master_server_addr": "127.0.0.1:50051", "global_segment_size": 0})
+    for backend, extra in (("file", {"writers": 0}),
+                           ("mooncake", {"master_server_addr": "127.0.0.1:50051", "global_segment_size": -1})):
+        with pytest.raises(ConfigError):
+            check_storage_extra(backend, extra)
+
+
+def test_a_config_error_inside_a_mapping_names_its_dotted_field() -> None:
+    from kvfsm.errors import ConfigError
+    from kvfsm.runtime.config import OffloadConfig
+
+    with pytest.raises(ConfigError) as exc:
+        OffloadConfig(storage_extra={1: 2})  # type: ignore[dict-item]
+    assert exc.value.field is not None and exc.value.field.startswith("storage_extra.1."), exc.value.field

@@ -27,7 +27,7 @@ from pydantic import ValidationError
 from kvfsm.dataplane import (CpuCopyEngine, DeviceKVPool, HostKVPool, KVCacheConfig, ReqToTokenPool,
                              TokenSlotAllocator)
 from kvfsm.errors import ConfigError
-from kvfsm.runtime import DecodeOffloadManager, OffloadConfig, ProtectedSize
+from kvfsm.runtime import DecodeOffloadManager, OffloadConfig, SimplePrefixCache
 
 KV = KVCacheConfig(num_layers=2, kv_heads=1, head_dim=4, attention="mha", dtype=torch.float32)
 
@@ -39,7 +39,7 @@ class Pools:
         self.device_pool = DeviceKVPool.create(KV, slots)
         self.allocator = TokenSlotAllocator(slots, page)
         self.table = ReqToTokenPool(rows, 64)
-        self.protected = ProtectedSize()
+        self.protected = SimplePrefixCache()
 
     def manager(self, config: OffloadConfig, **kw: Any) -> DecodeOffloadManager:
         return DecodeOffloadManager(config, device_pool=self.device_pool, allocator=self.allocator,
@@ -362,7 +362,8 @@ def test_a_manager_built_from_a_mooncake_config_stores_and_reads_back(mooncake_m
     pools.device_pool.token_view().copy_(torch.randn_like(pools.device_pool.token_view()))
     manager = pools.manager(config)
     storage = manager.fx.storage
-    assert type(storage).__name__ == "MooncakeStorage" and storage.key_of("h").endswith("_0_1")
+    m = config.model_name.replace("/", "-")
+    assert type(storage).__name__ == "MooncakeStorage" and storage.key_of("h") == [f"{m}_h_0_k", f"{m}_h_0_v"]
     req = Req("r", list(range(10)), pools.table.alloc())
     for step in range(20):
         length = len(req.origin_input_ids) + len(req.output_ids)

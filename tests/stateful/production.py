@@ -87,7 +87,7 @@ from kvfsm.dataplane import KVCacheConfig, ReqToTokenPool, ThreadCpuCopyEngine, 
 from kvfsm.dataplane.pools.allocator import PageSlots
 from kvfsm.dataplane.pools.device_pool import DeviceKVPool
 from kvfsm.dataplane.storage import FaultyStorage, MemoryStorage
-from kvfsm.runtime import DecodeOffloadManager, OffloadConfig, ProtectedSize, SteppedBackupWorker
+from kvfsm.runtime import DecodeOffloadManager, OffloadConfig, SimplePrefixCache, SteppedBackupWorker
 import kvfsm.runtime.backup as backup_mod
 from kvfsm.runtime.backup import BackupWorker
 from kvfsm.runtime.build import close_storage, storage_factory
@@ -274,15 +274,17 @@ def violation(name: str, detail: str) -> tm.InvariantViolation:
 class Life:
     """One lifecycle of one request object, as the engine (the test) made it."""
 
-    __slots__ = ("lid", "req", "serial", "row", "prefix", "prefill", "pages", "ended", "dev_freed", "row_freed",
-                 "prot_freed", "next_start", "chunks", "protected")
+    __slots__ = ("lid", "req", "serial", "row", "prefix", "prefill", "pages", "prefix_pages", "lock", "ended",
+                 "dev_freed", "row_freed", "prot_freed", "next_start", "chunks", "protected")
 
     def __init__(self, lid: int, req: SimRequest, row: int, page_size: int) -> None:
         self.lid, self.req, self.serial, self.row = lid, req, req.serial, row
         self.prefix = 0
         self.protected = False  # its prefix is counted in the protected size
         self.prefill = len(req.origin_input_ids) // page_size * page_size
-        self.pages: dict[int, int] = {}  # device page -> token position of its first slot
+        self.pages: dict[int, int] = {}  # own device page -> token position of its first slot
+        self.prefix_pages: set[int] = set()  # the matched prefix's pages: the prefix cache's, locked by `lock`
+        self.lock: Any = None
         self.ended = self.dev_freed = self.row_freed = self.prot_freed = False
         self.next_start = self.prefill
         self.chunks: list[SChunk] = []
@@ -333,6 +335,7 @@ class Shadow:
         self.pending_copies: dict[tuple[int, ...], list[SChunk]] = {}  # host slots -> chunks, until landed
         self.releasing: Optional[Life] = None
         self.engine_freeing = False
+        self.evicting: Optional[Life] = None  # the lifecycle whose unlocked prefix the prefix cache evicts next
         self.acked = 0  # chunks acknowledged (a FIFO prefix of self.chunks)
         self.ack_floor = 0  # at least this many must be acknowledged (landed before the last progress check)
         self.collected_ok_pages = 0
@@ -375,7 +378,13 @@ class Shadow:
             return life
 
     def protect(self, life: Life) -> None:
-        life.prefix, life.protected = life.req.prefix_len, True
+        """The engine matched the request's prefix and locked it: those pages are the prefix cache's now."""
+        with self.lock:
+            life.prefix, life.protected, life.lock = life.req.prefix_len, True, life.req.lock
+            for page, pos in list(life.pages.items()):
+                if pos < life.prefix:
+                    del life.pages[page]
+                    life.prefix_pages.add(page)
 
     def abandon(self, life: Life) -> None:
         """Admission failed (no device room): the engine freed the row itself."""
@@ -528,6 +537,16 @@ class Shadow:
         with self.lock:
             pages = sorted({s // ps for s in slots})
             self.log.append(("device_free", tuple(sorted(slots))))
+            evicting, self.evicting = self.evicting, None
+            if evicting is not None:  # the prefix cache evicts an unlocked prefix: exactly its pages
+                if set(pages) != evicting.prefix_pages:
+                    self.fail("prefix_eviction", f"{evicting!r}: the prefix cache evicted {pages}, its prefix held "
+                                                 f"{sorted(evicting.prefix_pages)}")
+                for p in pages:
+                    if self.device_owner.get(p) is evicting:
+                        del self.device_owner[p]
+                evicting.prefix_pages = set()
+                return
             owners = {id(self.device_owner.get(p)): self.device_owner.get(p) for p in pages}
             if None in owners.values() or len(owners) != 1:
                 self.fail("release_owner", f"frees pages {pages} of {list(owners.values())} (B9, B11, B12: a page "
@@ -540,6 +559,9 @@ class Shadow:
                 self.fail("release_slots", f"{life!r}: {len(slots)} slots for {len(pages)} pages (B11, B12)")
             if not life.ended:
                 self.fail("release_live", f"{life!r} released while live (premature reuse, B1)")
+            if set(pages) & life.prefix_pages:
+                self.fail("release_prefix_pages", f"{life!r} freed pages {sorted(set(pages) & life.prefix_pages)} of "
+                                                  "its matched prefix, which the prefix cache owns (B16)")
             if set(pages) != set(life.pages):
                 self.fail("release_exact", f"{life!r} freed pages {pages}, owned {sorted(life.pages)} (B5, B8; "
                                            f"lengths read from a request the engine changed?)")
@@ -560,21 +582,26 @@ class Shadow:
             if life is None:
                 self.fail("row_free", f"row {row} freed, owned by nobody (double release, B9)")
                 return
+            if life is not self.releasing and self.releasing is None and life.ended and not life.pages:
+                life.dev_freed, self.releasing = True, life  # owns no page of its own: its release frees none
             if life is not self.releasing or not life.dev_freed:
                 self.fail("row_free", f"row {row} of {life!r} freed outside its release (B8, B9)")
             life.row_freed = True
 
-    def on_protected_release(self, n: int) -> None:
+    def on_unlock(self, lock: Any) -> None:
+        """The manager unlocks a matched prefix: only in its lifecycle's release, after the device pages and
+        the row, with that lifecycle's own lock. The prefix cache then evicts the pages (on_device_free)."""
         with self.lock:
             life = self.releasing
             if life is None or life.prot_freed or not life.row_freed:
-                self.fail("protected_release", f"protected size {n} returned outside a release (B4)")
+                self.fail("protected_release", f"prefix lock {lock!r} unlocked outside a release (B4)")
                 return
-            if n != life.prefix:
-                self.fail("protected_release", f"{life!r} returned protected size {n}, it protected {life.prefix} "
+            if lock is not life.lock:
+                self.fail("protected_release", f"{life!r} unlocked {lock!r}, it locked {life.lock!r} "
                                                "(B3, B4; read from a request the engine changed?)")
             life.prot_freed = True
             self.releasing = None
+            self.evicting = life if lock is not None else None
 
     def on_host_free(self, pages: list[int]) -> None:
         self.refresh_landed()
@@ -811,7 +838,7 @@ class Rank:
         self.device_pool = DeviceKVPool.create(self.kv, slots, device)
         self.allocator = TokenSlotAllocator(slots, self.ps)
         self.table = ReqToTokenPool(sizes.rows, sizes.max_context)
-        self.protected = ProtectedSize()
+        self.protected = SimplePrefixCache(self.allocator)
         self.max_context = sizes.max_context
         q = sizes.backup_queue
         extra: dict[str, Any] = {}
@@ -867,7 +894,7 @@ class Rank:
         _SHADOWS[id(self.host_pool)] = sh
         _before(self.allocator, "free", lambda idx: sh.on_device_free(_slots(idx)))
         _before(self.table, "free", lambda row: sh.on_row_free(int(row)))
-        _before(self.protected, "release_protected", lambda n: sh.on_protected_release(int(n)))
+        _before(self.protected, "unlock", sh.on_unlock)
         _before(self.host_pool, "free_pages", lambda pages: sh.on_host_free([int(p) for p in pages]))
         _before(self.host_pool, "free", lambda idx: sh.on_host_free(sorted({s // ps for s in _slots(idx)})))
         get_bytes = self.host_pool.get_pages_bytes
@@ -1012,7 +1039,8 @@ class Rank:
         self.write_kv(req, 0, req.kv_committed_len)
         if not req.output_ids:
             req.output_ids.append(7)
-        self.protected.protect(req.prefix_len)
+        req.prefix_len = min(req.prefix_len, len(req.origin_input_ids)) // self.ps * self.ps  # whole pages
+        req.lock = self.protected.lock(self.table.read_host(row, 0, req.prefix_len))
         self.shadow.protect(life)
         req.done = False
         return True

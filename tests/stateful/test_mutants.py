@@ -33,7 +33,7 @@ from kvfsm.verify.engine import SimEngine
 
 import test_manager_machine as tm
 from tp_threads import ThreadGroup, route_all_reduce
-from catalog_faults import b1, b2, b3, b3_host, b4, b5, b6, b6_readmit, b7, b8, b9, b10, b11, b12, b13, b14, b15
+from catalog_faults import b1, b2, b3, b3_host, b4, b5, b6, b6_readmit, b7, b8, b9, b10, b11, b12, b13, b14, b15, b16
 
 DEEP = tm.DEEP
 REPORT: dict[str, dict[str, Any]] = {}
@@ -57,6 +57,7 @@ MUTANTS: dict[str, tuple[str, Callable[[pytest.MonkeyPatch], None], bool]] = {
     "B12": ("duplicate id in one free batch", b12, True),
     "B13": ("failed transfer treated as success", b13, True),
     "B15": ("copy that silently moves nothing", b15, True),
+    "B16": ("release frees the prefix cache's pages", b16, True),
 }
 
 # Shrinking a failing run costs minutes per mutant; CI only needs the catch. The report script turns it on,
@@ -266,7 +267,7 @@ def test_zz_report(request: pytest.FixtureRequest, tmp_path: Path) -> None:
     caught inside the machine's steps with a named first check, and the Markdown report (written to
     KVFSM_MUTANT_REPORT when set, docs/mutants.md by report_mutants.py) says so row by row."""
     ids = _catalog_ids()
-    assert ids == [f"B{i}" for i in range(1, 16)], ids
+    assert ids == [f"B{i}" for i in range(1, 17)], ids
     covered = {mid.split("-")[0] for mid in MUTANTS} | {"B14"}
     assert set(ids) <= covered, f"catalog classes without a mutant: {sorted(set(ids) - covered)}"
     if not REPORT:

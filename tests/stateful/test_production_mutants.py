@@ -186,7 +186,7 @@ def release_reads_current_row(mp: pytest.MonkeyPatch) -> None:
 
 
 def release_reads_current_prefix(mp: pytest.MonkeyPatch) -> None:
-    """A release returns the protected size the request object names then, not the one it protected."""
+    """A release frees from the prefix length the request object names then, not the one it matched."""
     def make(orig: Callable) -> Callable:
         def release_request(self: Any, m: Any, arg: Any) -> None:
             m.ctx.prefix_len = int(m.ctx.req.prefix_len)
@@ -313,12 +313,14 @@ MUTANTS: dict[str, Mutant] = {
     "B13-unchecked": Mutant("unchecked shadow", U, b13, ("stored_means_confirmed", "metric_stored_pages")),
     # the engine resets or reuses an ended request object before its deferred release
     "release-reads-current-lengths": Mutant("request mutation", U, release_reads_current_lengths,
-                                            ("release_owner", "release_exact", "DoubleFree", "PartialPage")),
+                                            ("release_owner", "release_exact", "DoubleFree", "PartialPage",
+                                             "row_free")),
     "release-reads-current-row": Mutant("request mutation", U, release_reads_current_row,
                                         ("release_owner", "release_exact", "release_live", "row_free",
                                          "partial_release")),
     "release-reads-current-prefix": Mutant("request mutation", U, release_reads_current_prefix,
-                                           ("protected_release", "ValueError")),
+                                           ("protected_release", "ValueError", "DoubleFree", "release_exact",
+                                            "release_prefix_pages", "release_owner")),
     # metrics against the ledger's truth
     "gauge-stale-after-offload": Mutant("metrics", U, gauge_stale_after_offload, ("gauge_copies_in_flight",)),
     "gauge-forgets-parked": Mutant("metrics", "deferred-stepped-memory+faulty-tp1-checked", gauge_forgets_parked,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from catalog_faults import b1, b2, b3_engine as b3_faults, b5, b6_readmit, b7, b8, b9, b10, b13, b15
+from catalog_faults import b1, b2, b3_engine as b3_faults, b5, b6_readmit, b7, b8, b9, b10, b13, b15, b16
 from kvfsm.dataplane.pools.allocator import PageSlots
 from kvfsm.runtime.manager import DecodeOffloadManager
 from kvfsm.verify.commands import check
@@ -137,7 +137,7 @@ ONE = ExplorerConfig(requests=1)
 MUTANTS = {
     "B1": (b1, None, ONE, 3, {"live_slot_not_free", "device_accounting"}),
     "B2": (b2, None, ONE, 4, {"CheckedModeError"}),
-    "B3": (None, b3_faults, ONE, 2, {"protected_accounting"}),
+    "B3": (None, b3_faults, ONE, 2, {"protected_accounting", "device_accounting"}),
     "B5": (b5, None, ExplorerConfig(requests=1, speculative=1), 3, {"device_accounting"}),
     "B6-readmit": (b6_readmit, None, ExplorerConfig(requests=1, readmits=1), 4, None),
     "B7": (b7, None, ExplorerConfig(requests=1, decodes=3, host_slots=2), 6, {"offload_nothing_changes_nothing"}),
@@ -146,6 +146,7 @@ MUTANTS = {
     "B10": (b10, None, ONE, 7, None),
     "B13": (b13, None, ONE, 7, {"stored_means_in_storage"}),
     "B15": (b15, None, ONE, 4, {"host_kv_content"}),
+    "B16": (b16, None, ONE, 2, {"CheckedModeError"}),
 }
 FOUND: dict[str, tuple[int, str, int]] = {}
 

@@ -16,7 +16,7 @@ from kvfsm.verify.replay import check_trace, default_spec_path
 
 SPEC = load_spec(default_spec_path())
 Z = {"copies": 0, "parked": 0, "backups": 0}
-RELEASE = ["device_slots", "table_row", "protected_prefix"]
+RELEASE = ["device_slots", "table_row", "prefix_lock"]
 
 
 def _line(req: str, event: str, src: str, dst: str, tid: int, counters: dict[str, int], acquired=(),

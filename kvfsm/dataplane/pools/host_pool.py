@@ -133,7 +133,20 @@ class HostKVPool:
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """n host slot indices (int64, CPU), whole pages, or None when too few pages are free."""
+        if self.released:
+            raise RuntimeError("host pool released (release()): it holds no memory any more")
         return self.allocator.alloc(n)
+
+    @property
+    def released(self) -> bool:
+        return self.kv_buffer.numel() == 0 and self.size > 0
+
+    def release(self) -> None:
+        """Give the (pinned) buffer back now, at shutdown, rather than when the last reference goes; only a pool
+        no slot of which is allocated may be released."""
+        if self.free_slots != self.capacity:
+            raise RuntimeError(f"host pool release with {self.capacity - self.free_slots} slots still allocated")
+        self.kv_buffer = torch.empty(0, dtype=self.config.dtype)
 
     def free(self, indices: IndexLike) -> None:
         self.allocator.free(indices)

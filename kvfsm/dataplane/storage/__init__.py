@@ -1,7 +1,8 @@
 """L3 storage: page-keyed backends for host pages serialised as flat uint8 tensors.
 
 - `base`: the `StorageBackend` protocol the runtime depends on, key suffixes, shared stats.
-- `file`: `FileStorage`, the embedded default (one checksummed file per page, atomic publish).
+- `file`: `FileStorage`, the embedded default (SGLang HiCacheFile's raw page files plus checksum sidecars,
+  atomic publish).
 - `memory`: `MemoryStorage`, a dict, for tests and demos.
 - `faulty`: `FaultyStorage`, fault injection around any backend, for tests.
 - `mooncake`: `MooncakeStorage`, a shared distributed store (`pip install 'kvfsm[mooncake]'`; imported

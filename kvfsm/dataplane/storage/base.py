@@ -43,7 +43,8 @@ def _check_batch(keys: Sequence[str], pages: Sequence[torch.Tensor]) -> None:
 
 
 def storage_key_suffix(model_name: str = "", tp_rank: int = 0, tp_size: int = 1, is_mla: bool = False) -> str:
-    """SGLang HiCacheFile's per-deployment key suffix."""
+    """SGLang HiCacheFile's per-deployment key suffix (`HiCacheFile.__init__`'s `config_suffix`, without
+    pipeline or context parallelism): `_{model}_{tp_rank}_{tp_size}`, or `_{model}` for MLA, "/" -> "-"."""
     model = "-".join(model_name.split("/")) if model_name else ""
     return f"_{model}" if is_mla else f"_{model}_{tp_rank}_{tp_size}"
 
@@ -56,3 +57,4 @@ class StorageStats:
     reads_ok: int = 0
     reads_missing: int = 0
     reads_corrupt: int = 0
+    reads_unverified: int = 0  # of reads_ok: pages no checksum vouches for (FileStorage: SGLang-written, no sidecar)

@@ -4,18 +4,22 @@ Install with `pip install 'kvfsm[mooncake]'` (the non-CUDA wheel; CUDA hosts ins
 `mooncake-transfer-engine` wheel instead). `mooncake` is imported only when a `MooncakeStorage` is built, so
 kvfsm imports without it. The binaries need `libibverbs1` even for the TCP protocol.
 
-Keys are `{page hash}{suffix}` with FileStorage's suffix (`_{model}_{tp_rank}_{tp_size}`, `_{model}` for MLA),
-so engines of one deployment (same model, same TP rank) share pages and nothing else does.
+Keys are SGLang 0.5.23 MooncakeStore's (`client.sglang_mooncake_keys`): an MHA page is two objects,
+`{model}_{hash}_{tp_rank}_k` and `..._v` (its K and V planes), an MLA page one, `{model}_{hash}__k`, so a kvfsm
+decode and an SGLang prefill of one deployment see each other's pages (the object bytes follow SGLang's
+`--hicache-mem-layout`: MooncakeStorage(layout=...), docs/page-layout.md). A page is stored, found or read
+only when all of its objects are.
 
 Data path (one client call per batch, no per-page round trips):
-  * batch_set -> `batch_put_from` with each page's own address. A page inside a registered region
+  * batch_set -> `batch_put_from` with each object's own address. A page inside a registered region
     (`register_buffer`, `register_host_pool`, the read pool) is always sent in place; any other page too
     when the protocol lets the transfer engine read unregistered host memory (`tcp`), else it is staged
     through a registered buffer first (one memcpy). `batch_set_from_host` gathers pages straight out of a
-    registered HostKVPool (`batch_put_from_multi_buffers`, one range per plane and layer, per token for
-    page_first), no serialisation copy at all.
-  * batch_get -> `batch_get_into` straight into recycled page buffers (registered when the transport
-    needs it) that the returned tensors alias; a buffer is reused only once nothing references it any
+    registered HostKVPool (`batch_put_from_multi_buffers`, each object as few ranges as the two layouts
+    allow: one when the pool's layout and the store's agree), no serialisation copy at all.
+  * batch_get -> `batch_get_into` straight into recycled object buffers (registered when the transport
+    needs it) that the returned tensors alias (a page's K and V land side by side and are returned as one
+    view; a page_first store reorders, one copy); a buffer is reused only once nothing references it any
     more, so a read neither copies nor page-faults fresh memory.
   * batch_exists -> `batch_is_exist`, counted as a prefix.
 

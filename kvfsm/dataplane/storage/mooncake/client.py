@@ -18,13 +18,37 @@ from typing import Any
 
 import torch
 
-from ..base import StorageStats, _check_batch, storage_key_suffix
+from ..base import StorageStats, _check_batch
 from .connect import _host_port, connect
 from .errors import INVALID_PARAMS, OBJECT_ALREADY_EXISTS, OBJECT_NOT_FOUND, OK, RPC_FAIL, TIMEOUT, error_name
 from .read_pool import _ReadPool
 from .runner import _Runner
 
 logger = logging.getLogger(__package__)  # the backend's one logger, as before the package split
+
+LAYOUTS = ("layer_first", "page_first")
+
+
+def sglang_mooncake_prefix(model_name: str = "", backend_tag: str | None = None) -> str | None:
+    """SGLang 0.5.23 MooncakeStore's `config_prefix`: `{extra_backend_tag}_{model}` ("/" -> "-"), either
+    part left out when unset; None when both are."""
+    parts = [] if backend_tag is None else [str(backend_tag)]
+    if model_name:
+        parts.append("-".join(model_name.split("/")))
+    return "_".join(parts) if parts else None
+
+
+def sglang_mooncake_keys(page_hash: str, *, model_name: str = "", tp_rank: int = 0, is_mla: bool = False,
+                         backend_tag: str | None = None) -> list[str]:
+    """The object keys SGLang 0.5.23's MooncakeStore (`batch_set_v1`: `_tag_keys`, `_get_mha_buffer_meta` /
+    `_get_mla_buffer_meta`) stores one KV page under, without pipeline, decode-context parallelism or
+    split heads: `{prefix}_{hash}_{tp_rank}_k` and `..._v` for MHA (K and V are separate objects; no TP
+    size in the key), `{prefix}_{hash}__k` for MLA (one latent object, shared by every rank)."""
+    prefix = sglang_mooncake_prefix(model_name, backend_tag)
+    tagged = page_hash if prefix is None else f"{prefix}_{page_hash}"
+    if is_mla:
+        return [f"{tagged}__k"]
+    return [f"{tagged}_{tp_rank}_k", f"{tagged}_{tp_rank}_v"]
 
 
 @dataclass
@@ -43,6 +67,15 @@ class MooncakeStorage:
     local_hostname: address this client advertises to its peers (loopback only works on one host).
     global_segment_size: bytes of this process's memory given to the store (0: a pure client).
     page_nbytes: page size for reads (learned from the first write or the first stored key otherwise).
+    layout: the byte order of each object, as SGLang's `--hicache-mem-layout` of the peers: "layer_first"
+        (each plane's (layers, tokens) in kvfsm's canonical order; SGLang's page_first_direct, and its
+        layer_first for MLA) or "page_first" (SGLang's default: tokens before layers; needs `page_dims`).
+    page_dims: (planes, layers, page_size), to reorder "page_first" objects (planes: 2 MHA, 1 MLA).
+    backend_tag: SGLang's `extra_backend_tag`, the first part of the key prefix (default: none).
+
+    Keys are SGLang 0.5.23's (`sglang_mooncake_keys`): an MHA page is two objects, its K half and its V
+    half, an MLA page one, so a kvfsm decode and an SGLang prefill of one deployment read each other's
+    pages. A page is stored, found or read only when all of its objects are.
     """
 
     def __init__(
@@ -60,6 +93,9 @@ class MooncakeStorage:
         tp_size: int = 1,
         is_mla: bool = False,
         page_nbytes: int | None = None,
+        layout: str = "layer_first",
+        page_dims: tuple[int, int, int] | None = None,
+        backend_tag: str | None = None,
         replica_num: int = 1,
         op_timeout_s: float = 10.0,
         setup_timeout_s: float = 30.0,
@@ -74,7 +110,23 @@ class MooncakeStorage:
         host, _ = _host_port(master_server_addr, 50051)
         self.metadata_server = metadata_server or f"http://{host}:8080/metadata"
         self.protocol = protocol
-        self.suffix = storage_key_suffix(model_name, tp_rank, tp_size, is_mla)
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        self.planes = 1 if is_mla else 2
+        if page_dims is not None:
+            page_dims = tuple(page_dims)  # type: ignore[assignment]
+            if len(page_dims) != 3 or not all(isinstance(d, int) and d > 0 for d in page_dims) \
+                    or page_dims[0] != self.planes:
+                raise ValueError(f"page_dims must be ({self.planes}, layers, page_size) positive ints, got {page_dims!r}")
+        elif layout == "page_first":
+            raise ValueError("layout='page_first' needs page_dims=(planes, layers, page_size) to reorder objects")
+        if page_nbytes is not None and (page_nbytes <= 0 or page_nbytes % self.planes):
+            raise ValueError(f"page_nbytes must be a positive multiple of {self.planes}, got {page_nbytes}")
+        self.layout, self.page_dims = layout, page_dims
+        self.model_name, self.tp_rank, self.is_mla, self.backend_tag = model_name, tp_rank, is_mla, backend_tag
+        prefix = sglang_mooncake_prefix(model_name, backend_tag)
+        self._prefix = "" if prefix is None else prefix + "_"
+        self._object_suffixes = ["__k"] if is_mla else [f"_{tp_rank}_k", f"_{tp_rank}_v"]
         self.page_nbytes = page_nbytes
         self.op_timeout_s = float(op_timeout_s)
         self.close_timeout_s = float(close_timeout_s)
@@ -109,11 +161,11 @@ class MooncakeStorage:
         return cls(extra.pop("master_server_addr"), tp_rank=tp_rank, tp_size=tp_size, is_mla=is_mla, **extra)
 
     # ---- keys, regions ----------------------------------------------------------------------------------
-    def key_of(self, key: str) -> str:
-        """The Mooncake object key of page hash `key` (deployment suffix: model, TP rank and size)."""
+    def key_of(self, key: str) -> list[str]:
+        """The Mooncake object keys of page hash `key`: SGLang's, K then V for MHA, one for MLA."""
         if not isinstance(key, str) or not key:
             raise ValueError(f"storage key must be a non-empty string, got {key!r}")
-        return key + self.suffix
+        return [self._prefix + key + sfx for sfx in self._object_suffixes]
 
     def register_buffer(self, tensor: torch.Tensor) -> None:
         """Register a CPU tensor's memory with the client: pages inside it are sent in place."""
@@ -215,29 +267,60 @@ class MooncakeStorage:
 
     # ---- writes ----------------------------------------------------------------------------------------------
     def _mkeys(self, keys: Sequence[str]) -> list[str]:
-        suffix = self.suffix
+        """The object keys of pages `keys`, page by page (K, V per MHA page)."""
+        prefix, sfx = self._prefix, self._object_suffixes
         try:
-            mkeys = [k + suffix for k in keys]
+            mkeys = [prefix + k + s for k in keys for s in sfx]
         except TypeError:
             mkeys = []
-        if len(mkeys) != len(keys) or not all(keys):
+        if len(mkeys) != len(keys) * len(sfx) or not all(keys):
             bad = next(k for k in keys if not isinstance(k, str) or not k)
             raise ValueError(f"storage key must be a non-empty string, got {bad!r}")
         return mkeys
+
+    def _objects_of(self, page: torch.Tensor) -> list[torch.Tensor]:
+        """A canonical page's objects in the store's byte order (views for layer_first, copies otherwise)."""
+        flat = page.reshape(-1)
+        if self.layout == "layer_first":
+            return list(flat.view(self.planes, -1)) if self.planes > 1 else [flat]
+        p, l, t = self.page_dims  # type: ignore[misc]
+        if flat.numel() % (p * l * t):
+            raise ValueError(f"a {flat.numel()}-byte page does not split into page_dims {self.page_dims}")
+        return list(flat.view(p, l, t, -1).transpose(1, 2).contiguous().view(p, -1))
+
+    def _page_of(self, objs: list[torch.Tensor]) -> torch.Tensor:
+        """A page's objects back to canonical bytes. layer_first: the object itself (MLA), or, for K and V
+        read into adjacent buffers (the common case: one read-pool run per batch), one view over both, so
+        the page aliases the read buffer as before; else a copy."""
+        if self.layout == "layer_first":
+            if len(objs) == 1:
+                return objs[0]
+            k, v = objs
+            if (v.data_ptr() == k.data_ptr() + k.numel() and k.is_contiguous() and v.is_contiguous()
+                    and k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()):
+                return torch.as_strided(k, (k.numel() + v.numel(),), (1,), k.storage_offset())
+            return torch.cat(objs)
+        p, l, t = self.page_dims  # type: ignore[misc]
+        return torch.stack(objs).view(p, t, l, -1).transpose(1, 2).contiguous().view(-1)
+
+    def _pages_ok(self, codes: Sequence[Any], ok_object: Callable[[Any], bool]) -> list[bool]:
+        k = self.planes
+        return [all(ok_object(c) for c in codes[i:i + k]) for i in range(0, len(codes), k)]
 
     def batch_set(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[bool]:
         _check_batch(keys, pages)
         if not keys:
             return []
         mkeys = self._mkeys(keys)
-        held: list[Any] = list(pages)  # everything the client reads stays referenced until the call returns
-        ptrs: list[int] = []
-        sizes: list[int] = []
-        for i, t in enumerate(held):
+        held: list[Any] = []  # everything the client reads stays referenced until the call returns
+        for t in pages:
             if not (t.is_cpu and t.is_contiguous()):
-                t = held[i] = t.detach().to("cpu").contiguous()
-            ptrs.append(t.data_ptr())
-            sizes.append(t.numel())
+                t = t.detach().to("cpu").contiguous()
+            if t.numel() % self.planes:
+                raise ValueError(f"a {t.numel()}-byte page does not split into {self.planes} objects (K, V)")
+            held.extend(self._objects_of(t))
+        ptrs: list[int] = [t.data_ptr() for t in held]
+        sizes: list[int] = [t.numel() for t in held]
         if not self.direct_unregistered:
             self._stage(held, ptrs, sizes)
         n = len(mkeys)
@@ -265,15 +348,16 @@ class MooncakeStorage:
             codes = [INVALID_PARAMS] * n
             for i, rc in zip(todo, rcs):
                 codes[i] = rc
-        ok = [c == OK or c == OBJECT_ALREADY_EXISTS for c in codes]
+        good_obj = [c == OK or c == OBJECT_ALREADY_EXISTS for c in codes]
+        ok = self._pages_ok(codes, lambda c: c == OK or c == OBJECT_ALREADY_EXISTS)
         n_ok = ok.count(True)
         with self._lock:
             self.stats.writes_ok += n_ok
-            self.stats.writes_failed += n - n_ok
+            self.stats.writes_failed += len(ok) - n_ok
         if n_ok and self.page_nbytes is None and len(set(sizes)) == 1:
-            self.page_nbytes = sizes[0]
-        if n_ok < n:
-            self._note("put", [c for c, good in zip(codes, ok) if not good], n)
+            self.page_nbytes = sizes[0] * self.planes
+        if n_ok < len(ok):
+            self._note("put", [c for c, good in zip(codes, good_obj) if not good], n)
         return ok
 
     def _stage(self, held: list[Any], ptrs: list[int], sizes: list[int]) -> None:
@@ -299,9 +383,10 @@ class MooncakeStorage:
     def batch_set_from_host(self, keys: Sequence[str], host_pool: Any, host_indices: Any) -> list[bool]:
         """Store host pages straight from a registered HostKVPool (no serialisation copy), per-page success.
 
-        The object bytes are the canonical page order of `HostKVPool.get_pages_bytes`, so pages stored here
-        read back with batch_get / set_pages_bytes like any other. The pages must stay allocated (and
-        unchanged) until this returns.
+        Each object (a page's K or V plane, or its MLA latent) is gathered from the pool in the store's
+        byte order, as few ranges as the pool's layout allows (one when the pool's layout and the store's
+        agree: SGLang's zero-copy case), so pages stored here read back with batch_get / set_pages_bytes
+        like any other. The pages must stay allocated (and unchanged) until this returns.
         """
         if not keys:
             return []
@@ -310,21 +395,26 @@ class MooncakeStorage:
         starts = idx.view(-1, ps)[:, 0]
         if len(keys) != starts.numel():
             raise ValueError(f"{len(keys)} keys but {starts.numel()} pages")
+        tv = host_pool.token_view()  # (planes, L, size, H, D)
+        planes, layers = tv.shape[0], tv.shape[1]
+        if planes != self.planes:
+            raise ValueError(f"a host pool of {planes} planes for a store of {self.planes} (is_mla={self.is_mla})")
+        if self.page_dims is not None and self.page_dims != (planes, layers, ps):
+            raise ValueError(f"host pool pages are {(planes, layers, ps)}, this store's page_dims {self.page_dims}")
         self.register_host_pool(host_pool)
         mkeys = self._mkeys(keys)
-        tv = host_pool.token_view()  # (planes, L, size, H, D)
         es = tv.element_size()
-        token_bytes = tv.shape[3] * tv.shape[4] * es
+        row = tv.shape[3] * tv.shape[4] * es  # one token of one (plane, layer): contiguous in both layouts
         st = tv.stride()
-        grid = (torch.arange(tv.shape[0]).view(-1, 1) * st[0] + torch.arange(tv.shape[1]).view(1, -1) * st[1]).view(1, -1)
-        if st[2] * es == token_bytes:  # a page's tokens are contiguous per (plane, layer): one range each
-            addrs = (tv.data_ptr() + (starts.view(-1, 1) * st[2] + grid) * es).tolist()
-            piece = ps * token_bytes
-        else:  # page_first: one range per token
-            tok = starts.view(-1, 1, 1) + torch.arange(ps).view(1, 1, -1)
-            addrs = (tv.data_ptr() + (tok * st[2] + grid.view(1, -1, 1)) * es).reshape(starts.numel(), -1).tolist()
-            piece = token_bytes
-        sizes = [[piece] * len(addrs[0]) for _ in addrs]
+        # byte offsets of the (layer, token) rows of one object, in the object's order, merged into runs
+        lt = torch.arange(layers).view(-1, 1) * st[1] + torch.arange(ps).view(1, -1) * st[2]
+        rows = (lt if self.layout == "layer_first" else lt.t()).reshape(-1) * es
+        breaks = torch.nonzero(rows[1:] - rows[:-1] != row).view(-1) + 1
+        run_starts = torch.cat([torch.zeros(1, dtype=torch.long), breaks])
+        run_bytes = (torch.diff(torch.cat([run_starts, torch.tensor([rows.numel()])])) * row).tolist()
+        base = (starts.view(-1, 1) * st[2] + torch.arange(planes).view(1, -1) * st[0]) * es + tv.data_ptr()
+        addrs = (base.view(-1, 1) + rows[run_starts].view(1, -1)).tolist()  # one list per object, page by page
+        sizes = [run_bytes] * len(addrs)
         client, held = self.client, host_pool.kv_buffer
 
         def put() -> Any:
@@ -334,13 +424,14 @@ class MooncakeStorage:
         status, rcs = self._call(put, self._late_put_cleanup(mkeys))
         codes: list[int | str] = ([int(rc) for rc in rcs] if status == "ok" and len(rcs) == len(mkeys)
                                   else [status] * len(mkeys))
-        ok = [c == OK or c == OBJECT_ALREADY_EXISTS for c in codes]
+        good_obj = [c == OK or c == OBJECT_ALREADY_EXISTS for c in codes]
+        ok = self._pages_ok(codes, lambda c: c == OK or c == OBJECT_ALREADY_EXISTS)
         with self._lock:
             self.stats.writes_ok += sum(ok)
             self.stats.writes_failed += len(ok) - sum(ok)
         if any(ok) and self.page_nbytes is None:
             self.page_nbytes = host_pool.page_nbytes
-        self._note("put", [c for c, good in zip(codes, ok) if not good], len(keys))
+        self._note("put", [c for c, good in zip(codes, good_obj) if not good], len(keys))
         return ok
 
     # ---- reads -------------------------------------------------------------------------------------------------
@@ -424,18 +515,22 @@ class MooncakeStorage:
         return codes, rows
 
     def batch_get(self, keys: Sequence[str]) -> list[torch.Tensor | None]:
+        """Each page's objects read into recycled buffers and put together as the canonical page bytes (the
+        object itself for layer_first MLA; one copy joining K and V, or reordering page_first); None where
+        any object of the page is missing or of another size than its sibling."""
         if not keys:
             return []
         mkeys = self._mkeys(keys)
-        n = len(mkeys)
+        n, k = len(mkeys), self.planes
         nbytes = self.page_nbytes
         if nbytes:
-            codes, rows = self._get_into(mkeys, [nbytes] * n)
-            if codes.count(nbytes) == n:  # the common case: every page there, of the expected size
+            osize = nbytes // k
+            codes, rows = self._get_into(mkeys, [osize] * n)
+            sizes = [osize] * n
+            if codes.count(osize) == n:  # the common case: every object there, of the expected size
                 with self._lock:
-                    self.stats.reads_ok += n
-                return rows
-            sizes = [nbytes] * n
+                    self.stats.reads_ok += len(keys)
+                return [self._page_of(rows[i:i + k]) for i in range(0, n, k)]
         else:  # nothing written or configured yet: ask the store
             codes, rows, sizes = [INVALID_PARAMS] * n, [None] * n, [0] * n
         # Objects of another size than expected (buffer too small, or no size known): ask and fetch again.
@@ -451,19 +546,27 @@ class MooncakeStorage:
                 for (i, sz), c, r in zip(fetch, c2, r2):
                     codes[i], rows[i], sizes[i] = c, r, sz
                 if self.page_nbytes is None and len({sz for _, sz in fetch}) == 1:
-                    self.page_nbytes = fetch[0][1]
+                    self.page_nbytes = fetch[0][1] * k
         out: list[torch.Tensor | None] = []
         bad: list[int | str] = []
         ok = missing = 0
-        for c, r, size in zip(codes, rows, sizes):
-            if isinstance(c, int) and 0 <= c <= size and r is not None:
+        for i in range(0, n, k):
+            cs, rs, szs = codes[i:i + k], rows[i:i + k], sizes[i:i + k]
+            # an object read whole: all its bytes, into a buffer of at least its size
+            whole = all(isinstance(c, int) and 0 < c <= sz and r is not None for c, r, sz in zip(cs, rs, szs))
+            page = None
+            if whole and len(set(cs)) == 1:  # K and V of one size
+                try:
+                    page = self._page_of([r if c == sz else r[:c] for c, r, sz in zip(cs, rs, szs)])  # type: ignore[index]
+                except RuntimeError:  # a size page_dims cannot reorder: not a page of this deployment
+                    page = None
+            if page is not None:
                 ok += 1
-                out.append(r if c == size else r[:c])  # a smaller object than the buffer: its bytes
+                out.append(page)
                 continue
             out.append(None)
             missing += 1
-            if c != OBJECT_NOT_FOUND:
-                bad.append(c)
+            bad.extend(c for c in cs if c != OBJECT_NOT_FOUND and not (isinstance(c, int) and c > 0))
         with self._lock:
             self.stats.reads_ok += ok
             self.stats.reads_missing += missing
@@ -484,8 +587,8 @@ class MooncakeStorage:
             if rc != 1:
                 if rc != 0:
                     self._note("exists", [int(rc)], len(keys))
-                return i
-        return len(rcs)
+                return i // self.planes  # a page counts when all its objects are there
+        return len(rcs) // self.planes
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     def health(self) -> int:
@@ -494,11 +597,14 @@ class MooncakeStorage:
         return int(rc) if status == "ok" else -1
 
     def remove(self, keys: Sequence[str]) -> list[int]:
-        """Remove pages by page hash (tests and tools); the client's status per key."""
+        """Remove pages by page hash (tests and tools): per page, 0 or the first of its objects' errors."""
         mkeys = self._mkeys(keys)
         client = self.client
         status, rcs = self._call(lambda: client.batch_remove(mkeys, True))
-        return list(rcs) if status == "ok" else [RPC_FAIL] * len(mkeys)
+        if status != "ok" or not isinstance(rcs, (list, tuple)) or len(rcs) != len(mkeys):
+            return [RPC_FAIL] * len(keys)
+        k = self.planes
+        return [next((int(c) for c in rcs[i:i + k] if c != 0), 0) for i in range(0, len(rcs), k)]
 
     def close(self) -> None:
         """Close the client once no call is running; waits at most close_timeout_s for that.
