@@ -1,0 +1,238 @@
+"""`DecodeKVCacheOffloadManager`: SGLang 0.5.23's decode KV offload manager, driven by kvfsm's runtime.
+
+A drop-in for `sglang.srt.disaggregation.decode_kvcache_offload_manager.DecodeKVCacheOffloadManager`:
+the same constructor and methods, called by SGLang's scheduler at the same sites (docs/sglang-upstream.md),
+over SGLang's own Req, ReqToTokenPool, allocator, KV pool and tree cache. Every lifecycle step is a
+transition of kvfsm's spec-generated machine (`kvfsm.runtime.DecodeOffloadManager`); this class only
+translates SGLang's objects (`objects.py`, `pool.py`) and configuration (`settings.py`) into kvfsm's.
+
+What differs from upstream on purpose (docs/sglang-upstream.md has upstream's side):
+- TP ranks whose sizes (page, stride, host pool) differ are refused at construction (`TPMismatch` on
+  every rank) instead of stranding a rank's copies as upstream's MIN agreement does.
+- A page that fails to store does not drop the pages after it in its chunk (kvfsm's FileStorage writes
+  each page on its own; HiCacheFile's batch stops at the first failure).
+- A chunk is never larger than the host pool (a longer backlog goes in several chunks); upstream would
+  retry an oversized chunk forever.
+- SGLang releases a retracted request itself; the adapter then ends its kvfsm lifecycle (releases muted,
+  see `_end_released_by_engine`). Re-admitted, the request starts a new lifecycle and copies its decoded
+  KV again from its first decode chunk (same keys: the store keeps the pages it has); upstream keeps its
+  offload state across the retraction and carries on after its last chunk.
+- CPU only: pools on CUDA are refused at construction with a ConfigError (see pool.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterator, Mapping
+
+from kvfsm.dataplane import FileStorage, HostKVPool
+from kvfsm.errors import ConfigError, RetractionRefused
+from kvfsm.runtime import DecodeOffloadManager, OffloadConfig, TPMismatch
+from kvfsm.runtime.tp import ProgressConsensus
+
+import kvfsm.generated.decode_offload as spec_gen
+
+from .objects import AllocatorView, Mute, PrefixCacheView, RequestViews, TableView
+from .pool import LayerwiseCopyEngine, SGLangDeviceKVPool
+from .settings import SOURCE, read_settings
+
+logger = logging.getLogger(__name__)
+
+_ROW_HOLDERS = frozenset(s for s, held in spec_gen.HOLDS.items() if "table_row" in held)
+UPSTREAM_REFUSAL = "Decode KV offload copies are still pending on some rank; refusing to retract"
+
+
+class RetractionRefusedError(RetractionRefused, RuntimeError):
+    """kvfsm's RetractionRefused that is also the RuntimeError upstream raises (with upstream's message
+    first), so SGLang code that expects upstream's exception sees the same type and text."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.args = (f"{UPSTREAM_REFUSAL} ({reason}).",)
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+class _CopiesInFlight(Mapping[int, int]):
+    """`ongoing_offload` as the scheduler uses it: its length is the number of device-to-host copies
+    submitted and not yet acknowledged by a progress check (upstream: one entry per chunk). Read-only."""
+
+    def __init__(self, manager: DecodeOffloadManager) -> None:
+        self._manager = manager
+
+    def __len__(self) -> int:
+        return len(self._manager.fx.copy_fifo)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter([chunk.serial for chunk in self._manager.fx.copy_fifo])
+
+    def __getitem__(self, key: int) -> int:
+        for chunk in self._manager.fx.copy_fifo:
+            if chunk.serial == key:
+                return chunk.end - chunk.start
+        raise KeyError(key)
+
+
+class DecodeKVCacheOffloadManager:
+    """SGLang's decode-side KV offload manager over kvfsm's DecodeOffloadManager (see the module docstring).
+
+    Retraction is always kvfsm's `retraction="fail_closed"` policy (upstream's rule: `drain_before_retraction`
+    raises on every TP rank while any device-to-host copy is tracked). kvfsm's "deferred" policy defers the
+    release of a retracted request to its last copy ack, but SGLang never asks the manager to retract: it
+    releases retracted requests itself right after the drain, so only refusing the drain keeps their slots
+    from being freed under a copy. `checked=True` runs kvfsm's slot ledger and spec invariants on every
+    transition (tests)."""
+
+    def __init__(self, req_to_token_pool: Any, token_to_kv_pool_allocator: Any, tp_group: Any, tree_cache: Any,
+                 *, checked: bool = False) -> None:
+        kv_cache = token_to_kv_pool_allocator.get_kvcache()
+        device_pool = SGLangDeviceKVPool(kv_cache)  # ConfigError: SWA, other pool types, fp8, CUDA
+        table = req_to_token_pool.req_to_token
+        if table.device.type != "cpu":
+            raise ConfigError("req_to_token_pool", f"req_to_token is on {table.device}: kvfsm's manager reads "
+                                                   f"slot indices from a host mirror, which SGLang's GPU table "
+                                                   f"lacks", SOURCE)
+        kv = device_pool.config
+        settings = read_settings(int(kv_cache.size), kv.bytes_per_token, tp_group)
+        if int(token_to_kv_pool_allocator.page_size) != settings.page_size:
+            raise ConfigError("page_size", f"the allocator's page size {token_to_kv_pool_allocator.page_size} differs "
+                                           f"from the server's {settings.page_size}", SOURCE)
+        consensus = ProgressConsensus(tp_group)
+        sizes = (settings.page_size, settings.stride, settings.host_slots)
+        if not consensus.check_same(*sizes):
+            # upstream would run, and a rank whose host pool refuses a chunk its peer took strands the peer's
+            # copies (docs/sglang-upstream.md, "TP: the MIN agreement strands a rank")
+            raise TPMismatch(f"TP ranks disagree on (page size, stride, host pool tokens) = {sizes} on rank "
+                             f"{settings.tp_rank}: every rank needs the same sizes")
+        self.page_size = settings.page_size
+        self.offload_stride = settings.stride
+        self.tp_group = tp_group
+        self.tp_world_size = consensus.world
+        self.kv_cache = kv_cache
+        self.req_to_token_pool = req_to_token_pool
+        self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
+        self.tree_cache = tree_cache
+        self.settings = settings
+        self._views = RequestViews()
+        self._mute = Mute()
+        self._retraction_allowed = False  # drain_before_retraction passed: SGLang may release requests itself
+        self._released = False  # release_host_resources ran
+        host_pool = HostKVPool(kv, settings.host_slots, settings.page_size, settings.host_layout, pin_memory=False)
+        storage = FileStorage(settings.file_dir, model_name=settings.model_name, tp_rank=settings.tp_rank,
+                              tp_size=settings.tp_size, is_mla=kv.is_mla, layout=settings.file_layout,
+                              page_dims=(kv.num_planes, kv.num_layers, settings.page_size), dtype=kv.dtype)
+        options: dict[str, Any] = dict(page_size=settings.page_size, offload_stride=settings.stride,
+                                       host_layout=settings.host_layout, copy_backend="cpu", storage_backend="file",
+                                       storage_dir=settings.file_dir, model_name=settings.model_name or "model",
+                                       retraction="fail_closed", checked=checked)
+        self.manager = DecodeOffloadManager(
+            OffloadConfig(**options), device_pool=device_pool,
+            allocator=AllocatorView(token_to_kv_pool_allocator, device_pool.size, self._mute),  # type: ignore[arg-type]
+            req_to_token=TableView(req_to_token_pool, self._views, self._mute),  # type: ignore[arg-type]
+            prefix_cache=PrefixCacheView(tree_cache, self._mute), host_pool=host_pool,
+            copy_engine=LayerwiseCopyEngine(), storage=storage,
+            tp_group=tp_group if consensus.world > 1 else None, tp_rank=settings.tp_rank, tp_size=settings.tp_size)
+        self.decode_host_mem_pool = host_pool
+        self.ongoing_offload: Mapping[int, int] = _CopiesInFlight(self.manager)
+        logger.info("kvfsm decode KV offload for SGLang: page %d, stride %d, host pool %d tokens (%s), store %s",
+                    self.page_size, self.offload_stride, settings.host_slots, settings.host_layout, settings.file_dir)
+
+    # --- the scheduler's calls (docs/sglang-upstream.md, "Where the scheduler calls it") --------------
+    def offload_kv_cache(self, req: Any) -> bool:
+        """Submit the request's next stride-aligned decode chunk for a device-to-host copy; False when none
+        is due or the host pool is full (retried from the same position later). A request that finished
+        with this chunk is released once its copies are acknowledged, as upstream's progress check does."""
+        view = self._enter(req)
+        submitted = self.manager.offload(view)
+        if submitted and req.finished():
+            self.manager.finalize(view)
+        return submitted
+
+    def check_offload_progress(self) -> None:
+        """Acknowledge finished copies and backups (MIN-agreed over the TP group), store, free, release."""
+        if self._retraction_allowed:
+            self._sweep()
+        self.manager.check_progress()
+
+    def finalize_release_on_finish(self, req: Any) -> None:
+        """The request finished: release it now, or when its last copy is acknowledged."""
+        self.manager.finalize(self._enter(req))
+
+    def drain_before_retraction(self) -> None:
+        """A progress check, then `RetractionRefusedError` (a RuntimeError, as upstream's) on every TP rank
+        while any rank still tracks a device-to-host copy. On the CPU every copy has landed when submitted,
+        so after the progress check none is tracked unless a TP peer's MIN held its ack back. Once it
+        passes, SGLang releases the retracted requests itself; their kvfsm lifecycles are ended at the next
+        call (`_sweep`)."""
+        try:
+            self.manager.drain_before_retraction()
+        except RetractionRefused as exc:
+            raise RetractionRefusedError(exc.reason) from exc
+        self._retraction_allowed = True
+
+    def has_inflight_device_transfer(self) -> bool:
+        """Whether a device-to-host copy may still read device KV (submitted, not yet acknowledged)."""
+        return self.manager.has_inflight_device_transfer()
+
+    def release_host_resources(self) -> None:
+        """Shutdown: wait for the copies and backups in flight, give the host pool back and stop kvfsm's backup
+        worker. Idempotent (upstream's is too); the manager cannot offload afterwards."""
+        if self._released:
+            return
+        self._released = True
+        self.manager.drain()
+        self.manager.release_host_resources()
+        self.manager.close()
+
+    # --- internals -------------------------------------------------------------------------------
+    def _enter(self, req: Any) -> Any:
+        """The request's view, with the Req pinned by its row while kvfsm may release it (unless another
+        live Req claims that row: kvfsm then refuses this one with RowInUse, and the pin stays). First,
+        lifecycles SGLang ended itself (see `_end_released_by_engine`) are ended in kvfsm too."""
+        if self._retraction_allowed:
+            self._sweep()
+        view = self._views.view(req)
+        self._end_released_by_engine(req)
+        row = req.kv.req_pool_idx
+        if row is not None and row != -1:
+            row = int(row)
+            holder = self._views.holder(row)
+            if holder is not None and holder is not req and holder.kv.req_pool_idx != row:
+                self._end_released_by_engine(holder)  # unpins it when it ends
+                holder = self._views.holder(row)
+            # never re-pin a row a live kvfsm lifecycle still holds: its release would free the new request's row
+            if holder is None or holder is req or (holder.kv.req_pool_idx != row and not self._holds_row(holder)):
+                self._views.pin(req)
+        return view
+
+    def _holds_row(self, req: Any) -> bool:
+        m = self.manager.machine_of(self._views.view(req))
+        return m is not None and m.state in _ROW_HOLDERS
+
+    def _sweep(self) -> None:
+        """After a retraction was allowed: end the kvfsm lifecycle of every request SGLang released."""
+        self._retraction_allowed = False
+        for req in list(self._views.pinned()):
+            self._end_released_by_engine(req)
+
+    def _end_released_by_engine(self, req: Any) -> None:
+        """SGLang's retraction releases a request through its own `release_kv_cache` (slots, row, lock),
+        never telling the manager (upstream's keeps its offload state and ignores it). kvfsm's lifecycle
+        of such a request still holds the row it was admitted on, so it is retracted in kvfsm with every
+        release muted (nothing of SGLang's is freed twice). Only a lifecycle with no copy in flight is
+        ended: one whose copy still reads the freed slots is an engine error, logged, and kvfsm keeps it
+        (a request admitted on its row is then refused with RowInUse)."""
+        view = self._views.view(req)
+        m = self.manager.machine_of(view)
+        if m is None or m.state not in _ROW_HOLDERS or req.kv.req_pool_idx == m.ctx.row:
+            return
+        if m.snapshot()[1]:  # copies in flight
+            logger.error("request %r lost table row %d to the engine while a copy of its KV is in flight; "
+                         "kvfsm keeps the row until the copy is acknowledged", req.rid, m.ctx.row)
+            return
+        self._mute.on = True
+        try:
+            self.manager.retract(view)
+        finally:
+            self._mute.on = False

@@ -1,0 +1,221 @@
+"""SGLang 0.5.23's Req, ReqToTokenPool and token-to-KV allocator, seen as kvfsm's runtime protocols.
+
+kvfsm's manager keys lifecycles by object identity and reads `req.req_pool_idx`, `req.prefix_len`, ...;
+SGLang keeps those on `req.kv` (`ReqKvInfo`) under other names. `RequestViews` hands out one `RequestView`
+per `Req`, the same one every time (a WeakKeyDictionary), so kvfsm sees one stable object per request.
+A view holds its Req weakly (the registry's value must not keep its key alive); while kvfsm may still
+release a request, `RequestViews.pin` keeps the Req alive by its table row, as upstream's `ongoing_offload`
+keeps it alive until its ack.
+
+Frees go to SGLang's own objects, so that everything SGLang (and the differential harness) observes is
+what upstream's release does: device slots through the allocator's `free` (the paged allocator frees the
+pages of the slots it is given), the row through `ReqToTokenPool.free(req)` (which sets
+`req.kv.req_pool_idx = None`), then `req.kv.mark_kv_released()`; kvfsm itself sets `req.lock = None`
+after `tree_cache.unlock(req.lock)`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Optional, Sequence
+
+import torch
+
+from kvfsm.errors import InvalidRequest
+
+
+class RequestView:
+    """One SGLang `Req` as kvfsm's `OffloadRequest`: `req_pool_idx`, `kv_committed_len`, `kv_allocated_len`
+    and `prefix_len` (= `cache_protected_len`) read through `req.kv`; `lock` read and written on the Req."""
+
+    __slots__ = ("_ref", "__weakref__")
+
+    def __init__(self, req: Any) -> None:
+        self._ref = weakref.ref(req)
+
+    @property
+    def req(self) -> Any:
+        """The SGLang Req (a view outlives its Req only inside kvfsm's bookkeeping, never in a call)."""
+        req = self._ref()
+        if req is None:
+            raise InvalidRequest("the SGLang Req of this kvfsm request view was garbage collected")
+        return req
+
+    # --- OffloadRequest ---
+    @property
+    def rid(self) -> str:
+        return self.req.rid
+
+    @property
+    def origin_input_ids(self) -> Sequence[int]:
+        return self.req.origin_input_ids
+
+    @property
+    def output_ids(self) -> Sequence[int]:
+        return self.req.output_ids
+
+    @property
+    def req_pool_idx(self) -> Optional[int]:
+        row = self.req.kv.req_pool_idx
+        return None if row is None else int(row)
+
+    @req_pool_idx.setter
+    def req_pool_idx(self, value: Optional[int]) -> None:
+        self.req.kv.req_pool_idx = value
+
+    @property
+    def kv_committed_len(self) -> int:
+        return self.req.kv.kv_committed_len
+
+    @property
+    def kv_allocated_len(self) -> int:
+        return self.req.kv.kv_allocated_len
+
+    @property
+    def prefix_len(self) -> int:
+        return self.req.kv.cache_protected_len
+
+    @property
+    def extra_key(self) -> Optional[str]:
+        return self.req.extra_key
+
+    @property
+    def cache_salt(self) -> Optional[str]:
+        return self.req.cache_salt
+
+    @property
+    def lock(self) -> Any:
+        return getattr(self.req, "lock", None)
+
+    @lock.setter
+    def lock(self, value: Any) -> None:
+        self.req.lock = value
+
+    def finished(self) -> bool:
+        return bool(self.req.finished())
+
+    def __repr__(self) -> str:
+        req = self._ref()
+        return f"RequestView({getattr(req, 'rid', '<collected>')!r})"
+
+
+class RequestViews:
+    """The identity-stable view of each Req, and the Reqs kvfsm may still release, by table row."""
+
+    def __init__(self) -> None:
+        self._views: "weakref.WeakKeyDictionary[Any, RequestView]" = weakref.WeakKeyDictionary()
+        self._pinned: dict[int, Any] = {}  # row -> the Req that holds it (strong: kvfsm may release it later)
+
+    def view(self, req: Any) -> RequestView:
+        """The view of `req` (made on first sight); a Req without `kv` is refused with InvalidRequest."""
+        try:
+            return self._views[req]
+        except KeyError:
+            pass
+        except TypeError:
+            raise InvalidRequest(f"{type(req).__name__} objects are not weak-referenceable SGLang Reqs") from None
+        if not hasattr(req, "kv") or not hasattr(req.kv, "req_pool_idx"):
+            raise InvalidRequest(f"{type(req).__name__} object {getattr(req, 'rid', '?')!r} has no `kv` "
+                                 f"(SGLang 0.5.23's ReqKvInfo): not an SGLang Req")
+        view = self._views[req] = RequestView(req)
+        return view
+
+    def pin(self, req: Any) -> None:
+        """Keep `req` alive while it holds its row (called whenever it reaches kvfsm with a row)."""
+        row = req.kv.req_pool_idx
+        if row is not None and row != -1:
+            self._pinned[int(row)] = req
+
+    def holder(self, row: int) -> Any:
+        """The Req last seen holding `row` (None when none was)."""
+        return self._pinned.get(row)
+
+    def pinned(self) -> list[Any]:
+        return list(self._pinned.values())
+
+    def unpin(self, row: int) -> Any:
+        return self._pinned.pop(row, None)
+
+
+class Mute:
+    """While `on`, releases kvfsm makes reach nothing of SGLang's: for a request SGLang already released
+    itself (retraction goes through SGLang's own `release_kv_cache`), whose kvfsm lifecycle is then ended
+    without freeing its slots, row or prefix lock a second time."""
+
+    __slots__ = ("on",)
+
+    def __init__(self) -> None:
+        self.on = False
+
+
+class PrefixCacheView:
+    """SGLang's tree cache as kvfsm's PrefixCache (`unlock(lock)`), muted with the other views."""
+
+    def __init__(self, tree_cache: Any, mute: Mute) -> None:
+        self.tree_cache, self.mute = tree_cache, mute
+
+    def unlock(self, lock: Any) -> None:
+        if not self.mute.on:
+            self.tree_cache.unlock(lock)
+
+
+class TableView:
+    """SGLang's `ReqToTokenPool` as kvfsm's request table: `rows`, `host_table`, `is_allocated`, `free`.
+
+    kvfsm's manager reads slot indices from the table's host mirror only. SGLang's `req_to_token` is a
+    plain tensor written in place by SGLang (on the GPU in a CUDA server, by its kernels), so it has a host
+    mirror only when it lives on the CPU: then the table is its own mirror (an int32 view, read in place).
+    A table on another device is refused at construction (see kvfsm.integrations.sglang.manager)."""
+
+    def __init__(self, pool: Any, views: RequestViews, mute: Mute) -> None:
+        table = pool.req_to_token
+        if not isinstance(table, torch.Tensor) or table.dim() != 2:
+            raise InvalidRequest(f"req_to_token_pool.req_to_token must be a 2-D tensor, got {type(table).__name__}")
+        self.pool = pool
+        self.views = views
+        self.mute = mute
+        self.rows = int(table.shape[0])
+        self.max_context = int(table.shape[1])
+        self.host_table = table  # CPU (checked by the manager): the table is its own mirror
+
+    def is_allocated(self, row: int) -> bool:
+        """Row 0 is SGLang's padding row, never a request's; a row is allocated when not in `free_slots`."""
+        return isinstance(row, int) and 0 < row < self.rows and row not in self.pool.free_slots
+
+    def free(self, row: int) -> None:
+        """Release `row` as upstream's release does: `req_to_token_pool.free(req)` (req.kv.req_pool_idx ->
+        None), then `req.kv.mark_kv_released()` (kv_allocated_len -> 0). Muted: only forget a stale pin."""
+        if self.mute.on:
+            holder = self.views.holder(row)
+            if holder is not None and holder.kv.req_pool_idx != row:
+                self.views.unpin(row)
+            return
+        req = self.views.unpin(row)
+        if req is None or req.kv.req_pool_idx != row:
+            # kvfsm releases only rows it admitted a request on, and pins every such request: a miss means
+            # the engine freed the row itself (its own release path) while kvfsm still held it
+            raise InvalidRequest(f"request table row {row} is no longer held by the request kvfsm admitted on it")
+        self.pool.free(req)
+        req.kv.mark_kv_released()
+
+
+class AllocatorView:
+    """SGLang's token-to-KV allocator as kvfsm's device allocator: `page_size`, `num_slots` and `free`.
+
+    `free(slots)` hands the slots to SGLang's `allocator.free`, whose paged form frees each page the slots
+    touch (kvfsm passes whole pages, the request's own ones: [cache_protected_len, allocated)).
+    `owns_page_list` answers False, so a copy's device slots are range-checked slot by slot (SGLang's
+    allocator keeps no per-page mask to ask)."""
+
+    def __init__(self, allocator: Any, num_slots: int, mute: Mute) -> None:
+        self.allocator = allocator
+        self.mute = mute
+        self.page_size = int(allocator.page_size)
+        self.num_slots = int(num_slots)
+
+    def free(self, slots: torch.Tensor) -> None:
+        if len(slots) and not self.mute.on:
+            self.allocator.free(slots.to(device=self.allocator.device, dtype=torch.int64))
+
+    def owns_page_list(self, pages: Sequence[int]) -> bool:
+        return False

@@ -1,0 +1,168 @@
+"""Retraction with kvfsm's SGLang adapter, against upstream, on SGLang's own objects.
+
+SGLang's scheduler calls `drain_before_retraction()` and then releases the retracted requests itself
+(`batch.retract_decode()` -> `release_kv_cache`, emulated by `_engine_release`), never telling the manager.
+Upstream's manager keeps the request's offload state and ignores it; kvfsm's lifecycle of it would still
+hold its table row, so the adapter ends it (muted: nothing freed twice) before the row is handed to another
+request. The script below
+retracts a request mid-decode, admits a new one (which SGLang gives the retracted row) and runs both to the
+end on upstream's manager and on the adapter, comparing every step as the differential test does.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections import Counter
+
+import pytest
+import torch
+import harness
+from scenarios import ReqSpec, Scenario
+from test_differential import ProbedAdapter
+
+from kvfsm.errors import RetractionRefused
+
+SC = Scenario(
+    name="retract-then-reuse-row", page_size=4, stride=8,
+    requests=(
+        ReqSpec("a", tuple(range(1, 9)), decode=12),
+        ReqSpec("b", tuple(range(100, 110)), decode=12),
+        ReqSpec("c", tuple(range(300, 306)), decode=9, start=6),  # admitted after a's retraction, on a's row
+    ),
+)
+RETRACT_AT = 6
+
+
+def _engine_release(run: harness._Run, req) -> None:
+    """What `retract_decode` -> `release_kv_cache` does to a request's KV (its checks for speculative
+    over-allocation aside: the harness allocates whole pages): the row's own range freed, the tree's lock
+    dropped, the row given back, the KV marked released."""
+    run.tree.free_kv_row(req.kv, [(req.kv.cache_protected_len, req.kv.kv_allocated_len)])
+    run.tree.unlock(req.lock)
+    req.lock = None
+    run.r2t.free(req)
+    req.kv.mark_kv_released()
+
+
+def _readmit(run: harness._Run, spec: ReqSpec) -> None:
+    """The retracted request comes back (same Req object, its outputs kept): a new row, fresh slots for every
+    position, the KV of every committed position written again, as a re-prefill would."""
+    req = run.reqs[spec.rid]
+    run.r2t.alloc([req])
+    row = req.kv.req_pool_idx
+    committed = len(req.origin_input_ids) + len(req.output_ids) - 1
+    slots = run._alloc(committed + 1)
+    run.r2t.write((row, slice(0, slots.numel())), slots.to(torch.int32))
+    run.owned[spec.rid] += slots.tolist()
+    run._own(spec.rid, slots, 0)
+    run._write_kv(spec, slots[:committed], torch.arange(committed))
+    req.kv.cache_protected_len = 0
+    req.kv.kv_allocated_len = slots.numel()
+    req.kv.kv_committed_len = committed
+
+
+SC_READMIT = Scenario(
+    name="retract-and-readmit", page_size=4, stride=8,
+    requests=(
+        ReqSpec("a", tuple(range(1, 9)), decode=18),  # offloads [8, 16) at step 8; retracted at 10, back at 12
+        ReqSpec("b", tuple(range(100, 110)), decode=12),
+        ReqSpec("c", tuple(range(300, 306)), decode=9, start=10),
+    ),
+)
+
+
+def _script(manager_cls: type, sc: Scenario = SC, retract_at: int = RETRACT_AT,
+            readmit_at: int | None = None) -> tuple[list[harness.Step], dict, Counter]:
+    store = tempfile.mkdtemp(prefix="kvfsm-retract-")
+    with harness.published(sc, 0, store):
+        run = harness._Run(sc, manager_cls, 0, harness._tp_group_world1(), store)
+        steps, live = [], {}
+        for t in range(sc.steps):
+            run.cur = harness.Step(t)
+            run.settle()
+            run.mgr.check_offload_progress()
+            if t == retract_at:
+                run.mgr.drain_before_retraction()
+                run.cur.retract = "ok"
+                a = run.reqs["a"]
+                a_row = a.kv.req_pool_idx
+                _engine_release(run, a)
+                live["a"] = False
+                run.cur.released.append("a")
+            if t == readmit_at:
+                _readmit(run, sc.requests[0])
+                live["a"] = True
+            for spec in sc.requests:
+                if spec.start == t:
+                    run.admit(spec)
+                    live[spec.rid] = True
+                    if spec.rid == "c":
+                        assert run.reqs["c"].kv.req_pool_idx == a_row  # the retracted request's row
+            for spec in sc.requests:
+                if not live.get(spec.rid) or not spec.start < t <= spec.start + spec.decode:
+                    continue
+                run.decode(spec)
+                req = run.reqs[spec.rid]
+                if t == spec.start + spec.decode:
+                    run.finish(spec)
+                    ok = run.mgr.offload_kv_cache(req)
+                    if not ok:
+                        run.mgr.finalize_release_on_finish(req)
+                else:
+                    ok = run.mgr.offload_kv_cache(req)
+                if ok:
+                    run.cur.offloads.append(spec.rid)
+            run.settle()
+            for rid, req in run.reqs.items():
+                if live.get(rid) and req.kv.req_pool_idx is None:
+                    live[rid] = False
+                    run.cur.released.append(rid)
+            run.cur.keys = run._new_keys()
+            steps.append(run.cur)
+        stored = run.stored()
+        freed = Counter(s for st in steps for s in st.device_freed)
+        owned = Counter(s for slots in run.owned.values() for s in slots)
+        assert freed == owned, f"freed - owned {freed - owned}, owned - freed {owned - freed}"
+        assert run.tree.protected_size() == 0
+        run.probe.close(run.mgr)
+    return steps, stored, freed
+
+
+def test_retraction_then_row_reuse_matches_upstream() -> None:
+    up_steps, up_stored, up_freed = _script(harness.UpstreamManager)
+    kv_steps, kv_stored, kv_freed = _script(ProbedAdapter)
+    for a, b in zip(up_steps, kv_steps):
+        assert (a.step, a.offloads, a.released, a.host_alloc, a.host_freed, a.keys, a.retract, sorted(a.freed_at)) == \
+            (b.step, b.offloads, b.released, b.host_alloc, b.host_freed, b.keys, b.retract, sorted(b.freed_at))
+    # slot ids are not compared (the free lists' orders differ); owners and row positions are, above
+    assert up_stored == kv_stored and sum(up_freed.values()) == sum(kv_freed.values())
+
+
+def test_a_readmitted_request_offloads_its_decode_again() -> None:
+    """Intended difference: after a retraction SGLang re-admits the same Req; upstream's manager continues
+    after its last offloaded chunk (its offload state survives), kvfsm starts a new lifecycle and copies the
+    decoded chunks again from the first. Their keys already exist, so the store writes nothing new: the
+    same files appear at the same steps, with the same bytes; only host slots taken (and given back) differ."""
+    up_steps, up_stored, _ = _script(harness.UpstreamManager, SC_READMIT, retract_at=10, readmit_at=12)
+    kv_steps, kv_stored, _ = _script(ProbedAdapter, SC_READMIT, retract_at=10, readmit_at=12)
+    assert up_stored == kv_stored
+    for a, b in zip(up_steps, kv_steps):
+        assert (a.released, a.keys, sorted(a.freed_at)) == (b.released, b.keys, sorted(b.freed_at)), a.step
+    up_host, kv_host = sum(st.host_alloc for st in up_steps), sum(st.host_alloc for st in kv_steps)
+    assert kv_host > up_host  # the re-copied chunks
+    assert kv_host == sum(st.host_freed for st in kv_steps) and up_host == sum(st.host_freed for st in up_steps)
+
+
+def test_refusal_is_upstreams_runtime_error_and_kvfsms_typed_error() -> None:
+    from kvfsm.integrations.sglang import RetractionRefusedError
+
+    err = RetractionRefusedError("local: 1 copies unacknowledged")
+    assert isinstance(err, RuntimeError) and isinstance(err, RetractionRefused)
+    assert str(err).startswith("Decode KV offload copies are still pending on some rank; refusing to retract")
+    import pickle
+
+    assert str(pickle.loads(pickle.dumps(err))) == str(err)  # crosses TP worker processes intact
+
+
+if __name__ == "__main__":
+    pytest.main([__file__, "-q"])
