@@ -12,7 +12,10 @@ What it measures is Python bookkeeping plus the CPU copy into host memory, on bo
 `direct` io backend is the harness's per-layer index copy on a CPU; kvfsm's is `LayerwiseCopyEngine`). It
 says nothing about a GPU: neither side's CUDA path runs here.
 
-    .venv-sglang/bin/python bench/vs_sglang.py [--requests 32 --steps 256 --page 16 --stride 64] [--quick]
+The figure is the ratio kvfsm / upstream of the scheduler-thread time per iteration (offload calls plus
+the progress check), per live-request count, all counts in one run.
+
+    .venv-sglang/bin/python bench/vs_sglang.py [--requests 1024 4096 --steps 64 --page 16 --stride 16] [--quick]
 """
 
 from __future__ import annotations
@@ -98,27 +101,34 @@ class _Adapter(DecodeKVCacheOffloadManager):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=32)
-    ap.add_argument("--steps", type=int, default=256)
+    ap.add_argument("--requests", type=int, nargs="+", default=[1024, 4096], help="live-request counts")
+    ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--page", type=int, default=16)
-    ap.add_argument("--stride", type=int, default=64)
-    ap.add_argument("--quick", action="store_true", help="4 requests, 64 steps: checks the script, not the numbers")
+    ap.add_argument("--stride", type=int, default=16)
+    ap.add_argument("--quick", action="store_true", help="4 and 8 requests, 32 steps: checks the script, not the numbers")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.quick:
-        args.requests, args.steps = 4, 64
-    sc = _scenario(args.requests, args.steps, args.page, args.stride)
+        args.requests, args.steps = [4, 8], 32
     harness.warm()
     warm = _scenario(2, 2 * args.stride, args.page, args.stride)  # first-call costs (imports, native hash) out
     _run(warm, harness.UpstreamManager), _run(warm, _Adapter)
-    rows = [_run(sc, harness.UpstreamManager), _run(sc, _Adapter)]
-    assert rows[0]["chunks"] == rows[1]["chunks"] and rows[0]["released"] == rows[1]["released"] == args.requests
-    for row in rows:
-        o, p = row["offload_calls_us_per_step"], row["progress_check_us"]
-        print(f"{row['manager']:<80} offload calls/step {o['mean']:8.1f} us (p99 {o['p99']:8.1f})   "
-              f"progress check {p['mean']:8.1f} us (p99 {p['p99']:8.1f})   chunks {row['chunks']}")
+    rows, ratios = [], {}
+    for n in args.requests:
+        sc = _scenario(n, args.steps, args.page, args.stride)
+        pair = [_run(sc, harness.UpstreamManager) | {"requests": n}, _run(sc, _Adapter) | {"requests": n}]
+        assert pair[0]["chunks"] == pair[1]["chunks"] and pair[0]["released"] == pair[1]["released"] == n
+        per_iter = [r["offload_calls_us_per_step"]["mean"] + r["progress_check_us"]["mean"] for r in pair]
+        ratios[str(n)] = per_iter[1] / per_iter[0]
+        for row in pair:
+            o, p = row["offload_calls_us_per_step"], row["progress_check_us"]
+            print(f"{n:5d} live  {row['manager']:<80} offload calls/step {o['mean']:9.1f} us (p99 {o['p99']:9.1f})  "
+                  f"progress check {p['mean']:8.1f} us (p99 {p['p99']:8.1f})  chunks {row['chunks']}")
+        print(f"{n:5d} live  kvfsm / upstream scheduler-thread time per iteration: {ratios[str(n)]:.2f}")
+        rows += pair
     payload = {"config": vars(args) | {"layers": sc.layers, "heads": sc.heads, "head_dim": sc.head_dim,
-                                        "dtype": str(harness.DTYPE)}, "rows": rows}
+                                        "dtype": str(harness.DTYPE)}, "rows": rows,
+               "kvfsm_over_upstream_per_iteration": ratios}
     print("wrote", write_result("vs_sglang", payload, args.out, quick=args.quick))
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import operator
 import weakref
 from typing import Any, Iterable, Optional, Sequence, Union
 
@@ -586,11 +587,15 @@ class DecodeOffloadManager:
         holder = self._row_holder[row]
         if holder is not None and holder.machine is not None and holder.machine.state in _ROW_HOLDERS:
             raise RowInUse(describe(req), row, holder.key)
-        prefix, ps = req.prefix_len, self.config.page_size
-        if not isinstance(prefix, int) or prefix < 0 or prefix % ps or prefix > len(req.origin_input_ids):
+        ps = self.config.page_size
+        try:
+            prefix = operator.index(req.prefix_len)  # an int, a numpy or torch integer scalar
+        except TypeError:
+            prefix = None
+        if prefix is None or prefix < 0 or prefix % ps or prefix > len(req.origin_input_ids):
             # the matched prefix's pages are the prefix cache's: a page split between it and the request
             # would be freed by both, and a prefix past the prompt would overlap the chunks the manager copies
-            raise InvalidRequest(f"request {describe(req)}: prefix_len {prefix!r} must be a whole number of pages "
+            raise InvalidRequest(f"request {describe(req)}: prefix_len {req.prefix_len!r} must be a whole number of pages "
                                  f"of {ps} within its {len(req.origin_input_ids)}-token prompt")
 
     def _admit(self, req: OffloadRequest) -> RequestRecord:

@@ -118,6 +118,9 @@ def matrix_mooncake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[
         master.stop()
 
 
+TOP_UPS = 2  # extra rounds of examples for a configuration whose first round missed a dimension
+
+
 def _settings(cfg: Config) -> settings:
     # A timing-dependent configuration's failure may not replay (its threads decide part of the run):
     # reported as found, neither shrunk nor saved.
@@ -150,18 +153,26 @@ def test_production_config(cfg: Config, monkeypatch: pytest.MonkeyPatch, tmp_pat
     mooncake = request.getfixturevalue("matrix_mooncake") if cfg.storage == "mooncake" else None
     bucket = f"matrix:{cfg.id}"
     t0 = time.perf_counter()
+    # What this configuration must exercise. Which rules an example enables is random (hypothesis's swarm
+    # testing), so a few examples may miss a dimension (seen once in ~40 runs): another round of examples
+    # runs then, up to TOP_UPS, and only a dimension still unreached after them fails (something stops it).
+    wanted = ["chunks", "stored_pages", "backup_failures", "releases", "store_calls"]
+    if cfg.worker in BATCHING and cfg.examples >= 10:
+        wanted.append("store_calls_multi_chunk")
+    missing = wanted
     try:
-        run_config(cfg, monkeypatch, tmp_path, mooncake, bucket, _settings(cfg))
+        for _ in range(1 + TOP_UPS):
+            run_config(cfg, monkeypatch, tmp_path, mooncake, bucket, _settings(cfg))
+            ev = tm.EVENTS.get(bucket, {})
+            missing = [what for what in wanted if ev.get(what, 0) <= 0]
+            if not missing:
+                break
     finally:
         tm.TIMES[bucket] = time.perf_counter() - t0
     ev = tm.EVENTS.get(bucket, {})
     print(f"\n{cfg.id}: {tm.STEPS.get(bucket, 0)} steps in {tm.TIMES[bucket]:.1f} s: {dict(sorted(ev.items()))}")
-    # What this configuration exercised (its examples may be few: only what every run reaches).
     assert ev.get("examples", 0) >= 1
-    for what in ("chunks", "stored_pages", "backup_failures", "releases", "store_calls"):
-        assert ev.get(what, 0) > 0, f"{cfg.id}: no {what} in {ev}"
-    if cfg.worker in BATCHING and cfg.examples >= 10:
-        assert ev.get("store_calls_multi_chunk", 0) > 0, f"{cfg.id}: no store call wrote several chunks"
+    assert not missing, f"{cfg.id}: no {', '.join(missing)} after {1 + TOP_UPS} rounds of examples: {ev}"
 
 
 def test_zz_matrix_exercised() -> None:
