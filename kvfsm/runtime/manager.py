@@ -522,6 +522,11 @@ class DecodeOffloadManager:
         """Stop the backup worker, close the trace and the store the manager built (drain() first to finish
         what is in flight)."""
         self.fx.worker.close()
+        # Let go of the TP process group: the manager's own reference cycles would keep it until a GC, and a
+        # gloo group still referenced while the interpreter exits is a known way to abort the process
+        # (std::terminate in gloo's threads; one such abort of bench/tp_nccl.py's rank 1 was seen in CI).
+        # A closed manager agrees on nothing any more.
+        self.consensus = ProgressConsensus(None)
         if self.trace is not None:
             self.trace.close()
         if self._owned_storage is not None:
