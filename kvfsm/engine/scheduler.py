@@ -132,8 +132,7 @@ class DecodeEngine:
             assert nxt == req.output_ids[-1], f"{req.rid}: recomputation after retraction disagrees"
         else:
             req.output_ids.append(nxt)
-        req.prefix_len = min(req.prefix_len, len(req.origin_input_ids)) // self.page * self.page
-        req.lock = self.protected.lock(self.table.read_host(row, 0, req.prefix_len))
+        self.protected.lock_prompt_prefix(req, self.table)
         return True
 
     def run(self, requests: list[EngineRequest], on_step: Optional[Callable[[int], None]] = None) -> EngineStats:

@@ -598,8 +598,7 @@ class DecodeOffloadManager:
         except TypeError:
             prefix = None
         if prefix is None or prefix < 0 or prefix % ps or prefix > len(req.origin_input_ids):
-            # the matched prefix's pages are the prefix cache's: a page split between it and the request
-            # would be freed by both, and a prefix past the prompt would overlap the chunks the manager copies
+            # the spec's `create`: a matched prefix is whole pages of the prompt
             raise InvalidRequest(f"request {describe(req)}: prefix_len {req.prefix_len!r} must be a whole number of pages "
                                  f"of {ps} within its {len(req.origin_input_ids)}-token prompt")
 

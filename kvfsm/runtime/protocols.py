@@ -123,6 +123,14 @@ class SimplePrefixCache:
         self.size += int(slots.numel())
         return PrefixLock(slots)
 
+    def lock_prompt_prefix(self, req: Any, table: Any) -> None:
+        """The engine's side of a prefix match, for engines without a radix tree: `req.prefix_len` becomes
+        whole pages of its prompt (what admission accepts) and `req.lock` a lock on those slots of its table
+        row (None for no prefix)."""
+        ps = self._page_size()
+        req.prefix_len = min(req.prefix_len, len(req.origin_input_ids)) // ps * ps
+        req.lock = self.lock(table.read_host(req.req_pool_idx, 0, req.prefix_len))
+
     def unlock(self, lock: Optional[PrefixLock]) -> None:
         """Drop one lock; pages no lock holds any more are evicted. Unlocking None is a no-op (no prefix)."""
         if lock is None:

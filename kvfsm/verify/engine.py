@@ -106,7 +106,6 @@ class SimEngine:
         (whole pages: `prefix_len` rounded down) is matched in the prefix cache, which holds its pages while
         the request's lock is held."""
         req = req or SimRequest(rid, [1000 + i for i in range(prompt_len)], prefix_len)
-        req.prefix_len = min(req.prefix_len, len(req.origin_input_ids)) // self.page_size * self.page_size
         row = self.req_to_token.alloc()
         if row is None:
             return None
@@ -119,7 +118,7 @@ class SimEngine:
         self._write_kv(req, 0, req.kv_committed_len)
         if not req.output_ids:
             req.output_ids.append(7)
-        req.lock = self.protected.lock(self.req_to_token.read_host(row, 0, req.prefix_len))
+        self.protected.lock_prompt_prefix(req, self.req_to_token)
         req.done = False
         self.live.append(req)
         return req

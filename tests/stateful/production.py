@@ -1039,8 +1039,7 @@ class Rank:
         self.write_kv(req, 0, req.kv_committed_len)
         if not req.output_ids:
             req.output_ids.append(7)
-        req.prefix_len = min(req.prefix_len, len(req.origin_input_ids)) // self.ps * self.ps  # whole pages
-        req.lock = self.protected.lock(self.table.read_host(row, 0, req.prefix_len))
+        self.protected.lock_prompt_prefix(req, self.table)
         self.shadow.protect(life)
         req.done = False
         return True

@@ -18,7 +18,9 @@ from ..errors import CopyError
 from .base import CopyEngine, CopyHandle, CopyPlan, plan_copy, run_plan
 
 
-class _DoneHandle(CopyHandle):
+class DoneHandle(CopyHandle):
+    """The handle of a copy that happened during submit (any synchronous engine)."""
+
     def __init__(self, plan: CopyPlan) -> None:
         self.direction, self.num_tokens, self.nbytes = plan.direction, plan.num_tokens, plan.nbytes
 
@@ -35,12 +37,12 @@ class CpuCopyEngine(CopyEngine):
     def submit_d2h(self, device_pool, device_indices, host_pool, host_indices) -> CopyHandle:  # type: ignore[no-untyped-def]
         plan = plan_copy("d2h", device_pool, device_indices, host_pool, host_indices)
         run_plan(plan)
-        return _DoneHandle(plan)
+        return DoneHandle(plan)
 
     def submit_h2d(self, host_pool, host_indices, device_pool, device_indices) -> CopyHandle:  # type: ignore[no-untyped-def]
         plan = plan_copy("h2d", device_pool, device_indices, host_pool, host_indices)
         run_plan(plan)
-        return _DoneHandle(plan)
+        return DoneHandle(plan)
 
 
 class _FutureHandle(CopyHandle):

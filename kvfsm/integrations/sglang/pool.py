@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from kvfsm.dataplane import CopyEngine, CopyHandle, DeviceKVPool, HostKVPool, KVCacheConfig
-from kvfsm.dataplane.copy.base import CopyPlan, plan_copy
+from kvfsm.dataplane.copy.base import plan_copy
+from kvfsm.dataplane.copy.cpu import DoneHandle
 from kvfsm.dataplane.pools.allocator import IndexLike
 from kvfsm.errors import ConfigError
 
@@ -88,17 +89,6 @@ class SGLangDeviceKVPool(DeviceKVPool):
         return tuple(plane[layer] for plane in self.planes)
 
 
-class _Done(CopyHandle):
-    def __init__(self, plan: CopyPlan) -> None:
-        self.direction, self.num_tokens, self.nbytes = plan.direction, plan.num_tokens, plan.nbytes
-
-    def done(self) -> bool:
-        return True
-
-    def wait(self) -> None:
-        return None
-
-
 class LayerwiseCopyEngine(CopyEngine):
     """Copies between an `SGLangDeviceKVPool` and a kvfsm `HostKVPool`, one (plane, layer) buffer at a time,
     synchronously on the CPU. Indices are checked by kvfsm's `plan_copy` before anything moves."""
@@ -111,7 +101,7 @@ class LayerwiseCopyEngine(CopyEngine):
             for p, plane in enumerate(_planes(device_pool)):
                 for layer, buf in enumerate(plane):
                     host[p, layer].index_copy_(0, plan.host_idx, buf.index_select(0, plan.device_idx))
-        return _Done(plan)
+        return DoneHandle(plan)
 
     def submit_h2d(self, host_pool: HostKVPool, host_indices: IndexLike, device_pool: DeviceKVPool,
                    device_indices: IndexLike) -> CopyHandle:
@@ -121,7 +111,7 @@ class LayerwiseCopyEngine(CopyEngine):
             for p, plane in enumerate(_planes(device_pool)):
                 for layer, buf in enumerate(plane):
                     buf.index_copy_(0, plan.device_idx, host[p, layer].index_select(0, plan.host_idx))
-        return _Done(plan)
+        return DoneHandle(plan)
 
 
 def _planes(device_pool: DeviceKVPool) -> list[list[torch.Tensor]]:
