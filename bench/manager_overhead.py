@@ -45,7 +45,7 @@ from iteration_floor import run as run_floor  # noqa: E402
 
 from kvfsm.dataplane import CpuCopyEngine, HostKVPool, KVCacheConfig, ReqToTokenPool, TokenSlotAllocator  # noqa: E402
 from kvfsm.dataplane.copy.base import CopyHandle, CopyPlan, plan_copy, run_plan  # noqa: E402
-from kvfsm.dataplane.copy.cpu import _DoneHandle  # noqa: E402
+from kvfsm.dataplane.copy.cpu import DoneHandle  # noqa: E402
 from kvfsm.dataplane.pools.device_pool import DeviceKVPool  # noqa: E402
 from kvfsm.dataplane.storage import MemoryStorage  # noqa: E402
 from kvfsm.runtime import DecodeOffloadManager, OffloadConfig, SimplePrefixCache, ThreadBackupWorker  # noqa: E402
@@ -62,7 +62,7 @@ class TimedCopyEngine(CpuCopyEngine):
         t0 = time.perf_counter()
         run_plan(plan)
         TimedCopyEngine.moving += time.perf_counter() - t0
-        return _DoneHandle(plan)
+        return DoneHandle(plan)
 
 
 class _StepHandle(CopyHandle):
