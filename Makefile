@@ -61,7 +61,7 @@ UPSTREAM_VENV := .venv-sglang
 UPSTREAM_BIN := $(UPSTREAM_VENV)/bin
 UPSTREAM_STAMP := $(UPSTREAM_VENV)/.kvfsm-sglang-installed
 
-.PHONY: upstream-venv test-upstream
+.PHONY: upstream-venv test-upstream device-sglang-site
 
 upstream-venv: $(UPSTREAM_STAMP)
 
@@ -78,3 +78,16 @@ $(UPSTREAM_STAMP): pyproject.toml tests/upstream/requirements.txt
 
 test-upstream: $(UPSTREAM_STAMP)
 	KVFSM_REQUIRE_SGLANG=1 $(UPSTREAM_BIN)/python -m pytest -q -p no:cacheprovider tests/upstream
+	# the Triton copy kernels, interpreted on the CPU (sglang's venv carries triton; the main venv does not)
+	TRITON_INTERPRET=1 $(UPSTREAM_BIN)/python -m pytest -q -p no:cacheprovider tests/dataplane/test_layer_pool.py \
+		tests/dataplane/test_copy_engine.py -k "interpreted"
+
+# the sglang site the device machine's GPU runs of tests/upstream carry (see tests/upstream/device_site.py)
+DEVICE_WHEELS ?= .device/wheels312
+device-sglang-site: $(UPSTREAM_STAMP)
+	$(BIN)/pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
+		--platform manylinux_2_34_x86_64 -d $(DEVICE_WHEELS) \
+		$$(grep -vE '^#|^$$|^(triton|numpy|pydantic|pydantic_core|annotated-types|typing-inspection|PyYAML)==' \
+		tests/upstream/requirements.txt)
+	$(BIN)/python tests/upstream/device_site.py --wheels $(DEVICE_WHEELS) --out .device/sglang-site.tar.xz

@@ -23,6 +23,7 @@ from kvfsm.dataplane import CopyEngine, CopyHandle, HostKVPool, PageRun, ReqToTo
 from kvfsm.dataplane.pools.device_pool import DeviceKVPool
 from kvfsm.dataplane.storage import StorageBackend
 from kvfsm.runtime.backup import BackupJob, BackupWorker
+from kvfsm.runtime.device_table import DeviceTableSlots
 from kvfsm.runtime.ledger import SlotLedger
 from kvfsm.runtime.metrics import OffloadMetrics
 from kvfsm.runtime.stored_index import StoredPageIndex
@@ -139,7 +140,9 @@ class OffloadEffects(DecodeOffloadEffectsEach):
         self._host_to_free: list[int] = []  # pages freed by free_host_chunk, returned to the pool in flush()
         self._offsets = torch.arange(page_size, dtype=torch.int64)
         self._offsets_np = self._offsets.numpy()
-        self._table = req_to_token.host_table.numpy()  # a view
+        table = req_to_token.host_table
+        self._table = None if table is None else table.numpy()  # a view of the host mirror
+        self.device_table: Optional[DeviceTableSlots] = None  # set by the manager when there is no mirror
         self._bytes_per_token = host_pool.config.bytes_per_token
         self._failures_logged_at = -FAILURE_LOG_INTERVAL_S  # time.monotonic() of the last failure WARNING
         self._failures_unlogged = 0  # failures since then
@@ -310,6 +313,8 @@ class OffloadEffects(DecodeOffloadEffectsEach):
         # pages at positions [prefix_len, ceil_page(committed)) and [ceil_page(committed), allocated):
         # together every page start in [prefix_len, ceil_page(max(committed, allocated)))
         end = -(-max(allocated, committed) // ps) * ps
+        if self._table is None:  # no host mirror: computed on the table's device, never read here
+            return self.device_table.whole_pages(rec.row, rec.prefix_len, end)  # type: ignore[union-attr]
         starts = self._table[rec.row, rec.prefix_len:end:ps]  # the request table's host mirror: never a GPU read
         return torch.from_numpy(np.add.outer(starts - starts % ps, self._offsets_np).reshape(-1))
 

@@ -30,6 +30,7 @@ from kvfsm.errors import InvalidRequest, LifecycleError, RetractionRefused, RowI
 from kvfsm.runtime.backup import BackupWorker, ThreadBackupWorker
 from kvfsm.runtime.build import build_components, close_storage
 from kvfsm.runtime.config import OffloadConfig
+from kvfsm.runtime.device_table import DeviceTableSlots
 from kvfsm.runtime.effects import Chunk, OffloadEffects, RequestRecord, token_slice
 from kvfsm.runtime.ledger import CheckedModeError, SlotLedger
 from kvfsm.runtime.metrics import OffloadMetrics
@@ -145,10 +146,14 @@ class DecodeOffloadManager:
         self._due_at = np.full(req_to_token.rows + 1, -1, dtype=np.int64)  # [-1]: sentinel for row -1
         self._rows = req_to_token.rows
         # Slots are read from the request table's host mirror only (a view), wherever the table itself
-        # lives: no call of this manager reads GPU memory, so none waits for the decode step.
+        # lives: no call of this manager reads GPU memory, so none waits for the decode step. A table with
+        # no mirror (host_table None: SGLang's req_to_token on the GPU) is read on its device instead,
+        # as device tensors the manager never looks into (device_table.py).
         table = req_to_token.host_table
-        self._table_flat = table.numpy().reshape(-1)
-        self._width = table.shape[1]
+        self.fx.device_table = None if table is not None else DeviceTableSlots(req_to_token.req_to_token,
+                                                                                config.page_size)
+        self._table_flat = None if table is None else table.numpy().reshape(-1)
+        self._width = int((table if table is not None else req_to_token.req_to_token).shape[1])
         self._page_offsets = np.arange(config.page_size, dtype=np.int64)
         self._arange = np.arange(max(self.stride, 1), dtype=np.int64)
 
@@ -359,6 +364,8 @@ class DecodeOffloadManager:
         the layout this method (like release) relies on, and is not detected here."""
         ps = self.config.page_size
         host_pool = self.fx.host_pool
+        if self.fx.device_table is not None:  # no host mirror: the slots stay on the device, unread
+            return self._device_slots(due), host_pool.page_slots(host_pages)
         if ps > 1:
             width = self._width
             positions = []  # flat table index of each chunk page's first token
@@ -376,7 +383,12 @@ class DecodeOffloadManager:
         return self._device_slots(due), host_pool.page_slots(host_pages)  # token by token
 
     def _device_slots(self, due: list[tuple[RequestRecord, OffloadRequest, int]]) -> torch.Tensor:
-        """Device slots of every due chunk, concatenated in order: one gather from the table's host mirror."""
+        """Device slots of every due chunk, concatenated in order: one gather from the table's host mirror
+        (or, without one, on the table's device)."""
+        table = self.fx.device_table
+        if table is not None:
+            return table.spans([rec.row * self._width + rec.prefill_len + rec.inc_len for rec, _, _ in due],
+                               [n for _, _, n in due])
         if len(due) == 1:
             rec, _, n = due[0]
             start = rec.prefill_len + rec.inc_len
@@ -617,8 +629,10 @@ class DecodeOffloadManager:
                             prefix_len=int(req.prefix_len),
                             prefill_len=prompt_len // self.config.page_size * self.config.page_size,
                             namespace=namespace, lock=getattr(req, "lock", None))
-        if self.ledger is not None and rec.prefix_len:
-            self.ledger.prefix_locked(rec.key, self._table_flat[row * self._width:row * self._width + rec.prefix_len])
+        if self.ledger is not None and rec.prefix_len:  # checked mode reads a device table's values (it syncs)
+            lo = row * self._width
+            self.ledger.prefix_locked(rec.key, self._table_flat[lo:lo + rec.prefix_len] if self._table_flat is not None
+                                      else self.fx.device_table.span(row, 0, rec.prefix_len).tolist())
         rec.machine = DecodeOffloadMachine(self.fx, rec, self._observer)
         self._records[key] = rec
         self._row_holder[row] = rec

@@ -56,6 +56,64 @@ from scenarios import BY_NAME, ReqSpec, Scenario  # noqa: E402
 MODEL = "kvfsm-diff"
 STRIDE_ENV = "SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE"
 DTYPE = torch.float32  # integers below 2**24 are exact, so stored bytes compare exactly
+# Where SGLang's pools live: "cpu" (CI), or "cuda" on the device machine (tests/upstream/test_adapter_gpu.py:
+# the SGLang server's own layout, req_to_token and KV on the GPU). Set with `on_device`.
+DEVICE = "cpu"
+SYNC_CHECK = False  # on CUDA: every manager call runs under torch.cuda.set_sync_debug_mode("error")
+
+
+@contextmanager
+def on_device(device: str, sync_check: bool = False) -> Iterator[None]:
+    """Build the scenario's pools on `device`; with `sync_check`, fail any manager call that waits for the GPU."""
+    global DEVICE, SYNC_CHECK
+    old = DEVICE, SYNC_CHECK
+    DEVICE, SYNC_CHECK = device, sync_check and device.startswith("cuda")
+    try:
+        yield
+    finally:
+        DEVICE, SYNC_CHECK = old
+
+
+@contextmanager
+def manager_call() -> Iterator[None]:
+    """A call into the manager under test: with SYNC_CHECK, one that waits for the GPU raises."""
+    if not SYNC_CHECK:
+        yield
+        return
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+@contextmanager
+def observing() -> Iterator[None]:
+    """The harness's own reads of device values inside a manager call (which slots were freed) may wait for
+    the GPU: they observe the manager and are not part of it."""
+    if not SYNC_CHECK:
+        yield
+        return
+    prev = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(0)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(prev)
+
+
+def upstream_page_hash(tokens: list[int], prior: str | None) -> str:
+    """Upstream's page hash (its native extension). On the device machine, which cannot build that
+    extension, kvfsm's page_hash stands in: tests/upstream/test_keys_vs_upstream.py proves the two
+    bit-identical on CPU, and the device runs compare kvfsm on CUDA with kvfsm on the CPU."""
+    try:
+        return get_hash_str(tokens, prior)
+    except RuntimeError:
+        if DEVICE == "cpu":
+            raise
+        from kvfsm.dataplane.hashing import page_hash
+
+        return page_hash(tokens, prior)
 
 
 # ----------------------------------------------------------------------------------------------- records
@@ -200,7 +258,7 @@ def expected_keys(sc: Scenario, spec: ReqSpec, rank: int) -> dict[str, tuple[str
     tags = position_tags(spec)
     out = {}
     for page in range(len(tokens) // ps):
-        last = get_hash_str(tokens[page * ps:(page + 1) * ps], last)
+        last = upstream_page_hash(tokens[page * ps:(page + 1) * ps], last)
         if (page + 1) * ps > len(spec.prompt) // ps * ps:
             out[last] = (spec.rid, page, expected_page_bytes(sc, tags[page * ps:(page + 1) * ps], rank))
     return out
@@ -245,18 +303,19 @@ def published(sc: Scenario, rank: int, store_dir: str) -> Iterator[None]:
 def build_pools(sc: Scenario):
     ps = sc.page_size
     max_ctx = max(len(r.prompt) + r.decode + 1 + r.spec_extra + 2 * ps for r in sc.requests) + 2 * ps
-    r2t = ReqToTokenPool(size=len(sc.requests) + 2, max_context_len=max_ctx, device="cpu", enable_memory_saver=False)
+    dev = DEVICE
+    r2t = ReqToTokenPool(size=len(sc.requests) + 2, max_context_len=max_ctx, device=dev, enable_memory_saver=False)
     if sc.pool == "mha":
         kv = MHATokenToKVPool(size=sc.device_tokens, page_size=ps, dtype=DTYPE, head_num=sc.heads,
-                              head_dim=sc.head_dim, layer_num=sc.layers, device="cpu", enable_memory_saver=False)
+                              head_dim=sc.head_dim, layer_num=sc.layers, device=dev, enable_memory_saver=False)
     else:
         kv = MLATokenToKVPool(size=sc.device_tokens, page_size=ps, dtype=DTYPE, kv_lora_rank=2 * sc.head_dim,
-                              qk_rope_head_dim=sc.head_dim, layer_num=sc.layers, device="cpu",
+                              qk_rope_head_dim=sc.head_dim, layer_num=sc.layers, device=dev,
                               enable_memory_saver=False)
     if ps == 1:
-        allocator = TokenToKVPoolAllocator(sc.device_tokens, DTYPE, "cpu", kv, need_sort=False)
+        allocator = TokenToKVPoolAllocator(sc.device_tokens, DTYPE, dev, kv, need_sort=False)
     else:
-        allocator = PagedTokenToKVPoolAllocator(sc.device_tokens, ps, DTYPE, "cpu", kv, need_sort=False)
+        allocator = PagedTokenToKVPoolAllocator(sc.device_tokens, ps, DTYPE, dev, kv, need_sort=False)
     return r2t, kv, allocator
 
 
@@ -291,9 +350,10 @@ class _Run:
             release = a._release_page_ids
 
             def _release_page_ids(*page_ids):
-                for ids in page_ids:
-                    for p in ids.tolist():
-                        self._freed(range(p * ps, (p + 1) * ps))
+                with observing():
+                    for ids in page_ids:
+                        for p in ids.tolist():
+                            self._freed(range(p * ps, (p + 1) * ps))
                 return release(*page_ids)
 
             a._release_page_ids = _release_page_ids
@@ -301,7 +361,8 @@ class _Run:
             free = a.free
 
             def _free(free_index):
-                self._freed(free_index.tolist())
+                with observing():
+                    self._freed(free_index.tolist())
                 return free(free_index)
 
             a.free = _free
@@ -309,7 +370,8 @@ class _Run:
 
         def _free_kv_row(kv, ranges):
             rid = next((r for r, req in self.reqs.items() if req.kv is kv), "?")
-            self.cur.freed_ranges.append((rid, [tuple(map(int, x)) for x in ranges]))
+            with observing():
+                self.cur.freed_ranges.append((rid, [tuple(map(int, x)) for x in ranges]))
             return free_kv_row(kv, ranges)
 
         self.tree.free_kv_row = _free_kv_row
@@ -364,12 +426,13 @@ class _Run:
     def _write_kv(self, spec: ReqSpec, slots: torch.Tensor, positions: torch.Tensor) -> None:
         shape = _kv_shape(self.sc)
         tags = position_tags(spec)[positions]
+        dev = slots.device
         for layer in range(self.sc.layers):
             if self.sc.pool == "mha":
-                self.kv.k_buffer[layer][slots] = kv_values(tags, layer, 0, self.rank, shape)
-                self.kv.v_buffer[layer][slots] = kv_values(tags, layer, 1, self.rank, shape)
+                self.kv.k_buffer[layer][slots] = kv_values(tags, layer, 0, self.rank, shape).to(dev)
+                self.kv.v_buffer[layer][slots] = kv_values(tags, layer, 1, self.rank, shape).to(dev)
             else:
-                self.kv.kv_buffer[layer][slots] = kv_values(tags, layer, 0, self.rank, shape)
+                self.kv.kv_buffer[layer][slots] = kv_values(tags, layer, 0, self.rank, shape).to(dev)
 
     def _alloc(self, n: int) -> torch.Tensor:
         ps = self.sc.page_size
@@ -417,7 +480,7 @@ class _Run:
         self.owned[spec.rid] = slots.tolist()
         self._own(spec.rid, slots, prefix)
         req.kv.kv_allocated_len = prefix + n
-        fresh = torch.arange(prefix, len(spec.prompt))
+        fresh = torch.arange(prefix, len(spec.prompt))  # positions (host): they pick the KV values
         self._write_kv(spec, self.r2t.req_to_token[row, prefix:len(spec.prompt)].to(torch.int64), fresh)
         req.kv.kv_committed_len = len(spec.prompt)
         req.output_ids.append(spec.outputs()[0])
@@ -470,7 +533,8 @@ class _Run:
             self.cur = Step(t)
             if t not in sc.skip_progress:
                 self.settle()
-                self.mgr.check_offload_progress()
+                with manager_call():
+                    self.mgr.check_offload_progress()
             for spec in sc.requests:
                 if spec.start == t:
                     self.admit(spec)
@@ -478,7 +542,8 @@ class _Run:
             if t in sc.retract_at:
                 self.settle()
                 try:
-                    self.mgr.drain_before_retraction()
+                    with manager_call():
+                        self.mgr.drain_before_retraction()
                     self.cur.retract = "ok"
                 except RuntimeError as e:
                     self.cur.retract = f"refused: {e}"
@@ -489,11 +554,13 @@ class _Run:
                 req = self.reqs[spec.rid]
                 if t == spec.start + spec.decode:
                     self.finish(spec)
-                    ok = self.mgr.offload_kv_cache(req)
-                    if not ok:
-                        self.mgr.finalize_release_on_finish(req)
+                    with manager_call():
+                        ok = self.mgr.offload_kv_cache(req)
+                        if not ok:
+                            self.mgr.finalize_release_on_finish(req)
                 else:
-                    ok = self.mgr.offload_kv_cache(req)
+                    with manager_call():
+                        ok = self.mgr.offload_kv_cache(req)
                 if ok:
                     self.cur.offloads.append(spec.rid)
             self.settle()

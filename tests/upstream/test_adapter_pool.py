@@ -1,5 +1,5 @@
-"""`SGLangDeviceKVPool` + `LayerwiseCopyEngine` over SGLang's real per-layer KV buffers: copies land in
-kvfsm's host pool as kvfsm's own copy engine would put them (every plane, layer and slot), back again, in
+"""`SGLangDeviceKVPool` + kvfsm's CPU copy engine over SGLang's real per-layer KV buffers: copies land in
+kvfsm's host pool as they would from kvfsm's own pools (every plane, layer and slot), back again, in
 both host layouts, and bad indices are refused with kvfsm's typed errors before anything moves."""
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 
 import harness  # noqa: F401  (installs the CUDA-only stand-ins before sglang's pools are used)
 
-from kvfsm.dataplane import HostKVPool
+from kvfsm.dataplane import CpuCopyEngine, HostKVPool
 from kvfsm.dataplane.errors import NotAllocated, OutOfRange
-from kvfsm.integrations.sglang import LayerwiseCopyEngine, SGLangDeviceKVPool
+from kvfsm.dataplane.pools.layer_pool import NoTokenView
+from kvfsm.integrations.sglang import SGLangDeviceKVPool
 
 
 def _pool(kind: str):
@@ -36,7 +37,7 @@ def test_round_trip_through_the_host_pool(kind: str, layout: str) -> None:
     assert dev.size == 64 + 4 and dev.config.num_planes == (2 if kind == "mha" else 1)
     _fill(dev)
     host = HostKVPool(dev.config, 16, page_size=4, layout=layout, pin_memory=False)
-    engine = LayerwiseCopyEngine()
+    engine = CpuCopyEngine()
     src = torch.tensor([8, 9, 10, 11, 20, 21, 22, 23])
     slots = host.alloc(8)
     assert engine.submit_d2h(dev, src, host, slots).done()
@@ -61,12 +62,12 @@ def test_bad_indices_are_refused_before_anything_moves() -> None:
     host = HostKVPool(dev.config, 16, page_size=4, pin_memory=False)
     host.kv_buffer.zero_()  # torch.empty: garbage (NaN != NaN) otherwise
     before = host.token_view().clone()
-    engine = LayerwiseCopyEngine()
+    engine = CpuCopyEngine()
     slots = host.alloc(4)
     with pytest.raises(OutOfRange):
         engine.submit_d2h(dev, torch.tensor([8, 9, 10, 68]), host, slots)  # past the buffers' rows
     with pytest.raises(NotAllocated):
         engine.submit_d2h(dev, torch.tensor([8, 9, 10, 11]), host, torch.tensor([4, 5, 6, 7]))  # host slots not taken
     assert torch.equal(host.token_view(), before)
-    with pytest.raises(NotImplementedError, match="LayerwiseCopyEngine"):
+    with pytest.raises(NoTokenView, match="separate allocations"):
         dev.token_view()

@@ -25,7 +25,8 @@ import pytest
 import harness
 from scenarios import BY_NAME, SCENARIOS, Scenario
 
-from kvfsm.integrations.sglang import DecodeKVCacheOffloadManager
+import kvfsm.integrations.sglang.manager as adapter_module
+from kvfsm.integrations.sglang import DecodeKVCacheOffloadManager, TableView
 
 
 class _HostMeter:
@@ -114,6 +115,27 @@ class ProbedAdapter(DecodeKVCacheOffloadManager):
         return _KvfsmProbe()
 
 
+class _MirrorlessTable(TableView):
+    """SGLang's table as a CUDA server has it, on a CPU: no host mirror, so kvfsm's manager reads the slots
+    on the table's device as tensors it never looks into (kvfsm.runtime.device_table), as on the GPU."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.host_table = None
+
+
+class DeviceTableAdapter(ProbedAdapter):
+    """ProbedAdapter reading slots the GPU server's way (the CPU twin of the GPU path's slot reads)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        adapter_module.TableView = _MirrorlessTable
+        try:
+            super().__init__(**kwargs)
+        finally:
+            adapter_module.TableView = TableView
+        assert self.manager.fx.device_table is not None
+
+
 # Where kvfsm differs from upstream on purpose: scenario -> (the difference, a check of kvfsm's behaviour).
 INTENDED: dict[str, str] = {
     "tp2-host-full-on-one-rank": "TP ranks with different host pools are refused at construction (TPMismatch on "
@@ -133,6 +155,12 @@ def _run(sc: Scenario, cls: type, _cache: dict = {}) -> list[harness.RunResult]:
 @pytest.mark.parametrize("sc", [s for s in SCENARIOS if s.name not in INTENDED], ids=lambda s: s.name)
 def test_adapter_matches_upstream(sc: Scenario) -> None:
     diffs = harness.diff_runs(_run(sc, harness.UpstreamManager), _run(sc, ProbedAdapter))
+    assert diffs == [], "\n".join(diffs)
+
+
+@pytest.mark.parametrize("sc", [s for s in SCENARIOS if s.name not in INTENDED], ids=lambda s: s.name)
+def test_adapter_reading_slots_on_the_device_matches_upstream(sc: Scenario) -> None:
+    diffs = harness.diff_runs(_run(sc, harness.UpstreamManager), _run(sc, DeviceTableAdapter))
     assert diffs == [], "\n".join(diffs)
 
 

@@ -153,6 +153,17 @@ def torch_copy_rows(src5: torch.Tensor, src_idx: torch.Tensor, dst5: torch.Tenso
 
 
 def run_plan(plan: CopyPlan) -> None:
+    """The reference copy: `torch_copy_rows` over the two token views, or, for a device pool of separate
+    per-layer buffers (no token view), the pool's own gather/scatter."""
+    if not plan.num_tokens:
+        return
+    if not plan.device_pool.has_token_view:
+        dev, host = plan.device_pool, plan.host_pool.token_view()
+        di = plan.device_idx.to(dev.device)
+        if plan.direction == "d2h":
+            host.index_copy_(2, plan.host_idx, dev.gather_rows(di).to(host.device))
+        else:
+            dev.scatter_rows(di, host.index_select(2, plan.host_idx).to(dev.device))
+        return
     src, si, dst, di = plan.views()
-    if plan.num_tokens:
-        torch_copy_rows(src, si, dst, di)
+    torch_copy_rows(src, si, dst, di)

@@ -56,7 +56,7 @@ from . import dma
 from .base import CopyEngine, CopyHandle, CopyPlan, plan_copy
 from .pipeline import CudaOps, PipelineSettings, launch_pipeline
 from .staging import PinnedIndexStaging
-from .triton_kernels import HAVE_TRITON, KernelConfig, default_config, kv_rows_copy
+from .triton_kernels import HAVE_TRITON, KernelConfig, default_config, kv_layer_rows_copy, kv_rows_copy
 
 Backend = Literal["auto", "triton", "torch", "dma", "hybrid"]
 BACKENDS = ("auto", "triton", "torch", "dma", "hybrid")
@@ -307,7 +307,11 @@ class CudaCopyEngine(CopyEngine):
         return self._launch(plan_copy("h2d", device_pool, device_indices, host_pool, host_indices), t0)
 
     def choose_backend(self, plan: CopyPlan) -> str:
-        """The backend for one copy (see the module docstring and AutoPolicy)."""
+        """The backend for one copy (see the module docstring and AutoPolicy). A pool of separate per-layer
+        buffers (LayerBufferKVPool) has no token view for the staged pipeline: it takes the direct kernel
+        (one launch over its pointer table), or the torch path when Triton is missing or asked for."""
+        if not plan.device_pool.has_token_view:
+            return "torch" if self.backend == "torch" or not HAVE_TRITON else "triton"
         if plan.num_tokens == 0:
             return "triton" if HAVE_TRITON and self.backend != "torch" else "torch"
         if self.backend == "auto" and HAVE_TRITON and plan.nbytes < self.policy.min_bytes_for(plan.direction):
@@ -333,7 +337,9 @@ class CudaCopyEngine(CopyEngine):
         keep: list[object] = [plan]
         finalize: Callable[[], None] | None = None
         info: dict[str, Any] = {"validate_ms": (time.perf_counter() - t0) * 1e3}
-        dev_view, host_view = plan.device_pool.token_view(), plan.host_pool.token_view()
+        layered = not plan.device_pool.has_token_view  # LayerBufferKVPool: a pointer table, no 5-D view
+        dev_view = None if layered else plan.device_pool.token_view()
+        host_view = plan.host_pool.token_view()
         with torch.cuda.device(self.device):
             if backend in ("dma", "hybrid"):
                 done, pinfo = launch_pipeline(self._ops, plan, self.pipeline_settings(plan.direction, backend), keep,
@@ -382,13 +388,17 @@ class CudaCopyEngine(CopyEngine):
                 elif backend == "triton":
                     cfg = self.kernel_config or default_config(plan.host_pool.layout)
                     info["pre_launch_ms"] = (time.perf_counter() - t0) * 1e3
-                    if plan.direction == "d2h":
+                    if layered:
+                        pool = plan.device_pool
+                        kv_layer_rows_copy(pool.layer_pointers(), pool.token_stride, dev_idx,  # type: ignore[attr-defined]
+                                           host_view, host_idx_dev, plan.direction == "d2h", cfg)
+                    elif plan.direction == "d2h":
                         kv_rows_copy(dev_view, dev_idx, host_view, host_idx_dev, cfg)
                     else:
                         kv_rows_copy(host_view, host_idx_dev, dev_view, dev_idx, cfg)
                     info["launched_ms"] = (time.perf_counter() - t0) * 1e3
                 elif plan.direction == "d2h":
-                    staging = dev_view.index_select(2, dev_idx)
+                    staging = plan.device_pool.gather_rows(dev_idx)
                     pinned = torch.empty(staging.shape, dtype=staging.dtype, pin_memory=True)
                     pinned.copy_(staging, non_blocking=True)
                     keep += [staging, pinned]
@@ -404,7 +414,7 @@ class CudaCopyEngine(CopyEngine):
                     )
                     torch.index_select(host_view, 2, plan.host_idx, out=pinned)
                     staging = pinned.to(self.device, non_blocking=True)
-                    dev_view.index_copy_(2, dev_idx, staging)
+                    plan.device_pool.scatter_rows(dev_idx, staging)
                     keep += [staging, pinned]
                 done = torch.cuda.Event()
                 done.record(self.stream)

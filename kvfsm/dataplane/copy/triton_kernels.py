@@ -100,6 +100,60 @@ if HAVE_TRITON:
             x = tl.load(src_ptr + so[:, None] + c[None, :], mask=m)
             tl.store(dst_ptr + do[:, None] + c[None, :], x, mask=m)
 
+    @triton.jit
+    def _kv_layer_rows_copy_kernel(
+        layer_ptrs,
+        host_ptr,
+        dev_idx_ptr,
+        host_idx_ptr,
+        n_tokens,
+        dev_s_tok,
+        host_s_plane,
+        host_s_layer,
+        host_s_tok,
+        num_rows_pl,
+        NUM_LAYERS: tl.constexpr,
+        ROW: tl.constexpr,
+        BLOCK: tl.constexpr,
+        TOKENS: tl.constexpr,
+        VEC: tl.constexpr,
+        MASK_COLS: tl.constexpr,
+        LAYER_FASTEST: tl.constexpr,
+        TO_HOST: tl.constexpr,
+    ):
+        # The same walk as _kv_rows_copy_kernel; the device side of (plane, layer) is its own buffer,
+        # whose base address is entry plane * NUM_LAYERS + layer of the pointer table.
+        pid = tl.program_id(0)
+        if LAYER_FASTEST:
+            pl = pid % num_rows_pl
+            tb = pid // num_rows_pl
+        else:
+            n_tb = tl.cdiv(n_tokens, TOKENS)
+            pl = pid // n_tb
+            tb = pid % n_tb
+        dev_ptr = tl.load(layer_ptrs + pl).to(host_ptr.dtype)  # int64 address -> pointer of the host's word
+        plane = (pl // NUM_LAYERS).to(tl.int64)
+        layer = (pl % NUM_LAYERS).to(tl.int64)
+        toks = tb * TOKENS + tl.arange(0, TOKENS)
+        tmask = toks < n_tokens
+        s = tl.load(dev_idx_ptr + toks, mask=tmask, other=0).to(tl.int64)
+        h = tl.load(host_idx_ptr + toks, mask=tmask, other=0).to(tl.int64)
+        do = tl.multiple_of(s * dev_s_tok, VEC)
+        ho = tl.multiple_of(plane * host_s_plane + layer * host_s_layer + h * host_s_tok, VEC)
+        cols = tl.arange(0, BLOCK)
+        for w in tl.static_range(0, ROW, BLOCK):
+            c = w + cols
+            if MASK_COLS:
+                m = tmask[:, None] & (c < ROW)[None, :]
+            else:
+                m = tmask[:, None]
+            if TO_HOST:
+                x = tl.load(dev_ptr + do[:, None] + c[None, :], mask=m)
+                tl.store(host_ptr + ho[:, None] + c[None, :], x, mask=m)
+            else:
+                x = tl.load(host_ptr + ho[:, None] + c[None, :], mask=m)
+                tl.store(dev_ptr + do[:, None] + c[None, :], x, mask=m)
+
 
 def _word_dtype(row_bytes: int) -> tuple[torch.dtype, int]:
     """Widest word that divides a row, and the vector hint (in words) that makes accesses 16 bytes."""
@@ -171,5 +225,68 @@ def kv_rows_copy(
         VEC=vec,
         MASK_COLS=row % block != 0,
         LAYER_FASTEST=cfg.layer_fastest,
+        num_warps=cfg.num_warps,
+    )
+
+
+def kv_layer_rows_copy(
+    layer_ptrs: torch.Tensor,
+    token_stride: int,
+    dev_idx: torch.Tensor,
+    host5: torch.Tensor,
+    host_idx: torch.Tensor,
+    to_host: bool,
+    config: KernelConfig | None = None,
+) -> None:
+    """Between separate per-layer device buffers and a `(P, L, S, H, D)` host view, on the current stream:
+    host5[:, :, host_idx] = layers[:, :, dev_idx] when `to_host`, else the reverse.
+
+    `layer_ptrs`: the buffers' base addresses (int64, plane-major, where the kernel runs), each buffer
+    `[slots, H, D]` of host5's dtype, contiguous, `token_stride` elements per slot
+    (`LayerBufferKVPool.layer_pointers()` / `.token_stride`). One launch covers every buffer."""
+    if not HAVE_TRITON:
+        raise RuntimeError("triton is not installed")
+    planes, layers = int(host5.shape[0]), int(host5.shape[1])
+    if int(layer_ptrs.numel()) != planes * layers:
+        raise ValueError(f"{layer_ptrs.numel()} layer buffers for {planes} x {layers} (plane, layer) host rows")
+    n = int(dev_idx.numel())
+    if n != int(host_idx.numel()):
+        raise ValueError("device and host index counts differ")
+    if n == 0:
+        return
+    cfg = config or KernelConfig()
+    row_elems = int(host5.shape[3] * host5.shape[4])
+    row_bytes = row_elems * host5.element_size()
+    word, vec = _word_dtype(row_bytes)
+    host = _as_rows(host5, word)
+    stride_bytes = token_stride * host5.element_size()
+    word_bytes = torch.empty((), dtype=word).element_size()
+    if stride_bytes % word_bytes:
+        raise ValueError(f"a token stride of {stride_bytes} bytes is not whole {word_bytes}-byte words")
+    dev_s_tok = stride_bytes // word_bytes
+    if dev_s_tok % vec:
+        vec = 1  # the 16-byte hint needs every device row to start on a 16-byte boundary
+    row = host.shape[3]
+    block = min(triton.next_power_of_2(row), 1024)
+    n_tb = triton.cdiv(n, cfg.tokens)
+    _kv_layer_rows_copy_kernel[(n_tb * planes * layers,)](
+        layer_ptrs,
+        host,
+        dev_idx,
+        host_idx,
+        n,
+        dev_s_tok,
+        host.stride(0),
+        host.stride(1),
+        host.stride(2),
+        planes * layers,
+        NUM_LAYERS=layers,
+        ROW=row,
+        BLOCK=block,
+        TOKENS=cfg.tokens,
+        VEC=vec,
+        MASK_COLS=row % block != 0,
+        LAYER_FASTEST=cfg.layer_fastest,
+        TO_HOST=to_host,
         num_warps=cfg.num_warps,
     )

@@ -47,6 +47,8 @@ class DeviceKVPool:
     def nbytes(self) -> int:
         return self.storage.numel() * self.storage.element_size()
 
+    has_token_view = True  # False for pools of separate per-layer buffers (layer_pool.LayerBufferKVPool)
+
     def token_view(self) -> torch.Tensor:
         """`(planes, layers, slots, heads, head_dim)` view; the copy engines index dim 2."""
         return self.storage
@@ -54,6 +56,15 @@ class DeviceKVPool:
     def layer_buffers(self, layer: int) -> tuple[torch.Tensor, ...]:
         """The `[slots, heads, head_dim]` buffer(s) of one layer: (K, V) for MHA, (latent,) for MLA."""
         return tuple(self.storage[p, layer] for p in range(self.config.num_planes))
+
+    def gather_rows(self, idx: torch.Tensor) -> torch.Tensor:
+        """`(planes, layers, n, heads, head_dim)` rows at slots `idx` (int64, on the pool's device)."""
+        return self.token_view().index_select(2, idx)
+
+    def scatter_rows(self, idx: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write `(planes, layers, n, heads, head_dim)` rows into slots `idx` (index_copy_, never
+        `view[idx] = ...` through a temporary: B15)."""
+        self.token_view().index_copy_(2, idx, rows)
 
 
 class MHADeviceKVPool(DeviceKVPool):

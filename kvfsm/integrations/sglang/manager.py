@@ -17,7 +17,10 @@ What differs from upstream on purpose (docs/sglang-upstream.md has upstream's si
   see `_end_released_by_engine`). Re-admitted, the request starts a new lifecycle and copies its decoded
   KV again from its first decode chunk (same keys: the store keeps the pages it has); upstream keeps its
   offload state across the retraction and carries on after its last chunk.
-- CPU only: pools on CUDA are refused at construction with a ConfigError (see pool.py).
+- On a GPU server nothing of the manager's waits for the GPU: slots are read from SGLang's `req_to_token`
+  on the device (kvfsm.runtime.device_table) and copied by kvfsm's CudaCopyEngine on its own stream;
+  upstream reads the same table on the device. The waits left are SGLang's own allocator's, in the
+  frees at release (the same calls upstream makes).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from kvfsm.runtime.tp import ProgressConsensus
 import kvfsm.generated.decode_offload as spec_gen
 
 from .objects import AllocatorView, Mute, PrefixCacheView, RequestViews, TableView
-from .pool import LayerwiseCopyEngine, SGLangDeviceKVPool
+from .pool import SGLangDeviceKVPool
 from .settings import SOURCE, read_settings
 
 logger = logging.getLogger(__name__)
@@ -87,12 +90,12 @@ class DecodeKVCacheOffloadManager:
     def __init__(self, req_to_token_pool: Any, token_to_kv_pool_allocator: Any, tp_group: Any, tree_cache: Any,
                  *, checked: bool = False) -> None:
         kv_cache = token_to_kv_pool_allocator.get_kvcache()
-        device_pool = SGLangDeviceKVPool(kv_cache)  # ConfigError: SWA, other pool types, fp8, CUDA
+        device_pool = SGLangDeviceKVPool(kv_cache)  # ConfigError: SWA, other pool types, fp8
         table = req_to_token_pool.req_to_token
-        if table.device.type != "cpu":
-            raise ConfigError("req_to_token_pool", f"req_to_token is on {table.device}: kvfsm's manager reads "
-                                                   f"slot indices from a host mirror, which SGLang's GPU table "
-                                                   f"lacks", SOURCE)
+        if table.device != device_pool.device:
+            raise ConfigError("req_to_token_pool", f"req_to_token is on {table.device} but the KV pool on "
+                                                   f"{device_pool.device}: both must be on one device", SOURCE)
+        on_gpu = device_pool.device.type == "cuda"
         kv = device_pool.config
         settings = read_settings(int(kv_cache.size), kv.bytes_per_token, tp_group)
         if int(token_to_kv_pool_allocator.page_size) != settings.page_size:
@@ -118,20 +121,20 @@ class DecodeKVCacheOffloadManager:
         self._mute = Mute()
         self._retraction_allowed = False  # drain_before_retraction passed: SGLang may release requests itself
         self._released = False  # release_host_resources ran
-        host_pool = HostKVPool(kv, settings.host_slots, settings.page_size, settings.host_layout, pin_memory=False)
+        host_pool = HostKVPool(kv, settings.host_slots, settings.page_size, settings.host_layout, pin_memory=on_gpu)
         storage = FileStorage(settings.file_dir, model_name=settings.model_name, tp_rank=settings.tp_rank,
                               tp_size=settings.tp_size, is_mla=kv.is_mla, layout=settings.file_layout,
                               page_dims=(kv.num_planes, kv.num_layers, settings.page_size), dtype=kv.dtype)
         options: dict[str, Any] = dict(page_size=settings.page_size, offload_stride=settings.stride,
-                                       host_layout=settings.host_layout, copy_backend="cpu", storage_backend="file",
+                                       host_layout=settings.host_layout, copy_backend="cuda" if on_gpu else "cpu",
+                                       storage_backend="file",
                                        storage_dir=settings.file_dir, model_name=settings.model_name or "model",
                                        retraction="fail_closed", checked=checked)
         self.manager = DecodeOffloadManager(
             OffloadConfig(**options), device_pool=device_pool,
             allocator=AllocatorView(token_to_kv_pool_allocator, device_pool.size, self._mute),  # type: ignore[arg-type]
             req_to_token=TableView(req_to_token_pool, self._views, self._mute),  # type: ignore[arg-type]
-            prefix_cache=PrefixCacheView(tree_cache, self._mute), host_pool=host_pool,
-            copy_engine=LayerwiseCopyEngine(), storage=storage,
+            prefix_cache=PrefixCacheView(tree_cache, self._mute), host_pool=host_pool, storage=storage,
             tp_group=tp_group if consensus.world > 1 else None, tp_rank=settings.tp_rank, tp_size=settings.tp_size)
         self.decode_host_mem_pool = host_pool
         self.ongoing_offload: Mapping[int, int] = _CopiesInFlight(self.manager)

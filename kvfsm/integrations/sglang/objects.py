@@ -160,12 +160,13 @@ class PrefixCacheView:
 
 
 class TableView:
-    """SGLang's `ReqToTokenPool` as kvfsm's request table: `rows`, `host_table`, `is_allocated`, `free`.
+    """SGLang's `ReqToTokenPool` as kvfsm's request table: `rows`, `req_to_token`, `host_table`,
+    `is_allocated`, `free`.
 
-    kvfsm's manager reads slot indices from the table's host mirror only. SGLang's `req_to_token` is a
-    plain tensor written in place by SGLang (on the GPU in a CUDA server, by its kernels), so it has a host
-    mirror only when it lives on the CPU: then the table is its own mirror (an int32 view, read in place).
-    A table on another device is refused at construction (see kvfsm.integrations.sglang.manager)."""
+    SGLang's `req_to_token` is a plain tensor written in place by SGLang (on the GPU in a CUDA server, by
+    its kernels). On the CPU the table is its own host mirror (an int32 view, read in place). On the GPU
+    it has none (`host_table` None): kvfsm's manager then reads slots on the device, as device tensors it
+    never looks into (kvfsm.runtime.device_table), so no call waits for the decode step."""
 
     def __init__(self, pool: Any, views: RequestViews, mute: Mute) -> None:
         table = pool.req_to_token
@@ -176,7 +177,8 @@ class TableView:
         self.mute = mute
         self.rows = int(table.shape[0])
         self.max_context = int(table.shape[1])
-        self.host_table = table  # CPU (checked by the manager): the table is its own mirror
+        self.req_to_token = table
+        self.host_table = table if table.device.type == "cpu" else None
 
     def is_allocated(self, row: int) -> bool:
         """Row 0 is SGLang's padding row, never a request's; a row is allocated when not in `free_slots`."""
@@ -202,8 +204,7 @@ class TableView:
 class AllocatorView:
     """SGLang's token-to-KV allocator as kvfsm's device allocator: `page_size`, `num_slots` and `free`.
 
-    `free(slots)` hands the slots to SGLang's `allocator.free`, whose paged form frees each page the slots
-    touch (kvfsm passes whole pages, the request's own ones: [cache_protected_len, allocated)).
+    `free(slots)` hands the slots to SGLang's `allocator.free_segment` (see there).
     `owns_page_list` answers False, so a copy's device slots are range-checked slot by slot (SGLang's
     allocator keeps no per-page mask to ask)."""
 
@@ -214,8 +215,13 @@ class AllocatorView:
         self.num_slots = int(num_slots)
 
     def free(self, slots: torch.Tensor) -> None:
+        """kvfsm frees a request's own pages, [cache_protected_len, allocated), whole and in slot order
+        (`OffloadEffects.request_slots`): SGLang's `free_segment` contract (a page-aligned segment whose
+        every `page_size`-th slot names a page), the call upstream's `free_kv_row` ends in. Unlike `free`
+        it needs no `torch.unique`, so on a GPU server it never waits for the GPU."""
         if len(slots) and not self.mute.on:
-            self.allocator.free(slots.to(device=self.allocator.device, dtype=torch.int64))
+            slots = slots.to(device=self.allocator.device, dtype=torch.int64)
+            self.allocator.free_segment(slots, start_pos=0)  # start_pos is only checked to be page-aligned
 
     def owns_page_list(self, pages: Sequence[int]) -> bool:
         return False

@@ -1,0 +1,57 @@
+"""Slot indices read on the device, for a request table that has no host mirror.
+
+kvfsm's own `ReqToTokenPool` keeps a host mirror of its table, and the manager reads slots from it with
+numpy. An engine whose table lives only on the GPU (SGLang's `req_to_token`, written by its kernels) has
+none, and reading it on the host would wait for the decode step the GPU is running. There the manager
+never sees slot *values*: it asks this class for device tensors of them (a gather on the caller's
+current stream, so it is ordered after the engine's writes of the table and before the copy that reads
+it), hands those to the copy engine and, at release, to the engine's allocator.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+
+class DeviceTableSlots:
+    """Reads of a `[rows, width]` integer slot table on its own device; nothing here waits for the GPU.
+
+    Positions are computed on the host (rows and lengths are host values) and uploaded from pinned
+    memory without blocking; every result is an int64 tensor on the table's device."""
+
+    def __init__(self, table: torch.Tensor, page_size: int) -> None:
+        if table.dim() != 2:
+            raise ValueError(f"a request table is [rows, max_context], got shape {tuple(table.shape)}")
+        self.table = table
+        self.device = table.device
+        self.width = int(table.shape[1])
+        self.page_size = int(page_size)
+        self._flat = table.view(-1)
+        self._page_offsets = torch.arange(self.page_size, dtype=torch.int64, device=self.device)
+
+    def span(self, row: int, start: int, end: int) -> torch.Tensor:
+        """Slots of positions [start, end) of `row` (a copy: the table's row may be rewritten later)."""
+        return self.table[row, start:end].to(torch.int64, copy=True)
+
+    def spans(self, firsts: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+        """The slots of several spans, concatenated: flat table positions `firsts[i] + [0, lengths[i])`."""
+        if len(firsts) == 1:
+            row, start = divmod(int(firsts[0]), self.width)
+            return self.span(row, start, start + int(lengths[0]))
+        lens = np.asarray(lengths, dtype=np.int64)
+        flat = np.repeat(np.asarray(firsts, dtype=np.int64) - (np.cumsum(lens) - lens), lens) + np.arange(
+            int(lens.sum()), dtype=np.int64)
+        positions = torch.from_numpy(flat)
+        if self.device.type == "cuda":
+            positions = positions.pin_memory().to(self.device, non_blocking=True)  # pageable would sync
+        return self._flat.index_select(0, positions).to(torch.int64)
+
+    def whole_pages(self, row: int, start: int, end: int) -> torch.Tensor:
+        """Every slot of the pages that positions [start, end) of `row` start on (start a page boundary):
+        each page's first slot, rounded down to its page, plus 0..page_size-1 (the paged layout)."""
+        ps = self.page_size
+        starts = self.table[row, start:end:ps].to(torch.int64)
+        return ((starts - starts % ps).unsqueeze(1) + self._page_offsets).reshape(-1)
