@@ -9,8 +9,8 @@ KV write and token append are the harness's and not timed), then the calls SGLan
 run waits for them to settle (untimed), so every iteration's check has the same work on both sides.
 
 What it measures is Python bookkeeping plus the CPU copy into host memory, on both sides alike (upstream's
-`direct` io backend is the harness's per-layer index copy on a CPU; kvfsm's is `LayerwiseCopyEngine`). It
-says nothing about a GPU: neither side's CUDA path runs here.
+`direct` io backend is the harness's per-layer index copy on a CPU; kvfsm's is `CpuCopyEngine` over the same
+per-layer buffers). It says nothing about a GPU: neither side's CUDA path runs here.
 
 The figure is the ratio kvfsm / upstream of the scheduler-thread time per iteration (offload calls plus
 the progress check), per live-request count, all counts in one run.

@@ -84,6 +84,9 @@ def test_partial_page_and_bad_ids_raise() -> None:
         page_hashes(np.array([2**63], dtype=np.uint64), 1)  # 2**32 and up is a wide page; past int64 is not
     with pytest.raises(ValueError):
         page_hashes(np.array([1.0, 2.0]), 2)
+    for flags in (np.array([True, False]), torch.tensor([True, False])):  # a bool array is no token ids
+        with pytest.raises(ValueError, match="integers"):
+            page_hashes(flags, 2)
     with pytest.raises(ValueError):
         page_hashes([1, 2], 0)
     assert page_hashes([], 4) == []

@@ -135,3 +135,25 @@ def test_page_bytes_reject_partial_and_unallocated() -> None:
         h.get_pages_bytes(torch.arange(8, 12))
     with pytest.raises(ValueError):
         h.set_pages_bytes(x, torch.zeros(3, dtype=torch.uint8))
+
+
+def test_meminfo_available_is_parsed_from_kib_to_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MemAvailable is in KiB (1024 bytes); no such line, or no readable file, means "unknown" (None)."""
+    import io
+
+    def fake_open(text: str):
+        def opener(path: str, *args: object, **kwargs: object) -> io.StringIO:
+            assert path == "/proc/meminfo"
+            return io.StringIO(text)
+        return opener
+
+    monkeypatch.setattr(host_pool_mod, "open", fake_open("MemTotal:  4000 kB\nMemAvailable:  1000 kB\n"), raising=False)
+    assert host_pool_mod.available_host_memory() == 1_024_000
+    monkeypatch.setattr(host_pool_mod, "open", fake_open("MemTotal:  4000 kB\nMemFree:  1000 kB\n"), raising=False)
+    assert host_pool_mod.available_host_memory() is None
+
+    def unreadable(path: str, *args: object, **kwargs: object) -> io.StringIO:
+        raise FileNotFoundError(path)
+
+    monkeypatch.setattr(host_pool_mod, "open", unreadable, raising=False)
+    assert host_pool_mod.available_host_memory() is None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import time
 from pathlib import Path
 
 import numpy as np
@@ -284,3 +285,165 @@ def test_the_warning_names_what_is_wrong_with_a_page(tmp_path: Path, damage: str
     with caplog.at_level("WARNING", logger="kvfsm"):
         assert fs.batch_get(ks) == [None]
     assert any(re.search(rf"is corrupt \({reason}\); moved aside", r.getMessage()) for r in caplog.records), caplog.text
+
+
+def test_faulty_write_ordinals_count_every_page_ever_passed() -> None:
+    f = FaultyStorage(MemoryStorage(), fail_write_ordinals={5})
+    ks, ps = keys(6), pages(6)
+    assert f.batch_set(ks[:2], ps[:2]) == [True, True]
+    assert f.batch_set(ks[2:4], ps[2:4]) == [True, True]
+    assert f.batch_set(ks[4:], ps[4:]) == [True, False]  # the sixth page ever passed, in the third batch
+    assert f.pages_written == 6 and f.failed_writes == [ks[5]]
+
+
+def test_the_write_counters_add_up_over_batches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fs = FileStorage(tmp_path, "m")
+    ks, ps = keys(4), pages(4)
+    failing = {fs.path_of(ks[2]), fs.path_of(ks[3])}
+    real_link = os.link
+
+    def flaky_link(src: str, dst: str) -> None:
+        if dst in failing:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_link(src, dst)
+
+    monkeypatch.setattr(storage_mod.os, "link", flaky_link)
+    assert fs.batch_set(ks[:2], ps[:2]) == [True, True]
+    assert fs.batch_set([ks[0], ks[2]], [ps[0], ps[2]]) == [True, False]  # one skipped, one failed
+    assert fs.batch_set([ks[1], ks[3]], [ps[1], ps[3]]) == [True, False]  # and again
+    assert (fs.stats.writes_ok, fs.stats.writes_skipped, fs.stats.writes_failed) == (2, 2, 2)
+
+
+def test_a_default_store_names_pages_without_a_model_and_writes_on_the_calling_thread(tmp_path: Path) -> None:
+    """The defaults: model name "" (file names `{key}__0_1.bin`) and one writer, the caller's own thread (no
+    writer threads: see FileStorage._write for why)."""
+    import threading
+
+    fs = FileStorage(tmp_path)
+    ks = keys(3)
+    assert os.path.basename(fs.path_of(ks[0])) == f"{ks[0]}__0_1.bin"
+    before = {t.ident for t in threading.enumerate()}
+    assert fs.batch_set(ks, pages(3)) == [True] * 3
+    assert not [t for t in threading.enumerate() if t.name.startswith("kvfsm-file-store") and t.ident not in before]
+    assert sorted(os.listdir(tmp_path)) == sorted(f"{k}__0_1{ext}" for k in ks for ext in (".bin", ".kvfsm"))
+
+
+def test_keys_a_file_name_cannot_carry_safely_are_refused(tmp_path: Path) -> None:
+    fs = FileStorage(tmp_path, "m")
+    for bad in ("a/b", "a..b", ".hidden", "a b", "x" * 200):
+        with pytest.raises(ValueError):
+            fs.path_of(bad)
+    with pytest.raises(ValueError):
+        FileStorage(tmp_path, "org..x").path_of("k")  # the model name is part of the file name too
+    assert fs.path_of("a.b-c_d") == os.path.join(str(tmp_path), "a.b-c_d_m_0_1.bin")
+
+
+# ---- a killed writer's temp files and the start-up sweep -----------------------------------------------
+
+
+def _dead_pid() -> int:
+    pid = 2**22 + 12345  # above any pid_max here: no such process
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return pid
+        except OSError:
+            pass
+        pid += 1
+
+
+class _Killed(BaseException):
+    """The writer stops dead where it is (what a SIGKILL leaves, in this process): nothing is cleaned up."""
+
+
+def test_a_killed_writers_temp_files_are_in_its_directory_and_the_next_start_up_sweeps_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = tmp_path / "store"
+    monkeypatch.chdir(tmp_path)  # not the store: a temp file written elsewhere would be missed below
+    dead = _dead_pid()
+    with monkeypatch.context() as m:
+        m.setattr(storage_mod.os, "getpid", lambda: dead)  # the writer was a process that is gone now
+        writer = FileStorage(store, "m", stale_temp_age_s=None)
+
+    def killed(*args: object, **kwargs: object) -> None:
+        raise _Killed
+
+    (k,) = keys(1)
+    with monkeypatch.context() as m:
+        m.setattr(storage_mod.os, "replace", killed)  # killed before its first publish
+        with pytest.raises(_Killed):
+            writer.batch_set([k], pages(1))
+    temps = sorted(os.listdir(store))
+    assert len(temps) == 2, temps
+    for name in temps:  # `.{final name}.{pid}.{12 hex}.{serial}.tmp`, as the module doc says
+        assert re.fullmatch(rf"\.{k}_m_0_1\.(bin|kvfsm)\.{dead}\.[0-9a-f]{{12}}\.\d+\.tmp", name), name
+    assert FileStorage(store, "m").swept_temps == 0  # fresh: its writer might be alive on another host
+    old = time.time() - 3600
+    for name in temps:
+        os.utime(store / name, (old, old))
+    assert FileStorage(store, "m").swept_temps == 2
+    assert os.listdir(store) == [] and sorted(os.listdir(tmp_path)) == ["store"]
+
+
+def test_the_start_up_sweep_takes_temps_more_than_600_s_old(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default stale_temp_age_s is 600 s, and "older than" is strict: a temp exactly that old stays."""
+    dead, now = _dead_pid(), 2_000_000_000
+    names = {}
+    for i, age in enumerate((599.5, 600.0, 600.5)):
+        names[age] = f".k{i}.bin.{dead}.0123456789ab.{i}.tmp"
+        path = tmp_path / names[age]
+        path.write_bytes(b"x")
+        ns = int((now - age) * 10**9)  # whole and half seconds: exact in st_mtime
+        os.utime(path, ns=(ns, ns))
+    with monkeypatch.context() as m:
+        m.setattr(storage_mod.time, "time", lambda: float(now))
+        assert FileStorage(tmp_path).swept_temps == 1
+    assert sorted(os.listdir(tmp_path)) == sorted((names[599.5], names[600.0]))
+
+
+def test_the_sweep_judges_a_link_by_its_own_age_and_never_touches_its_target(tmp_path: Path) -> None:
+    store, elsewhere = tmp_path / "store", tmp_path / "elsewhere"
+    store.mkdir()
+    elsewhere.write_bytes(b"not the store's")  # fresh
+    link = store / f".k.bin.{_dead_pid()}.0123456789ab.0.tmp"
+    link.symlink_to(elsewhere)
+    old = time.time() - 3600
+    os.utime(link, (old, old), follow_symlinks=False)
+    assert FileStorage(store).swept_temps == 1
+    assert not os.path.lexists(link) and elsewhere.read_bytes() == b"not the store's"
+
+
+def test_the_sweep_goes_on_past_temps_it_keeps_or_cannot_remove(tmp_path: Path) -> None:
+    """Fresh temps, temps of a live pid and entries that cannot be removed (here directories) are skipped, and
+    the sweep goes on: every stale temp of a dead pid goes, whatever order the directory lists them in."""
+    import subprocess
+
+    dead, old, kept = _dead_pid(), time.time() - 3600, []
+    writer = subprocess.Popen(["sleep", "60"])  # the live pid: a process of ours (never signal another's)
+    try:
+        for i in range(8):  # interleaved, so that a sweep that stopped at the first one it skips misses some
+            for kind, pid in (("dead", dead), ("fresh", dead), ("alive", writer.pid), ("undeletable", dead)):
+                path = tmp_path / f".k{i}{kind}.bin.{pid}.0123456789ab.{i}.tmp"
+                if kind == "undeletable":
+                    path.mkdir()  # os.unlink refuses a directory, even to root
+                else:
+                    path.write_bytes(b"x")
+                if kind != "fresh":
+                    os.utime(path, (old, old))
+                if kind != "dead":
+                    kept.append(path.name)
+        assert FileStorage(tmp_path).swept_temps == 8
+        assert sorted(os.listdir(tmp_path)) == sorted(kept)
+        assert writer.poll() is None, "the sweep signalled a live writer"
+    finally:
+        writer.kill()
+        writer.wait()
+
+
+def test_a_store_whose_directory_is_gone_sweeps_nothing(tmp_path: Path) -> None:
+    store = FileStorage(tmp_path / "d", stale_temp_age_s=None)
+    os.rmdir(tmp_path / "d")
+    assert store.sweep_stale_temps(0.0) == 0
+    (tmp_path / "d").write_text("a file where the directory was")
+    assert store.sweep_stale_temps(0.0) == 0

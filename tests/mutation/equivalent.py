@@ -116,7 +116,7 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      "this is the fast path for an array that is already int64 of the right shape; without it the same array "
      "comes out of the general path"),
     # --- CPU-only hosts ---------------------------------------------------------------------------------
-    ("xǁ(MemoryStorageǁbatch_set|HostKVPoolǁset_pages_bytes)", r'- (.*)\.to\("cpu"\)(.*)\n\+ \1\.to\(None\)\2',
+    ("xǁ((Memory|File)Storageǁbatch_set|HostKVPoolǁset_pages_bytes)", r'- (.*)\.to\("cpu"\)(.*)\n\+ \1\.to\(None\)\2',
      "equivalent on a CPU-only host, where every tensor already is on the CPU (a CUDA tensor would stay on the "
      "GPU: a difference only a GPU run of tests/gpu/ can see)"),
     # --- config --------------------------------------------------------------------------------------
@@ -136,6 +136,24 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ("xǁFileStorageǁ_verify", _lines("if n != len(buf) or n < _HEADER.size:", "if n != len(buf) or n <= _HEADER.size:"),
      "a file of exactly a header's bytes is refused either way: as a truncated header, or (key length 0) as holding "
      "another key, since a key is never empty"),
+    ("xǁFileStorageǁ__init__", _lines("fsync: bool = False,", "fsync: bool = True,"),
+     "fsync only makes each write wait for the disk (durability across a power cut): the files, the results and "
+     "what every read returns are the same"),
+    ("xǁFileStorageǁsweep_stale_temps", _lines("me = os.getpid()", "me = None"),
+     "this process is alive: without the shortcut its own temps go on to _pid_alive(its own pid), which says "
+     "alive, and stay"),
+    ("xǁFileStorageǁsweep_stale_temps", _lines('if not (name.startswith(".") and name.endswith(".tmp")):',
+                                               'if not (name.startswith(".") or name.endswith(".tmp")):'),
+     "the prefilter only spares a regex match: _TMP_RE itself requires the leading '.' and the trailing '.tmp'"),
+    ("xǁFileStorageǁsweep_stale_temps", _lines(
+        'if now - entry.stat(follow_symlinks=False).st_mtime <= older_than_s or _pid_alive(int(m["pid"])):',
+        'if now - entry.stat(follow_symlinks=None).st_mtime <= older_than_s or _pid_alive(int(m["pid"])):'),
+     "DirEntry.stat takes follow_symlinks for its truth: None is False, the entry's own stat (True is killed)"),
+    ("x__selector", _lines("return lambda _k: False", "return lambda _k: None"),
+     "a selector's answer is only tested for truth (FaultyStorage's ifs): None is as false as False"),
+    ("xǁFaultyStorageǁbatch_set", _lines("ok = [True] * len(keys)", "ok = [False] * len(keys)"),
+     "every entry is overwritten before it is returned: False for a failed key, the inner store's answer (one "
+     "per key it was given, as the protocol says) for each of the others"),
     ("x__pid_alive", _lines("if pid <= 0:", "if pid < 0:"),
      "pid 0 then reaches os.kill(0, 0), which checks this process's own group, always there: alive either way"),
     ("x__pid_alive", _lines("if pid <= 0:", "if pid <= 1:"),

@@ -272,7 +272,7 @@ def test_an_empty_payload_round_trips(tmp_path) -> None:
     store = FileStorage(tmp_path)
     assert store.batch_set(["e"], [torch.empty(0, dtype=torch.uint8)]) == [True]
     (page,) = store.batch_get(["e"])
-    assert page is not None and page.numel() == 0
+    assert page is not None and page.numel() == 0 and page.dtype == torch.uint8  # bytes, as every page read
 
 
 # --- the manager's slot gather for a batch of chunks ----------------------------------------------------

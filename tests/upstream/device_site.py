@@ -28,6 +28,12 @@ ON_DEVICE = {"torch", "numpy", "triton", "jinja2", "markupsafe", "yaml", "_yaml"
              "networkx", "filelock", "fsspec", "setuptools", "pkg_resources", "_distutils_hack", "typing_extensions",
              "nvidia", "cuda", "packaging", "attr", "attrs", "sortedcontainers", "exceptiongroup", "shellingham"}
 
+# data that imported modules look for when they load (sglang's JIT kernel tree is checked for at import)
+DATA_DIRS = ("sglang/kernels/jit/include/", "sglang/kernels/jit/csrc/")
+# sglang's Python is taken whole (a CUDA run imports modules a CPU run does not), but for what the offload
+# path can never reach; its compiled modules only where a CPU run imported one
+SGLANG_SKIP = ("sglang/multimodal_gen/", "sglang/test/", "sglang/benchmark/")
+
 LISTER = """
 import json, os, sys
 sys.path.insert(0, {here!r})
@@ -51,7 +57,12 @@ def imported_files(python: str) -> list[str]:
 
 def build(wheels: Path, files: list[str], out: Path) -> tuple[int, int]:
     wanted = {f.replace("cpython-311", "cpython-312") for f in files if f.split("/")[0].split(".")[0] not in ON_DEVICE}
-    # every package __init__ on the way to a wanted module, and each package's non-Python data
+    # every package a CPU run imported from is taken whole (a CUDA run reaches further into them)
+    whole = tuple(f.split("/")[0] + "/" for f in wanted if "/" in f)
+    # a compiled module's name differs between wheels (cpython-312 or abi3): take every extension module
+    # of a directory that holds an imported one
+    so_dirs = {f.rsplit("/", 1)[0] for f in wanted if f.endswith(".so")}
+    # every package __init__ on the way to a wanted module
     for f in list(wanted):
         parts = f.split("/")
         for i in range(1, len(parts)):
@@ -63,7 +74,15 @@ def build(wheels: Path, files: list[str], out: Path) -> tuple[int, int]:
             with zipfile.ZipFile(wheel) as z:
                 for name in z.namelist():
                     top = name.split("/")[0]
-                    if name in wanted or (".dist-info/" in name and top.split("-")[0].lower() != "torch"):
+                    # modules imported; the shared libraries a wheel vendors (auditwheel's <name>.libs/);
+                    # metadata (importlib.metadata reads versions) without entry points, which would make
+                    # pytest load plugins of packages only partly carried
+                    meta = ".dist-info/" in name and not name.endswith("entry_points.txt")
+                    so = name.endswith(".so") and name.rsplit("/", 1)[0] in so_dirs
+                    data = name.startswith(DATA_DIRS) or (name.startswith("sglang/") and not name.endswith(".so")
+                                                          and not name.startswith(SGLANG_SKIP)) \
+                        or (name.startswith(whole) and not name.startswith("sglang/"))
+                    if name in wanted or so or data or top.endswith(".libs") or meta:
                         data = z.read(name)
                         info = tarfile.TarInfo(name)
                         info.size, info.mode = len(data), 0o755 if name.endswith(".so") else 0o644

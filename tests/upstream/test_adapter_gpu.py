@@ -11,7 +11,8 @@ matches upstream's frees and keys. On CUDA, every call into the manager runs und
 slots are exempt: `harness.observing`). The checked run (kvfsm's slot ledger reads device values, which
 waits) runs without that mode.
 
-Needs CUDA and sglang (on the device machine: `bench/device/sglang_gpu.sh`); skipped elsewhere.
+Needs CUDA and sglang: on the device machine, `tests/upstream/run_on_device.sh` (after `make device-sglang-site`);
+skipped elsewhere.
 """
 
 from __future__ import annotations

@@ -164,8 +164,8 @@ class DecodeKVCacheOffloadManager:
 
     def drain_before_retraction(self) -> None:
         """A progress check, then `RetractionRefusedError` (a RuntimeError, as upstream's) on every TP rank
-        while any rank still tracks a device-to-host copy. On the CPU every copy has landed when submitted,
-        so after the progress check none is tracked unless a TP peer's MIN held its ack back. Once it
+        while any rank still tracks a device-to-host copy (on the GPU, one not yet acknowledged; on the CPU
+        every copy has landed when submitted, so none is tracked unless a TP peer's MIN held its ack back). Once it
         passes, SGLang releases the retracted requests itself; their kvfsm lifecycles are ended at the next
         call (`_sweep`)."""
         try:

@@ -27,13 +27,24 @@ def cuda_host_register(buffer, registration_granularity_bytes=None) -> None:
     """cudaHostRegister as a no-op: CPU torch has no CUDA runtime and host memory needs no pinning."""
 
 
+def _missing_cuda_kernels() -> tuple[str, ...]:
+    """On a CUDA machine, SGLang's compiled kernel packages that are not installed (see torchvision_stub)."""
+    import importlib.util
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return ()
+    return tuple(name for name in ("sgl_kernel", "flashinfer") if importlib.util.find_spec(name) is None)
+
+
 def install() -> None:
     global _done
     if _done:
         return
     # The native page hash is a JIT C++ extension; keep its build beside the venv, not in ~/.cache.
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
-    torchvision_stub.install()
+    torchvision_stub.install(_missing_cuda_kernels())
     import sglang.srt.mem_cache.memory_pool_host as legacy_host
     import sglang.srt.mem_cache.pool_host.common as host_common
     import sglang.srt.mem_cache.pool_host.mha as mha_host

@@ -1,8 +1,12 @@
-"""A stand-in for torchvision, whose only wheels matching torch 2.13 here are CUDA builds.
+"""A stand-in for torchvision, whose only wheels matching torch 2.13 here are CUDA builds (and, on the GPU
+machine, for SGLang's CUDA-only kernel packages).
 
 SGLang imports torchvision at module level from multimodal helpers that the decode offload path never
 calls (configs -> internvl_utils, deepseek_ocr). Any `torchvision[.x]` import resolves to an empty module
 whose attributes are inert placeholders, so the import succeeds and any real use fails loudly.
+On a machine with CUDA, SGLang imports its compiled kernel packages (sgl_kernel, flashinfer) at module
+level too. The device machine has neither (they are CUDA builds of hundreds of MB), and the adapter never
+calls them (kvfsm copies with its own kernels); `install(extra=...)` stubs them the same way.
 """
 
 from __future__ import annotations
@@ -42,8 +46,11 @@ class _StubModule(types.ModuleType):
 
 
 class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self, roots: tuple[str, ...] = ("torchvision",)) -> None:
+        self.roots = roots
+
     def find_spec(self, fullname, path=None, target=None):
-        if fullname == "torchvision" or fullname.startswith("torchvision."):
+        if fullname.split(".")[0] in self.roots:
             return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
         return None
 
@@ -56,7 +63,8 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         module.__version__ = "0.0.0+stub"
 
 
-def install() -> None:
-    """Put the finder first on sys.meta_path (idempotent); a real torchvision, if any, is shadowed."""
+def install(extra: tuple[str, ...] = ()) -> None:
+    """Put the finder first on sys.meta_path (idempotent); a real torchvision, if any, is shadowed, and so
+    is each package named in `extra`."""
     if not any(isinstance(f, _Finder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _Finder())
+        sys.meta_path.insert(0, _Finder(("torchvision", *extra)))
