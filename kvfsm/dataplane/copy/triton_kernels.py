@@ -51,6 +51,35 @@ def default_config(host_layout: str) -> KernelConfig:
 if HAVE_TRITON:
 
     @triton.jit
+    def _program_rows(n_tokens, num_rows_pl, NUM_LAYERS: tl.constexpr, TOKENS: tl.constexpr,
+                      LAYER_FASTEST: tl.constexpr):
+        """This program's (plane x layer) index, plane, layer, TOKENS token positions and their mask."""
+        pid = tl.program_id(0)
+        if LAYER_FASTEST:
+            pl = pid % num_rows_pl
+            tb = pid // num_rows_pl
+        else:
+            n_tb = tl.cdiv(n_tokens, TOKENS)
+            pl = pid // n_tb
+            tb = pid % n_tb
+        toks = tb * TOKENS + tl.arange(0, TOKENS)
+        return pl, (pl // NUM_LAYERS).to(tl.int64), (pl % NUM_LAYERS).to(tl.int64), toks, toks < n_tokens
+
+    @triton.jit
+    def _copy_rows(src_ptr, so, dst_ptr, do, tmask, ROW: tl.constexpr, BLOCK: tl.constexpr,
+                   MASK_COLS: tl.constexpr):
+        """Rows of ROW words from src_ptr + so[t] to dst_ptr + do[t], BLOCK words at a time."""
+        cols = tl.arange(0, BLOCK)
+        for w in tl.static_range(0, ROW, BLOCK):
+            c = w + cols
+            if MASK_COLS:
+                m = tmask[:, None] & (c < ROW)[None, :]
+            else:
+                m = tmask[:, None]
+            x = tl.load(src_ptr + so[:, None] + c[None, :], mask=m)
+            tl.store(dst_ptr + do[:, None] + c[None, :], x, mask=m)
+
+    @triton.jit
     def _kv_rows_copy_kernel(
         src_ptr,
         dst_ptr,
@@ -72,33 +101,12 @@ if HAVE_TRITON:
         MASK_COLS: tl.constexpr,
         LAYER_FASTEST: tl.constexpr,
     ):
-        pid = tl.program_id(0)
-        if LAYER_FASTEST:
-            pl = pid % num_rows_pl
-            tb = pid // num_rows_pl
-        else:
-            n_tb = tl.cdiv(n_tokens, TOKENS)
-            pl = pid // n_tb
-            tb = pid % n_tb
-        plane = (pl // NUM_LAYERS).to(tl.int64)
-        layer = (pl % NUM_LAYERS).to(tl.int64)
-        toks = tb * TOKENS + tl.arange(0, TOKENS)
-        tmask = toks < n_tokens
+        _, plane, layer, toks, tmask = _program_rows(n_tokens, num_rows_pl, NUM_LAYERS, TOKENS, LAYER_FASTEST)
         s = tl.load(src_idx_ptr + toks, mask=tmask, other=0).to(tl.int64)
         d = tl.load(dst_idx_ptr + toks, mask=tmask, other=0).to(tl.int64)
-        so = plane * src_s_plane + layer * src_s_layer + s * src_s_tok
-        do = plane * dst_s_plane + layer * dst_s_layer + d * dst_s_tok
-        so = tl.multiple_of(so, VEC)
-        do = tl.multiple_of(do, VEC)
-        cols = tl.arange(0, BLOCK)
-        for w in tl.static_range(0, ROW, BLOCK):
-            c = w + cols
-            if MASK_COLS:
-                m = tmask[:, None] & (c < ROW)[None, :]
-            else:
-                m = tmask[:, None]
-            x = tl.load(src_ptr + so[:, None] + c[None, :], mask=m)
-            tl.store(dst_ptr + do[:, None] + c[None, :], x, mask=m)
+        so = tl.multiple_of(plane * src_s_plane + layer * src_s_layer + s * src_s_tok, VEC)
+        do = tl.multiple_of(plane * dst_s_plane + layer * dst_s_layer + d * dst_s_tok, VEC)
+        _copy_rows(src_ptr, so, dst_ptr, do, tmask, ROW, BLOCK, MASK_COLS)
 
     @triton.jit
     def _kv_layer_rows_copy_kernel(
@@ -121,39 +129,18 @@ if HAVE_TRITON:
         LAYER_FASTEST: tl.constexpr,
         TO_HOST: tl.constexpr,
     ):
-        # The same walk as _kv_rows_copy_kernel; the device side of (plane, layer) is its own buffer,
-        # whose base address is entry plane * NUM_LAYERS + layer of the pointer table.
-        pid = tl.program_id(0)
-        if LAYER_FASTEST:
-            pl = pid % num_rows_pl
-            tb = pid // num_rows_pl
-        else:
-            n_tb = tl.cdiv(n_tokens, TOKENS)
-            pl = pid // n_tb
-            tb = pid % n_tb
+        # The device side of (plane, layer) is its own buffer, whose base address is entry
+        # plane * NUM_LAYERS + layer of the pointer table.
+        pl, plane, layer, toks, tmask = _program_rows(n_tokens, num_rows_pl, NUM_LAYERS, TOKENS, LAYER_FASTEST)
         dev_ptr = tl.load(layer_ptrs + pl).to(host_ptr.dtype)  # int64 address -> pointer of the host's word
-        plane = (pl // NUM_LAYERS).to(tl.int64)
-        layer = (pl % NUM_LAYERS).to(tl.int64)
-        toks = tb * TOKENS + tl.arange(0, TOKENS)
-        tmask = toks < n_tokens
         s = tl.load(dev_idx_ptr + toks, mask=tmask, other=0).to(tl.int64)
         h = tl.load(host_idx_ptr + toks, mask=tmask, other=0).to(tl.int64)
         do = tl.multiple_of(s * dev_s_tok, VEC)
         ho = tl.multiple_of(plane * host_s_plane + layer * host_s_layer + h * host_s_tok, VEC)
-        cols = tl.arange(0, BLOCK)
-        for w in tl.static_range(0, ROW, BLOCK):
-            c = w + cols
-            if MASK_COLS:
-                m = tmask[:, None] & (c < ROW)[None, :]
-            else:
-                m = tmask[:, None]
-            if TO_HOST:
-                x = tl.load(dev_ptr + do[:, None] + c[None, :], mask=m)
-                tl.store(host_ptr + ho[:, None] + c[None, :], x, mask=m)
-            else:
-                x = tl.load(host_ptr + ho[:, None] + c[None, :], mask=m)
-                tl.store(dev_ptr + do[:, None] + c[None, :], x, mask=m)
-
+        if TO_HOST:
+            _copy_rows(dev_ptr, do, host_ptr, ho, tmask, ROW, BLOCK, MASK_COLS)
+        else:
+            _copy_rows(host_ptr, ho, dev_ptr, do, tmask, ROW, BLOCK, MASK_COLS)
 
 def _word_dtype(row_bytes: int) -> tuple[torch.dtype, int]:
     """Widest word that divides a row, and the vector hint (in words) that makes accesses 16 bytes."""
