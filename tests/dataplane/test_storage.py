@@ -447,3 +447,59 @@ def test_a_store_whose_directory_is_gone_sweeps_nothing(tmp_path: Path) -> None:
     assert store.sweep_stale_temps(0.0) == 0
     (tmp_path / "d").write_text("a file where the directory was")
     assert store.sweep_stale_temps(0.0) == 0
+
+
+# ---- two writers of one key: the loser's sidecar ends up describing the winner's page ----------------
+
+
+@pytest.mark.parametrize("same_bytes", [True, False])
+def test_a_writer_that_loses_the_publish_race_leaves_a_sidecar_that_checks_the_winners_page(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, same_bytes: bool) -> None:
+    """Writer A is about to publish its sidecar when writer B publishes the key (sidecar and page) first; A's
+    sidecar replaces B's, and A's page loses to B's. The sidecar must end up describing B's page: A's is
+    already right when the bytes are the same, and is rewritten from B's page when they differ, so the
+    page reads back verified either way."""
+    a, b = FileStorage(tmp_path, "m"), FileStorage(tmp_path, "m")
+    (k,) = keys(1)
+    ours, theirs = pages(1, seed=1)[0], pages(1, seed=1 if same_bytes else 2)[0]
+    path = a.path_of(k)
+    side_path = a.sidecar_of(path)
+    real_replace = storage_mod.os.replace
+    b_side: list[bytes] = []
+
+    def racing_replace(src: str, dst: str) -> None:
+        if dst == side_path and not b_side:
+            b_side.append(b"")  # B's own replace below goes straight through
+            assert b.batch_set([k], [theirs]) == [True]
+            b_side[0] = Path(side_path).read_bytes()
+        real_replace(src, dst)
+
+    monkeypatch.setattr(storage_mod.os, "replace", racing_replace)
+    assert a.batch_set([k], [ours]) == [True]  # the key's page is there: a skip, not a failure
+    assert (a.stats.writes_ok, a.stats.writes_skipped, a.stats.writes_failed) == (0, 1, 0)
+    assert b.stats.writes_ok == 1
+    assert Path(path).read_bytes() == theirs.numpy().tobytes()
+    assert Path(side_path).read_bytes() == b_side[0]  # byte for byte B's sidecar, in both cases
+    assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(p) for p in (path, side_path))  # no temps left
+    reader = FileStorage(tmp_path, "m")
+    (got,) = reader.batch_get([k])
+    assert got is not None and torch.equal(got, theirs)
+    assert (reader.stats.reads_ok, reader.stats.reads_corrupt, reader.stats.reads_unverified) == (1, 0, 0)
+
+
+def test_a_format_field_whose_value_holds_an_equals_sign_still_compares(tmp_path: Path) -> None:
+    """A field's value is everything after its first "=": a dtype whose name holds "=" (a custom one) is
+    recorded as it is, its own pages read back verified, and a store of another such dtype does not read them."""
+    fs = FileStorage(tmp_path, "m", dtype="custom=a=b")
+    assert fs.format == "layout=layer_first;dtype=custom=a=b"
+    ks, ps = keys(2), pages(2)
+    assert fs.batch_set(ks, ps) == [True, True]
+    got = fs.batch_get(ks)
+    assert all(g is not None and torch.equal(g, p) for g, p in zip(got, ps))
+    assert (fs.stats.reads_ok, fs.stats.reads_corrupt, fs.stats.reads_unverified) == (2, 0, 0)
+    other = FileStorage(tmp_path, "m", dtype="custom=a=c")
+    assert other.batch_get(ks) == [None, None]
+    assert (other.stats.reads_missing, other.stats.reads_corrupt) == (2, 0)  # another format: left in place
+    assert all(os.path.exists(fs.path_of(k)) for k in ks)
+    assert storage_mod._formats_agree("layout=layer_first;x=a=b", "layout=layer_first;x=a=b")
+    assert not storage_mod._formats_agree("layout=layer_first;x=a=b", "layout=layer_first;x=a=c")

@@ -1725,3 +1725,34 @@ def test_a_config_error_inside_a_mapping_names_its_dotted_field() -> None:
     with pytest.raises(ConfigError) as exc:
         OffloadConfig(storage_extra={1: 2})  # type: ignore[dict-item]
     assert exc.value.field is not None and exc.value.field.startswith("storage_extra.1."), exc.value.field
+
+
+def test_release_host_resources_unregisters_the_pool_from_a_store_that_registered_it_once_and_first() -> None:
+    """A store that registered the host pool with its transport (Mooncake) is told to unregister it, with the
+    manager's pool and before the pool is released; once released, a second release unregisters nothing."""
+    from kvfsm.dataplane.storage.memory import MemoryStorage
+    from kvfsm.verify.engine import SimEngine
+
+    calls: list[tuple[object, bool]] = []
+
+    class Engine(SimEngine):
+        def make_storage(self) -> Any:
+            engine = self
+
+            class RegisteringStore(MemoryStorage):
+                def unregister_host_pool(self, pool: object) -> None:
+                    calls.append((pool, engine.host_pool.released))
+
+            return RegisteringStore()
+
+    e = Engine(page_size=2, stride=2, device_slots=32, host_slots=16)
+    r = e.admit("a", 4)
+    assert e.decode(r) and e.decode(r) and e.manager.offload(r)
+    e.end(r)
+    e.settle()
+    e.manager.drain()
+    assert calls == []
+    e.manager.release_host_resources()
+    assert calls == [(e.host_pool, False)] and e.host_pool.released
+    e.manager.release_host_resources()
+    assert calls == [(e.host_pool, False)]
