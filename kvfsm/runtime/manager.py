@@ -237,10 +237,9 @@ class DecodeOffloadManager:
                 rec = records.get(key)
                 if rec is None or rec.row != row or rec.req_ref() is not req or rec.machine.state not in _OFFLOADABLE:
                     self._check_offloadable(req)
-                    if self._current(req) is None:  # admitted below: its row must not be another's
-                        other = new_rows.setdefault(row, req)
-                        if other is not req:
-                            raise RowInUse(describe(req), row, f"{describe(other)} (admitted by this call)")
+                    other = new_rows.setdefault(row, req)  # admitted below: its row must not be another's
+                    if other is not req:
+                        raise RowInUse(describe(req), row, f"{describe(other)} (admitted by this call)")
                     todo.append((None, req, 0))
                     admit = True
                 else:
@@ -251,7 +250,7 @@ class DecodeOffloadManager:
         if admit:
             for k, (rec, req, n) in enumerate(todo):
                 if rec is None:
-                    rec = self._record(req)
+                    rec = self._admit(req)
                     todo[k] = (rec, req, chunk_tokens(req, rec))
         due = [item for item in todo if item[2] > 0]
         submitted = self._submit(due) if due else 0
@@ -271,7 +270,7 @@ class DecodeOffloadManager:
         # Fast path (every decode step): the request's current, live lifecycle.
         if rec is None or rec.row != row or rec.req_ref() is not req or rec.machine.state not in _OFFLOADABLE:
             self._check_offloadable(req)
-            rec = self._record(req)
+            rec = self._admit(req)
         return rec
 
     def _reject_if_ended(self, req: OffloadRequest) -> None:
@@ -283,12 +282,17 @@ class DecodeOffloadManager:
             rec.machine.offload(None)
 
     def _check_offloadable(self, req: OffloadRequest) -> None:
-        """Raise, changing nothing, unless `req` is live in an offloadable state or can be admitted."""
+        """The slow path of an offload (the request has no live lifecycle on the row it names): raise,
+        changing nothing, unless `req` can be admitted. A lifecycle that ended gets the spec's typed error;
+        a live one whose request now names another row is refused (InvalidRequest): a request keeps its row
+        until it ends, and copying from either row could read another request's KV."""
         rec = self._current(req)
         if rec is not None:
             if rec.machine.state not in _OFFLOADABLE:
                 rec.machine.offload(None)  # the spec's typed error for this state; nothing changes
-            return
+            raise InvalidRequest(f"request {describe(req)} names table row {req.req_pool_idx!r} but its live "
+                                 f"lifecycle {rec.key} holds row {rec.row}: a live request keeps its row until it "
+                                 f"ends (retract it, then re-admit it under the new row)")
         self._check_admissible(req)
 
     def _chunk_tokens(self, req: OffloadRequest, rec: RequestRecord) -> int:
@@ -576,10 +580,6 @@ class DecodeOffloadManager:
         if rec is not None and rec.req_ref() is req and not self._readmitted(rec, req):
             return rec
         return None
-
-    def _record(self, req: OffloadRequest) -> RequestRecord:
-        rec = self._current(req)
-        return rec if rec is not None else self._admit(req)
 
     def _readmitted(self, rec: RequestRecord, req: OffloadRequest) -> bool:
         """Whether `req`, whose lifecycle `rec` has ended, was admitted again (it names a row it now holds)."""

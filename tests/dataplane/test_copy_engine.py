@@ -24,9 +24,12 @@ from kvfsm.dataplane import (
     TokenSlotAllocator,
 )
 
+from kvfsm.dataplane.copy.coalescing import CoalescingCopyEngine
+
 from .helpers import bits, check_orders_after_compute_and_never_blocks, fill_random, make_device_pool, make_host_pool
 
-CPU_ENGINES = {"cpu": CpuCopyEngine, "thread": ThreadCpuCopyEngine, "deferred": DeferredCpuCopyEngine}
+CPU_ENGINES = {"cpu": CpuCopyEngine, "thread": ThreadCpuCopyEngine, "deferred": DeferredCpuCopyEngine,
+               "coalescing": lambda: CoalescingCopyEngine(CpuCopyEngine())}
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -131,6 +134,31 @@ def test_deferred_completion_in_any_order() -> None:
     other = DeferredCpuCopyEngine()
     with pytest.raises(CopyError):
         other.complete(eng.submit_d2h(dev, torch.arange(4, 8), host, expect[0][0]))
+
+
+def test_coalesced_offloads_land_together_at_the_first_done() -> None:
+    """Queued offloads are one inner copy, made at the first done() of any (reading the source then); a
+    load-back flushes the queue first; each handle reports its own size."""
+    cfg = KVCacheConfig.tiny()
+    dev = make_device_pool(cfg, 64, seed=5)
+    host = make_host_pool(cfg, 32, 4)
+    inner = DeferredCpuCopyEngine()
+    eng = CoalescingCopyEngine(inner)
+    parts = [(torch.arange(8 + 8 * k, 12 + 8 * k), host.alloc(4)) for k in range(3)]
+    handles = [eng.submit_d2h(dev, d, host, h) for d, h in parts]
+    assert eng.queued == 3 and inner.pending == [] and [h.num_tokens for h in handles] == [4, 4, 4]
+    dev.storage[:, :, 8:12] += 1  # written after submit, before the flush: what lands
+    assert not handles[2].done()  # the flush: one inner copy, still pending there
+    assert eng.queued == 0 and len(inner.pending) == 1 and inner.pending[0].num_tokens == 12
+    inner.complete_all()
+    assert all(h.done() for h in handles)
+    for d, h in parts:
+        assert torch.equal(bits(host.token_view()[:, :, h]), bits(dev.storage[:, :, d]))
+    late = eng.submit_d2h(dev, torch.arange(40, 44), host, host.alloc(4))
+    eng.submit_h2d(host, parts[0][1], dev, torch.arange(50, 54))
+    assert eng.queued == 0 and [p.num_tokens for p in inner.pending] == [4, 4]  # the offload went first
+    inner.complete_all()
+    assert late.done()
 
 
 def test_thread_engine_polls_without_blocking() -> None:

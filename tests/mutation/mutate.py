@@ -58,6 +58,7 @@ TESTS = [
     "tests/runtime/test_scenarios.py", "tests/runtime/test_batch_events.py", "tests/runtime/test_backup_worker.py",
     "tests/runtime/test_offload_batch.py", "tests/runtime/test_config_errors.py",
     "tests/runtime/test_first_use_traps.py", "tests/reference/test_differential.py",
+    "tests/dataplane/test_layer_pool.py", "tests/runtime/test_device_table.py",
     "tests/mutation/test_kills.py",
 ]
 # Left out of the subset: the test that starts a real Mooncake master (2 s, and a mutant stopped mid-test

@@ -80,6 +80,45 @@ def test_a_second_object_on_a_live_row_is_refused_and_changes_nothing(holder_sta
     e.check_teardown()
 
 
+@pytest.mark.parametrize("batched", [False, True])
+@pytest.mark.parametrize("holder_state", ["allocated", "offloading", "inflight"])
+def test_a_live_request_that_names_another_row_is_refused_and_changes_nothing(holder_state: str,
+                                                                               batched: bool) -> None:
+    """A live request keeps its row until it ends: one whose req_pool_idx moved to another (allocated) row
+    while its lifecycle lives is refused, InvalidRequest, and neither row is read or freed; put back on its
+    row it offloads as before."""
+    e = SimEngine(page_size=2, stride=2, device_slots=64, host_slots=32, checked=True)
+    real = e.admit("real", 4)
+    assert not e.manager.offload(real)  # admitted: nothing past the prompt yet
+    for _ in range(3):
+        e.decode(real)
+    if holder_state != "allocated":
+        assert e.manager.offload(real)
+        if holder_state == "inflight":
+            e.copies.complete_all()
+            e.manager.check_progress()
+        for _ in range(2):
+            e.decode(real)
+    assert state(e, real) == holder_state
+    other = e.admit("other", 4)  # another live request's row
+    own, moved = real.req_pool_idx, other.req_pool_idx
+    real.req_pool_idx = moved
+    before = world(e)
+    with pytest.raises(InvalidRequest, match=f"holds row {own}"):
+        if batched:
+            e.manager.offload_batch([real], np.array([moved]), np.array([real.kv_committed_len]))
+        else:
+            e.manager.offload(real)
+    assert world(e) == before and state(e, real) == holder_state
+    assert e.manager.machine_of(real).ctx.row == own
+    real.req_pool_idx = own
+    assert e.manager.offload(real)
+    for req in (real, other):
+        e.end(req)
+    settle(e)
+    e.check_teardown()
+
+
 def test_two_new_objects_on_one_row_in_one_batch_admit_neither() -> None:
     e = SimEngine(page_size=2, stride=2, device_slots=64, host_slots=32, checked=False)
     real = e.admit("real", 4)

@@ -28,7 +28,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterator, Mapping
 
-from kvfsm.dataplane import FileStorage, HostKVPool
+from kvfsm.dataplane import CpuCopyEngine, CudaCopyEngine, FileStorage, HostKVPool
+from kvfsm.dataplane.copy.coalescing import CoalescingCopyEngine
 from kvfsm.errors import ConfigError, RetractionRefused
 from kvfsm.runtime import DecodeOffloadManager, OffloadConfig, TPMismatch
 from kvfsm.runtime.tp import ProgressConsensus
@@ -135,6 +136,8 @@ class DecodeKVCacheOffloadManager:
             allocator=AllocatorView(token_to_kv_pool_allocator, device_pool.size, self._mute),  # type: ignore[arg-type]
             req_to_token=TableView(req_to_token_pool, self._views, self._mute),  # type: ignore[arg-type]
             prefix_cache=PrefixCacheView(tree_cache, self._mute), host_pool=host_pool, storage=storage,
+            # one copy per scheduler iteration, not one per request (see coalescing.py)
+            copy_engine=CoalescingCopyEngine(CudaCopyEngine(device_pool.device) if on_gpu else CpuCopyEngine()),
             tp_group=tp_group if consensus.world > 1 else None, tp_rank=settings.tp_rank, tp_size=settings.tp_size)
         self.decode_host_mem_pool = host_pool
         self.ongoing_offload: Mapping[int, int] = _CopiesInFlight(self.manager)

@@ -1,0 +1,97 @@
+"""Slots read on the device (`kvfsm.runtime.device_table`), for a request table with no host mirror (SGLang's
+`req_to_token` on the GPU): the reads themselves, and whole lifecycles run through them in checked mode,
+with the same copies, frees and stored pages as through the mirror. The GPU run of the same path is
+tests/upstream/test_adapter_gpu.py."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvfsm.runtime import DecodeOffloadManager
+from kvfsm.runtime.device_table import DeviceTableSlots
+import kvfsm.verify.engine as engine_mod
+from kvfsm.verify.engine import SimEngine
+
+
+def test_spans_and_whole_pages_read_the_table() -> None:
+    table = torch.arange(6 * 16, dtype=torch.int32).reshape(6, 16) * 3
+    slots = DeviceTableSlots(table, page_size=4)
+    assert slots.span(2, 4, 8).tolist() == table[2, 4:8].tolist() and slots.span(2, 4, 8).dtype == torch.int64
+    before = slots.span(1, 0, 4)
+    table[1, 0:4] = -1  # a span is a copy: later writes of the row do not reach it
+    assert before.tolist() == [48, 51, 54, 57]
+    got = slots.spans([3 * 16 + 2, 5 * 16 + 8, 0], [3, 4, 2])
+    assert got.tolist() == table[3, 2:5].tolist() + table[5, 8:12].tolist() + table[0, 0:2].tolist()
+    assert slots.spans([4 * 16 + 1], [5]).tolist() == table[4, 1:6].tolist()
+    paged = torch.zeros(2, 16, dtype=torch.int32)
+    paged[1, :8] = torch.tensor([40, 41, 42, 43, 12, 13, 14, 15])
+    assert DeviceTableSlots(paged, 4).whole_pages(1, 0, 8).tolist() == [40, 41, 42, 43, 12, 13, 14, 15]
+    assert DeviceTableSlots(paged, 4).whole_pages(1, 4, 8).tolist() == [12, 13, 14, 15]
+    with pytest.raises(ValueError, match="rows, max_context"):
+        DeviceTableSlots(torch.zeros(4), 4)
+
+
+class _Mirrorless:
+    """A request table as an engine with a GPU-only table presents it: no host mirror."""
+
+    host_table = None
+
+    def __init__(self, pool: Any) -> None:
+        self.pool, self.rows, self.req_to_token = pool, pool.rows, pool.req_to_token
+
+    def is_allocated(self, row: int) -> bool:
+        return self.pool.is_allocated(row)
+
+    def free(self, row: int) -> None:
+        self.pool.free(row)
+
+
+class MirrorlessEngine(SimEngine):
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.manager.close()
+        self.manager = DecodeOffloadManager(
+            self.config, device_pool=self.device_pool, allocator=self.allocator,
+            req_to_token=_Mirrorless(self.req_to_token), prefix_cache=self.protected, host_pool=self.host_pool,
+            copy_engine=self.copies, storage=self.storage, backup_worker=self.worker)
+
+
+def _run(cls: type, prefix: int) -> tuple[dict[str, bytes], list[int], int]:
+    """Three requests decoding, offloading one by one and in batches, one aborted under a copy; (stored
+    pages, the device allocator's free list, pages stored)."""
+    e = cls(page_size=2, stride=4, device_slots=64, host_slots=32, rows=3, checked=True)
+    reqs = [e.admit(f"r{i}", 6, prefix) for i in range(3)]
+    for step in range(9):
+        for req in reqs:
+            e.decode(req, speculative=1 if step % 3 == 0 else 0)
+        if step % 2:
+            e.manager.offload_batch(reqs, np.array([r.req_pool_idx for r in reqs]),
+                                    np.array([r.kv_committed_len for r in reqs]))
+        else:
+            for req in reqs:
+                e.manager.offload(req)
+        if step == 4:
+            e.copies.complete_next()
+            e.manager.check_progress()
+    e.end(reqs[0], "abort")  # a copy still in flight: release deferred
+    for req in reqs[1:]:
+        e.end(req)
+    e.settle()
+    e.check_teardown()
+    stored = {k: v.numpy().tobytes() for k, v in e.store.pages.items()}
+    return stored, list(e.allocator._free_pages), e.manager.metrics.stored_pages  # free-list order: same frees
+
+
+@pytest.mark.parametrize("prefix", [0, 2])
+def test_lifecycles_through_the_device_table_match_the_mirror(prefix: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    runs = []
+    for cls in (SimEngine, MirrorlessEngine):
+        monkeypatch.setattr(engine_mod, "_serials", itertools.count(1))  # the same writers' KV in both runs
+        runs.append(_run(cls, prefix))
+    mirror, mirrorless = runs
+    assert mirrorless == mirror and mirror[2] > 0
