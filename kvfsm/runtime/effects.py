@@ -318,6 +318,17 @@ class OffloadEffects(DecodeOffloadEffectsEach):
         starts = self._table[rec.row, rec.prefix_len:end:ps]  # the request table's host mirror: never a GPU read
         return torch.from_numpy(np.add.outer(starts - starts % ps, self._offsets_np).reshape(-1))
 
+    def record_engine_release(self, m: DecodeOffloadMachine, arg: Any) -> None:
+        rec = m.ctx
+        if self.ledger is not None:  # the slots the ledger has the request own, not its (reusable) row's
+            self.ledger.release_owned(rec.key, "released_by_engine")
+            self.ledger.prefix_unlocked(rec.key)
+        rec.lock = None
+        rec.req = None
+        self.metrics.engine_releases += 1
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("request %s released by the engine (table row %d): nothing freed here", rec.key, rec.row)
+
     def release_request(self, m: DecodeOffloadMachine, arg: Any) -> None:
         rec = m.ctx
         req = rec.req

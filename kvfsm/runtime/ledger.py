@@ -68,6 +68,12 @@ class SlotLedger:
             self.device_owner.pop(page, None)
             self.device_released[page] = owner
 
+    def release_owned(self, owner: str, event: str) -> None:
+        """The engine freed what `owner` held through its own release path: every device page the ledger
+        has `owner` own leaves it, with release_device's checks (a page a copy still reads is B2)."""
+        pages = [page for page, who in self.device_owner.items() if who == owner]
+        self.release_device(owner, event, [page * self.page_size for page in pages])
+
     def prefix_locked(self, owner: str, slots: Iterable[int]) -> None:
         """`owner`'s matched prefix: these pages are the prefix cache's while `owner` holds its lock, so no
         release of `owner`'s (or anyone's) may free them (B16); they must not be a live request's own."""

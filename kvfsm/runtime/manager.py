@@ -484,6 +484,13 @@ class DecodeOffloadManager:
                                         "(policy retraction: fail_closed)")
         self._end(req, "retract")
 
+    def released_by_engine(self, req: OffloadRequest) -> None:
+        """The engine released `req` itself (its slots, row and prefix lock, through its own release path:
+        SGLang's scheduler does so for the requests it retracts once drain_before_retraction passed). The
+        lifecycle ends with nothing freed here (`released_by_engine`). While a copy still reads the request's
+        slots the spec refuses it (EventRejected, nothing changed): the engine freed them under a copy."""
+        self._end(req, "released_by_engine")
+
     def drain_before_retraction(self) -> None:
         """What the engine calls before it retracts anything (SGLang's drain_before_retraction): a progress
         check, then, under the spec's `retraction: fail_closed` policy, RetractionRefused on every TP rank alike

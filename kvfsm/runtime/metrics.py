@@ -15,6 +15,7 @@ class OffloadMetrics:
     host_full_retries: int = 0
     parked_chunks: int = 0
     releases: int = 0
+    engine_releases: int = 0  # lifecycles the engine released itself (released_by_engine): nothing freed here
     ignored_duplicate_releases: int = 0
     copies_in_flight: int = 0
     backups_in_flight: int = 0

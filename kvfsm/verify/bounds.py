@@ -51,7 +51,12 @@ _THREE_HOST = SubBound(
     "three-requests-host", ExplorerConfig(requests=3, host_slots=2),
     "three requests contending for a one-page host pool")
 
-CI = Bound("ci", "kvfsm check --ci", (_CHUNKS, _READMIT_FULL, _THREE, _HOST, _THREE_HOST))
+_ENGINE_RELEASE = SubBound(
+    "engine-release", ExplorerConfig(requests=1, decodes=3, readmits=1, end_kinds=("finish", "engine_release")),
+    "the engine releasing a request itself (SGLang's retraction) while allocated and while its chunks back up, "
+    "then re-admitting it")
+
+CI = Bound("ci", "kvfsm check --ci", (_CHUNKS, _READMIT_FULL, _THREE, _HOST, _THREE_HOST, _ENGINE_RELEASE))
 
 DEFAULT = Bound("default", "kvfsm check", (
     *CI.parts,
@@ -67,6 +72,10 @@ DEFAULT = Bound("default", "kvfsm check", (
     SubBound("speculative-queue-2", ExplorerConfig(requests=2, decodes=2, host_slots=2, backup_queue=2,
                                                    speculative=1),
              "speculative over-allocation (decode_spec) and two backups outstanding at once, two requests"),
+    SubBound("engine-release-contention", ExplorerConfig(requests=2, decodes=2, host_slots=2, readmits=1,
+                                                         end_kinds=("finish", "engine_release")),
+             "two requests, finished or released by the engine itself and re-admitted (under the old row number or "
+             "another), contending for a one-page host pool"),
     SubBound("speculative-3-chunks", ExplorerConfig(requests=1, decodes=5, backup_queue=2, speculative=1),
              "three chunks of one request with speculative over-allocation and two backups outstanding"),
 ))

@@ -5,7 +5,7 @@ unions them over every edge it runs (ExploreResult.coverage) and `fuzz` over a l
 `CoverageReport` sets those sets against the spec's declared transitions and names what was never
 exercised; `STANDARD_BOUNDS` are the smallest explorer bounds that together exercise every declared
 transition (one request with three chunks; one request against a one-page host pool; two requests
-contending for it), which the test suite enforces in seconds. The named bounds `kvfsm check` explores
+contending for it; one request the engine releases itself), which the test suite enforces in seconds. The named bounds `kvfsm check` explores
 (kvfsm.verify.bounds: ci, default) are bigger unions of the same kind.
 """
 
@@ -26,6 +26,7 @@ STANDARD_BOUNDS: tuple[ExplorerConfig, ...] = (
     ExplorerConfig(requests=1, decodes=5),  # three chunks: two copies in flight, parking, resubmission
     ExplorerConfig(requests=1, decodes=3, host_slots=2),  # host full while offloading / in flight
     ExplorerConfig(requests=2, host_slots=2),  # host full while another request holds it
+    ExplorerConfig(requests=1, decodes=3, end_kinds=("finish", "engine_release")),  # the engine's own release
 )
 
 
@@ -96,7 +97,8 @@ class FuzzResult:
 
 
 # how much likelier an event is chosen than an end of a request (so lifecycles get long)
-_WEIGHTS = {"finish": 0.15, "abort": 0.15, "retract": 0.15, "end_again": 0.1, "progress": 2.0, "copy": 1.5}
+_WEIGHTS = {"finish": 0.15, "abort": 0.15, "retract": 0.15, "engine_release": 0.15, "end_again": 0.1, "progress": 2.0,
+            "copy": 1.5}
 
 
 def fuzz(config: ExplorerConfig = ExplorerConfig(decodes=3, readmits=1, host_slots=4), steps: int = 3000, seed: int = 0,

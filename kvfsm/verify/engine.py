@@ -138,6 +138,24 @@ class SimEngine:
         self.live.remove(req)
         {"finish": self.manager.finalize, "abort": self.manager.abort, "retract": self.manager.retract}[how](req)
 
+    def release_itself(self, req: SimRequest) -> None:
+        """The engine's own release (SGLang's scheduler releases the requests it retracts this way): the
+        request's own pages [prefix_len, allocated), its row and its prefix lock go back through the engine's
+        objects, then the manager is told (`released_by_engine`), which frees nothing."""
+        req.done = True
+        self.live.remove(req)
+        ps = self.page_size
+        end = -(-max(req.kv_allocated_len, req.kv_committed_len) // ps) * ps
+        starts = self.req_to_token.read_host(req.req_pool_idx, req.prefix_len, end)[::ps]
+        slots = ((starts - starts % ps).unsqueeze(1) + torch.arange(ps)).reshape(-1)
+        if len(slots):
+            self.allocator.free(slots)
+        self.req_to_token.free(req.req_pool_idx)
+        lock, req.lock = req.lock, None
+        self.protected.unlock(lock)
+        req.req_pool_idx = None
+        self.manager.released_by_engine(req)
+
     def settle(self, max_rounds: int = 100) -> None:
         """Let every copy land and every backup run until the manager is idle (the copy engine and the
         backup worker here are stepped by the caller)."""

@@ -9,7 +9,9 @@ a batch run item by item, so the manager's two paths must agree on everything ob
 
 from __future__ import annotations
 
+import collections
 import copy
+import functools
 import random
 from typing import Any
 
@@ -47,7 +49,7 @@ class Recorder(DecodeOffloadEffectsEach):
 # live and give it copies and host chunks, rarely an end (a released machine accepts almost nothing).
 WALK = {"offload": 6, "copy_done": 3, "copy_parked": 2, "backup_resubmit": 2, "backup_done": 3, "backup_failed": 2,
         "host_full": 1, "finish": 1, "abort": 1, "retract": 1}
-SEEDS = 300
+SEEDS = 330  # 30 per event
 # event -> non-empty batches accepted; (event, source state) and transition ids their items took; rejected
 # batches per event; seeds run (test_zz_every_event_batched_in_live_states reads these).
 ACCEPTED: dict[str, int] = {}
@@ -159,6 +161,61 @@ def test_batch_equals_loop_of_single_events(seed: int) -> None:
     ACCEPTED[event] = ACCEPTED.get(event, 0) + 1
     SOURCES.update((event, src) for src, _ in taken)
     TAKEN.update(tid for _, tid in taken if tid >= 0)
+
+
+@functools.lru_cache(maxsize=1)
+def _paths_to_every_transition(max_depth: int = 8) -> dict[int, list[str]]:
+    """Per transition id, a shortest event path from a fresh machine whose last event takes it (a
+    breadth-first search over single events: the random walks above reach some transitions only by luck)."""
+    start = DecodeOffloadMachine(Recorder(), ctx=0)
+    paths: dict[int, list[str]] = {}
+    seen = {start.snapshot()}
+    queue = collections.deque([(start, [])])
+    while queue and len(paths) < len(gen.TRANSITIONS):
+        m, path = queue.popleft()
+        for event in gen.EVENTS:
+            probe = copy.deepcopy(m)
+            tids: list[int] = []
+            probe.observer = lambda _m, _e, _src, _dst, tid: tids.append(tid)
+            try:
+                getattr(probe, event)(None)
+            except EventRejected:
+                continue
+            probe.observer = None
+            for tid in tids:
+                paths.setdefault(tid, path + [event])
+            if probe.snapshot() not in seen and len(path) < max_depth:
+                seen.add(probe.snapshot())
+                queue.append((probe, path + [event]))
+    return paths
+
+
+@pytest.mark.parametrize("tid", range(len(gen.TRANSITIONS)))
+def test_every_transition_in_a_batch_equals_the_loop(tid: int) -> None:
+    """Each transition taken by a batch of two machines that a shortest path put in its source state: the
+    same machines and the same action calls as the loop of single events."""
+    path = _paths_to_every_transition()[tid]
+    fx_loop, fx_batch = Recorder(), Recorder()
+    loop = [DecodeOffloadMachine(fx_loop, ctx=i) for i in range(2)]
+    for m in loop:
+        for event in path[:-1]:
+            getattr(m, event)(None)
+    batch = copy.deepcopy(loop)
+    for m in batch:
+        m.fx = fx_batch
+    fx_loop.log.clear()
+    taken: list[tuple[int, int]] = []
+    for m in loop:
+        m.observer = lambda _m, _e, src, _dst, t: taken.append((src, t))
+    event, args = path[-1], ["a0", "a1"]
+    for m, arg in zip(loop, args):
+        getattr(m, event)(arg)
+    getattr(DecodeOffloadMachine, f"{event}_each")(batch, args)
+    assert [m.snapshot() for m in batch] == [m.snapshot() for m in loop] and tid in {t for _, t in taken}
+    order = batch_action_order(load_spec("spec/decode_offload.yaml"), event)
+    assert order is not None and fx_batch.log == by_action(fx_loop.log, order)
+    SOURCES.update((event, src) for src, _ in taken)
+    TAKEN.update(t for _, t in taken if t >= 0)
 
 
 def test_zz_every_event_batched_in_live_states() -> None:

@@ -1450,6 +1450,11 @@ class ProductionMachine(tm.ManagerMachine):
         elif self.ended or self.retracted:
             self._duplicate_end(i, how)
 
+    def engine_release(self, i: int) -> None:  # not a rule here (shadows ManagerMachine's)
+        """The engine releasing a request itself is ManagerMachine's rule and the explorer's event; this
+        machine's ranks end requests only through the manager (their shadow ledgers model that path)."""
+        raise NotImplementedError
+
     @precondition(when(lambda self: self.retracted))
     @rule(i=st.integers(0, 7))
     @_step

@@ -281,6 +281,23 @@ class ManagerMachine(RuleBasedStateMachine):
         else:
             self._duplicate_end(i, how)
 
+    def _releasable_by_engine(self) -> list[SimRequest]:
+        """Live requests with no copy in flight: those SGLang's scheduler may release itself once its
+        drain_before_retraction passed."""
+        m = self.e.manager
+        return [r for r in self.e.live if (mach := m.machine_of(r)) is None or mach.copies == 0]
+
+    @precondition(lambda self: self.e is not None and self._releasable_by_engine())
+    @rule(i=st.integers(0, 7))
+    @_step
+    def engine_release(self, i: int) -> None:
+        """The engine releases a request itself (slots, row, prefix lock) and then tells the manager
+        (released_by_engine, which frees nothing); as SGLang does with what it retracts, it re-admits it later."""
+        req = self._pick(self._releasable_by_engine(), i)
+        self.e.release_itself(req)
+        self.retracted.append(req)
+        self._count("released_by_engine")
+
     @precondition(lambda self: self.e is not None and self.retracted)
     @rule(i=st.integers(0, 7))
     @_step

@@ -124,6 +124,8 @@ def _script(manager_cls: type, sc: Scenario = SC, retract_at: int = RETRACT_AT,
         owned = Counter(s for slots in run.owned.values() for s in slots)
         assert freed == owned, f"freed - owned {freed - owned}, owned - freed {owned - freed}"
         assert run.tree.protected_size() == 0
+        if hasattr(run.mgr, "manager"):  # kvfsm: the retracted lifecycle ended with the spec's released_by_engine
+            assert run.mgr.manager.metrics.engine_releases == 1
         run.probe.close(run.mgr)
     return steps, stored, freed
 

@@ -13,8 +13,8 @@ What differs from upstream on purpose (docs/sglang-upstream.md has upstream's si
   each page on its own; HiCacheFile's batch stops at the first failure).
 - A chunk is never larger than the host pool (a longer backlog goes in several chunks); upstream would
   retry an oversized chunk forever.
-- SGLang releases a retracted request itself; the adapter then ends its kvfsm lifecycle (releases muted,
-  see `_end_released_by_engine`). Re-admitted, the request starts a new lifecycle and copies its decoded
+- SGLang releases a retracted request itself; the adapter then ends its kvfsm lifecycle with the spec's
+  `released_by_engine`, which frees nothing (see `_end_released_by_engine`). Re-admitted, the request starts a new lifecycle and copies its decoded
   KV again from its first decode chunk (same keys: the store keeps the pages it has); upstream keeps its
   offload state across the retraction and carries on after its last chunk.
 - On a GPU server nothing of the manager's waits for the GPU: slots are read from SGLang's `req_to_token`
@@ -30,13 +30,13 @@ from typing import Any, Iterator, Mapping
 
 from kvfsm.dataplane import CpuCopyEngine, CudaCopyEngine, FileStorage, HostKVPool
 from kvfsm.dataplane.copy.coalescing import CoalescingCopyEngine
-from kvfsm.errors import ConfigError, RetractionRefused
+from kvfsm.errors import ConfigError, EventRejected, RetractionRefused
 from kvfsm.runtime import DecodeOffloadManager, OffloadConfig, TPMismatch
 from kvfsm.runtime.tp import ProgressConsensus
 
 import kvfsm.generated.decode_offload as spec_gen
 
-from .objects import AllocatorView, Mute, PrefixCacheView, RequestViews, TableView
+from .objects import AllocatorView, PrefixCacheView, RequestViews, TableView
 from .pool import SGLangDeviceKVPool
 from .settings import SOURCE, read_settings
 
@@ -119,7 +119,6 @@ class DecodeKVCacheOffloadManager:
         self.tree_cache = tree_cache
         self.settings = settings
         self._views = RequestViews()
-        self._mute = Mute()
         self._retraction_allowed = False  # drain_before_retraction passed: SGLang may release requests itself
         self._released = False  # release_host_resources ran
         host_pool = HostKVPool(kv, settings.host_slots, settings.page_size, settings.host_layout, pin_memory=on_gpu)
@@ -133,9 +132,9 @@ class DecodeKVCacheOffloadManager:
                                        retraction="fail_closed", checked=checked)
         self.manager = DecodeOffloadManager(
             OffloadConfig(**options), device_pool=device_pool,
-            allocator=AllocatorView(token_to_kv_pool_allocator, device_pool.size, self._mute),  # type: ignore[arg-type]
-            req_to_token=TableView(req_to_token_pool, self._views, self._mute),  # type: ignore[arg-type]
-            prefix_cache=PrefixCacheView(tree_cache, self._mute), host_pool=host_pool, storage=storage,
+            allocator=AllocatorView(token_to_kv_pool_allocator, device_pool.size),  # type: ignore[arg-type]
+            req_to_token=TableView(req_to_token_pool, self._views),  # type: ignore[arg-type]
+            prefix_cache=PrefixCacheView(tree_cache), host_pool=host_pool, storage=storage,
             # one copy per scheduler iteration, not one per request (see coalescing.py)
             copy_engine=CoalescingCopyEngine(CudaCopyEngine(device_pool.device) if on_gpu else CpuCopyEngine()),
             tp_group=tp_group if consensus.world > 1 else None, tp_rank=settings.tp_rank, tp_size=settings.tp_size)
@@ -224,21 +223,21 @@ class DecodeKVCacheOffloadManager:
 
     def _end_released_by_engine(self, req: Any) -> None:
         """SGLang's retraction releases a request through its own `release_kv_cache` (slots, row, lock),
-        never telling the manager (upstream's keeps its offload state and ignores it). kvfsm's lifecycle
-        of such a request still holds the row it was admitted on, so it is retracted in kvfsm with every
-        release muted (nothing of SGLang's is freed twice). Only a lifecycle with no copy in flight is
-        ended: one whose copy still reads the freed slots is an engine error, logged, and kvfsm keeps it
-        (a request admitted on its row is then refused with RowInUse)."""
+        never telling the manager (upstream's keeps its offload state and ignores it). kvfsm's lifecycle of
+        such a request still holds the row it was admitted on: it ends with the spec's `released_by_engine`,
+        which frees nothing. One whose copy still reads the freed slots is refused by the spec (the engine
+        skipped the drain): logged, and kvfsm keeps it (a request admitted on its row is then refused with
+        RowInUse) until its copy is acknowledged and a later call ends it."""
         view = self._views.view(req)
         m = self.manager.machine_of(view)
         if m is None or m.state not in _ROW_HOLDERS or req.kv.req_pool_idx == m.ctx.row:
             return
-        if m.snapshot()[1]:  # copies in flight
-            logger.error("request %r lost table row %d to the engine while a copy of its KV is in flight; "
-                         "kvfsm keeps the row until the copy is acknowledged", req.rid, m.ctx.row)
-            return
-        self._mute.on = True
+        row = m.ctx.row
         try:
-            self.manager.retract(view)
-        finally:
-            self._mute.on = False
+            self.manager.released_by_engine(view)
+        except EventRejected:
+            logger.error("request %r lost table row %d to the engine while a copy of its KV is in flight; "
+                         "kvfsm keeps the row until the copy is acknowledged", req.rid, row)
+            return
+        if self._views.holder(row) is req:
+            self._views.unpin(row)

@@ -137,26 +137,14 @@ class RequestViews:
         return self._pinned.pop(row, None)
 
 
-class Mute:
-    """While `on`, releases kvfsm makes reach nothing of SGLang's: for a request SGLang already released
-    itself (retraction goes through SGLang's own `release_kv_cache`), whose kvfsm lifecycle is then ended
-    without freeing its slots, row or prefix lock a second time."""
-
-    __slots__ = ("on",)
-
-    def __init__(self) -> None:
-        self.on = False
-
-
 class PrefixCacheView:
-    """SGLang's tree cache as kvfsm's PrefixCache (`unlock(lock)`), muted with the other views."""
+    """SGLang's tree cache as kvfsm's PrefixCache (`unlock(lock)`)."""
 
-    def __init__(self, tree_cache: Any, mute: Mute) -> None:
-        self.tree_cache, self.mute = tree_cache, mute
+    def __init__(self, tree_cache: Any) -> None:
+        self.tree_cache = tree_cache
 
     def unlock(self, lock: Any) -> None:
-        if not self.mute.on:
-            self.tree_cache.unlock(lock)
+        self.tree_cache.unlock(lock)
 
 
 class TableView:
@@ -168,13 +156,12 @@ class TableView:
     it has none (`host_table` None): kvfsm's manager then reads slots on the device, as device tensors it
     never looks into (kvfsm.runtime.device_table), so no call waits for the decode step."""
 
-    def __init__(self, pool: Any, views: RequestViews, mute: Mute) -> None:
+    def __init__(self, pool: Any, views: RequestViews) -> None:
         table = pool.req_to_token
         if not isinstance(table, torch.Tensor) or table.dim() != 2:
             raise InvalidRequest(f"req_to_token_pool.req_to_token must be a 2-D tensor, got {type(table).__name__}")
         self.pool = pool
         self.views = views
-        self.mute = mute
         self.rows = int(table.shape[0])
         self.max_context = int(table.shape[1])
         self.req_to_token = table
@@ -186,12 +173,7 @@ class TableView:
 
     def free(self, row: int) -> None:
         """Release `row` as upstream's release does: `req_to_token_pool.free(req)` (req.kv.req_pool_idx ->
-        None), then `req.kv.mark_kv_released()` (kv_allocated_len -> 0). Muted: only forget a stale pin."""
-        if self.mute.on:
-            holder = self.views.holder(row)
-            if holder is not None and holder.kv.req_pool_idx != row:
-                self.views.unpin(row)
-            return
+        None), then `req.kv.mark_kv_released()` (kv_allocated_len -> 0)."""
         req = self.views.unpin(row)
         if req is None or req.kv.req_pool_idx != row:
             # kvfsm releases only rows it admitted a request on, and pins every such request: a miss means
@@ -208,9 +190,8 @@ class AllocatorView:
     `owns_page_list` answers False, so a copy's device slots are range-checked slot by slot (SGLang's
     allocator keeps no per-page mask to ask)."""
 
-    def __init__(self, allocator: Any, num_slots: int, mute: Mute) -> None:
+    def __init__(self, allocator: Any, num_slots: int) -> None:
         self.allocator = allocator
-        self.mute = mute
         self.page_size = int(allocator.page_size)
         self.num_slots = int(num_slots)
 
@@ -219,7 +200,7 @@ class AllocatorView:
         (`OffloadEffects.request_slots`): SGLang's `free_segment` contract (a page-aligned segment whose
         every `page_size`-th slot names a page), the call upstream's `free_kv_row` ends in. Unlike `free`
         it needs no `torch.unique`, so on a GPU server it never waits for the GPU."""
-        if len(slots) and not self.mute.on:
+        if len(slots):
             slots = slots.to(device=self.allocator.device, dtype=torch.int64)
             self.allocator.free_segment(slots, start_pos=0)  # start_pos is only checked to be page-aligned
 

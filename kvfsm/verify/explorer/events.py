@@ -1,7 +1,8 @@
 """The events the explorer interleaves: which are enabled in a world, and how each runs on the engine.
 
     admit i | decode i | decode_spec i | offload i | offload_batch | finish i | abort i | retract i |
-    readmit i | end_again i (finish of a request that already ended) | copy j (complete pending copy j) |
+    engine_release i (the engine releases the request itself, with no copy of it in flight, then tells the
+    manager) | readmit i | end_again i (finish of a request that already ended) | copy j (complete pending copy j) |
     backup j / backup_fail j (run pending backup j; its store write succeeds / fails) | progress
 
 `enabled` lists them in a fixed order (so traces are reproducible); `apply` runs one on the real
@@ -36,7 +37,7 @@ def enabled(w: World) -> list[Event]:
                 if cfg.speculative > 0:
                     out.append(("decode_spec", i))
             out.append(("offload", i))
-            out.extend((how, i) for how in cfg.end_kinds)
+            out.extend((how, i) for how in cfg.end_kinds if how != "engine_release" or _no_copy_of(w, i))
         else:
             if phase == RETRACTED and left > 0:
                 out.append(("readmit", i))
@@ -88,6 +89,9 @@ def apply(w: World, ev: Event) -> None:
         e.decode(req, cfg.speculative)
     elif kind == "offload":
         _offload(w, i, req)
+    elif kind == "engine_release":
+        e.release_itself(req)
+        ctl[0] = RETRACTED if ctl[1] > 0 else ENDED  # SGLang re-admits the requests it retracted
     elif kind in ("finish", "abort", "retract"):
         w.ends[(i, req.req_pool_idx)] = (req.kv_committed_len, max(req.kv_allocated_len, req.kv_committed_len),
                                          req.prefix_len)
@@ -113,6 +117,13 @@ def apply(w: World, ev: Event) -> None:
                lambda: f"finish of ended r{i} moved its machine from {gen.STATES[state]} to {mach!r} (B9)")
     else:
         raise ValueError(f"unknown event {ev!r}")
+
+
+def _no_copy_of(w: World, i: int) -> bool:
+    """Whether no device-to-host copy of request i is in flight: when an engine may release it itself
+    (SGLang's drain_before_retraction refuses otherwise)."""
+    mach = w.engine.manager.machine_of(w.reqs[i])
+    return mach is None or mach.copies == 0
 
 
 def _offload(w: World, i: int, req: SimRequest) -> None:

@@ -120,9 +120,11 @@ def footprints(w: World, events: Sequence[Event]) -> tuple[list[Footprint], tupl
             elif kind in ("decode", "decode_spec"):
                 length = req.kv_committed_len + 1 + (cfg.speculative if kind == "decode_spec" else 0)
                 fp = Footprint(mine, dev=max(0, -(-length // ps) - -(-req.kv_allocated_len // ps)))
-            elif kind in ("finish", "abort", "retract"):
-                # a retract with re-admissions left leaves its row named (it may come back for it)
-                fp = Footprint(mine | (every_give if kind == "retract" and w.ctl[i][1] > 0 else gives[i]), frees=True)
+            elif kind in ("finish", "abort", "retract", "engine_release"):
+                # a retract (or the engine's own release) with re-admissions left leaves its row named (it may
+                # come back for it)
+                back = kind in ("retract", "engine_release") and w.ctl[i][1] > 0
+                fp = Footprint(mine | (every_give if back else gives[i]), frees=True)
             elif kind == "offload":
                 due = _chunk_due(w, i)
                 fp = Footprint(mine | (fifo if due else 0), host=due)
