@@ -55,17 +55,22 @@ NOT_BEHAVIOUR = [r"^\s*raise \w+(\.\w+)*\(", r"\blogger\.(debug|info|warning|err
 TESTS = [
     "tests/dataplane/test_allocator.py", "tests/dataplane/test_host_pool.py", "tests/dataplane/test_req_to_token.py",
     "tests/dataplane/test_hashing.py", "tests/dataplane/test_storage.py", "tests/dataplane/test_copy_engine.py",
-    "tests/runtime/test_scenarios.py", "tests/runtime/test_batch_events.py", "tests/runtime/test_backup_worker.py",
+    "tests/runtime/test_scenarios.py", "tests/runtime/test_backup_worker.py",
     "tests/runtime/test_offload_batch.py", "tests/runtime/test_config_errors.py",
     "tests/runtime/test_first_use_traps.py", "tests/reference/test_differential.py",
     "tests/dataplane/test_layer_pool.py", "tests/runtime/test_device_table.py",
     "tests/mutation/test_kills.py",
+    # last: in mutmut's stats pass (every test in one process) it segfaulted mutmut when it ran before the
+    # files after it (reproduced 2026-12-01, not understood); the pass order does not change what is killed
+    "tests/runtime/test_batch_events.py",
 ]
 # Left out of the subset: the test that starts a real Mooncake master (2 s, and a mutant stopped mid-test
-# leaves its master running), and all but the first 60 seeds of the random batch-vs-loop test (the other
-# 240 cost 3 s per mutant of the generated machine; tests/mutation/test_kills.py runs every pair of states).
+# leaves its master running), all but the first 60 seeds of the random batch-vs-loop test (the other 270
+# cost 3 s per mutant of the generated machine; tests/mutation/test_kills.py runs every pair of states), and
+# the per-transition batch test (its search runs once per process; the committed run predates it).
 DESELECT = ["tests/runtime/test_config_errors.py::test_a_manager_built_from_a_mooncake_config_stores_and_reads_back"] + [
-    f"tests/runtime/test_batch_events.py::test_batch_equals_loop_of_single_events[{seed}]" for seed in range(60, 330)]
+    f"tests/runtime/test_batch_events.py::test_batch_equals_loop_of_single_events[{seed}]" for seed in range(60, 330)] + [
+    "tests/runtime/test_batch_events.py::test_every_transition_in_a_batch_equals_the_loop"]
 # Files the subset imports besides its test files (copied as they are).
 SUPPORT = ["tests/conftest.py", "tests/catalog_faults.py", "tests/dataplane/__init__.py",
            "tests/dataplane/conftest.py", "tests/dataplane/helpers.py", "tests/dataplane/stream_sim.py"]
