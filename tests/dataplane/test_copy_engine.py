@@ -161,6 +161,35 @@ def test_coalesced_offloads_land_together_at_the_first_done() -> None:
     assert late.done()
 
 
+def test_a_failed_coalesced_submit_keeps_the_copies_queued() -> None:
+    """The inner engine refusing the merged copy loses nothing: every handle raises at done(), and once the
+    engine works again the same copies land."""
+    cfg = KVCacheConfig.tiny()
+    dev = make_device_pool(cfg, 64, seed=6)
+    host = make_host_pool(cfg, 32, 4)
+
+    class Flaky(CpuCopyEngine):
+        broken = True
+
+        def submit_d2h(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            if self.broken:
+                raise CopyError("the copy engine is down")
+            return super().submit_d2h(*args, **kwargs)
+
+    inner = Flaky()
+    eng = CoalescingCopyEngine(inner)
+    parts = [(torch.arange(8 + 8 * k, 12 + 8 * k), host.alloc(4)) for k in range(2)]
+    handles = [eng.submit_d2h(dev, d, host, h) for d, h in parts]
+    for h in handles:
+        with pytest.raises(CopyError, match="down"):
+            h.done()
+    assert eng.queued == 2
+    inner.broken = False
+    assert all(h.done() for h in handles) and eng.queued == 0
+    for d, h in parts:
+        assert torch.equal(bits(host.token_view()[:, :, h]), bits(dev.storage[:, :, d]))
+
+
 def test_thread_engine_polls_without_blocking() -> None:
     cfg = KVCacheConfig.tiny()
     dev = make_device_pool(cfg, 64)

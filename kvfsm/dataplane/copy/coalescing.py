@@ -77,11 +77,12 @@ class CoalescingCopyEngine(CopyEngine):
         return self.inner.submit_h2d(host_pool, host_indices, device_pool, device_indices)
 
     def flush(self) -> None:
-        """Submit every queued offload: one inner copy per (device pool, host pool), in queue order."""
+        """Submit every queued offload: one inner copy per (device pool, host pool), in queue order. If the
+        inner engine raises, the copies it did not take stay queued (their handles raise again at the next
+        done()), and the error propagates."""
         with self._lock:
-            queue, self._queue = self._queue, []
             groups: dict[tuple[int, int], list[CoalescedHandle]] = {}
-            for h in queue:
+            for h in self._queue:
                 assert h.plan is not None
                 groups.setdefault((id(h.plan.device_pool), id(h.plan.host_pool)), []).append(h)
             for handles in groups.values():
@@ -95,6 +96,8 @@ class CoalescingCopyEngine(CopyEngine):
                 merged = self.inner.submit_d2h(first.device_pool, dev, first.host_pool, host)
                 for h in handles:
                     h.inner, h.plan = merged, None
+                taken = set(map(id, handles))
+                self._queue = [h for h in self._queue if id(h) not in taken]
 
     def close(self) -> None:
         self.flush()

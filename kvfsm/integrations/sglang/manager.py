@@ -14,13 +14,16 @@ What differs from upstream on purpose (docs/sglang-upstream.md has upstream's si
 - A chunk is never larger than the host pool (a longer backlog goes in several chunks); upstream would
   retry an oversized chunk forever.
 - SGLang releases a retracted request itself; the adapter then ends its kvfsm lifecycle with the spec's
-  `released_by_engine`, which frees nothing (see `_end_released_by_engine`). Re-admitted, the request starts a new lifecycle and copies its decoded
-  KV again from its first decode chunk (same keys: the store keeps the pages it has); upstream keeps its
-  offload state across the retraction and carries on after its last chunk.
+  `released_by_engine`, which frees nothing (see `_end_released_by_engine`). Re-admitted, the request
+  starts a new lifecycle and copies its decoded KV again from its first decode chunk (same keys: the store
+  keeps the pages it has); upstream keeps its offload state across the retraction and carries on after its
+  last chunk.
 - On a GPU server nothing of the manager's waits for the GPU: slots are read from SGLang's `req_to_token`
-  on the device (kvfsm.runtime.device_table) and copied by kvfsm's CudaCopyEngine on its own stream;
-  upstream reads the same table on the device. The waits left are SGLang's own allocator's, in the
-  frees at release (the same calls upstream makes).
+  on the device (kvfsm.runtime.device_table) and copied by kvfsm's CudaCopyEngine on its own stream
+  (upstream reads the same table on the device), and frees go through SGLang's `free_segment`, which
+  needs no `torch.unique` (objects.AllocatorView).
+- `offload_kv_cache(req)` queues its copy; an iteration's copies run as one at the next progress check
+  (kvfsm.dataplane.copy.coalescing). Upstream submits one per call.
 """
 
 from __future__ import annotations
@@ -167,8 +170,8 @@ class DecodeKVCacheOffloadManager:
     def drain_before_retraction(self) -> None:
         """A progress check, then `RetractionRefusedError` (a RuntimeError, as upstream's) on every TP rank
         while any rank still tracks a device-to-host copy (on the GPU, one not yet acknowledged; on the CPU
-        every copy has landed when submitted, so none is tracked unless a TP peer's MIN held its ack back). Once it
-        passes, SGLang releases the retracted requests itself; their kvfsm lifecycles are ended at the next
+        every copy lands at that progress check, so none is tracked unless a TP peer's MIN held its ack
+        back). Once it passes, SGLang releases the retracted requests itself; their kvfsm lifecycles are ended at the next
         call (`_sweep`)."""
         try:
             self.manager.drain_before_retraction()
