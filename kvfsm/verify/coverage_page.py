@@ -42,8 +42,9 @@ What the claim rests on, and what it does not say:
   catalog fault (tests/catalog_faults.py). An edge skipped by the reduction reaches a state that is
   explored and checked anyway.
 - Coverage lists spec transitions. The events the engine issues (admit, decode, offload, offload_batch,
-  finish, abort, retract, readmit, duplicate finish, copy and backup completions, failures and progress
-  checks) are run in every state where they are enabled.
+  finish, abort, retract, the engine's own release of a request with no copy in flight, readmit,
+  duplicate finish, copy and backup completions, failures and progress checks) are run in every state
+  where they are enabled (the engine's own release only in the sub-bounds that list it).
 """
 
 
