@@ -508,6 +508,31 @@ class _Run:
         else:
             req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
 
+    def decode_and_offload(self, spec: ReqSpec, t: int) -> None:
+        """Step t of `spec`'s decode, then the manager calls of SGLang's result processing: its offload, and
+        for a request that finished with this step its release when no chunk was submitted."""
+        self.decode(spec)
+        req = self.reqs[spec.rid]
+        finished = t == spec.start + spec.decode
+        if finished:
+            self.finish(spec)
+        with manager_call():
+            ok = self.mgr.offload_kv_cache(req)
+            if finished and not ok:
+                self.mgr.finalize_release_on_finish(req)
+        if ok:
+            self.cur.offloads.append(spec.rid)
+
+    def end_step(self, live: dict[str, bool], steps: list[Step]) -> None:
+        """After the step's calls: settle the backups, record the requests released and the keys stored."""
+        self.settle()
+        for rid, req in self.reqs.items():
+            if live.get(rid) and req.kv.req_pool_idx is None:
+                live[rid] = False
+                self.cur.released.append(rid)
+        self.cur.keys = self._new_keys()
+        steps.append(self.cur)
+
     def settle(self) -> None:
         self.probe.settle(self.mgr)
 
@@ -548,28 +573,9 @@ class _Run:
                 except RuntimeError as e:
                     self.cur.retract = f"refused: {e}"
             for spec in sc.requests:
-                if not (spec.start < t <= spec.start + spec.decode):
-                    continue
-                self.decode(spec)
-                req = self.reqs[spec.rid]
-                if t == spec.start + spec.decode:
-                    self.finish(spec)
-                    with manager_call():
-                        ok = self.mgr.offload_kv_cache(req)
-                        if not ok:
-                            self.mgr.finalize_release_on_finish(req)
-                else:
-                    with manager_call():
-                        ok = self.mgr.offload_kv_cache(req)
-                if ok:
-                    self.cur.offloads.append(spec.rid)
-            self.settle()
-            for rid, req in self.reqs.items():
-                if live_rows.get(rid) and req.kv.req_pool_idx is None:
-                    live_rows[rid] = False
-                    self.cur.released.append(rid)
-            self.cur.keys = self._new_keys()
-            steps.append(self.cur)
+                if spec.start < t <= spec.start + spec.decode:
+                    self.decode_and_offload(spec, t)
+            self.end_step(live_rows, steps)
         self.cur = Step(sc.steps)
         expected, chains = {}, {}
         for spec in sc.requests:

@@ -99,26 +99,9 @@ def _script(manager_cls: type, sc: Scenario = SC, retract_at: int = RETRACT_AT,
                     if spec.rid == "c":
                         assert run.reqs["c"].kv.req_pool_idx == a_row  # the retracted request's row
             for spec in sc.requests:
-                if not live.get(spec.rid) or not spec.start < t <= spec.start + spec.decode:
-                    continue
-                run.decode(spec)
-                req = run.reqs[spec.rid]
-                if t == spec.start + spec.decode:
-                    run.finish(spec)
-                    ok = run.mgr.offload_kv_cache(req)
-                    if not ok:
-                        run.mgr.finalize_release_on_finish(req)
-                else:
-                    ok = run.mgr.offload_kv_cache(req)
-                if ok:
-                    run.cur.offloads.append(spec.rid)
-            run.settle()
-            for rid, req in run.reqs.items():
-                if live.get(rid) and req.kv.req_pool_idx is None:
-                    live[rid] = False
-                    run.cur.released.append(rid)
-            run.cur.keys = run._new_keys()
-            steps.append(run.cur)
+                if live.get(spec.rid) and spec.start < t <= spec.start + spec.decode:
+                    run.decode_and_offload(spec, t)
+            run.end_step(live, steps)
         stored = run.stored()
         freed = Counter(s for st in steps for s in st.device_freed)
         owned = Counter(s for slots in run.owned.values() for s in slots)

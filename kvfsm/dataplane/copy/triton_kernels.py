@@ -161,6 +161,18 @@ def _as_rows(view5: torch.Tensor, word: torch.dtype) -> torch.Tensor:
     return rows.view(word) if word != rows.dtype else rows
 
 
+def _launch_walk(view5: torch.Tensor, n: int, cfg: KernelConfig) -> tuple[torch.Tensor, int, tuple[int], dict]:
+    """What both kernels' launches share for n token rows of `view5`'s shape: its word view, the 16-byte
+    vector hint, the grid, and the walk's constants (programs of TOKENS rows per (plane, layer))."""
+    word, vec = _word_dtype(view5.shape[3] * view5.shape[4] * view5.element_size())
+    rows = _as_rows(view5, word)
+    planes, layers, row = rows.shape[0], rows.shape[1], rows.shape[3]
+    block = min(triton.next_power_of_2(row), 1024)
+    walk = dict(NUM_LAYERS=layers, ROW=row, BLOCK=block, TOKENS=cfg.tokens, MASK_COLS=row % block != 0,
+                LAYER_FASTEST=cfg.layer_fastest, num_warps=cfg.num_warps)
+    return rows, vec, (triton.cdiv(n, cfg.tokens) * planes * layers,), walk
+
+
 def kv_rows_copy(
     src5: torch.Tensor,
     src_idx: torch.Tensor,
@@ -182,16 +194,8 @@ def kv_rows_copy(
         raise ValueError("source and destination index counts differ")
     if n == 0:
         return
-    cfg = config or KernelConfig()
-    row_bytes = src5.shape[3] * src5.shape[4] * src5.element_size()
-    word, vec = _word_dtype(row_bytes)
-    src = _as_rows(src5, word)
-    dst = _as_rows(dst5, word)
-    row = src.shape[3]
-    block = min(triton.next_power_of_2(row), 1024)
-    planes, layers = src.shape[0], src.shape[1]
-    n_tb = triton.cdiv(n, cfg.tokens)
-    grid = (n_tb * planes * layers,)
+    src, vec, grid, walk = _launch_walk(src5, n, config or KernelConfig())
+    dst = _as_rows(dst5, src.dtype)
     _kv_rows_copy_kernel[grid](
         src,
         dst,
@@ -204,15 +208,9 @@ def kv_rows_copy(
         dst.stride(0),
         dst.stride(1),
         dst.stride(2),
-        planes * layers,
-        NUM_LAYERS=layers,
-        ROW=row,
-        BLOCK=block,
-        TOKENS=cfg.tokens,
+        src.shape[0] * src.shape[1],
         VEC=vec,
-        MASK_COLS=row % block != 0,
-        LAYER_FASTEST=cfg.layer_fastest,
-        num_warps=cfg.num_warps,
+        **walk,
     )
 
 
@@ -241,22 +239,15 @@ def kv_layer_rows_copy(
         raise ValueError("device and host index counts differ")
     if n == 0:
         return
-    cfg = config or KernelConfig()
-    row_elems = int(host5.shape[3] * host5.shape[4])
-    row_bytes = row_elems * host5.element_size()
-    word, vec = _word_dtype(row_bytes)
-    host = _as_rows(host5, word)
+    host, vec, grid, walk = _launch_walk(host5, n, config or KernelConfig())
     stride_bytes = token_stride * host5.element_size()
-    word_bytes = torch.empty((), dtype=word).element_size()
+    word_bytes = host.element_size()
     if stride_bytes % word_bytes:
         raise ValueError(f"a token stride of {stride_bytes} bytes is not whole {word_bytes}-byte words")
     dev_s_tok = stride_bytes // word_bytes
     if dev_s_tok % vec:
         vec = 1  # the 16-byte hint needs every device row to start on a 16-byte boundary
-    row = host.shape[3]
-    block = min(triton.next_power_of_2(row), 1024)
-    n_tb = triton.cdiv(n, cfg.tokens)
-    _kv_layer_rows_copy_kernel[(n_tb * planes * layers,)](
+    _kv_layer_rows_copy_kernel[grid](
         layer_ptrs,
         host,
         dev_idx,
@@ -267,13 +258,7 @@ def kv_layer_rows_copy(
         host.stride(1),
         host.stride(2),
         planes * layers,
-        NUM_LAYERS=layers,
-        ROW=row,
-        BLOCK=block,
-        TOKENS=cfg.tokens,
         VEC=vec,
-        MASK_COLS=row % block != 0,
-        LAYER_FASTEST=cfg.layer_fastest,
         TO_HOST=to_host,
-        num_warps=cfg.num_warps,
+        **walk,
     )

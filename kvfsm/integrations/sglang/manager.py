@@ -201,7 +201,7 @@ class DecodeKVCacheOffloadManager:
         if self._retraction_allowed:
             self._sweep()
         view = self._views.view(req)
-        self._end_released_by_engine(req)
+        self._end_released_by_engine(req, view)
         row = req.kv.req_pool_idx
         if row is not None and row != -1:
             row = int(row)
@@ -224,14 +224,15 @@ class DecodeKVCacheOffloadManager:
         for req in list(self._views.pinned()):
             self._end_released_by_engine(req)
 
-    def _end_released_by_engine(self, req: Any) -> None:
+    def _end_released_by_engine(self, req: Any, view: Any = None) -> None:
         """SGLang's retraction releases a request through its own `release_kv_cache` (slots, row, lock),
         never telling the manager (upstream's keeps its offload state and ignores it). kvfsm's lifecycle of
         such a request still holds the row it was admitted on: it ends with the spec's `released_by_engine`,
         which frees nothing. One whose copy still reads the freed slots is refused by the spec (the engine
         skipped the drain): logged, and kvfsm keeps it (a request admitted on its row is then refused with
-        RowInUse) until its copy is acknowledged and a later call ends it."""
-        view = self._views.view(req)
+        RowInUse) until its copy is acknowledged and a later call ends it. `view`: req's, when the caller
+        has it (every offload call does: one lookup fewer)."""
+        view = self._views.view(req) if view is None else view
         m = self.manager.machine_of(view)
         if m is None or m.state not in _ROW_HOLDERS or req.kv.req_pool_idx == m.ctx.row:
             return
