@@ -105,6 +105,7 @@ def render(spec: CompiledSpec, spec_path: str) -> str:
         state_names=spec.states, event_names=spec.events, counter_names=spec.counters,
         events=events,
         counters=[dict(name=c, doc=m.doc, initial=m.initial) for c, m in model.counters.items()],
+        params=[dict(name=p, doc=m.doc) for p, m in model.params.items()], param_names=spec.params,
         actions=[dict(name=a, doc=m.doc, effects=_effects_note(m.acquires, m.reads, m.releases))
                  for a, m in model.actions.items()],
         transitions=spec.transitions,

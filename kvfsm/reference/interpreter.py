@@ -27,9 +27,13 @@ class ReferenceMachine:
     """Same surface as a generated machine: one method per event, `state`, counters, `snapshot()`."""
 
     def __init__(self, spec: CompiledSpec, fx: Any, ctx: Any = None,
-                 observer: Optional[Callable[..., None]] = None) -> None:
+                 observer: Optional[Callable[..., None]] = None, **params: int) -> None:
+        unknown = sorted(set(params) - set(spec.params))
+        if unknown or any(v not in (0, 1) for v in params.values()):
+            raise ValueError(f"params must be 0 or 1 and among {list(spec.params)}, got {params!r}")
         self.spec, self.fx, self.ctx, self.observer = spec, fx, ctx, observer
         self.counters = {c: m.initial for c, m in spec.model.counters.items()}
+        self.params = {p: params.get(p, 0) for p in spec.params}  # constants: guards read them, nothing updates them
         self._model = _Model()
         self._fsm = Machine(model=self._model, states=list(spec.states), initial=spec.initial,
                             auto_transitions=False, send_event=True, ignore_invalid_triggers=False)
@@ -44,7 +48,7 @@ class ReferenceMachine:
 
     def _guard(self, t: Transition) -> Callable[[EventData], bool]:
         node = self.spec.guards.get(t.guard) if t.guard else None
-        return lambda _ev: node is None or bool(ex.evaluate(node, self.counters))
+        return lambda _ev: node is None or bool(ex.evaluate(node, {**self.counters, **self.params}))
 
     def _effects(self, t: Transition) -> Callable[[EventData], None]:
         def run(ev: EventData) -> None:
@@ -74,6 +78,9 @@ class ReferenceMachine:
         counters = self.__dict__.get("counters")
         if counters is not None and name in counters:
             return counters[name]
+        params = self.__dict__.get("params")
+        if params is not None and name in params:
+            return params[name]
         spec = self.__dict__.get("spec")
         if spec is not None and name in spec.events:
             return lambda arg=None: self.fire(name, arg)

@@ -32,7 +32,14 @@ def _box(spec: CompiledSpec) -> Iterator[dict[str, int]]:
                                             f"guards need counter values up to {bound} over {len(spec.counters)} counters; "
                                             f"more than {MAX_VALUATIONS} valuations to check (use smaller literals)")])
     for values in itertools.product(range(bound + 1), repeat=len(spec.counters)):
-        yield dict(zip(spec.counters, values))
+        for flags in _param_values(spec):
+            yield dict(zip(spec.counters, values)) | flags
+
+
+def _param_values(spec: CompiledSpec) -> Iterator[dict[str, int]]:
+    """Every assignment of the spec's params (each 0 or 1, fixed for a machine's life)."""
+    for values in itertools.product((0, 1), repeat=len(spec.params)):
+        yield dict(zip(spec.params, values))
 
 
 def _guard_holds(spec: CompiledSpec, t: Transition, env: dict[str, int]) -> bool:
@@ -123,10 +130,12 @@ def check_determinism(spec: CompiledSpec) -> list[SpecError]:
 def check_invariants(spec: CompiledSpec) -> list[SpecError]:
     """Every invariant is inductive: it holds initially and every transition preserves it."""
     errors: list[SpecError] = []
-    start = {c: m.initial for c, m in spec.model.counters.items()}
-    if not spec.state_holds(spec.initial, start):
-        errors.append(spec.lines.error(("states", spec.initial), f"state {spec.initial!r}",
-                                       f"the initial counters {start} violate its invariants"))
+    for flags in _param_values(spec):
+        start = {c: m.initial for c, m in spec.model.counters.items()} | flags
+        if not spec.state_holds(spec.initial, start):
+            errors.append(spec.lines.error(("states", spec.initial), f"state {spec.initial!r}",
+                                           f"the initial counters {start} violate its invariants"))
+            break
     valuations = list(_box(spec))
     for t in spec.transitions:
         for env in valuations:
@@ -238,7 +247,34 @@ def holdings(spec: CompiledSpec) -> tuple[dict[str, frozenset[str]], list[tuple[
     return held_at, unique
 
 
-CHECKS = (check_structure, check_updates, check_determinism, check_invariants, check_resources)
+def check_fences(spec: CompiledSpec) -> list[SpecError]:
+    """A resource that in-flight operations read (`read_by`) is released plainly only once none can be left
+    after the transition; while some may be, only fenced (`releases_fenced`, under the resource's `fence`
+    rule), and a fenced release must have something to fence (else it should be a plain one)."""
+    errors: list[SpecError] = []
+    readers = {r: m.read_by for r, m in spec.model.resources.items() if m.read_by is not None}
+    if not readers:
+        return errors
+    valuations = list(_box(spec))
+    for t in spec.transitions:
+        posts = [_apply(t, env) for env in valuations if spec.state_holds(t.src, env) and _guard_holds(spec, t, env)]
+        for r in t.releases:
+            c = readers.get(r)
+            if c is None:
+                continue
+            busy = next((post for post in posts if post[c] >= 1), None)
+            where = ("transitions", t.rule), f"transitions[{t.rule}] {t.label}"
+            if r not in t.fenced and busy is not None:
+                errors.append(spec.lines.error(*where, f"releases {r!r} while {c} may still be {busy[c]} (at {busy}): "
+                                               f"what {c} counts still reads it; release it fenced "
+                                               f"(`releases_fenced`) or after the last of them"))
+            elif r in t.fenced and busy is None and posts:
+                errors.append(spec.lines.error(*where, f"releases {r!r} fenced, but {c} is 0 after it in every case: "
+                                               "nothing reads it any more; release it plainly"))
+    return errors
+
+
+CHECKS = (check_structure, check_updates, check_determinism, check_invariants, check_resources, check_fences)
 
 
 def load_spec(path: str | Path) -> CompiledSpec:

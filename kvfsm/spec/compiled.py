@@ -34,9 +34,10 @@ class Transition:
     update: tuple[tuple[str, int], ...]
     acquires: tuple[str, ...]
     reads: tuple[str, ...]
-    releases: tuple[str, ...]
+    releases: tuple[str, ...]  # every resource it releases, fenced or not
     line: int
     rule: int
+    fenced: tuple[str, ...] = ()  # those of `releases` released fenced (while operations still read them)
 
     @property
     def label(self) -> str:
@@ -64,6 +65,7 @@ class CompiledSpec:
     states: tuple[str, ...]
     events: tuple[str, ...]
     counters: tuple[str, ...]
+    params: tuple[str, ...]
     initial: str
     transitions: tuple[Transition, ...]
     outcomes: dict[tuple[str, str], Outcome]
@@ -108,6 +110,10 @@ def build(path: str | Path) -> CompiledSpec:
     errors: list[SpecError] = []
     err = lambda loc, element, msg: errors.append(lines.error(loc, element, msg))  # noqa: E731
     states, events, counters = tuple(model.states), tuple(model.events), tuple(model.counters)
+    params = tuple(model.params)
+    for p in params:
+        if p in model.counters:
+            err(("params", p), f"param {p!r}", "is also the name of a counter")
 
     def parse(loc: tuple, element: str, text: str) -> Optional[ex.Node]:
         try:
@@ -115,8 +121,8 @@ def build(path: str | Path) -> CompiledSpec:
         except ex.ExprError as e:
             err(loc, element, f"bad expression {text!r}: {e}")
             return None
-        for name in sorted(ex.names(node) - set(counters)):
-            err(loc, element, f"unknown counter {name!r} in {text!r}")
+        for name in sorted(ex.names(node) - set(counters) - set(params)):
+            err(loc, element, f"unknown counter {name!r} in {text!r}" + (", nor is it a param" if params else ""))
         return node
 
     def known(loc: tuple, element: str, kind: str, name: str, pool) -> bool:
@@ -134,10 +140,22 @@ def build(path: str | Path) -> CompiledSpec:
         for s in inv.states or ():
             known(("invariants", i, "states"), f"invariant {inv.name!r}", "state", s, model.states)
         invariants[inv.name] = (node, tuple(inv.states or ()))
+    for r, res in model.resources.items():
+        if res.read_by is not None:
+            known(("resources", r, "read_by"), f"resource {r!r}", "counter", res.read_by, model.counters)
+        if res.fence is not None and res.read_by is None:
+            err(("resources", r, "fence"), f"resource {r!r}",
+                "declares a fence rule but no `read_by` counter: a fence is the completion of what reads it")
     for a, act in model.actions.items():
-        for verb in ("acquires", "reads", "releases"):
+        for verb in ("acquires", "reads", "releases", "releases_fenced"):
             for r in getattr(act, verb):
                 known(("actions", a, verb), f"action {a!r}", "resource", r, model.resources)
+        for r in act.releases_fenced:
+            if r in act.releases:
+                err(("actions", a, "releases_fenced"), f"action {a!r}", f"releases {r!r} both plainly and fenced")
+            elif r in model.resources and model.resources[r].fence is None:
+                err(("actions", a, "releases_fenced"), f"action {a!r}",
+                    f"releases {r!r} fenced, but resource {r!r} declares no `fence` rule")
         for c in act.implies:
             known(("actions", a, "implies", c), f"action {a!r}", "counter", c, model.counters)
     for e, ev in model.events.items():
@@ -177,7 +195,8 @@ def build(path: str | Path) -> CompiledSpec:
                     id=len(transitions), src=s, event=e, guard=rule.guard,
                     dst=s if rule.to == SAME else rule.to, actions=tuple(rule.actions),
                     update=tuple(rule.update.items()), acquires=gather("acquires"), reads=gather("reads"),
-                    releases=gather("releases"), line=lines.line(loc), rule=r))
+                    releases=tuple(dict.fromkeys(gather("releases") + gather("releases_fenced"))),
+                    line=lines.line(loc), rule=r, fenced=gather("releases_fenced")))
 
     outcomes: dict[tuple[str, str], Outcome] = {}
     for section, kind in (("ignore", "ignore"), ("errors", "error")):
@@ -204,7 +223,7 @@ def build(path: str | Path) -> CompiledSpec:
         raise SpecInvalid(errors)
     return CompiledSpec(
         path=str(path), sha256=hashlib.sha256(raw).hexdigest(), model=model, lines=lines,
-        states=states, events=events, counters=counters, initial=initial[0],
+        states=states, events=events, counters=counters, params=params, initial=initial[0],
         transitions=tuple(transitions), outcomes=outcomes,
         guards={k: v for k, v in guards.items() if v is not None},
         state_invariants={k: v for k, v in state_invs.items() if v is not None},

@@ -35,8 +35,20 @@ class Counter(_Strict):
     initial: int = Field(0, ge=0)
 
 
+class Param(_Strict):
+    """A constant of one machine, 0 or 1, fixed when it is created (what the data plane under it can do)."""
+
+    doc: Doc
+
+
 class Resource(_Strict):
     doc: Doc
+    read_by: Optional[Name] = Field(None, description=(
+        "The counter of in-flight operations that read this resource (device slots: `copies`). `kvfsm validate` "
+        "rejects a plain release of it by a transition after which that counter may be above zero."))
+    fence: Optional[Doc] = Field(None, description=(
+        "The rule under which it may be released while those operations still read it (`releases_fenced`): "
+        "what the release carries and what must pass before it is handed out and written again."))
 
 
 class Guard(_Strict):
@@ -49,6 +61,8 @@ class Action(_Strict):
     acquires: list[Name] = []
     reads: list[Name] = []
     releases: list[Name] = []
+    releases_fenced: list[Name] = Field([], description=(
+        "Resources released while operations still read them, each carrying their fences (its `fence` rule)."))
     implies: Update = Field({}, description=(
         "The counter update running this action implies (submitting a copy: `{copies: +1}`). `kvfsm validate` "
         "checks that every transition's `update` is exactly the sum of its event's and its actions' `implies`."))
@@ -128,6 +142,7 @@ class SpecModel(_Strict):
     machine: MachineName
     doc: Doc
     counters: dict[Name, Counter] = {}
+    params: dict[Name, Param] = {}
     resources: dict[Name, Resource] = {}
     guards: dict[Name, Guard] = {}
     actions: dict[Name, Action] = {}

@@ -46,21 +46,21 @@ def _outcome(fn, *args):
         return ("raised", str(e))
 
 
-def _pair(fail_on: str | None = None):
+def _pair(fail_on: str | None = None, fences: int = 0):
     fx_g, fx_r = RecordingEffects(fail_on), RecordingEffects(fail_on)
     obs_g: list = []
     obs_r: list = []
-    g = gen.DecodeOffloadMachine(fx_g, observer=lambda m, *a: obs_g.append(a))
-    r = ReferenceMachine(SPEC, fx_r, observer=lambda m, *a: obs_r.append(a))
+    g = gen.DecodeOffloadMachine(fx_g, observer=lambda m, *a: obs_g.append(a), fences=fences)
+    r = ReferenceMachine(SPEC, fx_r, observer=lambda m, *a: obs_r.append(a), fences=fences)
     return (g, fx_g, obs_g), (r, fx_r, obs_r)
 
 
 events = st.lists(st.tuples(st.sampled_from(SPEC.events), st.integers(0, 3)), max_size=80)
 
 
-@given(events, st.sampled_from([None, *SPEC.model.actions]))
-def test_generated_matches_reference(stream, fail_on):
-    (g, fx_g, obs_g), (r, fx_r, obs_r) = _pair(fail_on if fail_on != "seed_hash_chain" else None)
+@given(events, st.sampled_from([None, *SPEC.model.actions]), st.sampled_from([0, 1]))
+def test_generated_matches_reference(stream, fail_on, fences):
+    (g, fx_g, obs_g), (r, fx_r, obs_r) = _pair(fail_on if fail_on != "seed_hash_chain" else None, fences)
     assert g.snapshot() == r.snapshot()
     for event, arg in stream:
         before = g.snapshot()
@@ -74,8 +74,8 @@ def test_generated_matches_reference(stream, fail_on):
             assert g.snapshot() == before, "a rejected event changed the machine"
 
 
-def test_every_transition_is_reachable_by_some_stream():
-    """Breadth-first over events from the initial machine reaches every declared transition."""
+def _reached(fences: int) -> set[int]:
+    """Breadth-first over events from the initial machine with the given param: the transitions it fires."""
     seen: set[int] = set()
     frontier = [[]]
     for _ in range(8):
@@ -84,7 +84,8 @@ def test_every_transition_is_reachable_by_some_stream():
             for event in SPEC.events:
                 fx = RecordingEffects()
                 hits: list[int] = []
-                m = gen.DecodeOffloadMachine(fx, observer=lambda _m, _e, _s, _d, tid: hits.append(tid))
+                m = gen.DecodeOffloadMachine(fx, observer=lambda _m, _e, _s, _d, tid: hits.append(tid),
+                                             fences=fences)
                 try:
                     for e in path + [event]:
                         getattr(m, e)()
@@ -93,7 +94,24 @@ def test_every_transition_is_reachable_by_some_stream():
                 seen.update(h for h in hits if h >= 0)
                 nxt.append(path + [event])
         frontier = nxt[:400]
-    assert seen == {t.id for t in SPEC.transitions}
+    return seen
+
+
+def test_every_transition_is_reachable_by_some_stream():
+    """Every declared transition fires for one of the param's values; the deferred release (state finished)
+    only without fences, the fenced one (state fenced) only with them."""
+    deferred, fenced = _reached(0), _reached(1)
+    assert deferred | fenced == {t.id for t in SPEC.transitions}
+    for seen, other, state in ((deferred, "fenced_release", "fenced"), (fenced, "deferred_release", "finished")):
+        never = {t.id for t in SPEC.transitions if t.guard == other or t.src == state}
+        assert never and not (seen & never)
+
+
+def test_a_param_outside_0_and_1_is_refused_by_both_machines():
+    for make in (lambda: gen.DecodeOffloadMachine(RecordingEffects(), fences=2),
+                 lambda: ReferenceMachine(SPEC, RecordingEffects(), fences=2)):
+        with pytest.raises(ValueError, match="0 or 1"):
+            make()
 
 
 @pytest.mark.parametrize("event", SPEC.events)

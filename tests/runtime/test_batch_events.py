@@ -81,7 +81,7 @@ def _accepts(m: DecodeOffloadMachine, event: str) -> bool:
 def random_machines(rng: random.Random, fx: Recorder, n: int, event: str | None = None) -> list[DecodeOffloadMachine]:
     """n machines driven by a random walk of single events into assorted (mostly live) states and counters;
     given `event`, the walk goes on (a bounded number of steps, on random machines) until one accepts it."""
-    ms = [DecodeOffloadMachine(fx, ctx=i) for i in range(n)]
+    ms = [DecodeOffloadMachine(fx, ctx=i, fences=rng.randint(0, 1)) for i in range(n)]  # a batch may mix them
     for m in ms:
         _walk(rng, m, rng.randint(0, 10))
     if event is not None:
@@ -164,13 +164,14 @@ def test_batch_equals_loop_of_single_events(seed: int) -> None:
 
 
 @functools.lru_cache(maxsize=1)
-def _paths_to_every_transition(max_depth: int = 8) -> dict[int, list[str]]:
-    """Per transition id, a shortest event path from a fresh machine whose last event takes it (a
-    breadth-first search over single events: the random walks above reach some transitions only by luck)."""
-    start = DecodeOffloadMachine(Recorder(), ctx=0)
-    paths: dict[int, list[str]] = {}
-    seen = {start.snapshot()}
-    queue = collections.deque([(start, [])])
+def _paths_to_every_transition(max_depth: int = 8) -> dict[int, tuple[int, list[str]]]:
+    """Per transition id, the `fences` param and a shortest event path from a fresh machine whose last event
+    takes it (a breadth-first search over single events, from a machine of each param value: the random
+    walks above reach some transitions only by luck)."""
+    starts = [DecodeOffloadMachine(Recorder(), ctx=0, fences=f) for f in (0, 1)]
+    paths: dict[int, tuple[int, list[str]]] = {}
+    seen = {(m.fences, m.snapshot()) for m in starts}
+    queue = collections.deque([(m, []) for m in starts])
     while queue and len(paths) < len(gen.TRANSITIONS):
         m, path = queue.popleft()
         for event in gen.EVENTS:
@@ -183,9 +184,9 @@ def _paths_to_every_transition(max_depth: int = 8) -> dict[int, list[str]]:
                 continue
             probe.observer = None
             for tid in tids:
-                paths.setdefault(tid, path + [event])
-            if probe.snapshot() not in seen and len(path) < max_depth:
-                seen.add(probe.snapshot())
+                paths.setdefault(tid, (probe.fences, path + [event]))
+            if (probe.fences, probe.snapshot()) not in seen and len(path) < max_depth:
+                seen.add((probe.fences, probe.snapshot()))
                 queue.append((probe, path + [event]))
     return paths
 
@@ -194,9 +195,9 @@ def _paths_to_every_transition(max_depth: int = 8) -> dict[int, list[str]]:
 def test_every_transition_in_a_batch_equals_the_loop(tid: int) -> None:
     """Each transition taken by a batch of two machines that a shortest path put in its source state: the
     same machines and the same action calls as the loop of single events."""
-    path = _paths_to_every_transition()[tid]
+    fences, path = _paths_to_every_transition()[tid]
     fx_loop, fx_batch = Recorder(), Recorder()
-    loop = [DecodeOffloadMachine(fx_loop, ctx=i) for i in range(2)]
+    loop = [DecodeOffloadMachine(fx_loop, ctx=i, fences=fences) for i in range(2)]
     for m in loop:
         for event in path[:-1]:
             getattr(m, event)(None)
