@@ -23,6 +23,7 @@ from .errors import (
     PartialPage,
     SlotError,
 )
+from .fences import SlotFence, wait_fences
 from .hashing import PageRun, page_hash, page_hashes, request_namespace, storage_namespace_seed
 from .pools.host_pool import HostKVPool, available_host_memory
 from .pools.req_to_token import ReqToTokenPool
@@ -75,8 +76,10 @@ __all__ = [
     "PartialPage",
     "ReqToTokenPool",
     "SlotError",
+    "SlotFence",
     "StorageBackend",
     "ThreadCpuCopyEngine",
+    "wait_fences",
     "TokenSlotAllocator",
     "available_host_memory",
     "make_copy_engine",

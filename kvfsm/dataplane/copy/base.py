@@ -46,6 +46,11 @@ class CopyHandle(ABC):
 class CopyEngine(ABC):
     """Device ⇄ host copies of whole token rows into and out of scattered slots."""
 
+    # Whether its handles are fences (kvfsm.dataplane.fences): `done()` answers by a query and
+    # `wait_stream(s)` orders a writer on `s` after the copy. The manager releases slots under a copy
+    # fenced only over an engine that says so.
+    fences: bool = False
+
     @abstractmethod
     def submit_d2h(
         self, device_pool: DeviceKVPool, device_indices: IndexLike, host_pool: HostKVPool, host_indices: IndexLike

@@ -61,6 +61,11 @@ class CoalescingCopyEngine(CopyEngine):
         self._lock = threading.Lock()
 
     @property
+    def fences(self) -> bool:  # type: ignore[override]
+        """The inner engine's: waiting on a queued copy's handle submits the queue first."""
+        return bool(getattr(self.inner, "fences", False))
+
+    @property
     def queued(self) -> int:
         return len(self._queue)
 

@@ -34,6 +34,8 @@ class DoneHandle(CopyHandle):
 class CpuCopyEngine(CopyEngine):
     """Synchronous: the copy has happened when submit returns."""
 
+    fences = True  # born done: a fence of its handles has always passed
+
     def submit_d2h(self, device_pool, device_indices, host_pool, host_indices) -> CopyHandle:  # type: ignore[no-untyped-def]
         plan = plan_copy("d2h", device_pool, device_indices, host_pool, host_indices)
         run_plan(plan)
@@ -59,6 +61,8 @@ class _FutureHandle(CopyHandle):
 
 class ThreadCpuCopyEngine(CopyEngine):
     """Asynchronous on one worker thread (FIFO), like a copy stream; a copy reads its source when it runs."""
+
+    fences = True  # a writer's wait on a handle waits for its future (the host is this engine's stream)
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvfsm-copy")
@@ -103,7 +107,10 @@ class DeferredHandle(CopyHandle):
 
 
 class DeferredCpuCopyEngine(CopyEngine):
-    """Copies are recorded at submit and performed at complete(): the test controls completion order."""
+    """Copies are recorded at submit and performed at complete(): the test controls completion order.
+    Its handles are the CPU twin of fences: waiting on one completes its copy first."""
+
+    fences = True
 
     def __init__(self) -> None:
         self._pending: OrderedDict[int, DeferredHandle] = OrderedDict()

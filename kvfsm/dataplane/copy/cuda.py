@@ -228,6 +228,8 @@ class CudaCopyEngine(CopyEngine):
     also walks host slots in ascending order (one index permutation on the device; experiment).
     """
 
+    fences = True  # a handle's event is recorded after every stream the copy used; wait_stream is a wait_event
+
     def __init__(
         self,
         device: torch.device | str | int | None = None,

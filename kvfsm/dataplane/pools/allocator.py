@@ -13,6 +13,11 @@ for vectorised queries), so alloc and free cost O(pages touched), never O(pool):
 allocates and frees host pages on every chunk. Validating a free of whole pages in slot order (what
 alloc hands out) is a few numpy ops over the batch and a mask lookup per page; anything else takes the
 exact path (a sort) that names the error. On CUDA validation costs one device-to-host copy of the batch.
+
+Fenced frees (kvfsm.dataplane.fences): a page freed with a fence that has not passed waits in a second
+FIFO, behind every plain free page. `alloc` and `alloc_pages` never hand it out before an event query says
+its fence passed; `alloc_fenced` and `alloc_pages_fenced` hand it out last, returning its fence, which the
+caller's writing stream must wait on (`wait_fences`).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from ..errors import (
     OutOfRange,
     PartialPage,
 )
+from ..fences import SlotFence
 
 
 class PageSlots:
@@ -103,6 +109,8 @@ class TokenSlotAllocator:
         self._offsets = torch.arange(self.page_size, dtype=torch.int64)
         self._offsets_np = self._offsets.numpy()
         self._free_pages: deque[int] = deque(range(self.reserved_pages, self.num_pages))
+        self._fenced_pages: deque[int] = deque()  # free, but a copy may still read them: handed out last
+        self._page_fence: dict[int, SlotFence] = {}  # each of those pages -> the fence it was freed with
         self._allocated_bytes = bytearray(self.num_pages)  # 1 = allocated
         self._ever_bytes = bytearray(self.num_pages)
         self._allocated = torch.frombuffer(self._allocated_bytes, dtype=torch.bool)  # shares memory
@@ -116,19 +124,27 @@ class TokenSlotAllocator:
 
     @property
     def free_slots(self) -> int:
-        return len(self._free_pages) * self.page_size
+        """Free slots, fenced ones included (`alloc_fenced` can hand those out; `alloc` only once passed)."""
+        return (len(self._free_pages) + len(self._fenced_pages)) * self.page_size
 
     @property
     def free_page_count(self) -> int:
-        return len(self._free_pages)
+        return len(self._free_pages) + len(self._fenced_pages)
+
+    @property
+    def fenced_page_count(self) -> int:
+        """Free pages whose fence had not passed when last looked at."""
+        return len(self._fenced_pages)
 
     @property
     def allocated_slots(self) -> int:
-        return (self.num_pages - self.reserved_pages - len(self._free_pages)) * self.page_size
+        return (self.num_pages - self.reserved_pages - self.free_page_count) * self.page_size
 
     def snapshot(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(free list, per-page allocated mask) copies: equal snapshots mean equal allocator state."""
-        return torch.tensor(list(self._free_pages), dtype=torch.int64), self._allocated.clone()
+        """(free list, per-page allocated mask) copies: equal snapshots mean equal allocator state. The free
+        list is the plain free pages, then -1, then the fenced ones."""
+        free = list(self._free_pages) + ([-1] + list(self._fenced_pages) if self._fenced_pages else [])
+        return torch.tensor(free, dtype=torch.int64), self._allocated.clone()
 
     def is_allocated(self, indices: IndexLike) -> torch.Tensor:
         """Per-slot bool: is the page holding each slot allocated right now (for invariant checks)."""
@@ -139,8 +155,8 @@ class TokenSlotAllocator:
 
     def check_conservation(self) -> None:
         """Raise ConservationError unless free list and allocated-mask describe the same partition."""
-        free = set(self._free_pages)
-        n_free = len(self._free_pages)
+        free = set(self._free_pages) | set(self._fenced_pages)
+        n_free = len(self._free_pages) + len(self._fenced_pages)
         n_alloc = sum(self._allocated_bytes)
         if len(free) != n_free:
             raise ConservationError("free list holds a page twice")
@@ -154,6 +170,8 @@ class TokenSlotAllocator:
             raise ConservationError("a page is both in the free list and marked allocated")
         if any(self._allocated_bytes[: self.reserved_pages]):
             raise ConservationError("the padding page is marked allocated")
+        if set(self._page_fence) != set(self._fenced_pages):
+            raise ConservationError("the fenced free pages and their fences disagree")
 
     # ---- alloc / free -----------------------------------------------------------------------------
     def alloc(self, n: int) -> torch.Tensor | None:
@@ -174,6 +192,8 @@ class TokenSlotAllocator:
         if not isinstance(k, int) or isinstance(k, bool) or k < 0:
             raise ValueError(f"page count must be a non-negative int, got {k!r}")
         free = self._free_pages
+        if k > len(free) and self._fenced_pages:
+            self.reclaim_fenced()
         if k > len(free):
             return None
         take = free.popleft
@@ -186,6 +206,73 @@ class TokenSlotAllocator:
             mask[p] = 1
             ever[p] = 1
         return pages
+
+    def alloc_pages_fenced(self, k: int) -> tuple[list[int], tuple[SlotFence, ...]] | None:
+        """k whole pages and the fences the caller's writing stream must wait on before writing them
+        (`wait_fences`), or None if fewer than k pages are free. Plain free pages come first; fenced ones,
+        oldest first, only when those run out, after an event query per fence has returned the passed ones."""
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            raise ValueError(f"page count must be a non-negative int, got {k!r}")
+        if k > len(self._free_pages) + len(self._fenced_pages):
+            return None
+        if k > len(self._free_pages):
+            self.reclaim_fenced()
+        plain = min(k, len(self._free_pages))
+        fenced_q, fence_of = self._fenced_pages, self._page_fence
+        reused = [fenced_q[i] for i in range(k - plain)]
+        if any(map(self._allocated_bytes.__getitem__, reused)):
+            raise DoubleAlloc("the fenced free list hands out a page the allocated-mask already owns")
+        pages = self.alloc_pages(plain)
+        assert pages is not None
+        fences = {id(fence_of[p]): fence_of[p] for p in reused}
+        mask, ever = self._allocated_bytes, self._ever_bytes
+        for p in reused:
+            fenced_q.popleft()
+            del fence_of[p]
+            mask[p] = 1
+            ever[p] = 1
+        return pages + reused, tuple(fences.values())
+
+    def alloc_fenced(self, n: int) -> tuple[torch.Tensor, tuple[SlotFence, ...]] | None:
+        """`alloc(n)` that may also hand out fenced slots, last: (slot indices, the fences to wait on)."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0 or n % self.page_size:
+            raise ValueError(f"alloc size must be a non-negative multiple of page_size {self.page_size}, got {n!r}")
+        got = self.alloc_pages_fenced(n // self.page_size)
+        if got is None:
+            return None
+        pages, fences = got
+        out = torch.from_numpy(self.slots_of(pages))
+        return (out if self.device.type == "cpu" else out.to(self.device)), fences
+
+    def reclaim_fenced(self) -> int:
+        """Move the fenced free pages whose fence has passed to the plain free list (one event query per
+        distinct fence, never a synchronize); returns how many moved."""
+        fenced_q, fence_of = self._fenced_pages, self._page_fence
+        passed: dict[int, bool] = {}
+        keep: list[int] = []
+        moved: list[int] = []
+        for p in fenced_q:
+            f = fence_of[p]
+            ok = passed.get(id(f))
+            if ok is None:
+                ok = passed[id(f)] = f.passed()
+            (moved if ok else keep).append(p)
+        if moved:
+            for p in moved:
+                del fence_of[p]
+            fenced_q.clear()
+            fenced_q.extend(keep)
+            self._free_pages.extend(moved)
+        return len(moved)
+
+    def _put_free(self, pages: list[int], fence: SlotFence | None) -> None:
+        """Pages just marked free: behind the plain free pages, or, fenced and not passed, in the fenced FIFO."""
+        if fence is None or fence.passed():
+            self._free_pages.extend(pages)
+            return
+        self._fenced_pages.extend(pages)
+        for p in pages:
+            self._page_fence[p] = fence
 
     def slots_of(self, pages: Sequence[int] | np.ndarray) -> np.ndarray:
         """The slot indices (int64, page by page, in order) of `pages`."""
@@ -207,8 +294,9 @@ class TokenSlotAllocator:
         except TypeError:
             raise OutOfRange(f"page ids must be integers, got {list(pages)[:8]}") from None
 
-    def free_pages(self, pages: Sequence[int]) -> None:
-        """Free the pages named (page ids, each once, each allocated), or raise and change nothing.
+    def free_pages(self, pages: Sequence[int], fence: SlotFence | None = None) -> None:
+        """Free the pages named (page ids, each once, each allocated), or raise and change nothing; with a
+        `fence` (copies still reading them), they are handed out again only with it.
 
         The validation is three C-level passes over the list (range, distinctness, mask); a batch that
         fails any of them is re-checked slot by slot, which names the error exactly."""
@@ -220,15 +308,16 @@ class TokenSlotAllocator:
         mask = self._allocated_bytes
         for p in pages:
             mask[p] = 0
-        self._free_pages.extend(pages)
+        self._put_free(list(pages), fence)
 
-    def free(self, indices: IndexLike) -> None:
-        """Free exactly the pages covered by `indices` (whole pages, each once), or raise and change nothing."""
+    def free(self, indices: IndexLike, fence: SlotFence | None = None) -> None:
+        """Free exactly the pages covered by `indices` (whole pages, each once), or raise and change nothing;
+        with a `fence`, as free_pages."""
         pages = self._validate_free(as_index_tensor(indices, torch.device("cpu")))
         mask = self._allocated_bytes
         for p in pages:
             mask[p] = 0
-        self._free_pages.extend(pages)
+        self._put_free(pages, fence)
 
     def undo_alloc(self, indices: IndexLike) -> None:
         """Give back slots exactly as the alloc calls that returned them (in that order) found the pool:

@@ -1,0 +1,67 @@
+"""Fences of device slots released while a copy still reads them (spec: `resources.device_slots.fence`).
+
+A fenced release hands a request's device slots back at once, each tagged with a `SlotFence`: the copies
+that still read it. The allocator hands such a slot out again only together with its fence, after every
+free slot without one (`TokenSlotAllocator.alloc_fenced`), and whoever writes the slot first makes its
+stream wait on the fence (`wait_fences`): on the GPU a `wait_event`, so the host never waits. A fence that
+has passed is found by an event query (`CopyHandle.done`), never a synchronize, and is then dropped.
+
+This is stream-ordered reuse, as PyTorch's caching allocator honours `record_stream` and TensorRT-LLM
+fences reused blocks. The CPU twin is the deferred CPU engine: its copy runs when completed, reading the
+slot as it is then, and waiting on its handle completes it, so a writer that skips the wait really
+corrupts the copy in tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
+
+
+class Fenceable(Protocol):
+    """What a fence is made of: a copy's handle (kvfsm.dataplane.copy.CopyHandle has both methods)."""
+
+    def done(self) -> bool: ...
+
+    def wait_stream(self, stream: object | None = None) -> None: ...
+
+
+class SlotFence:
+    """The copies that still read a set of released slots: passed once all have landed.
+
+    `waited` records that some writer's stream was made to wait on it (checked mode's ledger accepts a
+    write into a slot whose fence has passed or been waited on)."""
+
+    __slots__ = ("_handles", "waited")
+
+    def __init__(self, handles: Iterable[Fenceable]) -> None:
+        self._handles: tuple[Fenceable, ...] = tuple({id(h): h for h in handles}.values())
+        self.waited = False
+
+    def passed(self) -> bool:
+        """Whether every copy has landed: one event query per copy not yet seen landed; never blocks. A
+        passed fence forgets its copies (their buffers are no longer kept alive through it)."""
+        if self._handles and all(h.done() for h in self._handles):
+            self._handles = ()
+        return not self._handles
+
+    def wait(self, stream: object | None = None) -> None:
+        """Order later work on `stream` (default: the current one) after the copies, without the host waiting
+        on the GPU (a CPU handle has no stream: there the wait completes the copy)."""
+        for h in self._handles:
+            h.wait_stream(stream)
+        self.waited = True
+
+    def __len__(self) -> int:
+        return len(self._handles)
+
+    def __repr__(self) -> str:
+        return f"SlotFence({len(self._handles)} copies{', waited' if self.waited else ''})"
+
+
+def wait_fences(fences: Iterable[SlotFence], stream: object | None = None) -> None:
+    """Make `stream` wait on the fences of the slots it is about to write (what `alloc_fenced` returned);
+    fences that have passed cost one query each and no wait."""
+    for f in fences:
+        if not f.passed():
+            f.wait(stream)
