@@ -45,6 +45,10 @@ class SlotFence:
             self._handles = ()
         return not self._handles
 
+    def covers(self, handle: Fenceable | None) -> bool:
+        """Whether `handle`'s copy is one this fence waits for, or has landed (a query)."""
+        return handle is not None and (any(h is handle for h in self._handles) or handle.done())
+
     def wait(self, stream: object | None = None) -> None:
         """Order later work on `stream` (default: the current one) after the copies, without the host waiting
         on the GPU (a CPU handle has no stream: there the wait completes the copy)."""

@@ -14,25 +14,34 @@ from typing import Callable, Optional
 
 import torch
 
-from kvfsm.dataplane import ReqToTokenPool, TokenSlotAllocator
+from kvfsm.dataplane import ReqToTokenPool, SlotFence, TokenSlotAllocator
 from kvfsm.dataplane.pools.device_pool import DeviceKVPool
 from kvfsm.engine.model import TinyDecoder
 from kvfsm.runtime import DecodeOffloadManager, SimplePrefixCache
 
 
-def grow_slots(allocator: TokenSlotAllocator, table: ReqToTokenPool, req, length: int) -> bool:
+def grow_slots(allocator: TokenSlotAllocator, table: ReqToTokenPool, req, length: int,
+               wait: Optional[Callable[[tuple[SlotFence, ...]], None]] = None) -> bool:
     """Give positions [0, length) of `req` device slots, in whole pages; False (nothing changed) when the
-    pool or the table row has no room."""
+    pool or the table row has no room. With `wait`, slots released fenced may be among them (handed out
+    last): `wait` gets their fences, to make the stream that writes the slots wait on them."""
     page = allocator.page_size
     have = -(-req.kv_allocated_len // page) * page
     need = -(-length // page) * page
     if need > table.max_context:
         return False
     if need > have:
-        new = allocator.alloc(need - have)
+        if wait is None:
+            new = allocator.alloc(need - have)
+            fences: tuple[SlotFence, ...] = ()
+        else:
+            got = allocator.alloc_fenced(need - have)
+            new, fences = got if got is not None else (None, ())
         if new is None:
             return False
         table.write(req.req_pool_idx, have, new)
+        if fences:
+            wait(fences)  # type: ignore[misc]
     req.kv_allocated_len = max(req.kv_allocated_len, length)
     return True
 

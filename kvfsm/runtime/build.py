@@ -45,6 +45,8 @@ def build_components(config: OffloadConfig, *, device_pool: DeviceKVPool, host_p
     else:
         host_slots = planned_host_slots(config, device_pool)
     check_stride(config, host_slots)
+    if copy_engine is not None:
+        check_fences(config, copy_engine)
     make_engine = copy_engine_factory(config, device_pool) if copy_engine is None else None
     make_storage = storage_factory(config, device_pool, tp_rank, tp_size) if storage is None else None
     # Nothing is allocated yet. The store first: it can fail on its own (an unreachable master) and holds
@@ -61,7 +63,20 @@ def build_components(config: OffloadConfig, *, device_pool: DeviceKVPool, host_p
         close_storage(built)
         raise
     assert copy_engine is not None
+    if make_engine is not None:
+        try:
+            check_fences(config, copy_engine)  # an engine built from the config: known only now
+        except ConfigError:
+            close_storage(built)
+            raise
     return Components(host_pool, copy_engine, storage if storage is not None else built, built is not None)
+
+
+def check_fences(config: OffloadConfig, copy_engine: CopyEngine) -> None:
+    """`fenced_release` needs an engine whose handles are fences (kvfsm.dataplane.fences)."""
+    if config.fenced_release and not getattr(copy_engine, "fences", False):
+        raise ConfigError("fenced_release", f"the copy engine {type(copy_engine).__name__} does not fence its copies "
+                                            "(CopyEngine.fences is false): slots under a copy cannot be released fenced")
 
 
 def close_storage(storage: object) -> None:

@@ -64,6 +64,13 @@ class OffloadConfig(BaseModel):
         "The spec's `retraction` policy (spec/decode_offload.yaml, `policies`): 'deferred' retracts in every live "
         "state, deferring the release past in-flight copies; 'fail_closed' is SGLang 0.5.23's rule: "
         "drain_before_retraction() and retract() refuse while a device-to-host copy is tracked."))
+    fenced_release: bool = Field(False, description=(
+        "The spec's `fences` param: a request that ends while copies still read its device slots releases them "
+        "at once, fenced (spec state `fenced`), instead of at its last copy acknowledgement (state `finished`). "
+        "Needs a copy engine whose handles fence (CopyEngine.fences) and an allocator that takes fences "
+        "(TokenSlotAllocator); the engine must then take slots with alloc_fenced() and make the stream that "
+        "writes them wait on the fences it returns (wait_fences). Plain alloc() never hands out a fenced slot "
+        "before its fence passed."))
     checked: bool = Field(False, description="Keep the slot ownership ledger and check invariants every transition.")
     trace_path: Optional[Path] = Field(None, description="Write one JSON line per transition here.")
 

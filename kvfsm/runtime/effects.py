@@ -20,6 +20,7 @@ import torch
 
 from kvfsm.generated.decode_offload import DecodeOffloadEffectsEach, DecodeOffloadMachine
 from kvfsm.dataplane import CopyEngine, CopyHandle, HostKVPool, PageRun, ReqToTokenPool, TokenSlotAllocator
+from kvfsm.dataplane.fences import SlotFence
 from kvfsm.dataplane.pools.device_pool import DeviceKVPool
 from kvfsm.dataplane.storage import StorageBackend
 from kvfsm.runtime.backup import BackupJob, BackupWorker
@@ -164,7 +165,8 @@ class OffloadEffects(DecodeOffloadEffectsEach):
         for _, chunk in items:
             rec = chunk.record
             if ledger is not None:
-                ledger.copy_started(rec.key, chunk.serial, chunk.device_indices.tolist(), chunk.host_indices.tolist())
+                ledger.copy_started(rec.key, chunk.serial, chunk.device_indices.tolist(), chunk.host_indices.tolist(),
+                                    chunk.handle)
             self.copy_fifo.append(chunk)
             n = chunk.end - chunk.start
             rec.inc_len += n
@@ -330,13 +332,34 @@ class OffloadEffects(DecodeOffloadEffectsEach):
             logger.debug("request %s released by the engine (table row %d): nothing freed here", rec.key, rec.row)
 
     def release_request(self, m: DecodeOffloadMachine, arg: Any) -> None:
-        rec = m.ctx
+        self._release(m.ctx, None)
+
+    def release_request_fenced(self, m: DecodeOffloadMachine, arg: Any) -> None:
+        self.release_request_fenced_each([(m, arg)])
+
+    def release_request_fenced_each(self, items: Items) -> None:
+        # The fence of each request: its copies still in flight (one pass over the copy FIFO for the batch;
+        # the chunks of one offload call share a handle, which SlotFence keeps once).
+        copies: dict[int, list[CopyHandle]] = {id(m.ctx): [] for m, _ in items}
+        for chunk in self.copy_fifo:
+            mine = copies.get(id(chunk.record))
+            if mine is not None:
+                mine.append(chunk.handle)
+        for m, _ in items:
+            self._release(m.ctx, SlotFence(copies[id(m.ctx)]))
+
+    def _release(self, rec: RequestRecord, fence: Optional[SlotFence]) -> None:
+        """release_request, and with a `fence` release_request_fenced: the same frees, the device slots
+        tagged with the fence of the copies that still read them."""
         req = rec.req
         slots = self.request_slots(rec)
         if self.ledger is not None:
-            self.ledger.release_device(rec.key, "release", slots.tolist())
+            self.ledger.release_device(rec.key, "release" if fence is None else "release_fenced", slots.tolist(), fence)
         if len(slots):  # none when the matched prefix is all the request holds
-            self.allocator.free(slots)
+            if fence is None:
+                self.allocator.free(slots)
+            else:
+                self.allocator.free(slots, fence=fence)
         self.req_to_token.free(rec.row)
         lock, rec.lock = rec.lock, None
         if self.ledger is not None:
@@ -349,5 +372,5 @@ class OffloadEffects(DecodeOffloadEffectsEach):
         rec.req = None
         self.metrics.releases += 1
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("request %s released: %d device slots, table row %d, prefix %d unlocked", rec.key,
-                         len(slots), rec.row, rec.prefix_len)
+            logger.debug("request %s released%s: %d device slots, table row %d, prefix %d unlocked", rec.key,
+                         "" if fence is None else f" fenced by {len(fence)} copies", len(slots), rec.row, rec.prefix_len)

@@ -4,13 +4,18 @@ Owners are request records (device pages), the prefix cache (the pages of a matc
 request holds a lock on them) and chunks (host pages); in-flight copies are readers of device pages. A violation raises CheckedModeError naming the request, the event and the slot, before
 the data plane is touched, so the ledger catches B1 (reuse of a live request's slot), B2 (free under
 an in-flight copy), B9/B10 (double release) in the implementation, not only in the spec.
+
+A release under a copy is legal only fenced (spec `resources.device_slots.fence`): the fence must cover
+every copy that still reads the page, and a writer that declares a write (`device_write`) into such a page
+must have waited on the fence unless it has passed.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Iterable
+from typing import Any, Iterable, Optional
 
+from kvfsm.dataplane.fences import SlotFence
 from kvfsm.errors import LifecycleError
 
 
@@ -32,6 +37,8 @@ class SlotLedger:
         self.device_released: dict[int, str] = {}  # page -> the request that released it, until claimed again
         self.host_owner: dict[int, int] = {}
         self.prefix_holders: dict[int, set[str]] = defaultdict(set)  # prefix-cache page -> requests locking it
+        self.copy_handle: dict[int, Any] = {}  # in-flight chunk -> its copy's handle (what a fence must cover)
+        self.device_fence: dict[int, SlotFence] = {}  # page released fenced, while copies still read it
 
     def _pages(self, slots: Iterable[int]) -> list[int]:
         return sorted({int(s) // self.page_size for s in slots})
@@ -48,7 +55,8 @@ class SlotLedger:
             self.device_owner[page] = owner
             self.device_released.pop(page, None)
 
-    def release_device(self, owner: str, event: str, slots: Iterable[int]) -> None:
+    def release_device(self, owner: str, event: str, slots: Iterable[int], fence: Optional[SlotFence] = None) -> None:
+        """`owner` frees these device pages; with a `fence`, while copies still read them (a fenced release)."""
         pages = self._pages(slots)
         for page in pages:
             other = self.device_owner.get(page)
@@ -58,15 +66,34 @@ class SlotLedger:
             if other is not None and other != owner:
                 raise CheckedModeError(owner, event, page * self.page_size,
                                        f"freeing a device slot owned by request {other}")
-            if self.device_readers.get(page):
+            readers = self.device_readers.get(page)
+            if readers and fence is None:
                 raise CheckedModeError(owner, event, page * self.page_size,
                                        "freeing a device slot an in-flight copy still reads (B2)")
+            missed = sorted(c for c in readers or () if not fence.covers(self.copy_handle.get(c)))  # type: ignore[union-attr]
+            if missed:
+                raise CheckedModeError(owner, event, page * self.page_size,
+                                       f"a fenced release whose fence misses copy of chunk {missed[0]}, which still "
+                                       "reads the slot (B2)")
             if self.device_released.get(page) == owner:
                 raise CheckedModeError(owner, event, page * self.page_size,
                                        "device slot already released by this request (double release, B9)")
         for page in pages:
             self.device_owner.pop(page, None)
             self.device_released[page] = owner
+            if fence is not None and self.device_readers.get(page):
+                self.device_fence[page] = fence
+
+    def device_write(self, writer: str, slots: Iterable[int]) -> None:
+        """`writer` is about to write these device slots (the engine's KV for a new token): a page released
+        fenced, whose copies still read it, must have its fence passed or waited on by the writer's stream."""
+        for page in self._pages(slots):
+            fence = self.device_fence.get(page)
+            if fence is not None and not fence.waited and not fence.passed():
+                raise CheckedModeError(writer, "write", page * self.page_size,
+                                       "writing a reused device slot whose fence has neither passed nor been "
+                                       "waited on: a copy still reads it (premature reuse, B2; the device_slots "
+                                       "fence rule)")
 
     def release_owned(self, owner: str, event: str) -> None:
         """The engine freed what `owner` held through its own release path: every device page the ledger
@@ -98,7 +125,8 @@ class SlotLedger:
                 if self.device_owner.get(page) == PREFIX_CACHE:
                     del self.device_owner[page]
 
-    def copy_started(self, owner: str, chunk: int, device_slots: Iterable[int], host_slots: Iterable[int]) -> None:
+    def copy_started(self, owner: str, chunk: int, device_slots: Iterable[int], host_slots: Iterable[int],
+                     handle: Any = None) -> None:
         device_slots = list(device_slots)
         self.claim_device(owner, "offload", device_slots)
         host_pages = self._pages(host_slots)
@@ -110,14 +138,18 @@ class SlotLedger:
             self.host_owner[page] = chunk
         for page in self._pages(device_slots):
             self.device_readers[page].add(chunk)
+        if handle is not None:
+            self.copy_handle[chunk] = handle
 
     def copy_completed(self, chunk: int, device_slots: Iterable[int]) -> None:
+        self.copy_handle.pop(chunk, None)
         for page in self._pages(device_slots):
             readers = self.device_readers.get(page)
             if readers is not None:
                 readers.discard(chunk)
                 if not readers:
                     del self.device_readers[page]
+                    self.device_fence.pop(page, None)
 
     def free_host(self, owner: str, event: str, chunk: int, host_slots: Iterable[int]) -> None:
         pages = self._pages(host_slots)

@@ -26,7 +26,7 @@ from kvfsm.dataplane import CopyEngine, HostKVPool, ReqToTokenPool, TokenSlotAll
 from kvfsm.dataplane.pools.allocator import PageSlots
 from kvfsm.dataplane.pools.device_pool import DeviceKVPool
 from kvfsm.dataplane.storage import StorageBackend
-from kvfsm.errors import InvalidRequest, LifecycleError, RetractionRefused, RowInUse
+from kvfsm.errors import ConfigError, InvalidRequest, LifecycleError, RetractionRefused, RowInUse
 from kvfsm.runtime.backup import BackupWorker, ThreadBackupWorker
 from kvfsm.runtime.build import build_components, close_storage
 from kvfsm.runtime.config import OffloadConfig
@@ -107,6 +107,11 @@ class DecodeOffloadManager:
                  tp_size: int = 1) -> None:
         if allocator.page_size != config.page_size:
             raise InvalidRequest(f"allocator page size {allocator.page_size} != config.page_size {config.page_size}")
+        if config.fenced_release and not callable(getattr(allocator, "alloc_fenced", None)):
+            raise ConfigError("fenced_release", f"the allocator {type(allocator).__name__} takes no fences (no "
+                                                "alloc_fenced): its slots cannot be released fenced")
+        # the spec's `fences` param of every machine: release under a copy fenced (state fenced) or deferred
+        self._fences = 1 if config.fenced_release else 0
         self.config = config
         self.stride = config.stride
         # the spec's `retraction` policy (its choices are OffloadConfig.retraction's: tests/runtime/test_retraction.py)
@@ -640,7 +645,7 @@ class DecodeOffloadManager:
             lo = row * self._width
             self.ledger.prefix_locked(rec.key, self._table_flat[lo:lo + rec.prefix_len] if self._table_flat is not None
                                       else self.fx.device_table.span(row, 0, rec.prefix_len).tolist())
-        rec.machine = DecodeOffloadMachine(self.fx, rec, self._observer)
+        rec.machine = DecodeOffloadMachine(self.fx, rec, self._observer, fences=self._fences)
         self._records[key] = rec
         self._row_holder[row] = rec
         if logger.isEnabledFor(_DEBUG):

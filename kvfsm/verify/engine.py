@@ -14,8 +14,8 @@ from typing import Any, Optional
 
 import torch
 
-from kvfsm.dataplane import (DeferredCpuCopyEngine, HostKVPool, KVCacheConfig, ReqToTokenPool, TokenSlotAllocator,
-                             page_hashes)
+from kvfsm.dataplane import (DeferredCpuCopyEngine, HostKVPool, KVCacheConfig, ReqToTokenPool, SlotFence,
+                             TokenSlotAllocator, page_hashes, wait_fences)
 from kvfsm.dataplane.pools.device_pool import DeviceKVPool
 from kvfsm.dataplane.storage import FaultyStorage, MemoryStorage
 from kvfsm.engine.scheduler import EngineRequest, grow_slots
@@ -60,6 +60,8 @@ class SimEngine:
     stored_index_pages: int = 1 << 20
     retraction: str = "deferred"  # the spec's retraction policy
     table_device: str = "cpu"  # "meta": a request table nobody can read (the manager must use its host mirror)
+    fenced: bool = False  # the spec's `fences` param: release under a copy fenced; the writer waits on fences
+    skip_fence_wait: bool = False  # a fault: the writer of a reused slot does not wait on its fence
 
     def __post_init__(self) -> None:
         self.kv = KVCacheConfig(num_layers=self.num_layers, kv_heads=self.kv_heads, head_dim=self.head_dim,
@@ -76,7 +78,8 @@ class SimEngine:
         self.config = OffloadConfig(page_size=self.page_size, offload_stride=self.stride, host_pool_ratio=1.0,
                                     copy_backend="deferred", storage_backend="none", checked=self.checked,
                                     backup_queue_size=self.backup_queue, trace_path=self.trace_path,
-                                    stored_index_pages=self.stored_index_pages, retraction=self.retraction)
+                                    stored_index_pages=self.stored_index_pages, retraction=self.retraction,
+                                    fenced_release=self.fenced)
         self.manager = DecodeOffloadManager(
             self.config, device_pool=self.device_pool, allocator=self.allocator, req_to_token=self.req_to_token,
             prefix_cache=self.protected, host_pool=self.host_pool, copy_engine=self.copies, storage=self.storage,
@@ -94,12 +97,19 @@ class SimEngine:
     # --- engine actions ----------------------------------------------------------------------------
     def _write_kv(self, req: SimRequest, start: int, end: int) -> None:
         slots = self.req_to_token.read_host(req.req_pool_idx, start, end)
+        if self.manager.ledger is not None:  # checked mode: a reused slot's fence passed or was waited on
+            self.manager.ledger.device_write(req.rid, slots.tolist())
         values = torch.tensor([kv_value(req.serial, p) for p in range(start, end)], dtype=torch.float32)
         self.device_pool.token_view()[:, :, slots] = values.view(1, 1, -1, 1, 1)
 
     def _grow(self, req: SimRequest, length: int) -> bool:
         """Make sure positions [0, length) have slots (whole pages)."""
-        return grow_slots(self.allocator, self.req_to_token, req, length)
+        return grow_slots(self.allocator, self.req_to_token, req, length, self._wait if self.fenced else None)
+
+    def _wait(self, fences: tuple[SlotFence, ...]) -> None:
+        """The writer's stream waits on the fences of the slots it got (CPU twin: their copies complete now)."""
+        if not self.skip_fence_wait:
+            wait_fences(fences)
 
     def admit(self, rid: str, prompt_len: int, prefix_len: int = 0, req: Optional[SimRequest] = None) -> Optional[SimRequest]:
         """Prefill a request (or re-admit a retracted one); None when there is no row or no room. Its prefix

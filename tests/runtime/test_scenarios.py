@@ -584,12 +584,16 @@ def test_trace_writes_one_json_line_per_transition(tmp_path: Path) -> None:
     assert all(set(x) == fields for x in rows)
     key = e.manager.machine_of(r).ctx.key
     assert {x["req"] for x in rows} == {key}
+    from kvfsm.generated.decode_offload import TRANSITIONS
+
+    def tid(src: str, event: str, dst: str) -> int:  # the spec's id of that transition
+        return next(i for i, t in enumerate(TRANSITIONS) if t[:2] == (src, event) and t[3] == dst)
     assert [(x["event"], x["from"], x["to"], x["transition"]) for x in rows] == [
-        ("offload", "allocated", "offloading", 0),
-        ("finish", "offloading", "finished", 36),
+        ("offload", "allocated", "offloading", tid("allocated", "offload", "offloading")),
+        ("finish", "offloading", "finished", tid("offloading", "finish", "finished")),
         ("finish", "finished", "finished", -1),
-        ("copy_done", "finished", "draining", 11),
-        ("backup_done", "draining", "released", 28),
+        ("copy_done", "finished", "draining", tid("finished", "copy_done", "draining")),
+        ("backup_done", "draining", "released", tid("draining", "backup_done", "released")),
     ]
     assert [x["counters"] for x in rows] == [
         {"copies": 1, "parked": 0, "backups": 0}, {"copies": 1, "parked": 0, "backups": 0},
