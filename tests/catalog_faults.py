@@ -24,6 +24,7 @@ from kvfsm.runtime import SimplePrefixCache
 from kvfsm.runtime.tp import ProgressConsensus
 from kvfsm.runtime.effects import OffloadEffects
 from kvfsm.runtime.manager import DecodeOffloadManager
+from kvfsm.verify.engine import SimEngine
 
 # --- helpers ---------------------------------------------------------------------------------------------
 
@@ -276,3 +277,9 @@ def b16(mp: pytest.MonkeyPatch) -> None:
                 rec.prefix_len = prefix
         return request_slots
     _wrap(mp, OffloadEffects, "request_slots", make)
+
+
+def b17(mp: pytest.MonkeyPatch) -> None:
+    """The writer of a reused device slot skips the wait on its fence: it writes while the copy of the request that
+    released it fenced still reads it (SGLang #17216's mid-decode free, reverted in #24226)."""
+    mp.setattr(SimEngine, "_wait", lambda self, fences: None)

@@ -25,6 +25,7 @@ from kvfsm.dataplane.pools.device_pool import DeviceKVPool
 from kvfsm.dataplane.storage import StorageBackend
 from kvfsm.runtime.backup import BackupJob, BackupWorker
 from kvfsm.runtime.device_table import DeviceTableSlots
+from kvfsm.errors import LifecycleError
 from kvfsm.runtime.ledger import SlotLedger
 from kvfsm.runtime.metrics import OffloadMetrics
 from kvfsm.runtime.stored_index import StoredPageIndex
@@ -147,6 +148,8 @@ class OffloadEffects(DecodeOffloadEffectsEach):
         self._bytes_per_token = host_pool.config.bytes_per_token
         self._failures_logged_at = -FAILURE_LOG_INTERVAL_S  # time.monotonic() of the last failure WARNING
         self._failures_unlogged = 0  # failures since then
+        # id() of the copy handles the engine's stream was last made to wait on (fence_copies_in_flight)
+        self.fenced_handles: set[int] = set()
 
     # --- create ------------------------------------------------------------------------------------
     def seed_hash_chain(self, m: DecodeOffloadMachine, arg: Any) -> None:
@@ -330,6 +333,22 @@ class OffloadEffects(DecodeOffloadEffectsEach):
         self.metrics.engine_releases += 1
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("request %s released by the engine (table row %d): nothing freed here", rec.key, rec.row)
+
+    def record_engine_release_fenced(self, m: DecodeOffloadMachine, arg: Any) -> None:
+        rec = m.ctx
+        handles = [c.handle for c in self.copy_fifo if c.record is rec]
+        unfenced = [h for h in handles if id(h) not in self.fenced_handles and not h.done()]
+        if unfenced:  # refused before anything is recorded: the engine freed slots its stream never waited on
+            raise LifecycleError(f"request {rec.key}: {len(unfenced)} copies still read the slots the engine freed, "
+                                 "and its stream was never made to wait on them (fence_copies_in_flight; B2)")
+        fence = SlotFence(handles)
+        fence.waited = True  # by fence_copies_in_flight, before the engine freed them
+        if self.ledger is not None:
+            self.ledger.release_owned(rec.key, "released_by_engine_fenced", fence)
+            self.ledger.prefix_unlocked(rec.key)
+        rec.lock = None
+        rec.req = None
+        self.metrics.engine_releases += 1
 
     def release_request(self, m: DecodeOffloadMachine, arg: Any) -> None:
         self._release(m.ctx, None)

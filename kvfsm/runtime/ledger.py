@@ -66,11 +66,13 @@ class SlotLedger:
             if other is not None and other != owner:
                 raise CheckedModeError(owner, event, page * self.page_size,
                                        f"freeing a device slot owned by request {other}")
-            readers = self.device_readers.get(page)
+            # a copy that has landed (its handle says so, by a query) no longer reads the page, even before
+            # the progress check acknowledges it
+            readers = [c for c in self.device_readers.get(page, ()) if not self._landed(c)]
             if readers and fence is None:
                 raise CheckedModeError(owner, event, page * self.page_size,
                                        "freeing a device slot an in-flight copy still reads (B2)")
-            missed = sorted(c for c in readers or () if not fence.covers(self.copy_handle.get(c)))  # type: ignore[union-attr]
+            missed = sorted(c for c in readers if not fence.covers(self.copy_handle.get(c)))  # type: ignore[union-attr]
             if missed:
                 raise CheckedModeError(owner, event, page * self.page_size,
                                        f"a fenced release whose fence misses copy of chunk {missed[0]}, which still "
@@ -84,6 +86,10 @@ class SlotLedger:
             if fence is not None and self.device_readers.get(page):
                 self.device_fence[page] = fence
 
+    def _landed(self, chunk: int) -> bool:
+        handle = self.copy_handle.get(chunk)
+        return handle is not None and handle.done()
+
     def device_write(self, writer: str, slots: Iterable[int]) -> None:
         """`writer` is about to write these device slots (the engine's KV for a new token): a page released
         fenced, whose copies still read it, must have its fence passed or waited on by the writer's stream."""
@@ -95,11 +101,12 @@ class SlotLedger:
                                        "waited on: a copy still reads it (premature reuse, B2; the device_slots "
                                        "fence rule)")
 
-    def release_owned(self, owner: str, event: str) -> None:
+    def release_owned(self, owner: str, event: str, fence: Optional[SlotFence] = None) -> None:
         """The engine freed what `owner` held through its own release path: every device page the ledger
-        has `owner` own leaves it, with release_device's checks (a page a copy still reads is B2)."""
+        has `owner` own leaves it, with release_device's checks (a page a copy still reads is B2 unless the
+        release is fenced)."""
         pages = [page for page, who in self.device_owner.items() if who == owner]
-        self.release_device(owner, event, [page * self.page_size for page in pages])
+        self.release_device(owner, event, [page * self.page_size for page in pages], fence)
 
     def prefix_locked(self, owner: str, slots: Iterable[int]) -> None:
         """`owner`'s matched prefix: these pages are the prefix cache's while `owner` holds its lock, so no

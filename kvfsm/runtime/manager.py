@@ -107,9 +107,9 @@ class DecodeOffloadManager:
                  tp_size: int = 1) -> None:
         if allocator.page_size != config.page_size:
             raise InvalidRequest(f"allocator page size {allocator.page_size} != config.page_size {config.page_size}")
-        if config.fenced_release and not callable(getattr(allocator, "alloc_fenced", None)):
-            raise ConfigError("fenced_release", f"the allocator {type(allocator).__name__} takes no fences (no "
-                                                "alloc_fenced): its slots cannot be released fenced")
+        if config.fenced_release and not getattr(allocator, "fences", False):
+            raise ConfigError("fenced_release", f"the allocator {type(allocator).__name__} takes no fences "
+                                                "(its `fences` is false): its slots cannot be released fenced")
         # the spec's `fences` param of every machine: release under a copy fenced (state fenced) or deferred
         self._fences = 1 if config.fenced_release else 0
         self.config = config
@@ -493,8 +493,27 @@ class DecodeOffloadManager:
         """The engine released `req` itself (its slots, row and prefix lock, through its own release path:
         SGLang's scheduler does so for the requests it retracts once drain_before_retraction passed). The
         lifecycle ends with nothing freed here (`released_by_engine`). While a copy still reads the request's
-        slots the spec refuses it (EventRejected, nothing changed): the engine freed them under a copy."""
-        self._end(req, "released_by_engine")
+        slots the spec refuses it (EventRejected, nothing changed): the engine freed them under a copy; with
+        fences, after `fence_copies_in_flight` made the engine's stream wait on them, it is the spec's
+        `released_by_engine_fenced` instead."""
+        rec = self._current(req) if self._fences else None
+        fenced = rec is not None and rec.machine.copies > 0
+        self._end(req, "released_by_engine_fenced" if fenced else "released_by_engine")
+
+    def fence_copies_in_flight(self, stream: Any = None) -> int:
+        """Make `stream` (default: the current one, the engine's compute stream) wait on every device-to-host
+        copy in flight, without the host waiting (a CUDA wait_event each; a CPU copy engine's wait). The
+        engine may then free and rewrite those copies' slots on that stream itself: what the spec's
+        `released_by_engine_fenced` records. Returns the copies waited on."""
+        seen: set[int] = set()
+        for chunk in self.fx.copy_fifo:
+            h = chunk.handle
+            if id(h) not in seen:
+                seen.add(id(h))
+                if not h.done():
+                    h.wait_stream(stream)
+        self.fx.fenced_handles = seen
+        return len(seen)
 
     def drain_before_retraction(self) -> None:
         """What the engine calls before it retracts anything (SGLang's drain_before_retraction): a progress
@@ -508,6 +527,8 @@ class DecodeOffloadManager:
             if self.consensus.any(local > 0):
                 raise RetractionRefused(f"device-to-host copies are still in flight on some rank ({local} here; "
                                         "policy retraction: fail_closed)")
+        elif self._fences:
+            self.fence_copies_in_flight()  # the engine's own release of what it retracts is then fenced
 
     def has_inflight_device_transfer(self) -> bool:
         """Whether a device-to-host copy may still read device slots (SGLang's gate before moving KV pages)."""

@@ -56,7 +56,23 @@ _ENGINE_RELEASE = SubBound(
     "the engine releasing a request itself (SGLang's retraction) while allocated and while its chunks back up, "
     "then re-admitting it")
 
-CI = Bound("ci", "kvfsm check --ci", (_CHUNKS, _READMIT_FULL, _THREE, _HOST, _THREE_HOST, _ENGINE_RELEASE))
+_FENCED_CHUNKS = SubBound(
+    "fenced-three-chunks", ExplorerConfig(requests=1, decodes=5, fenced=True),
+    "fences on (the spec's `fences` param): every end while copies are in flight releases at once, fenced, "
+    "and the reuse event writes the fenced slots (waiting on their fences) between the copies' completions")
+_FENCED_TWO = SubBound(
+    "fenced-two-requests", ExplorerConfig(requests=2, decodes=2, host_slots=4, fenced=True),
+    "fences on, two requests: one request's writes of slots another released fenced, interleaved with the "
+    "completions of that request's copies")
+
+_FENCED_ENGINE_RELEASE = SubBound(
+    "fenced-engine-release", ExplorerConfig(requests=1, decodes=3, readmits=1, end_kinds=("finish", "engine_release"),
+                                            fenced=True),
+    "fences on, the engine releasing a request itself in every live state (retraction never refused: its stream "
+    "waits on the copies in flight first), then re-admitting it")
+
+CI = Bound("ci", "kvfsm check --ci", (_CHUNKS, _READMIT_FULL, _THREE, _HOST, _THREE_HOST, _ENGINE_RELEASE,
+                                      _FENCED_CHUNKS, _FENCED_TWO, _FENCED_ENGINE_RELEASE))
 
 DEFAULT = Bound("default", "kvfsm check", (
     *CI.parts,
@@ -78,6 +94,9 @@ DEFAULT = Bound("default", "kvfsm check", (
              "another), contending for a one-page host pool"),
     SubBound("speculative-3-chunks", ExplorerConfig(requests=1, decodes=5, backup_queue=2, speculative=1),
              "three chunks of one request with speculative over-allocation and two backups outstanding"),
+    SubBound("fenced-three-requests", ExplorerConfig(requests=3, fenced=True),
+             "fences on, three requests over 16 device slots: fenced releases, reuse and copy completions of "
+             "three lifecycles interleaved"),
 ))
 
 BOUNDS: dict[str, Bound] = {b.name: b for b in (CI, DEFAULT)}

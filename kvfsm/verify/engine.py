@@ -35,6 +35,9 @@ class SimRequest(EngineRequest):
         return f"SimRequest({self.rid!r}#{self.serial})"
 
 
+SCRATCH_WRITER = "<scratch writer>"  # reuse_fenced's writer; its KV is kv_value(0, i), a serial no request has
+
+
 def kv_value(serial: int, position: int) -> float:
     """f(request, position), exact in float32 (below 2**24) for any serial: writers 4096 serials apart
     share values, far more than ever live at once; positions must stay below 4095."""
@@ -151,7 +154,11 @@ class SimEngine:
     def release_itself(self, req: SimRequest) -> None:
         """The engine's own release (SGLang's scheduler releases the requests it retracts this way): the
         request's own pages [prefix_len, allocated), its row and its prefix lock go back through the engine's
-        objects, then the manager is told (`released_by_engine`), which frees nothing."""
+        objects, then the manager is told (`released_by_engine`), which frees nothing. With fences the request
+        may have copies in flight: the engine's stream first waits on every copy in flight (what SGLang's
+        drain_before_retraction does then; in this CPU twin the wait completes them)."""
+        if self.fenced:
+            self.manager.fence_copies_in_flight()
         req.done = True
         self.live.remove(req)
         ps = self.page_size
@@ -165,6 +172,23 @@ class SimEngine:
         self.protected.unlock(lock)
         req.req_pool_idx = None
         self.manager.released_by_engine(req)
+
+    def reuse_fenced(self) -> int:
+        """Another user of the device pool (a prefill the manager does not track) takes every free page,
+        fenced ones last, waits on their fences (`_wait`), writes its own KV into them and frees them: the
+        write of a reused slot that a fenced release allows. Returns the slots it wrote (0: nothing free)."""
+        got = self.allocator.alloc_fenced(self.allocator.free_slots)
+        if got is None or not len(got[0]):
+            return 0
+        slots, fences = got
+        if fences:
+            self._wait(fences)
+        if self.manager.ledger is not None:
+            self.manager.ledger.device_write(SCRATCH_WRITER, slots.tolist())
+        self.device_pool.token_view()[:, :, slots] = torch.tensor(
+            [kv_value(0, p) for p in range(len(slots))], dtype=torch.float32).view(1, 1, -1, 1, 1)
+        self.allocator.free(slots)
+        return len(slots)
 
     def settle(self, max_rounds: int = 100) -> None:
         """Let every copy land and every backup run until the manager is idle (the copy engine and the

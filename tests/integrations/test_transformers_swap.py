@@ -2,7 +2,9 @@
 
 The cache is made small enough that the engine must preempt and restore requests many times; every
 swap goes through spec/cb_swap.yaml in checked mode (invariants, block ledger, every landed copy compared
-with its source: B15), and the outputs must equal per-request `generate` token for token.
+with its source: B15), and the outputs must equal per-request `generate` token for token, with the
+victims' device blocks released fenced at the swap-out (the default over kvfsm's engines) and deferred to
+its acknowledgement (`fenced=False`).
 """
 
 from __future__ import annotations
@@ -19,13 +21,25 @@ require_transformers()
 
 import kvfsm.integrations.transformers as kt  # noqa: E402
 from kvfsm.generated import cb_swap as gen  # noqa: E402
-from kvfsm.dataplane import CopyEngine, CpuCopyEngine, DeferredCpuCopyEngine  # noqa: E402
+from kvfsm.dataplane import CopyEngine, CopyHandle, CpuCopyEngine, DeferredCpuCopyEngine  # noqa: E402
 from kvfsm.dataplane.copy.base import plan_copy  # noqa: E402
+from kvfsm.dataplane.copy.cpu import DeferredHandle  # noqa: E402
+from kvfsm.dataplane.fences import SlotFence  # noqa: E402
 from kvfsm.runtime.ledger import CheckedModeError  # noqa: E402
 
 NEW_TOKENS = 24
 N_REQUESTS = 16
 NUM_BLOCKS = 16  # 64 token slots for 16 requests of up to 30 + 24 tokens
+
+
+def tid(src: str, event: str, guard: str | None = None) -> int:
+    """The id of the spec's transition from `src` on `event` (the coverage sets hold these)."""
+    return next(i for i, t in enumerate(gen.TRANSITIONS) if t[:3] == (src, event, guard))
+
+
+SWAP_OUT = {False: tid("resident", "preempt", "deferred_release"), True: tid("resident", "preempt", "fenced_release")}
+SWAP_OUT_DONE = {False: tid("swapping_out", "swap_out_done"), True: tid("swapping_out_fenced", "swap_out_done")}
+ROUND_TRIP = {tid("swapped", "restore"), tid("swapping_in", "swap_in_done"), tid("resident", "finish")}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -59,21 +73,27 @@ def run_batch(model: Any, inputs: list[list[int]], config: Any, cb: Any) -> tupl
 # ---- the engine, end to end -----------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("fenced", [True, False], ids=["fenced", "deferred"])
 @pytest.mark.parametrize("sharing", [False, True], ids=["no-prefix-sharing", "prefix-sharing"])
-def test_generate_batch_swaps_many_times_and_matches_generate(model: Any, workload: Any, sharing: bool) -> None:
+def test_generate_batch_swaps_many_times_and_matches_generate(model: Any, workload: Any, sharing: bool,
+                                                              fenced: bool) -> None:
     inputs, expected = workload
-    outs, inst = run_batch(model, inputs, kt.SwapConfig(host_blocks=64, checked=True),
-                           cb_config(NUM_BLOCKS, sharing=sharing))
+    config = kt.SwapConfig(host_blocks=64, checked=True) if fenced else \
+        kt.SwapConfig(host_blocks=64, checked=True, fenced=False)  # fenced is the default over kvfsm's engines
+    outs, inst = run_batch(model, inputs, config, cb_config(NUM_BLOCKS, sharing=sharing))
     m = inst.metrics
-    print(f"\n{'sharing' if sharing else 'no sharing'}: {m.as_dict()}")
+    print(f"\n{'sharing' if sharing else 'no sharing'}, {'fenced' if fenced else 'deferred'}: {m.as_dict()}")
     assert outs == expected
     assert m.preempts >= 10 and m.soft_resets == 0
     assert m.swap_outs_done == m.preempts and m.restores == m.preempts and m.swap_ins_done == m.restores
     assert m.verified_copies == m.swap_outs_done + m.swap_ins_done  # every copy compared with its source (B15)
     assert m.bytes_d2h == m.bytes_h2d > 0
-    assert {0, 2, 3, 4, 5} <= inst.coverage  # preempt, swap_out_done, restore, swap_in_done, finish
+    assert m.fenced_releases == (m.preempts if fenced else 0)
+    assert {SWAP_OUT[fenced], SWAP_OUT_DONE[fenced]} | ROUND_TRIP <= inst.coverage
+    assert not {SWAP_OUT[not fenced], SWAP_OUT_DONE[not fenced]} & inst.coverage
     assert inst.leaks() == []
     (kv,) = inst.managers
+    assert kv.fenced is fenced
     assert kv.live == {} and kv.host_pool.free_slots == kv.host_pool.capacity
 
 
@@ -83,7 +103,7 @@ def test_small_host_pool_soft_resets_and_still_matches(model: Any, workload: Any
     m = inst.metrics
     assert outs == expected
     assert m.soft_resets >= 1 and m.preempts >= 1
-    assert 1 in inst.coverage  # soft_reset
+    assert tid("resident", "soft_reset") in inst.coverage
     assert m.host_blocks_peak <= 6 and inst.leaks() == []
 
 
@@ -138,7 +158,7 @@ def test_cancel_swapped_resident_and_running_requests(model: Any) -> None:
             assert results[rid].generated_tokens == expected[i], rid
     m = inst.metrics
     assert m.cancels >= 2  # the swapped and the restored request ended through their machines
-    assert {6, 7} <= inst.coverage  # cancel in resident, cancel in swapped
+    assert {tid("resident", "cancel"), tid("swapped", "cancel")} <= inst.coverage
     assert inst.leaks() == [] and kv.live == {}
     assert kv.host_pool.free_slots == kv.host_pool.capacity
 
@@ -223,14 +243,14 @@ def test_swap_out_and_in_restore_the_exact_kv(model: Any) -> None:
     assert e.kv.host_pool.free_slots == e.kv.host_pool.capacity
     e.cache.free_blocks("a")  # the engine finishes it: through its machine
     assert "a" not in e.kv.live and e.inst.leaks() == []
-    assert 5 in e.inst.coverage
+    assert tid("resident", "finish") in e.inst.coverage
 
 
 def test_cancel_during_swap_in_defers_the_release_to_the_ack(model: Any) -> None:
     engine = DeferredCpuCopyEngine()
     e = _Engine(model, kt.SwapConfig(host_blocks=8, checked=True, copy_engine=engine))
     state = e.admit("a", 10)
-    assert e.kv._swap_out(state)  # the victim's copy is waited for (DeferredHandle.wait completes it)
+    assert e.kv._swap_out(state)  # fenced: the fence's wait completes a deferred CPU copy (no stream to wait)
     state.is_cpu_offloaded = True
     e.restore(state)
     rec = e.kv.live["a"]
@@ -249,7 +269,7 @@ def test_cancel_during_swap_in_defers_the_release_to_the_ack(model: Any) -> None
     e.kv.poll()
     assert rec.machine.state == gen.RELEASED and "a" not in e.kv.live
     assert e.free_blocks() == free_before + len(restored)
-    assert e.inst.leaks() == [] and {11, 13} <= e.inst.coverage
+    assert e.inst.leaks() == [] and {tid("swapping_in", "cancel"), tid("ending", "swap_in_done")} <= e.inst.coverage
 
 
 def test_events_the_spec_declares_errors_are_rejected(model: Any) -> None:

@@ -145,13 +145,14 @@ class ManagerMachine(RuleBasedStateMachine):
     # --- set-up --------------------------------------------------------------------------------------
     @initialize(page_size=st.sampled_from([2, 2, 4]), stride_pages=st.sampled_from([1, 1, 2]),
                 device_pages=st.integers(12, 20), host_pages=st.integers(4, 6), rows=st.integers(3, 4),
-                backup_queue=st.integers(1, 2))
+                backup_queue=st.integers(1, 2), fenced=st.booleans())
     def setup(self, page_size: int, stride_pages: int, device_pages: int, host_pages: int, rows: int,
-              backup_queue: int) -> None:
+              backup_queue: int, fenced: bool) -> None:
         # page_size 2: 24-40 device slots, 8-12 host slots; page_size 4 keeps the same page counts.
+        # fenced: the spec's `fences` param (an end under a copy releases at once, fenced; writers wait).
         self.e = SimEngine(page_size=page_size, stride=stride_pages * page_size, device_slots=device_pages * page_size,
                            host_slots=host_pages * page_size, rows=rows, max_context=32, backup_queue=backup_queue,
-                           checked=self.checked)
+                           checked=self.checked, fenced=fenced)
         self.ps = page_size
 
     # --- helpers ------------------------------------------------------------------------------------
@@ -285,6 +286,8 @@ class ManagerMachine(RuleBasedStateMachine):
         """Live requests with no copy in flight: those SGLang's scheduler may release itself once its
         drain_before_retraction passed."""
         m = self.e.manager
+        if self.e.fenced:  # its stream waits on the copies first (fence_copies_in_flight): never refused
+            return list(self.e.live)
         return [r for r in self.e.live if (mach := m.machine_of(r)) is None or mach.copies == 0]
 
     @precondition(lambda self: self.e is not None and self._releasable_by_engine())
@@ -297,6 +300,15 @@ class ManagerMachine(RuleBasedStateMachine):
         self.e.release_itself(req)
         self.retracted.append(req)
         self._count("released_by_engine")
+
+    @precondition(lambda self: self.e is not None and self.e.fenced and self.e.allocator.fenced_page_count)
+    @rule()
+    @_step
+    def reuse_fenced(self) -> None:
+        """Another writer takes every free page (the fenced ones last, with their fences), waits on the fences,
+        writes its own KV into them and frees them: the copies still reading them must land what their
+        requests wrote (host_page_content), and checked mode's ledger must see every wait."""
+        self._count("reused_fenced_slots", self.e.reuse_fenced())
 
     @precondition(lambda self: self.e is not None and self.retracted)
     @rule(i=st.integers(0, 7))
@@ -363,7 +375,7 @@ class ManagerMachine(RuleBasedStateMachine):
         deferred = {}
         for c in copies:
             rec = c.record
-            if rec.machine.state == gen.FINISHED and id(rec) not in deferred:
+            if rec.machine.state == gen.FINISHED and id(rec) not in deferred:  # fenced ones hold nothing
                 req = rec.req_ref()
                 alloc, prefix = self.end_alloc.get((req.serial, rec.row), (None, rec.prefix_len))
                 check(alloc is not None, "deferred_release_known", f"{rec.key} is finished but was never ended")
@@ -514,9 +526,10 @@ class ManagerMachine(RuleBasedStateMachine):
             e.manager.abort(req)
         e.check_teardown()
         ledger = e.manager.ledger
-        check(ledger is None or not (ledger.device_owner or ledger.device_readers or ledger.host_owner), "ledger_empty",
-              lambda: f"ledger still has owners {ledger.device_owner}, readers {dict(ledger.device_readers)} or "
-                      f"host owners {ledger.host_owner}")
+        check(ledger is None or not (ledger.device_owner or ledger.device_readers or ledger.host_owner
+                                     or ledger.device_fence or ledger.copy_handle), "ledger_empty",
+              lambda: f"ledger still has owners {ledger.device_owner}, readers {dict(ledger.device_readers)}, "
+                      f"host owners {ledger.host_owner}, fences {ledger.device_fence} or copies {ledger.copy_handle}")
         self.storage()
         # Read every stored page back through the storage interface and compare with its writer's KV.
         keys = list(e.manager.fx.stored)

@@ -33,7 +33,8 @@ from kvfsm.verify.engine import SimEngine
 
 import test_manager_machine as tm
 from tp_threads import ThreadGroup, route_all_reduce
-from catalog_faults import b1, b2, b3, b3_host, b4, b5, b6, b6_readmit, b7, b8, b9, b10, b11, b12, b13, b14, b15, b16
+from catalog_faults import (b1, b2, b3, b3_host, b4, b5, b6, b6_readmit, b7, b8, b9, b10, b11, b12, b13, b14, b15, b16,
+                            b17)
 
 DEEP = tm.DEEP
 REPORT: dict[str, dict[str, Any]] = {}
@@ -58,6 +59,8 @@ MUTANTS: dict[str, tuple[str, Callable[[pytest.MonkeyPatch], None], bool]] = {
     "B13": ("failed transfer treated as success", b13, True),
     "B15": ("copy that silently moves nothing", b15, True),
     "B16": ("release frees the prefix cache's pages", b16, True),
+    "B17": ("reuse of a fenced slot before its copy landed", b17, True),
+    "B17-unchecked": ("reuse of a fenced slot before its copy landed (ledger off)", b17, False),
 }
 
 # Shrinking a failing run costs minutes per mutant; CI only needs the catch. The report script turns it on,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import tempfile
 from collections import Counter
+from typing import Any
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ import harness
 from scenarios import ReqSpec, Scenario
 from test_differential import ProbedAdapter
 
+from kvfsm.dataplane import DeferredCpuCopyEngine
 from kvfsm.errors import RetractionRefused
 
 SC = Scenario(
@@ -80,6 +82,8 @@ def _script(manager_cls: type, sc: Scenario = SC, retract_at: int = RETRACT_AT,
         for t in range(sc.steps):
             run.cur = harness.Step(t)
             run.settle()
+            if hasattr(run.mgr, "hold"):  # FencedAdapter: this step's progress check leaves the copies in flight
+                run.mgr.hold = t == retract_at
             run.mgr.check_offload_progress()
             if t == retract_at:
                 run.mgr.drain_before_retraction()
@@ -109,6 +113,12 @@ def _script(manager_cls: type, sc: Scenario = SC, retract_at: int = RETRACT_AT,
         assert run.tree.protected_size() == 0
         if hasattr(run.mgr, "manager"):  # kvfsm: the retracted lifecycle ended with the spec's released_by_engine
             assert run.mgr.manager.metrics.engine_releases == 1
+        if hasattr(run.mgr, "hold"):
+            assert run.mgr.held_at_drain > 0, "no copy was in flight at the retraction"
+            assert harness_states(run.mgr) == {"released"}
+            from kvfsm.generated.decode_offload import TRANSITIONS
+            taken = {TRANSITIONS[t][:2] for t in run.mgr.manager.coverage}
+            assert ("offloading", "released_by_engine_fenced") in taken and ("fenced", "copy_done") in taken
         run.probe.close(run.mgr)
     return steps, stored, freed
 
@@ -121,6 +131,62 @@ def test_retraction_then_row_reuse_matches_upstream() -> None:
             (b.step, b.offloads, b.released, b.host_alloc, b.host_freed, b.keys, b.retract, sorted(b.freed_at))
     # slot ids are not compared (the free lists' orders differ); owners and row positions are, above
     assert up_stored == kv_stored and sum(up_freed.values()) == sum(kv_freed.values())
+
+
+class FencedAdapter(ProbedAdapter):
+    """The adapter with `retraction="fenced"` over the CPU twin of in-flight copies: its coalesced copies run
+    on a deferred engine, completed at each progress check except while `hold` is set, so the retraction
+    meets a copy of the retracted request still in flight (on a GPU server the drain meets such copies at
+    once; here CPU copies would have landed)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs, retraction="fenced")
+        self.deferred = DeferredCpuCopyEngine()
+        self.manager.fx.copy_engine.inner = self.deferred
+        self.hold = False
+        self.held_at_drain = 0
+
+    def check_offload_progress(self) -> None:
+        if not self.hold:
+            self.deferred.complete_all()
+        super().check_offload_progress()
+
+    def drain_before_retraction(self) -> None:
+        self.held_at_drain = len(self.deferred.pending)
+        super().drain_before_retraction()  # never refuses: the stream waits on the copies (here: they run)
+
+    def release_host_resources(self) -> None:
+        self.deferred.complete_all()
+        super().release_host_resources()
+
+
+def harness_states(mgr: FencedAdapter) -> set[str]:
+    from kvfsm.generated.decode_offload import STATES
+    return {STATES[r.machine.state] for r in mgr.manager._records.values()}
+
+
+SC_FENCED = Scenario(
+    name="fenced-retract", page_size=4, stride=8,
+    requests=(
+        ReqSpec("a", tuple(range(1, 9)), decode=12),  # offloads [8, 16) at step 8, retracted at 9 with it in flight
+        ReqSpec("b", tuple(range(100, 110)), decode=12),
+        ReqSpec("c", tuple(range(300, 306)), decode=9, start=10),  # on a's row
+    ),
+)
+
+
+def test_fenced_retraction_with_a_copy_in_flight_is_never_refused_and_stores_what_upstream_stores() -> None:
+    """`retraction="fenced"`: the drain meets a copy of the request SGLang then releases itself; instead of
+    refusing (upstream's rule) it makes the stream wait on it, SGLang frees the slots at once and hands
+    the row to the next request, and kvfsm records the release fenced (released_by_engine_fenced, freeing
+    nothing). Every slot is freed exactly once, and the store ends up with upstream's pages, bytes and keys
+    (upstream met no copy in flight: its CPU copies land at the progress check)."""
+    up_steps, up_stored, up_freed = _script(harness.UpstreamManager, SC_FENCED, retract_at=9)
+    kv_steps, kv_stored, kv_freed = _script(FencedAdapter, SC_FENCED, retract_at=9)
+    assert up_stored == kv_stored
+    assert sum(up_freed.values()) == sum(kv_freed.values())
+    for a, b in zip(up_steps, kv_steps):
+        assert (a.released, a.retract) == (b.released, b.retract), a.step
 
 
 def test_a_readmitted_request_offloads_its_decode_again() -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from catalog_faults import b1, b2, b3_engine as b3_faults, b5, b6_readmit, b7, b8, b9, b10, b13, b15, b16
+from catalog_faults import b1, b2, b3_engine as b3_faults, b5, b6_readmit, b7, b8, b9, b10, b13, b15, b16, b17
 from kvfsm.dataplane.pools.allocator import PageSlots
 from kvfsm.runtime.manager import DecodeOffloadManager
 from kvfsm.verify.commands import check
@@ -158,6 +158,7 @@ MUTANTS = {
     "B13": (b13, None, ONE, 7, {"stored_means_in_storage"}),
     "B15": (b15, None, ONE, 4, {"host_kv_content"}),
     "B16": (b16, None, ONE, 2, {"CheckedModeError"}),
+    "B17": (b17, None, ExplorerConfig(requests=1, fenced=True), 5, {"CheckedModeError"}),
 }
 FOUND: dict[str, tuple[int, str, int]] = {}
 

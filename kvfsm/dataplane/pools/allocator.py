@@ -88,6 +88,8 @@ class TokenSlotAllocator:
     free(indices) frees exactly the pages the batch covers.
     """
 
+    fences = True  # free() and free_pages() take a SlotFence (the manager's fenced release needs one that does)
+
     def __init__(
         self,
         num_slots: int,

@@ -84,15 +84,19 @@ class _CopiesInFlight(Mapping[int, int]):
 class DecodeKVCacheOffloadManager:
     """SGLang's decode-side KV offload manager over kvfsm's DecodeOffloadManager (see the module docstring).
 
-    Retraction is always kvfsm's `retraction="fail_closed"` policy (upstream's rule: `drain_before_retraction`
-    raises on every TP rank while any device-to-host copy is tracked). kvfsm's "deferred" policy defers the
-    release of a retracted request to its last copy ack, but SGLang never asks the manager to retract: it
-    releases retracted requests itself right after the drain, so only refusing the drain keeps their slots
-    from being freed under a copy. `checked=True` runs kvfsm's slot ledger and spec invariants on every
-    transition (tests)."""
+    Retraction: SGLang never asks the manager to retract; it releases retracted requests itself right after
+    `drain_before_retraction`. `retraction="refuse"` (the default) is upstream's rule, kvfsm's
+    `retraction="fail_closed"` policy: the drain raises on every TP rank while any device-to-host copy is
+    tracked. `retraction="fenced"` never refuses: the drain makes the scheduler's stream wait on every copy in
+    flight (no host wait), so SGLang may free and rewrite those slots at once (the spec's fences param and
+    `released_by_engine_fenced`), and kvfsm's own releases under a copy are fenced the same way.
+    `checked=True` runs kvfsm's slot ledger and spec invariants on every transition (tests)."""
 
     def __init__(self, req_to_token_pool: Any, token_to_kv_pool_allocator: Any, tp_group: Any, tree_cache: Any,
-                 *, checked: bool = False) -> None:
+                 *, checked: bool = False, retraction: str = "refuse") -> None:
+        if retraction not in ("refuse", "fenced"):
+            raise ConfigError("retraction", f"must be 'refuse' (upstream's rule) or 'fenced' (never refused), "
+                                            f"got {retraction!r}", SOURCE)
         kv_cache = token_to_kv_pool_allocator.get_kvcache()
         device_pool = SGLangDeviceKVPool(kv_cache)  # ConfigError: SWA, other pool types, fp8
         table = req_to_token_pool.req_to_token
@@ -122,6 +126,7 @@ class DecodeKVCacheOffloadManager:
         self.tree_cache = tree_cache
         self.settings = settings
         self._views = RequestViews()
+        self.retraction = retraction
         self._retraction_allowed = False  # drain_before_retraction passed: SGLang may release requests itself
         self._released = False  # release_host_resources ran
         host_pool = HostKVPool(kv, settings.host_slots, settings.page_size, settings.host_layout, pin_memory=on_gpu)
@@ -132,7 +137,8 @@ class DecodeKVCacheOffloadManager:
                                        host_layout=settings.host_layout, copy_backend="cuda" if on_gpu else "cpu",
                                        storage_backend="file",
                                        storage_dir=settings.file_dir, model_name=settings.model_name or "model",
-                                       retraction="fail_closed", checked=checked)
+                                       retraction="fail_closed" if retraction == "refuse" else "deferred",
+                                       fenced_release=retraction == "fenced", checked=checked)
         self.manager = DecodeOffloadManager(
             OffloadConfig(**options), device_pool=device_pool,
             allocator=AllocatorView(token_to_kv_pool_allocator, device_pool.size),  # type: ignore[arg-type]
@@ -171,8 +177,9 @@ class DecodeKVCacheOffloadManager:
         """A progress check, then `RetractionRefusedError` (a RuntimeError, as upstream's) on every TP rank
         while any rank still tracks a device-to-host copy (on the GPU, one not yet acknowledged; on the CPU
         every copy lands at that progress check, so none is tracked unless a TP peer's MIN held its ack
-        back). Once it passes, SGLang releases the retracted requests itself; their kvfsm lifecycles are ended at the next
-        call (`_sweep`)."""
+        back). With `retraction="fenced"` it never refuses: the current stream is made to wait on every copy
+        in flight instead. Once it passes, SGLang releases the retracted requests itself; their kvfsm
+        lifecycles are ended at the next call (`_sweep`)."""
         try:
             self.manager.drain_before_retraction()
         except RetractionRefused as exc:

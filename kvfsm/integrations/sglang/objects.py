@@ -21,6 +21,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from kvfsm.dataplane.fences import SlotFence
 from kvfsm.errors import InvalidRequest
 
 
@@ -190,16 +191,23 @@ class AllocatorView:
     `owns_page_list` answers False, so a copy's device slots are range-checked slot by slot (SGLang's
     allocator keeps no per-page mask to ask)."""
 
+    # Frees take a fence: SGLang writes KV only on the scheduler's current (compute) stream, so a fenced free
+    # makes that stream wait on the fence before the slots go back (a wait_event: the host never waits).
+    fences = True
+
     def __init__(self, allocator: Any, num_slots: int) -> None:
         self.allocator = allocator
         self.page_size = int(allocator.page_size)
         self.num_slots = int(num_slots)
 
-    def free(self, slots: torch.Tensor) -> None:
+    def free(self, slots: torch.Tensor, fence: Optional[SlotFence] = None) -> None:
         """kvfsm frees a request's own pages, [cache_protected_len, allocated), whole and in slot order
         (`OffloadEffects.request_slots`): SGLang's `free_segment` contract (a page-aligned segment whose
         every `page_size`-th slot names a page), the call upstream's `free_kv_row` ends in. Unlike `free`
-        it needs no `torch.unique`, so on a GPU server it never waits for the GPU."""
+        it needs no `torch.unique`, so on a GPU server it never waits for the GPU. With a `fence` (copies
+        still read the slots), the current stream waits on it first."""
+        if fence is not None and not fence.passed():
+            fence.wait()
         if len(slots):
             slots = slots.to(device=self.allocator.device, dtype=torch.int64)
             self.allocator.free_segment(slots, start_pos=0)  # start_pos is only checked to be page-aligned

@@ -23,6 +23,11 @@ class SwapConfig:
     Host pool size: `host_blocks` wins, then `host_bytes`, then the engine's own `cpu_offload_space`
     (GiB) when it is positive, else 1 GiB. `copy_engine`: "auto" (CUDA engine for a CUDA cache, CPU
     engine otherwise), "cpu", "cuda", or a CopyEngine instance.
+
+    `fenced` is the spec's `fences` param: a victim's device blocks go back to the engine at its swap-out,
+    fenced (the compute stream waits on the copy; the host does not), instead of after a host wait for the
+    copy. None (default): fenced when the copy engine's handles fence (`CopyEngine.fences`, true of every
+    kvfsm engine); True requires it; False keeps the deferred release.
     """
 
     host_blocks: Optional[int] = None
@@ -30,6 +35,7 @@ class SwapConfig:
     copy_engine: Union[str, CopyEngine] = "auto"
     checked: bool = False
     pin_memory: Optional[bool] = None  # None: pinned when CUDA is available
+    fenced: Optional[bool] = None  # None: fenced when the copy engine fences
 
 
 @dataclass
@@ -44,6 +50,8 @@ class SwapMetrics:
     finishes: int = 0  # swapped-at-least-once requests that finished
     cancels: int = 0  # cancel events (client cancellation, engine failure or reset)
     deferred_releases: int = 0  # ends while a copy was in flight (release at its ack)
+    fenced_releases: int = 0  # swap-outs whose device blocks went back at once, fenced
+    restore_waits: int = 0  # restores that waited on the host for a fenced swap-out not yet seen landed
     ignored_ends: int = 0  # declared no-op finish/cancel calls
     blocks_out: int = 0
     blocks_in: int = 0
@@ -65,6 +73,17 @@ class SwapMetrics:
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _fenced(config: SwapConfig, engine: CopyEngine) -> bool:
+    """SwapConfig.fenced resolved against the engine: a fenced release needs handles that fence."""
+    fences = bool(getattr(engine, "fences", False))
+    if config.fenced is None:
+        return fences
+    if config.fenced and not fences:
+        raise ValueError(f"SwapConfig(fenced=True): the copy engine {type(engine).__name__} does not fence its copies "
+                         "(CopyEngine.fences is false), so a victim's blocks cannot go back while its copy reads them")
+    return bool(config.fenced)
 
 
 def _size_host_pool(config: SwapConfig, device_pool: PagedCachePool, space_gib: Optional[float]) -> int:

@@ -17,6 +17,7 @@ import torch
 
 from kvfsm.generated.cb_swap import CbSwapMachine
 from kvfsm.dataplane import CopyEngine, CopyHandle, CpuCopyEngine
+from kvfsm.dataplane.fences import SlotFence
 from kvfsm.runtime.ledger import CheckedModeError
 
 from .config import SwapConfig
@@ -35,6 +36,7 @@ class SwapCopy:
     handle: Optional[CopyHandle] = None
     submitted_at: float = 0.0
     valid_tokens: Optional[int] = None  # swap-in: tokens of KV the request has (the rest of its last block is free)
+    fence: Optional[SlotFence] = None  # fenced swap-out: what its device blocks went back with
 
 
 @dataclass(eq=False)
@@ -49,7 +51,7 @@ class SwapRecord:
     copy: Optional[SwapCopy] = None  # the copy in flight
     parked_table: Optional[list[int]] = None  # device blocks taken from the engine while release is deferred
     no_cache: bool = False  # how the engine asked for the device blocks to be freed
-    expected: Optional[torch.Tensor] = None  # checked mode: the KV read at swap-out (CPU)
+    expected: Optional[torch.Tensor] = None  # checked mode: the KV read at swap-out (on the device until its ack)
     swaps: int = 0
 
     def __repr__(self) -> str:
@@ -69,10 +71,12 @@ class SwapEffects:
             o.ledger.copy_started(rec.key, "preempt", "d2h", c.device_blocks, host)
         try:
             with o.stream_ctx():
-                if o.checked:
-                    rec.expected = o.device_pool.blocks(c.device_blocks).to("cpu")
+                if o.checked:  # a snapshot on the device, on the stream the copy is ordered after: no host wait
+                    rec.expected = o.device_pool.blocks(c.device_blocks)
                 c.submitted_at = time.perf_counter()
                 c.handle = o.engine.submit_d2h(o.device_pool, c.device_blocks, o.host_pool, c.host_blocks)
+            if o.ledger is not None:
+                o.ledger.copy_submitted(rec.key, c.handle)
         except BaseException:
             if o.ledger is not None:
                 o.ledger.copy_aborted(rec.key, "d2h", c.device_blocks, host)
@@ -92,12 +96,20 @@ class SwapEffects:
         self.o.metrics.soft_resets += 1
 
     def verify_swap_out(self, m: CbSwapMachine, c: SwapCopy) -> None:
-        o, rec = self.o, m.ctx
-        if not o.checked:
-            return
+        if self.o.checked:  # the device blocks are still the request's: compare with them too
+            self._verify_landed(m.ctx, c, self.o.device_pool.blocks(c.device_blocks).to("cpu"))
+
+    def verify_landed_swap_out(self, m: CbSwapMachine, c: SwapCopy) -> None:
+        if self.o.checked:  # the device blocks went back fenced: only the snapshot still holds what was copied
+            self._verify_landed(m.ctx, c, None)
+
+    def _verify_landed(self, rec: SwapRecord, c: SwapCopy, device: Optional[torch.Tensor]) -> None:
+        """The landed host blocks equal the submit-time snapshot (and `device`, when given). The snapshot is
+        complete: it was ordered before the copy, whose completion was observed."""
+        o = self.o
         host = o.host_pool.token_view().index_select(2, c.host_blocks)
-        device = o.device_pool.blocks(c.device_blocks).to("cpu")
-        if not (torch.equal(host, device) and rec.expected is not None and torch.equal(host, rec.expected)):
+        rec.expected = expected = rec.expected.to("cpu") if rec.expected is not None else None
+        if not (expected is not None and torch.equal(host, expected) and (device is None or torch.equal(host, device))):
             raise CheckedModeError(rec.key, "swap_out_done", c.device_blocks[0] if c.device_blocks else None,
                                    "the host blocks differ from the device blocks they were copied from: "
                                    "the swap-out moved nothing or the wrong rows (B15)")
@@ -121,6 +133,25 @@ class SwapEffects:
         rec.parked_table = o.allocator.block_table.pop(rec.rid, [])
         o.metrics.deferred_releases += 1
 
+    def release_device_blocks_fenced(self, m: CbSwapMachine, c: SwapCopy) -> None:
+        o, rec = self.o, m.ctx
+        assert c.handle is not None
+        fence = SlotFence([c.handle])
+        with o.stream_ctx():
+            # The engine writes KV blocks only on its compute stream: once that stream waits on the copy's event,
+            # every later write of these blocks is ordered after the copy (the host never waits; a CPU handle
+            # has no stream, and the wait completes its copy).
+            fence.wait(o.compute_stream)
+        blocks = list(o.allocator.block_table.get(rec.rid, []))
+        if o.ledger is not None:
+            o.ledger.release_device(rec.key, "preempt", blocks, fence)
+        o.engine_free_blocks(rec.rid, rec.no_cache)
+        c.fence = fence
+        o.metrics.fenced_releases += 1
+
+    def defer_host_release(self, m: CbSwapMachine, arg: Any) -> None:
+        self.o.metrics.deferred_releases += 1
+
     def start_swap_in(self, m: CbSwapMachine, c: SwapCopy) -> None:
         o, rec = self.o, m.ctx
         host = c.host_blocks.tolist()
@@ -133,6 +164,8 @@ class SwapEffects:
                 c.handle = o.engine.submit_h2d(o.host_pool, c.host_blocks, o.device_pool, c.device_blocks)
                 if o.device_pool.device.type == "cuda":
                     c.handle.wait_stream(None)  # the compute stream's next forward reads what the copy wrote
+            if o.ledger is not None:
+                o.ledger.copy_submitted(rec.key, c.handle)
         except BaseException:
             if o.ledger is not None:
                 o.ledger.copy_aborted(rec.key, "h2d", c.device_blocks, host)

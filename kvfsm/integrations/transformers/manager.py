@@ -3,8 +3,12 @@ spec/cb_swap.yaml (one `CbSwapMachine` per swapped request).
 
 It keeps transformers' victim choice and requeue logic, turns the engine's frees and cancellations of a
 swapped request into that request's machine events, and acknowledges landed copies; the actions the
-machine runs live in effects.py. About 330 lines: `offload_requests` and `restore_scheduled_requests`
+machine runs live in effects.py. About 400 lines: `offload_requests` and `restore_scheduled_requests`
 follow transformers' own methods line for line, so that they can be compared with them.
+
+With fences (the spec's `fences` param, SwapConfig.fenced) a victim's device blocks go back to the engine
+inside its `preempt`, fenced: the compute stream waits on the copy's event and the host does not, and the
+copy is acknowledged by a later progress check. Without, the manager waits on the host for the copy.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from kvfsm.errors import LifecycleError
 from kvfsm.runtime.ledger import CheckedModeError
 
 from .compat import FULL_ATTENTION, OffloadingManager, RequestStatus
-from .config import SwapConfig, SwapMetrics, _size_host_pool
+from .config import SwapConfig, SwapMetrics, _fenced, _size_host_pool
 from .effects import SwapCopy, SwapEffects, SwapRecord, _engine_for
 from .ledger import SwapLedger
 from .pool import PagedCachePool
@@ -37,9 +41,10 @@ class KvfsmOffloadingManager(OffloadingManager):
 
     The victim choice (`offload_requests`) and the requeue of victims are transformers' own logic; what
     differs is how blocks move and when they are freed: each victim's swap-out is a `preempt` of its
-    machine, its device blocks return to the engine only at `swap_out_done`, each restore is a `restore`
-    and its host blocks return at `swap_in_done`, and the engine's frees and cancellations of a request
-    that has a machine become its `finish` / `cancel` events.
+    machine, its device blocks return to the engine fenced in that `preempt` (with fences) or at
+    `swap_out_done` (without), each restore is a `restore` and its host blocks return at `swap_in_done`, and
+    the engine's frees and cancellations of a request that has a machine become its `finish` / `cancel`
+    events.
     """
 
     def __init__(self, cache: Any, scheduler: Any, compute_stream: Any, config: Optional[SwapConfig] = None,
@@ -58,6 +63,8 @@ class KvfsmOffloadingManager(OffloadingManager):
         num_host = _size_host_pool(config, self.device_pool, cpu_offload_space_gib)
         self.host_pool = HostKVPool(self.device_pool.config, num_host, page_size=1, pin_memory=config.pin_memory)
         self.engine = _engine_for(config, self.device_pool.device)
+        self.fenced = _fenced(config, self.engine)
+        self._fences = 1 if self.fenced else 0  # the spec's `fences` param of every machine
         self.checked = bool(config.checked)
         self.ledger: Optional[SwapLedger] = SwapLedger() if self.checked else None
         self.fx = SwapEffects(self)
@@ -73,6 +80,8 @@ class KvfsmOffloadingManager(OffloadingManager):
         self._orig_clear_cancelled = scheduler.clear_cancelled_requests
         cache.free_blocks = self._engine_frees
         scheduler.clear_cancelled_requests = self._engine_clears_cancelled
+        if self.ledger is not None:
+            self._check_engine_writes(cache)
 
     def warm_up(self) -> None:
         """Swap the engine's trash blocks 0 and 1 (never allocated, no forward has run yet) out and back in
@@ -91,6 +100,11 @@ class KvfsmOffloadingManager(OffloadingManager):
             self.host_pool.free(host)
 
     # --- plumbing ----------------------------------------------------------------------------------
+    @property
+    def compute_stream(self) -> Any:
+        """The stream the engine writes its KV blocks on (None: the current stream, or no streams on the CPU)."""
+        return self._compute_stream if self.device_pool.device.type == "cuda" else None
+
     def stream_ctx(self) -> Any:
         """The engine's compute stream as the current stream (copies are ordered after its kernels)."""
         if self._compute_stream is not None and self.device_pool.device.type == "cuda":
@@ -119,7 +133,7 @@ class KvfsmOffloadingManager(OffloadingManager):
                 raise LifecycleError(f"request id {rid!r} names two live requests ({rec.key} and a new one)")
             return rec
         rec = SwapRecord(key=f"{rid}#{next(_serials)}", rid=rid, state_ref=weakref.ref(state))
-        rec.machine = CbSwapMachine(self.fx, rec, self._observe)
+        rec.machine = CbSwapMachine(self.fx, rec, self._observe, fences=self._fences)
         self.live[rid] = rec
         return rec
 
@@ -131,7 +145,7 @@ class KvfsmOffloadingManager(OffloadingManager):
         c = rec.copy
         assert c is not None
         if self.ledger is not None:
-            self.ledger.copy_done(c.device_blocks)
+            self.ledger.copy_done(rec.key, c.device_blocks)
         rec.copy = None
         self.in_flight.pop(rec.key, None)
         m = rec.machine
@@ -176,10 +190,13 @@ class KvfsmOffloadingManager(OffloadingManager):
         except BaseException:
             self.host_pool.free(host)
             raise
-        # The engine needs the blocks back now (it re-plans the batch at once): wait for the copy's ack.
         assert rec.copy is not None and rec.copy.handle is not None
-        rec.copy.handle.wait()
-        self._ack(rec)
+        if m.state == spec_gen.SWAPPING_OUT:
+            # Deferred: the engine needs the blocks back now (it re-plans the batch at once): wait for the copy.
+            rec.copy.handle.wait()
+            self._ack(rec)
+        elif rec.copy.handle.done():  # fenced, the blocks are back already: ack now if it landed (a query)
+            self._ack(rec)
         return True
 
     def offload_requests(self) -> bool:
@@ -256,6 +273,12 @@ class KvfsmOffloadingManager(OffloadingManager):
                 rec = self.live.get(state.request_id)
                 if rec is None or rec.state_ref() is not state or rec.host_blocks is None:
                     raise LifecycleError(f"request {state.request_id!r} is marked offloaded but kvfsm holds no swap of it")
+                if rec.copy is not None and rec.copy.direction == "d2h" and rec.copy.handle is not None:
+                    # Rescheduled before its fenced swap-out was seen landed: the swap-in reads the host
+                    # blocks that copy writes, so wait for it here (the spec restores only `swapped`).
+                    rec.copy.handle.wait()
+                    self._ack(rec)
+                    self.metrics.restore_waits += 1
                 gpu_blocks = list(self.allocator.block_table.get(state.request_id, []))
                 n = min(int(rec.host_blocks.numel()), len(gpu_blocks))
                 assert rec.machine is not None
@@ -271,6 +294,37 @@ class KvfsmOffloadingManager(OffloadingManager):
             self.poll()
         finally:
             self.metrics.time_restore_s += time.perf_counter() - t0
+
+    def _check_engine_writes(self, cache: Any) -> None:
+        """Checked mode: wrap, on the instance, the three calls through which the engine names the blocks its
+        next kernels write (the forward's write indices or block table, and block forks), so the ledger sees
+        every write of a device block before it is enqueued (a fenced block needs its fence waited on)."""
+        ledger = self.ledger
+        assert ledger is not None
+        extend, fill, fork = cache.extend_read_and_write_indices, cache.fill_block_table, cache.perform_cache_copy
+
+        def written(request_id: str, past_length: int, query_length: int) -> None:
+            if query_length > 0:
+                ps = self.device_pool.tokens_per_block
+                table = self.allocator.block_table.get(request_id, [])
+                ledger.device_write(request_id, table[past_length // ps:(past_length + query_length - 1) // ps + 1])
+
+        def extend_read_and_write_indices(request_id: str, past_length: int, query_length: int, read_index: Any,
+                                          write_index: Any) -> None:
+            written(request_id, past_length, query_length)
+            extend(request_id, past_length, query_length, read_index, write_index)
+
+        def fill_block_table(request_id: str, past_length: int, query_length: int, block_table: Any) -> None:
+            written(request_id, past_length, query_length)
+            fill(request_id, past_length, query_length, block_table)
+
+        def perform_cache_copy(copy_src_and_dst: dict[str, tuple[list[int], list[int]]]) -> None:
+            ledger.device_write("block fork", list(copy_src_and_dst.get(FULL_ATTENTION, ([], []))[1]))
+            fork(copy_src_and_dst)
+
+        cache.extend_read_and_write_indices = extend_read_and_write_indices
+        cache.fill_block_table = fill_block_table
+        cache.perform_cache_copy = perform_cache_copy
 
     def check_restore_target(self, rec: SwapRecord, blocks: list[int]) -> None:
         """Checked mode: the blocks a restore writes belong to this request alone (else it overwrites another
@@ -357,6 +411,6 @@ class KvfsmOffloadingManager(OffloadingManager):
         if self.ledger is not None:
             if self.ledger.host_owner:
                 out.append(f"ledger: {len(self.ledger.host_owner)} host blocks owned")
-            if self.ledger.in_flight:
-                out.append(f"ledger: {len(self.ledger.in_flight)} device blocks under copies")
+            if self.ledger.in_flight or self.ledger.fenced:
+                out.append(f"ledger: {len(self.ledger.in_flight) + len(self.ledger.fenced)} device blocks under copies")
         return out

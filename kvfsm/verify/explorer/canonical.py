@@ -202,6 +202,14 @@ def _key(w: World, s: _Snap, order: list[int]) -> tuple[tuple, Naming]:
                                for p, r in led.device_readers.items() if r)),
                   tuple(sorted((hmap.setdefault(p, len(hmap)), chunk_no.get(x, -1))
                                for p, x in led.host_owner.items())))
+    # fenced free pages, in the order they are handed out, each with the copies (by number) its fence waits for
+    fenced = ()
+    fence_of = getattr(e.allocator, "_page_fence", None)
+    if fence_of:
+        copy_no = {id(c.handle): chunk_no[c.serial] for c in s.copies}
+        fenced = tuple((pmap.setdefault(p, len(pmap)),
+                        tuple(sorted(copy_no.get(id(h), -1) for h in fence_of[p]._handles if not h.done())))
+                       for p in e.allocator._fenced_pages)
     # pools: which named pages are allocated, how many allocated pages nobody names (a leak), how many free
     alloc_named = tuple(sorted(pmap[p] for p, a in enumerate(s.alloc) if a and p in pmap))
     halloc_named = tuple(sorted(hmap[p] for p, a in enumerate(s.halloc) if a and p in hmap))
@@ -211,7 +219,7 @@ def _key(w: World, s: _Snap, order: list[int]) -> tuple[tuple, Naming]:
            e.worker.outstanding(), alloc_named, sum(s.alloc) - len(alloc_named), len(s.free),
            halloc_named, sum(s.halloc) - len(halloc_named), len(s.hfree),
            rows_named, sum(s.rows_alloc) - len(rows_named), e.req_to_token.free_rows, e.protected.size, ledger,
-           rows_next)
+           rows_next, fenced)
     handle: dict[int, int] = {}
     for c in s.copies:
         handle.setdefault(c.handle.seq, chunk_no[c.serial])

@@ -2,8 +2,11 @@
 
     admit i | decode i | decode_spec i | offload i | offload_batch | finish i | abort i | retract i |
     engine_release i (the engine releases the request itself, with no copy of it in flight, then tells the
-    manager) | readmit i | end_again i (finish of a request that already ended) | copy j (complete pending copy j) |
-    backup j / backup_fail j (run pending backup j; its store write succeeds / fails) | progress
+    manager; in a fenced bound also while its copies are in flight, its stream waiting on them first) |
+    readmit i | end_again i (finish of a request that already ended) | copy j (complete pending copy j) |
+    backup j / backup_fail j (run pending backup j; its store write succeeds / fails) | progress |
+    reuse (fenced bounds, while a free page is fenced: another writer takes every free page, waits on the
+    fences, writes and frees them; SimEngine.reuse_fenced)
 
 `enabled` lists them in a fixed order (so traces are reproducible); `apply` runs one on the real
 engine, checking what that event alone promises (an offload queues one contiguous chunk of committed KV
@@ -37,7 +40,8 @@ def enabled(w: World) -> list[Event]:
                 if cfg.speculative > 0:
                     out.append(("decode_spec", i))
             out.append(("offload", i))
-            out.extend((how, i) for how in cfg.end_kinds if how != "engine_release" or _no_copy_of(w, i))
+            out.extend((how, i) for how in cfg.end_kinds
+                       if how != "engine_release" or cfg.fenced or _no_copy_of(w, i))
         else:
             if phase == RETRACTED and left > 0:
                 out.append(("readmit", i))
@@ -51,6 +55,8 @@ def enabled(w: World) -> list[Event]:
         if cfg.backup_failures:
             out.append(("backup_fail", j))
     out.append(("progress",))
+    if cfg.fenced and e.allocator.fenced_page_count:
+        out.append(("reuse",))
     return out
 
 
@@ -63,6 +69,9 @@ def apply(w: World, ev: Event) -> None:
         return
     if kind == "offload_batch":
         _offload_batch(w)
+        return
+    if kind == "reuse":
+        e.reuse_fenced()
         return
     if kind == "copy":
         e.copies.complete(e.copies.pending[ev[1]])

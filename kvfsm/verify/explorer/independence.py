@@ -16,7 +16,10 @@ from what the engine and the manager touch (kvfsm.verify.engine, kvfsm.runtime.m
   the free (pages and rows are renamed in the key, so which one went to whom does not matter), except the
   rows a request that may be re-admitted gave back: the key names those, so the order rows are handed
   out and given back in matters while one of them is involved;
-- offload_batch touches everything.
+- offload_batch touches everything, and so does reuse;
+- in a fenced bound, the allocator's fenced pages and their fences: an end may free pages fenced (in FIFO
+  order), an allocation may reclaim or hand them out (its writer then waits on the fences: in the CPU twin
+  that completes the copies), a copy's completion passes a fence. All of these are ordered with each other.
 
 Events of one request never commute, nor do two events that may write the FIFO or the worker's queues.
 This is a claim about the implementation; tests/verify/test_reduction_soundness.py checks it by running
@@ -66,6 +69,7 @@ def footprints(w: World, events: Sequence[Event]) -> tuple[list[Footprint], tupl
     fx = m.fx
     n = len(w.reqs)
     fifo, worker, take_order = 1 << n, 1 << (n + 1), 1 << (n + 2)
+    fenced = 1 << (3 * n + 3 + len(e.copies.pending)) if cfg.fenced else 0  # past every other bit
     gives = [1 << (n + 3 + i) for i in range(n)]  # request i gives a row back
     # The key names a free row only when a request that may be re-admitted last held it (canonical.py):
     # then the order rows are handed out in decides who gets it, and the order they come back in, where
@@ -102,11 +106,12 @@ def footprints(w: World, events: Sequence[Event]) -> tuple[list[Footprint], tupl
             # it pops completed copies from the FIFO's head: an offload's append (a copy not yet done) commutes
             fp = Footprint(worker | progress_gives | sum(copy_bit.values()) | chunk_owners, frees=True,
                            host_frees=e.worker.completed() > 0)
-        elif kind == "offload_batch":
+        elif kind in ("offload_batch", "reuse") or (kind == "engine_release" and cfg.fenced):
+            # engine_release with fences first makes the engine's stream wait on every copy (completing them)
             fp = Footprint(_ALL, dev=1 << 30, rows=1 << 30, frees=True, host=1 << 30, host_frees=True)
         elif kind == "copy":
             h = pending[ev[1]]
-            fp = Footprint(copy_bit[h.seq] | by_handle.get(h.seq, (1 << n) - 1))
+            fp = Footprint(copy_bit[h.seq] | by_handle.get(h.seq, (1 << n) - 1) | fenced)
         elif kind in ("backup", "backup_fail"):
             fp = Footprint(worker | owner(jobs[ev[1]].payload))
         else:
@@ -114,17 +119,18 @@ def footprints(w: World, events: Sequence[Event]) -> tuple[list[Footprint], tupl
             req = w.reqs[i]
             mine = 1 << i
             if kind == "admit":
-                fp = Footprint(mine | takes_ordered, dev=-(-cfg.prompt_len // ps), rows=1)
+                fp = Footprint(mine | takes_ordered | fenced, dev=-(-cfg.prompt_len // ps), rows=1)
             elif kind == "readmit":
-                fp = Footprint(mine | takes_ordered, dev=-(-(len(req.origin_input_ids) + len(req.output_ids)) // ps), rows=1)
+                fp = Footprint(mine | takes_ordered | fenced,
+                               dev=-(-(len(req.origin_input_ids) + len(req.output_ids)) // ps), rows=1)
             elif kind in ("decode", "decode_spec"):
                 length = req.kv_committed_len + 1 + (cfg.speculative if kind == "decode_spec" else 0)
-                fp = Footprint(mine, dev=max(0, -(-length // ps) - -(-req.kv_allocated_len // ps)))
+                fp = Footprint(mine | fenced, dev=max(0, -(-length // ps) - -(-req.kv_allocated_len // ps)))
             elif kind in ("finish", "abort", "retract", "engine_release"):
                 # a retract (or the engine's own release) with re-admissions left leaves its row named (it may
                 # come back for it)
                 back = kind in ("retract", "engine_release") and w.ctl[i][1] > 0
-                fp = Footprint(mine | (every_give if back else gives[i]), frees=True)
+                fp = Footprint(mine | (every_give if back else gives[i]) | fenced, frees=True)
             elif kind == "offload":
                 due = _chunk_due(w, i)
                 fp = Footprint(mine | (fifo if due else 0), host=due)

@@ -55,6 +55,7 @@ class ExplorerConfig:
     batch_offload: bool = True  # offload_batch: one manager.offload_batch over every live request
     rows: Optional[int] = None  # request-table rows (default: one per request, one more per re-admittable one)
     max_context: int = 16
+    fenced: bool = False  # the spec's `fences` param: ends under a copy release fenced; adds the event reuse
 
     def __post_init__(self) -> None:
         at_least = {"requests": 1, "slots": 1, "page_size": 1, "stride": 1, "host_slots": 1, "backup_queue": 1,
@@ -82,7 +83,7 @@ class ExplorerConfig:
     def engine(self, trace_path: Optional[str] = None) -> SimEngine:
         return SimEngine(page_size=self.page_size, stride=self.stride, device_slots=self.slots,
                          host_slots=self.host_slots, rows=self.table_rows, max_context=self.max_context,
-                         backup_queue=self.backup_queue, checked=True, trace_path=trace_path)
+                         backup_queue=self.backup_queue, checked=True, trace_path=trace_path, fenced=self.fenced)
 
     def describe(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in asdict(self).items())
