@@ -6,16 +6,21 @@ requests all along. It runs with:
 
 - `engine`: transformers' own OffloadingManager (`cpu_offload_space` GiB of pinned host memory);
 - `kvfsm`: the same engine with `kvfsm.integrations.transformers.install` (same host capacity), where every
-  swap goes through spec/cb_swap.yaml and kvfsm's CUDA copy engine (checked mode off, as in production);
+  swap goes through spec/cb_swap.yaml and kvfsm's CUDA copy engine (checked mode off, as in production),
+  with the release deferred (`SwapConfig(fenced=False)`): the host waits for each swap-out before the
+  victim's blocks go back to the engine;
+- `kvfsm_fenced`: the same with the fenced release (`fenced=True`, the default): the blocks go back at the
+  swap-out, the compute stream waits on the copy's event, the host does not, and the copy is acknowledged
+  at a later progress check;
 - `soft_reset` (optional, --soft-reset): no host pool at all, victims are re-prefilled.
 
 Per mode: wall time and throughput (generated tokens / s, warmup and CUDA-graph capture excluded),
 preemptions swapped out, soft resets, restores, blocks and bytes moved each way, and time in offload:
 host wall time inside the offloading manager's `offload_requests` + `restore_scheduled_requests`. The
-engine's copies are asynchronous on its compute stream while kvfsm waits for each swap-out before the
-victim's blocks go back to the engine, so `--sync-timing` adds a second set of runs in which the device is
-synchronised around those calls: their time then includes the copies themselves (their throughput is
-not reported as representative). Outputs of the modes are compared token for token.
+engine's copies and kvfsm_fenced's are asynchronous on the device while kvfsm (deferred) waits for each
+swap-out before the victim's blocks go back to the engine, so `--sync-timing` adds a second set of runs in
+which the device is synchronised around those calls: their time then includes the copies themselves
+(their throughput is not reported as representative). Outputs of the modes are compared token for token.
 
   python bench/transformers_offload.py             # CUDA when present: ~0.14B-parameter random Llama, bf16
   python bench/transformers_offload.py --quick     # CPU: the tests' tiny Llama (the engine's own CPU
@@ -162,8 +167,9 @@ def run(model: Any, inputs: list[list[int]], args: argparse.Namespace, mode: str
                                   cpu_offload_space=engine_space, **cb_kwargs)
     manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
     inst = None
-    if mode == "kvfsm":
-        inst = kt.install(manager, kt.SwapConfig(host_bytes=int(args.host_gib * GiB), checked=args.checked))
+    if mode in ("kvfsm", "kvfsm_fenced"):
+        inst = kt.install(manager, kt.SwapConfig(host_bytes=int(args.host_gib * GiB), checked=args.checked,
+                                                 fenced=mode == "kvfsm_fenced"))
     probe = Probe(sync)
     probe.attach(manager)
     manager.warmup()
@@ -196,12 +202,12 @@ def run(model: Any, inputs: list[list[int]], args: argparse.Namespace, mode: str
         "time_restore_s": round(probe.restore_time, 5),
         "block_bytes": probe.block_bytes,
     }
-    if mode == "kvfsm":
-        assert inst is not None
+    if inst is not None:
         m = inst.metrics
         row.update(swapped_out=m.preempts, soft_resets=m.soft_resets, restores=m.restores,
                    blocks_out=m.blocks_out, blocks_in=m.blocks_in, bytes_d2h=m.bytes_d2h, bytes_h2d=m.bytes_h2d,
-                   host_blocks_peak=m.host_blocks_peak, leaks=inst.leaks(),
+                   host_blocks_peak=m.host_blocks_peak, fenced_releases=m.fenced_releases,
+                   restore_waits=m.restore_waits, leaks=inst.leaks(),
                    copy_engine=type(inst.managers[0].engine).__name__ if inst.managers else None,
                    spec_transitions_covered=sorted(inst.coverage))
     else:
@@ -266,7 +272,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                   head_dim=model.config.hidden_size // model.config.num_attention_heads,
                   transformers=transformers.__version__)
     name = "transformers_offload"
-    modes = ["engine", "kvfsm"] + (["soft_reset"] if args.soft_reset else [])
+    modes = ["engine", "kvfsm", "kvfsm_fenced"] + (["soft_reset"] if args.soft_reset else [])
     timings = [False] + ([True] if args.sync_timing and device == "cuda" else [])
     runs: list[dict[str, Any]] = []
     for sync in timings:
@@ -278,7 +284,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                 write_result(name, {"params": params, "partial": True,
                                     "runs": [{k: v for k, v in r.items() if k != "_outputs"} for r in runs]},
                              args.out, quick=args.quick)
-                print(f"{mode:10s} sync={sync!s:5s} rep={rep} wall={row['wall_s']:.2f}s "
+                print(f"{mode:12s} sync={sync!s:5s} rep={rep} wall={row['wall_s']:.2f}s "
                       f"{row['throughput_tok_s']:.0f} tok/s out={row['swapped_out']} soft={row['soft_resets']} "
                       f"in={row['restores']} d2h={row['bytes_d2h'] / 2**20:.1f}MiB "
                       f"offload={row['time_in_offload_s'] * 1e3:.1f}ms", flush=True)
@@ -286,17 +292,25 @@ def main(argv: Optional[list[str]] = None) -> None:
     reference = next(r["_outputs"] for r in runs if r["mode"] == "engine")
     for r in runs:
         r["outputs_equal_engine"] = r["_outputs"] == reference
+    identical = all(r["outputs_equal_engine"] for r in runs)
     for r in runs:
         del r["_outputs"]
     last = {(r["mode"], r["sync_timing"]): r for r in runs}  # the last repeat of each (kernels warm)
-    summary: dict[str, Any] = {}
+    summary: dict[str, Any] = {"outputs_identical_across_modes": identical}
     for (mode, sync), r in last.items():
         key = f"{mode}{'_synced' if sync else ''}"
         summary[key] = {k: r[k] for k in ("throughput_tok_s", "wall_s", "swapped_out", "soft_resets", "restores",
                                           "bytes_d2h", "bytes_h2d", "time_in_offload_s", "outputs_equal_engine")}
-    if ("kvfsm", False) in last and ("engine", False) in last:
-        e, k = last[("engine", False)], last[("kvfsm", False)]
-        summary["kvfsm_vs_engine_throughput"] = round(k["throughput_tok_s"] / e["throughput_tok_s"], 4)
+        if "restore_waits" in r:
+            summary[key].update(fenced_releases=r["fenced_releases"], restore_waits=r["restore_waits"])
+    if ("engine", False) in last:
+        e = last[("engine", False)]
+        for mode in ("kvfsm", "kvfsm_fenced"):
+            if (mode, False) in last:
+                k = last[(mode, False)]
+                summary[f"{mode}_vs_engine_throughput"] = round(k["throughput_tok_s"] / e["throughput_tok_s"], 4)
+                summary[f"{mode}_vs_engine_time_in_offload"] = (
+                    round(k["time_in_offload_s"] / e["time_in_offload_s"], 4) if e["time_in_offload_s"] else None)
     path = write_result(name, {"params": params, "summary": summary, "runs": runs}, args.out, quick=args.quick)
     print(f"wrote {path}")
 

@@ -14,7 +14,7 @@ from typing import Callable, Optional
 
 import torch
 
-from kvfsm.dataplane import ReqToTokenPool, SlotFence, TokenSlotAllocator
+from kvfsm.dataplane import ReqToTokenPool, SlotFence, TokenSlotAllocator, wait_fences
 from kvfsm.dataplane.pools.device_pool import DeviceKVPool
 from kvfsm.engine.model import TinyDecoder
 from kvfsm.runtime import DecodeOffloadManager, SimplePrefixCache
@@ -84,6 +84,8 @@ def make_workload(n: int, seed: int, vocab: int) -> list[EngineRequest]:
 class EngineStats:
     steps: int = 0
     tokens: int = 0
+    admissions: int = 0  # admissions and re-admissions
+    batch_sum: int = 0  # sum over steps of the requests decoded (mean batch = batch_sum / steps)
     retractions: int = 0
     aborted: int = 0
     finished: int = 0
@@ -93,15 +95,21 @@ class EngineStats:
 class DecodeEngine:
     def __init__(self, model: TinyDecoder, pool: DeviceKVPool, allocator: TokenSlotAllocator, table: ReqToTokenPool,
                  protected: SimplePrefixCache, max_batch: int, manager: Optional[DecodeOffloadManager] = None,
-                 speculative: int = 0) -> None:
+                 speculative: int = 0, fenced: bool = False) -> None:
         self.model, self.pool, self.allocator, self.table = model, pool, allocator, table
         self.protected, self.manager, self.max_batch = protected, manager, max_batch
         self.page = allocator.page_size
         self.speculative = speculative  # slots over-allocated past each decode step (speculative decoding)
+        # take slots a fenced release returned too (alloc_fenced), the compute stream waiting on their fences
+        self.fenced = fenced
 
     # --- memory ----------------------------------------------------------------------------------------
     def _grow(self, req: EngineRequest, length: int) -> bool:
-        return grow_slots(self.allocator, self.table, req, length)
+        return grow_slots(self.allocator, self.table, req, length, self._wait if self.fenced else None)
+
+    def _wait(self, fences: tuple[SlotFence, ...]) -> None:
+        """The stream that writes the slots (the model's: the current one) waits on their fences."""
+        wait_fences(fences, torch.cuda.current_stream(self.pool.device) if self.pool.device.type == "cuda" else None)
 
     def _release_without_manager(self, req: EngineRequest) -> None:
         """What the manager's release does: free the request's own pages [prefix_len, allocated), its row, and
@@ -151,6 +159,7 @@ class DecodeEngine:
         while waiting or live:
             while waiting and len(live) < self.max_batch and self._admit(waiting[0]):
                 live.append(waiting.pop(0))
+                stats.admissions += 1
             if not live:
                 raise RuntimeError("a single request does not fit the device pool")
             stepped: list[EngineRequest] = []
@@ -168,6 +177,7 @@ class DecodeEngine:
                 req.kv_committed_len = pos + 1
                 stats.tokens += 1
                 stepped.append(req)
+            stats.batch_sum += len(stepped)
             if self.manager is not None and stepped:  # the decode batch's new KV, in one call
                 self.manager.offload_batch(stepped, [r.req_pool_idx for r in stepped],
                                            [r.kv_committed_len for r in stepped])

@@ -178,7 +178,8 @@ class _Engine:
         self.cache, self.scheduler = self.processor.cache, self.processor.scheduler
         self.allocator = self.kv.allocator
 
-    def admit(self, rid: str, tokens: int) -> Any:
+    def admit(self, rid: str, tokens: int, fill: bool = True) -> Any:
+        """A decoding request of `tokens` tokens; `fill`: random KV written into its blocks."""
         from transformers.generation.continuous_batching.requests import RequestState, RequestStatus
 
         state = RequestState(request_id=rid, initial_tokens=list(range(1, tokens + 1)), max_new_tokens=4)
@@ -186,6 +187,8 @@ class _Engine:
         state.position_offset = tokens
         state._status = RequestStatus.DECODING
         self.scheduler.active_requests[rid] = state
+        if not fill:
+            return state
         blocks = self.allocator.block_table[rid]
         pool = self.kv.device_pool
         kv = torch.randn(2, pool.config.num_layers, len(blocks), *pool.config.token_shape, dtype=pool.config.dtype)
@@ -326,23 +329,330 @@ def test_checked_mode_catches_a_copy_that_moves_nothing(model: Any, broken: str)
     with pytest.raises(CheckedModeError, match="B15"):
         e.restore(state)
 
+# ---- fenced swap-out: the victim's blocks go back at once, the compute stream waits on the copy ----------
+
+
+class _StreamHandle(DeferredHandle):
+    """A deferred CPU copy whose `wait_stream` only records the stream, as a CUDA handle's `wait_event` orders
+    the stream without running anything; the test, playing that stream, completes the copy before it writes
+    a reused block. Host waits are counted."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.host_waits = 0
+        self.streams: list[Any] = []
+
+    def wait(self) -> None:
+        self.host_waits += 1
+        super().wait()
+
+    def wait_stream(self, stream: object | None = None) -> None:
+        self.streams.append(stream)
+
+
+class _StreamOrderedEngine(DeferredCpuCopyEngine):
+    def _submit(self, plan: Any) -> DeferredHandle:
+        plan.device_idx, plan.host_idx = plan.device_idx.clone(), plan.host_idx.clone()
+        with self._lock:
+            handle = _StreamHandle(self, plan, next(self._seq))
+            self._pending[handle.seq] = handle
+        return handle
+
+
+class _LateAckHandle(CopyHandle):
+    """A copy that ran at submit, whose completion the host sees only after `lag` queries (a CUDA event is
+    seen landed some iterations later); counts host waits and stream waits."""
+
+    def __init__(self, inner: CopyHandle, lag: int) -> None:
+        self.direction, self.num_tokens, self.nbytes = inner.direction, inner.num_tokens, inner.nbytes
+        self.lag, self.host_waits, self.stream_waits = lag, 0, 0
+
+    def done(self) -> bool:
+        if self.lag > 0:
+            self.lag -= 1
+            return False
+        return True
+
+    def wait(self) -> None:
+        self.host_waits += 1
+        self.lag = 0
+
+    def wait_stream(self, stream: object | None = None) -> None:
+        self.stream_waits += 1
+
+
+class _LateAckEngine(CopyEngine):
+    """CpuCopyEngine whose swap-outs are seen landed late (swap-ins at once)."""
+
+    fences = True
+
+    def __init__(self, lag: int) -> None:
+        self.lag, self.inner, self.handles = lag, CpuCopyEngine(), []
+
+    def submit_d2h(self, device_pool, device_indices, host_pool, host_indices):  # type: ignore[no-untyped-def]
+        h = _LateAckHandle(self.inner.submit_d2h(device_pool, device_indices, host_pool, host_indices), self.lag)
+        self.handles.append(h)
+        return h
+
+    def submit_h2d(self, host_pool, host_indices, device_pool, device_indices):  # type: ignore[no-untyped-def]
+        return self.inner.submit_h2d(host_pool, host_indices, device_pool, device_indices)
+
+
+@pytest.mark.parametrize("sharing", [False, True], ids=["no-prefix-sharing", "prefix-sharing"])
+@pytest.mark.parametrize("lag", [1, 10**9], ids=["seen-at-next-poll", "seen-only-by-a-wait"])
+def test_fenced_swap_outs_never_wait_on_the_host_and_still_match_generate(model: Any, workload: Any, lag: int,
+                                                                          sharing: bool) -> None:
+    """Swap-outs acknowledged at a later poll: the blocks went back at the preempt with one stream wait
+    each and no host wait; a restore that comes before the ack waits for that copy, and only there."""
+    inputs, expected = workload
+    engine = _LateAckEngine(lag)
+    outs, inst = run_batch(model, inputs, kt.SwapConfig(host_blocks=64, checked=True, copy_engine=engine, fenced=True),
+                           cb_config(NUM_BLOCKS, sharing=sharing))
+    m = inst.metrics
+    assert outs == expected
+    assert m.preempts >= 10 and m.fenced_releases == m.preempts == len(engine.handles)
+    assert all(h.stream_waits == 1 for h in engine.handles)  # the compute stream waited on every swap-out
+    if lag == 1:  # every ack came from a poll; no copy was ever waited for
+        assert m.restore_waits == 0 and sum(h.host_waits for h in engine.handles) == 0
+    else:  # never seen landed by a query: each restore waited for its own swap-out, nothing else did
+        assert m.restore_waits == m.restores == sum(h.host_waits for h in engine.handles)
+    assert m.swap_outs_done == m.preempts and m.verified_copies == m.swap_outs_done + m.swap_ins_done
+    assert SWAP_OUT[True] in inst.coverage and inst.leaks() == []
+
+
+def test_fenced_is_the_default_over_a_fencing_engine_and_refused_over_one_that_does_not(model: Any) -> None:
+    assert _Engine(model, kt.SwapConfig(host_blocks=8)).kv.fenced
+    assert not _Engine(model, kt.SwapConfig(host_blocks=8, copy_engine=_B15Engine())).kv.fenced  # fences nothing
+    with pytest.raises(ValueError, match="does not fence"):
+        _Engine(model, kt.SwapConfig(host_blocks=8, copy_engine=_B15Engine(), fenced=True))
+
+
+def test_fenced_swap_out_returns_the_blocks_at_once_and_is_acknowledged_later(model: Any) -> None:
+    engine = _StreamOrderedEngine()
+    e = _Engine(model, kt.SwapConfig(host_blocks=8, checked=True, copy_engine=engine))
+    state = e.admit("a", 10)
+    pool = e.kv.device_pool
+    blocks = list(e.allocator.block_table["a"])
+    before = pool.blocks(blocks).clone()
+    free0 = e.free_blocks()
+    assert e.kv._swap_out(state)
+    rec = e.kv.live["a"]
+    (h,) = engine.pending
+    assert rec.machine.state == gen.SWAPPING_OUT_FENCED and rec.copy.fence is not None
+    assert "a" not in e.allocator.block_table and e.free_blocks() == free0 + len(blocks)  # back at once ...
+    assert h.streams == [None] and h.host_waits == 0  # ... after the compute stream's wait (CPU: None), no host wait
+    assert sorted(e.kv.ledger.fenced) == sorted(blocks) and e.inst.leaks()
+    e.kv.poll()
+    assert rec.machine.state == gen.SWAPPING_OUT_FENCED  # not landed: not acknowledged
+    engine.complete_all()  # the copy reads the blocks: the stream's wait orders it before any write of them
+    pool.storage.zero_()  # then the engine rewrites the reused blocks
+    e.kv.poll()
+    assert rec.machine.state == gen.SWAPPED and e.kv.ledger.fenced == {}  # verified against the snapshot (B15)
+    state.is_cpu_offloaded = True
+    e.restore(state)
+    engine.complete_all()
+    e.kv.poll()
+    assert rec.machine.state == gen.RESIDENT
+    assert torch.equal(pool.blocks(e.allocator.block_table["a"][: len(blocks)]), before)
+    assert h.host_waits == 0 and e.kv.metrics.restore_waits == 0 and e.kv.metrics.verified_copies == 2
+    e.cache.free_blocks("a")
+    assert e.inst.leaks() == [] and {SWAP_OUT[True], SWAP_OUT_DONE[True]} <= e.inst.coverage
+
+
+def test_cancel_during_a_fenced_swap_out_frees_the_host_blocks_at_the_ack(model: Any) -> None:
+    engine = _StreamOrderedEngine()
+    e = _Engine(model, kt.SwapConfig(host_blocks=8, checked=True, copy_engine=engine))
+    state = e.admit("a", 10)
+    assert e.kv._swap_out(state)
+    rec = e.kv.live["a"]
+    used = e.kv.host_pool.capacity - e.kv.host_pool.free_slots
+    e.scheduler.set_request_cancellation("a")
+    for cancelled in e.scheduler.clear_cancelled_requests():  # the engine frees it: its machine's cancel ...
+        e.kv.free_request_cpu_cache(cancelled)  # ... and then, as the batch processor does, a declared no-op
+    assert rec.machine.state == gen.ENDING_FENCED and e.kv.metrics.ignored_ends == 1
+    assert e.kv.host_pool.capacity - e.kv.host_pool.free_slots == used > 0  # the copy still writes them
+    assert e.inst.leaks()
+    engine.complete_all()
+    e.kv.poll()
+    assert rec.machine.state == gen.RELEASED and "a" not in e.kv.live
+    assert e.inst.leaks() == [] and e.kv.host_pool.free_slots == e.kv.host_pool.capacity
+    assert {tid("swapping_out_fenced", "cancel"), tid("ending_fenced", "swap_out_done")} <= e.inst.coverage
+
+
+def test_a_restore_before_the_fenced_swap_out_landed_waits_for_it(model: Any) -> None:
+    engine = _StreamOrderedEngine()
+    e = _Engine(model, kt.SwapConfig(host_blocks=8, checked=True, copy_engine=engine))
+    state = e.admit("a", 10)
+    pool = e.kv.device_pool
+    before = pool.blocks(e.allocator.block_table["a"]).clone()
+    assert e.kv._swap_out(state)
+    (h,) = engine.pending
+    state.is_cpu_offloaded = True
+    e.restore(state)  # the swap-in reads the host blocks the swap-out writes: it waits for it, on the host
+    rec = e.kv.live["a"]
+    assert h.host_waits == 1 and e.kv.metrics.restore_waits == 1 and rec.machine.state == gen.SWAPPING_IN
+    engine.complete_all()
+    e.kv.poll()
+    assert rec.machine.state == gen.RESIDENT
+    assert torch.equal(pool.blocks(e.allocator.block_table["a"][: before.shape[2]]), before)
+
+
+def test_checked_mode_flags_a_fenced_release_no_stream_waited_on(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fault "the release skips the compute stream's wait": the engine could rewrite a block before the
+    copy has read it. The ledger refuses the release."""
+    monkeypatch.setattr(SlotFence, "wait", lambda self, stream=None: None)
+    e = _Engine(model, kt.SwapConfig(host_blocks=8, checked=True, copy_engine=_StreamOrderedEngine()))
+    state = e.admit("a", 10)
+    with pytest.raises(CheckedModeError, match="no stream has waited on"):
+        e.kv._swap_out(state)
+
+
+def test_without_the_wait_the_reused_block_is_rewritten_under_the_copy(model: Any,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same fault with the ledger off: the deferred CPU engine's copy reads the blocks only when it runs,
+    so the rewrite really lands in the host blocks, and checked mode's snapshot comparison catches it."""
+    monkeypatch.setattr(SlotFence, "wait", lambda self, stream=None: None)
+    engine = DeferredCpuCopyEngine()
+    e = _Engine(model, kt.SwapConfig(host_blocks=8, checked=True, copy_engine=engine))
+    e.kv.ledger = None  # it would refuse the release first
+    state = e.admit("a", 10)
+    assert e.kv._swap_out(state) and e.kv.live["a"].machine.state == gen.SWAPPING_OUT_FENCED
+    e.kv.device_pool.storage.zero_()  # the engine rewrites the reused blocks before the copy has read them
+    engine.complete_all()
+    with pytest.raises(CheckedModeError, match="B15"):
+        e.kv.poll()
+
+
+def test_the_ledger_sees_the_engines_writes_into_fenced_blocks(model: Any) -> None:
+    """Checked mode wraps the calls naming the blocks the next kernels write; a write into a block the
+    swap-out still reads passes only while its fence was waited on or has passed."""
+    from kvfsm.integrations.transformers.compat import FULL_ATTENTION
+
+    engine = _StreamOrderedEngine()
+    e = _Engine(model, kt.SwapConfig(host_blocks=8, checked=True, copy_engine=engine))
+    state = e.admit("a", 10)
+    blocks = list(e.allocator.block_table["a"])
+    assert e.kv._swap_out(state)
+    tokens = e.free_blocks() * e.kv.device_pool.tokens_per_block
+    e.admit("b", tokens, fill=False)  # every free block, the victim's among them
+    mine = e.allocator.block_table["b"]
+    assert set(blocks) <= set(mine)
+
+    def prefill() -> None:
+        e.cache.extend_read_and_write_indices("b", 0, tokens, None, [[]])
+
+    prefill()  # ordered after the copy: the compute stream waited on its fence at the release
+    (fence,) = {id(f): f for readers in e.kv.ledger.fenced.values() for f in readers.values()}.values()
+    fence.waited = False  # as if no stream had waited on it
+    with pytest.raises(CheckedModeError, match="neither passed nor been waited on"):
+        prefill()
+    with pytest.raises(CheckedModeError, match="neither passed nor been waited on"):
+        e.cache.perform_cache_copy({FULL_ATTENTION: ([mine[-1]], [blocks[0]])})  # a block fork into it
+    engine.complete_all()
+    e.kv.poll()  # landed and acknowledged: nothing fences the blocks any more
+    prefill()
+    assert e.kv.ledger.fenced == {}
+
+
+class _Pending(CopyHandle):
+    """A copy not landed until `landed` is set; records the streams made to wait on it."""
+
+    def __init__(self) -> None:
+        self.landed = False
+        self.streams: list[Any] = []
+
+    def done(self) -> bool:
+        return self.landed
+
+    def wait(self) -> None:
+        self.landed = True
+
+    def wait_stream(self, stream: object | None = None) -> None:
+        self.streams.append(stream)
+
+
+def test_swap_ledger_takes_a_fenced_release_only_covered_and_waited_on() -> None:
+    led = kt.SwapLedger()
+    h = _Pending()
+    led.copy_started("a#1", "preempt", "d2h", [5, 6], [0, 1])
+    led.copy_submitted("a#1", h)
+    with pytest.raises(CheckedModeError, match="still reads"):
+        led.device_write("b#2", [6])
+    with pytest.raises(CheckedModeError, match="B2"):
+        led.release_device("a#1", "preempt", [5, 6])  # plain, under the copy
+    with pytest.raises(CheckedModeError, match="misses"):
+        led.release_device("a#1", "preempt", [5, 6], SlotFence([_Pending()]))
+    fence = SlotFence([h])
+    with pytest.raises(CheckedModeError, match="no stream has waited on"):
+        led.release_device("a#1", "preempt", [5, 6], fence)
+    fence.wait("compute")
+    assert h.streams == ["compute"]
+    led.release_device("a#1", "preempt", [5, 6], fence)
+    assert led.in_flight == {} and set(led.fenced) == {5, 6}
+    led.device_write("b#2", [6])
+    fence.waited = False
+    with pytest.raises(CheckedModeError, match="neither passed nor been waited on"):
+        led.device_write("b#2", [6])
+    h.landed = True
+    led.device_write("b#2", [6])  # passed: a query says so
+    led.copy_done("a#1", [5, 6])
+    led.free_host("a#1", "swap_out_done", [0, 1])
+    assert led.fenced == {} and led.handles == {} and led.host_owner == {}
+
 
 # ---- the same on the H200: CUDA cache, CUDA copy engine ----------------------------------------------
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fenced", [True, False], ids=["fenced", "deferred"])
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
-def test_generate_batch_swaps_on_cuda(asynchronous: bool) -> None:
+def test_generate_batch_swaps_on_cuda(asynchronous: bool, fenced: bool) -> None:
     model = tiny_llama("cuda")
     inputs = prompts(N_REQUESTS)
     expected = reference_outputs(model, inputs, NEW_TOKENS)
     cb = cb_config(NUM_BLOCKS, use_async_batching=asynchronous, use_cuda_graph=asynchronous)
-    outs, inst = run_batch(model, inputs, kt.SwapConfig(host_blocks=64, checked=True), cb)
+    outs, inst = run_batch(model, inputs, kt.SwapConfig(host_blocks=64, checked=True, fenced=fenced), cb)
     (kv,) = inst.managers
     m = inst.metrics
-    print(f"\ncuda {'async' if asynchronous else 'sync'} ({type(kv.engine).__name__}): {m.as_dict()}")
+    print(f"\ncuda {'async' if asynchronous else 'sync'} {'fenced' if fenced else 'deferred'} "
+          f"({type(kv.engine).__name__}): {m.as_dict()}")
     assert type(kv.engine).__name__ == "CudaCopyEngine" and kv.host_pool.pinned
     assert outs == expected
     assert m.preempts >= 10 and m.swap_ins_done == m.restores == m.preempts
+    assert m.fenced_releases == (m.preempts if fenced else 0)
     assert m.verified_copies == m.swap_outs_done + m.swap_ins_done
+    assert inst.leaks() == []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_fenced_swap_out_on_cuda_never_synchronizes(asynchronous: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every swap-out runs under torch.cuda.set_sync_debug_mode("error"): a host-device synchronisation in it
+    (a host wait for the copy, a blocking transfer) raises. Checked mode is off: its snapshots synchronise."""
+    model = tiny_llama("cuda")
+    inputs = prompts(N_REQUESTS)
+    expected = reference_outputs(model, inputs, NEW_TOKENS)
+    real = kt.KvfsmOffloadingManager._swap_out
+    strict_calls: list[bool] = []
+
+    def strict_swap_out(self: kt.KvfsmOffloadingManager, state: Any) -> bool:
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = real(self, state)
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+        strict_calls.append(out)
+        return out
+
+    monkeypatch.setattr(kt.KvfsmOffloadingManager, "_swap_out", strict_swap_out)
+    cb = cb_config(NUM_BLOCKS, use_async_batching=asynchronous, use_cuda_graph=asynchronous)
+    outs, inst = run_batch(model, inputs, kt.SwapConfig(host_blocks=64, fenced=True), cb)
+    (kv,) = inst.managers
+    m = inst.metrics
+    print(f"\ncuda {'async' if asynchronous else 'sync'} fenced, sync debug: {m.as_dict()}")
+    assert type(kv.engine).__name__ == "CudaCopyEngine" and kv.fenced
+    assert outs == expected
+    assert m.preempts >= 10 and len(strict_calls) == m.preempts + m.soft_resets
+    assert m.fenced_releases == m.preempts == m.swap_outs_done
     assert inst.leaks() == []
