@@ -81,9 +81,9 @@ def serve(model: TinyDecoder, cfg: TinyModelConfig, mode: str, requests: int, ba
     }
     if manager is not None:
         m = manager.metrics
-        out.update(releases=m.releases, offloaded_tokens=m.offloaded_tokens)
-        coverage_fenced = allocator.fenced_page_count
-        out["fenced_pages_left"] = coverage_fenced
+        # ends under a copy: what the two modes treat differently (deferred: state finished; fenced: fenced)
+        out.update(releases=m.releases, fenced_releases=m.fenced_releases, deferred_releases=m.deferred_releases,
+                   offloaded_tokens=m.offloaded_tokens, fenced_pages_left=allocator.fenced_page_count)
         manager.close()
     out["_outputs"] = stats.outputs
     return out

@@ -46,7 +46,7 @@ from bare_offload import BareOffload  # noqa: E402
 from seed_baseline import SeedAlgorithmOffload  # noqa: E402
 
 from kvfsm.dataplane import (HostKVPool, KVCacheConfig, ReqToTokenPool, ThreadCpuCopyEngine,  # noqa: E402
-                             TokenSlotAllocator)
+                             TokenSlotAllocator, wait_fences)
 from kvfsm.dataplane.pools.device_pool import DeviceKVPool  # noqa: E402
 from kvfsm.dataplane.copy.staging import PinnedIndexStaging  # noqa: E402
 from kvfsm.dataplane.storage import FileStorage  # noqa: E402
@@ -162,7 +162,11 @@ def stats(xs: list[float]) -> dict[str, float]:
 
 
 class ServingLoop:
-    """The decode loop around one offload algorithm ("kvfsm", "seed" or "bare")."""
+    """The decode loop around one offload algorithm ("kvfsm", "kvfsm-fenced", "seed" or "bare").
+
+    "kvfsm-fenced" is kvfsm with `fenced_release`: a request that finishes under a copy gives its slots back at
+    once, and the engine takes them with `alloc_pages_fenced`, its compute stream waiting on their fences
+    (under sync-debug "error" too: a wait_event, never a host wait)."""
 
     def __init__(self, algo: str, live: int, page: int, stride: int, layers: int, table_device: str,
                  device: str, step_ms: float, store_dir: Path, host_gib: float, seed: int,
@@ -190,13 +194,17 @@ class ServingLoop:
         else:
             engine = ThreadCpuCopyEngine()
         self.copy_engine = engine
-        if algo == "kvfsm":
+        self.kvfsm = algo in ("kvfsm", "kvfsm-fenced")
+        self.fenced = algo == "kvfsm-fenced"
+        self.fence_waits = 0  # fences the engine's stream waited on (kvfsm-fenced)
+        if self.kvfsm:
             # the backup queue holds a few iterations of chunks (at 4096 live and stride 16, 256 land per
             # iteration: the default 64 would park most of them)
             config = OffloadConfig(page_size=page, offload_stride=stride, host_layout="page_first",
                                    storage_dir=store_dir, model_name="bench",
                                    backup_queue_size=max(64, 4 * live // stride),
-                                   storage_backend="file" if storage is not None else "none")
+                                   storage_backend="file" if storage is not None else "none",
+                                   fenced_release=self.fenced)
             self.manager: Any = DecodeOffloadManager(
                 config, device_pool=self.pool, allocator=self.allocator, req_to_token=self.table,
                 prefix_cache=SimplePrefixCache(), host_pool=self.host_pool, copy_engine=engine, storage=storage)
@@ -238,7 +246,7 @@ class ServingLoop:
         req = LoopRequest(f"r{self.serial}", [rng.randrange(128_000) for _ in range(rng.randint(*self.prompt))],
                           rng.randint(*self.output))
         n = len(req.origin_input_ids)
-        pages = self.allocator.alloc_pages(-(-(n + 1) // self.page))
+        pages = self._alloc_pages(-(-(n + 1) // self.page))
         if pages is None:
             self.table.free(row)
             return False
@@ -256,7 +264,7 @@ class ServingLoop:
         for req in self.live:
             pos = req.kv_committed_len
             if pos >= req.kv_allocated_len:
-                pages = self.allocator.alloc_pages(1)
+                pages = self._alloc_pages(1)
                 if pages is None:
                     raise RuntimeError("device pool exhausted: size the benchmark's pool larger")
                 self.table.write(req.req_pool_idx, pos, torch.from_numpy(self.allocator.slots_of(pages)))
@@ -265,11 +273,32 @@ class ServingLoop:
         committed = np.fromiter((r.kv_committed_len for r in self.live), dtype=np.int64, count=len(self.live))
         return self.host_table[rows, committed]
 
+    def _alloc_pages(self, k: int) -> Optional[list[int]]:
+        """k pages for the engine to write; with fences, pages a fenced release returned may be among them
+        (last), and the compute stream, which writes them, waits on their fences first."""
+        if not self.fenced:
+            return self.allocator.alloc_pages(k)
+        got = self.allocator.alloc_pages_fenced(k)
+        if got is None:
+            return None
+        pages, fences = got
+        if fences:
+            cuda = self.pool.device.type == "cuda"
+            if cuda:
+                torch.cuda.set_sync_debug_mode("error")  # the engine's wait never waits on the host either
+            try:
+                wait_fences(fences, torch.cuda.current_stream() if cuda else None)
+            finally:
+                if cuda:
+                    torch.cuda.set_sync_debug_mode(0)
+            self.fence_waits += len(fences)
+        return pages
+
     # --- one run ---------------------------------------------------------------------------------------------
     def run(self, warmup: int, iterations: int, prefill_index: int) -> dict[str, Any]:
         while len(self.live) < self.live_target and self.admit():
             pass
-        if self.algo == "kvfsm" and prefill_index:  # a long-running server's index: full
+        if self.kvfsm and prefill_index:  # a long-running server's index: full
             put = self.manager.fx.stored.put
             for i in range(min(prefill_index, self.manager.fx.stored.limit)):
                 put(f"{i:064x}", "earlier#0", 0)
@@ -358,11 +387,11 @@ class ServingLoop:
 
     def _offloaded_tokens(self) -> int:
         m = self.manager
-        return m.metrics.offloaded_tokens if self.algo == "kvfsm" else m.offloaded_tokens
+        return m.metrics.offloaded_tokens if self.kvfsm else m.offloaded_tokens
 
     def _copies_in_flight(self) -> int:
         m = self.manager
-        return len(m.fx.copy_fifo) if self.algo == "kvfsm" else len(m.writes if self.algo == "seed" else m.inflight)
+        return len(m.fx.copy_fifo) if self.kvfsm else len(m.writes if self.algo == "seed" else m.inflight)
 
     def _summary(self, rows: list[dict[str, float]], gc_pauses: list[tuple[int, float]], offloaded: int,
                  wall: float, iterations: int) -> dict[str, Any]:
@@ -383,10 +412,12 @@ class ServingLoop:
                           "used_mean_last_third": float(np.mean(host[2 * third:] or [0]))},
             "copies_in_flight_max": max(col.get("copies_in_flight", [0])),
         }
-        if self.algo == "kvfsm":
+        if self.kvfsm:
             m = self.manager.metrics
             out["metrics"] = {k: getattr(m, k) for k in ("host_full_retries", "parked_chunks", "backup_failures",
                                                          "stored_pages", "releases")}
+            out["fence_waits"] = self.fence_waits
+            out["fenced_pages_free_at_end"] = self.allocator.fenced_page_count
             out["stored_index"] = {"entries": len(self.manager.fx.stored),
                                    "dict_gc_tracked": gc.is_tracked(self.manager.fx.stored._slot)}
         return out
@@ -398,7 +429,7 @@ class ServingLoop:
             req.done = True
             self.manager.finalize(req)
         self.live.clear()
-        if self.algo == "kvfsm":
+        if self.kvfsm:
             self.manager.drain()
         else:
             for _ in range(100_000):
@@ -470,6 +501,10 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             t["ratio_to_bare_floor"] = [med / floor["total"]["median"] if floor["total"]["median"] else None,
                                         floor["total"]["median"]]
         t["gc_frees_nothing_of_kvfsm"] = [r["teardown"]["garbage_of_kvfsm"], r["teardown"]["garbage_of_kvfsm"] == 0]
+        fenced = same("kvfsm-fenced")
+        if fenced is not None:  # not a target: what fenced release costs the manager's calls, same run
+            t["fenced_over_deferred_median"] = [fenced["total"]["median"] / med if med else None,
+                                                fenced["total"]["median"], fenced.get("fence_waits")]
         out.append(t)
     return out
 
@@ -492,6 +527,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--prompt", type=int, nargs=2, default=list(PROMPT), metavar=("MIN", "MAX"))
     ap.add_argument("--output", type=int, nargs=2, default=list(OUTPUT), metavar=("MIN", "MAX"))
     ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--fenced", action="store_true", help="also run kvfsm with fenced_release (kvfsm-fenced)")
     ap.add_argument("--no-floor", action="store_true", help="skip bench/bare_offload.py's floor")
     ap.add_argument("--storage", default="file", choices=["file", "none"],
                     help="none: a probe without storage writes (every backup fails at once, freeing its pages)")
@@ -523,6 +559,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             page, stride = (int(x) for x in pair.split("/"))
             for table in args.tables:
                 add(run_config("kvfsm", live, page, stride, table, args))
+            if args.fenced:
+                add(run_config("kvfsm-fenced", live, page, stride, args.tables[0], args))
             if not args.no_baseline:
                 add(run_config("seed", live, page, stride, args.tables[0], args))
             if not args.no_floor:
@@ -535,7 +573,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def _line(r: dict[str, Any]) -> str:
     t = r["total"]
-    return (f"{r['algo']:5s} live={r['live']} page/stride={r['page']}/{r['stride']} table={r['table']}: "
+    return (f"{r['algo']:12s} live={r['live']} page/stride={r['page']}/{r['stride']} table={r['table']}: "
             f"manager median {t['median']:.3f} ms p99 {t['p99']:.3f} max {t['max']:.3f}; "
             f"chunks/it {r['chunks_per_iteration']['mean']:.1f}; gc max {r['gc']['max_ms']:.2f} ms; "
             f"host used max {r['host_pool']['used_max']}/{r['host_pool']['capacity_pages']}")

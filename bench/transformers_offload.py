@@ -168,8 +168,12 @@ def run(model: Any, inputs: list[list[int]], args: argparse.Namespace, mode: str
     manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
     inst = None
     if mode in ("kvfsm", "kvfsm_fenced"):
+        engine: Any = "auto"
+        if getattr(args, "kvfsm_backend", "auto") != "auto" and cuda:
+            from kvfsm.dataplane import CudaCopyEngine
+            engine = CudaCopyEngine(model.device, backend=args.kvfsm_backend)
         inst = kt.install(manager, kt.SwapConfig(host_bytes=int(args.host_gib * GiB), checked=args.checked,
-                                                 fenced=mode == "kvfsm_fenced"))
+                                                 fenced=mode == "kvfsm_fenced", copy_engine=engine))
     probe = Probe(sync)
     probe.attach(manager)
     manager.warmup()
@@ -247,6 +251,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--checked", action="store_true", help="kvfsm's checked mode (slower: verifies every copy)")
     p.add_argument("--async-batching", dest="async_batching", action="store_true", default=None)
     p.add_argument("--no-async-batching", dest="async_batching", action="store_false")
+    p.add_argument("--kvfsm-backend", default="auto", choices=("auto", "triton", "torch", "dma"),
+                   help="CudaCopyEngine backend of the kvfsm modes (a probe: the default is what users get)")
+    p.add_argument("--modes", nargs="+", default=None, help="a subset of engine, kvfsm, kvfsm_fenced (a probe)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
@@ -266,13 +273,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     inputs = workload(args, model.config.vocab_size)
     params = {k: getattr(args, k) for k in ("requests", "new_tokens", "prompt_min", "prompt_max", "page_size",
                                             "num_blocks", "max_batch_tokens", "host_gib", "repeats", "checked",
-                                            "async_batching", "cuda_graphs", "model")}
+                                            "async_batching", "cuda_graphs", "model", "kvfsm_backend")}
     params.update(device=device, dtype=str(model.dtype), model_params=sum(p.numel() for p in model.parameters()),
                   layers=model.config.num_hidden_layers, kv_heads=model.config.num_key_value_heads,
                   head_dim=model.config.hidden_size // model.config.num_attention_heads,
                   transformers=transformers.__version__)
     name = "transformers_offload"
-    modes = ["engine", "kvfsm", "kvfsm_fenced"] + (["soft_reset"] if args.soft_reset else [])
+    modes = args.modes or ["engine", "kvfsm", "kvfsm_fenced"] + (["soft_reset"] if args.soft_reset else [])
     timings = [False] + ([True] if args.sync_timing and device == "cuda" else [])
     runs: list[dict[str, Any]] = []
     for sync in timings:

@@ -308,6 +308,8 @@ class OffloadEffects(DecodeOffloadEffectsEach):
         # object (new row, new lengths): free what the request held when it ended.
         req = m.ctx.req
         m.ctx.end_lengths = (int(req.kv_committed_len), int(req.kv_allocated_len))
+        if m.copies and not m.fences:
+            self.metrics.deferred_releases += 1
 
     def request_slots(self, rec: RequestRecord) -> torch.Tensor:
         """Device slots of the request's own pages: those covering [prefix_len, ceil_page(committed)) plus the
@@ -366,6 +368,7 @@ class OffloadEffects(DecodeOffloadEffectsEach):
                 mine.append(chunk.handle)
         for m, _ in items:
             self._release(m.ctx, SlotFence(copies[id(m.ctx)]))
+            self.metrics.fenced_releases += 1
 
     def _release(self, rec: RequestRecord, fence: Optional[SlotFence]) -> None:
         """release_request, and with a `fence` release_request_fenced: the same frees, the device slots

@@ -15,6 +15,8 @@ class OffloadMetrics:
     host_full_retries: int = 0
     parked_chunks: int = 0
     releases: int = 0
+    fenced_releases: int = 0  # releases made while copies still read the slots (spec state fenced), of `releases`
+    deferred_releases: int = 0  # ends while copies were in flight, released at the last ack (state finished)
     engine_releases: int = 0  # lifecycles the engine released itself (released_by_engine): nothing freed here
     ignored_duplicate_releases: int = 0
     copies_in_flight: int = 0

@@ -37,6 +37,7 @@ def test_fenced_slots_are_rewritten_only_after_their_copy_on_the_gpu(spin, backe
     assert slots is not None and host_slots is not None
     engine.submit_d2h(pool, slots, host, host_slots).wait()  # compile, load the driver
     want = pool.token_view()[:, :, slots.cuda()].cpu()
+    staged = torch.empty(8 * page, dtype=torch.int64, pin_memory=True)  # pinned before: pinning may sync
     torch.cuda.synchronize()
 
     spin(300)
@@ -51,8 +52,9 @@ def test_fenced_slots_are_rewritten_only_after_their_copy_on_the_gpu(spin, backe
         reused, fences = got
         assert sorted(reused.tolist()) == sorted(slots.tolist()) and len(fences) == 1
         wait_fences(fences, torch.cuda.current_stream())  # a wait_event: the host does not wait
-        pool.token_view()[:, :, reused.pin_memory().cuda(non_blocking=True)] = 0  # the next KV, stream-ordered
-        assert not handle.done()
+        staged.copy_(reused)  # the next request's KV, on the compute stream after the wait
+        pool.token_view().index_fill_(2, staged.cuda(non_blocking=True), 0)
+        assert not handle.done()  # still behind the busy stream, and the write behind the copy
     torch.cuda.synchronize()
     assert torch.equal(host.token_view()[:, :, host_slots], want)
     assert pool.token_view()[:, :, slots.cuda()].abs().sum().item() == 0

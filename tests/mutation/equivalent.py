@@ -13,14 +13,7 @@ from __future__ import annotations
 import re
 
 
-def _lines(old: str, new: str) -> str:
-    """The change of a one-line mutant, `old` becoming `new`, both matched literally."""
-    return re.escape(f"- {old}") + "\n" + re.escape(f"+ {new}")
-
-
-def _def(old: str, new: str) -> str:
-    """The same for a mutant of a `def` line (a method's first line, which mutmut's diff does not indent)."""
-    return re.escape(f"-{old}") + "\n" + re.escape(f"+{new}")
+from equivalent_helpers import _def, _lines  # noqa: E402
 
 
 EQUIVALENT: list[tuple[str, str, str]] = [
@@ -423,3 +416,10 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ("xǁHostKVPoolǁset_page_bytes", r"- self\.set_pages_bytes\(idx, data\.reshape\(1, -1\)\)\n\+ self\.set_pages_bytes\(idx, data\.reshape\((-1|2, -1)\)\)",
      "set_pages_bytes views the bytes into [pages, planes, layers, ...] whatever their first split"),
 ]
+
+# the survivors of the run of 2026-12-01 (commit 1307cb9), one file per group of modules
+from equivalent_dataplane import EQUIVALENT as _DATAPLANE  # noqa: E402
+from equivalent_runtime import EQUIVALENT as _RUNTIME  # noqa: E402
+from equivalent_storage import EQUIVALENT as _STORAGE  # noqa: E402
+
+EQUIVALENT += _STORAGE + _DATAPLANE + _RUNTIME

@@ -165,6 +165,9 @@ def test_fenced_release_needs_an_engine_that_fences_and_an_allocator_that_takes_
         DecodeOffloadManager(config, allocator=PlainAllocator(16, 2), copy_engine=e.copies, **common)
     with ThreadCpuCopyEngine() as threads:  # every engine kvfsm ships fences
         DecodeOffloadManager(config, allocator=e.allocator, copy_engine=threads, **common).close()
+    # without fenced_release neither is needed: the deferred release frees plainly, after the copy
+    deferred = config.model_copy(update={"fenced_release": False})
+    DecodeOffloadManager(deferred, allocator=PlainAllocator(16, 2), copy_engine=_NoFences(), **common).close()
 
 
 def test_two_requests_ending_in_one_batch_each_get_their_own_copies_as_fence() -> None:
