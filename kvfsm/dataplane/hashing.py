@@ -123,6 +123,8 @@ def _from_list(token_ids: list) -> array.array | np.ndarray:
     except TypeError:
         return _from_array(np.asarray(token_ids))  # not all ints: numpy decides (and says why)
     for i, t in enumerate(token_ids):  # some id is negative or >= 2**32: find a bad one, else go wide
+        if not isinstance(t, (int, np.integer)):  # a float would be truncated by the u64 conversion below
+            raise ValueError(f"token ids must be integers, got {t!r} at position {i}")
         if not 0 <= t <= _I64_MAX:
             raise _bad_id_error(t, i)
     return np.array(token_ids, dtype="<u8")

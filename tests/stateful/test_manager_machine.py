@@ -286,7 +286,7 @@ class ManagerMachine(RuleBasedStateMachine):
         """Live requests with no copy in flight: those SGLang's scheduler may release itself once its
         drain_before_retraction passed."""
         m = self.e.manager
-        if self.e.fenced:  # its stream waits on the copies first (fence_copies_in_flight): never refused
+        if getattr(self.e, "fenced", False):  # its stream waits on the copies first (fence_copies_in_flight)
             return list(self.e.live)
         return [r for r in self.e.live if (mach := m.machine_of(r)) is None or mach.copies == 0]
 
@@ -301,7 +301,8 @@ class ManagerMachine(RuleBasedStateMachine):
         self.retracted.append(req)
         self._count("released_by_engine")
 
-    @precondition(lambda self: self.e is not None and self.e.fenced and self.e.allocator.fenced_page_count)
+    @precondition(lambda self: self.e is not None and getattr(self.e, "fenced", False)
+                  and self.e.allocator.fenced_page_count)
     @rule()
     @_step
     def reuse_fenced(self) -> None:

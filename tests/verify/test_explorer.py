@@ -102,14 +102,16 @@ def test_small_bounds_are_clean(cfg: ExplorerConfig) -> None:
     assert res.complete and res.states > 50
 
 
-def test_default_bound_3_requests_16_slots() -> None:
-    """ExplorerConfig(): 3 requests x 16 device slots (complete under KVFSM_FUZZ=deep; ~10 s)."""
-    cfg = ExplorerConfig()
+@pytest.mark.parametrize("fenced", [False, True])
+def test_default_bound_3_requests_16_slots(fenced: bool) -> None:
+    """ExplorerConfig(): 3 requests x 16 device slots, with and without fences (complete under
+    KVFSM_FUZZ=deep; ~10 s each)."""
+    cfg = ExplorerConfig(fenced=fenced)
     assert (cfg.requests, cfg.slots) == (3, 16)
     # In a process of its own: the peak RSS it reports is the whole process's, and this session's earlier
     # tests would count against the explorer's memory.
     code = ("import json; from kvfsm.verify.explorer import ExplorerConfig, explore; "
-            f"r = explore(ExplorerConfig(), max_depth={None if DEEP else 9}); "
+            f"r = explore(ExplorerConfig(fenced={fenced}), max_depth={None if DEEP else 9}); "
             "print(json.dumps({'violation': repr(r.violation) if r.violation else None, "
             "'complete': r.complete, 'peak_rss_mib': r.peak_rss_mib}))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800,

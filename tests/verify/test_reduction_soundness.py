@@ -36,6 +36,7 @@ DIAMOND_BOUNDS = [
     ExplorerConfig(requests=3, decodes=2, host_slots=4, readmits=1, slots=12),
     ExplorerConfig(requests=2, decodes=5, host_slots=2, speculative=1, slots=10),
     ExplorerConfig(requests=3, slots=8, host_slots=2, backup_queue=2),
+    ExplorerConfig(requests=2, decodes=2, host_slots=4, fenced=True, end_kinds=("finish", "engine_release")),
 ]
 
 
@@ -43,7 +44,7 @@ def _find(w: World, sid: tuple):
     return next((ev for ev in enabled(w) if stable_id(w, ev) == sid), None)
 
 
-@pytest.mark.parametrize("cfg", DIAMOND_BOUNDS, ids=["readmit", "3req-readmit", "speculative", "3req-queue2"])
+@pytest.mark.parametrize("cfg", DIAMOND_BOUNDS, ids=["readmit", "3req-readmit", "speculative", "3req-queue2", "fenced-engine-release"])
 def test_events_called_independent_commute(cfg: ExplorerConfig) -> None:
     """Random walks; in every state passed, each independent pair is run both ways from a copy."""
     rng = random.Random(19)
@@ -121,7 +122,8 @@ def test_key_tells_apart_worlds_whose_readmission_differs() -> None:
 
 # --- the same states at the same depths ------------------------------------------------------------------
 SMALL = [ExplorerConfig(requests=2), ExplorerConfig(requests=2, decodes=2, host_slots=2),
-         ExplorerConfig(requests=2, host_slots=2, readmits=1, readmitters=1)]
+         ExplorerConfig(requests=2, host_slots=2, readmits=1, readmitters=1),
+         ExplorerConfig(requests=2, decodes=2, slots=8, fenced=True)]
 BIG = [ExplorerConfig(requests=2, decodes=3, host_slots=2), ExplorerConfig(requests=3, host_slots=4),
        ExplorerConfig(requests=2, decodes=2, host_slots=2, readmits=1), ExplorerConfig()]
 

@@ -1,0 +1,346 @@
+"""Tests written to kill survivors of `make mutate` in the runtime modules (docs/mutation.md)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from kvfsm.dataplane import page_hashes
+from kvfsm.dataplane.hashing import storage_namespace_seed
+from kvfsm.errors import InvalidRequest, RetractionRefused
+from kvfsm.runtime import DecodeOffloadManager, SimplePrefixCache
+from kvfsm.runtime.device_table import DeviceTableSlots
+from kvfsm.runtime.ledger import PREFIX_CACHE, CheckedModeError, SlotLedger
+from kvfsm.runtime.protocols import request_namespace_seed
+from kvfsm.runtime.tp import ProgressConsensus
+from kvfsm.verify.engine import SimEngine, SimRequest
+
+
+def _decode(e: SimEngine, req: SimRequest, steps: int) -> None:
+    for _ in range(steps):
+        assert e.decode(req)
+
+
+# --- the slot ledger (checked mode) ---------------------------------------------------------------------
+
+def test_a_matched_prefix_on_a_live_requests_page_is_premature_reuse() -> None:
+    """Checked mode must catch a prefix match onto pages a live request still owns (B1)."""
+    ledger = SlotLedger(page_size=2)
+    ledger.claim_device("a", "offload", [4, 5])
+    with pytest.raises(CheckedModeError, match="B1"):
+        ledger.prefix_locked("b", [4, 5])
+
+
+def test_a_shared_prefix_is_the_caches_and_no_request_may_free_or_claim_it() -> None:
+    """Two requests may lock one prefix; its pages are then the cache's: freeing (B16) or claiming (B1) them fails."""
+    ledger = SlotLedger(page_size=2)
+    ledger.prefix_locked("a", [0, 1])
+    ledger.prefix_locked("b", [0, 1])  # a second holder of the same prefix is no reuse
+    assert ledger.device_owner == {0: PREFIX_CACHE} and ledger.prefix_holders[0] == {"a", "b"}
+    with pytest.raises(CheckedModeError, match="B16"):
+        ledger.release_device("b", "release", [0, 1])
+    with pytest.raises(CheckedModeError, match="B1"):
+        ledger.claim_device("c", "offload", [0, 1])
+
+
+def test_a_claimed_or_prefix_locked_page_is_no_longer_marked_released() -> None:
+    """A page's 'released by' mark lasts only until it is claimed again, or a later release is a false B9."""
+    ledger = SlotLedger(page_size=2)
+    ledger.claim_device("a", "offload", [2, 3])
+    ledger.release_device("a", "release", [2, 3])
+    assert ledger.device_released == {1: "a"}
+    ledger.claim_device("b", "offload", [2, 3])
+    assert ledger.device_released == {}
+    ledger.release_device("b", "release", [2, 3])
+    ledger.prefix_locked("c", [2, 3])
+    assert ledger.device_released == {}
+
+
+def test_release_owned_frees_exactly_the_owners_pages_and_names_the_event() -> None:
+    """The engine's own release leaves the ledger holding none of the owner's pages and nobody else's freed."""
+    ledger = SlotLedger(page_size=2)
+    ledger.claim_device("a", "offload", [6, 7])
+    ledger.claim_device("b", "offload", [8, 9])
+    ledger.release_owned("a", "released_by_engine")
+    assert ledger.device_owner == {4: "b"} and ledger.device_released == {3: "a"}
+    ledger.copy_started("c", 1, [10, 11], [0, 1])
+    with pytest.raises(CheckedModeError, match="B2") as err:
+        ledger.release_owned("c", "released_by_engine")
+    assert err.value.event == "released_by_engine" and ledger.device_owner[5] == "c"
+
+
+# --- slots read on the device (no host mirror) -----------------------------------------------------------
+
+def test_device_table_reads_are_int64_copies_of_the_right_slots() -> None:
+    """Device-table reads must be int64 copies (the row may be rewritten) of exactly the spans asked for."""
+    table = torch.arange(2 * 16, dtype=torch.int64).reshape(2, 16) * 3
+    slots = DeviceTableSlots(table, page_size=4)
+    got = slots.span(1, 0, 4)
+    table[1, 0:4] = -1
+    assert got.tolist() == [48, 51, 54, 57]
+    assert slots.spans([2, 16 + 8], [2, 3]).tolist() == [6, 9, 72, 75, 78]  # two spans, concatenated
+    narrow = DeviceTableSlots(torch.arange(32, dtype=torch.int32).reshape(2, 16), page_size=4)
+    two = narrow.spans([1, 16 + 4], [2, 2])
+    assert two.tolist() == [1, 2, 20, 21] and two.dtype == torch.int64
+
+
+def test_whole_pages_round_each_first_slot_down_to_its_page() -> None:
+    """Release through the device table frees whole pages: a first slot inside a page names that page."""
+    paged = torch.zeros(1, 8, dtype=torch.int32)
+    paged[0, :8] = torch.tensor([41, 42, 43, 44, 13, 14, 15, 16])
+    assert DeviceTableSlots(paged, 4).whole_pages(0, 0, 8).tolist() == [40, 41, 42, 43, 12, 13, 14, 15]
+
+
+class _Mirrorless:
+    """A request table with no host mirror (as an engine with a GPU-only table presents it)."""
+
+    host_table = None
+
+    def __init__(self, pool: Any) -> None:
+        self.pool, self.rows, self.req_to_token = pool, pool.rows, pool.req_to_token
+
+    def is_allocated(self, row: int) -> bool:
+        return self.pool.is_allocated(row)
+
+    def free(self, row: int) -> None:
+        self.pool.free(row)
+
+
+def test_checked_mode_registers_every_prefix_page_through_the_device_table() -> None:
+    """Without a mirror, checked mode must still give the prefix cache every page of a matched prefix (B16)."""
+    e = SimEngine(page_size=1, stride=2, checked=True)
+    e.manager.close()
+    e.manager = DecodeOffloadManager(e.config, device_pool=e.device_pool, allocator=e.allocator,
+                                     req_to_token=_Mirrorless(e.req_to_token), prefix_cache=e.protected,
+                                     host_pool=e.host_pool, copy_engine=e.copies, storage=e.storage,
+                                     backup_worker=e.worker)
+    req = e.admit("a", 6, prefix_len=3)
+    e.manager.offload(req)
+    prefix = e.req_to_token.read_host(req.req_pool_idx, 0, 3).tolist()
+    assert [e.manager.ledger.device_owner.get(s) for s in prefix] == [PREFIX_CACHE] * 3
+    e.end(req)
+    e.settle()
+    e.check_teardown()
+
+
+def test_a_table_nobody_can_read_is_used_through_its_host_mirror() -> None:
+    """A table with a host mirror is read there only (a GPU table is never read by the manager)."""
+    e = SimEngine(page_size=2, stride=2, table_device="meta", checked=True)
+    req = e.admit("a", 6, prefix_len=2)
+    _decode(e, req, 3)
+    assert e.manager.offload(req)
+    e.settle()
+    e.end(req)
+    e.settle()
+    e.check_teardown()
+    assert e.manager.metrics.stored_pages > 0
+
+
+# --- namespaces ----------------------------------------------------------------------------------------
+
+def test_a_namespaced_requests_pages_are_stored_under_its_namespaced_chain() -> None:
+    """Tenants' pages must never share keys: every stored page of a namespaced request chains on its seed."""
+    e = SimEngine(page_size=2, stride=2, checked=True)
+    reqs = []
+    for rid, prompt_len in (("short", 1), ("long", 6)):  # no prompt page (the first chunk starts the chain), and some
+        req = SimRequest(rid, [1000 + i for i in range(prompt_len)])
+        req.extra_key, req.cache_salt = "tenant", None
+        reqs.append(e.admit(rid, prompt_len, req=req))
+    for req in reqs:
+        _decode(e, req, 4)
+        assert e.manager.offload(req)
+    e.settle()
+    want: set[str] = set()
+    for req in reqs:
+        tokens = list(req.origin_input_ids) + list(req.output_ids)
+        n = req.kv_committed_len // 2 * 2
+        want |= set(page_hashes(tokens[:n], 2, extra_key="tenant"))
+    assert e.store.pages and set(e.store.pages) <= want
+    for req in reqs:
+        e.end(req)
+    e.settle()
+    e.check_teardown()
+
+
+def test_request_namespace_seed_reads_the_requests_fields() -> None:
+    """A request's seed is storage_namespace_seed of its own extra_key and cache_salt."""
+    class Req:
+        extra_key, cache_salt = "k", "salt"
+    assert request_namespace_seed(Req()) == storage_namespace_seed("k", "salt") is not None
+
+
+# --- release ---------------------------------------------------------------------------------------------
+
+def test_release_clears_the_requests_lock_only_when_it_is_the_released_one() -> None:
+    """Release drops req.lock it unlocked (as SGLang does) but never a newer lifecycle's lock on the same object."""
+    e = SimEngine(page_size=2, stride=2, checked=True)
+    req = e.admit("a", 6, prefix_len=2)
+    assert req.lock is not None
+    e.end(req)
+    assert req.lock is None
+    req = e.admit("b", 6, prefix_len=2)
+    _decode(e, req, 2)
+    assert e.manager.offload(req)
+    e.end(req, "retract")  # a copy in flight: release deferred
+    e.admit("b", 6, prefix_len=2, req=req)  # re-admitted before the old lifecycle released
+    new_lock = req.lock
+    assert new_lock is not None
+    e.settle()  # the old lifecycle's release unlocks its own lock only
+    assert req.lock is new_lock and not new_lock.released
+    e.end(req)
+    e.settle()
+    assert req.lock is None
+    e.check_teardown()
+
+
+def test_the_optional_lock_field_may_be_absent() -> None:
+    """`lock` is optional: a request without one is admitted, and one that dropped it by release is released."""
+    e = SimEngine(page_size=2, stride=2, checked=True)
+    plain = e.admit("plain", 6)
+    del plain.lock
+    _decode(e, plain, 2)
+    assert e.manager.offload(plain)
+    locked = e.admit("locked", 6, prefix_len=2)
+    e.manager.offload(locked)  # admitted (nothing to offload yet)
+    assert e.manager.machine_of(locked) is not None
+    del locked.lock  # the manager still holds the lock it read at admission
+    for req in (plain, locked):
+        e.end(req)
+    e.settle()
+    e.check_teardown()
+
+
+def test_the_engines_own_release_leaves_nothing_in_the_ledger_and_is_counted() -> None:
+    """After released_by_engine the ledger holds none of the request's pages or prefix, so reuse is not B1."""
+    e = SimEngine(page_size=2, stride=2, checked=True)
+    for i in range(2):
+        req = e.admit(f"r{i}", 6, prefix_len=2)
+        _decode(e, req, 2)
+        assert e.manager.offload(req)
+        e.settle()
+        e.release_itself(req)
+        assert e.manager.ledger.device_owner == {} and not e.manager.ledger.prefix_holders
+        assert e.manager.metrics.engine_releases == i + 1
+    again = e.admit("again", 20, prefix_len=4)  # the same slots again
+    _decode(e, again, 2)
+    assert e.manager.offload(again)
+    e.end(again)
+    e.settle()
+    e.check_teardown()
+
+
+# --- admission and ending ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("prefix", [1, -2, 1.5])
+def test_a_prefix_that_is_not_whole_pages_of_the_prompt_is_refused(prefix: Any) -> None:
+    """The spec's create: a matched prefix is whole pages of the prompt, else InvalidRequest and nothing changes."""
+    e = SimEngine(page_size=2, stride=2, checked=True)
+    req = e.admit("a", 6)
+    req.prefix_len = prefix
+    with pytest.raises(InvalidRequest, match="prefix_len"):
+        e.manager.offload(req)
+    assert e.manager.machine_of(req) is None
+    req.prefix_len = 0
+    e.manager.offload(req)  # admitted now
+    assert e.manager.machine_of(req) is not None
+
+
+def test_ending_a_request_that_never_had_a_row_does_nothing() -> None:
+    """finalize of a request with row -1 (never admitted) holds nothing and must not try to admit it."""
+    e = SimEngine(page_size=2, stride=2, checked=True)
+    req = SimRequest("never", [1, 2, 3])
+    req.req_pool_idx = -1
+    e.manager.finalize(req)
+    assert e.manager.machine_of(req) is None
+
+
+def test_fail_closed_refuses_retraction_exactly_while_a_copy_is_in_flight() -> None:
+    """Under retraction: fail_closed, retract and drain_before_retraction refuse while (and only while) a copy runs."""
+    e = SimEngine(page_size=2, stride=2, checked=True, retraction="fail_closed")
+    idle = SimRequest("never", [1, 2, 3])
+    e.manager.retract(idle)  # never admitted: nothing to refuse
+    e.manager.drain_before_retraction()
+    assert not e.manager.has_inflight_device_transfer()
+    req = e.admit("a", 6)
+    _decode(e, req, 2)
+    assert e.manager.offload(req)  # one copy in flight
+    assert e.manager.has_inflight_device_transfer()
+    with pytest.raises(RetractionRefused):
+        e.manager.drain_before_retraction()
+    with pytest.raises(RetractionRefused):
+        e.end(req, "retract")
+    e.live.append(req)
+    e.settle()
+    assert not e.manager.has_inflight_device_transfer()
+    e.manager.drain_before_retraction()
+    e.end(req, "retract")  # nothing in flight: retracted
+    e.settle()
+    e.check_teardown()
+
+
+def test_release_host_resources_works_with_a_store_that_registers_nothing() -> None:
+    """A store without unregister_host_pool (most) must not stop the host pool's release at shutdown."""
+    e = SimEngine(page_size=2, stride=2, checked=False)
+    e.manager.release_host_resources()
+    assert e.host_pool.released
+
+
+def test_a_closed_manager_holds_no_tp_group_and_agrees_locally() -> None:
+    """close() lets go of the TP group; the manager then agrees on its own rank's counts."""
+    e = SimEngine(page_size=2, stride=2, checked=False)
+    e.manager.close()
+    assert e.manager.consensus.group is None and e.manager.consensus.agree(3, 4) == (3, 4)
+
+
+# --- the prefix cache -------------------------------------------------------------------------------
+
+class _Allocator:
+    """Records what is freed; `page_size` only when given (a cache must not need one)."""
+
+    def __init__(self, page_size: int | None = None) -> None:
+        self.freed: list[list[int]] = []
+        if page_size is not None:
+            self.page_size = page_size
+
+    def free(self, slots: torch.Tensor) -> None:
+        self.freed.append(slots.tolist())
+
+
+def test_a_prefix_page_is_evicted_once_at_its_last_unlock() -> None:
+    """Shared prefix pages stay locked until the last holder unlocks; an unlock is refused twice (B4)."""
+    alloc = _Allocator(page_size=2)
+    cache = SimplePrefixCache(alloc)
+    first, second = cache.lock([4, 5]), cache.lock([4, 5])
+    cache.unlock(first)
+    assert alloc.freed == [] and cache.locked_pages() == {2} and cache.size == 2
+    cache.unlock(second)
+    assert alloc.freed == [[4, 5]] and cache.locked_pages() == set() and cache.size == 0
+    with pytest.raises(ValueError, match="B4"):
+        cache.unlock(first)
+    with pytest.raises(ValueError, match="B4"):
+        cache.unlock(object())
+
+
+def test_a_prefix_cache_over_an_allocator_without_page_size_uses_pages_of_one_slot() -> None:
+    """An allocator that has no page_size is one of single-slot pages."""
+    alloc = _Allocator()
+    cache = SimplePrefixCache(alloc)
+    lock = cache.lock([5, 6, 7])
+    assert cache.locked_pages() == {5, 6, 7}
+    cache.unlock(lock)
+    assert alloc.freed == [[5, 6, 7]]
+
+
+# --- TP consensus -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mine, theirs", [(False, False), (True, False), (False, True), (True, True)])
+def test_any_is_true_when_some_rank_says_so(mine: bool, theirs: bool) -> None:
+    """any() is a MAX over ranks (through agree's MIN of negated flags); identity on one rank."""
+    one = ProgressConsensus(None)
+    assert one.any(mine) is mine
+    two = ProgressConsensus(None)
+    two.world = 2
+    two.agree = lambda *counts: tuple(min(c, -int(theirs)) for c in counts)  # type: ignore[method-assign]
+    assert two.any(mine) is (mine or theirs)
