@@ -155,6 +155,7 @@ BOUND_OF = {  # faults that need more than two plain requests to show
     "b6_readmit": ExplorerConfig(requests=2, readmits=1),
     "b11": ExplorerConfig(requests=2, readmits=1),
     "b7": ExplorerConfig(requests=2, decodes=3, host_slots=2),  # host_full
+    "b17": ExplorerConfig(requests=2, fenced=True),  # a writer of a fenced slot: only with fences
 }
 OUT_OF_SCOPE = {"b14": "TP consensus: the explorer runs one rank"}
 
