@@ -496,8 +496,9 @@ class DecodeOffloadManager:
         slots the spec refuses it (EventRejected, nothing changed): the engine freed them under a copy; with
         fences, after `fence_copies_in_flight` made the engine's stream wait on them, it is the spec's
         `released_by_engine_fenced` instead."""
-        rec = self._current(req) if self._fences else None
-        fenced = rec is not None and rec.machine.copies > 0
+        rec = self._records.get(id(req)) if self._fences else None
+        # a lifecycle in offloading is the request's current one (it holds its row: never a re-admission)
+        fenced = rec is not None and rec.req_ref() is req and rec.machine.state == spec_gen.OFFLOADING
         self._end(req, "released_by_engine_fenced" if fenced else "released_by_engine")
 
     def fence_copies_in_flight(self, stream: Any = None) -> int:

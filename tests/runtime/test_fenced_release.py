@@ -186,3 +186,35 @@ def test_two_requests_ending_in_one_batch_each_get_their_own_copies_as_fence() -
     assert by_copy == sorted([sorted({id(c.handle) for c in ca}), sorted({id(c.handle) for c in cb})])
     e.settle()
     e.check_teardown()
+
+
+@pytest.mark.parametrize("checked", [True, False])
+def test_the_engine_releasing_a_request_under_a_copy_after_fencing_it_is_recorded_fenced(checked: bool) -> None:
+    """With fences the engine may release a request whose copy is in flight itself (SGLang's retraction never
+    refused): its stream waits on the copies first (fence_copies_in_flight), the manager records the release
+    fenced (released_by_engine_fenced) and frees nothing; a request with no copy in flight is the plain
+    released_by_engine."""
+    e = _engine(fenced=True, checked=checked, device_slots=24)
+    b = _offloading(e, "b")
+    e.copies.complete_all()
+    e.manager.check_progress()  # b's copy acknowledged: its chunk backs up (inflight)
+    a = _offloading(e, "a")
+    e.release_itself(a)  # fences the copies (the CPU twin completes them), frees itself, tells the manager
+    assert _state(e, a) == "fenced" and e.manager.metrics.engine_releases == 1 and e.manager.metrics.releases == 0
+    e.release_itself(b)
+    assert _state(e, b) == "draining" and e.manager.metrics.engine_releases == 2
+    e.settle()
+    assert _state(e, b) == "released"
+    assert _state(e, a) == "released"
+    e.check_teardown()
+
+
+def test_an_engine_release_under_a_copy_its_stream_never_waited_on_is_refused() -> None:
+    """Without fence_copies_in_flight first, the engine freed slots a copy still reads: refused (B2), and the
+    lifecycle keeps them recorded as held."""
+    e = _engine(fenced=True, checked=False)
+    a = _offloading(e, "a")
+    from kvfsm.errors import LifecycleError
+    with pytest.raises(LifecycleError, match="never made to wait"):
+        e.manager.released_by_engine(a)
+    assert _state(e, a) == "offloading"
