@@ -280,6 +280,5 @@ def b16(mp: pytest.MonkeyPatch) -> None:
 
 
 def b17(mp: pytest.MonkeyPatch) -> None:
-    """The writer of a reused device slot skips the wait on its fence: it writes while the copy of the request that
-    released it fenced still reads it (SGLang #17216's mid-decode free, reverted in #24226)."""
+    """The writer of a reused device slot skips the wait on its fence, writing under a copy still reading it (S #17216)."""
     mp.setattr(SimEngine, "_wait", lambda self, fences: None)
