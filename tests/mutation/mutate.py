@@ -238,6 +238,7 @@ def _md(text: str) -> str:
 def write_report(mutants: list[Mutant], seconds: float, run: dict | None) -> dict:
     equiv = equivalents()
     checked = [m for m in mutants if m.status not in ("not checked", "skipped")]
+    unchecked = [m for m in mutants if m.status == "not checked"]  # a run stopped before them
     killed = [m for m in checked if m.status in KILLED]
     survivors = [m for m in checked if m.status not in KILLED]
     rows, unexplained = [], 0
@@ -256,7 +257,7 @@ def write_report(mutants: list[Mutant], seconds: float, run: dict | None) -> dic
         k[1] += 1
     summary = {"mutants": len(checked), "killed": len(killed), "survived": len(survivors),
                "equivalent": len(survivors) - unexplained, "unexplained": unexplained,
-               "kill_rate": round(rate, 4), "seconds": round(seconds)}
+               "kill_rate": round(rate, 4), "seconds": round(seconds), "not_checked": len(unchecked)}
     lines = [
         "# Mutation testing",
         "",
@@ -272,6 +273,8 @@ def write_report(mutants: list[Mutant], seconds: float, run: dict | None) -> dic
         f"- **kill rate: {rate:.2%}** (`kill_rate = {rate:.4f}`); the CI sample is held to this run's verdict on "
         "each mutant it picks (tests/mutation/survivors.json)",
         f"- survivors explained as equivalent: {len(survivors) - unexplained}; unexplained: {unexplained}",
+        *([f"- not checked: {len(unchecked)} (the run was stopped before them; tests/mutation/survivors.json lists "
+           "them as `not checked`, so the CI sample never counts one of them against this run)"] if unchecked else []),
         f"- wall time: {seconds / 60:.1f} min for the run on {os.cpu_count()} cores, {max_children} mutants at a time"
         + "".join(f"; then {r['survivors']} survivors run again against the tests added to kill them: "
                   f"{r['seconds'] / 60:.1f} min" for r in (run or {}).get("reruns", [])),
@@ -305,7 +308,9 @@ def write_report(mutants: list[Mutant], seconds: float, run: dict | None) -> dic
     REPORT.write_text("\n".join(lines).rstrip("\n") + "\n")
     SURVIVORS.write_text(json.dumps({"summary": summary, "survivors": [
         {"function": m.function, "change": _norm(change), "status": m.status, "equivalent": why is not None}
-        for m, change, why in rows]}, indent=1, sort_keys=True) + "\n")
+        for m, change, why in rows] + [
+        {"function": m.function, "change": _norm(diff_of(m)), "status": m.status, "equivalent": False}
+        for m in unchecked]}, indent=1, sort_keys=True) + "\n")
     return summary
 
 

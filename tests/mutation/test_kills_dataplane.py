@@ -169,3 +169,113 @@ def test_layer_buffer_pool_pointer_table_lists_the_buffers_once() -> None:
     assert isinstance(ptrs, torch.Tensor) and ptrs.dtype == torch.int64 and ptrs.device.type == "cpu"
     assert ptrs.tolist() == [b.data_ptr() for b in (*k, *v)]
     assert pool.layer_pointers() is ptrs
+
+
+# --- generated decode_offload machine: batch forms against the loop of single events ------------------------
+
+import collections as _collections  # noqa: E402
+import copy as _copy  # noqa: E402
+from typing import Any as _Any  # noqa: E402
+
+import kvfsm.generated.decode_offload as _gen  # noqa: E402
+from kvfsm.codegen.generator import batch_action_order as _batch_action_order  # noqa: E402
+from kvfsm.errors import EventRejected as _EventRejected  # noqa: E402
+from kvfsm.spec import load_spec as _load_spec  # noqa: E402
+
+
+class _Recorder(_gen.DecodeOffloadEffectsEach):
+    """Every single-item action logs (action, machine tag, arg)."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, _Any, _Any]] = []
+
+    def __getattr__(self, name: str) -> _Any:
+        if name.startswith("_") or name.endswith("_each") or name not in _gen.DecodeOffloadEffects.__dict__:
+            raise AttributeError(name)
+
+        def action(m: _gen.DecodeOffloadMachine, arg: _Any) -> None:
+            self.log.append((name, m.ctx, arg))
+        return action
+
+
+def _reachable_machines(max_depth: int = 8) -> list[tuple[list[str], int, _gen.DecodeOffloadMachine]]:
+    """Breadth-first over single events from a fresh machine of each `fences` value: (path, fences, machine)
+    for every distinct reachable snapshot within max_depth events."""
+    starts = [_gen.DecodeOffloadMachine(_Recorder(), ctx=0, fences=f) for f in (0, 1)]
+    seen = {(m.fences, m.snapshot()) for m in starts}
+    out = [([], m.fences, m) for m in starts]
+    queue = _collections.deque([(m, []) for m in starts])
+    while queue:
+        m, path = queue.popleft()
+        if len(path) >= max_depth:
+            continue
+        for event in _gen.EVENTS:
+            probe = _copy.deepcopy(m)
+            try:
+                getattr(probe, event)(None)
+            except _EventRejected:
+                continue
+            key = (probe.fences, probe.snapshot())
+            if key not in seen:
+                seen.add(key)
+                out.append((path + [event], probe.fences, probe))
+                queue.append((probe, path + [event]))
+    return out
+
+
+_ORDERS: dict[str, _Any] = {}
+_SPEC_CACHE: list[_Any] = []
+
+
+def _SPEC() -> _Any:
+    if not _SPEC_CACHE:
+        _SPEC_CACHE.append(_load_spec("spec/decode_offload.yaml"))
+    return _SPEC_CACHE[0]
+
+
+def _run_both(machines: list[_gen.DecodeOffloadMachine], event: str) -> None:
+    """Loop of single events vs `<event>_each` on deep copies: same outcome, machines, action calls."""
+    fx_loop, fx_batch = _Recorder(), _Recorder()
+    loop = _copy.deepcopy(machines)
+    batch = _copy.deepcopy(machines)
+    for k, (a, b) in enumerate(zip(loop, batch)):
+        a.fx, b.fx, a.observer, b.observer = fx_loop, fx_batch, None, None
+        a.ctx = b.ctx = k
+    args = [f"a{k}" for k in range(len(machines))]
+    before = [m.snapshot() for m in batch]
+    error = None
+    try:
+        for m, arg in zip(loop, args):
+            getattr(m, event)(arg)
+    except _EventRejected as exc:
+        error = type(exc)
+    if error is not None:
+        with pytest.raises(error):
+            getattr(_gen.DecodeOffloadMachine, f"{event}_each")(batch, args)
+        assert [m.snapshot() for m in batch] == before and fx_batch.log == []
+        return
+    getattr(_gen.DecodeOffloadMachine, f"{event}_each")(batch, args)
+    assert [m.snapshot() for m in batch] == [m.snapshot() for m in loop], event
+    order = _ORDERS.setdefault(event, _batch_action_order(_SPEC(), event))
+    assert order is not None
+    assert fx_batch.log == [e for a in order for e in fx_loop.log if e[0] == a], event
+
+
+def test_every_batch_event_from_every_reachable_state_equals_the_loop() -> None:
+    """Each `<event>_each` on a pair of identical machines in every state reachable in a few events (both
+    `fences` values, the fenced state included) must match the loop of single events: accept/reject, final
+    machines, and each action's items in the event's action order."""
+    states = _reachable_machines(6)
+    for _path, _f, m in states:
+        for event in _gen.EVENTS:
+            _run_both([m, m], event)
+
+
+def test_batches_mixing_machines_in_different_states_equal_the_loop() -> None:
+    """A batch mixes machines of different states and fences values (a pair of neighbouring reachable
+    states): the batch must decide and act per item exactly as the loop does."""
+    states = _reachable_machines(6)
+    for k in range(len(states) - 1):
+        for event in _gen.EVENTS:
+            _run_both([states[k][2], states[k + 1][2]], event)
+            _run_both([states[k + 1][2], states[-1 - k][2]], event)

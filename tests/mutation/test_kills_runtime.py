@@ -344,3 +344,98 @@ def test_any_is_true_when_some_rank_says_so(mine: bool, theirs: bool) -> None:
     two.world = 2
     two.agree = lambda *counts: tuple(min(c, -int(theirs)) for c in counts)  # type: ignore[method-assign]
     assert two.any(mine) is (mine or theirs)
+
+
+# --- fenced release: the engine's own release, the fence, the counters ------------------------------------
+
+def _fenced_offloading(e: SimEngine, rid: str) -> SimRequest:
+    req = e.admit(rid, 4)
+    assert req is not None
+    for _ in range(40):
+        assert e.decode(req)
+        if e.manager.offload(req):
+            return req
+    raise AssertionError("no chunk was offloaded")
+
+
+def _fenced_engine(**kw: Any) -> SimEngine:
+    opts: dict[str, Any] = dict(page_size=2, stride=4, device_slots=24, host_slots=16, rows=4, fenced=True)
+    opts.update(kw)
+    return SimEngine(**opts)
+
+
+def test_an_engine_release_under_fenced_unlanded_copies_is_recorded_with_a_waited_fence() -> None:
+    """The engine may free slots whose copies still run once its stream waits on them: the ledger keeps a waited fence."""
+    import kvfsm.generated.decode_offload as spec_gen
+    e = _fenced_engine(checked=True)
+    a = _fenced_offloading(e, "a")
+    fx = e.manager.fx
+    handles = [c.handle for c in fx.copy_fifo]
+    assert handles and not any(h.done() for h in handles)
+    fx.fenced_handles = {id(h) for h in handles}  # as fence_copies_in_flight records, without the CPU twin's wait
+    rec = e.manager._records[id(a)]
+    e.manager.released_by_engine(a)
+    assert spec_gen.STATES[rec.machine.state] == "fenced"
+    assert e.manager.metrics.engine_releases == 1 and e.manager.metrics.releases == 0
+    assert rec.lock is None and rec.req is None
+    ledger = fx.ledger
+    assert "a" not in ledger.device_owner.values()
+    assert not any("a" in holders for holders in ledger.prefix_holders.values())
+    fences = list(ledger.device_fence.values())
+    assert fences and all(f.waited for f in fences)
+    assert all(f.covers(h) for f in fences for h in handles)
+
+
+def test_an_engine_release_after_its_copies_landed_needs_no_fence() -> None:
+    """A copy that landed (not yet acknowledged) reads nothing: the engine's release is accepted without a wait."""
+    import kvfsm.generated.decode_offload as spec_gen
+    e = _fenced_engine(checked=True)
+    a = _fenced_offloading(e, "a")
+    e.copies.complete_all()
+    assert e.manager.fx.fenced_handles == set()
+    rec = e.manager._records[id(a)]
+    e.manager.released_by_engine(a)
+    assert spec_gen.STATES[rec.machine.state] == "fenced"
+    assert e.manager.metrics.engine_releases == 1
+
+
+def test_an_engine_release_with_every_copy_acknowledged_is_the_plain_one() -> None:
+    """A request with no copy in flight (all acknowledged) is released_by_engine, never the fenced event."""
+    import kvfsm.generated.decode_offload as spec_gen
+    e = _fenced_engine(checked=True)
+    a = _fenced_offloading(e, "a")
+    e.copies.complete_all()
+    e.manager.check_progress()
+    m = e.manager.machine_of(a)
+    assert m is not None and m.copies == 0
+    e.release_itself(a)
+    assert spec_gen.STATES[m.state] == "draining"
+
+
+def test_fence_copies_in_flight_waits_on_each_distinct_handle_once() -> None:
+    """Every copy in flight is waited on (once per handle), and the set of fenced handles is what the release checks."""
+    e = _fenced_engine(checked=False)
+    _fenced_offloading(e, "a")
+    _fenced_offloading(e, "b")
+    fx = e.manager.fx
+    handles = {id(c.handle): c.handle for c in fx.copy_fifo}
+    assert len(handles) >= 2 and not any(h.done() for h in handles.values())
+    assert e.manager.fence_copies_in_flight() == len(handles)
+    assert fx.fenced_handles == set(handles)
+    assert all(h.done() for h in handles.values())
+
+
+def test_each_release_under_a_copy_is_counted_fenced_or_deferred() -> None:
+    """fenced_releases counts each fenced release; deferred_releases only releases deferred (no fences)."""
+    e = _fenced_engine(checked=False)
+    a, b = _fenced_offloading(e, "a"), _fenced_offloading(e, "b")
+    e.end(a, "finish")
+    e.end(b, "finish")
+    assert e.manager.metrics.fenced_releases == 2 and e.manager.metrics.deferred_releases == 0
+    e.settle()
+    d = _fenced_engine(checked=False, fenced=False)
+    a, b = _fenced_offloading(d, "a"), _fenced_offloading(d, "b")
+    d.end(a, "finish")
+    d.end(b, "finish")
+    assert d.manager.metrics.deferred_releases == 2 and d.manager.metrics.fenced_releases == 0
+    d.settle()
