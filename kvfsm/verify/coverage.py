@@ -11,6 +11,7 @@ contending for it; one request the engine releases itself), which the test suite
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from dataclasses import dataclass, field
@@ -27,6 +28,8 @@ STANDARD_BOUNDS: tuple[ExplorerConfig, ...] = (
     ExplorerConfig(requests=1, decodes=3, host_slots=2),  # host full while offloading / in flight
     ExplorerConfig(requests=2, host_slots=2),  # host full while another request holds it
     ExplorerConfig(requests=1, decodes=3, end_kinds=("finish", "engine_release")),  # the engine's own release
+    ExplorerConfig(requests=1, decodes=5, fenced=True),  # fences: every end under a copy released fenced
+    ExplorerConfig(requests=1, decodes=3, end_kinds=("finish", "engine_release"), fenced=True),  # and the engine's
 )
 
 
@@ -82,8 +85,11 @@ def explorer_coverage(bounds: Sequence[ExplorerConfig] = STANDARD_BOUNDS, max_de
         if res.violation is not None:
             raise AssertionError(f"explorer found a violation at {cfg.describe()}: {res.violation.name}: "
                                  f"{res.violation.detail}")
-        out[f"explorer requests={cfg.requests} decodes={cfg.decodes} host_slots={cfg.host_slots} "
-            f"readmits={cfg.readmits}"] = set(res.coverage)
+        key = (f"explorer requests={cfg.requests} decodes={cfg.decodes} host_slots={cfg.host_slots} "
+               f"readmits={cfg.readmits}")
+        if cfg.end_kinds != ExplorerConfig().end_kinds:
+            key += f" ends={'/'.join(cfg.end_kinds)}"
+        out[key + (" fenced" if cfg.fenced else "")] = set(res.coverage)
     return out
 
 
@@ -105,7 +111,9 @@ def fuzz(config: ExplorerConfig = ExplorerConfig(decodes=3, readmits=1, host_slo
          faults: Optional[Faults] = None, weights: Optional[dict[str, float]] = None,
          on_step: Optional[Callable[[int], None]] = None) -> FuzzResult:
     """A random walk over the explorer's events (every invariant checked after each), restarted whenever
-    every request has ended and nothing is in flight; its coverage complements the bounded exploration."""
+    every request has ended and nothing is in flight; its coverage complements the bounded exploration.
+    Episodes alternate the spec's `fences` param (the config's, then the other), so both release paths run;
+    a violation's `detail` names the episode's `fenced`."""
     rng = random.Random(seed)
     w_of = {**_WEIGHTS, **(weights or {})}
     res = FuzzResult()
@@ -121,7 +129,8 @@ def fuzz(config: ExplorerConfig = ExplorerConfig(decodes=3, readmits=1, host_slo
             apply(world, ev)
             check_world(world)
         except Exception as exc:  # noqa: BLE001 - any failure is the report
-            res.violation = Counterexample(tuple(trace), *_describe(exc), repr(exc))
+            name, detail = _describe(exc)
+            res.violation = Counterexample(tuple(trace), name, f"{detail} (fenced={world.config.fenced})", repr(exc))
             break
         finally:
             res.coverage |= world.engine.manager.coverage
@@ -130,7 +139,7 @@ def fuzz(config: ExplorerConfig = ExplorerConfig(decodes=3, readmits=1, host_slo
             on_step(n)
         if all(c[0] not in (NEW, LIVE) for c in world.ctl) and world.engine.manager.idle():
             world.engine.manager.close()
-            world = World(config, faults)
+            world = World(dataclasses.replace(config, fenced=not world.config.fenced), faults)
             trace = []
             res.episodes += 1
     res.seconds = time.perf_counter() - t0

@@ -13,11 +13,12 @@ illegal step is reported with its line number.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from kvfsm.spec import CompiledSpec, load_spec
 from kvfsm.spec import expr as ex
@@ -56,9 +57,11 @@ class ReplayResult:
 
 
 class _Request:
-    __slots__ = ("state", "counters", "held", "host")
+    __slots__ = ("state", "counters", "held", "host", "params", "spec")
 
     def __init__(self, spec: CompiledSpec) -> None:
+        self.spec = spec
+        self.params: dict[str, int] = {}  # the machine's params, fixed by the first step that needs them
         self.state = spec.initial
         self.counters = {c: m.initial for c, m in spec.model.counters.items()}
         self.held = set(spec.model.create.holds if spec.model.create else ())
@@ -67,6 +70,19 @@ class _Request:
 
 class _Illegal(Exception):
     pass
+
+
+def _holds(r: _Request, env: dict[str, int], pred: Callable[[dict[str, int]], bool]) -> bool:
+    """`pred` over the counters and the request's params. A trace does not log params (constants of one
+    machine): one still unknown takes the first value (0, then 1) under which the step is legal, and keeps it."""
+    unknown = [p for p in r.spec.params if p not in r.params]
+    for values in itertools.product((0, 1), repeat=len(unknown)):
+        full = {**env, **r.params, **dict(zip(unknown, values))}
+        if pred(full):
+            r.params.update(dict(zip(unknown, values)) if unknown and any(
+                not pred({**full, p: 1 - full[p]}) for p in unknown) else {})
+            return True
+    return False
 
 
 def check_trace(path: str | Path, spec: CompiledSpec | str | Path | None = None) -> ReplayResult:
@@ -166,7 +182,7 @@ def _step(spec: CompiledSpec, r: _Request, rec: dict[str, Any], single_owner: se
     if t.src != src or t.event != event:
         raise _Illegal(f"transition T{tid} is {t.label!r}, not {event!r} from {src!r} "
                        f"(which is {', '.join(f'T{h.id}' for h in handlers)})")
-    if t.guard is not None and not ex.evaluate(spec.guards[t.guard], before):
+    if t.guard is not None and not _holds(r, before, lambda env: bool(ex.evaluate(spec.guards[t.guard], env))):
         raise _Illegal(f"T{tid} {t.label}: guard {t.guard!r} does not hold for the counters before the step {before}")
     if dst != t.dst:
         raise _Illegal(f"T{tid} {t.label} leads to {t.dst!r}, but the step ends in {dst!r}")
@@ -193,7 +209,7 @@ def _step(spec: CompiledSpec, r: _Request, rec: dict[str, Any], single_owner: se
             r.held.add(res_name)
         else:
             r.host[res_name] += 1
-    if not spec.state_holds(dst, after):
+    if not _holds(r, after, lambda env: spec.state_holds(dst, env)):
         raise _Illegal(f"T{tid} {t.label}: the counters {after} violate the invariants of {dst!r}")
     r.state, r.counters = dst, after
     return tid
