@@ -363,6 +363,53 @@ def test_cuda_engine_orders_after_compute_and_never_blocks(backend: str) -> None
 
 @gpu
 @needs_cuda
+def test_dma_rows_moves_whole_block_rows_after_compute_without_a_host_wait() -> None:
+    """Rows of a whole 512 KiB block (the transformers pool's geometry) take "dma_rows" under "auto": one
+    driver call, ordered after the compute stream's writes, and neither submit nor done() waits for the GPU."""
+    from kvfsm.dataplane import CudaCopyEngine
+
+    cfg = KVCacheConfig(num_layers=1, kv_heads=1, head_dim=256 * 1024, attention="mla")  # bf16: 512 KiB rows
+    dev = make_device_pool(cfg, 64, "cuda", seed=3)
+    host = HostKVPool(cfg, 32, 1)
+    eng = CudaCopyEngine()
+    blocks, back = [9, 3, 40, 41, 17, 60], [1, 2, 50, 51, 52, 7]
+    pages = host.alloc_pages(len(blocks))
+    assert pages is not None
+    hs = host.page_slots(pages)
+    idx, bidx = torch.tensor(blocks, device="cuda"), torch.tensor(back, device="cuda")
+    fresh = fill_random(torch.empty_like(dev.storage[:, :, idx]), 12)
+    eng.submit_d2h(dev, blocks, host, hs).wait()  # warm-up
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of busy compute stream
+    dev.storage.index_copy_(2, idx, fresh)  # what the offload must see, written after the sleep
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        h = eng.submit_d2h(dev, blocks, host, hs)
+        assert h.backend == "dma_rows" and h.info["copies"] == len(blocks) and not h.done()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    h.wait()
+    assert torch.equal(bits(host.token_view()[:, :, hs.slots]), bits(fresh.cpu()))
+    dev.storage.index_fill_(2, bidx, 0)  # on the compute stream: the load-back must land after this
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        h2 = eng.submit_h2d(host, hs, dev, back)
+        h2.wait_stream()
+        out = dev.storage[:, :, bidx].clone()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert h2.backend == "dma_rows" and torch.equal(bits(out), bits(fresh))
+    untouched = torch.ones(64, dtype=torch.bool, device="cuda")
+    untouched[idx] = False
+    untouched[bidx] = False
+    before = dev.storage[:, :, untouched].clone()
+    eng.submit_h2d(host, hs, dev, back).wait()
+    assert torch.equal(bits(dev.storage[:, :, untouched]), bits(before))  # nothing written elsewhere
+
+
+@gpu
+@needs_cuda
 def test_cuda_handle_keeps_indices_until_done() -> None:
     from kvfsm.dataplane import CudaCopyEngine
 

@@ -175,6 +175,23 @@ def test_policy_edges() -> None:
     assert choose_backend("auto", "d2h", big, p.d2h_min_copy_bytes - 1, True) == "triton"
 
 
+def test_dma_rows_policy() -> None:
+    """Big rows, few of them, addressable on the CPU: one DMA copy per row; anything else as before."""
+    p, big = AutoPolicy(), 2**30
+    block = 512 * KiB  # a transformers engine block, one row
+    assert choose_backend("auto", "d2h", 8 * block, block, True, p, row_bytes=block, rows=8) == "dma_rows"
+    assert choose_backend("auto", "h2d", 8 * block, block, False, p, row_bytes=block, rows=8) == "dma_rows"
+    assert choose_backend("auto", "d2h", 8 * block, block, True, p, row_bytes=p.rows_min_row_bytes - 1,
+                          rows=8) == "triton"
+    assert choose_backend("auto", "d2h", big, block, True, p, row_bytes=block, rows=p.rows_max_copies + 1) == "dma"
+    assert choose_backend("auto", "d2h", 8 * block, block, True, p, row_bytes=block, rows=0) == "triton"  # GPU idx
+    assert choose_backend("auto", "d2h", 32 * MiB, 4 * MiB, True, p, row_bytes=2 * KiB, rows=16384) == "triton"
+    # forced: honoured up to the cap, else the direct kernel (tiny batched copies crashed the driver)
+    assert choose_backend("dma_rows", "d2h", 4 * KiB, 2 * KiB, True, p, row_bytes=2 * KiB, rows=2) == "dma_rows"
+    assert choose_backend("dma_rows", "h2d", big, 2 * KiB, True, p, row_bytes=2 * KiB, rows=24576) == "triton"
+    assert choose_backend("dma_rows", "h2d", big, 2 * KiB, False, p, row_bytes=2 * KiB, rows=0) == "torch"
+
+
 def test_head_tokens() -> None:
     assert head_tokens(8192, 128 * KiB, 32 * MiB, 256 * MiB) == 256
     assert head_tokens(1024, 128 * KiB, 32 * MiB, 256 * MiB) == 0  # 128 MiB copy: no head

@@ -169,3 +169,54 @@ def test_merged_flat_plan_moves_what_the_reference_moves(config: KVCacheConfig, 
     f = dma.flat_plan(geo, runs, host_b.kv_buffer.data_ptr(), staging.data_ptr(), "d2h")
     memmove_batch(f.dst, f.src, f.size)
     assert torch.equal(bits(host_a.kv_buffer), bits(host_b.kv_buffer))
+
+
+# ---- direct row copies ("dma_rows") ---------------------------------------------------------------
+
+
+def _row_copy_by_loops(src5: torch.Tensor, si: list[int], dst5: torch.Tensor, di: list[int]) -> None:
+    """The independent reference: one assignment per (plane, layer, position)."""
+    for p in range(src5.shape[0]):
+        for layer in range(src5.shape[1]):
+            for a, b in zip(si, di):
+                dst5[p, layer, b] = src5[p, layer, a]
+
+
+@pytest.mark.parametrize("direction", ["d2h", "h2d"])
+def test_row_copies_move_exactly_the_named_rows(config: KVCacheConfig, layout: str, direction: str) -> None:
+    dev = make_device_pool(config, 64, "cpu", seed=3)
+    host = HostKVPool(config, 32, 1, layout, pin_memory=False)
+    fill_random(host.kv_buffer, 4)
+    di = np.array([9, 3, 40, 41, 17], dtype=np.int64)
+    hi = np.array([30, 2, 3, 11, 0], dtype=np.int64)
+    d5, h5 = dev.token_view(), host.token_view()
+    src5, si, dst5, dst_i = (d5, di, h5, hi) if direction == "d2h" else (h5, hi, d5, di)
+    expected = dst5.clone()
+    _row_copy_by_loops(src5, si.tolist(), expected, dst_i.tolist())
+    flat = dma.row_copies(src5, si, dst5, dst_i)
+    c = config
+    assert flat.count == c.num_planes * c.num_layers * len(di) and set(flat.size.tolist()) == {c.row_bytes}
+    assert memmove_batch(flat.dst, flat.src, flat.size) == flat.count
+    assert torch.equal(bits(dst5.contiguous()), bits(expected.contiguous()))
+
+
+def test_row_copies_of_whole_block_rows_are_one_copy_per_block() -> None:
+    """The transformers pool's geometry: one plane, one layer, a whole engine block per row."""
+    cfg = KVCacheConfig(num_layers=1, kv_heads=1, head_dim=4096, attention="mla")
+    dev = make_device_pool(cfg, 16, "cpu", seed=5)
+    host = HostKVPool(cfg, 8, 1, pin_memory=False)
+    flat = dma.row_copies(dev.token_view(), np.array([5, 2, 9]), host.token_view(), np.array([1, 0, 7]))
+    assert flat.count == 3 and flat.nbytes == 3 * cfg.bytes_per_token
+    memmove_batch(flat.dst, flat.src, flat.size)
+    assert torch.equal(bits(host.token_view()[:, :, [1, 0, 7]]), bits(dev.token_view()[:, :, [5, 2, 9]]))
+
+
+def test_row_copies_refuse_rows_that_are_not_contiguous() -> None:
+    cfg = KVCacheConfig(num_layers=2, kv_heads=4, head_dim=8)
+    dev = make_device_pool(cfg, 8, "cpu")
+    host = HostKVPool(cfg, 8, 1, pin_memory=False)
+    with pytest.raises(ValueError, match="contiguous"):
+        dma.row_copies(dev.token_view().transpose(3, 4), np.array([1]), host.token_view().transpose(3, 4),
+                       np.array([1]))
+    with pytest.raises(ValueError, match="1 source rows vs 2"):
+        dma.row_copies(dev.token_view(), np.array([1]), host.token_view(), np.array([1, 2]))

@@ -191,8 +191,9 @@ class _Engine:
             return state
         blocks = self.allocator.block_table[rid]
         pool = self.kv.device_pool
-        kv = torch.randn(2, pool.config.num_layers, len(blocks), *pool.config.token_shape, dtype=pool.config.dtype)
-        pool.storage.index_copy_(2, torch.tensor(blocks), kv)
+        p, layers, _, rows, dim = pool.kv.shape
+        kv = torch.randn(p, layers, len(blocks), rows, dim, dtype=pool.config.dtype)
+        pool.kv.index_copy_(2, torch.tensor(blocks), kv)
         return state
 
     def free_blocks(self) -> int:
@@ -218,8 +219,9 @@ def test_paged_cache_pool_is_the_engines_layout(model: Any) -> None:
         k_view, v_view = alloc._kv_token_views[layer_idx]
         for b in alloc.block_table["a"]:
             rows = slice(b * alloc.block_physical_stride, b * alloc.block_physical_stride + ps)
-            assert torch.equal(pool.storage[0, layer_pos, b].view(ps, heads, dim), k_view[rows])
-            assert torch.equal(pool.storage[1, layer_pos, b].view(ps, heads, dim), v_view[rows])
+            assert torch.equal(pool.kv[0, layer_pos, b].view(ps, heads, dim), k_view[rows])
+            assert torch.equal(pool.kv[1, layer_pos, b].view(ps, heads, dim), v_view[rows])
+            assert pool.token_view()[0, 0, b, 0].data_ptr() == pool.kv[0, 0, b].data_ptr()  # one row per block
     before = alloc.cache_tensor.clone()
     e.kv.warm_up()  # what a CUDA cache runs at install: trash blocks out and back, unchanged
     assert torch.equal(alloc.cache_tensor, before) and e.kv.host_pool.free_slots == e.kv.host_pool.capacity

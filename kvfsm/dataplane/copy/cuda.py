@@ -28,7 +28,13 @@ bench/results/dma_batch_probe-h200.{json,log} from bench/probes/dma_batch_probe.
   contiguous pinned buffer with one `copy_(non_blocking=True)`, and scatters into the host slots on the
   CPU when done() first sees the event complete (a CPU memcpy at a few GB/s). Load-back gathers on the
   CPU into pinned memory at submit, then copies and scatters on the device.
-"auto" (default) chooses per copy, by direction and the mean size of one DMA copy (tokens per run of
+- "dma_rows": every token row (one per plane, layer and slot) is one 1-D copy straight between the two
+  pools, all in one batched driver call (dma.row_copies): no staging buffer, no kernel, no index upload,
+  so the host's whole submit is a few events and one driver call. Only for big rows, where one DMA copy
+  each is efficient: a pool whose slot is a whole engine block (transformers' paged cache, 512 KiB
+  blocks) is the case it exists for.
+"auto" (default) takes "dma_rows" for rows of >= rows_min_row_bytes when the copy has at most
+rows_max_copies of them (and its device indices are on the CPU); otherwise it chooses per copy, by direction and the mean size of one DMA copy (tokens per run of
 consecutive host slots x bytes per token within one row: x64 KiB for page_first, x2 KiB for
 layer_first with Llama-3-8B): "dma" when the copy moves >= dma_min_bytes_d2h (offload, 256 MiB: below
 it the pipeline's planning costs the scheduler more than the kernel's link efficiency) / dma_min_bytes
@@ -58,8 +64,8 @@ from .pipeline import CudaOps, PipelineSettings, launch_pipeline
 from .staging import PinnedIndexStaging
 from .triton_kernels import HAVE_TRITON, KernelConfig, default_config, kv_layer_rows_copy, kv_rows_copy
 
-Backend = Literal["auto", "triton", "torch", "dma", "hybrid"]
-BACKENDS = ("auto", "triton", "torch", "dma", "hybrid")
+Backend = Literal["auto", "triton", "torch", "dma", "hybrid", "dma_rows"]
+BACKENDS = ("auto", "triton", "torch", "dma", "hybrid", "dma_rows")
 MiB, KiB = 2**20, 2**10
 
 # ---- policy (pure; tested on CPU) -----------------------------------------------------------------
@@ -96,6 +102,11 @@ class AutoPolicy:
       ~500K copies (layer_first, page 1, 1 GiB) and, intermittently, 24576 (a 48 MiB GPU test)
       (bench/results/dma_crash-h200.log). The few hundred tiny copies of the small-KV GPU tests, which
       exercise the pipeline, never did; 1024 keeps those and nothing like what crashed.
+    - rows_min_row_bytes / rows_max_copies: "dma_rows" (one DMA copy per token row, no kernel) for rows of
+      256 KiB and more, at most 1024 of them per copy. Scattered 2 MiB DMA copies reached 0.96-0.98 of the
+      ceiling and 128 KiB ones 0.70-0.86 (the probe above), so from 256 KiB the link efficiency is near the
+      kernel's, and the host pays about 1.3 us per copy in the driver instead of a kernel launch and an
+      index upload. No pool of token rows comes near (Llama-3-8B: 2 KiB); transformers' 512 KiB blocks do.
     """
 
     d2h_min_copy_bytes: int = 512 * KiB
@@ -106,6 +117,8 @@ class AutoPolicy:
     hybrid_fraction: float | None = None
     dma_floor_copy_bytes: int = 16 * KiB
     dma_max_small_copies: int = 1024
+    rows_min_row_bytes: int = 256 * KiB
+    rows_max_copies: int = 1024
 
     def min_bytes_for(self, direction: str) -> int:
         """The smallest copy the pipeline takes in this direction (with Triton there)."""
@@ -119,15 +132,22 @@ def choose_backend(
     mean_copy: float,
     have_triton: bool,
     policy: AutoPolicy = AutoPolicy(),
+    row_bytes: int = 0,
+    rows: int = 0,
 ) -> str:
-    """The backend that carries one copy of `nbytes` whose DMA copies would average `mean_copy` bytes
-    (see AutoPolicy). A forced backend is returned as is, except that a copy made of very many tiny DMA
-    copies (dma_floor_copy_bytes, dma_max_small_copies) never takes the pipeline."""
+    """The backend that carries one copy of `nbytes` whose DMA copies would average `mean_copy` bytes and
+    that moves `rows` token rows of `row_bytes` each (0 when the rows cannot be addressed from the CPU: see
+    AutoPolicy). A forced backend is returned as is, except that a copy made of very many tiny DMA copies
+    (dma_floor_copy_bytes, dma_max_small_copies) never takes the pipeline."""
     if (backend in ("dma", "hybrid") and 0 < mean_copy < policy.dma_floor_copy_bytes
             and nbytes / mean_copy > policy.dma_max_small_copies):
         return "triton" if have_triton else "torch"
+    if backend == "dma_rows":  # forced, still never more copies than the cap (tiny batched copies crashed)
+        return backend if 0 < rows <= policy.rows_max_copies else ("triton" if have_triton else "torch")
     if backend != "auto":
         return backend
+    if row_bytes >= policy.rows_min_row_bytes and 0 < rows <= policy.rows_max_copies:
+        return "dma_rows"
     if nbytes <= 0:
         return "triton" if have_triton else "torch"
     if not have_triton:
@@ -314,6 +334,14 @@ class CudaCopyEngine(CopyEngine):
         (one launch over its pointer table), or the torch path when Triton is missing or asked for."""
         if not plan.device_pool.has_token_view:
             return "torch" if self.backend == "torch" or not HAVE_TRITON else "triton"
+        if self.backend in ("auto", "dma_rows"):
+            c = plan.device_pool.config
+            # rows are addressed on the CPU: device indices already on the GPU cannot be read (0 rows)
+            rows = plan.num_tokens * c.num_planes * c.num_layers if plan.device_idx.device.type == "cpu" else 0
+            chosen = choose_backend(self.backend, plan.direction, plan.nbytes, 0.0, HAVE_TRITON, self.policy,
+                                    row_bytes=c.row_bytes, rows=rows)
+            if chosen == "dma_rows" or self.backend == "dma_rows":
+                return chosen
         if plan.num_tokens == 0:
             return "triton" if HAVE_TRITON and self.backend != "torch" else "torch"
         if self.backend == "auto" and HAVE_TRITON and plan.nbytes < self.policy.min_bytes_for(plan.direction):
@@ -339,6 +367,8 @@ class CudaCopyEngine(CopyEngine):
         keep: list[object] = [plan]
         finalize: Callable[[], None] | None = None
         info: dict[str, Any] = {"validate_ms": (time.perf_counter() - t0) * 1e3}
+        if backend == "dma_rows":
+            return self._launch_rows(plan, info, t0)
         layered = not plan.device_pool.has_token_view  # LayerBufferKVPool: a pointer table, no 5-D view
         dev_view = None if layered else plan.device_pool.token_view()
         host_view = plan.host_pool.token_view()
@@ -424,6 +454,26 @@ class CudaCopyEngine(CopyEngine):
                     self._staging.mark(done)
         handle = CudaCopyHandle(plan, done, keep, finalize)
         handle.backend = backend
+        info["submit_ms"] = (time.perf_counter() - t0) * 1e3
+        handle.info = info
+        return handle
+
+    def _launch_rows(self, plan: CopyPlan, info: dict[str, Any], t0: float) -> CudaCopyHandle:
+        """"dma_rows": one batched driver call of every token row, on `stream`, after the caller's stream.
+        What it saves, measured (bench/results/transformers_host_time-h200.json): the Triton path's index
+        upload and kernel launch, most of a transformers swap's host time."""
+        dev, host = plan.device_pool.token_view(), plan.host_pool.token_view()
+        d, h = plan.device_idx.numpy(), plan.host_idx.numpy()
+        flat = dma.row_copies(dev, d, host, h) if plan.direction == "d2h" else dma.row_copies(host, h, dev, d)
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))  # the KV the caller's stream writes
+        self.stream.wait_event(ready)
+        info["driver_calls"] = self._ops.driver.run_batch(flat.dst, flat.src, flat.size, self.stream.cuda_stream)
+        info["copies"] = flat.count
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        handle = CudaCopyHandle(plan, done, [plan, ready, flat], None)
+        handle.backend = "dma_rows"
         info["submit_ms"] = (time.perf_counter() - t0) * 1e3
         handle.info = info
         return handle

@@ -12,6 +12,8 @@ lists it makes are executed by cuda_driver.
   the direct kernel (`select_short_runs`); `chunk_bounds` cuts the staged tokens into chunks that ramp up
   to the chunk size, and `clip_runs` gives each chunk its runs (splitting runs at chunk edges).
   `mean_run_tokens` is the "auto" policy's cheap estimate of the mean copy (cuda_copy.mean_copy_bytes).
+- Direct row copies: `row_copies` addresses every token row of a copy straight between the two pools, for
+  the "dma_rows" backend (rows large enough that one DMA copy each is efficient).
 """
 
 from __future__ import annotations
@@ -136,6 +138,32 @@ def flat_plan(
         raise ValueError(f"direction must be 'd2h' or 'h2d', got {direction!r}")
     dst, src = (host, stage) if direction == "d2h" else (stage, host)
     return merge_adjacent(dst.reshape(-1), src.reshape(-1), width.reshape(-1), merge=merge)
+
+
+def row_copies(src5: torch.Tensor, src_idx: np.ndarray, dst5: torch.Tensor, dst_idx: np.ndarray) -> FlatCopies:
+    """Every token row as one 1-D copy, `dst5[p, l, dst_idx[i]] <- src5[p, l, src_idx[i]]` for every plane p,
+    layer l and position i, addressed from the two `(P, L, S, H, D)` views' pointers and strides: what the
+    "dma_rows" backend hands the driver in one call (no staging buffer, no kernel, no index upload). Each
+    view's rows (H x D) must be contiguous; the indices are int64 numpy arrays, already checked (plan_copy)."""
+    if src5.shape[:2] != dst5.shape[:2] or src5.shape[3:] != dst5.shape[3:] or src5.dtype != dst5.dtype:
+        raise ValueError(f"views differ: {tuple(src5.shape)} vs {tuple(dst5.shape)}")
+    if src_idx.size != dst_idx.size:
+        raise ValueError(f"{src_idx.size} source rows vs {dst_idx.size} destination rows")
+    es = src5.element_size()
+    row = int(src5.shape[3]) * int(src5.shape[4]) * es
+
+    def addresses(view: torch.Tensor, idx: np.ndarray) -> np.ndarray:
+        st = view.stride()
+        if st[4] != 1 or st[3] != view.shape[4]:
+            raise ValueError("token rows must be contiguous (heads x head_dim)")
+        planes = np.arange(view.shape[0], dtype=np.int64)[:, None] * (st[0] * es)
+        layers = np.arange(view.shape[1], dtype=np.int64)[None, :] * (st[1] * es)
+        base = (view.data_ptr() + planes + layers).reshape(-1, 1)
+        return (base + idx.astype(np.int64, copy=False)[None, :] * (st[2] * es)).reshape(-1)
+
+    src, dst = addresses(src5, src_idx), addresses(dst5, dst_idx)
+    u = np.uint64
+    return FlatCopies(dst.astype(u), src.astype(u), np.full(src.size, row, dtype=u))
 
 
 def split_by_bytes(flat: FlatCopies, parts: int) -> list[FlatCopies]:

@@ -18,6 +18,7 @@ import torch
 from kvfsm.generated.cb_swap import CbSwapMachine
 from kvfsm.dataplane import CopyEngine, CopyHandle, CpuCopyEngine
 from kvfsm.dataplane.fences import SlotFence
+from kvfsm.dataplane.pools.allocator import PageSlots
 from kvfsm.runtime.ledger import CheckedModeError
 
 from .config import SwapConfig
@@ -32,7 +33,7 @@ class SwapCopy:
 
     direction: str  # "d2h" (swap-out) or "h2d" (swap-in)
     device_blocks: list[int]
-    host_blocks: torch.Tensor  # int64, CPU
+    host_blocks: PageSlots  # host pages of one block each (page size 1: page id = slot id)
     handle: Optional[CopyHandle] = None
     submitted_at: float = 0.0
     valid_tokens: Optional[int] = None  # swap-in: tokens of KV the request has (the rest of its last block is free)
@@ -47,7 +48,7 @@ class SwapRecord:
     rid: str
     state_ref: "weakref.ReferenceType[Any]"
     machine: Optional[CbSwapMachine] = None
-    host_blocks: Optional[torch.Tensor] = None  # held from the swap-out until the swap-in lands
+    host_blocks: Optional[PageSlots] = None  # held from the swap-out until the swap-in lands
     copy: Optional[SwapCopy] = None  # the copy in flight
     parked_table: Optional[list[int]] = None  # device blocks taken from the engine while release is deferred
     no_cache: bool = False  # how the engine asked for the device blocks to be freed
@@ -66,7 +67,7 @@ class SwapEffects:
 
     def start_swap_out(self, m: CbSwapMachine, c: SwapCopy) -> None:
         o, rec = self.o, m.ctx
-        host = c.host_blocks.tolist()
+        host = c.host_blocks.pages
         if o.ledger is not None:
             o.ledger.copy_started(rec.key, "preempt", "d2h", c.device_blocks, host)
         try:
@@ -107,7 +108,7 @@ class SwapEffects:
         """The landed host blocks equal the submit-time snapshot (and `device`, when given). The snapshot is
         complete: it was ordered before the copy, whose completion was observed."""
         o = self.o
-        host = o.host_pool.token_view().index_select(2, c.host_blocks)
+        host = o.device_pool.host_blocks(o.host_pool, c.host_blocks.slots)
         rec.expected = expected = rec.expected.to("cpu") if rec.expected is not None else None
         if not (expected is not None and torch.equal(host, expected) and (device is None or torch.equal(host, device))):
             raise CheckedModeError(rec.key, "swap_out_done", c.device_blocks[0] if c.device_blocks else None,
@@ -154,7 +155,7 @@ class SwapEffects:
 
     def start_swap_in(self, m: CbSwapMachine, c: SwapCopy) -> None:
         o, rec = self.o, m.ctx
-        host = c.host_blocks.tolist()
+        host = c.host_blocks.pages
         if o.ledger is not None:
             o.check_restore_target(rec, c.device_blocks)
             o.ledger.copy_started(rec.key, "restore", "h2d", c.device_blocks, host)
@@ -186,7 +187,7 @@ class SwapEffects:
         # into the free tail of its last block.
         valid = n * o.device_pool.tokens_per_block if c.valid_tokens is None else c.valid_tokens
         device = o.device_pool.tokens(o.device_pool.blocks(c.device_blocks).to("cpu"), valid)
-        host = o.device_pool.tokens(o.host_pool.token_view().index_select(2, c.host_blocks), valid)
+        host = o.device_pool.tokens(o.device_pool.host_blocks(o.host_pool, c.host_blocks.slots), valid)
         expected = o.device_pool.tokens(rec.expected[:, :, :n], valid) if rec.expected is not None else None
         if not (torch.equal(device, host) and expected is not None and torch.equal(device, expected)):
             raise CheckedModeError(rec.key, "swap_in_done", c.device_blocks[0] if c.device_blocks else None,
@@ -200,8 +201,8 @@ class SwapEffects:
         if blocks is None:
             raise CheckedModeError(rec.key, "free_host_blocks", None, "no host blocks to free (B10)")
         if o.ledger is not None:
-            o.ledger.free_host(rec.key, "free_host_blocks", blocks.tolist())
-        o.host_pool.free(blocks)
+            o.ledger.free_host(rec.key, "free_host_blocks", blocks.pages)
+        o.host_pool.free_pages(blocks.pages)
         rec.host_blocks, rec.expected = None, None
 
 

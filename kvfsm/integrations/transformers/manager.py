@@ -88,16 +88,16 @@ class KvfsmOffloadingManager(OffloadingManager):
         unchanged, so the copy kernels are compiled before the first real swap (Triton specialises a count
         of 1, hence two blocks)."""
         n = min(2, self.host_pool.capacity)
-        host = self.host_pool.alloc(n)
-        if host is None:
+        pages = self.host_pool.alloc_pages(n)
+        if pages is None:
             return
-        blocks = list(range(n))
+        host, blocks = self.host_pool.page_slots(pages), list(range(n))
         try:
             with self.stream_ctx():
                 self.engine.submit_d2h(self.device_pool, blocks, self.host_pool, host).wait()
                 self.engine.submit_h2d(self.host_pool, host, self.device_pool, blocks).wait()
         finally:
-            self.host_pool.free(host)
+            self.host_pool.free_pages(pages)
 
     # --- plumbing ----------------------------------------------------------------------------------
     @property
@@ -180,15 +180,16 @@ class KvfsmOffloadingManager(OffloadingManager):
         assert m is not None
         table = list(self.allocator.block_table.get(state.request_id, []))
         rec.no_cache = True  # a victim's blocks go straight back to the pool (as transformers does)
-        host = self.host_pool.alloc(len(table)) if table else None
-        if host is None:
+        # host blocks as page ids (page size 1): the copy plan and the free check them as a list, not a tensor
+        pages = self.host_pool.alloc_pages(len(table)) if table else None
+        if pages is None:
             m.soft_reset()
             self._retire(rec)
             return False
         try:
-            m.preempt(SwapCopy("d2h", table, host))
+            m.preempt(SwapCopy("d2h", table, self.host_pool.page_slots(pages)))
         except BaseException:
-            self.host_pool.free(host)
+            self.host_pool.free_pages(pages)
             raise
         assert rec.copy is not None and rec.copy.handle is not None
         if m.state == spec_gen.SWAPPING_OUT:
@@ -280,9 +281,9 @@ class KvfsmOffloadingManager(OffloadingManager):
                     self._ack(rec)
                     self.metrics.restore_waits += 1
                 gpu_blocks = list(self.allocator.block_table.get(state.request_id, []))
-                n = min(int(rec.host_blocks.numel()), len(gpu_blocks))
+                n = min(len(rec.host_blocks), len(gpu_blocks))
                 assert rec.machine is not None
-                copy = SwapCopy("h2d", gpu_blocks[:n], rec.host_blocks[:n])
+                copy = SwapCopy("h2d", gpu_blocks[:n], self.host_pool.page_slots(rec.host_blocks.pages[:n]))
                 copy.valid_tokens = min(int(state.position_offset), n * self.device_pool.tokens_per_block)
                 rec.machine.restore(copy)
                 state.is_cpu_offloaded = False

@@ -1,0 +1,135 @@
+"""Where the host time of transformers' offloading goes, per call, without a profiler's inflation.
+
+bench/transformers_offload.py's workload (smaller by default), one warm run per mode, with a
+perf_counter wrapper around each entry point and each function under it that could cost host time
+(kvfsm's manager, machine, effects, pools and copy engine; the engine's own offload and restore). A
+wrapper costs about a microsecond, so the per-call figures are within that of the unwrapped calls.
+Also reads each kvfsm copy handle's `info` (validate / pre-launch / launched / submit milliseconds).
+
+  python bench/probes/transformers_host_time.py [--requests 32 --new-tokens 128] [--tag TAG] [--out FILE]
+
+Writes bench/results/transformers_host_time-<machine>[-TAG].json (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import transformers_offload as tob  # noqa: E402
+from common import write_result  # noqa: E402
+
+TOTALS: dict[str, list[float]] = defaultdict(list)
+INFO: dict[str, list[float]] = defaultdict(list)
+
+
+def timed(owner: Any, attr: str, label: str) -> None:
+    fn = getattr(owner, attr)
+
+    @functools.wraps(fn)
+    def wrapper(*a: Any, **k: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            TOTALS[label].append(time.perf_counter() - t0)
+
+    setattr(owner, attr, wrapper)
+
+
+def instrument() -> None:
+    from transformers.generation.continuous_batching import offloading_manager as om
+    from transformers.generation.continuous_batching import cache as tcache
+
+    import kvfsm.dataplane.copy.cuda as cuda_mod
+    from kvfsm.dataplane import HostKVPool
+    from kvfsm.dataplane.copy.staging import PinnedIndexStaging
+    from kvfsm.dataplane.fences import SlotFence
+    from kvfsm.generated.cb_swap import CbSwapMachine
+    from kvfsm.integrations.transformers.effects import SwapEffects
+    from kvfsm.integrations.transformers.manager import KvfsmOffloadingManager as K
+
+    for name in ("_offload_to_cpu", "_reserve_cpu_blocks"):
+        timed(om.OffloadingManager, name, f"engine.{name}")
+    for name in ("evict_cached_blocks", "count_storable_requests", "free_blocks"):
+        timed(tcache.PagedAttentionCache, name, f"cache.{name}")
+    for name in ("poll", "_swap_out", "_record", "_ack", "_retire", "engine_free_blocks", "_engine_frees"):
+        timed(K, name, f"manager.{name}")
+    for name in ("preempt", "restore", "swap_out_done", "swap_in_done", "finish", "cancel"):
+        timed(CbSwapMachine, name, f"machine.{name}")
+    for name in ("start_swap_out", "release_device_blocks_fenced", "release_device_blocks", "start_swap_in",
+                 "free_host_blocks"):
+        timed(SwapEffects, name, f"effects.{name}")
+    for name in ("alloc", "free"):
+        timed(HostKVPool, name, f"host_pool.{name}")
+    timed(SlotFence, "wait", "fence.wait")
+    timed(PinnedIndexStaging, "upload_here", "staging.upload_here")
+    for name in ("submit_d2h", "submit_h2d", "_launch", "choose_backend"):
+        timed(cuda_mod.CudaCopyEngine, name, f"cuda.{name}")
+    for name in ("plan_copy", "kv_rows_copy"):
+        timed(cuda_mod, name, f"cuda.{name}")
+
+    launch = cuda_mod.CudaCopyEngine._launch
+
+    def launch_info(self: Any, *a: Any, **k: Any) -> Any:
+        h = launch(self, *a, **k)
+        for key, v in (getattr(h, "info", None) or {}).items():
+            if isinstance(v, (int, float)):
+                INFO[f"{h.direction}.{key}"].append(float(v))
+        return h
+
+    cuda_mod.CudaCopyEngine._launch = launch_info
+
+
+def table(d: dict[str, list[float]], scale: float) -> dict[str, dict[str, float]]:
+    return {k: {"calls": len(v), "total_ms": round(sum(v) * scale, 3), "mean_us": round(statistics.mean(v) * scale * 1e3, 1),
+                "median_us": round(statistics.median(v) * scale * 1e3, 1)} for k, v in sorted(d.items()) if v}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--modes", nargs="+", default=["engine", "kvfsm_fenced"])
+    ap.add_argument("--tag", default=None)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    args = argparse.Namespace(quick=False, model="small", cuda_graphs=False, device="cuda", requests=a.requests,
+                              new_tokens=a.new_tokens, prompt_min=32, prompt_max=256, page_size=32, num_blocks=192,
+                              max_batch_tokens=1024, host_gib=4.0, repeats=1, soft_reset=False, sync_timing=False,
+                              checked=False, async_batching=None, out=None, kvfsm_backend="auto")
+    model = tob.build_model(args, "cuda")
+    inputs = tob.workload(args, model.config.vocab_size)
+    instrument()
+    out: dict[str, Any] = {"params": {"requests": a.requests, "new_tokens": a.new_tokens}, "modes": {}}
+    for mode in a.modes:
+        tob.run(model, inputs, args, mode, False)  # warm: kernels compiled, allocator caches filled
+        TOTALS.clear()
+        INFO.clear()
+        row = tob.run(model, inputs, args, mode, False)
+        res = {"row": {k: row[k] for k in ("offload_calls", "restore_calls", "time_in_offload_s",
+                                           "time_offload_requests_s", "time_restore_s", "swapped_out", "restores",
+                                           "throughput_tok_s")},
+               "timers": table(TOTALS, 1e3), "submit_info_ms": table(INFO, 1.0)}
+        out["modes"][mode] = res
+        print(mode, json.dumps(res["row"]))
+        for k, v in res["timers"].items():
+            print(f"  {k:40s} {v['calls']:6d} calls {v['total_ms']:9.3f} ms  mean {v['mean_us']:8.1f} us  "
+                  f"median {v['median_us']:8.1f} us")
+        for k, v in res["submit_info_ms"].items():
+            print(f"  info {k:35s} {v['calls']:6d} mean {v['mean_us'] / 1e3:8.3f} ms median {v['median_us'] / 1e3:8.3f} ms")
+    print(f"wrote {write_result('transformers_host_time', out, a.out, tag=a.tag)}")
+
+
+if __name__ == "__main__":
+    main()
