@@ -145,3 +145,36 @@ def test_resolve_batch_choice() -> None:
     assert cuda_driver.resolve_batch(fake_libcuda(exports=("v1",)), 12080, "v2")[1] is None
     with pytest.raises(ValueError):
         cuda_driver.resolve_batch(lib, 13000, "v3")
+
+
+def as_buffers(f: dma.FlatCopies) -> tuple[Any, Any, Any]:
+    import array
+
+    return tuple(array.array("Q", v.tolist()) for v in (f.dst, f.src, f.size))  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("case", ["batched", "not supported", "null stream", "error"])
+def test_run_batch_buffers_is_run_batch_over_array_buffers(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    """The dma_rows path's entry: the same single call, fallbacks and errors as run_batch, from array('Q')s."""
+    monkeypatch.delenv("KVFSM_CU_BATCH", raising=False)
+    rc = {"not supported": cuda_driver.CUDA_ERROR_NOT_SUPPORTED, "error": 1}.get(case, 0)
+    lib = fake_libcuda(batch_rc=rc)
+    drv = cuda_driver.CudaDriver(lib=lib, device=0)
+    src, dst, f = scattered()
+    d, s, z = as_buffers(f)
+    stream = 0 if case == "null stream" else 9
+    if case == "error":
+        with pytest.raises(CopyError, match="cuMemcpyBatchAsync"):
+            drv.run_batch_buffers(d, s, z, stream)
+        return
+    calls = drv.run_batch_buffers(d, s, z, stream)
+    check_scattered(src, dst, f)
+    if case == "batched":
+        assert calls == 1 and lib.log["copy"] == [] and lib.log["batch"][0]["count"] == f.count
+        assert lib.log["batch"][0]["stream"] == 9
+    else:
+        assert calls == f.count == len(lib.log["copy"]) == drv.fallback_copies
+        assert len(lib.log["batch"]) == (1 if case == "not supported" else 0)
+    assert drv.run_batch_buffers(*(type(d)("Q") for _ in range(3)), stream=9) == 0
+    with pytest.raises(ValueError, match="array"):
+        drv.run_batch_buffers(d, s, type(z)("Q", z.tolist()[:-1]), 9)

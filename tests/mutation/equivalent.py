@@ -421,5 +421,8 @@ EQUIVALENT: list[tuple[str, str, str]] = [
 from equivalent_dataplane import EQUIVALENT as _DATAPLANE  # noqa: E402
 from equivalent_runtime import EQUIVALENT as _RUNTIME  # noqa: E402
 from equivalent_storage import EQUIVALENT as _STORAGE  # noqa: E402
+# the survivors of the run at 6ea51a2 (the fenced release's code, and the generated machine's observer arguments)
+from equivalent_fenced import EQUIVALENT as _FENCED  # noqa: E402
+from equivalent_generated import EQUIVALENT as _GENERATED  # noqa: E402
 
-EQUIVALENT += _STORAGE + _DATAPLANE + _RUNTIME
+EQUIVALENT += _STORAGE + _DATAPLANE + _RUNTIME + _FENCED + _GENERATED

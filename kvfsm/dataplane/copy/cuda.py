@@ -460,15 +460,19 @@ class CudaCopyEngine(CopyEngine):
 
     def _launch_rows(self, plan: CopyPlan, info: dict[str, Any], t0: float) -> CudaCopyHandle:
         """"dma_rows": one batched driver call of every token row, on `stream`, after the caller's stream.
-        What it saves, measured (bench/results/transformers_host_time-h200.json): the Triton path's index
-        upload and kernel launch, most of a transformers swap's host time."""
+        What it saves, measured on the H200 (bench/results/transformers_host_time-h200.json against
+        transformers_host_time-before-dma_rows-h200.json): the Triton path's index upload and kernel launch,
+        most of a transformers swap's submit."""
         dev, host = plan.device_pool.token_view(), plan.host_pool.token_view()
-        d, h = plan.device_idx.numpy(), plan.host_idx.numpy()
+        d = plan.device_idx.tolist()
+        h = plan.host_pages if plan.host_pages is not None and plan.host_pool.page_size == 1 \
+            else plan.host_idx.tolist()  # page size 1: the page ids are the slots
         flat = dma.row_copies(dev, d, host, h) if plan.direction == "d2h" else dma.row_copies(host, h, dev, d)
+        info["rows_ms"] = (time.perf_counter() - t0) * 1e3
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.device))  # the KV the caller's stream writes
         self.stream.wait_event(ready)
-        info["driver_calls"] = self._ops.driver.run_batch(flat.dst, flat.src, flat.size, self.stream.cuda_stream)
+        info["driver_calls"] = self._ops.driver.run_batch_buffers(flat.dst, flat.src, flat.size, self.stream.cuda_stream)
         info["copies"] = flat.count
         done = torch.cuda.Event()
         done.record(self.stream)
@@ -477,4 +481,3 @@ class CudaCopyEngine(CopyEngine):
         info["submit_ms"] = (time.perf_counter() - t0) * 1e3
         handle.info = info
         return handle
-

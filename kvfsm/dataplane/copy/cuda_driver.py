@@ -15,6 +15,7 @@ run_batch falls back to one cuMemcpyAsync per copy. `memmove_batch` runs the sam
 
 from __future__ import annotations
 
+import array
 import ctypes
 import os
 from typing import Any, Literal
@@ -133,6 +134,12 @@ class CudaDriver:
     ) -> tuple[int, int | None]:
         """One cuMemcpyBatchAsync call, no fallback: (CUresult, failIdx or None). The arrays must be
         contiguous uint64 of one length. srcAccessOrder STREAM; one attribute entry for every copy."""
+        return self._batch_at(dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, int(sizes.size), stream, flags,
+                              hint)
+
+    def _batch_at(self, dsts: int, srcs: int, sizes: int, count: int, stream: int, flags: int = 0,
+                  hint: Literal["d2h", "h2d"] | None = None) -> tuple[int, int | None]:
+        """batch_raw over the three arrays' addresses."""
         if self._batch is None:
             raise CopyError(f"cuMemcpyBatchAsync unavailable: {self.batch_status}")
         attrs = MemcpyAttributes()
@@ -143,8 +150,7 @@ class CudaDriver:
             host = MemLocation(CU_MEM_LOCATION_TYPE_HOST, 0)
             attrs.srcLocHint, attrs.dstLocHint = (dev, host) if hint == "d2h" else (host, dev)
         idx = ctypes.c_size_t(0)
-        args: list[Any] = [dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, int(sizes.size),
-                           ctypes.addressof(attrs), ctypes.addressof(idx), 1]
+        args: list[Any] = [dsts, srcs, sizes, count, ctypes.addressof(attrs), ctypes.addressof(idx), 1]
         fail = None
         if self.batch_abi == "v1":
             fail = ctypes.c_size_t(2**64 - 1)
@@ -173,17 +179,38 @@ class CudaDriver:
         if n == 0:
             return 0
         stream = int(stream or 0)
-        if self._batch is not None and stream != 0:
-            rc, fail = self.batch_raw(d, s, z, stream, flags, hint)
-            if rc == 0:
-                return 1
-            if rc != CUDA_ERROR_NOT_SUPPORTED:
-                where = f", failIdx {fail}" if fail is not None else ""
-                self._check(rc, f"cuMemcpyBatchAsync[{self.batch_abi}] of {n} copies{where}")
-            self._batch = None
-            self.batch_status = f"{self.batch_status}: answered CUDA_ERROR_NOT_SUPPORTED, per-copy fallback"
+        if self._batch is not None and stream != 0 and self._batched(self.batch_raw(d, s, z, stream, flags, hint), n):
+            return 1
         self.fallback_copies += n
         return self.run_each(d, s, z, stream)
+
+    def run_batch_buffers(self, dsts: array.array, srcs: array.array, sizes: array.array, stream: int) -> int:
+        """run_batch for copies listed in three `array.array("Q")` (dma.row_copies): their buffers' addresses go
+        to the driver as they are, sparing the numpy conversions (the "dma_rows" backend's few copies)."""
+        n = len(sizes)
+        if not (len(dsts) == len(srcs) == n) or not dsts.typecode == srcs.typecode == sizes.typecode == "Q":
+            raise ValueError("dst/src/size must be array('Q') of one length")
+        if n == 0:
+            return 0
+        stream = int(stream or 0)
+        if self._batch is not None and stream != 0 and self._batched(
+                self._batch_at(dsts.buffer_info()[0], srcs.buffer_info()[0], sizes.buffer_info()[0], n, stream), n):
+            return 1
+        self.fallback_copies += n
+        return self.run_each(dsts, srcs, sizes, stream)
+
+    def _batched(self, answer: tuple[int, int | None], n: int) -> bool:
+        """Whether a batch call succeeded; False (never batch again) when the driver does not support it;
+        any other error raised as CopyError."""
+        rc, fail = answer
+        if rc == 0:
+            return True
+        if rc != CUDA_ERROR_NOT_SUPPORTED:
+            where = f", failIdx {fail}" if fail is not None else ""
+            self._check(rc, f"cuMemcpyBatchAsync[{self.batch_abi}] of {n} copies{where}")
+        self._batch = None
+        self.batch_status = f"{self.batch_status}: answered CUDA_ERROR_NOT_SUPPORTED, per-copy fallback"
+        return False
 
     def run_each(self, dsts: Any, srcs: Any, sizes: Any, stream: int) -> int:
         """The same 1-D copies with one cuMemcpyAsync each (the fallback, and a baseline)."""

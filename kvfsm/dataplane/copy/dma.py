@@ -18,6 +18,7 @@ lists it makes are executed by cuda_driver.
 
 from __future__ import annotations
 
+import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -140,30 +141,54 @@ def flat_plan(
     return merge_adjacent(dst.reshape(-1), src.reshape(-1), width.reshape(-1), merge=merge)
 
 
-def row_copies(src5: torch.Tensor, src_idx: np.ndarray, dst5: torch.Tensor, dst_idx: np.ndarray) -> FlatCopies:
+@dataclass(frozen=True, eq=False)
+class RowCopies:
+    """`row_copies`' list of 1-D copies: dst and src addresses and sizes, each an `array.array("Q")` whose
+    buffer goes to the driver as it is (`CudaDriver.run_batch_buffers`)."""
+
+    dst: array.array
+    src: array.array
+    size: array.array
+
+    @property
+    def count(self) -> int:
+        return len(self.size)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.size)
+
+
+def row_copies(src5: torch.Tensor, src_idx: Sequence[int] | np.ndarray, dst5: torch.Tensor,
+               dst_idx: Sequence[int] | np.ndarray) -> RowCopies:
     """Every token row as one 1-D copy, `dst5[p, l, dst_idx[i]] <- src5[p, l, src_idx[i]]` for every plane p,
     layer l and position i, addressed from the two `(P, L, S, H, D)` views' pointers and strides: what the
     "dma_rows" backend hands the driver in one call (no staging buffer, no kernel, no index upload). Each
-    view's rows (H x D) must be contiguous; the indices are int64 numpy arrays, already checked (plan_copy)."""
+    view's rows (H x D) must be contiguous; the indices (ints, already checked by plan_copy) come in order.
+
+    Built with Python ints into `array.array`s, not numpy: the copies are few (the backend's cap is 1024),
+    and on the H200's host each small numpy call costs several microseconds, a large share of a swap's
+    submit (bench/results/transformers_host_time-h200.json)."""
     if src5.shape[:2] != dst5.shape[:2] or src5.shape[3:] != dst5.shape[3:] or src5.dtype != dst5.dtype:
         raise ValueError(f"views differ: {tuple(src5.shape)} vs {tuple(dst5.shape)}")
-    if src_idx.size != dst_idx.size:
-        raise ValueError(f"{src_idx.size} source rows vs {dst_idx.size} destination rows")
+    si = src_idx.tolist() if isinstance(src_idx, np.ndarray) else list(src_idx)
+    di = dst_idx.tolist() if isinstance(dst_idx, np.ndarray) else list(dst_idx)
+    if len(si) != len(di):
+        raise ValueError(f"{len(si)} source rows vs {len(di)} destination rows")
     es = src5.element_size()
     row = int(src5.shape[3]) * int(src5.shape[4]) * es
 
-    def addresses(view: torch.Tensor, idx: np.ndarray) -> np.ndarray:
+    def addresses(view: torch.Tensor, idx: list[int]) -> array.array:
         st = view.stride()
         if st[4] != 1 or st[3] != view.shape[4]:
             raise ValueError("token rows must be contiguous (heads x head_dim)")
-        planes = np.arange(view.shape[0], dtype=np.int64)[:, None] * (st[0] * es)
-        layers = np.arange(view.shape[1], dtype=np.int64)[None, :] * (st[1] * es)
-        base = (view.data_ptr() + planes + layers).reshape(-1, 1)
-        return (base + idx.astype(np.int64, copy=False)[None, :] * (st[2] * es)).reshape(-1)
+        step = st[2] * es
+        bases = [view.data_ptr() + (p * st[0] + layer * st[1]) * es
+                 for p in range(view.shape[0]) for layer in range(view.shape[1])]
+        return array.array("Q", [b + i * step for b in bases for i in idx])
 
-    src, dst = addresses(src5, src_idx), addresses(dst5, dst_idx)
-    u = np.uint64
-    return FlatCopies(dst.astype(u), src.astype(u), np.full(src.size, row, dtype=u))
+    src, dst = addresses(src5, si), addresses(dst5, di)
+    return RowCopies(dst, src, array.array("Q", [row]) * len(src))
 
 
 def split_by_bytes(flat: FlatCopies, parts: int) -> list[FlatCopies]:

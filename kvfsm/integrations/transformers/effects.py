@@ -138,14 +138,12 @@ class SwapEffects:
         o, rec = self.o, m.ctx
         assert c.handle is not None
         fence = SlotFence([c.handle])
-        with o.stream_ctx():
-            # The engine writes KV blocks only on its compute stream: once that stream waits on the copy's event,
-            # every later write of these blocks is ordered after the copy (the host never waits; a CPU handle
-            # has no stream, and the wait completes its copy).
-            fence.wait(o.compute_stream)
-        blocks = list(o.allocator.block_table.get(rec.rid, []))
+        # The engine writes KV blocks only on its compute stream: once that stream waits on the copy's event,
+        # every later write of these blocks is ordered after the copy (the host never waits; a CPU handle has
+        # no stream, and the wait completes its copy).
+        fence.wait(o.compute_stream)
         if o.ledger is not None:
-            o.ledger.release_device(rec.key, "preempt", blocks, fence)
+            o.ledger.release_device(rec.key, "preempt", list(o.allocator.block_table.get(rec.rid, [])), fence)
         o.engine_free_blocks(rec.rid, rec.no_cache)
         c.fence = fence
         o.metrics.fenced_releases += 1
