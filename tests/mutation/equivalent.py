@@ -74,10 +74,6 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ("xǁDecodeOffloadMachineǁ(backup_done|backup_failed)(_each)?", r"- if (self|m)\.backups == 1 and \1\.parked == 0: # last_host_chunk\n\+ if \1\.backups == 1 or \1\.parked == 0: # last_host_chunk",
      "more_host_chunks is tested first; after it fails, 'or' differs from 'and' only where backups and parked are "
      "both 0, which the inflight and draining invariant (parked + backups >= 1) rules out"),
-    ("xǁDecodeOffloadMachineǁ(copy_done|copy_parked)_each", r"- _restore\(undo\)\n\+ _restore\(None\)",
-     "the surviving copy of this change is the _restore before `raise GuardRejected`, which cannot happen: "
-     "more_copies and last_copy cover every copies >= 1, and offloading and finished guarantee copies >= 1 (the "
-     "same change in the raising-action path is killed)"),
     # --- copy planning -----------------------------------------------------------------------------------
     ("x_plan_copy", r"- (on_device = isinstance|if on_device and device_pool|dev_idx = as_index_tensor\(device_indices, device_pool\.device if).*\n\+ .*",
      "equivalent on a CPU-only host: every pool and index tensor is on the CPU, so on_device is False and the "
