@@ -11,23 +11,13 @@ import kvfsm.generated.decode_offload as gen
 from kvfsm.generated.decode_offload import DecodeOffloadMachine
 from kvfsm.reference import ReferenceMachine
 from test_kills import ORDERS, Recorder  # tests/mutation is on sys.path (rootdir-relative test modules)
-from tests.reference.test_differential import SPEC, RecordingEffects, _outcome
+from tests.reference.test_differential import SPEC, RecordingEffects, _outcome, put_into
 
 # Every state with every counter in 0..3 (a decrement that sets a counter to 1 shows only from 3), for both
 # values of the param: machines are put straight into them, as the differential test's exhaustive box does.
 BOX = [(s, c) for s in range(len(gen.STATES)) for c in itertools.product(range(4), repeat=3)]
 # A few per state for batches of two, where one item's branch must not end the batch for the next
 PAIR_BOX = [(s, c) for s in range(len(gen.STATES)) for c in ((0, 0, 1), (1, 1, 0), (2, 0, 1), (3, 1, 1))]
-
-
-def _put(m: Any, state: int, counters: tuple[int, int, int]) -> Any:
-    if isinstance(m, ReferenceMachine):
-        m._model.state = SPEC.states[state]
-        m.counters.update(zip(SPEC.counters, counters))
-    else:
-        m.state = state
-        m.copies, m.parked, m.backups = counters
-    return m
 
 
 @pytest.mark.parametrize("event", gen.EVENTS)
@@ -49,9 +39,9 @@ def test_every_single_event_reports_the_spec_transition_it_took_to_the_observer(
                 fx.log.clear()
                 if seen is not None:
                     seen.clear()
-            got = _outcome(getattr(_put(g, state, counters), event), f"arg-{state}")
-            want = _outcome(_put(r, state, counters).fire, event, f"arg-{state}")
-            quiet = _outcome(getattr(_put(plain, state, counters), event), f"arg-{state}")
+            got = _outcome(getattr(put_into(g, state, counters), event), f"arg-{state}")
+            want = _outcome(put_into(r, state, counters).fire, event, f"arg-{state}")
+            quiet = _outcome(getattr(put_into(plain, state, counters), event), f"arg-{state}")
             where = (fences, gen.STATES[state], counters, event)
             assert got == want == quiet, (where, got, want, quiet)
             assert g.snapshot() == r.snapshot() == plain.snapshot(), where
@@ -73,7 +63,7 @@ def test_every_single_event_reports_the_spec_transition_it_took_to_the_observer(
 
 def _machines(fx: Recorder, items: list[tuple[int, tuple[int, int, int]]], fences: int,
               observer: Any = None) -> list[DecodeOffloadMachine]:
-    ms = [_put(DecodeOffloadMachine(fx, ctx=i, observer=observer, fences=fences), s, c)
+    ms = [put_into(DecodeOffloadMachine(fx, ctx=i, observer=observer, fences=fences), s, c)
           for i, (s, c) in enumerate(items)]
     fx.log.clear()
     return ms

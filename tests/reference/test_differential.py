@@ -130,15 +130,21 @@ def test_released_machine_rejects_or_ignores_everything(event):
     assert m.snapshot() == before
 
 
-def _outcome_from(m, fx: RecordingEffects, state: int, counters: tuple[int, int, int], event: str):
-    """Machine `m` put straight into `state` with `counters`, then `event`: (outcome, snapshot, actions)."""
-    fx.log.clear()
+def put_into(m: Any, state: int, counters: tuple[int, int, int]) -> Any:
+    """Machine `m` (generated or reference) put straight into `state` with `counters` (copies, parked, backups)."""
     if isinstance(m, ReferenceMachine):
         m._model.state = SPEC.states[state]
         m.counters.update(zip(SPEC.counters, counters))
     else:
         m.state = state
         m.copies, m.parked, m.backups = counters
+    return m
+
+
+def _outcome_from(m, fx: RecordingEffects, state: int, counters: tuple[int, int, int], event: str):
+    """Machine `m` put straight into `state` with `counters`, then `event`: (outcome, snapshot, actions)."""
+    fx.log.clear()
+    put_into(m, state, counters)
     got = _outcome(getattr(m, event), None)
     return got, m.snapshot(), [a for a, _, _ in fx.log]
 
