@@ -196,6 +196,27 @@ def results() -> list[Mutant]:
     return out
 
 
+def exit_codes() -> dict[Path, dict[str, int | None]]:
+    """Every mutant's recorded exit code, per meta file."""
+    return {meta: dict(json.loads(meta.read_text()).get("exit_code_by_key", {}))
+            for meta in sorted((WORK / "mutants").rglob("*.py.meta"))}
+
+
+def restore_exit_codes(before: dict[Path, dict[str, int | None]], keep: set[str]) -> None:
+    """Put back the verdicts of mutants a `mutmut run NAME...` did not run: mutmut 3 rewrites every meta file
+    with the other mutants' exit codes cleared (seen 2026-12-02: a rerun of 531 survivors left 7048 killed
+    mutants `not checked`). The source is the run's, so their verdicts still hold."""
+    for meta, codes in before.items():
+        if not meta.exists():
+            continue
+        data = json.loads(meta.read_text())
+        now = data.setdefault("exit_code_by_key", {})
+        for name, code in codes.items():
+            if name not in keep and code is not None and now.get(name) is None:
+                now[name] = code
+        meta.write_text(json.dumps(data))
+
+
 def diff_of(m: Mutant) -> str:
     """The mutant's change, as the `-`/`+` lines of mutmut's diff."""
     cwd = os.getcwd()
@@ -367,8 +388,9 @@ down is in functions and methods.
 - `tests/mutation/mutate.py`: lays out the workspace, runs mutmut and writes this page (`run`), runs the
   last run's survivors again after tests were added to kill them (`rerun`), rewrites this page (`report`)
   and runs the CI sample (`sample`);
-- `tests/mutation/equivalent.py`: the equivalent survivors and why;
-- `tests/mutation/test_kills.py`: the tests added to kill survivors;
+- `tests/mutation/equivalent.py` (with `equivalent_*.py`, one per group of modules): the equivalent survivors
+  and why;
+- `tests/mutation/test_kills.py` and `test_kills_*.py`: the tests added to kill survivors;
 - `tests/mutation/survivors.json`: this run's survivors, machine-readable (function, change, status);
 - `tests/mutation/test_mutation_sample.py`: the CI step (`make test` runs it), 40 mutants picked with a fixed
   seed and time-boxed to 5 minutes, failing when fewer of them are killed than this run killed of the same
@@ -404,8 +426,10 @@ def cmd_rerun(args: argparse.Namespace) -> int:
         (base / "tests" / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text() + CONFTEST_ADDENDUM)
     survivors = [m.name for m in results() if m.status not in KILLED and m.status not in ("not checked", "skipped")
                  and re.search(args.only or "", m.name)]
+    verdicts = exit_codes()
     t0 = time.monotonic()
     rc = mutmut("run", "--max-children", str(args.max_children), *survivors, timeout=args.budget) if survivors else 0
+    restore_exit_codes(verdicts, keep=set(survivors))
     run = json.loads((WORK / "run.json").read_text()) if (WORK / "run.json").exists() else {"seconds": 0}
     run.setdefault("reruns", []).append({"survivors": len(survivors), "seconds": time.monotonic() - t0, "rc": rc})
     (WORK / "run.json").write_text(json.dumps(run))

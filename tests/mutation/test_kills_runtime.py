@@ -439,3 +439,44 @@ def test_each_release_under_a_copy_is_counted_fenced_or_deferred() -> None:
     d.end(b, "finish")
     assert d.manager.metrics.deferred_releases == 2 and d.manager.metrics.fenced_releases == 0
     d.settle()
+
+
+# --- survivors of the full run at 6ea51a2 -----------------------------------------------------------------
+
+def test_a_machine_built_without_the_fences_param_releases_deferred() -> None:
+    """`fences` defaults to 0: a machine an engine builds without it must never take the fenced release."""
+    from kvfsm.generated import decode_offload as gen
+    from tests.reference.test_differential import RecordingEffects, put_into
+
+    m = put_into(gen.DecodeOffloadMachine(RecordingEffects()), gen.OFFLOADING, (1, 0, 0))
+    assert m.fences == 0
+    m.finish()
+    assert m.state == gen.FINISHED
+
+
+def test_checked_modes_ledger_forgets_every_copy_once_acknowledged() -> None:
+    """The ledger's per-copy records (readers of device pages, handles) must empty as copies are acknowledged,
+    or a long checked run grows without bound and mistakes a slot's next copy for the old one."""
+    from tests.runtime.test_fenced_release import _engine, _offloading
+
+    e = _engine(checked=True)
+    req = _offloading(e, "a")
+    ledger = e.manager.ledger
+    assert ledger is not None and ledger.device_readers and ledger.copy_handle
+    e.copies.complete_all()
+    e.manager.check_progress()
+    assert ledger.device_readers == {} and ledger.copy_handle == {}
+    del req
+
+
+def test_without_fences_an_engine_release_under_a_copy_is_refused_as_the_event_it_called() -> None:
+    """With fences off the engine's release of a request whose copy is in flight is refused as
+    `released_by_engine`, the call it made, and changes nothing (never as the fenced event it did not make)."""
+    from kvfsm.errors import EventRejected
+    from tests.runtime.test_fenced_release import _engine, _offloading, _state
+
+    e = _engine(fenced=False)
+    req = _offloading(e, "a")
+    with pytest.raises(EventRejected) as info:
+        e.manager.released_by_engine(req)
+    assert info.value.event == "released_by_engine" and _state(e, req) == "offloading"
