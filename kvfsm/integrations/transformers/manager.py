@@ -85,8 +85,8 @@ class KvfsmOffloadingManager(OffloadingManager):
 
     def warm_up(self) -> None:
         """Swap the engine's trash blocks 0 and 1 (never allocated, no forward has run yet) out and back in
-        unchanged, so the copy kernels are compiled before the first real swap (Triton specialises a count
-        of 1, hence two blocks)."""
+        unchanged, so the copy path is ready before the first real swap (the driver's batched copy for whole
+        blocks; a Triton kernel, which specialises a count of 1, hence two blocks, for smaller ones)."""
         n = min(2, self.host_pool.capacity)
         pages = self.host_pool.alloc_pages(n)
         if pages is None:
