@@ -31,7 +31,7 @@ def test_sampled_mutants_are_killed_as_in_the_committed_run() -> None:
         pytest.skip("mutmut not installed (pip install -e '.[mutation]')")
     proc = subprocess.run([sys.executable, str(HERE / "mutate.py"), "sample", "--n", str(N), "--seed", str(SEED),
                            "--budget", str(BUDGET_S - 20)], capture_output=True, text=True, timeout=BUDGET_S + 60)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+    lines = [l.strip() for l in proc.stdout.replace("\r", "\n").splitlines() if l.strip().startswith("{")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = json.loads(lines[-1])
     assert out["checked"] >= N // 2, f"the time box ran out after {out['checked']} of {N} mutants: {out}"
