@@ -176,13 +176,7 @@ class CudaDriver:
         n = int(z.size)
         if not (d.size == s.size == n):
             raise ValueError(f"dst/src/size lengths differ: {d.size}, {s.size}, {n}")
-        if n == 0:
-            return 0
-        stream = int(stream or 0)
-        if self._batch is not None and stream != 0 and self._batched(self.batch_raw(d, s, z, stream, flags, hint), n):
-            return 1
-        self.fallback_copies += n
-        return self.run_each(d, s, z, stream)
+        return self._enqueue((d, s, z), lambda a: a.ctypes.data, n, stream, flags, hint)
 
     def run_batch_buffers(self, dsts: array.array, srcs: array.array, sizes: array.array, stream: int) -> int:
         """run_batch for copies listed in three `array.array("Q")` (dma.row_copies): their buffers' addresses go
@@ -190,27 +184,26 @@ class CudaDriver:
         n = len(sizes)
         if not (len(dsts) == len(srcs) == n) or not dsts.typecode == srcs.typecode == sizes.typecode == "Q":
             raise ValueError("dst/src/size must be array('Q') of one length")
+        return self._enqueue((dsts, srcs, sizes), lambda a: a.buffer_info()[0], n, stream)
+
+    def _enqueue(self, arrays: tuple[Any, Any, Any], address: Any, n: int, stream: int, flags: int = 0,
+                 hint: Literal["d2h", "h2d"] | None = None) -> int:
+        """What run_batch and run_batch_buffers share once their arrays are checked: one batched call (given
+        the arrays' buffer addresses), or the per-copy fallback; returns the driver calls made."""
         if n == 0:
             return 0
         stream = int(stream or 0)
-        if self._batch is not None and stream != 0 and self._batched(
-                self._batch_at(dsts.buffer_info()[0], srcs.buffer_info()[0], sizes.buffer_info()[0], n, stream), n):
-            return 1
+        if self._batch is not None and stream != 0:
+            rc, fail = self._batch_at(*(address(a) for a in arrays), n, stream, flags, hint)
+            if rc == 0:
+                return 1
+            if rc != CUDA_ERROR_NOT_SUPPORTED:
+                where = f", failIdx {fail}" if fail is not None else ""
+                self._check(rc, f"cuMemcpyBatchAsync[{self.batch_abi}] of {n} copies{where}")
+            self._batch = None
+            self.batch_status = f"{self.batch_status}: answered CUDA_ERROR_NOT_SUPPORTED, per-copy fallback"
         self.fallback_copies += n
-        return self.run_each(dsts, srcs, sizes, stream)
-
-    def _batched(self, answer: tuple[int, int | None], n: int) -> bool:
-        """Whether a batch call succeeded; False (never batch again) when the driver does not support it;
-        any other error raised as CopyError."""
-        rc, fail = answer
-        if rc == 0:
-            return True
-        if rc != CUDA_ERROR_NOT_SUPPORTED:
-            where = f", failIdx {fail}" if fail is not None else ""
-            self._check(rc, f"cuMemcpyBatchAsync[{self.batch_abi}] of {n} copies{where}")
-        self._batch = None
-        self.batch_status = f"{self.batch_status}: answered CUDA_ERROR_NOT_SUPPORTED, per-copy fallback"
-        return False
+        return self.run_each(*arrays, stream)
 
     def run_each(self, dsts: Any, srcs: Any, sizes: Any, stream: int) -> int:
         """The same 1-D copies with one cuMemcpyAsync each (the fallback, and a baseline)."""
