@@ -123,6 +123,19 @@ def test_default_bound_3_requests_16_slots(fenced: bool) -> None:
     assert res["peak_rss_mib"] < 2048
 
 
+def test_the_peak_memory_reported_is_the_process_own_not_its_parents() -> None:
+    """The bound test above runs the search in a child of pytest: a child must not report its parent's
+    high-water mark as its own (Linux's ru_maxrss carries it across fork and exec)."""
+    ballast = bytearray(512 * 2**20)
+    ballast[::4096] = b"\x01" * len(ballast[::4096])  # resident, not just reserved
+    code = "from kvfsm.verify.explorer.search import peak_rss_mib; print(peak_rss_mib())"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert float(proc.stdout.strip().splitlines()[-1]) < 400
+    del ballast
+
+
 def test_check_command(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert check(requests=1, quiet=True, out_test=tmp_path / "test_cx.py") == 0
     text = capsys.readouterr().out

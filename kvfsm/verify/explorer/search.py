@@ -76,6 +76,18 @@ class ExploreResult:
         return self.states / self.seconds if self.seconds else 0.0
 
 
+def peak_rss_mib() -> float:
+    """This process's own peak resident memory: its address space's high-water mark (Linux VmHWM). Not
+    ru_maxrss, which Linux carries from a parent into a child it starts (fork or vfork, then exec): a search
+    run in a child of a large process (pytest) would report the parent's peak."""
+    with contextlib.suppress(OSError):
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def explore(config: ExplorerConfig = ExplorerConfig(), *, max_depth: Optional[int] = None,
             faults: Optional[Faults] = None, mode: str = "copy", max_states: Optional[int] = None,
             keep_keys: bool = False, on_level: Optional[Callable[[int, int, int], None]] = None,
@@ -130,7 +142,7 @@ def _explore(mode: str, config: ExplorerConfig, max_depth: Optional[int], faults
             setattr(res, k, v)
         res.coverage = x.coverage
         res.seconds = time.perf_counter() - t0
-        res.peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        res.peak_rss_mib = peak_rss_mib()
         res.states = len(visited)
         if depths is not None:
             res.keys = depths
