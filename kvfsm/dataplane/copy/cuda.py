@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from contextlib import nullcontext
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -187,9 +188,11 @@ class CudaCopyHandle(CopyHandle):
         event: torch.cuda.Event,
         keepalive: list[object],
         finalize: Callable[[], None] | None = None,
+        stream: torch.cuda.Stream | None = None,
     ) -> None:
         self.direction, self.num_tokens, self.nbytes = plan.direction, plan.num_tokens, plan.nbytes
         self.event = event
+        self.stream = stream  # the stream `event` was recorded on, when the copy ran on the caller's stream
         self._keepalive: list[object] | None = keepalive
         self._finalize = finalize
         self._lock = threading.Lock()
@@ -222,7 +225,8 @@ class CudaCopyHandle(CopyHandle):
         """Make `stream` (default: the current stream) wait for the device side of the copy, without
         blocking the host. For a torch-backend offload the host scatter still needs done()/wait()."""
         s = stream if isinstance(stream, torch.cuda.Stream) else torch.cuda.current_stream()
-        s.wait_event(self.event)
+        if s != self.stream:  # the stream the copy ran on is ordered after it already
+            s.wait_event(self.event)
 
 
 class CudaCopyEngine(CopyEngine):
@@ -246,6 +250,15 @@ class CudaCopyEngine(CopyEngine):
     16/64, with one 0.96-0.99 (bench/results/offload_bandwidth-h200.json, "behind_compute").
     host_order: stage in host-slot order (else batch order). triton_host_order: the direct backend
     also walks host slots in ascending order (one index permutation on the device; experiment).
+
+    compute_stream: the stream whose work a copy is ordered after (where the caller writes KV), bound once,
+    so that a caller need not make it current around every submit (a stream context costs the host two
+    stream switches per copy); None: the current stream at each submit. on_compute_stream: the single-stream
+    backends (dma_rows, triton, torch) run the copy on that stream itself instead of `stream`, so no
+    ordering event is recorded or waited on, and a wait of that stream on the copy (a fence, a restore) is
+    free. For callers whose compute stream waits on every copy at once anyway (transformers' swaps: the
+    fenced release and the restore both do), where a separate stream overlaps nothing; the staged
+    pipeline keeps its own streams.
     """
 
     fences = True  # a handle's event is recorded after every stream the copy used; wait_stream is a wait_event
@@ -273,6 +286,8 @@ class CudaCopyEngine(CopyEngine):
         dma_min_bytes: int = AutoPolicy.min_bytes,
         dma_min_bytes_d2h: int = AutoPolicy.d2h_min_bytes,
         auto_hybrid_fraction: float | None = None,
+        compute_stream: torch.cuda.Stream | None = None,
+        on_compute_stream: bool = False,
     ) -> None:
         if not torch.cuda.is_available():
             raise RuntimeError("CudaCopyEngine needs CUDA; use CpuCopyEngine on this machine")
@@ -289,6 +304,10 @@ class CudaCopyEngine(CopyEngine):
             raise ValueError("at least one copy stream per direction")
         self.backend: Backend = backend
         self.kernel_config = kernel_config
+        if compute_stream is not None and compute_stream.device != self.device:
+            raise ValueError(f"compute stream on {compute_stream.device}, engine on {self.device}")
+        self.compute_stream = compute_stream
+        self.on_compute_stream = bool(on_compute_stream)
         if dma_chunk_bytes is not None:
             dma_d2h_chunk_bytes = dma_h2d_chunk_bytes = dma_chunk_bytes
         common = dict(first_chunk_bytes=dma_first_chunk_bytes, head_bytes=dma_head_bytes,
@@ -316,6 +335,10 @@ class CudaCopyEngine(CopyEngine):
         self._staging = PinnedIndexStaging()
         self._ops = CudaOps(self.device, streams, self._staging)
 
+    def caller_stream(self) -> torch.cuda.Stream:
+        """The stream a copy is ordered after: `compute_stream` when bound, else the current stream."""
+        return self.compute_stream if self.compute_stream is not None else torch.cuda.current_stream(self.device)
+
     def submit_d2h(
         self, device_pool: DeviceKVPool, device_indices: IndexLike, host_pool: HostKVPool, host_indices: IndexLike
     ) -> CudaCopyHandle:
@@ -337,7 +360,7 @@ class CudaCopyEngine(CopyEngine):
         if self.backend in ("auto", "dma_rows"):
             c = plan.device_pool.config
             # rows are addressed on the CPU: device indices already on the GPU cannot be read (0 rows)
-            rows = plan.num_tokens * c.num_planes * c.num_layers if plan.device_idx.device.type == "cpu" else 0
+            rows = plan.num_tokens * c.num_planes * c.num_layers if plan.device_on_cpu else 0
             chosen = choose_backend(self.backend, plan.direction, plan.nbytes, 0.0, HAVE_TRITON, self.policy,
                                     row_bytes=c.row_bytes, rows=rows)
             if chosen == "dma_rows" or self.backend == "dma_rows":
@@ -373,23 +396,25 @@ class CudaCopyEngine(CopyEngine):
         dev_view = None if layered else plan.device_pool.token_view()
         host_view = plan.host_pool.token_view()
         with torch.cuda.device(self.device):
-            if backend in ("dma", "hybrid"):
-                done, pinfo = launch_pipeline(self._ops, plan, self.pipeline_settings(plan.direction, backend), keep,
-                                              direct_ok=HAVE_TRITON)
+            if backend in ("dma", "hybrid"):  # its own streams, ordered after the caller's (the current one here)
+                with torch.cuda.stream(self.compute_stream) if self.compute_stream is not None else nullcontext():
+                    done, pinfo = launch_pipeline(self._ops, plan, self.pipeline_settings(plan.direction, backend),
+                                                  keep, direct_ok=HAVE_TRITON)
                 info.update(pinfo)
                 handle = CudaCopyHandle(plan, done, keep, None)
                 handle.backend = backend
                 info["submit_ms"] = (time.perf_counter() - t0) * 1e3
                 handle.info = info
                 return handle
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.device))
+            caller = self.caller_stream()
+            copy_stream = caller if self.on_compute_stream else self.stream
+            ready = self._ready_event(caller, copy_stream)
             host_np = plan.host_idx.numpy()
             order = None
             if backend == "triton" and self.triton_host_order and plan.num_tokens > 1:
                 order = dma.order_by_host(host_np)
                 host_np = host_np[order]
-            with torch.cuda.stream(self.stream):
+            with torch.cuda.stream(copy_stream):
                 # One upload (through pinned staging, before the wait: it overlaps the decode step) carries
                 # what the kernel needs that lives on the CPU; its staging region is released by `done`.
                 dev_idx = plan.device_idx
@@ -406,12 +431,13 @@ class CudaCopyEngine(CopyEngine):
                 at = 0
                 if on_cpu:
                     dev_idx, at = up[:n], n
-                else:
-                    dev_idx.record_stream(self.stream)  # made on the compute stream, read on ours
+                elif copy_stream is not caller:
+                    dev_idx.record_stream(copy_stream)  # made on the compute stream, read on ours
                 host_idx_dev = None
                 if backend == "triton" and n:
                     host_idx_dev, at = up[at:at + n], at + n
-                self.stream.wait_event(ready)  # the KV (and device indices) the caller's stream writes
+                if ready is not None:
+                    copy_stream.wait_event(ready)  # the KV (and device indices) the caller's stream writes
                 if not on_cpu and order is not None:
                     dev_idx = dev_idx.index_select(0, up[at:at + n])
                 keep += [ready, dev_idx, host_idx_dev, up]
@@ -449,35 +475,48 @@ class CudaCopyEngine(CopyEngine):
                     plan.device_pool.scatter_rows(dev_idx, staging)
                     keep += [staging, pinned]
                 done = torch.cuda.Event()
-                done.record(self.stream)
+                done.record(copy_stream)
                 if up is not None:
                     self._staging.mark(done)
-        handle = CudaCopyHandle(plan, done, keep, finalize)
+        handle = CudaCopyHandle(plan, done, keep, finalize, copy_stream if copy_stream is caller else None)
         handle.backend = backend
         info["submit_ms"] = (time.perf_counter() - t0) * 1e3
         handle.info = info
         return handle
 
+    @staticmethod
+    def _ready_event(caller: torch.cuda.Stream, copy_stream: torch.cuda.Stream) -> torch.cuda.Event | None:
+        """An event after the caller's queued work, for a copy stream to wait on; None when the copy runs on
+        the caller's stream itself (on_compute_stream), which orders it for free."""
+        if copy_stream is caller:
+            return None
+        ready = torch.cuda.Event()
+        ready.record(caller)
+        return ready
+
     def _launch_rows(self, plan: CopyPlan, info: dict[str, Any], t0: float) -> CudaCopyHandle:
-        """"dma_rows": one batched driver call of every token row, on `stream`, after the caller's stream.
+        """"dma_rows": one batched driver call of every token row, ordered after the caller's stream.
         What it saves: the Triton path's index upload and kernel launch. Measured on the H200 inside
         transformers' serving loop (bench/results/transformers_host_time-h200.json against
         transformers_host_time-before-dma_rows-h200.json): a swap-out's submit 0.58 -> 0.34 ms, a
-        restore's 0.54 -> 0.24 ms."""
+        restore's 0.54 -> 0.24 ms. The rows are addressed from the plan's lists when it kept them (a block
+        table and host page ids: no tensor is built for this copy at all)."""
         dev, host = plan.device_pool.token_view(), plan.host_pool.token_view()
-        d = plan.device_idx.tolist()
+        d = plan.device_ids if plan.device_ids is not None else plan.device_idx.tolist()
         h = plan.host_pages if plan.host_pages is not None and plan.host_pool.page_size == 1 \
             else plan.host_idx.tolist()  # page size 1: the page ids are the slots
         flat = dma.row_copies(dev, d, host, h) if plan.direction == "d2h" else dma.row_copies(host, h, dev, d)
         info["rows_ms"] = (time.perf_counter() - t0) * 1e3
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(self.device))  # the KV the caller's stream writes
-        self.stream.wait_event(ready)
-        info["driver_calls"] = self._ops.driver.run_batch_buffers(flat.dst, flat.src, flat.size, self.stream.cuda_stream)
+        caller = self.caller_stream()
+        copy_stream = caller if self.on_compute_stream else self.stream
+        ready = self._ready_event(caller, copy_stream)
+        if ready is not None:
+            copy_stream.wait_event(ready)
+        info["driver_calls"] = self._ops.driver.run_batch_buffers(flat.dst, flat.src, flat.size, copy_stream.cuda_stream)
         info["copies"] = flat.count
         done = torch.cuda.Event()
-        done.record(self.stream)
-        handle = CudaCopyHandle(plan, done, [plan, ready, flat], None)
+        done.record(copy_stream)
+        handle = CudaCopyHandle(plan, done, [plan, ready, flat], None, copy_stream if copy_stream is caller else None)
         handle.backend = "dma_rows"
         info["submit_ms"] = (time.perf_counter() - t0) * 1e3
         handle.info = info

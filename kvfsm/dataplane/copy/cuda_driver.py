@@ -103,6 +103,7 @@ class CudaDriver:
         self._batch, self.batch_abi, self.batch_status = resolve_batch(lib, self.driver_version, batch_abi)
         self.batch_calls = 0  # batched driver calls made
         self.fallback_copies = 0  # copies run_batch had to issue one by one
+        self._attrs: dict[tuple[int, str | None], tuple[Any, Any, int, int]] = {}  # (flags, hint) -> attribute entry
 
     @classmethod
     def get(cls) -> CudaDriver:
@@ -142,15 +143,22 @@ class CudaDriver:
         """batch_raw over the three arrays' addresses."""
         if self._batch is None:
             raise CopyError(f"cuMemcpyBatchAsync unavailable: {self.batch_status}")
-        attrs = MemcpyAttributes()
-        attrs.srcAccessOrder = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
-        attrs.flags = flags
-        if hint is not None:
-            dev = MemLocation(CU_MEM_LOCATION_TYPE_DEVICE, self.device)
-            host = MemLocation(CU_MEM_LOCATION_TYPE_HOST, 0)
-            attrs.srcLocHint, attrs.dstLocHint = (dev, host) if hint == "d2h" else (host, dev)
-        idx = ctypes.c_size_t(0)
-        args: list[Any] = [dsts, srcs, sizes, count, ctypes.addressof(attrs), ctypes.addressof(idx), 1]
+        # The attribute entry and its index array are the same for every call with these flags and hint:
+        # built once (the driver reads them during the call only), which spares a swap's submit four ctypes
+        # objects.
+        key = (flags, hint)
+        cached = self._attrs.get(key)
+        if cached is None:
+            attrs = MemcpyAttributes()
+            attrs.srcAccessOrder = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+            attrs.flags = flags
+            if hint is not None:
+                dev = MemLocation(CU_MEM_LOCATION_TYPE_DEVICE, self.device)
+                host = MemLocation(CU_MEM_LOCATION_TYPE_HOST, 0)
+                attrs.srcLocHint, attrs.dstLocHint = (dev, host) if hint == "d2h" else (host, dev)
+            idx = ctypes.c_size_t(0)
+            cached = self._attrs[key] = (attrs, idx, ctypes.addressof(attrs), ctypes.addressof(idx))
+        args: list[Any] = [dsts, srcs, sizes, count, cached[2], cached[3], 1]
         fail = None
         if self.batch_abi == "v1":
             fail = ctypes.c_size_t(2**64 - 1)
@@ -184,7 +192,7 @@ class CudaDriver:
         n = len(sizes)
         if not (len(dsts) == len(srcs) == n) or not dsts.typecode == srcs.typecode == sizes.typecode == "Q":
             raise ValueError("dst/src/size must be array('Q') of one length")
-        return self._enqueue((dsts, srcs, sizes), lambda a: a.buffer_info()[0], n, stream)
+        return self._enqueue((dsts, srcs, sizes), _buffer_address, n, stream)
 
     def _enqueue(self, arrays: tuple[Any, Any, Any], address: Any, n: int, stream: int, flags: int = 0,
                  hint: Literal["d2h", "h2d"] | None = None) -> int:
@@ -213,6 +221,10 @@ class CudaDriver:
         for a, b, m in zip(d, s, z):
             self._check(self._copy(a, b, m, stream), "cuMemcpyAsync")
         return len(z)
+
+
+def _buffer_address(a: array.array) -> int:
+    return a.buffer_info()[0]
 
 
 def memmove_batch(dsts: Any, srcs: Any, sizes: Any) -> int:

@@ -48,10 +48,18 @@ class PageSlots:
     the CPU caches cold). Only the allocator builds one, so the slots are the pages' by construction.
     """
 
-    __slots__ = ("allocator", "pages", "slots")
+    __slots__ = ("allocator", "pages", "_slots")
 
-    def __init__(self, allocator: "TokenSlotAllocator", pages: list[int], slots: torch.Tensor) -> None:
-        self.allocator, self.pages, self.slots = allocator, pages, slots
+    def __init__(self, allocator: "TokenSlotAllocator", pages: list[int], slots: torch.Tensor | None = None) -> None:
+        self.allocator, self.pages, self._slots = allocator, pages, slots
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """The slot indices (int64, CPU), built from the page list on first use: a copy planned over the
+        page list (dma_rows, page size 1) never needs them, and building them is a numpy and a torch call."""
+        if self._slots is None:
+            self._slots = torch.from_numpy(self.allocator.slots_of(self.pages))
+        return self._slots
 
     def __len__(self) -> int:
         """The slot count, from the page list (no tensor call)."""
@@ -282,7 +290,7 @@ class TokenSlotAllocator:
 
     def page_slots(self, pages: list[int]) -> PageSlots:
         """`pages` (e.g. from alloc_pages) with their slots, in order."""
-        return PageSlots(self, list(pages), torch.from_numpy(self.slots_of(pages)))
+        return PageSlots(self, list(pages))
 
     def owns_page_list(self, pages: Sequence[int]) -> bool:
         """Whether `pages` are page ids in range, each once, each allocated now: three C-level passes over

@@ -28,6 +28,12 @@ class SwapConfig:
     fenced (the compute stream waits on the copy; the host does not), instead of after a host wait for the
     copy. None (default): fenced when the copy engine's handles fence (`CopyEngine.fences`, true of every
     kvfsm engine); True requires it; False keeps the deferred release.
+
+    `copy_on_compute_stream` (the CUDA engine the integration builds, "auto"/"cuda"): run each swap's copy
+    on the engine's compute stream itself rather than on a copy stream ordered after it. The compute stream
+    waits on every swap at once anyway (the fenced release and the restore both make it), so a copy stream
+    overlaps nothing, and without it a swap records and waits on no ordering event
+    (bench/probes/transformers_host_time.py measures both).
     """
 
     host_blocks: Optional[int] = None
@@ -36,6 +42,7 @@ class SwapConfig:
     checked: bool = False
     pin_memory: Optional[bool] = None  # None: pinned when CUDA is available
     fenced: Optional[bool] = None  # None: fenced when the copy engine fences
+    copy_on_compute_stream: bool = True
 
 
 @dataclass

@@ -71,11 +71,11 @@ class SwapEffects:
         if o.ledger is not None:
             o.ledger.copy_started(rec.key, "preempt", "d2h", c.device_blocks, host)
         try:
-            with o.stream_ctx():
-                if o.checked:  # a snapshot on the device, on the stream the copy is ordered after: no host wait
+            if o.checked:  # a snapshot on the device, on the stream the copy is ordered after: no host wait
+                with o.stream_ctx():
                     rec.expected = o.device_pool.blocks(c.device_blocks)
-                c.submitted_at = time.perf_counter()
-                c.handle = o.engine.submit_d2h(o.device_pool, c.device_blocks, o.host_pool, c.host_blocks)
+            c.submitted_at = time.perf_counter()
+            c.handle = o.submit(o.engine.submit_d2h, o.device_pool, c.device_blocks, o.host_pool, c.host_blocks)
             if o.ledger is not None:
                 o.ledger.copy_submitted(rec.key, c.handle)
         except BaseException:
@@ -158,11 +158,10 @@ class SwapEffects:
             o.check_restore_target(rec, c.device_blocks)
             o.ledger.copy_started(rec.key, "restore", "h2d", c.device_blocks, host)
         try:
-            with o.stream_ctx():
-                c.submitted_at = time.perf_counter()
-                c.handle = o.engine.submit_h2d(o.host_pool, c.host_blocks, o.device_pool, c.device_blocks)
-                if o.device_pool.device.type == "cuda":
-                    c.handle.wait_stream(None)  # the compute stream's next forward reads what the copy wrote
+            c.submitted_at = time.perf_counter()
+            c.handle = o.submit(o.engine.submit_h2d, o.host_pool, c.host_blocks, o.device_pool, c.device_blocks)
+            if o.device_pool.device.type == "cuda":
+                c.handle.wait_stream(o.compute_stream)  # the compute stream's next forward reads what the copy wrote
             if o.ledger is not None:
                 o.ledger.copy_submitted(rec.key, c.handle)
         except BaseException:
@@ -204,7 +203,9 @@ class SwapEffects:
         rec.host_blocks, rec.expected = None, None
 
 
-def _engine_for(config: SwapConfig, device: torch.device) -> CopyEngine:
+def _engine_for(config: SwapConfig, device: torch.device, compute_stream: Any = None) -> CopyEngine:
+    """The copy engine SwapConfig.copy_engine names; a CUDA one is bound to the engine's compute stream
+    (its copies are ordered after that stream with no stream context around each submit)."""
     choice = config.copy_engine
     if isinstance(choice, CopyEngine):
         return choice
@@ -213,5 +214,5 @@ def _engine_for(config: SwapConfig, device: torch.device) -> CopyEngine:
     if choice in ("cuda", "auto"):
         from kvfsm.dataplane import CudaCopyEngine
 
-        return CudaCopyEngine(device)
+        return CudaCopyEngine(device, compute_stream=compute_stream, on_compute_stream=config.copy_on_compute_stream)
     raise ValueError(f"copy_engine must be 'auto', 'cpu', 'cuda' or a CopyEngine, got {choice!r}")

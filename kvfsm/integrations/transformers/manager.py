@@ -62,7 +62,9 @@ class KvfsmOffloadingManager(OffloadingManager):
         self.device_pool = PagedCachePool(self.allocator)
         num_host = _size_host_pool(config, self.device_pool, cpu_offload_space_gib)
         self.host_pool = HostKVPool(self.device_pool.config, num_host, page_size=1, pin_memory=config.pin_memory)
-        self.engine = _engine_for(config, self.device_pool.device)
+        self.engine = _engine_for(config, self.device_pool.device, self.compute_stream)
+        # an engine bound to the compute stream orders its copies after it: no stream context per submit
+        self._stream_bound = self.compute_stream is None or getattr(self.engine, "compute_stream", None) is self.compute_stream
         self.fenced = _fenced(config, self.engine)
         self._fences = 1 if self.fenced else 0  # the spec's `fences` param of every machine
         self.checked = bool(config.checked)
@@ -110,6 +112,14 @@ class KvfsmOffloadingManager(OffloadingManager):
         if self._compute_stream is not None and self.device_pool.device.type == "cuda":
             return torch.cuda.stream(self._compute_stream)
         return contextlib.nullcontext()
+
+    def submit(self, submit: Any, *args: Any) -> Any:
+        """`submit(*args)` (a copy engine's submit_d2h / submit_h2d) ordered after the compute stream: as is
+        when the engine is bound to it, else inside `stream_ctx` (an engine the user passed)."""
+        if self._stream_bound:
+            return submit(*args)
+        with self.stream_ctx():
+            return submit(*args)
 
     def engine_free_blocks(self, request_id: str, no_cache: bool = False) -> None:
         """The engine's own PagedAttentionCache.free_blocks (not routed through any machine)."""
@@ -160,6 +170,8 @@ class KvfsmOffloadingManager(OffloadingManager):
 
     def poll(self, wait: bool = False) -> int:
         """Acknowledge every copy that has landed (all of them, waiting, when `wait`); returns how many."""
+        if not self.in_flight:
+            return 0
         n = 0
         for rec in list(self.in_flight.values()):
             c = rec.copy
