@@ -172,8 +172,10 @@ def run(model: Any, inputs: list[list[int]], args: argparse.Namespace, mode: str
         if getattr(args, "kvfsm_backend", "auto") != "auto" and cuda:
             from kvfsm.dataplane import CudaCopyEngine
             engine = CudaCopyEngine(model.device, backend=args.kvfsm_backend)
+        on_compute = getattr(args, "kvfsm_copy_stream", "compute") == "compute"
         inst = kt.install(manager, kt.SwapConfig(host_bytes=int(args.host_gib * GiB), checked=args.checked,
-                                                 fenced=mode == "kvfsm_fenced", copy_engine=engine))
+                                                 fenced=mode == "kvfsm_fenced", copy_engine=engine,
+                                                 copy_on_compute_stream=on_compute))
     probe = Probe(sync)
     probe.attach(manager)
     manager.warmup()
@@ -253,6 +255,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--no-async-batching", dest="async_batching", action="store_false")
     p.add_argument("--kvfsm-backend", default="auto", choices=("auto", "triton", "torch", "dma"),
                    help="CudaCopyEngine backend of the kvfsm modes (a probe: the default is what users get)")
+    p.add_argument("--kvfsm-copy-stream", default="compute", choices=("compute", "own"),
+                   help="where the kvfsm modes' CUDA engine runs a swap's copy: on the engine's compute stream "
+                        "(SwapConfig.copy_on_compute_stream, the default) or on its own copy stream (a probe)")
     p.add_argument("--modes", nargs="+", default=None, help="a subset of engine, kvfsm, kvfsm_fenced (a probe)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -273,7 +278,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     inputs = workload(args, model.config.vocab_size)
     params = {k: getattr(args, k) for k in ("requests", "new_tokens", "prompt_min", "prompt_max", "page_size",
                                             "num_blocks", "max_batch_tokens", "host_gib", "repeats", "checked",
-                                            "async_batching", "cuda_graphs", "model", "kvfsm_backend")}
+                                            "async_batching", "cuda_graphs", "model", "kvfsm_backend",
+                                            "kvfsm_copy_stream")}
     params.update(device=device, dtype=str(model.dtype), model_params=sum(p.numel() for p in model.parameters()),
                   layers=model.config.num_hidden_layers, kv_heads=model.config.num_key_value_heads,
                   head_dim=model.config.hidden_size // model.config.num_attention_heads,

@@ -1,6 +1,7 @@
 """Where the host time of transformers' offloading goes, per call, without a profiler's inflation.
 
-bench/transformers_offload.py's workload (smaller by default), one warm run per mode, with a
+bench/transformers_offload.py's workload (smaller by default). Per mode, a warm run and a run without
+timers (its host times as the benchmark measures them: "untimed"); then per mode one run with a
 perf_counter wrapper around each entry point and each function under it that could cost host time
 (kvfsm's manager, machine, effects, pools and copy engine; the engine's own offload and restore). A
 wrapper costs about a microsecond, so the per-call figures are within that of the unwrapped calls.
@@ -63,7 +64,8 @@ def instrument() -> None:
         timed(om.OffloadingManager, name, f"engine.{name}")
     for name in ("evict_cached_blocks", "count_storable_requests", "free_blocks"):
         timed(tcache.PagedAttentionCache, name, f"cache.{name}")
-    for name in ("poll", "_swap_out", "_record", "_ack", "_retire", "engine_free_blocks", "_engine_frees"):
+    for name in ("poll", "_swap_out", "_record", "_ack", "_retire", "engine_free_blocks", "_engine_frees", "submit",
+                 "offload_requests", "restore_scheduled_requests"):
         timed(K, name, f"manager.{name}")
     for name in ("preempt", "restore", "swap_out_done", "swap_in_done", "finish", "cancel"):
         timed(CbSwapMachine, name, f"machine.{name}")
@@ -74,8 +76,11 @@ def instrument() -> None:
         timed(HostKVPool, name, f"host_pool.{name}")
     timed(SlotFence, "wait", "fence.wait")
     timed(PinnedIndexStaging, "upload_here", "staging.upload_here")
-    for name in ("submit_d2h", "submit_h2d", "_launch", "choose_backend"):
+    for name in ("submit_d2h", "submit_h2d", "_launch", "_launch_rows", "choose_backend"):
         timed(cuda_mod.CudaCopyEngine, name, f"cuda.{name}")
+    timed(cuda_mod.dma, "row_copies", "dma.row_copies")
+    from kvfsm.dataplane.copy.cuda_driver import CudaDriver
+    timed(CudaDriver, "run_batch_buffers", "driver.run_batch_buffers")
     for name in ("plan_copy", "kv_rows_copy"):
         timed(cuda_mod, name, f"cuda.{name}")
 
@@ -100,7 +105,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--modes", nargs="+", default=["engine", "kvfsm_fenced"])
+    ap.add_argument("--modes", nargs="+", default=["engine", "kvfsm_fenced", "kvfsm_fenced_own_stream"],
+                    help="engine, kvfsm, kvfsm_fenced; a kvfsm mode with the suffix _own_stream runs its copies on "
+                         "the CUDA engine's copy stream (SwapConfig(copy_on_compute_stream=False))")
     ap.add_argument("--tag", default=None)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -110,18 +117,29 @@ def main() -> None:
                               checked=False, async_batching=None, out=None, kvfsm_backend="auto")
     model = tob.build_model(args, "cuda")
     inputs = tob.workload(args, model.config.vocab_size)
-    instrument()
+    keys = ("offload_calls", "restore_calls", "time_in_offload_s", "time_offload_requests_s", "time_restore_s",
+            "swapped_out", "restores", "throughput_tok_s")
     out: dict[str, Any] = {"params": {"requests": a.requests, "new_tokens": a.new_tokens}, "modes": {}}
+
+    def run(mode: str) -> dict[str, Any]:
+        args.kvfsm_copy_stream = "own" if mode.endswith("_own_stream") else "compute"
+        return tob.run(model, inputs, args, mode.removesuffix("_own_stream"), False)
+
+    # First without timers (each mode after a warm run: kernels compiled, allocator caches filled): the
+    # host times as the benchmark measures them; then each mode again with every timer in place.
     for mode in a.modes:
-        tob.run(model, inputs, args, mode, False)  # warm: kernels compiled, allocator caches filled
+        run(mode)
+        row = run(mode)
+        out["modes"][mode] = {"untimed": {k: row[k] for k in keys}}
+        print(mode, "untimed", json.dumps(out["modes"][mode]["untimed"]))
+    instrument()
+    for mode in a.modes:
         TOTALS.clear()
         INFO.clear()
-        row = tob.run(model, inputs, args, mode, False)
-        res = {"row": {k: row[k] for k in ("offload_calls", "restore_calls", "time_in_offload_s",
-                                           "time_offload_requests_s", "time_restore_s", "swapped_out", "restores",
-                                           "throughput_tok_s")},
-               "timers": table(TOTALS, 1e3), "submit_info_ms": table(INFO, 1.0)}
-        out["modes"][mode] = res
+        row = run(mode)
+        res = out["modes"][mode]
+        res.update({"row": {k: row[k] for k in keys}, "timers": table(TOTALS, 1e3),
+                    "submit_info_ms": table(INFO, 1.0)})
         print(mode, json.dumps(res["row"]))
         for k, v in res["timers"].items():
             print(f"  {k:40s} {v['calls']:6d} calls {v['total_ms']:9.3f} ms  mean {v['mean_us']:8.1f} us  "

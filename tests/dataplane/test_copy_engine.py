@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -25,6 +26,7 @@ from kvfsm.dataplane import (
 )
 
 from kvfsm.dataplane.copy.coalescing import CoalescingCopyEngine
+from kvfsm.dataplane.pools.allocator import PageSlots
 
 from .helpers import bits, check_orders_after_compute_and_never_blocks, fill_random, make_device_pool, make_host_pool
 
@@ -267,6 +269,63 @@ def test_page_slots_are_checked_as_page_lists(engine_name: str) -> None:
         eng.close()
 
 
+@pytest.mark.parametrize("engine_name", sorted(CPU_ENGINES))
+def test_a_block_table_list_and_host_pages_are_planned_as_lists(engine_name: str) -> None:
+    """A list of ints (an engine's block table) and host PageSlots stay lists in the plan: no index tensor and
+    no slot tensor is built unless a backend asks (dma_rows never does). The plan keeps its own copy of the
+    list, the range check is the tensor path's, anything but a list of ints takes the tensor path, and the
+    copies move the same bytes."""
+    from kvfsm.dataplane.copy.base import plan_copy
+
+    cfg = KVCacheConfig.tiny()
+    dev = make_device_pool(cfg, 64)
+    host = make_host_pool(cfg, 32, 1)
+    pages = host.alloc_pages(4)
+    assert pages is not None
+    hp = host.page_slots(pages)
+    assert hp._slots is None  # built on first use only
+    table = [9, 3, 40, 17]
+    plan = plan_copy("d2h", dev, table, host, hp)
+    assert plan.device_ids == table and plan.device_ids is not table and plan.host_pages == pages
+    assert plan._device_idx is None and plan._host_idx is None and hp._slots is None and plan.device_on_cpu
+    assert plan.num_tokens == 4 and plan.nbytes == 4 * cfg.bytes_per_token
+    table[0] = 63  # the caller's table changes after planning: the plan does not
+    assert plan.device_idx.tolist() == [9, 3, 40, 17] and plan.device_idx.dtype == torch.int64
+    assert plan.host_idx.tolist() == pages and hp._slots is not None
+    table[0] = 9
+    for bad in ([-1, 3, 40, 17], [9, 3, 64, 17]):
+        with pytest.raises(OutOfRange):
+            plan_copy("d2h", dev, bad, host, hp)
+    with pytest.raises(CopyError):
+        plan_copy("d2h", dev, table[:3], host, hp)
+    for other in ([np.int64(b) for b in table], tuple(table), torch.tensor(table)):
+        p = plan_copy("h2d", dev, other, host, hp)  # type: ignore[arg-type]
+        assert p.device_ids is None and p.device_idx.tolist() == table
+    with pytest.raises(OutOfRange):
+        plan_copy("d2h", dev, [9.0, 3, 40, 17], host, hp)  # type: ignore[list-item]
+    eng = CPU_ENGINES[engine_name]()
+    eng.submit_d2h(dev, table, host, hp).wait()
+    assert torch.equal(bits(host.kv_buffer[:, :, pages]), bits(dev.storage[:, :, table]))
+    dev.storage.index_fill_(2, torch.tensor([1, 2, 50, 51]), 0)
+    eng.submit_h2d(host, hp, dev, [1, 2, 50, 51]).wait()
+    assert torch.equal(bits(dev.storage[:, :, [1, 2, 50, 51]]), bits(dev.storage[:, :, table]))
+    if isinstance(eng, ThreadCpuCopyEngine):
+        eng.close()
+
+
+def test_page_slots_build_their_slots_once_on_first_use() -> None:
+    a = TokenSlotAllocator(32, 4)
+    pages = a.alloc_pages(3)
+    assert pages is not None
+    ps = a.page_slots(pages)
+    pages.append(7)  # page_slots keeps its own list
+    assert ps.pages == pages[:3] and ps._slots is None and len(ps) == 12
+    slots = ps.slots
+    assert slots.tolist() == [p * 4 + i for p in pages[:3] for i in range(4)] and ps.slots is slots
+    given = torch.tensor([4, 5, 6, 7])
+    assert a.page_slots([1]).slots.tolist() == [4, 5, 6, 7] and PageSlots(a, [1], given).slots is given
+
+
 def test_owns_page_list() -> None:
     a = TokenSlotAllocator(32, 4)
     pages = a.alloc_pages(3)
@@ -406,6 +465,62 @@ def test_dma_rows_moves_whole_block_rows_after_compute_without_a_host_wait() -> 
     before = dev.storage[:, :, untouched].clone()
     eng.submit_h2d(host, hs, dev, back).wait()
     assert torch.equal(bits(dev.storage[:, :, untouched]), bits(before))  # nothing written elsewhere
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("backend,on_compute", [("auto", False), ("auto", True), ("triton", False), ("triton", True),
+                                                ("torch", True)])
+def test_a_bound_compute_stream_orders_copies_with_no_stream_context(backend: str, on_compute: bool) -> None:
+    """An engine bound to a compute stream (compute_stream=) orders its copies after that stream's writes
+    while another stream is current at submit. With on_compute_stream the copy runs on that stream (the
+    handle names it, and its wait on the copy is free). Neither submit nor done() waits for the GPU."""
+    from kvfsm.dataplane import CudaCopyEngine
+
+    if backend == "triton" and not HAVE_TRITON:
+        pytest.skip("triton not installed")
+    rows = backend == "auto"  # whole-block rows: "auto" takes dma_rows
+    cfg = KVCacheConfig(num_layers=1, kv_heads=1, head_dim=256 * 1024, attention="mla") if rows else KVCacheConfig.tiny()
+    dev = make_device_pool(cfg, 64, "cuda", seed=3)
+    host = HostKVPool(cfg, 32, 1)
+    compute = torch.cuda.Stream()
+    eng = CudaCopyEngine(backend=backend, compute_stream=compute, on_compute_stream=on_compute)  # type: ignore[arg-type]
+    blocks, back = [9, 3, 40, 41, 17, 60], [1, 2, 50, 51, 52, 7]
+    pages = host.alloc_pages(len(blocks))
+    assert pages is not None
+    hs = host.page_slots(pages)
+    idx, bidx = torch.tensor(blocks, device="cuda"), torch.tensor(back, device="cuda")
+    fresh = fill_random(torch.empty_like(dev.storage[:, :, idx]), 12)
+    eng.submit_d2h(dev, blocks, host, hs).wait()  # warm-up
+    torch.cuda.synchronize()
+    with torch.cuda.stream(compute):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of busy compute stream
+        dev.storage.index_copy_(2, idx, fresh)  # what the offload must see, written after the sleep
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        h = eng.submit_d2h(dev, blocks, host, hs)  # the default stream is current, not `compute`
+        assert not h.done()
+        assert (h.stream == compute) if on_compute else h.stream is None
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    h.wait()
+    assert torch.equal(bits(host.token_view()[:, :, hs.slots]), bits(fresh.cpu()))
+    with torch.cuda.stream(compute):
+        torch.cuda._sleep(100_000_000)
+        dev.storage.index_fill_(2, bidx, 0)  # the load-back must land after this
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        h2 = eng.submit_h2d(host, hs, dev, back)
+        h2.wait_stream(compute)
+        with torch.cuda.stream(compute):
+            out = dev.storage[:, :, bidx].clone()
+        assert not h2.done()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert torch.equal(bits(out), bits(fresh))
+    if rows:
+        assert h.backend == h2.backend == "dma_rows"
 
 
 @gpu

@@ -30,7 +30,7 @@ def fake_libcuda(exports: tuple[str, ...] = ("v2",), batch_rc: int = 0, version:
         log["batch"].append({
             "count": count, "nattrs": nattrs, "idx0": ctypes.c_size_t.from_address(idxs).value,
             "order": a.srcAccessOrder, "flags": a.flags, "src_hint": a.srcLocHint.type,
-            "dst_hint": a.dstLocHint.type, "nargs": 8 + len(fail), "stream": stream})
+            "dst_hint": a.dstLocHint.type, "nargs": 8 + len(fail), "stream": stream, "attrs": attrs})
         if batch_rc:
             return batch_rc
         d = (ctypes.c_uint64 * count).from_address(dsts)
@@ -90,6 +90,7 @@ def test_run_batch_makes_one_call(monkeypatch: pytest.MonkeyPatch, exports: tupl
     assert drv.run_batch(f.dst, f.src, f.size, stream=1234) == 1
     check_scattered(src, dst, f)
     (call,) = lib.log["batch"]
+    first_attrs = call.pop("attrs")
     assert call == {"count": f.count, "nattrs": 1, "idx0": 0, "order": cuda_driver.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
                     "flags": 0, "src_hint": 0, "dst_hint": 0, "nargs": nargs, "stream": 1234}
     assert lib.log["copy"] == []
@@ -97,6 +98,16 @@ def test_run_batch_makes_one_call(monkeypatch: pytest.MonkeyPatch, exports: tupl
     last = lib.log["batch"][-1]
     assert (last["flags"], last["src_hint"], last["dst_hint"]) == (1, cuda_driver.CU_MEM_LOCATION_TYPE_DEVICE,
                                                                    cuda_driver.CU_MEM_LOCATION_TYPE_HOST)
+    assert last["attrs"] != first_attrs  # another flags/hint: another entry
+    drv.run_batch(f.dst, f.src, f.size, stream=7, hint="h2d")
+    last = lib.log["batch"][-1]
+    assert (last["flags"], last["src_hint"], last["dst_hint"]) == (0, cuda_driver.CU_MEM_LOCATION_TYPE_HOST,
+                                                                   cuda_driver.CU_MEM_LOCATION_TYPE_DEVICE)
+    # the entry of a (flags, hint) is built once and reused unchanged by the calls that follow
+    drv.run_batch(f.dst, f.src, f.size, stream=8)
+    again = lib.log["batch"][-1]
+    assert again["attrs"] == first_attrs and (again["flags"], again["src_hint"], again["dst_hint"]) == (0, 0, 0)
+    assert again["order"] == cuda_driver.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM and again["idx0"] == 0
     assert drv.run_batch([], [], [], stream=7) == 0
 
 

@@ -627,34 +627,43 @@ def test_generate_batch_swaps_on_cuda(asynchronous: bool, fenced: bool) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("on_compute", [True, False], ids=["compute-stream", "copy-stream"])
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
-def test_fenced_swap_out_on_cuda_never_synchronizes(asynchronous: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every swap-out runs under torch.cuda.set_sync_debug_mode("error"): a host-device synchronisation in it
-    (a host wait for the copy, a blocking transfer) raises. Checked mode is off: its snapshots synchronise."""
+def test_fenced_swap_out_on_cuda_never_synchronizes(asynchronous: bool, on_compute: bool,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every swap-out and every restore call runs under torch.cuda.set_sync_debug_mode("error"): a host-device
+    synchronisation in it (a host wait for the copy, a blocking transfer) raises. Checked mode is off: its
+    snapshots synchronise. Both places a swap's copy can run: the engine's compute stream, or a copy stream."""
     model = tiny_llama("cuda")
     inputs = prompts(N_REQUESTS)
     expected = reference_outputs(model, inputs, NEW_TOKENS)
-    real = kt.KvfsmOffloadingManager._swap_out
-    strict_calls: list[bool] = []
+    strict_calls: dict[str, list[Any]] = {"_swap_out": [], "restore_scheduled_requests": []}
 
-    def strict_swap_out(self: kt.KvfsmOffloadingManager, state: Any) -> bool:
-        previous = torch.cuda.get_sync_debug_mode()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            out = real(self, state)
-        finally:
-            torch.cuda.set_sync_debug_mode(previous)
-        strict_calls.append(out)
-        return out
+    def strict(name: str) -> Any:
+        real = getattr(kt.KvfsmOffloadingManager, name)
 
-    monkeypatch.setattr(kt.KvfsmOffloadingManager, "_swap_out", strict_swap_out)
+        def call(self: kt.KvfsmOffloadingManager, *args: Any) -> Any:
+            previous = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                out = real(self, *args)
+            finally:
+                torch.cuda.set_sync_debug_mode(previous)
+            strict_calls[name].append(out)
+            return out
+        return call
+
+    for name in strict_calls:
+        monkeypatch.setattr(kt.KvfsmOffloadingManager, name, strict(name))
     cb = cb_config(NUM_BLOCKS, use_async_batching=asynchronous, use_cuda_graph=asynchronous)
-    outs, inst = run_batch(model, inputs, kt.SwapConfig(host_blocks=64, fenced=True), cb)
+    outs, inst = run_batch(model, inputs, kt.SwapConfig(host_blocks=64, fenced=True, copy_on_compute_stream=on_compute), cb)
     (kv,) = inst.managers
     m = inst.metrics
     print(f"\ncuda {'async' if asynchronous else 'sync'} fenced, sync debug: {m.as_dict()}")
-    assert type(kv.engine).__name__ == "CudaCopyEngine" and kv.fenced
+    assert type(kv.engine).__name__ == "CudaCopyEngine" and kv.fenced and kv._stream_bound
+    assert kv.engine.on_compute_stream is on_compute and kv.engine.compute_stream is kv.compute_stream
     assert outs == expected
-    assert m.preempts >= 10 and len(strict_calls) == m.preempts + m.soft_resets
+    assert m.preempts >= 10 and len(strict_calls["_swap_out"]) == m.preempts + m.soft_resets
+    assert len(strict_calls["restore_scheduled_requests"]) == m.restore_calls and m.restores == m.preempts
     assert m.fenced_releases == m.preempts == m.swap_outs_done
     assert inst.leaks() == []

@@ -73,7 +73,8 @@ IndexLike = torch.Tensor | PageSlots | Sequence[int]
 
 
 def as_index_tensor(indices: IndexLike, device: torch.device) -> torch.Tensor:
-    """A flat int64 tensor on `device`; rejects floating/bool tensors (an index that silently truncates)."""
+    """A flat int64 tensor on `device`; rejects floating and bool tensors, arrays and sequences (an index
+    that silently truncates)."""
     if isinstance(indices, PageSlots):  # built on the CPU
         return indices.slots if device.type == "cpu" else indices.slots.to(device=device)
     if isinstance(indices, torch.Tensor):
@@ -85,7 +86,10 @@ def as_index_tensor(indices: IndexLike, device: torch.device) -> torch.Tensor:
             raise OutOfRange(f"slot indices must be an integer array, got {indices.dtype}")
         t = torch.from_numpy(np.ascontiguousarray(indices.reshape(-1), dtype=np.int64))
     else:
-        t = torch.as_tensor(list(indices), dtype=torch.int64)
+        items = list(indices)
+        t = torch.as_tensor(items) if items else torch.empty(0, dtype=torch.int64)
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise OutOfRange(f"slot indices must be integers, got {t.dtype} values")
     return t.to(device=device, dtype=torch.int64)
 
 
