@@ -438,6 +438,8 @@ def test_dma_rows_moves_whole_block_rows_after_compute_without_a_host_wait() -> 
     idx, bidx = torch.tensor(blocks, device="cuda"), torch.tensor(back, device="cuda")
     fresh = fill_random(torch.empty_like(dev.storage[:, :, idx]), 12)
     eng.submit_d2h(dev, blocks, host, hs).wait()  # warm-up
+    g = eng._row_geometry(host)  # kept per pool while its buffer is the same tensor
+    assert eng._row_geometry(host) is g and g.bases == (host.kv_buffer.data_ptr(),)
     torch.cuda.synchronize()
     torch.cuda._sleep(200_000_000)  # ~0.1 s of busy compute stream
     dev.storage.index_copy_(2, idx, fresh)  # what the offload must see, written after the sleep

@@ -220,3 +220,23 @@ def test_row_copies_refuse_rows_that_are_not_contiguous() -> None:
                        np.array([1]))
     with pytest.raises(ValueError, match="1 source rows vs 2"):
         dma.row_copies(dev.token_view(), np.array([1]), host.token_view(), np.array([1, 2]))
+
+
+def test_row_copies_from_kept_geometries_equal_those_from_the_views(config: KVCacheConfig, layout: str) -> None:
+    """A RowGeometry (what the dma_rows backend keeps per pool) addresses the same copies as the view it was
+    taken from; rows of another shape or dtype do not pair."""
+    dev = make_device_pool(config, 64, "cpu", seed=3)
+    host = HostKVPool(config, 32, 1, layout, pin_memory=False)
+    d5, h5 = dev.token_view(), host.token_view()
+    gd, gh = dma.RowGeometry.of(d5), dma.RowGeometry.of(h5)
+    assert len(gd.bases) == config.num_planes * config.num_layers and gd.row == config.row_bytes
+    a = dma.row_copies(d5, [9, 3, 40], h5, [30, 2, 3])
+    b = dma.row_copies(gd, [9, 3, 40], gh, [30, 2, 3])
+    assert (a.dst, a.src, a.size) == (b.dst, b.src, b.size)
+    other = HostKVPool(KVCacheConfig(num_layers=config.num_layers, kv_heads=config.kv_heads, head_dim=config.head_dim,
+                                     attention=config.attention, dtype=torch.float16 if config.dtype != torch.float16
+                                     else torch.bfloat16), 8, 1, pin_memory=False)
+    with pytest.raises(ValueError, match="views differ"):
+        dma.row_copies(gd, [1], dma.RowGeometry.of(other.token_view()), [1])
+    with pytest.raises(ValueError, match="P, L, S, H, D"):
+        dma.RowGeometry.of(d5[0])

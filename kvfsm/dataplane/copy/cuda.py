@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import weakref
 from contextlib import nullcontext
 import time
 from collections.abc import Callable
@@ -225,7 +226,7 @@ class CudaCopyHandle(CopyHandle):
         """Make `stream` (default: the current stream) wait for the device side of the copy, without
         blocking the host. For a torch-backend offload the host scatter still needs done()/wait()."""
         s = stream if isinstance(stream, torch.cuda.Stream) else torch.cuda.current_stream()
-        if s != self.stream:  # the stream the copy ran on is ordered after it already
+        if self.stream is None or not s == self.stream:  # the stream the copy ran on is ordered after it already
             s.wait_event(self.event)
 
 
@@ -334,6 +335,7 @@ class CudaCopyEngine(CopyEngine):
         # index uploads: pinned staging reused by event query (an upload from pageable memory would wait)
         self._staging = PinnedIndexStaging()
         self._ops = CudaOps(self.device, streams, self._staging)
+        self._geometries: dict[int, tuple[weakref.ReferenceType[torch.Tensor], dma.RowGeometry]] = {}
 
     def caller_stream(self) -> torch.cuda.Stream:
         """The stream a copy is ordered after: `compute_stream` when bound, else the current stream."""
@@ -484,6 +486,20 @@ class CudaCopyEngine(CopyEngine):
         handle.info = info
         return handle
 
+    def _row_geometry(self, pool: DeviceKVPool | HostKVPool) -> dma.RowGeometry:
+        """The pool's RowGeometry, kept while the tensor its view derives from is the same object (a host
+        pool's kv_buffer, a device pool's storage). What it saves: the view (a torch call for a host pool)
+        and its addressing on every copy, about 40 us of a swap's submit inside transformers' serving loop
+        on the H200 (dma.row_copies in bench/results/transformers_host_time-h200.json). The tensor is held
+        weakly: a pool that is gone leaves no memory behind here."""
+        buf = pool.kv_buffer if isinstance(pool, HostKVPool) else pool.token_view()
+        hit = self._geometries.get(id(pool))
+        if hit is not None and hit[0]() is buf:
+            return hit[1]
+        geometry = dma.RowGeometry.of(pool.token_view())
+        self._geometries[id(pool)] = (weakref.ref(buf), geometry)
+        return geometry
+
     @staticmethod
     def _ready_event(caller: torch.cuda.Stream, copy_stream: torch.cuda.Stream) -> torch.cuda.Event | None:
         """An event after the caller's queued work, for a copy stream to wait on; None when the copy runs on
@@ -501,7 +517,7 @@ class CudaCopyEngine(CopyEngine):
         transformers_host_time-before-dma_rows-h200.json): a swap-out's submit 0.58 -> 0.34 ms, a
         restore's 0.54 -> 0.24 ms. The rows are addressed from the plan's lists when it kept them (a block
         table and host page ids: no tensor is built for this copy at all)."""
-        dev, host = plan.device_pool.token_view(), plan.host_pool.token_view()
+        dev, host = self._row_geometry(plan.device_pool), self._row_geometry(plan.host_pool)
         d = plan.device_ids if plan.device_ids is not None else plan.device_idx.tolist()
         h = plan.host_pages if plan.host_pages is not None and plan.host_pool.page_size == 1 \
             else plan.host_idx.tolist()  # page size 1: the page ids are the slots

@@ -159,36 +159,52 @@ class RowCopies:
         return sum(self.size)
 
 
-def row_copies(src5: torch.Tensor, src_idx: Sequence[int] | np.ndarray, dst5: torch.Tensor,
-               dst_idx: Sequence[int] | np.ndarray) -> RowCopies:
+@dataclass(frozen=True)
+class RowGeometry:
+    """Where the token rows of one `(P, L, S, H, D)` view lie: one base address per (plane, layer), in that
+    order, the bytes between two slots' rows, and the bytes of a row. Fixed for as long as the view's memory
+    is: the "dma_rows" backend keeps one per pool (CudaCopyEngine), so a copy only adds slot offsets."""
+
+    bases: tuple[int, ...]
+    step: int
+    row: int
+    rows_of: tuple[Any, ...]  # (P, L, H, D, dtype): two views' rows pair only when these match
+
+    @classmethod
+    def of(cls, view: torch.Tensor) -> "RowGeometry":
+        st, shape, es = view.stride(), tuple(view.shape), view.element_size()
+        if len(shape) != 5:
+            raise ValueError(f"a (P, L, S, H, D) view, got shape {shape}")
+        if st[4] != 1 or st[3] != shape[4]:
+            raise ValueError("token rows must be contiguous (heads x head_dim)")
+        base = view.data_ptr()
+        bases = tuple(base + (p * st[0] + layer * st[1]) * es for p in range(shape[0]) for layer in range(shape[1]))
+        return cls(bases, st[2] * es, shape[3] * shape[4] * es, (shape[0], shape[1], shape[3], shape[4], view.dtype))
+
+
+def row_copies(src5: torch.Tensor | RowGeometry, src_idx: Sequence[int] | np.ndarray,
+               dst5: torch.Tensor | RowGeometry, dst_idx: Sequence[int] | np.ndarray) -> RowCopies:
     """Every token row as one 1-D copy, `dst5[p, l, dst_idx[i]] <- src5[p, l, src_idx[i]]` for every plane p,
-    layer l and position i, addressed from the two `(P, L, S, H, D)` views' pointers and strides: what the
-    "dma_rows" backend hands the driver in one call (no staging buffer, no kernel, no index upload). Each
-    view's rows (H x D) must be contiguous; the indices (ints, already checked by plan_copy) come in order.
+    layer l and position i, addressed from the two `(P, L, S, H, D)` views' pointers and strides (or their
+    RowGeometry): what the "dma_rows" backend hands the driver in one call (no staging buffer, no kernel, no
+    index upload). Each view's rows (H x D) must be contiguous; the indices (ints, already checked by
+    plan_copy) come in order.
 
     Built with Python ints into `array.array`s, not numpy: the copies are few (the backend's cap is 1024),
     and on the H200's host each small numpy call costs several microseconds, a large share of a swap's
     submit (bench/results/transformers_host_time-h200.json)."""
-    if src5.shape[:2] != dst5.shape[:2] or src5.shape[3:] != dst5.shape[3:] or src5.dtype != dst5.dtype:
-        raise ValueError(f"views differ: {tuple(src5.shape)} vs {tuple(dst5.shape)}")
-    si = src_idx.tolist() if isinstance(src_idx, np.ndarray) else list(src_idx)
-    di = dst_idx.tolist() if isinstance(dst_idx, np.ndarray) else list(dst_idx)
+    src = src5 if isinstance(src5, RowGeometry) else RowGeometry.of(src5)
+    dst = dst5 if isinstance(dst5, RowGeometry) else RowGeometry.of(dst5)
+    if src.rows_of != dst.rows_of:
+        raise ValueError(f"views differ: rows {src.rows_of} vs {dst.rows_of} (P, L, H, D, dtype)")
+    si = src_idx.tolist() if isinstance(src_idx, np.ndarray) else src_idx
+    di = dst_idx.tolist() if isinstance(dst_idx, np.ndarray) else dst_idx
     if len(si) != len(di):
         raise ValueError(f"{len(si)} source rows vs {len(di)} destination rows")
-    es = src5.element_size()
-    row = int(src5.shape[3]) * int(src5.shape[4]) * es
-
-    def addresses(view: torch.Tensor, idx: list[int]) -> array.array:
-        st = view.stride()
-        if st[4] != 1 or st[3] != view.shape[4]:
-            raise ValueError("token rows must be contiguous (heads x head_dim)")
-        step = st[2] * es
-        bases = [view.data_ptr() + (p * st[0] + layer * st[1]) * es
-                 for p in range(view.shape[0]) for layer in range(view.shape[1])]
-        return array.array("Q", [b + i * step for b in bases for i in idx])
-
-    src, dst = addresses(src5, si), addresses(dst5, di)
-    return RowCopies(dst, src, array.array("Q", [row]) * len(src))
+    ss, ds = src.step, dst.step
+    return RowCopies(array.array("Q", [b + i * ds for b in dst.bases for i in di]),
+                     array.array("Q", [b + i * ss for b in src.bases for i in si]),
+                     array.array("Q", [src.row]) * (len(si) * len(src.bases)))
 
 
 def split_by_bytes(flat: FlatCopies, parts: int) -> list[FlatCopies]:

@@ -279,6 +279,7 @@ class KvfsmOffloadingManager(OffloadingManager):
         self.metrics.restore_calls += 1
         try:
             self.poll()
+            restored = False
             for future_state in requests_in_batch:
                 state = future_state.state
                 if not state.is_cpu_offloaded:
@@ -304,7 +305,9 @@ class KvfsmOffloadingManager(OffloadingManager):
                         restored_blocks = state.position_offset // allocator.tokens_per_page
                         if restored_blocks:
                             future_state.complete_blocks[name] = future_state.complete_blocks.get(name, 0) + restored_blocks
-            self.poll()
+                restored = True
+            if restored:  # a copy that landed at once (a CPU engine's) is acknowledged now
+                self.poll()
         finally:
             self.metrics.time_restore_s += time.perf_counter() - t0
 
