@@ -208,7 +208,10 @@ class KvfsmOffloadingManager(OffloadingManager):
             # Deferred: the engine needs the blocks back now (it re-plans the batch at once): wait for the copy.
             rec.copy.handle.wait()
             self._ack(rec)
-        elif rec.copy.handle.done():  # fenced, the blocks are back already: ack now if it landed (a query)
+        elif self.compute_stream is None and rec.copy.handle.done():
+            # fenced, the blocks are back already. Without streams (the CPU engines) the copy may have landed
+            # at submit: ack it now. On the GPU it is queued behind the compute stream's work: a later poll
+            # acknowledges it (an event query now would find it pending).
             self._ack(rec)
         return True
 
@@ -296,7 +299,8 @@ class KvfsmOffloadingManager(OffloadingManager):
                 gpu_blocks = list(self.allocator.block_table.get(state.request_id, []))
                 n = min(len(rec.host_blocks), len(gpu_blocks))
                 assert rec.machine is not None
-                copy = SwapCopy("h2d", gpu_blocks[:n], self.host_pool.page_slots(rec.host_blocks.pages[:n]))
+                host = rec.host_blocks if n == len(rec.host_blocks.pages) else self.host_pool.page_slots(rec.host_blocks.pages[:n])
+                copy = SwapCopy("h2d", gpu_blocks[:n], host)
                 copy.valid_tokens = min(int(state.position_offset), n * self.device_pool.tokens_per_block)
                 rec.machine.restore(copy)
                 state.is_cpu_offloaded = False
