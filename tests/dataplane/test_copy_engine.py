@@ -296,6 +296,12 @@ def test_a_block_table_list_and_host_pages_are_planned_as_lists(engine_name: str
     for bad in ([-1, 3, 40, 17], [9, 3, 64, 17]):
         with pytest.raises(OutOfRange):
             plan_copy("d2h", dev, bad, host, hp)
+    assert plan_copy("d2h", dev, [0, 3, 40, 63], host, hp).device_ids == [0, 3, 40, 63]  # the range's two ends
+    square = plan_copy("d2h", dev, torch.tensor([[9, 3], [40, 17]]), host, hp)  # any shape, counted flat
+    assert square.device_ids is None and square.device_idx.tolist() == [9, 3, 40, 17]
+    for not_ints in ([True, False, True, True], [1 + 2j, 3, 40, 17]):
+        with pytest.raises(OutOfRange, match="integers"):
+            plan_copy("d2h", dev, not_ints, host, hp)  # type: ignore[arg-type]
     with pytest.raises(CopyError):
         plan_copy("d2h", dev, table[:3], host, hp)
     for other in ([np.int64(b) for b in table], tuple(table), torch.tensor(table)):

@@ -78,6 +78,9 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ("x_plan_copy", r"- (on_device = isinstance|if on_device and device_pool|dev_idx = as_index_tensor\(device_indices, device_pool\.device if).*\n\+ .*",
      "equivalent on a CPU-only host: every pool and index tensor is on the CPU, so on_device is False and the "
      "device chosen for the indices is the CPU whatever these tests say (a GPU run of tests/gpu/ sees the rest)"),
+    ("x_plan_copy", r"- host_idx = None if host_slots is not None else as_index_tensor\(host_indices, _CPU\)\n\+ .*as_index_tensor\(host_indices, None\)",
+     "equivalent on a CPU-only host: host indices not given as PageSlots are CPU tensors or sequences there, and "
+     "as_index_tensor with no device leaves them on the CPU"),
     ("x_plan_copy", r"- if int\(s\[0\]\) < 0 or int\(s\[-1\]\) >= host_pool\.size:\n\+ .*",
      "the host allocator's is_allocated, called two lines down, raises the same OutOfRange for a slot outside "
      "the pool: this test only says so first"),

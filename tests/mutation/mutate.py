@@ -3,6 +3,7 @@
     .venv/bin/python tests/mutation/mutate.py run [--max-children 2]   # `make mutate`: every mutant, then the report
     .venv/bin/python tests/mutation/mutate.py report                   # rewrite docs/mutation.md from the last run
     .venv/bin/python tests/mutation/mutate.py rerun                    # the last run's survivors, after adding tests
+    .venv/bin/python tests/mutation/mutate.py refresh                  # after a change: the changed functions' mutants
     .venv/bin/python tests/mutation/mutate.py sample [--n 40 --seed 18 --budget 280]   # the CI sample
 
 mutmut never touches the checkout: this script lays out a workspace in build/mutation/ (the mutated files,
@@ -17,6 +18,7 @@ tests/mutation/test_mutation_sample.py holds a seeded sample of mutants to.
 from __future__ import annotations
 
 import argparse
+import filecmp
 import fnmatch
 import json
 import os
@@ -297,8 +299,11 @@ def write_report(mutants: list[Mutant], seconds: float, run: dict | None) -> dic
         *([f"- not checked: {len(unchecked)} (the run was stopped before them; tests/mutation/survivors.json lists "
            "them as `not checked`, so the CI sample never counts one of them against this run)"] if unchecked else []),
         f"- wall time: {seconds / 60:.1f} min for the run on {os.cpu_count()} cores, {max_children} mutants at a time"
-        + "".join(f"; then {r['survivors']} survivors run again against the tests added to kill them: "
-                  f"{r['seconds'] / 60:.1f} min" for r in (run or {}).get("reruns", [])),
+        + "".join((f"; then, after a change to {sum(1 for c in r['changed'] if mutated(c))} mutated files, the "
+                   f"mutants of the functions it changed (`mutate.py refresh`): {r['seconds'] / 60:.1f} min")
+                  if "changed" in r else (f"; then {r['survivors']} survivors run again against the tests added to "
+                                          f"kill them: {r['seconds'] / 60:.1f} min")
+                  for r in (run or {}).get("reruns", [])),
         "",
         f"<!-- mutation-summary: {json.dumps(summary, sort_keys=True)} -->",
         "",
@@ -437,6 +442,64 @@ def cmd_rerun(args: argparse.Namespace) -> int:
     return 0 if rc == 0 else rc
 
 
+def workspace_files() -> list[tuple[Path, str]]:
+    """(source, path in the workspace) of every file layout() copies, the conftest excepted."""
+    pairs: list[tuple[Path, str]] = []
+    generated = {f"kvfsm/generated/{f.name}" for f in (ROOT / "generated").glob("*.py")}
+    for top in ("kvfsm", "spec"):
+        for f in sorted((ROOT / top).rglob("*")):
+            rel = str(f.relative_to(ROOT))
+            if f.is_file() and "__pycache__" not in f.parts and f.suffix != ".pyc" and rel not in generated:
+                pairs.append((f, rel))  # (the generated machines' files come from generated/, as in layout())
+    for f in sorted((ROOT / "generated").glob("*.py")):
+        pairs.append((f, f"kvfsm/generated/{f.name}"))
+    for f in sorted((ROOT / "spec").rglob("*")):
+        if f.is_file():
+            pairs.append((f, f"kvfsm/generated/spec/{f.relative_to(ROOT / 'spec')}"))
+    pairs += [(ROOT / rel, rel) for rel in TESTS + SUPPORT if rel != "tests/conftest.py"]
+    return pairs
+
+
+def mutated(rel: str) -> bool:
+    return any(fnmatch.fnmatch(rel, p) for p in MUTATE) and not any(fnmatch.fnmatch(rel, p) for p in DO_NOT_MUTATE)
+
+
+def cmd_refresh(args: argparse.Namespace) -> int:
+    """After a change to the source or the tests: bring the last run's workspace up to date and run only what
+    the change left unchecked, then rewrite the report. mutmut hashes every function: it regenerates the
+    mutants of a mutated file whose source is newer than its mutants, resets the verdicts of the functions
+    whose code changed, and keeps the others. A file it does not mutate is copied into its mutated tree as
+    well (mutmut copies those only once)."""
+    if not (WORK / "mutants").exists():
+        raise SystemExit("no run to refresh: run `mutate.py run` first")
+    changed: list[str] = []
+    for src, rel in workspace_files():
+        dst = WORK / rel
+        if dst.exists() and filecmp.cmp(src, dst, shallow=False):
+            continue
+        changed.append(rel)
+        targets = [dst] if mutated(rel) else [dst, WORK / "mutants" / rel]
+        for t in targets:
+            t.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, t)
+        if mutated(rel):
+            os.utime(dst)  # newer than its mutants: mutmut regenerates them
+    conftest = (ROOT / "tests" / "conftest.py").read_text() + CONFTEST_ADDENDUM
+    for base in (WORK, WORK / "mutants"):
+        if (base / "tests" / "conftest.py").read_text() != conftest:
+            (base / "tests" / "conftest.py").write_text(conftest)
+            changed.append(str((base / "tests" / "conftest.py").relative_to(WORK)))
+    (WORK / "pyproject.toml").write_text(mutmut_config(TESTS))
+    print(f"refresh: {len(changed)} files changed: {', '.join(changed)}", flush=True)
+    t0 = time.monotonic()
+    rc = mutmut("run", "--max-children", str(args.max_children), timeout=args.budget)
+    run = json.loads((WORK / "run.json").read_text()) if (WORK / "run.json").exists() else {"seconds": 0}
+    run.setdefault("reruns", []).append({"changed": changed, "seconds": time.monotonic() - t0, "rc": rc})  # in order
+    (WORK / "run.json").write_text(json.dumps(run))
+    print(json.dumps(write_report(results(), run["seconds"], run)))
+    return 0 if rc == 0 else rc
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     run = json.loads((WORK / "run.json").read_text()) if (WORK / "run.json").exists() else {"seconds": 0}
     print(json.dumps(write_report(results(), run["seconds"], run)))
@@ -504,13 +567,17 @@ def main() -> int:
     rerun.add_argument("--only", default=None, help="a regex: only the survivors whose mutmut name it matches")
     rerun.add_argument("--budget", type=float, default=None, help="stop after this many seconds (the rest keep "
                                                                    "their verdict of the last run)")
+    refresh = sub.add_parser("refresh", help="after a change: the mutants of changed functions (and unchecked ones)")
+    refresh.add_argument("--max-children", type=int, default=2)
+    refresh.add_argument("--budget", type=float, default=None, help="stop after this many seconds")
     sample = sub.add_parser("sample", help="a seeded sample, time-boxed")
     sample.add_argument("--n", type=int, default=40)
     sample.add_argument("--seed", type=int, default=18)
     sample.add_argument("--budget", type=float, default=280.0)
     sample.add_argument("--max-children", type=int, default=2)
     args = ap.parse_args()
-    return {"run": cmd_run, "report": cmd_report, "rerun": cmd_rerun, "sample": cmd_sample}[args.cmd](args)
+    return {"run": cmd_run, "report": cmd_report, "rerun": cmd_rerun, "refresh": cmd_refresh,
+            "sample": cmd_sample}[args.cmd](args)
 
 
 if __name__ == "__main__":

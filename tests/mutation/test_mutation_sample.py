@@ -39,3 +39,25 @@ def test_sampled_mutants_are_killed_as_in_the_committed_run() -> None:
         f"kill rate {out['kill_rate']:.1%} on the sample, the committed run killed {out['committed_kill_rate_on_sample']:.1%} "
         f"of the same mutants; survivors the committed run does not list: {out['new_survivors']} "
         "(kill them with a test, or run `make mutate` and explain them in tests/mutation/equivalent.py)")
+
+
+def test_refresh_brings_every_workspace_file_from_its_source() -> None:
+    """`mutate.py refresh` compares each file layout() copies with its source: the generated machines come
+    from generated/ (the wheel's layout, one source per workspace path), and only MUTATE's files are mutated
+    (a changed file that is not is also copied into mutmut's tree, which mutmut fills only once)."""
+    sys.path.insert(0, str(HERE))
+    try:
+        import mutate
+    finally:
+        sys.path.remove(str(HERE))
+    pairs = mutate.workspace_files()
+    paths = [rel for _, rel in pairs]
+    assert len(paths) == len(set(paths))
+    src = dict((rel, s) for s, rel in pairs)
+    assert src["kvfsm/generated/decode_offload.py"] == mutate.ROOT / "generated" / "decode_offload.py"
+    assert src["kvfsm/generated/__init__.py"] == mutate.ROOT / "generated" / "__init__.py"
+    assert src["kvfsm/generated/spec/decode_offload.yaml"] == mutate.ROOT / "spec" / "decode_offload.yaml"
+    assert all(t in src for t in mutate.TESTS) and "tests/conftest.py" not in src
+    assert mutate.mutated("kvfsm/dataplane/copy/base.py") and mutate.mutated("kvfsm/generated/decode_offload.py")
+    assert not mutate.mutated("kvfsm/dataplane/copy/cuda.py") and not mutate.mutated("kvfsm/runtime/__init__.py")
+    assert not mutate.mutated("kvfsm/dataplane/storage/mooncake/store.py")
