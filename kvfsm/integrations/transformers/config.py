@@ -69,7 +69,7 @@ class SwapMetrics:
     offload_calls: int = 0
     restore_calls: int = 0
     time_offload_s: float = 0.0  # host wall time inside offload_requests (victim choice, swap-outs)
-    time_restore_s: float = 0.0  # host wall time inside restore_scheduled_requests (swap-in submission)
+    time_restore_s: float = 0.0  # host wall time inside restore_scheduled_requests calls that restored a request
 
     def __add__(self, other: "SwapMetrics") -> "SwapMetrics":
         out = SwapMetrics()

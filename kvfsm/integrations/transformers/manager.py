@@ -277,16 +277,20 @@ class KvfsmOffloadingManager(OffloadingManager):
     # --- swap-in -----------------------------------------------------------------------------------
     def restore_scheduled_requests(self, requests_in_batch: list[Any]) -> None:
         """Submit the swap-in of every swapped request the scheduler just put in the batch (it has
-        already allocated fresh device blocks for them)."""
-        t0 = time.perf_counter()
+        already allocated fresh device blocks for them).
+
+        The engine calls this before every forward, and most batches restore nothing: such a call is one pass
+        over the batch, with no poll and no timing (acks wait for the next call that restores or offloads,
+        or for an engine free; each of those polls first)."""
         self.metrics.restore_calls += 1
+        swapped = [f for f in requests_in_batch if f.state.is_cpu_offloaded]
+        if not swapped:
+            return
+        t0 = time.perf_counter()
         try:
             self.poll()
-            restored = False
-            for future_state in requests_in_batch:
+            for future_state in swapped:
                 state = future_state.state
-                if not state.is_cpu_offloaded:
-                    continue
                 rec = self.live.get(state.request_id)
                 if rec is None or rec.state_ref() is not state or rec.host_blocks is None:
                     raise LifecycleError(f"request {state.request_id!r} is marked offloaded but kvfsm holds no swap of it")
@@ -309,9 +313,7 @@ class KvfsmOffloadingManager(OffloadingManager):
                         restored_blocks = state.position_offset // allocator.tokens_per_page
                         if restored_blocks:
                             future_state.complete_blocks[name] = future_state.complete_blocks.get(name, 0) + restored_blocks
-                restored = True
-            if restored:  # a copy that landed at once (a CPU engine's) is acknowledged now
-                self.poll()
+            self.poll()  # a copy that landed at once (a CPU engine's) is acknowledged now
         finally:
             self.metrics.time_restore_s += time.perf_counter() - t0
 
