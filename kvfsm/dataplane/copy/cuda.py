@@ -335,7 +335,8 @@ class CudaCopyEngine(CopyEngine):
         # index uploads: pinned staging reused by event query (an upload from pageable memory would wait)
         self._staging = PinnedIndexStaging()
         self._ops = CudaOps(self.device, streams, self._staging)
-        self._geometries: dict[int, tuple[weakref.ReferenceType[torch.Tensor], dma.RowGeometry]] = {}
+        self._geometries: dict[int, tuple[weakref.ReferenceType[Any], weakref.ReferenceType[torch.Tensor],
+                                          dma.RowGeometry]] = {}  # id(pool) -> (pool, its buffer, geometry)
 
     def caller_stream(self) -> torch.cuda.Stream:
         """The stream a copy is ordered after: `compute_stream` when bound, else the current stream."""
@@ -491,13 +492,14 @@ class CudaCopyEngine(CopyEngine):
         pool's kv_buffer, a device pool's storage). What it saves: the view (a torch call for a host pool)
         and its addressing on every copy, about 40 us of a swap's submit inside transformers' serving loop
         on the H200 (dma.row_copies in bench/results/transformers_host_time-h200.json). The tensor is held
-        weakly: a pool that is gone leaves no memory behind here."""
+        weakly, as is the pool (another pool that reuses a dead one's id never takes its geometry): a pool
+        that is gone leaves no memory behind here."""
         buf = pool.kv_buffer if isinstance(pool, HostKVPool) else pool.token_view()
         hit = self._geometries.get(id(pool))
-        if hit is not None and hit[0]() is buf:
-            return hit[1]
+        if hit is not None and hit[0]() is pool and hit[1]() is buf:
+            return hit[2]
         geometry = dma.RowGeometry.of(pool.token_view())
-        self._geometries[id(pool)] = (weakref.ref(buf), geometry)
+        self._geometries[id(pool)] = (weakref.ref(pool), weakref.ref(buf), geometry)
         return geometry
 
     @staticmethod

@@ -208,10 +208,10 @@ class KvfsmOffloadingManager(OffloadingManager):
             # Deferred: the engine needs the blocks back now (it re-plans the batch at once): wait for the copy.
             rec.copy.handle.wait()
             self._ack(rec)
-        elif self.compute_stream is None and rec.copy.handle.done():
-            # fenced, the blocks are back already. Without streams (the CPU engines) the copy may have landed
-            # at submit: ack it now. On the GPU it is queued behind the compute stream's work: a later poll
-            # acknowledges it (an event query now would find it pending).
+        elif self.device_pool.device.type != "cuda" and rec.copy.handle.done():
+            # fenced, the blocks are back already. A CPU engine's copy may have landed at submit: ack it now.
+            # On the GPU it is queued behind the compute stream's work: a later poll acknowledges it (an event
+            # query now would find it pending).
             self._ack(rec)
         return True
 
