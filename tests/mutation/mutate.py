@@ -391,7 +391,8 @@ down is in functions and methods.
 ## Files
 
 - `tests/mutation/mutate.py`: lays out the workspace, runs mutmut and writes this page (`run`), runs the
-  last run's survivors again after tests were added to kill them (`rerun`), rewrites this page (`report`)
+  last run's survivors again after tests were added to kill them (`rerun`), after a source change runs the
+  mutants of the functions it changed, keeping every other verdict (`refresh`), rewrites this page (`report`)
   and runs the CI sample (`sample`);
 - `tests/mutation/equivalent.py` (with `equivalent_*.py`, one per group of modules): the equivalent survivors
   and why;
