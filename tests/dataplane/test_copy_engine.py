@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -426,6 +427,21 @@ def test_cuda_engine_orders_after_compute_and_never_blocks(backend: str) -> None
     check_orders_after_compute_and_never_blocks(eng, dev, host, di, hi)
 
 
+def _block_rows_case(cfg: KVCacheConfig, eng: CopyEngine) -> tuple[Any, ...]:
+    """A 64-slot CUDA pool, a 32-slot host pool, six scattered blocks (and six others to load back into),
+    their host pages, the blocks as CUDA index tensors, fresh KV for them, and one warm-up offload."""
+    dev = make_device_pool(cfg, 64, "cuda", seed=3)
+    host = HostKVPool(cfg, 32, 1)
+    blocks, back = [9, 3, 40, 41, 17, 60], [1, 2, 50, 51, 52, 7]
+    pages = host.alloc_pages(len(blocks))
+    assert pages is not None
+    hs = host.page_slots(pages)
+    idx, bidx = torch.tensor(blocks, device="cuda"), torch.tensor(back, device="cuda")
+    fresh = fill_random(torch.empty_like(dev.storage[:, :, idx]), 12)
+    eng.submit_d2h(dev, blocks, host, hs).wait()  # warm-up
+    return dev, host, blocks, back, hs, idx, bidx, fresh
+
+
 @gpu
 @needs_cuda
 def test_dma_rows_moves_whole_block_rows_after_compute_without_a_host_wait() -> None:
@@ -434,16 +450,8 @@ def test_dma_rows_moves_whole_block_rows_after_compute_without_a_host_wait() -> 
     from kvfsm.dataplane import CudaCopyEngine
 
     cfg = KVCacheConfig(num_layers=1, kv_heads=1, head_dim=256 * 1024, attention="mla")  # bf16: 512 KiB rows
-    dev = make_device_pool(cfg, 64, "cuda", seed=3)
-    host = HostKVPool(cfg, 32, 1)
     eng = CudaCopyEngine()
-    blocks, back = [9, 3, 40, 41, 17, 60], [1, 2, 50, 51, 52, 7]
-    pages = host.alloc_pages(len(blocks))
-    assert pages is not None
-    hs = host.page_slots(pages)
-    idx, bidx = torch.tensor(blocks, device="cuda"), torch.tensor(back, device="cuda")
-    fresh = fill_random(torch.empty_like(dev.storage[:, :, idx]), 12)
-    eng.submit_d2h(dev, blocks, host, hs).wait()  # warm-up
+    dev, host, blocks, back, hs, idx, bidx, fresh = _block_rows_case(cfg, eng)
     g = eng._row_geometry(host)  # kept per pool while its buffer is the same tensor
     assert eng._row_geometry(host) is g and g.bases == (host.kv_buffer.data_ptr(),)
     torch.cuda.synchronize()
@@ -489,17 +497,9 @@ def test_a_bound_compute_stream_orders_copies_with_no_stream_context(backend: st
         pytest.skip("triton not installed")
     rows = backend == "auto"  # whole-block rows: "auto" takes dma_rows
     cfg = KVCacheConfig(num_layers=1, kv_heads=1, head_dim=256 * 1024, attention="mla") if rows else KVCacheConfig.tiny()
-    dev = make_device_pool(cfg, 64, "cuda", seed=3)
-    host = HostKVPool(cfg, 32, 1)
     compute = torch.cuda.Stream()
     eng = CudaCopyEngine(backend=backend, compute_stream=compute, on_compute_stream=on_compute)  # type: ignore[arg-type]
-    blocks, back = [9, 3, 40, 41, 17, 60], [1, 2, 50, 51, 52, 7]
-    pages = host.alloc_pages(len(blocks))
-    assert pages is not None
-    hs = host.page_slots(pages)
-    idx, bidx = torch.tensor(blocks, device="cuda"), torch.tensor(back, device="cuda")
-    fresh = fill_random(torch.empty_like(dev.storage[:, :, idx]), 12)
-    eng.submit_d2h(dev, blocks, host, hs).wait()  # warm-up
+    dev, host, blocks, back, hs, idx, bidx, fresh = _block_rows_case(cfg, eng)
     torch.cuda.synchronize()
     with torch.cuda.stream(compute):
         torch.cuda._sleep(200_000_000)  # ~0.1 s of busy compute stream
