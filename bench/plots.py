@@ -419,7 +419,34 @@ def explorer_speed(page: Page) -> None:
     page.lines.append("")
 
 
-RENDERERS = (serving_loop, bandwidth, event_cost, manager_time, cold_calls, explorer_speed)
+def transformers_offload(page: Page) -> None:
+    runs = [(p, d) for p, d in page.load("transformers_offload-*.json") if d.get("summary")]
+    if not runs:
+        return
+    page.lines += ["## transformers' continuous batching: swaps through kvfsm against the engine's own offloading", "",
+                   "bench/transformers_offload.py: a random-weight Llama whose paged cache is far smaller than the "
+                   "requests need, so the engine preempts and restores requests all along; the same workload with "
+                   "transformers' own OffloadingManager (*engine*) and with kvfsm installed (*kvfsm*: deferred "
+                   "release, *kvfsm_fenced*: fenced, the default). Host time in offload is the wall time inside the "
+                   "offloading manager's offload_requests and restore_scheduled_requests; the last repeat of each "
+                   "mode is shown.", "",
+                   "| result file | machine | mode | tok/s | host time in offload ms | vs engine | outputs identical |",
+                   "|---|---|---|---|---|---|---|"]
+    for path, d in runs:
+        summary = d["summary"]
+        for mode in ("engine", "kvfsm", "kvfsm_fenced", "soft_reset"):
+            m = summary.get(mode)
+            if m is None:
+                continue
+            r = summary.get(f"{mode}_vs_engine_time_in_offload")
+            ratio = "-" if r is None else f"{r:.2f}x"  # none for the engine itself, or an engine time of 0
+            page.lines.append(f"| `{path.name}` | {_machine(d)} | {mode} | {m['throughput_tok_s']:.0f} | "
+                              f"{m['time_in_offload_s'] * 1e3:.1f} | {ratio} | "
+                              f"{'yes' if summary.get('outputs_identical_across_modes') else 'no'} |")
+    page.lines.append("")
+
+
+RENDERERS = (serving_loop, bandwidth, event_cost, manager_time, cold_calls, explorer_speed, transformers_offload)
 
 
 def render(results: Path = RESULTS, out: Path = DOCS, *, close: bool = True) -> tuple[str, dict[str, Figure]]:

@@ -166,3 +166,20 @@ def test_the_committed_results_page_is_fresh(rendered):
     assert (ROOT / "docs" / "results.md").read_text() == text, "docs/results.md is stale: run python bench/plots.py"
     for name in ("bandwidth.png", "event_cost.png", "manager_time.png", "serving_loop.png"):
         assert (ROOT / "docs" / name).exists(), f"docs/{name} is missing: run python bench/plots.py"
+
+
+def test_the_transformers_section_lists_every_comparison(plots, rendered, tmp_path):
+    """Every committed transformers_offload result renders one row per mode with its host-time ratio to the
+    engine's (as the JSON's summary has it); a summary without a ratio (an engine time of 0) renders "-"."""
+    _, text, _ = rendered
+    for path in RESULTS.glob("transformers_offload-*.json"):
+        summary = json.loads(path.read_text())["summary"]
+        for mode in ("kvfsm", "kvfsm_fenced"):
+            if mode in summary:
+                ratio = summary[f"{mode}_vs_engine_time_in_offload"]
+                assert re.search(rf"\| `{re.escape(path.name)}` \| [^|]+ \| {mode} \| .* \| {ratio:.2f}x \| yes \|", text)
+    doc = json.loads((RESULTS / "transformers_offload-h200.json").read_text())
+    doc["summary"]["kvfsm_vs_engine_time_in_offload"] = None
+    (tmp_path / "transformers_offload-x.json").write_text(json.dumps(doc))
+    text, _ = plots.render(tmp_path, tmp_path / "plots")
+    assert re.search(r"\| `transformers_offload-x\.json` \| [^|]+ \| kvfsm \| .* \| - \| yes \|", text)
