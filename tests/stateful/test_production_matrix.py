@@ -41,6 +41,7 @@ from typing import Any, Iterator, Optional
 
 import pytest
 from hypothesis import HealthCheck, Phase, settings
+from hypothesis.errors import FlakyStrategyDefinition
 from hypothesis.stateful import run_state_machine_as_test
 
 import test_manager_machine as tm
@@ -160,15 +161,30 @@ def test_production_config(cfg: Config, monkeypatch: pytest.MonkeyPatch, tmp_pat
     if cfg.worker in BATCHING and cfg.examples >= 10:
         wanted.append("store_calls_multi_chunk")
     missing = wanted
+    # A timing-dependent configuration's threads decide part of each run, and hypothesis keeps a tree of the
+    # choices earlier examples made: once in a while a run replaying a recorded prefix draws a different
+    # number of choices, and hypothesis stops the round with FlakyStrategyDefinition (seen in 1 of 3 clean-clone
+    # CI runs on 2026-12-02, thread-thread-mooncake; its cause inside the stateful runner was not found). That
+    # says nothing about kvfsm, whose checks raise their own errors: the round runs again, and only a
+    # configuration whose every round ends so fails.
+    flaky_rounds = 0
     try:
         for _ in range(1 + TOP_UPS):
-            run_config(cfg, monkeypatch, tmp_path, mooncake, bucket, _settings(cfg))
+            try:
+                run_config(cfg, monkeypatch, tmp_path, mooncake, bucket, _settings(cfg))
+            except FlakyStrategyDefinition:
+                if not cfg.timing_dependent:
+                    raise
+                flaky_rounds += 1
+                tm.EVENTS.setdefault(bucket, {})["flaky_generation_rounds"] = flaky_rounds
+                continue
             ev = tm.EVENTS.get(bucket, {})
             missing = [what for what in wanted if ev.get(what, 0) <= 0]
             if not missing:
                 break
     finally:
         tm.TIMES[bucket] = time.perf_counter() - t0
+    assert flaky_rounds < 1 + TOP_UPS, f"{cfg.id}: every round stopped with FlakyStrategyDefinition"
     ev = tm.EVENTS.get(bucket, {})
     print(f"\n{cfg.id}: {tm.STEPS.get(bucket, 0)} steps in {tm.TIMES[bucket]:.1f} s: {dict(sorted(ev.items()))}")
     assert ev.get("examples", 0) >= 1
