@@ -46,10 +46,10 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import weakref
-from contextlib import nullcontext
 import time
+import weakref
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Literal
 
