@@ -251,6 +251,44 @@ def test_swap_out_and_in_restore_the_exact_kv(model: Any) -> None:
     assert tid("resident", "finish") in e.inst.coverage
 
 
+class _Untouchable(list):
+    """A batch that fails the test if it is scanned."""
+
+    def __iter__(self) -> Any:
+        raise AssertionError("the batch was scanned")
+
+
+@pytest.mark.parametrize("fenced", [True, False], ids=["fenced", "deferred"])
+def test_a_restore_call_skips_its_scan_only_while_no_machine_awaits_a_restore(model: Any, fenced: bool) -> None:
+    e = _Engine(model, kt.SwapConfig(host_blocks=8, copy_engine=DeferredCpuCopyEngine(), fenced=fenced))
+    state = e.admit("a", 10)
+    e.kv.restore_scheduled_requests(_Untouchable())  # nothing swapped: not scanned
+    assert e.kv._swap_out(state)  # fenced: swapping_out_fenced; deferred: waited and acknowledged, swapped
+    assert e.kv.awaiting_restore == 1
+    with pytest.raises(AssertionError, match="scanned"):  # a swapped request may be in any batch now
+        e.kv.restore_scheduled_requests(_Untouchable())
+    state.is_cpu_offloaded = True
+    e.restore(state)
+    assert e.kv.awaiting_restore == 0 and e.kv.live["a"].machine.state == gen.SWAPPING_IN
+    e.kv.restore_scheduled_requests(_Untouchable())
+    e.kv.poll(wait=True)
+    e.cache.free_blocks("a")
+    assert e.inst.leaks() == [] and e.kv.awaiting_restore == 0 and e.kv.metrics.restore_calls == 4
+
+
+def test_checked_mode_scans_every_call_and_catches_a_wrong_awaiting_count(model: Any) -> None:
+    e = _Engine(model, kt.SwapConfig(host_blocks=8, checked=True))
+    state = e.admit("a", 10)
+    with pytest.raises(AssertionError, match="scanned"):  # checked mode always scans
+        e.kv.restore_scheduled_requests(_Untouchable())
+    assert e.kv._swap_out(state)
+    e.kv.awaiting_restore = 0  # as if a transition into `swapped` had not been counted
+    state.is_cpu_offloaded = True
+    with pytest.raises(CheckedModeError, match="awaiting_restore is 0, but 1 machines await"):
+        e.restore(state)
+    assert e.kv.live["a"].machine.state == gen.SWAPPED and state.is_cpu_offloaded  # refused before any change
+
+
 def test_cancel_during_swap_in_defers_the_release_to_the_ack(model: Any) -> None:
     engine = DeferredCpuCopyEngine()
     e = _Engine(model, kt.SwapConfig(host_blocks=8, checked=True, copy_engine=engine))

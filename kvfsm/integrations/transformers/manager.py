@@ -34,6 +34,9 @@ from .ledger import SwapLedger
 from .pool import PagedCachePool
 
 _serials = itertools.count(1)
+# The states of a swapped request waiting to be rescheduled: its KV is (or is being copied) in host blocks and no
+# swap-in has started. `restore` takes it from `swapped`; from the other two, after its swap-out is acknowledged.
+_AWAITING_RESTORE = frozenset({spec_gen.SWAPPING_OUT, spec_gen.SWAPPING_OUT_FENCED, spec_gen.SWAPPED})
 
 
 class KvfsmOffloadingManager(OffloadingManager):
@@ -74,6 +77,7 @@ class KvfsmOffloadingManager(OffloadingManager):
         self.coverage: set[int] = set()
         self.live: dict[str, SwapRecord] = {}  # request id -> record of its live machine (at most one)
         self.in_flight: dict[str, SwapRecord] = {}  # record key -> record with a copy in flight (submission order)
+        self.awaiting_restore = 0  # machines in _AWAITING_RESTORE, counted from their transitions (_observe)
         self._cancelling: set[str] = set()
         if self.device_pool.device.type == "cuda":
             self.warm_up()
@@ -130,6 +134,8 @@ class KvfsmOffloadingManager(OffloadingManager):
             self.metrics.ignored_ends += 1
         else:
             self.coverage.add(tid)
+            if (src in _AWAITING_RESTORE) != (dst in _AWAITING_RESTORE):
+                self.awaiting_restore += 1 if dst in _AWAITING_RESTORE else -1
         if self.checked:
             bad = spec_gen.violated_invariants(m)
             if bad:
@@ -279,11 +285,18 @@ class KvfsmOffloadingManager(OffloadingManager):
         """Submit the swap-in of every swapped request the scheduler just put in the batch (it has
         already allocated fresh device blocks for them).
 
-        The engine calls this before every forward, and most batches restore nothing: such a call is one pass
-        over the batch, with no poll and no timing (acks wait for the next call that restores or offloads,
-        or for an engine free; each of those polls first)."""
+        The engine calls this before every forward, and most batches restore nothing. While no machine awaits
+        a restore, a call returns at once: it does not even scan the batch, as the engine's own manager does
+        (what it saves, bench/transformers_offload.py on the H200: see docs/results.md). Otherwise a call that
+        finds nothing to restore is one pass over the batch. Neither polls nor times (acks wait for the next
+        call that restores or offloads, or for an engine free; each of those polls first). Checked mode always
+        scans, and checks the count of machines awaiting a restore against their states."""
         self.metrics.restore_calls += 1
+        if not self.awaiting_restore and not self.checked:
+            return
         swapped = [f for f in requests_in_batch if f.state.is_cpu_offloaded]
+        if self.checked:
+            self._check_awaiting_restore()
         if not swapped:
             return
         t0 = time.perf_counter()
@@ -313,9 +326,18 @@ class KvfsmOffloadingManager(OffloadingManager):
                         restored_blocks = state.position_offset // allocator.tokens_per_page
                         if restored_blocks:
                             future_state.complete_blocks[name] = future_state.complete_blocks.get(name, 0) + restored_blocks
-            self.poll()  # a copy that landed at once (a CPU engine's) is acknowledged now
+            if self.device_pool.device.type != "cuda":
+                self.poll()  # a CPU engine's copy may have landed at submit: acknowledged now (on the GPU it has not)
         finally:
             self.metrics.time_restore_s += time.perf_counter() - t0
+
+    def _check_awaiting_restore(self) -> None:
+        """Checked mode: `awaiting_restore` (which lets a call skip its scan) is the number of machines in
+        `_AWAITING_RESTORE` (a request marked offloaded with no such machine is refused by the scan)."""
+        actual = sum(1 for r in self.live.values() if r.machine is not None and r.machine.state in _AWAITING_RESTORE)
+        if actual != self.awaiting_restore:
+            raise CheckedModeError("manager", "restore", None, f"awaiting_restore is {self.awaiting_restore}, but "
+                                   f"{actual} machines await a restore: a call could skip a swapped request")
 
     def _check_engine_writes(self, cache: Any) -> None:
         """Checked mode: wrap, on the instance, the three calls through which the engine names the blocks its
