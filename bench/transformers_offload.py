@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -230,6 +231,29 @@ def run(model: Any, inputs: list[list[int]], args: argparse.Namespace, mode: str
     return row
 
 
+def warm_repeats(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Over every repeat but the first (whose first run pays the cold start), for each kvfsm mode against the
+    engine: the ratios of their host times in offload and throughputs repeat by repeat (the two runs of one
+    repeat are neighbours in time), and the median of each. Empty with fewer than two repeats."""
+    warm = [r for r in runs if r["repeat"] > 0 and not r["sync_timing"]]
+    engine = {r["repeat"]: r for r in warm if r["mode"] == "engine"}
+    out: dict[str, Any] = {}
+    for mode in ("kvfsm", "kvfsm_fenced"):
+        pairs = [(engine[r["repeat"]], r) for r in warm if r["mode"] == mode and r["repeat"] in engine]
+        if not pairs:
+            continue
+        offload = [k["time_in_offload_s"] / e["time_in_offload_s"] for e, k in pairs if e["time_in_offload_s"]]
+        tput = [k["throughput_tok_s"] / e["throughput_tok_s"] for e, k in pairs]
+        out[f"{mode}_vs_engine_warm"] = {
+            "repeats": [k["repeat"] for _, k in pairs],
+            "time_in_offload_ratios": [round(x, 4) for x in offload],
+            "time_in_offload_ratio_median": round(statistics.median(offload), 4) if offload else None,
+            "throughput_ratios": [round(x, 4) for x in tput],
+            "throughput_ratio_median": round(statistics.median(tput), 4),
+        }
+    return out
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny model on the CPU, seconds; results under bench/results/quick/")
@@ -324,6 +348,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                 summary[f"{mode}_vs_engine_throughput"] = round(k["throughput_tok_s"] / e["throughput_tok_s"], 4)
                 summary[f"{mode}_vs_engine_time_in_offload"] = (
                     round(k["time_in_offload_s"] / e["time_in_offload_s"], 4) if e["time_in_offload_s"] else None)
+    summary.update(warm_repeats(runs))
     path = write_result(name, {"params": params, "summary": summary, "runs": runs}, args.out, quick=args.quick)
     print(f"wrote {path}")
 
