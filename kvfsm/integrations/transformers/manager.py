@@ -286,9 +286,9 @@ class KvfsmOffloadingManager(OffloadingManager):
         already allocated fresh device blocks for them).
 
         The engine calls this before every forward, and most batches restore nothing. While no machine awaits
-        a restore, a call returns at once: it does not even scan the batch, as the engine's own manager does
-        (what it saves, bench/transformers_offload.py on the H200: see docs/results.md). Otherwise a call that
-        finds nothing to restore is one pass over the batch. Neither polls nor times (acks wait for the next
+        a restore, a call returns at once, without the scan of the batch the engine's own manager makes on
+        every call (not yet measured on the H200). Otherwise a call that finds nothing to restore is one pass
+        over the batch. Neither polls nor times (acks wait for the next
         call that restores or offloads, or for an engine free; each of those polls first). Checked mode always
         scans, and checks the count of machines awaiting a restore against their states."""
         self.metrics.restore_calls += 1
