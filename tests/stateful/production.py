@@ -83,7 +83,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
 
 import kvfsm.dataplane.copy.cpu as cpu_copy
-from kvfsm.dataplane import KVCacheConfig, ReqToTokenPool, ThreadCpuCopyEngine, TokenSlotAllocator, page_hashes
+from kvfsm.dataplane import (KVCacheConfig, ReqToTokenPool, ThreadCpuCopyEngine, TokenSlotAllocator, page_hashes,
+                             wait_fences)
 from kvfsm.dataplane.pools.allocator import PageSlots
 from kvfsm.dataplane.pools.device_pool import DeviceKVPool
 from kvfsm.dataplane.storage import FaultyStorage, MemoryStorage
@@ -92,7 +93,7 @@ import kvfsm.runtime.backup as backup_mod
 from kvfsm.runtime.backup import BackupWorker
 from kvfsm.runtime.build import close_storage, storage_factory
 from kvfsm.runtime.tp import ProgressConsensus
-from kvfsm.verify.engine import SimRequest, kv_value
+from kvfsm.verify.engine import SCRATCH_WRITER, SimRequest, kv_value
 
 import test_manager_machine as tm
 from test_manager_machine import check, page_values
@@ -110,11 +111,14 @@ class Config:
     checked: bool
     examples: int = 10  # CI examples (deep: DEEP_FACTOR times more)
     steps: int = 200  # rule steps per example
+    # OffloadConfig.fenced_release: an end under a copy releases its slots at once, fenced; the engine takes
+    # slots with alloc_fenced and waits on their fences before writing, and a scratch writer reuses fenced ones
+    fenced: bool = False
 
     @property
     def id(self) -> str:
         return (f"{self.copy}-{self.worker}-{self.storage}{'+faulty' if self.faulty else ''}-tp{self.tp}-"
-                f"{'checked' if self.checked else 'unchecked'}")
+                f"{'checked' if self.checked else 'unchecked'}{'-fenced' if self.fenced else ''}")
 
     @property
     def gpu(self) -> bool:
@@ -281,7 +285,7 @@ class Life:
     """One lifecycle of one request object, as the engine (the test) made it."""
 
     __slots__ = ("lid", "req", "serial", "row", "prefix", "prefill", "pages", "prefix_pages", "lock", "ended",
-                 "dev_freed", "row_freed", "prot_freed", "next_start", "chunks", "protected")
+                 "dev_freed", "row_freed", "prot_freed", "next_start", "chunks", "protected", "fenced")
 
     def __init__(self, lid: int, req: SimRequest, row: int, page_size: int) -> None:
         self.lid, self.req, self.serial, self.row = lid, req, req.serial, row
@@ -292,6 +296,7 @@ class Life:
         self.prefix_pages: set[int] = set()  # the matched prefix's pages: the prefix cache's, locked by `lock`
         self.lock: Any = None
         self.ended = self.dev_freed = self.row_freed = self.prot_freed = False
+        self.fenced = False  # its device pages went back fenced (maybe while its copies still read them)
         self.next_start = self.prefill
         self.chunks: list[SChunk] = []
 
@@ -341,6 +346,7 @@ class Shadow:
         self.pending_copies: dict[tuple[int, ...], list[SChunk]] = {}  # host slots -> chunks, until landed
         self.releasing: Optional[Life] = None
         self.engine_freeing = False
+        self.scratch_freeing = False  # the scratch writer (reuse_fenced) gives back what it took
         self.evicting: Optional[Life] = None  # the lifecycle whose unlocked prefix the prefix cache evicts next
         self.acked = 0  # chunks acknowledged (a FIFO prefix of self.chunks)
         self.ack_floor = 0  # at least this many must be acknowledged (landed before the last progress check)
@@ -349,7 +355,9 @@ class Shadow:
         self.marked_ok: dict[str, tuple[int, int]] = {}  # key -> (writer serial, position) of chunks stored ok
         self.verified: dict[str, tuple[str, int]] = {}  # stored-index entries already read back
         self.duplicates = 0  # end calls on an ended lifecycle (the manager must ignore each)
-        self.log: list[tuple[str, tuple[int, ...]]] = []  # device and host frees, in order (TP comparison)
+        # device and host frees, in order (TP comparison): device slots, or, with fenced release, whose positions
+        # (which pages an allocation returns then depends on each rank's copy timing: see Rank.grow)
+        self.log: list[tuple[str, tuple[Any, ...]]] = []
         self.stats: dict[str, int] = {}
         self._lids = itertools.count(1)
         self._seq = itertools.count()
@@ -405,6 +413,7 @@ class Shadow:
 
     def grew(self, life: Life, slots: list[int], start: int) -> None:
         ps = self.ps
+        self.check_no_reader(slots, f"{life!r}'s write")
         with self.lock:
             for k in range(0, len(slots), ps):
                 page = slots[k] // ps
@@ -413,6 +422,19 @@ class Shadow:
                     self.fail("device_page_handed_out_twice", f"page {page} given to {life!r} while {other!r} owns it")
                 self.device_owner[page] = life
                 life.pages[page] = start + k
+
+    def check_no_reader(self, slots: list[int], who: str) -> None:
+        """About to be written (after the writer waited on the fences its allocation returned): no copy that
+        has not landed may still read these pages (premature reuse of a page released fenced, B1/B2). On a
+        CPU engine a fence's wait completes its copy; the CUDA engine's wait is the stream's, not the host's
+        (the copy may still be in flight, ordered before the write on the GPU), so only the CPU ones check."""
+        if self.rank.cfg.copy == "cuda":
+            return
+        pages = {s // self.ps for s in slots}
+        reading = [c for c in self.unlanded() if c.device_pages & pages]
+        if reading:
+            self.fail("reuse_under_copy", f"{who} into pages {sorted(pages)} while {reading} still copy from them "
+                                          "(a fenced page handed out, or written, before its fence passed or was waited on)")
 
     def ended(self, req: SimRequest) -> Optional[Life]:
         """The engine ends the request (finish, abort, retract); returns its lifecycle if it was live."""
@@ -537,13 +559,26 @@ class Shadow:
             return [c for cs in self.pending_copies.values() for c in cs]
 
     # --- frees --------------------------------------------------------------------------------------------
-    def on_device_free(self, slots: list[int]) -> None:
+    def on_device_free(self, slots: list[int], fence: Any = None) -> None:
         ps = self.ps
         self.refresh_landed()
         with self.lock:
             pages = sorted({s // ps for s in slots})
-            self.log.append(("device_free", tuple(sorted(slots))))
+            by_slot = not self.rank.cfg.fenced
+            if by_slot:
+                self.log.append(("device_free", tuple(sorted(slots))))
+            if self.scratch_freeing:
+                if not by_slot:
+                    self.log.append(("device_free", ("scratch", len(slots))))
+                return
+            if fence is not None and not self.rank.cfg.fenced:
+                self.fail("fenced_free_unfenced", f"pages {pages} freed fenced without fenced_release")
             evicting, self.evicting = self.evicting, None
+            if not by_slot:
+                owner = evicting or self.device_owner.get(pages[0]) if pages else None
+                where = tuple(sorted(owner.pages.get(p, -1) for p in pages)) if owner is not None else ()
+                self.log.append(("device_free", (owner.serial if owner is not None else None,
+                                                 evicting is not None, len(slots), where)))
             if evicting is not None:  # the prefix cache evicts an unlocked prefix: exactly its pages
                 if set(pages) != evicting.prefix_pages:
                     self.fail("prefix_eviction", f"{evicting!r}: the prefix cache evicted {pages}, its prefix held "
@@ -572,8 +607,15 @@ class Shadow:
                 self.fail("release_exact", f"{life!r} freed pages {pages}, owned {sorted(life.pages)} (B5, B8; "
                                            f"lengths read from a request the engine changed?)")
             reading = [c for c in self.unlanded() if c.device_pages & set(pages)]
-            if reading:
+            if reading and fence is None:
                 self.fail("free_under_copy", f"{life!r} freed while {reading} still copy from it (B2)")
+            elif reading:
+                missed = [c for c in reading if not fence.covers(c.handle)]
+                if missed:
+                    self.fail("fence_misses_copy", f"{life!r} freed fenced, but its fence misses {missed}, which "
+                                                   "still copy from it (B2: the device_slots fence rule)")
+                self.count("fenced_free_under_copy")
+            life.fenced = fence is not None
             for p in pages:
                 if self.device_owner.get(p) is life:
                     del self.device_owner[p]
@@ -753,7 +795,7 @@ class Shadow:
                 if life.ended and not life.dev_freed and all(c.acked for c in life.chunks):
                     raise violation("release_due", f"rank {r.r}: {life!r} ended and all its copies were "
                                                    "acknowledged, but it still holds its device pages (B8: a leak)")
-                if life.dev_freed and not all(c.acked for c in life.chunks):
+                if life.dev_freed and not life.fenced and not all(c.acked for c in life.chunks):
                     raise violation("release_early", f"rank {r.r}: {life!r} released before all its copies "
                                                      "were acknowledged (B2)")
             # Metrics against the truth.
@@ -861,7 +903,7 @@ class Rank:
             host_pool_bytes=sizes.host_pages * self.ps * self.kv.bytes_per_token,
             host_layout=sizes.host_layout, copy_backend={"thread": "cpu"}.get(cfg.copy, cfg.copy),
             storage_backend=backend, storage_dir=os.path.join(workdir, "store"), storage_extra=extra,
-            model_name=model, backup_queue_size=q, checked=cfg.checked)
+            model_name=model, backup_queue_size=q, checked=cfg.checked, fenced_release=cfg.fenced)
         self.inner_store: Any = None
         storage: Any = None
         if cfg.storage == "memory":
@@ -898,7 +940,7 @@ class Rank:
         before the real one runs."""
         sh, ps = self.shadow, self.ps
         _SHADOWS[id(self.host_pool)] = sh
-        _before(self.allocator, "free", lambda idx: sh.on_device_free(_slots(idx)))
+        _before(self.allocator, "free", lambda idx, fence=None: sh.on_device_free(_slots(idx), fence))
         _before(self.table, "free", lambda row: sh.on_row_free(int(row)))
         _before(self.protected, "unlock", sh.on_unlock)
         _before(self.host_pool, "free_pages", lambda pages: sh.on_host_free([int(p) for p in pages]))
@@ -992,6 +1034,8 @@ class Rank:
     # --- the engine: admission, decode, end ------------------------------------------------------------
     def write_kv(self, req: SimRequest, start: int, end: int) -> None:
         slots = self.table.read_host(req.req_pool_idx, start, end)
+        if self.manager.ledger is not None:  # checked mode: a reused page's fence passed or was waited on
+            self.manager.ledger.device_write(req.rid, slots.tolist())
         dev = self.device_pool.device
         if dev.type == "cuda":  # the engine's KV write, on the compute stream, without waiting for it
             pos = torch.arange(start, end, dtype=torch.float32, device=dev)
@@ -1017,10 +1061,19 @@ class Rank:
         if need > self.table.max_context:
             return False
         if need > have:
-            new = self.allocator.alloc(need - have)
+            # Fenced release: pages released fenced may come last, and the writer's stream waits on their fences.
+            # Whether alloc_fenced succeeds depends only on counts, the same on every TP rank; which pages it
+            # returns depends on this rank's copy timing (a fence that passed by the free puts its pages on the
+            # plain list), so TP ranks' slots may differ from then on (Shadow.log compares positions instead).
+            if self.cfg.fenced:
+                got = self.allocator.alloc_fenced(need - have)
+                new, fences = got if got is not None else (None, ())
+            else:
+                new, fences = self.allocator.alloc(need - have), ()
             if new is None:
                 return False
             self.table.write(req.req_pool_idx, have, new)
+            wait_fences(fences)
             self.shadow.grew(self.shadow.current(req), new.tolist(), have)
         req.kv_allocated_len = max(req.kv_allocated_len, length)
         return True
@@ -1058,6 +1111,28 @@ class Rank:
         req.kv_committed_len = pos + 1
         req.output_ids.append(7 + len(req.output_ids) % 5)
         return True
+
+    def reuse_fenced(self) -> int:
+        """Another writer of the device pool (a prefill the manager does not track) takes every free page,
+        the fenced ones last, waits on their fences, writes its own KV into them and gives them back: the
+        write a fenced release allows. The copies still reading them must land what their requests wrote
+        (the landing probe's host_page_content). Returns the slots it wrote."""
+        got = self.allocator.alloc_fenced(self.allocator.free_slots)
+        if got is None or not len(got[0]):
+            return 0
+        slots, fences = got
+        wait_fences(fences)
+        listed = slots.tolist()
+        self.shadow.check_no_reader(listed, "the scratch writer's write")
+        if self.manager.ledger is not None:
+            self.manager.ledger.device_write(SCRATCH_WRITER, listed)
+        self.device_pool.token_view()[:, :, slots] = 0.0  # no request's value (every one is >= 1 or <= -1)
+        self.shadow.scratch_freeing = True
+        try:
+            self.allocator.free(slots)
+        finally:
+            self.shadow.scratch_freeing = False
+        return len(listed)
 
     def end(self, req: SimRequest, how: str) -> None:
         req.done = True
@@ -1120,13 +1195,14 @@ class Rank:
             self.copy_engine.close()
 
 
-def _before(obj: Any, name: str, see: Callable[[Any], None]) -> None:
-    """obj.name(x) now calls see(x) first (an instance attribute: other instances keep the class's method)."""
+def _before(obj: Any, name: str, see: Callable[..., None]) -> None:
+    """obj.name(x, ...) now calls see(x, ...) first (an instance attribute: other instances keep the class's
+    method); a fenced free passes its fence on."""
     real = getattr(obj, name)
 
-    def wrapped(x: Any) -> Any:
-        see(x)
-        return real(x)
+    def wrapped(x: Any, *more: Any, **kw: Any) -> Any:
+        see(x, *more, **kw)
+        return real(x, *more, **kw)
     setattr(obj, name, wrapped)
 
 
@@ -1461,6 +1537,15 @@ class ProductionMachine(tm.ManagerMachine):
         machine's ranks end requests only through the manager (their shadow ledgers model that path)."""
         raise NotImplementedError
 
+    @precondition(when(lambda self: any(rank.allocator.fenced_page_count for rank in self.ranks),
+                       lambda self: self.cfg.fenced))
+    @rule()
+    @_step
+    def reuse_fenced(self) -> None:
+        """A writer the manager does not track reuses every free page, the fenced ones with their fences
+        waited on (Rank.reuse_fenced)."""
+        self._count("reused_fenced_slots", self._all([rank.reuse_fenced() for rank in self.ranks], "reuse_fenced"))
+
     @precondition(when(lambda self: self.retracted))
     @rule(i=st.integers(0, 7))
     @_step
@@ -1539,6 +1624,8 @@ class ProductionMachine(tm.ManagerMachine):
             self._tp_identical()
 
     def _tp_identical(self) -> None:
+        """The ranks freed the same (Shadow.log: the same slots; with fenced release, the same lifecycles'
+        positions), have the same metrics and stored the same pages (B14)."""
         a, b = self.ranks[0], self.ranks[1]
         la, lb = a.shadow.log, b.shadow.log
         if la != lb:
@@ -1606,7 +1693,8 @@ class ProductionMachine(tm.ManagerMachine):
         for what, n in sh.stats.items():
             self._count(what, n)
         mt = self.ranks[0].manager.metrics.as_dict()
-        for k in ("chunks", "stored_pages", "backup_failures", "parked_chunks", "host_full_retries", "releases"):
+        for k in ("chunks", "stored_pages", "backup_failures", "parked_chunks", "host_full_retries", "releases",
+                  "fenced_releases"):
             self._count(k, mt[k])
         self._count("steps", self.steps)
         self._count("examples")

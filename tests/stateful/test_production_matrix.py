@@ -16,7 +16,13 @@ TP 1/2 x checked/unchecked = 288) is far too slow for CI, so CONFIGS is a coveri
   and batches jobs itself), TP 2 with each worker (FIFO completions at each rank's own pace through the MIN
   consensus), Mooncake behind the production default (threaded engine and worker) and behind
   FaultyStorage (the batch_set path into Mooncake), and FaultyStorage under a batching worker in checked
-  mode (a batch's page outcomes split per chunk, item by item) and in unchecked mode (batch events).
+  mode (a batch's page outcomes split per chunk, item by item) and in unchecked mode (batch events);
+- fenced release (OffloadConfig.fenced_release, issue #21) over the deferred engine (the test decides when
+  each copy lands) checked, over the copy thread with the backup thread and file storage, and over TP 2:
+  an end under a copy frees at once with the copy's fence, the engine takes pages with alloc_fenced and
+  waits on their fences before writing them, and a scratch writer (`reuse_fenced`) reuses fenced pages.
+  The shadow checks every fenced free covers the copies still reading its pages and that no page is
+  written while a copy that has not landed reads it.
 
 The CUDA configurations are marked `gpu` (skipped without CUDA, run on a GPU machine). The Mooncake ones
 start a real mooncake_master on loopback (tests/mooncake/conftest.py's start_master); without the wheel
@@ -67,10 +73,16 @@ CONFIGS: list[Config] = [
     C("cpu", "stepped", "mooncake", False, 2, False, examples=6, steps=250),
     C("cpu", "inline", "file", True, 2, True, examples=40),
     C("deferred", "thread", "file", False, 1, True, examples=40),
+    # fenced release (issue #21): ends under a copy release at once, fenced; the engine's writes and a scratch
+    # writer take fenced pages last and wait on their fences (the test's completion order; a copy thread's)
+    C("deferred", "stepped", "memory", True, 1, True, examples=40, fenced=True),
+    C("thread", "thread", "file", False, 1, False, examples=30, fenced=True),
+    C("deferred", "stepped", "memory", False, 2, False, examples=30, fenced=True),
     # GPU only: the CUDA engine's CPU-visible logic (handles, event completion, pinned host pool)
     C("cuda", "thread", "file", False, 1, False, examples=20),
     C("cuda", "stepped", "memory", True, 2, True, examples=15),
     C("cuda", "inline", "memory", True, 1, False, examples=20),
+    C("cuda", "stepped", "memory", True, 1, True, examples=15, fenced=True),
 ]
 
 BATCHING = ("inline", "stepped", "thread")  # every worker writes several queued jobs in one store call
@@ -159,6 +171,8 @@ def test_production_config(cfg: Config, monkeypatch: pytest.MonkeyPatch, tmp_pat
     wanted = ["chunks", "stored_pages", "backup_failures", "releases", "store_calls"]
     if cfg.worker in BATCHING and cfg.examples >= 10:
         wanted.append("store_calls_multi_chunk")
+    if cfg.fenced:
+        wanted += ["fenced_releases", "reused_fenced_slots"] + (["fenced_free_under_copy"] if cfg.copy != "cuda" else [])
     missing = wanted
     try:
         for _ in range(1 + TOP_UPS):

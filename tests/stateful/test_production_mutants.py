@@ -25,7 +25,9 @@ import kvfsm.runtime.backup as backup_mod
 import kvfsm.runtime.build as build
 import test_manager_machine as tm
 from catalog_faults import b1, b2, b3_host, b5, b8, b10, b13, b15
+from kvfsm.dataplane import TokenSlotAllocator
 from kvfsm.dataplane.copy.cpu import DeferredHandle, _FutureHandle
+from kvfsm.dataplane.fences import SlotFence
 from kvfsm.dataplane.storage import FileStorage
 from kvfsm.runtime.backup import BackupJob, ThreadBackupWorker
 from kvfsm.runtime.effects import OffloadEffects
@@ -242,6 +244,33 @@ def stored_pages_counts_chunks(mp: pytest.MonkeyPatch) -> None:
     _wrap(mp, OffloadEffects, "mark_stored_each", make)
 
 
+# --- fenced release (issue #21) ---------------------------------------------------------------------------
+
+def writer_skips_the_wait(mp: pytest.MonkeyPatch) -> None:
+    """The engine writes pages alloc_fenced handed out without waiting on their fences (#21's named fault)."""
+    import production
+    mp.setattr(production, "wait_fences", lambda fences, stream=None: None)
+
+
+def fence_misses_the_copies(mp: pytest.MonkeyPatch) -> None:
+    """A fenced release tags the slots with an empty fence (one that has always passed), not their copies."""
+    def release_request_fenced_each(self: Any, items: list) -> None:
+        for m, _ in items:
+            self._release(m.ctx, SlotFence([]))
+            self.metrics.fenced_releases += 1
+    mp.setattr(OffloadEffects, "release_request_fenced_each", release_request_fenced_each)
+
+
+def fenced_pages_without_fences(mp: pytest.MonkeyPatch) -> None:
+    """alloc_fenced hands out fenced pages but forgets their fences (the writer has nothing to wait on)."""
+    def make(orig: Callable) -> Callable:
+        def alloc_pages_fenced(self: Any, k: int) -> Any:
+            got = orig(self, k)
+            return None if got is None else (got[0], ())
+        return alloc_pages_fenced
+    _wrap(mp, TokenSlotAllocator, "alloc_pages_fenced", make)
+
+
 # --- the table ----------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -253,6 +282,8 @@ class Mutant:
 
 
 U = "deferred-stepped-memory+faulty-tp1-unchecked"
+F = "deferred-stepped-memory-tp2-unchecked-fenced"
+FC = "deferred-stepped-memory+faulty-tp1-checked-fenced"
 MUTANTS: dict[str, Mutant] = {
     # copy engines: a done() that lies, a copy that moves nothing
     "deferred-done-lies": Mutant("copy engine", U, deferred_done_lies,
@@ -329,9 +360,15 @@ MUTANTS: dict[str, Mutant] = {
                                       ("gauge_copies_in_flight",)),
     "stored-pages-counts-chunks": Mutant("metrics", "cpu-inline-file+faulty-tp2-checked", stored_pages_counts_chunks,
                                          ("metric_stored_pages",)),
+    # fenced release: the writer must wait on the fences, and a fence must cover the copies that still read
+    "writer-skips-the-wait": Mutant("fenced release", F, writer_skips_the_wait, ("reuse_under_copy",)),
+    "writer-skips-the-wait-checked": Mutant("fenced release", FC, writer_skips_the_wait,
+                                            ("CheckedModeError", "reuse_under_copy")),
+    "fence-misses-the-copies": Mutant("fenced release", F, fence_misses_the_copies, ("fence_misses_copy",)),
+    "fenced-pages-without-fences": Mutant("fenced release", F, fenced_pages_without_fences, ("reuse_under_copy",)),
 }
 DIMENSIONS = ("copy engine", "backup worker", "storage", "page faults", "tp", "unchecked shadow", "request mutation",
-              "metrics")
+              "metrics", "fenced release")
 REPORT: dict[str, dict[str, Any]] = {}
 
 MUTANT_SETTINGS = dict(max_examples=1000 if tm.DEEP else 400, stateful_step_count=200, deadline=None, derandomize=True, database=None,

@@ -146,7 +146,8 @@ def plan_copy(
     PageSlots are checked as lists and kept as lists (CopyPlan builds their tensors only if asked).
     """
     dc, hc = device_pool.config, host_pool.config
-    if (dc.num_planes, dc.num_layers, dc.token_shape, dc.dtype) != (hc.num_planes, hc.num_layers, hc.token_shape, hc.dtype):
+    if dc is not hc and (dc.num_planes, dc.num_layers, dc.token_shape, dc.dtype) != (
+            hc.num_planes, hc.num_layers, hc.token_shape, hc.dtype):  # a host pool built on the device's config
         raise CopyError(f"device pool {dc} and host pool {hc} hold different KV shapes")
     # a list of Python ints is kept (copied: the caller's table may change after the submit)
     ids = device_indices[:] if type(device_indices) is list and set(map(type, device_indices)) <= _INTS else None

@@ -7,6 +7,7 @@ but not pydantic (the GPU benchmark host), and it needs no parsing beyond a few 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Literal
 
 import torch
@@ -66,30 +67,33 @@ class KVCacheConfig:
             raise ValueError(f"unsupported KV dtype {self.dtype}")
 
     # ---- derived shapes -------------------------------------------------------------------------
-    @property
+    # Cached (the config is frozen): every copy's planning and sizing asks for these, and each was a chain of
+    # property calls (bytes_per_token five deep); cached_property writes the instance's __dict__ directly,
+    # which a frozen dataclass allows, and fields-only equality and hashing ignore.
+    @cached_property
     def is_mla(self) -> bool:
         return self.attention == "mla"
 
-    @property
+    @cached_property
     def num_planes(self) -> int:
         """2 (K and V) for MHA, 1 (latent) for MLA."""
         return 1 if self.is_mla else 2
 
-    @property
+    @cached_property
     def token_shape(self) -> tuple[int, int]:
         """Shape of one token's row in one plane of one layer."""
         return (self.kv_heads, self.head_dim)
 
-    @property
+    @cached_property
     def element_size(self) -> int:
         return _ELEMENT_SIZE[self.dtype]  # a table: copy sizing asks on every submit
 
-    @property
+    @cached_property
     def row_bytes(self) -> int:
         """Bytes of one token in one plane of one layer (the unit the copy kernels move)."""
         return self.kv_heads * self.head_dim * self.element_size
 
-    @property
+    @cached_property
     def bytes_per_token(self) -> int:
         """Bytes of one token across all planes and layers."""
         return self.num_planes * self.num_layers * self.row_bytes
