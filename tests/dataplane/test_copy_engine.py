@@ -232,6 +232,9 @@ def test_submit_validation(engine_name: str) -> None:
     assert torch.equal(bits(host.kv_buffer), bits(host_before))
     if isinstance(eng, DeferredCpuCopyEngine):
         assert eng.pending == []
+    twin = make_device_pool(KVCacheConfig.tiny(), 64)  # an equal config in another object: compared, accepted
+    assert twin.config is not host.config and twin.config == host.config
+    eng.submit_d2h(twin, torch.arange(8, 12), host, hi).wait()
     if isinstance(eng, ThreadCpuCopyEngine):
         eng.close()
 

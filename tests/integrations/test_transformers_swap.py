@@ -10,6 +10,7 @@ its acknowledgement (`fenced=False`).
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -249,6 +250,18 @@ def test_swap_out_and_in_restore_the_exact_kv(model: Any) -> None:
     e.cache.free_blocks("a")  # the engine finishes it: through its machine
     assert "a" not in e.kv.live and e.inst.leaks() == []
     assert tid("resident", "finish") in e.inst.coverage
+
+
+def test_awaiting_restore_is_swapped_and_what_swap_out_done_takes_there() -> None:
+    """The manager's _AWAITING_RESTORE, read off spec/cb_swap.yaml: `swapped` (where `restore` is accepted)
+    and every state that `swap_out_done` takes to it."""
+    from kvfsm.integrations.transformers.manager import _AWAITING_RESTORE
+    from kvfsm.spec.checks import load_spec
+
+    spec = load_spec(Path(__file__).resolve().parents[2] / "spec" / "cb_swap.yaml")
+    restorable = {t.src for t in spec.transitions if t.event == "restore"}
+    waiting = restorable | {t.src for t in spec.transitions if t.event == "swap_out_done" and t.dst in restorable}
+    assert {gen.STATES[s] for s in _AWAITING_RESTORE} == waiting == {"swapping_out", "swapping_out_fenced", "swapped"}
 
 
 class _Untouchable(list):

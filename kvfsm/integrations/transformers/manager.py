@@ -35,7 +35,8 @@ from .pool import PagedCachePool
 
 _serials = itertools.count(1)
 # The states of a swapped request waiting to be rescheduled: its KV is (or is being copied) in host blocks and no
-# swap-in has started. `restore` takes it from `swapped`; from the other two, after its swap-out is acknowledged.
+# swap-in has started. `restore` takes it from `swapped`; from the other two, after its swap-out is acknowledged
+# (spec/cb_swap.yaml; test_awaiting_restore_is_swapped_and_what_swap_out_done_takes_there checks it against the spec).
 _AWAITING_RESTORE = frozenset({spec_gen.SWAPPING_OUT, spec_gen.SWAPPING_OUT_FENCED, spec_gen.SWAPPED})
 
 
@@ -288,9 +289,9 @@ class KvfsmOffloadingManager(OffloadingManager):
         The engine calls this before every forward, and most batches restore nothing. While no machine awaits
         a restore, a call returns at once, without the scan of the batch the engine's own manager makes on
         every call (not yet measured on the H200). Otherwise a call that finds nothing to restore is one pass
-        over the batch. Neither polls nor times (acks wait for the next
-        call that restores or offloads, or for an engine free; each of those polls first). Checked mode always
-        scans, and checks the count of machines awaiting a restore against their states."""
+        over the batch. Neither polls nor times: acks wait for the next call that restores or offloads, or for
+        an engine free, each of which polls first. Checked mode always scans, and checks the count of
+        machines awaiting a restore against their states."""
         self.metrics.restore_calls += 1
         if not self.awaiting_restore and not self.checked:
             return
