@@ -575,7 +575,7 @@ class Shadow:
                 self.fail("fenced_free_unfenced", f"pages {pages} freed fenced without fenced_release")
             evicting, self.evicting = self.evicting, None
             if not by_slot:
-                owner = evicting or self.device_owner.get(pages[0]) if pages else None
+                owner = (evicting or self.device_owner.get(pages[0])) if pages else None
                 where = tuple(sorted(owner.pages.get(p, -1) for p in pages)) if owner is not None else ()
                 self.log.append(("device_free", (owner.serial if owner is not None else None,
                                                  evicting is not None, len(slots), where)))
