@@ -20,6 +20,7 @@ import torch
 import kvfsm.generated.decode_offload as gen
 import kvfsm.dataplane.copy.base as copy_engine
 from kvfsm.generated.decode_offload import DecodeOffloadMachine
+from kvfsm.dataplane import TokenSlotAllocator
 from kvfsm.runtime import SimplePrefixCache
 from kvfsm.runtime.tp import ProgressConsensus
 from kvfsm.runtime.effects import OffloadEffects
@@ -282,3 +283,14 @@ def b16(mp: pytest.MonkeyPatch) -> None:
 def b17(mp: pytest.MonkeyPatch) -> None:
     """The writer of a reused device slot skips the wait on its fence, writing under a copy still reading it (S #17216)."""
     mp.setattr(SimEngine, "_wait", lambda self, fences: None)
+
+
+def b17_carried(mp: pytest.MonkeyPatch) -> None:
+    """A reused device slot freed again before its old copy landed goes back without that copy's fence, though a wait orders only the stream that made it."""
+    orig = TokenSlotAllocator._put_free
+
+    def put_free(self: TokenSlotAllocator, pages: list[int], fence: object) -> None:
+        for p in pages:
+            self._held_fence.pop(p, None)
+        orig(self, pages, fence)
+    mp.setattr(TokenSlotAllocator, "_put_free", put_free)

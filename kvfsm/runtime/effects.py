@@ -344,7 +344,7 @@ class OffloadEffects(DecodeOffloadEffectsEach):
             raise LifecycleError(f"request {rec.key}: {len(unfenced)} copies still read the slots the engine freed, "
                                  "and its stream was never made to wait on them (fence_copies_in_flight; B2)")
         fence = SlotFence(handles)
-        fence.waited = True  # by fence_copies_in_flight, before the engine freed them
+        fence.mark_waited()  # by fence_copies_in_flight, before the engine freed them
         if self.ledger is not None:
             self.ledger.release_owned(rec.key, "released_by_engine_fenced", fence)
             self.ledger.prefix_unlocked(rec.key)

@@ -7,7 +7,9 @@ an in-flight copy), B9/B10 (double release) in the implementation, not only in t
 
 A release under a copy is legal only fenced (spec `resources.device_slots.fence`): the fence must cover
 every copy that still reads the page, and a writer that declares a write (`device_write`) into such a page
-must have waited on the fence unless it has passed.
+must have waited on the fence since that release, unless it has passed. A page handed out with a fence keeps
+it until its copies land, so a later release of that page, plain or fenced, is covered by it too, and the
+next writer must wait on it again (a wait orders only the stream that made it).
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ class SlotLedger:
         self.host_owner: dict[int, int] = {}
         self.prefix_holders: dict[int, set[str]] = defaultdict(set)  # prefix-cache page -> requests locking it
         self.copy_handle: dict[int, Any] = {}  # in-flight chunk -> its copy's handle (what a fence must cover)
-        self.device_fence: dict[int, SlotFence] = {}  # page released fenced, while copies still read it
+        # page released while copies still read it -> the fences covering them, each with the count of waits
+        # (SlotFence.waits) a write of the page needs: one more than it had when the page was last released
+        self.device_fence: dict[int, tuple[tuple[SlotFence, int], ...]] = {}
 
     def _pages(self, slots: Iterable[int]) -> list[int]:
         return sorted({int(s) // self.page_size for s in slots})
@@ -69,10 +73,11 @@ class SlotLedger:
             # a copy that has landed (its handle says so, by a query) no longer reads the page, even before
             # the progress check acknowledges it
             readers = [c for c in self.device_readers.get(page, ()) if not self._landed(c)]
-            if readers and fence is None:
+            covering = self._covering(page, fence)
+            if readers and not covering:
                 raise CheckedModeError(owner, event, page * self.page_size,
                                        "freeing a device slot an in-flight copy still reads (B2)")
-            missed = sorted(c for c in readers if not fence.covers(self.copy_handle.get(c)))  # type: ignore[union-attr]
+            missed = sorted(c for c in readers if not any(f.covers(self.copy_handle.get(c)) for f in covering))
             if missed:
                 raise CheckedModeError(owner, event, page * self.page_size,
                                        f"a fenced release whose fence misses copy of chunk {missed[0]}, which still "
@@ -83,8 +88,23 @@ class SlotLedger:
         for page in pages:
             self.device_owner.pop(page, None)
             self.device_released[page] = owner
-            if fence is not None and self.device_readers.get(page):
-                self.device_fence[page] = fence
+            if self.device_readers.get(page):
+                self.device_fence[page] = self._needs(page, fence)
+
+    def _covering(self, page: int, fence: Optional[SlotFence]) -> list[SlotFence]:
+        """The fences a release of `page` goes back with: its own, and those of the page's last release while
+        copies still read it (the allocator carries them)."""
+        carried = [f for f, _ in self.device_fence.get(page, ()) if f is not fence]
+        return ([fence] if fence is not None else []) + carried
+
+    def _needs(self, page: int, fence: Optional[SlotFence]) -> tuple[tuple[SlotFence, int], ...]:
+        """The waits the next write of `page` needs on each fence covering it after this release: its own
+        fence once; a carried one once more than so far. 0 (none) for a fence the engine's own stream waited
+        on before the engine freed the page itself (record_engine_release_fenced): the engine writes its
+        pages on that stream, so every later write is ordered (the allocator got no fence to carry)."""
+        own = [] if fence is None else [(fence, 0 if fence.waits else 1)]
+        carried = [(f, 0 if need == 0 else f.waits + 1) for f, need in self.device_fence.get(page, ()) if f is not fence]
+        return tuple(own + carried)
 
     def _landed(self, chunk: int) -> bool:
         handle = self.copy_handle.get(chunk)
@@ -92,10 +112,9 @@ class SlotLedger:
 
     def device_write(self, writer: str, slots: Iterable[int]) -> None:
         """`writer` is about to write these device slots (the engine's KV for a new token): a page released
-        fenced, whose copies still read it, must have its fence passed or waited on by the writer's stream."""
+        fenced, whose copies still read it, must have its fences passed or waited on since that release."""
         for page in self._pages(slots):
-            fence = self.device_fence.get(page)
-            if fence is not None and not fence.waited and not fence.passed():
+            if any(f.waits < need and not f.passed() for f, need in self.device_fence.get(page, ())):
                 raise CheckedModeError(writer, "write", page * self.page_size,
                                        "writing a reused device slot whose fence has neither passed nor been "
                                        "waited on: a copy still reads it (premature reuse, B2; the device_slots "

@@ -61,9 +61,10 @@ _FENCED_CHUNKS = SubBound(
     "fences on (the spec's `fences` param): every end while copies are in flight releases at once, fenced, "
     "and the reuse event writes the fenced slots (waiting on their fences) between the copies' completions")
 _FENCED_TWO = SubBound(
-    "fenced-two-requests", ExplorerConfig(requests=2, decodes=2, host_slots=4, fenced=True),
+    "fenced-two-requests", ExplorerConfig(requests=2, decodes=2, host_slots=4, fenced=True, stream_ordered=True),
     "fences on, two requests: one request's writes of slots another released fenced, interleaved with the "
-    "completions of that request's copies")
+    "completions of that request's copies; a writer's wait orders it after the copy and lands nothing (the "
+    "GPU's case), so a reused slot is released again while the old copy still reads it")
 
 _FENCED_ENGINE_RELEASE = SubBound(
     "fenced-engine-release", ExplorerConfig(requests=1, decodes=3, readmits=1, end_kinds=("finish", "engine_release"),
@@ -97,6 +98,14 @@ DEFAULT = Bound("default", "kvfsm check", (
     SubBound("fenced-three-requests", ExplorerConfig(requests=3, fenced=True),
              "fences on, three requests over 16 device slots: fenced releases, reuse and copy completions of "
              "three lifecycles interleaved"),
+    SubBound("fenced-stream-ordered-chunks", ExplorerConfig(requests=1, decodes=5, fenced=True, stream_ordered=True),
+             "fences on, a writer's wait landing nothing (the GPU's case): three chunks, each end released fenced, "
+             "the reuse writer's slots released again under the copies"),
+    SubBound("fenced-stream-ordered-engine-release",
+             ExplorerConfig(requests=1, decodes=3, readmits=1, end_kinds=("finish", "engine_release"), fenced=True,
+                            stream_ordered=True),
+             "fences on, a wait landing nothing: the engine releasing a request itself after its stream waited, "
+             "then re-admitting it while those copies still read its old slots"),
 ))
 
 BOUNDS: dict[str, Bound] = {b.name: b for b in (CI, DEFAULT)}

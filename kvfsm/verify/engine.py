@@ -65,6 +65,7 @@ class SimEngine:
     table_device: str = "cpu"  # "meta": a request table nobody can read (the manager must use its host mirror)
     fenced: bool = False  # the spec's `fences` param: release under a copy fenced; the writer waits on fences
     skip_fence_wait: bool = False  # a fault: the writer of a reused slot does not wait on its fence
+    stream_ordered: bool = False  # a wait orders the writer after the copy and lands nothing (the GPU's case)
 
     def __post_init__(self) -> None:
         self.kv = KVCacheConfig(num_layers=self.num_layers, kv_heads=self.kv_heads, head_dim=self.head_dim,
@@ -74,7 +75,7 @@ class SimEngine:
         self.req_to_token = ReqToTokenPool(self.rows, self.max_context, self.table_device)
         self.protected = SimplePrefixCache(self.allocator)  # holds each matched prefix's pages while locked
         self.host_pool = HostKVPool(self.kv, self.host_slots, self.page_size, layout=self.host_layout)
-        self.copies = DeferredCpuCopyEngine()
+        self.copies = DeferredCpuCopyEngine(stream_ordered=self.stream_ordered)
         self.worker = SteppedBackupWorker(self.backup_queue)
         self.store: Optional[MemoryStorage] = MemoryStorage()
         self.storage = self.make_storage()
@@ -110,7 +111,8 @@ class SimEngine:
         return grow_slots(self.allocator, self.req_to_token, req, length, self._wait if self.fenced else None)
 
     def _wait(self, fences: tuple[SlotFence, ...]) -> None:
-        """The writer's stream waits on the fences of the slots it got (CPU twin: their copies complete now)."""
+        """The writer's stream waits on the fences of the slots it got (CPU twin: their copies complete now,
+        or, stream_ordered, read their source now and stay in flight)."""
         if not self.skip_fence_wait:
             wait_fences(fences)
 
@@ -183,10 +185,14 @@ class SimEngine:
         slots, fences = got
         if fences:
             self._wait(fences)
-        if self.manager.ledger is not None:
-            self.manager.ledger.device_write(SCRATCH_WRITER, slots.tolist())
+        led = self.manager.ledger
+        if led is not None:  # the scratch writer owns the pages while it writes them, then releases them
+            led.claim_device(SCRATCH_WRITER, "reuse", slots.tolist())
+            led.device_write(SCRATCH_WRITER, slots.tolist())
         self.device_pool.token_view()[:, :, slots] = torch.tensor(
             [kv_value(0, p) for p in range(len(slots))], dtype=torch.float32).view(1, 1, -1, 1, 1)
+        if led is not None:
+            led.release_device(SCRATCH_WRITER, "reuse", slots.tolist())
         self.allocator.free(slots)
         return len(slots)
 

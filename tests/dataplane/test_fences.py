@@ -114,6 +114,56 @@ def test_a_fenced_free_is_validated_like_a_plain_one_and_a_rejected_free_changes
     a.check_conservation()
 
 
+def test_a_page_handed_out_fenced_keeps_its_fence_through_a_plain_free_until_it_passes() -> None:
+    """A wait orders only the stream that made it: a reused page freed again (plainly) before its old copy
+    lands goes back still fenced, so plain alloc skips it and alloc_fenced returns the fence again. This is
+    what the CUDA production configuration hit (the CPU twin's wait lands the copy, so there it has passed)."""
+    a = TokenSlotAllocator(4 * 2, 2)  # 3 allocatable pages
+    old = FakeCopy()
+    fence = SlotFence([old])
+    page = _alloc(a, 1)
+    a.free_pages(page, fence)
+    got = a.alloc_pages_fenced(3)
+    assert got is not None and got[0][-1] == page[0] and got[1] == (fence,)
+    wait_fences(got[1], stream="compute")
+    a.free_pages(got[0])  # plainly: the new owner had no copy of its own
+    assert a.fenced_page_count == 1 and a._page_fence[page[0]] is fence
+    a.check_conservation()
+    assert a.alloc_pages(3) is None  # the plain path never takes it before the old copy lands
+    again = a.alloc_pages_fenced(3)
+    assert again is not None and again[1] == (fence,)  # the next writer must wait too
+    old.landed = True
+    a.free_pages(again[0])
+    assert a.fenced_page_count == 0 and not a._held_fence  # passed: dropped by a query
+    a.check_conservation()
+
+
+def test_a_fenced_free_of_a_page_still_carrying_a_fence_joins_both_and_a_wait_counts_on_each() -> None:
+    a = TokenSlotAllocator(4 * 2, 2)
+    first, second = FakeCopy(), FakeCopy()
+    f1, f2 = SlotFence([first]), SlotFence([second])
+    pages = _alloc(a, 2)
+    a.free_pages(pages[:1], f1)
+    got = a.alloc_pages_fenced(2)  # the plain free page, then the fenced one
+    assert got is not None and got[1] == (f1,)
+    reused = got[0][-1]
+    wait_fences(got[1])
+    assert f1.waits == 1
+    a.free_pages([reused], f2)  # the new owner's own copy reads it as well
+    joined = a._page_fence[reused]
+    assert joined is not f1 and joined is not f2 and joined.covers(first) and joined.covers(second)
+    a.free_pages(got[0][:-1])
+    a.free_pages(pages[1:])
+    again = a.alloc_pages_fenced(3)
+    assert again is not None and again[1] == (joined,)
+    wait_fences(again[1], stream="s")
+    assert (f1.waits, f2.waits) == (2, 1) and first.waited_on[-1] == second.waited_on[-1] == "s"
+    first.landed = True
+    assert SlotFence.join([f1, f2]) is f2 and SlotFence.join([f1, None]) is None
+    second.landed = True
+    assert joined.passed()
+
+
 def test_conservation_sees_a_fenced_page_without_its_fence() -> None:
     from kvfsm.dataplane import ConservationError
     a = TokenSlotAllocator(4 * 2, 2)

@@ -140,6 +140,47 @@ def test_a_fenced_release_whose_fence_misses_a_reading_copy_is_caught() -> None:
         led.release_device("B", "release", [6, 7])
 
 
+def test_a_reused_page_released_again_under_the_old_copy_is_covered_by_its_carried_fence_and_needs_a_new_wait() -> None:
+    """A wait orders only the stream that made it: B got A's page fenced, waited, wrote it and released it
+    plainly while A's copy still runs (the CUDA case). The ledger accepts that release, covered by the carried
+    fence, and the next writer must wait on it again; a release no fence covers is still B2."""
+    class Copy:
+        landed = False
+
+        def done(self) -> bool:
+            return self.landed
+
+        def wait_stream(self, stream: object = None) -> None:
+            pass
+
+    led = SlotLedger(page_size=2)
+    old = Copy()
+    led.copy_started("A", 1, [2, 3], [0, 1], old)
+    fence = SlotFence([old])
+    led.release_device("A", "release_fenced", [2, 3], fence)
+    led.claim_device("B", "grow", [2, 3])
+    with pytest.raises(CheckedModeError, match="neither passed nor been waited on"):
+        led.device_write("B", [2, 3])
+    fence.wait()
+    led.device_write("B", [2, 3])
+    led.release_device("B", "release", [2, 3])  # plain: covered by the fence the page still carries
+    led.claim_device("C", "grow", [2, 3])
+    with pytest.raises(CheckedModeError, match="neither passed nor been waited on"):  # B's wait is not C's
+        led.device_write("C", [2, 3])
+    fence.wait()
+    led.device_write("C", [2, 3])
+    led.release_device("C", "release", [2, 3])
+    old.landed = True
+    led.claim_device("D", "grow", [2, 3])
+    led.device_write("D", [2, 3])  # passed: no wait needed
+    led.copy_completed(1, [2, 3])
+    assert not led.device_fence and not led.device_readers
+    mine = Copy()  # a release of a page no earlier fence covers stays an error
+    led.copy_started("D", 2, [2, 3], [2, 3], mine)
+    with pytest.raises(CheckedModeError, match="B2"):
+        led.release_device("D", "release", [2, 3])
+
+
 class _NoFences(CopyEngine):
     def submit_d2h(self, *a: Any) -> Any:
         raise AssertionError

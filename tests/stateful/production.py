@@ -606,14 +606,7 @@ class Shadow:
             if set(pages) != set(life.pages):
                 self.fail("release_exact", f"{life!r} freed pages {pages}, owned {sorted(life.pages)} (B5, B8; "
                                            f"lengths read from a request the engine changed?)")
-            reading = [c for c in self.unlanded() if c.device_pages & set(pages)]
-            if reading and fence is None:
-                self.fail("free_under_copy", f"{life!r} freed while {reading} still copy from it (B2)")
-            elif reading:
-                missed = [c for c in reading if not fence.covers(c.handle)]
-                if missed:
-                    self.fail("fence_misses_copy", f"{life!r} freed fenced, but its fence misses {missed}, which "
-                                                   "still copy from it (B2: the device_slots fence rule)")
+            if fence is not None and any(c.device_pages & set(pages) for c in self.unlanded()):
                 self.count("fenced_free_under_copy")
             life.fenced = fence is not None
             for p in pages:
@@ -621,6 +614,30 @@ class Shadow:
                     del self.device_owner[p]
             life.dev_freed = True
             self.releasing = life
+
+    def after_device_free(self, slots: list[int], fence: Any = None) -> None:
+        """A free has happened: every freed page a copy still reads must now wait in the allocator's fenced
+        FIFO under a fence that covers each such copy, whatever the free passed (a plain free of a reused page
+        keeps the fence it was handed out with: the device_slots fence rule). That fence is what the page's
+        next writer will be given to wait on, so this is the B2 property itself, checked on the allocator."""
+        self.refresh_landed()
+        with self.lock:
+            pages = sorted({s // self.ps for s in slots})
+            fence_of = self.rank.allocator._page_fence
+            for p in pages:
+                reading = [c for c in self.unlanded() if p in c.device_pages and not c.handle.done()]
+                if not reading:
+                    continue
+                kept = fence_of.get(p)
+                owner = "the scratch writer" if self.scratch_freeing else f"page {p}'s last owner"
+                if kept is None and fence is None:
+                    self.fail("free_under_copy", f"{owner} freed page {p} while {reading} still copy from it, and "
+                                                 "it went back unfenced (B2)")
+                    continue
+                missed = [c for c in reading if kept is None or not kept.covers(c.handle)]
+                if missed:
+                    self.fail("fence_misses_copy", f"{owner} freed page {p}: the fence it goes back with misses "
+                                                   f"{missed}, which still copy from it (B2: the device_slots fence rule)")
 
     def on_row_free(self, row: int) -> None:
         with self.lock:
@@ -940,7 +957,8 @@ class Rank:
         before the real one runs."""
         sh, ps = self.shadow, self.ps
         _SHADOWS[id(self.host_pool)] = sh
-        _before(self.allocator, "free", lambda idx, fence=None: sh.on_device_free(_slots(idx), fence))
+        _before(self.allocator, "free", lambda idx, fence=None: sh.on_device_free(_slots(idx), fence),
+                after=lambda idx, fence=None: sh.after_device_free(_slots(idx), fence))
         _before(self.table, "free", lambda row: sh.on_row_free(int(row)))
         _before(self.protected, "unlock", sh.on_unlock)
         _before(self.host_pool, "free_pages", lambda pages: sh.on_host_free([int(p) for p in pages]))
@@ -1124,9 +1142,13 @@ class Rank:
         wait_fences(fences)
         listed = slots.tolist()
         self.shadow.check_no_reader(listed, "the scratch writer's write")
-        if self.manager.ledger is not None:
-            self.manager.ledger.device_write(SCRATCH_WRITER, listed)
+        led = self.manager.ledger
+        if led is not None:  # it owns the pages while it writes them, then releases them
+            led.claim_device(SCRATCH_WRITER, "reuse", listed)
+            led.device_write(SCRATCH_WRITER, listed)
         self.device_pool.token_view()[:, :, slots] = 0.0  # no request's value (every one is >= 1 or <= -1)
+        if led is not None:
+            led.release_device(SCRATCH_WRITER, "reuse", listed)
         self.shadow.scratch_freeing = True
         try:
             self.allocator.free(slots)
@@ -1195,14 +1217,17 @@ class Rank:
             self.copy_engine.close()
 
 
-def _before(obj: Any, name: str, see: Callable[..., None]) -> None:
-    """obj.name(x, ...) now calls see(x, ...) first (an instance attribute: other instances keep the class's
-    method); a fenced free passes its fence on."""
+def _before(obj: Any, name: str, see: Callable[..., None], after: Optional[Callable[..., None]] = None) -> None:
+    """obj.name(x, ...) now calls see(x, ...) first, and after(x, ...) once it returned (an instance
+    attribute: other instances keep the class's method); a fenced free passes its fence on."""
     real = getattr(obj, name)
 
     def wrapped(x: Any, *more: Any, **kw: Any) -> Any:
         see(x, *more, **kw)
-        return real(x, *more, **kw)
+        out = real(x, *more, **kw)
+        if after is not None:
+            after(x, *more, **kw)
+        return out
     setattr(obj, name, wrapped)
 
 

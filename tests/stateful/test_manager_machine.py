@@ -145,14 +145,16 @@ class ManagerMachine(RuleBasedStateMachine):
     # --- set-up --------------------------------------------------------------------------------------
     @initialize(page_size=st.sampled_from([2, 2, 4]), stride_pages=st.sampled_from([1, 1, 2]),
                 device_pages=st.integers(12, 20), host_pages=st.integers(4, 6), rows=st.integers(3, 4),
-                backup_queue=st.integers(1, 2), fenced=st.booleans())
+                backup_queue=st.integers(1, 2), fenced=st.booleans(), stream_ordered=st.booleans())
     def setup(self, page_size: int, stride_pages: int, device_pages: int, host_pages: int, rows: int,
-              backup_queue: int, fenced: bool) -> None:
+              backup_queue: int, fenced: bool, stream_ordered: bool) -> None:
         # page_size 2: 24-40 device slots, 8-12 host slots; page_size 4 keeps the same page counts.
         # fenced: the spec's `fences` param (an end under a copy releases at once, fenced; writers wait).
+        # stream_ordered: a writer's wait orders it after the copy, which stays in flight (the GPU's case), so
+        # a reused slot can be released again while the old copy still reads it.
         self.e = SimEngine(page_size=page_size, stride=stride_pages * page_size, device_slots=device_pages * page_size,
                            host_slots=host_pages * page_size, rows=rows, max_context=32, backup_queue=backup_queue,
-                           checked=self.checked, fenced=fenced)
+                           checked=self.checked, fenced=fenced, stream_ordered=fenced and stream_ordered)
         self.ps = page_size
 
     # --- helpers ------------------------------------------------------------------------------------

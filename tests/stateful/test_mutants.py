@@ -34,7 +34,7 @@ from kvfsm.verify.engine import SimEngine
 import test_manager_machine as tm
 from tp_threads import ThreadGroup, route_all_reduce
 from catalog_faults import (b1, b2, b3, b3_host, b4, b5, b6, b6_readmit, b7, b8, b9, b10, b11, b12, b13, b14, b15, b16,
-                            b17)
+                            b17, b17_carried)
 
 DEEP = tm.DEEP
 REPORT: dict[str, dict[str, Any]] = {}
@@ -61,6 +61,7 @@ MUTANTS: dict[str, tuple[str, Callable[[pytest.MonkeyPatch], None], bool]] = {
     "B16": ("release frees the prefix cache's pages", b16, True),
     "B17": ("reuse of a fenced slot before its copy landed", b17, True),
     "B17-unchecked": ("reuse of a fenced slot before its copy landed (ledger off)", b17, False),
+    "B17-carried": ("reuse of a fenced slot before its copy landed (a reused slot freed again)", b17_carried, True),
 }
 
 # Shrinking a failing run costs minutes per mutant; CI only needs the catch. The report script turns it on,

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from catalog_faults import b1, b2, b3_engine as b3_faults, b5, b6_readmit, b7, b8, b9, b10, b13, b15, b16, b17
+from catalog_faults import b1, b2, b3_engine as b3_faults, b5, b6_readmit, b7, b8, b9, b10, b13, b15, b16, b17, b17_carried
 from kvfsm.dataplane.pools.allocator import PageSlots
 from kvfsm.runtime.manager import DecodeOffloadManager
 from kvfsm.verify.commands import check
@@ -174,6 +174,8 @@ MUTANTS = {
     "B15": (b15, None, ONE, 4, {"host_kv_content"}),
     "B16": (b16, None, ONE, 2, {"CheckedModeError"}),
     "B17": (b17, None, ExplorerConfig(requests=1, fenced=True), 5, {"CheckedModeError"}),
+    "B17-carried": (b17_carried, None, ExplorerConfig(requests=2, decodes=2, host_slots=4, fenced=True, stream_ordered=True),
+                    9, {"CheckedModeError"}),
 }
 FOUND: dict[str, tuple[int, str, int]] = {}
 

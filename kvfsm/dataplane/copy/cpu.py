@@ -5,6 +5,9 @@
 - DeferredCpuCopyEngine: copies only when the test says so (complete(handle), complete_next(),
   complete_all()), reading the source *then*. A device slot freed and rewritten before completion
   therefore really corrupts the copy, which is how tests catch B2 (free while a copy still reads).
+  With `stream_ordered`, a writer's wait on a handle (`wait_stream`) is a GPU stream wait: the copy reads
+  its source then, ordered before the writer's writes, but stays in flight until completed, as a copy
+  whose event the host has not yet seen.
 """
 
 from __future__ import annotations
@@ -95,6 +98,7 @@ class DeferredHandle(CopyHandle):
         self.seq = seq
         self._engine = engine
         self._plan: CopyPlan | None = plan
+        self.ran = False  # stream_ordered: a waiter ordered the copy's reads before its writes; not landed yet
 
     def done(self) -> bool:
         return self._plan is None
@@ -102,17 +106,25 @@ class DeferredHandle(CopyHandle):
     def wait(self) -> None:
         self._engine.complete(self)
 
+    def wait_stream(self, stream: object | None = None) -> None:
+        if self._engine.stream_ordered:
+            self._engine.order(self)
+        else:
+            self._engine.complete(self)
+
     def __repr__(self) -> str:
         return f"DeferredHandle(#{self.seq} {self.direction} {self.num_tokens} tokens, done={self.done()})"
 
 
 class DeferredCpuCopyEngine(CopyEngine):
     """Copies are recorded at submit and performed at complete(): the test controls completion order.
-    Its handles are the CPU twin of fences: waiting on one completes its copy first."""
+    Its handles are the CPU twin of fences: waiting on one completes its copy first, or, `stream_ordered`,
+    performs it and leaves it in flight (the GPU's case: a stream wait orders the waiter, nothing lands)."""
 
     fences = True
 
-    def __init__(self) -> None:
+    def __init__(self, stream_ordered: bool = False) -> None:
+        self.stream_ordered = stream_ordered
         self._pending: OrderedDict[int, DeferredHandle] = OrderedDict()
         self._seq = count()
         self._lock = threading.Lock()
@@ -144,10 +156,22 @@ class DeferredCpuCopyEngine(CopyEngine):
                 return False
             if self._pending.get(handle.seq) is not handle:
                 raise CopyError(f"{handle!r} was not submitted to this engine")
-            run_plan(plan)  # marked done only once the copy has really happened
+            if not handle.ran:
+                run_plan(plan)  # marked done only once the copy has really happened
             del self._pending[handle.seq]
             handle._plan = None
         return True
+
+    def order(self, handle: DeferredHandle) -> None:
+        """A stream wait on `handle`: perform its copy now (its reads come before the waiter's later writes)
+        and leave it pending; complete() then only marks it landed."""
+        with self._lock:
+            if handle._plan is None or handle.ran:
+                return
+            if self._pending.get(handle.seq) is not handle:
+                raise CopyError(f"{handle!r} was not submitted to this engine")
+            run_plan(handle._plan)
+            handle.ran = True
 
     def complete_next(self) -> DeferredHandle | None:
         """Complete the oldest pending copy; None when nothing is pending."""

@@ -17,7 +17,9 @@ exact path (a sort) that names the error. On CUDA validation costs one device-to
 Fenced frees (kvfsm.dataplane.fences): a page freed with a fence that has not passed waits in a second
 FIFO, behind every plain free page. `alloc` and `alloc_pages` never hand it out before an event query says
 its fence passed; `alloc_fenced` and `alloc_pages_fenced` hand it out last, returning its fence, which the
-caller's writing stream must wait on (`wait_fences`).
+caller's writing stream must wait on (`wait_fences`). A page they hand out keeps its fence until it passes:
+freed again before that (fenced or not), it goes back to the fenced FIFO still carrying it, because a wait
+orders only the stream that waited and the next writer may use another (spec: `device_slots.fence`).
 """
 
 from __future__ import annotations
@@ -125,6 +127,7 @@ class TokenSlotAllocator:
         self._free_pages: deque[int] = deque(range(self.reserved_pages, self.num_pages))
         self._fenced_pages: deque[int] = deque()  # free, but a copy may still read them: handed out last
         self._page_fence: dict[int, SlotFence] = {}  # each of those pages -> the fence it was freed with
+        self._held_fence: dict[int, SlotFence] = {}  # allocated pages handed out fenced -> that fence, until freed
         self._allocated_bytes = bytearray(self.num_pages)  # 1 = allocated
         self._ever_bytes = bytearray(self.num_pages)
         self._allocated = torch.frombuffer(self._allocated_bytes, dtype=torch.bool)  # shares memory
@@ -186,6 +189,8 @@ class TokenSlotAllocator:
             raise ConservationError("the padding page is marked allocated")
         if set(self._page_fence) != set(self._fenced_pages):
             raise ConservationError("the fenced free pages and their fences disagree")
+        if any(not self._allocated_bytes[p] for p in self._held_fence):
+            raise ConservationError("a free page still carries the fence it was handed out with")
 
     # ---- alloc / free -----------------------------------------------------------------------------
     def alloc(self, n: int) -> torch.Tensor | None:
@@ -239,10 +244,10 @@ class TokenSlotAllocator:
         pages = self.alloc_pages(plain)
         assert pages is not None
         fences = {id(fence_of[p]): fence_of[p] for p in reused}
-        mask, ever = self._allocated_bytes, self._ever_bytes
+        mask, ever, held = self._allocated_bytes, self._ever_bytes, self._held_fence
         for p in reused:
             fenced_q.popleft()
-            del fence_of[p]
+            held[p] = fence_of.pop(p)
             mask[p] = 1
             ever[p] = 1
         return pages + reused, tuple(fences.values())
@@ -280,13 +285,38 @@ class TokenSlotAllocator:
         return len(moved)
 
     def _put_free(self, pages: list[int], fence: SlotFence | None) -> None:
-        """Pages just marked free: behind the plain free pages, or, fenced and not passed, in the fenced FIFO."""
+        """Pages just marked free: behind the plain free pages, or, fenced and not passed, in the fenced FIFO;
+        a page still carrying the fence it was handed out with keeps it (joined with `fence`)."""
+        if self._held_fence:  # only after alloc_fenced handed out fenced pages: a dict test otherwise
+            held = self._held_fence
+            carried = {p: held.pop(p) for p in pages if p in held}
+            if carried:
+                self._put_free_carrying(pages, fence, carried)
+                return
         if fence is None or fence.passed():
             self._free_pages.extend(pages)
             return
         self._fenced_pages.extend(pages)
         for p in pages:
             self._page_fence[p] = fence
+
+    def _put_free_carrying(self, pages: list[int], fence: SlotFence | None, carried: dict[int, SlotFence]) -> None:
+        """_put_free of pages some of which carry a fence from their last hand-out: each goes back with the
+        join of `fence` and its own (one join per distinct carried fence), plain once all have passed."""
+        joined: dict[int, SlotFence | None] = {}
+        plain: list[int] = []
+        for p in pages:
+            old = carried.get(p)
+            key = id(old)
+            if key not in joined:
+                joined[key] = SlotFence.join((fence, old))
+            f = joined[key]
+            if f is None:
+                plain.append(p)
+            else:
+                self._fenced_pages.append(p)
+                self._page_fence[p] = f
+        self._free_pages.extend(plain)
 
     def slots_of(self, pages: Sequence[int] | np.ndarray) -> np.ndarray:
         """The slot indices (int64, page by page, in order) of `pages`."""

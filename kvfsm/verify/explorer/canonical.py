@@ -190,7 +190,8 @@ def _key(w: World, s: _Snap, order: list[int]) -> tuple[tuple, Naming]:
         return (label[id(c.record)], c.start, c.end, dev(s.dev_idx[id(c)]) if copying else (),
                 hst(s.host_idx[id(c)]), _extras(c))
 
-    fifo = tuple((chunk(c, True), c.handle.done()) for c in s.copies)
+    # a copy's state: landed, or (a stream-ordered twin's wait) already read its source, or neither
+    fifo = tuple((chunk(c, True), c.handle.done(), getattr(c.handle, "ran", False)) for c in s.copies)
     parked = tuple(chunk(c) for c in s.parked)
     pending = tuple(chunk(c) for c in s.pending)
     collected = tuple((chunk(j.payload), j.ok) for j in s.done_jobs)
@@ -203,13 +204,19 @@ def _key(w: World, s: _Snap, order: list[int]) -> tuple[tuple, Naming]:
                   tuple(sorted((hmap.setdefault(p, len(hmap)), chunk_no.get(x, -1))
                                for p, x in led.host_owner.items())))
     # fenced free pages, in the order they are handed out, each with the copies (by number) its fence waits for
-    fenced = ()
+    fenced: tuple[Any, ...] = ()
     fence_of = getattr(e.allocator, "_page_fence", None)
-    if fence_of:
+    held = getattr(e.allocator, "_held_fence", None)
+    if fence_of or held:
         copy_no = {id(c.handle): chunk_no[c.serial] for c in s.copies}
-        fenced = tuple((pmap.setdefault(p, len(pmap)),
-                        tuple(sorted(copy_no.get(id(h), -1) for h in fence_of[p]._handles if not h.done())))
-                       for p in e.allocator._fenced_pages)
+
+        def copies_of(f: Any) -> tuple[int, ...]:
+            return tuple(sorted(copy_no.get(id(h), -1) for h in f._handles if not h.done()))
+        fenced = tuple((pmap.setdefault(p, len(pmap)), copies_of(fence_of[p])) for p in e.allocator._fenced_pages)
+        # allocated pages still carrying the unpassed fence they were handed out with (freed, they keep it)
+        carrying = [(p, f) for p, f in (held or {}).items() if not f.passed()]
+        if carrying:
+            fenced += (-1,) + tuple(sorted((pmap.setdefault(p, len(pmap)), copies_of(f)) for p, f in carrying))
     # pools: which named pages are allocated, how many allocated pages nobody names (a leak), how many free
     alloc_named = tuple(sorted(pmap[p] for p, a in enumerate(s.alloc) if a and p in pmap))
     halloc_named = tuple(sorted(hmap[p] for p, a in enumerate(s.halloc) if a and p in hmap))

@@ -56,6 +56,7 @@ class ExplorerConfig:
     rows: Optional[int] = None  # request-table rows (default: one per request, one more per re-admittable one)
     max_context: int = 16
     fenced: bool = False  # the spec's `fences` param: ends under a copy release fenced; adds the event reuse
+    stream_ordered: bool = False  # a writer's wait orders it after the copy, which stays in flight (the GPU's case)
 
     def __post_init__(self) -> None:
         at_least = {"requests": 1, "slots": 1, "page_size": 1, "stride": 1, "host_slots": 1, "backup_queue": 1,
@@ -83,7 +84,8 @@ class ExplorerConfig:
     def engine(self, trace_path: Optional[str] = None) -> SimEngine:
         return SimEngine(page_size=self.page_size, stride=self.stride, device_slots=self.slots,
                          host_slots=self.host_slots, rows=self.table_rows, max_context=self.max_context,
-                         backup_queue=self.backup_queue, checked=True, trace_path=trace_path, fenced=self.fenced)
+                         backup_queue=self.backup_queue, checked=True, trace_path=trace_path, fenced=self.fenced,
+                         stream_ordered=self.stream_ordered)
 
     def describe(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in asdict(self).items())
