@@ -444,6 +444,20 @@ def transformers_offload(page: Page) -> None:
                               f"{m['time_in_offload_s'] * 1e3:.1f} | {ratio} | "
                               f"{'yes' if summary.get('outputs_identical_across_modes') else 'no'} |")
     page.lines.append("")
+    # the verdict over repeats: the cold first repeat of each mode left out (warm_repeats in the benchmark)
+    for path, d in runs:
+        for mode in ("kvfsm", "kvfsm_fenced"):
+            w = d["summary"].get(f"{mode}_vs_engine_warm")
+            if not w or not w.get("time_in_offload_ratios"):
+                continue
+            host = ", ".join(f"{r:.2f}x" for r in w["time_in_offload_ratios"])
+            tput = ", ".join(f"{r:.2f}x" for r in w["throughput_ratios"])
+            page.lines.append(f"- `{path.name}`, {mode} against the engine in the warm repeats {w['repeats']} (each "
+                              f"ratio from one repeat's pair of runs): host time in offload {host} (median "
+                              f"{w['time_in_offload_ratio_median']:.2f}x), throughput {tput} (median "
+                              f"{w['throughput_ratio_median']:.2f}x).")
+    if page.lines[-1] != "":
+        page.lines.append("")
 
 
 RENDERERS = (serving_loop, bandwidth, event_cost, manager_time, cold_calls, explorer_speed, transformers_offload)

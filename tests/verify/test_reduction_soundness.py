@@ -156,6 +156,8 @@ BOUND_OF = {  # faults that need more than two plain requests to show
     "b11": ExplorerConfig(requests=2, readmits=1),
     "b7": ExplorerConfig(requests=2, decodes=3, host_slots=2),  # host_full
     "b17": ExplorerConfig(requests=2, fenced=True),  # a writer of a fenced slot: only with fences
+    # a reused slot freed again under the old copy: fences, a wait that lands nothing, two requests' copies
+    "b17_carried": ExplorerConfig(requests=2, decodes=2, host_slots=4, fenced=True, stream_ordered=True),
 }
 OUT_OF_SCOPE = {"b14": "TP consensus: the explorer runs one rank"}
 
