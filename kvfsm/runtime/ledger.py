@@ -100,8 +100,8 @@ class SlotLedger:
     def _needs(self, page: int, fence: Optional[SlotFence]) -> tuple[tuple[SlotFence, int], ...]:
         """The waits the next write of `page` needs on each fence covering it after this release: its own
         fence once; a carried one once more than so far. 0 (none) for a fence the engine's own stream waited
-        on before the engine freed the page itself (record_engine_release_fenced): the engine writes its
-        pages on that stream, so every later write is ordered (the allocator got no fence to carry)."""
+        on before the engine freed the page itself (spec action record_engine_release_fenced: the engine
+        writes its pages only on that stream, so every later write is ordered and no fence is carried)."""
         own = [] if fence is None else [(fence, 0 if fence.waits else 1)]
         carried = [(f, 0 if need == 0 else f.waits + 1) for f, need in self.device_fence.get(page, ()) if f is not fence]
         return tuple(own + carried)
