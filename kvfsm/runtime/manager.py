@@ -15,7 +15,7 @@ import functools
 import logging
 import operator
 import weakref
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any, Iterable, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -90,6 +90,16 @@ def _unlink_released(chunks: list[Chunk]) -> None:
         m = rec.machine
         if m is not None and m.state in spec_gen.TERMINAL and rec.req_ref() is None:
             rec.machine = None
+
+
+class Reservation(NamedTuple):
+    """A chunk whose host pages are taken and whose copy waits for `submit_reserved` (reserve_offload)."""
+
+    record: RequestRecord
+    req: OffloadRequest
+    tokens: int
+    pages: list[int]
+    inc_len: int  # the record's inc_len when reserved: a lifecycle that moved on since is not submitted
 
 
 class TPMismatch(LifecycleError):
@@ -173,24 +183,69 @@ class DecodeOffloadManager:
         A request whose lifecycle ended (finished, aborted, retracted) raises EventRejected, one naming a row
         another live request holds RowInUse, one lacking a protocol field RequestFieldMissing; each changes
         nothing."""
+        reservation = self.reserve_offload(req)
+        return reservation is not None and self.submit_reserved((reservation,)) == 1
+
+    def reserve_offload(self, req: OffloadRequest) -> Optional[Reservation]:
+        """`offload(req)` split in two: its checks, chunk and host pages now, its copy and its machine's
+        `offload` event later, in one `submit_reserved` for the reservations of a whole iteration.
+
+        For a caller that must answer per request at once, as SGLang's `offload_kv_cache` does: the answer
+        (a chunk is due and host pages hold it, or not) is the one `offload` would give, and host pages are
+        taken in call order, as a loop of `offload` calls takes them. Nothing else changes until
+        `submit_reserved`, so the caller must submit before any other call of this manager that concerns
+        the same request (its machine has not yet seen the `offload` event). None: nothing is due, or the
+        spec's `host_full` fired (no host room). Raises as `offload` does, changing nothing."""
         try:
             row = req.req_pool_idx
-            if type(row) is int and 0 <= row < self._rows:
-                due_at = self._due_at[row]
-                if req.kv_committed_len < due_at:
-                    # Most calls: the live lifecycle holding this row has no whole stride of committed KV yet
-                    # (committed bounds what can be offloaded), so nothing to look up.
-                    return False
+            if type(row) is int and 0 <= row < self._rows and req.kv_committed_len < self._due_at[row]:
+                # Most calls: the live lifecycle holding this row has no whole stride of committed KV yet
+                # (committed bounds what can be offloaded), so nothing to look up.
+                return None
             rec = self._offloadable_record(req)
         except AttributeError as exc:
             raise_if_field_missing(req, exc)
             raise
         if rec is None:
-            return False
+            return None
         n = self._chunk_tokens(req, rec)
-        submitted = n > 0 and self._submit([(rec, req, n)]) == 1
-        self._due_at[rec.row] = rec.prefill_len + rec.inc_len + self.stride
+        if n <= 0:
+            self._due_at[rec.row] = rec.prefill_len + rec.inc_len + self.stride
+            return None
+        pages = self.fx.host_pool.alloc_pages(n // self.config.page_size)
+        if pages is None:
+            _host_full([(rec, req, n)])
+            return None
+        return Reservation(rec, req, n, pages, rec.inc_len)
+
+    def submit_reserved(self, reservations: Sequence[Reservation]) -> int:
+        """One copy and one batch `offload` event for reservations made by `reserve_offload`, in their order;
+        returns the chunks submitted. A reservation whose lifecycle moved on since (ended, or offloaded
+        through another call) gives its host pages back and is dropped. If the copy cannot be submitted
+        (the copy engine raised), every reserved page goes back, no machine changes, and the error
+        propagates: the chunks are due again at the next call."""
+        if not reservations:
+            return 0
+        due, pages, stale = [], [], []
+        for r in reservations:
+            rec = r.record
+            if rec.machine is not None and rec.machine.state in _OFFLOADABLE and rec.inc_len == r.inc_len:
+                due.append((rec, r.req, r.tokens))
+                pages += r.pages
+            else:
+                stale += r.pages
+        if stale:
+            self.fx.host_pool.undo_alloc(self.fx.host_pool.slots_of(stale))
+        submitted = self._submit(due, pages) if due else 0
+        if due:
+            stride = self.stride
+            self._due_at[[rec.row for rec, _, _ in due]] = [rec.prefill_len + rec.inc_len + stride for rec, _, _ in due]
         return submitted
+
+    def due_at(self, row: int) -> int:
+        """The committed length at which the live lifecycle holding `row` has its next whole stride, or -1
+        (none known: look at the request). A hint for a caller's early exit, never what is copied."""
+        return int(self._due_at[row])
 
     def offload_batch(self, reqs: Sequence[OffloadRequest], req_pool_indices: Optional[IntArray] = None,
                       kv_committed_lens: Optional[IntArray] = None) -> int:
@@ -310,13 +365,15 @@ class DecodeOffloadManager:
         # otherwise fail to allocate forever, even with the pool empty; the rest follows in later chunks.
         return min(n, self._max_chunk)
 
-    def _submit(self, due: list[tuple[RequestRecord, OffloadRequest, int]]) -> int:
-        """Host pages and one copy for the due chunks, then each request's `offload` (or `host_full`)."""
+    def _submit(self, due: list[tuple[RequestRecord, OffloadRequest, int]], pages: Optional[list[int]] = None) -> int:
+        """Host pages and one copy for the due chunks, then each request's `offload` (or `host_full`).
+        `pages`: host pages already reserved for them, in order (reserve_offload)."""
         fx = self.fx
         host_pool = fx.host_pool
         ps = self.config.page_size
-        pages = host_pool.alloc_pages(sum(n for _, _, n in due) // ps)  # chunks are whole strides: whole pages
         full: list[tuple[RequestRecord, OffloadRequest, int]] = []
+        if pages is None:
+            pages = host_pool.alloc_pages(sum(n for _, _, n in due) // ps)  # chunks are whole strides: whole pages
         if pages is None:  # not all fit: allocate in call order, as a loop of offload() calls would
             fits, pages = [], []
             for item in due:
@@ -689,4 +746,4 @@ class DecodeOffloadManager:
                 raise CheckedModeError(m.ctx.key, event, None, f"spec invariants violated: {', '.join(bad)} in {m!r}")
 
 
-__all__ = ["CheckedModeError", "DecodeOffloadManager", "InvalidRequest", "RowInUse", "TPMismatch"]
+__all__ = ["CheckedModeError", "DecodeOffloadManager", "InvalidRequest", "Reservation", "RowInUse", "TPMismatch"]

@@ -45,9 +45,10 @@ def snapshot(engine: SimEngine) -> tuple[Any, ...]:
             engine.allocator.snapshot()[0].tolist(), len(engine.copies.pending))
 
 
-def run_workload(batched: bool, seed: int, steps: int = 60, engine: SimEngine | None = None,
+def run_workload(batched: bool, seed: int, steps: int = 60, engine: SimEngine | None = None, reserved: bool = False,
                  **engine_kw: Any) -> list[dict[str, Any]]:
-    """A random workload (every ending, retraction under memory pressure) to teardown; on `engine` if given."""
+    """A random workload (every ending, retraction under memory pressure) to teardown; on `engine` if given.
+    `reserved`: each step's offloads as `reserve_offload` per request, then one `submit_reserved`."""
     rng = random.Random(seed)
     e = engine if engine is not None else SimEngine(**engine_kw)
     log = []
@@ -63,6 +64,10 @@ def run_workload(batched: bool, seed: int, steps: int = 60, engine: SimEngine | 
             reqs, rows, committed = batch_arrays(e)
             n = e.manager.offload_batch(reqs, rows, committed)
             del reqs  # records live as long as their request objects: hold none the loop would not
+        elif reserved:
+            reservations = [r for r in map(e.manager.reserve_offload, list(e.live)) if r is not None]
+            n = e.manager.submit_reserved(reservations)
+            del reservations
         else:
             n = sum(e.manager.offload(r) for r in list(e.live))
         if rng.random() < 0.6:  # a loop's copies are separate handles, a batch's one: land all or none
@@ -96,6 +101,76 @@ def test_batch_equals_loop(seed: int, page_size: int, stride: int, host_slots: i
     for step, (a, b) in enumerate(zip(loop, batch)):
         assert a == b, f"step {step}: loop and batch diverge"
     assert sum(o["submitted"] for o in batch) > 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("page_size,stride,host_slots", [(1, 0, 12), (2, 0, 16), (2, 4, 8), (4, 0, 64)])
+def test_reserved_then_submitted_equals_loop(seed: int, page_size: int, stride: int, host_slots: int) -> None:
+    """reserve_offload per request (host pages in call order, host_full at once) then one submit_reserved
+    per step: the transitions, chunks, pages and keys of the loop of offload() calls (the SGLang adapter's
+    path)."""
+    kw = dict(page_size=page_size, stride=stride, host_slots=host_slots, device_slots=96, rows=5, max_context=48)
+    loop = run_workload(False, seed, **kw)
+    reserved = run_workload(False, seed, reserved=True, **kw)
+    for step, (a, b) in enumerate(zip(loop, reserved)):
+        assert a == b, f"step {step}: loop and reserved diverge"
+    assert sum(o["submitted"] for o in reserved) > 0
+    assert any(o["metrics"]["host_full_retries"] for o in reserved) or host_slots > 16
+
+
+def test_a_reservation_holds_host_pages_and_nothing_else_until_submitted() -> None:
+    e = SimEngine(page_size=2, host_slots=32, device_slots=96, rows=4)
+    reqs = [e.admit(f"r{i}", 5) for i in range(3)]
+    assert not any(e.manager.offload(r) for r in reqs)  # admitted, nothing due yet
+    for _ in range(3):
+        for r in reqs:
+            e.decode(r)
+    before = observe(e)
+    got = [e.manager.reserve_offload(r) for r in reqs]
+    assert all(r is not None and r.tokens == 4 for r in got)
+    after = observe(e)
+    assert after["host_free"] == before["host_free"] - 12  # pages taken now...
+    assert {k: v for k, v in after.items() if k != "host_free"} == {k: v for k, v in before.items() if k != "host_free"}
+    assert [r.pages for r in got] == sorted([r.pages for r in got])  # ...in call order
+    assert e.manager.submit_reserved(got) == 3
+    assert len(e.copies.pending) == 1 and [c.record.rid for c in e.manager.fx.copy_fifo] == ["r0", "r1", "r2"]
+
+
+def test_a_stale_reservation_gives_its_pages_back() -> None:
+    e = SimEngine(page_size=2, host_slots=32, device_slots=96, rows=4)
+    a, b = e.admit("a", 5), e.admit("b", 5)
+    for _ in range(3):
+        e.decode(a), e.decode(b)
+    free = e.host_pool.free_slots
+    ra, rb = e.manager.reserve_offload(a), e.manager.reserve_offload(b)
+    assert e.manager.offload(a) is True  # a's lifecycle moved on through another call
+    e.end(b, "abort")  # b's ended
+    assert e.manager.submit_reserved([ra, rb]) == 0
+    assert e.host_pool.free_slots == free - 4  # only a's own offload() holds pages
+    assert [c.record.rid for c in e.manager.fx.copy_fifo] == ["a"]
+
+
+def test_a_batch_whose_copy_is_refused_changes_nothing_and_stays_due() -> None:
+    e = SimEngine(page_size=2, host_slots=32, device_slots=96, rows=4)
+    reqs = [e.admit(f"r{i}", 5) for i in range(3)]
+    assert not any(e.manager.offload(r) for r in reqs)  # admitted, nothing due yet
+    for _ in range(3):
+        for r in reqs:
+            e.decode(r)
+    before = snapshot(e)
+    got = [e.manager.reserve_offload(r) for r in reqs]
+    submit = e.manager.fx.copy_engine.submit_d2h
+
+    def refuse(*args: Any) -> Any:
+        raise RuntimeError("copy engine refused the batch")
+
+    e.manager.fx.copy_engine.submit_d2h = refuse
+    with pytest.raises(RuntimeError, match="refused the batch"):
+        e.manager.submit_reserved(got)
+    assert snapshot(e) == before
+    e.manager.fx.copy_engine.submit_d2h = submit
+    again = [e.manager.reserve_offload(r) for r in reqs]
+    assert e.manager.submit_reserved(again) == 3
 
 
 def test_chunks_of_one_call_share_one_copy_and_land_bit_exact() -> None:

@@ -134,7 +134,7 @@ def test_retraction_then_row_reuse_matches_upstream() -> None:
 
 
 class FencedAdapter(ProbedAdapter):
-    """The adapter with `retraction="fenced"` over the CPU twin of in-flight copies: its coalesced copies run
+    """The adapter with `retraction="fenced"` over the CPU twin of in-flight copies: its batched copies run
     on a deferred engine, completed at each progress check except while `hold` is set, so the retraction
     meets a copy of the retracted request still in flight (on a GPU server the drain meets such copies at
     once; here CPU copies would have landed)."""
@@ -142,7 +142,7 @@ class FencedAdapter(ProbedAdapter):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs, retraction="fenced")
         self.deferred = DeferredCpuCopyEngine()
-        self.manager.fx.copy_engine.inner = self.deferred
+        self.manager.fx.copy_engine = self.deferred
         self.hold = False
         self.held_at_drain = 0
 

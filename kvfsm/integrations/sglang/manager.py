@@ -22,8 +22,12 @@ What differs from upstream on purpose (docs/sglang-upstream.md has upstream's si
   on the device (kvfsm.runtime.device_table) and copied by kvfsm's CudaCopyEngine on its own stream
   (upstream reads the same table on the device), and frees go through SGLang's `free_segment`, which
   needs no `torch.unique` (objects.AllocatorView).
-- `offload_kv_cache(req)` queues its copy; an iteration's copies run as one at the next progress check
-  (kvfsm.dataplane.copy.coalescing). Upstream submits one per call.
+- `offload_kv_cache(req)` answers at once, as upstream's does (True: a chunk was due and host pages hold it,
+  taken in call order), but its copy and its lifecycle's `offload` transition wait: the chunks of an
+  iteration go to kvfsm's batch path as one batch (`DecodeOffloadManager.submit_reserved`: one slot
+  gather, one copy, one batch event) at the next progress check, or sooner when a call needs them
+  submitted (see `_flush`). A call for a request with no chunk due costs a dict lookup and two compares.
+  Upstream submits one copy per call.
 """
 
 from __future__ import annotations
@@ -32,14 +36,14 @@ import logging
 from typing import Any, Iterator, Mapping
 
 from kvfsm.dataplane import CpuCopyEngine, CudaCopyEngine, FileStorage, HostKVPool
-from kvfsm.dataplane.copy.coalescing import CoalescingCopyEngine
 from kvfsm.errors import ConfigError, EventRejected, RetractionRefused
 from kvfsm.runtime import DecodeOffloadManager, OffloadConfig, TPMismatch
+from kvfsm.runtime.manager import Reservation
 from kvfsm.runtime.tp import ProgressConsensus
 
 import kvfsm.generated.decode_offload as spec_gen
 
-from .objects import AllocatorView, PrefixCacheView, RequestViews, TableView
+from .objects import AllocatorView, PrefixCacheView, RequestView, RequestViews, TableView
 from .pool import SGLangDeviceKVPool
 from .settings import SOURCE, read_settings
 
@@ -63,19 +67,23 @@ class RetractionRefusedError(RetractionRefused, RuntimeError):
 
 class _CopiesInFlight(Mapping[int, int]):
     """`ongoing_offload` as the scheduler uses it: its length is the number of device-to-host copies
-    submitted and not yet acknowledged by a progress check (upstream: one entry per chunk). Read-only."""
+    accepted and not yet acknowledged by a progress check (upstream: one entry per chunk), the reserved
+    ones waiting for their batch included. Iterating submits those first (serials name submitted chunks).
+    Read-only."""
 
-    def __init__(self, manager: DecodeOffloadManager) -> None:
-        self._manager = manager
+    def __init__(self, adapter: "DecodeKVCacheOffloadManager") -> None:
+        self._adapter = adapter
 
     def __len__(self) -> int:
-        return len(self._manager.fx.copy_fifo)
+        return len(self._adapter.manager.fx.copy_fifo) + len(self._adapter._pending)
 
     def __iter__(self) -> Iterator[int]:
-        return iter([chunk.serial for chunk in self._manager.fx.copy_fifo])
+        self._adapter._flush()
+        return iter([chunk.serial for chunk in self._adapter.manager.fx.copy_fifo])
 
     def __getitem__(self, key: int) -> int:
-        for chunk in self._manager.fx.copy_fifo:
+        self._adapter._flush()
+        for chunk in self._adapter.manager.fx.copy_fifo:
             if chunk.serial == key:
                 return chunk.end - chunk.start
         raise KeyError(key)
@@ -129,6 +137,12 @@ class DecodeKVCacheOffloadManager:
         self.retraction = retraction
         self._retraction_allowed = False  # drain_before_retraction passed: SGLang may release requests itself
         self._released = False  # release_host_resources ran
+        # Chunks accepted by offload_kv_cache and not yet submitted (their host pages taken), in call order;
+        # the requests among them that finished with their chunk (released once it is acknowledged); the ids
+        # of their Reqs. See _flush.
+        self._pending: list[Reservation] = []
+        self._finishing: list[RequestView] = []
+        self._pending_ids: set[int] = set()
         host_pool = HostKVPool(kv, settings.host_slots, settings.page_size, settings.host_layout, pin_memory=on_gpu)
         storage = FileStorage(settings.file_dir, model_name=settings.model_name, tp_rank=settings.tp_rank,
                               tp_size=settings.tp_size, is_mla=kv.is_mla, layout=settings.file_layout,
@@ -144,51 +158,73 @@ class DecodeKVCacheOffloadManager:
             allocator=AllocatorView(token_to_kv_pool_allocator, device_pool.size),  # type: ignore[arg-type]
             req_to_token=TableView(req_to_token_pool, self._views),  # type: ignore[arg-type]
             prefix_cache=PrefixCacheView(tree_cache), host_pool=host_pool, storage=storage,
-            # one copy per scheduler iteration, not one per request (see coalescing.py)
-            copy_engine=CoalescingCopyEngine(CudaCopyEngine(device_pool.device) if on_gpu else CpuCopyEngine()),
+            # one copy per scheduler iteration: offload_kv_cache's chunks are submitted as one batch (_flush)
+            copy_engine=CudaCopyEngine(device_pool.device) if on_gpu else CpuCopyEngine(),
             tp_group=tp_group if consensus.world > 1 else None, tp_rank=settings.tp_rank, tp_size=settings.tp_size)
         self.decode_host_mem_pool = host_pool
-        self.ongoing_offload: Mapping[int, int] = _CopiesInFlight(self.manager)
+        self.ongoing_offload: Mapping[int, int] = _CopiesInFlight(self)
         logger.info("kvfsm decode KV offload for SGLang: page %d, stride %d, host pool %d tokens (%s), store %s",
                     self.page_size, self.offload_stride, settings.host_slots, settings.host_layout, settings.file_dir)
 
     # --- the scheduler's calls (docs/sglang-upstream.md, "Where the scheduler calls it") --------------
     def offload_kv_cache(self, req: Any) -> bool:
-        """Submit the request's next stride-aligned decode chunk for a device-to-host copy; False when none
-        is due or the host pool is full (retried from the same position later). A request that finished
-        with this chunk is released once its copies are acknowledged, as upstream's progress check does."""
-        view = self._enter(req)
-        submitted = self.manager.offload(view)
-        if submitted and req.finished():
-            self.manager.finalize(view)
-        return submitted
+        """Accept the request's next stride-aligned decode chunk for a device-to-host copy, taking its host
+        pages now; False when none is due or the host pool is full (retried from the same position later).
+        The copy is submitted with the iteration's other chunks as one batch (`_flush`). A request that
+        finished with this chunk is released once its copies are acknowledged, as upstream's progress check
+        does.
+
+        The early exit is the scheduler's usual case (no whole stride since the last chunk): one dict
+        lookup and two compares, no torch call, no lifecycle lookup. It answers what the full path would:
+        the view is in `quiet` only while its Req is pinned on its live lifecycle's row and has not been
+        seen by any other call since (`_note_quiet`)."""
+        key = id(req)
+        view = self._views.quiet.get(key)
+        if view is not None:
+            kv = req.kv
+            if kv.req_pool_idx == view.row and view._ref() is req:
+                if kv.kv_committed_len < view.due:
+                    return False
+                del self._views.quiet[key]  # due: re-entered once its chunk is submitted
+                return self._reserve(req, view)
+        self._views.quiet.pop(key, None)
+        if key in self._pending_ids:  # called again before its chunk was submitted
+            self._flush()
+        return self._reserve(req, self._enter(req))
 
     def check_offload_progress(self) -> None:
-        """Acknowledge finished copies and backups (MIN-agreed over the TP group), store, free, release."""
+        """Submit the chunks accepted since the last call as one batch, then acknowledge finished copies and
+        backups (MIN-agreed over the TP group), store, free, release."""
         if self._retraction_allowed:
             self._sweep()
+        self._flush()
         self.manager.check_progress()
 
     def finalize_release_on_finish(self, req: Any) -> None:
         """The request finished: release it now, or when its last copy is acknowledged."""
+        self._views.quiet.pop(id(req), None)
+        if id(req) in self._pending_ids:
+            self._flush()
         self.manager.finalize(self._enter(req))
 
     def drain_before_retraction(self) -> None:
-        """A progress check, then `RetractionRefusedError` (a RuntimeError, as upstream's) on every TP rank
-        while any rank still tracks a device-to-host copy (on the GPU, one not yet acknowledged; on the CPU
-        every copy lands at that progress check, so none is tracked unless a TP peer's MIN held its ack
-        back). With `retraction="fenced"` it never refuses: the current stream is made to wait on every copy
-        in flight instead. Once it passes, SGLang releases the retracted requests itself; their kvfsm
-        lifecycles are ended at the next call (`_sweep`)."""
+        """The accepted chunks are submitted, then a progress check, then `RetractionRefusedError` (a
+        RuntimeError, as upstream's) on every TP rank while any rank still tracks a device-to-host copy (on
+        the GPU, one not yet acknowledged; on the CPU every copy lands at that progress check, so none is
+        tracked unless a TP peer's MIN held its ack back). With `retraction="fenced"` it never refuses: the
+        current stream is made to wait on every copy in flight instead. Once it passes, SGLang releases the
+        retracted requests itself; their kvfsm lifecycles are ended at the next call (`_sweep`)."""
+        self._flush()
         try:
             self.manager.drain_before_retraction()
         except RetractionRefused as exc:
             raise RetractionRefusedError(exc.reason) from exc
         self._retraction_allowed = True
+        self._views.quiet.clear()  # SGLang may now release any request itself: every Req takes the full path
 
     def has_inflight_device_transfer(self) -> bool:
-        """Whether a device-to-host copy may still read device KV (submitted, not yet acknowledged)."""
-        return self.manager.has_inflight_device_transfer()
+        """Whether a device-to-host copy may still read device KV (accepted, not yet acknowledged)."""
+        return bool(self._pending) or self.manager.has_inflight_device_transfer()
 
     def release_host_resources(self) -> None:
         """Shutdown: wait for the copies and backups in flight, give the host pool back and stop kvfsm's backup
@@ -196,11 +232,60 @@ class DecodeKVCacheOffloadManager:
         if self._released:
             return
         self._released = True
+        self._flush()
+        self._views.quiet.clear()
         self.manager.drain()
         self.manager.release_host_resources()
         self.manager.close()
 
     # --- internals -------------------------------------------------------------------------------
+    def _reserve(self, req: Any, view: RequestView) -> bool:
+        """kvfsm's `reserve_offload` for the request: its chunk joins the pending batch, or it has none due."""
+        reservation = self.manager.reserve_offload(view)
+        if reservation is None:
+            if not req.finished():
+                self._note_quiet(req, view)
+            return False
+        self._pending.append(reservation)
+        self._pending_ids.add(id(req))
+        if req.finished():
+            self._finishing.append(view)
+        return True
+
+    def _note_quiet(self, req: Any, view: RequestView) -> None:
+        """Let `req`'s next offload calls exit early until its committed length reaches the next due point,
+        when kvfsm's manager knows one for the lifecycle on its row and that row is pinned to `req`."""
+        row = req.kv.req_pool_idx
+        if type(row) is int and row >= 0 and self._views.holder(row) is req:
+            due = self.manager.due_at(row)
+            if due >= 0:
+                view.row, view.due = row, due
+                self._views.quiet[id(req)] = view
+
+    def _flush(self) -> None:
+        """Submit the pending chunks as one batch (one slot gather, one copy, one batch `offload` event),
+        then release the requests that finished with theirs. Runs before any call that could observe the
+        lifecycles or copies of pending requests: the progress check, the drain, shutdown, a repeated call
+        for a pending request and its finalize. Between a chunk's acceptance and this, the request's machine
+        sees no other event, so each machine's event sequence is that of upstream's call-by-call path.
+        If the copy cannot be submitted, every pending page goes back and the chunks are due again; the
+        finishing requests are still ended (released once nothing reads their slots)."""
+        if not self._pending:
+            return
+        pending, finishing = self._pending, self._finishing
+        self._pending, self._finishing, self._pending_ids = [], [], set()
+        try:
+            self.manager.submit_reserved(pending)
+        finally:
+            for view in finishing:
+                self.manager.finalize(view)
+        finished = set(map(id, finishing))
+        for r in pending:
+            view = r.req
+            req = view._ref()
+            if req is not None and id(view) not in finished:
+                self._note_quiet(req, view)
+
     def _enter(self, req: Any) -> Any:
         """The request's view, with the Req pinned by its row while kvfsm may release it (unless another
         live Req claims that row: kvfsm then refuses this one with RowInUse, and the pin stays). First,
@@ -244,6 +329,7 @@ class DecodeKVCacheOffloadManager:
         if m is None or m.state not in _ROW_HOLDERS or req.kv.req_pool_idx == m.ctx.row:
             return
         row = m.ctx.row
+        self._views.quiet.pop(id(req), None)
         try:
             self.manager.released_by_engine(view)
         except EventRejected:

@@ -29,10 +29,13 @@ class RequestView:
     """One SGLang `Req` as kvfsm's `OffloadRequest`: `req_pool_idx`, `kv_committed_len`, `kv_allocated_len`
     and `prefix_len` (= `cache_protected_len`) read through `req.kv`; `lock` read and written on the Req."""
 
-    __slots__ = ("_ref", "__weakref__")
+    # row, due: while the view is in `RequestViews.quiet`, the row its live lifecycle holds and the committed
+    # length before which it has no chunk due (the adapter's constant-time early exit)
+    __slots__ = ("_ref", "row", "due", "__weakref__")
 
-    def __init__(self, req: Any) -> None:
-        self._ref = weakref.ref(req)
+    def __init__(self, req: Any, callback: Any = None) -> None:
+        self._ref = weakref.ref(req, callback)
+        self.row = self.due = -1
 
     @property
     def req(self) -> Any:
@@ -106,6 +109,10 @@ class RequestViews:
     def __init__(self) -> None:
         self._views: "weakref.WeakKeyDictionary[Any, RequestView]" = weakref.WeakKeyDictionary()
         self._pinned: dict[int, Any] = {}  # row -> the Req that holds it (strong: kvfsm may release it later)
+        # id(Req) -> its view, for Reqs pinned on a live lifecycle with no chunk due before `view.due`:
+        # the adapter answers their offload calls with no other lookup. An entry goes with its Req (the
+        # view's weakref callback), and the adapter drops it on every other call about that Req.
+        self.quiet: dict[int, RequestView] = {}
 
     def view(self, req: Any) -> RequestView:
         """The view of `req` (made on first sight); a Req without `kv` is refused with InvalidRequest."""
@@ -118,7 +125,8 @@ class RequestViews:
         if not hasattr(req, "kv") or not hasattr(req.kv, "req_pool_idx"):
             raise InvalidRequest(f"{type(req).__name__} object {getattr(req, 'rid', '?')!r} has no `kv` "
                                  f"(SGLang 0.5.23's ReqKvInfo): not an SGLang Req")
-        view = self._views[req] = RequestView(req)
+        quiet, key = self.quiet, id(req)
+        view = self._views[req] = RequestView(req, lambda _ref: quiet.pop(key, None))
         return view
 
     def pin(self, req: Any) -> None:
