@@ -9,6 +9,7 @@ iteration's chunks are submitted together.
 
 from __future__ import annotations
 
+import gc
 import sys
 import tempfile
 from typing import Any
@@ -173,4 +174,28 @@ def test_quiet_entries_go_with_their_requests() -> None:
             run.finish(spec)
             run.mgr.finalize_release_on_finish(run.reqs[spec.rid])
         assert not quiet
+        run.probe.close(run.mgr)
+
+
+def test_a_finished_req_that_sglang_dropped_is_still_released() -> None:
+    """SGLang forgets a finished Req once `offload_kv_cache` took it (True): kvfsm releases it at the ack,
+    after its last outside reference is gone."""
+    with tempfile.TemporaryDirectory() as store, harness.published(SC, 0, store):
+        run = _started(ProbedAdapter, store)
+        for _ in range(8):
+            for spec in SC.requests:
+                run.decode(spec)
+        spec = SC.requests[0]
+        run.finish(spec)
+        req = run.reqs.pop(spec.rid)
+        row = req.kv.req_pool_idx
+        assert run.mgr.offload_kv_cache(req) is True
+        del req
+        gc.collect()
+        run.mgr.check_offload_progress()  # submits the batch, acks the CPU copy, releases the request
+        run.settle()
+        run.mgr.check_offload_progress()
+        assert row in run.r2t.free_slots
+        for other in SC.requests[1:]:
+            run.mgr.finalize_release_on_finish(run.reqs[other.rid])
         run.probe.close(run.mgr)

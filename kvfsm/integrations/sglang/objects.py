@@ -175,6 +175,7 @@ class TableView:
         self.max_context = int(table.shape[1])
         self.req_to_token = table
         self.host_table = table if table.device.type == "cpu" else None
+        self._freed_last: Any = None
 
     def is_allocated(self, row: int) -> bool:
         """Row 0 is SGLang's padding row, never a request's; a row is allocated when not in `free_slots`."""
@@ -190,6 +191,9 @@ class TableView:
             raise InvalidRequest(f"request table row {row} is no longer held by the request kvfsm admitted on it")
         self.pool.free(req)
         req.kv.mark_kv_released()
+        # SGLang drops a finished Req once the manager took it over, and the pin was its last reference: keep
+        # it until the next free, so the rest of kvfsm's release (its lock, its row field) still reaches it
+        self._freed_last = req
 
 
 class AllocatorView:
