@@ -325,12 +325,12 @@ def serving_loop(page: Page) -> None:
         for name, r in (("kvfsm", k), ("seed", sd), ("bare", bare)):
             series[name].append(r["total"]["median"] if r else float("nan"))
             p99s[name].append(r["total"]["p99"] if r else float("nan"))
-    targets = doc.get("targets") or []
-    names = sorted({key for t in targets for key in t if key.startswith(("median_le", "p99_le", "max_le"))})
-    if names:
-        page.lines += ["", "Targets checked by the run (issue 15; each over the configurations it applies to): "
-                       + ", ".join(f"`{n}` {'met' if all(t[n][1] for t in targets if n in t) else 'not met'}"
-                                   for n in names) + "."]
+    targets = [t for t in doc.get("targets") or [] if "name" in t]
+    if targets:
+        page.lines += ["", "Targets checked by the run:", "", "| target | value | limit | met |", "|---|---|---|---|"]
+        page.lines += [f"| {t['name']} | {t['value']:.3g} | {t['limit']} | {'yes' if t['met'] else 'no'} |"
+                       if isinstance(t["value"], (int, float)) else f"| {t['name']} | - | {t['limit']} | no |"
+                       for t in targets]
     others = page.load("serving_loop_probes-*.json")
     for ppath, pdoc in others:
         page.lines += ["", f"Probes (`{_rel(ppath)}`): " + str(pdoc.get("note", "")), "",
