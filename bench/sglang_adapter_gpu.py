@@ -163,7 +163,8 @@ class Loop:
         rows = live + live // 4 + 8  # deferred releases hold rows until their copies land
         tokens = rows * per_req
         self.r2t = ReqToTokenPool(size=rows, max_context_len=per_req, device=dev, enable_memory_saver=False)
-        self.kv = MHATokenToKVPool(size=tokens, page_size=page, dtype=torch.bfloat16, head_num=8, head_dim=128,
+        self.kv = MHATokenToKVPool(size=tokens, page_size=page, dtype=torch.bfloat16, head_num=args.kv_heads,
+                                   head_dim=args.head_dim,
                                    layer_num=args.layers, device=dev, enable_memory_saver=False)
         self.allocator = PagedTokenToKVPoolAllocator(tokens, page, torch.bfloat16, dev, self.kv, need_sort=False)
         tree = RadixCache(CacheInitParams(disable=False, req_to_token_pool=self.r2t,
@@ -242,20 +243,22 @@ class Loop:
             ev.synchronize()
 
     # --- the manager calls (timed) --------------------------------------------------------------------
-    def calls(self, ended: list[Req]) -> tuple[float, int]:
-        """The iteration's manager calls; returns (their seconds, chunks accepted)."""
+    def calls(self, ended: list[Req]) -> tuple[float, float, int]:
+        """The iteration's manager calls; returns (seconds in the progress check, seconds in the offload and
+        finish calls, chunks accepted)."""
         live, mode = self.live, self.mode
         if mode == "adapter":
             mgr = self.adapter
             t0 = time.perf_counter()
             mgr.check_offload_progress()
+            t1 = time.perf_counter()
             chunks = 0
             for req in live:
                 ok = mgr.offload_kv_cache(req)
                 chunks += ok
                 if not ok and req.finished_reason is not None:
                     mgr.finalize_release_on_finish(req)
-            return time.perf_counter() - t0, chunks
+            return t1 - t0, time.perf_counter() - t1, chunks
         rows = np.fromiter((r.kv.req_pool_idx for r in live), dtype=np.int64, count=len(live))
         committed = np.fromiter((r.kv.kv_committed_len for r in live), dtype=np.int64, count=len(live))
         if mode == "batch":
@@ -267,16 +270,18 @@ class Loop:
             chunks = m.offload_batch(views, rows, committed)
             for v in done:
                 m.finalize(v)
+            t1 = time.perf_counter()
             m.check_progress()
-            return time.perf_counter() - t0, chunks
+            return time.perf_counter() - t1, t1 - t0, chunks
         bare = self.bare
         assert bare is not None
         t0 = time.perf_counter()
         chunks = bare.offload_batch(live, rows, committed)
         for req in ended:
             bare.finalize(req)
+        t1 = time.perf_counter()
         bare.check_progress()
-        return time.perf_counter() - t0, chunks
+        return time.perf_counter() - t1, t1 - t0, chunks
 
     def run(self, warmup: int, iterations: int) -> dict[str, Any]:
         while len(self.live) < self.live_target and self.admit():
@@ -298,13 +303,17 @@ class Loop:
                 n_gc = len(gcp.pauses)
                 if self.cuda:
                     torch.cuda.set_sync_debug_mode("error")
+                young = gc.get_count()[0]
                 try:
-                    spent, chunks = self.calls(ended)
+                    check, offload, chunks = self.calls(ended)
                 finally:
                     if self.cuda:
                         torch.cuda.set_sync_debug_mode(0)
+                # GC-tracked objects the calls left allocated (gen0's count), read where no collection reset it
+                tracked = gc.get_count()[0] - young if len(gcp.pauses) == n_gc else None
                 if it >= warmup:
-                    per_iter.append({"total_ms": spent * 1e3, "chunks": chunks,
+                    per_iter.append({"total_ms": (check + offload) * 1e3, "check_ms": check * 1e3,
+                                     "offload_ms": offload * 1e3, "chunks": chunks, "tracked": tracked,
                                      "gc_ms": sum(ms for _, ms in gcp.pauses[n_gc:])})
                 if ended:
                     gone = set(map(id, ended))
@@ -320,6 +329,13 @@ class Loop:
             torch.cuda.synchronize()
         out = {"mode": self.mode, "iterations": len(per_iter), "matmuls_per_step": self.matmuls,
                "total_ms": stats([r["total_ms"] for r in per_iter]),
+               "check_ms": stats([r["check_ms"] for r in per_iter]),
+               "offload_ms": stats([r["offload_ms"] for r in per_iter]),
+               # GC-tracked objects the calls left allocated (net): what brings the next collection on
+               "tracked_per_iteration": statistics.fmean([r["tracked"] for r in per_iter if r["tracked"] is not None]
+                                                         or [0]),
+               "gc_pauses": {"count": len(gcp.pauses), "max_ms": max((ms for _, ms in gcp.pauses), default=0.0),
+                             "full": sum(1 for g, _ in gcp.pauses if g == 2)},
                "chunks_per_iteration": statistics.fmean(r["chunks"] for r in per_iter),
                "gc_in_calls_max_ms": max(r["gc_ms"] for r in per_iter)}
         if self.mode == "adapter":
@@ -407,6 +423,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--iterations", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=80, help="untimed iterations first (the first chunks are due)")
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--kv-heads", type=int, default=8, help="Llama-3-8B's 8 KV heads of 128 (fewer: a CPU probe)")
+    ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--step-ms", type=float, default=20.0)
     ap.add_argument("--host-gb", type=float, default=8.0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])

@@ -49,6 +49,7 @@ def measure(engine: CudaCopyEngine, pool: DeviceKVPool, host: HostKVPool, dev_al
     times: list[float] = []
     infos: list[dict[str, Any]] = []
     prof_text: Optional[str] = None
+    profs: list[cProfile.Profile] = []
     rng = random.Random(0)
     for k in range(repeats + 3):
         pages = rng.sample(range(1, dev_alloc.num_pages), tokens // page)  # random whole device pages
@@ -62,7 +63,7 @@ def measure(engine: CudaCopyEngine, pool: DeviceKVPool, host: HostKVPool, dev_al
         host_slots = host.page_slots(host_pages)
         torch.cuda.synchronize()
         busy(*mm)  # the decode step the copy queues behind
-        prof = cProfile.Profile() if profile and k == repeats + 2 else None
+        prof = cProfile.Profile() if profile and k >= 3 else None
         torch.cuda.set_sync_debug_mode("error")
         try:
             if prof is not None:
@@ -80,9 +81,11 @@ def measure(engine: CudaCopyEngine, pool: DeviceKVPool, host: HostKVPool, dev_al
             times.append(dt * 1e3)
             infos.append({k: v for k, v in getattr(handle, "info", {}).items() if isinstance(v, (int, float))})
         if prof is not None:
-            out = io.StringIO()
-            pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(25)
-            prof_text = out.getvalue()
+            profs.append(prof)
+    if profs:  # every timed submit's profile together (their host times above include the profiler's cost)
+        out = io.StringIO()
+        pstats.Stats(*profs, stream=out).sort_stats("tottime").print_stats(30)
+        prof_text = out.getvalue()
     keys = sorted({k for i in infos for k in i})
     return {"tokens": tokens, "page": page, "index_on": index_on, "backend": getattr(handle, "backend", None),
             "host_ms": {"median": statistics.median(times), "min": min(times), "max": max(times)},
@@ -99,7 +102,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--index-on", nargs="+", default=["cpu", "cuda"], choices=["cpu", "cuda"])
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--busy-ms", type=float, default=20.0)
-    ap.add_argument("--profile", action="store_true", help="cProfile one submit of each configuration")
+    ap.add_argument("--profile", action="store_true", help="then a profiled pass of each configuration")
     ap.add_argument("--quick", action="store_true", help="4 layers, 256 tokens, 5 repeats: checks the script")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -128,7 +131,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             engine = CudaCopyEngine("cuda", backend=backend)
             for index_on in args.index_on:
                 row = measure(engine, pool, host, dev_alloc, args.tokens, page, index_on, args.repeats,
-                              (a, c, n_mm), args.profile) | {"asked_backend": backend, "layers": args.layers}
+                              (a, c, n_mm), False) | {"asked_backend": backend, "layers": args.layers}
+                if args.profile:
+                    row["profile"] = measure(engine, pool, host, dev_alloc, args.tokens, page, index_on, args.repeats,
+                                             (a, c, n_mm), True)["profile"]
                 rows.append(row)
                 print(f"page {page:3d} {backend:7s} ({row['backend']}) indices on {index_on:4s}: host "
                       f"{row['host_ms']['median']:.3f} ms (min {row['host_ms']['min']:.3f}, max "
