@@ -134,6 +134,7 @@ class DecodeKVCacheOffloadManager:
         self.tree_cache = tree_cache
         self.settings = settings
         self._views = RequestViews()
+        self._quiet = self._views.quiet  # the early exit's one lookup
         self.retraction = retraction
         self._retraction_allowed = False  # drain_before_retraction passed: SGLang may release requests itself
         self._released = False  # release_host_resources ran
@@ -179,15 +180,15 @@ class DecodeKVCacheOffloadManager:
         the view is in `quiet` only while its Req is pinned on its live lifecycle's row and has not been
         seen by any other call since (`_note_quiet`)."""
         key = id(req)
-        view = self._views.quiet.get(key)
+        view = self._quiet.get(key)
         if view is not None:
             kv = req.kv
             if kv.req_pool_idx == view.row and view._ref() is req:
                 if kv.kv_committed_len < view.due:
                     return False
-                del self._views.quiet[key]  # due: re-entered once its chunk is submitted
+                del self._quiet[key]  # due: re-entered once its chunk is submitted
                 return self._reserve(req, view)
-        self._views.quiet.pop(key, None)
+        self._quiet.pop(key, None)
         if key in self._pending_ids:  # called again before its chunk was submitted
             self._flush()
         return self._reserve(req, self._enter(req))
@@ -202,7 +203,7 @@ class DecodeKVCacheOffloadManager:
 
     def finalize_release_on_finish(self, req: Any) -> None:
         """The request finished: release it now, or when its last copy is acknowledged."""
-        self._views.quiet.pop(id(req), None)
+        self._quiet.pop(id(req), None)
         if id(req) in self._pending_ids:
             self._flush()
         self.manager.finalize(self._enter(req))
@@ -220,7 +221,7 @@ class DecodeKVCacheOffloadManager:
         except RetractionRefused as exc:
             raise RetractionRefusedError(exc.reason) from exc
         self._retraction_allowed = True
-        self._views.quiet.clear()  # SGLang may now release any request itself: every Req takes the full path
+        self._quiet.clear()  # SGLang may now release any request itself: every Req takes the full path
 
     def has_inflight_device_transfer(self) -> bool:
         """Whether a device-to-host copy may still read device KV (accepted, not yet acknowledged)."""
@@ -233,7 +234,7 @@ class DecodeKVCacheOffloadManager:
             return
         self._released = True
         self._flush()
-        self._views.quiet.clear()
+        self._quiet.clear()
         self.manager.drain()
         self.manager.release_host_resources()
         self.manager.close()
@@ -260,7 +261,7 @@ class DecodeKVCacheOffloadManager:
             due = self.manager.due_at(row)
             if due >= 0:
                 view.row, view.due = row, due
-                self._views.quiet[id(req)] = view
+                self._quiet[id(req)] = view
 
     def _flush(self) -> None:
         """Submit the pending chunks as one batch (one slot gather, one copy, one batch `offload` event),
@@ -329,7 +330,7 @@ class DecodeKVCacheOffloadManager:
         if m is None or m.state not in _ROW_HOLDERS or req.kv.req_pool_idx == m.ctx.row:
             return
         row = m.ctx.row
-        self._views.quiet.pop(id(req), None)
+        self._quiet.pop(id(req), None)
         try:
             self.manager.released_by_engine(view)
         except EventRejected:
