@@ -113,6 +113,8 @@ class RequestViews:
         # the adapter answers their offload calls with no other lookup. An entry goes with its Req (the
         # view's weakref callback), and the adapter drops it on every other call about that Req.
         self.quiet: dict[int, RequestView] = {}
+        self._keys: dict[int, int] = {}  # id(view's weakref) -> id(Req), for `_collected`
+        self._on_collected = self._collected  # one bound method for every view's weakref
 
     def view(self, req: Any) -> RequestView:
         """The view of `req` (made on first sight); a Req without `kv` is refused with InvalidRequest."""
@@ -125,9 +127,16 @@ class RequestViews:
         if not hasattr(req, "kv") or not hasattr(req.kv, "req_pool_idx"):
             raise InvalidRequest(f"{type(req).__name__} object {getattr(req, 'rid', '?')!r} has no `kv` "
                                  f"(SGLang 0.5.23's ReqKvInfo): not an SGLang Req")
-        quiet, key = self.quiet, id(req)
-        view = self._views[req] = RequestView(req, lambda _ref: quiet.pop(key, None))
+        view = self._views[req] = RequestView(req, self._on_collected)
+        self._keys[id(view._ref)] = id(req)
         return view
+
+    def _collected(self, ref: Any) -> None:
+        """A Req is gone: its quiet entry goes with it (one callback for all views, and an int -> int map the
+        collector never walks, instead of a closure per view)."""
+        key = self._keys.pop(id(ref), None)
+        if key is not None:
+            self.quiet.pop(key, None)
 
     def pin(self, req: Any) -> None:
         """Keep `req` alive while it holds its row (called whenever it reaches kvfsm with a row)."""
