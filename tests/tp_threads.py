@@ -22,6 +22,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from timing import scaled
+
 R = dist.ReduceOp
 
 _BITWISE: dict[Any, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
@@ -61,7 +63,8 @@ class ThreadGroup:
 
     def __init__(self, world: int, timeout: float = 30.0) -> None:
         self.world = world
-        self.barrier = threading.Barrier(world, timeout=timeout)
+        # a hang guard: `timeout` seconds of the reference machine, in this machine's seconds now
+        self.barrier = threading.Barrier(world, timeout=scaled(timeout))
         self.slots: list[torch.Tensor | None] = [None] * world
         self.rank_of: dict[int, int] = {}
         self.calls = 0

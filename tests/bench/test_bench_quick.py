@@ -8,10 +8,11 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from timing import run_watched
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
@@ -35,8 +36,7 @@ def test_bench_quick_writes_nothing_committed() -> None:
     before = committed_files()
     assert any(name.startswith("bench/results/") for name in before) and "docs/results.md" in before
     start = time.time() - 1
-    proc = subprocess.run([sys.executable, "-m", "kvfsm.cli", "bench", "--quick"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    proc = run_watched([sys.executable, "-m", "kvfsm.cli", "bench", "--quick"], "kvfsm bench --quick", cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     after = committed_files()
     changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 import numpy as np
@@ -28,6 +27,7 @@ from kvfsm.dataplane import (
 
 from kvfsm.dataplane.copy.coalescing import CoalescingCopyEngine
 from kvfsm.dataplane.pools.allocator import PageSlots
+from timing import wait_for
 
 from .helpers import bits, check_orders_after_compute_and_never_blocks, fill_random, make_device_pool, make_host_pool
 
@@ -200,10 +200,7 @@ def test_thread_engine_polls_without_blocking() -> None:
     hi = host.alloc(8)
     with ThreadCpuCopyEngine() as eng:
         h = eng.submit_d2h(dev, torch.arange(8, 16), host, hi)
-        deadline = time.monotonic() + 10
-        while not h.done():
-            assert time.monotonic() < deadline
-            time.sleep(0.001)
+        wait_for(h.done, "the copy thread's handle to report done (polled, never waited on)", 10, poll_s=0.001)
         h.wait()
     assert torch.equal(bits(host.token_view()[:, :, hi]), bits(dev.storage[:, :, 8:16]))
 

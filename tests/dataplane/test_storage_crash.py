@@ -14,7 +14,9 @@ An in-place writer (no temp file + rename: the mutant) must fail the same audit.
 
 Writers are forked from one "zygote" (this file run as a script, `python test_storage_crash.py zygote`): a
 fresh interpreter, never a fork of the pytest process, that pays the torch import once; the parent tells
-it what to write and when to kill (the zygote SIGKILLs and reaps its own child).
+it what to write and when to kill (the zygote SIGKILLs and reaps its own child). The parent waits for each of
+its messages on progress, not a timeout (tests/timing.py): as long as the zygote or its writer uses CPU (the
+torch import takes seconds on a busy machine), it waits; MSG_WAIT_S without any is a hang.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ MODEL = "crash"
 PAGE_BYTES = 128 * 1024  # a multiple of 32 (see payload)
 N_KEYS = 600  # more than a writer gets through before any kill below
 HOOK_AT = 5  # the deterministic kills hit the page of this index
-MSG_TIMEOUT_S = 20.0
+MSG_WAIT_S = 20.0  # no message and no CPU time of the zygote or its writer for this long (scaled): a hang
 
 
 def crash_keys(n: int = N_KEYS) -> list[str]:
@@ -66,7 +68,11 @@ def _say(msg: dict[str, Any]) -> None:
 
 
 def _block() -> None:
-    time.sleep(30)  # the parent kills us well before; a bound so that nothing outlives a broken parent
+    """Wait for the kill: the zygote sends it as soon as the parent has read the message before this. Should
+    the zygote be gone first (a broken parent), leave instead of outliving it."""
+    zygote = os.getppid()
+    while os.getppid() == zygote:
+        time.sleep(0.05)
     os._exit(3)
 
 
@@ -202,10 +208,14 @@ class Zygote:
         self._inbox: list[dict[str, Any]] = []
         self.recv("ready")
 
-    def recv(self, kind: str, timeout: float = MSG_TIMEOUT_S) -> dict[str, Any]:
+    def recv(self, kind: str) -> dict[str, Any]:
         """The oldest message of `kind` not yet received (the writer and the zygote write to one pipe, in
-        no fixed order); every message of a run is also kept in self.seen."""
-        deadline = time.monotonic() + timeout
+        no fixed order); every message of a run is also kept in self.seen. Waits while the zygote and its
+        writer make progress (tests/timing.py's Watch: output, or CPU time of the zygote's process tree)."""
+        from timing import Watch  # here: the zygote (this file run as a script) does not import it
+
+        watch = Watch(f"a {kind!r} message from the storage-crash zygote (pid {self.proc.pid}) or its writer",
+                      MSG_WAIT_S, self.proc.pid)
         fd = self.proc.stdout.fileno()  # type: ignore[union-attr]
         while True:
             while b"\n" in self._buf:
@@ -216,15 +226,14 @@ class Zygote:
             for i, msg in enumerate(self._inbox):
                 if kind in msg:
                     return self._inbox.pop(i)
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"no {kind!r} message from the writer in {timeout} s; stderr: {self.stderr()}")
-            ready, _, _ = select.select([fd], [], [], left)
+            watch.check(lambda: f"stderr: {self.stderr()}")
+            ready, _, _ = select.select([fd], [], [], watch.remaining())
             if ready:
                 chunk = os.read(fd, 65536)
                 if not chunk:
                     raise RuntimeError(f"the zygote exited; stderr: {self.stderr()}")
                 self._buf += chunk
+                watch.poke()
 
     def stderr(self) -> str:
         self._err.flush()

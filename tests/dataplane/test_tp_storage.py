@@ -27,6 +27,7 @@ import torch
 
 from kvfsm.dataplane import DeviceKVPool, FileStorage, HostKVPool, KVCacheConfig, page_hashes
 from kvfsm.dataplane.storage import file as storage_mod
+from timing import join_all
 
 MODEL = "org/Model-7B"
 N_PAGES = 48
@@ -70,8 +71,7 @@ def store_concurrently(stores: list[FileStorage], pages: list[list[torch.Tensor]
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(stores))]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join(timeout=60)
+    join_all(threads, "the rank threads' writes", 60)
     if errors:
         raise errors[0]
     return results
@@ -167,8 +167,7 @@ def test_mha_ranks_store_their_own_host_pages(tmp_path: Path, layout: str) -> No
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join(timeout=60)
+    join_all(threads, "the rank threads' writes from the host pools", 60)
     assert not errors, errors
     for r in range(2):
         want = pools[r].get_pages_bytes(pools[r].slots_of(range(16)))

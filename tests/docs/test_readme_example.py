@@ -5,13 +5,13 @@ only its committed length was allocated)."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from readme_example import ReadmeExampleError, example_source
+from timing import run_watched
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
@@ -36,8 +36,7 @@ def test_example_runs_as_a_script_outside_the_checkout(steps: int, tmp_path: Pat
     script = tmp_path / "example.py"
     script.write_text(example_source(README, steps))
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVFSM_")}
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = run_watched([sys.executable, str(script)], "the README's example as a script", cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == ""  # no warning either: the example configures everything it relies on
     assert sorted(p.name for p in tmp_path.iterdir()) == ["example.py"]  # nothing written beside it

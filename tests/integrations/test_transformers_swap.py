@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from cb_helpers import cb_config, generation_config, prompts, reference_outputs, require_transformers, tiny_llama
+from timing import measure, scaled
 
 require_transformers()
 
@@ -120,7 +121,8 @@ def test_cancel_swapped_resident_and_running_requests(model: Any) -> None:
     cancelled: dict[str, str] = {}
     try:
         ids = manager.add_requests(inputs, max_new_tokens=NEW_TOKENS)
-        deadline = time.monotonic() + 60
+        limit = scaled(60)  # a hang guard: a minute of the reference machine, in this machine's seconds now
+        deadline = time.monotonic() + limit
         while len(cancelled) < 3 and time.monotonic() < deadline:
             time.sleep(0.002)
             if not inst.managers:
@@ -142,16 +144,20 @@ def test_cancel_swapped_resident_and_running_requests(model: Any) -> None:
                             # what manager.cancel_request(rid) leads to, applied by the loop as soon as the
                             # pause ends (the cancel queue would only be read one batch later)
                             scheduler.set_request_cancellation(rid)
-        assert sorted(cancelled.values()) == ["resident", "running", "swapped"], cancelled
+        assert sorted(cancelled.values()) == ["resident", "running", "swapped"], (
+            f"timed out after {limit:.0f} s waiting for a swapped, a resident and a running request to cancel: "
+            f"cancelled {cancelled}; {measure(0)}")
         results = {}
         while len(results) < len(ids) - len(cancelled):
-            r = manager.get_result(timeout=30)
-            assert r is not None, f"engine stalled with {len(results)} results"
+            wait = scaled(30)
+            r = manager.get_result(timeout=wait)
+            assert r is not None, f"timed out after {wait:.0f} s waiting for a result: the engine stalled with " \
+                                  f"{len(results)} results; {measure(0)}"
             if r.request_id in cancelled:
                 continue
             results[r.request_id] = r
     finally:
-        manager.stop(block=True, timeout=30)
+        manager.stop(block=True, timeout=scaled(30))
         manager.destroy()
     (kv,) = inst.managers
     for i, rid in enumerate(ids):

@@ -15,7 +15,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Any, Callable, Iterator
 import pytest
 
 from mooncake_helpers import free_port
+from timing import TimedOut, tree_cpu, wait_for
 
 from kvfsm.dataplane.storage.mooncake import LOOPBACK_ENV, MooncakeUnavailable, import_store_class, master_binary, master_command
 
@@ -51,6 +51,8 @@ def _accepts(port: int) -> bool:
 
 
 _SETPRIV = shutil.which("setpriv")
+MASTER_UP_S = 20.0  # a master that neither listens nor uses CPU for this long (scaled) is stuck
+MASTER_CEILING_S = 300.0  # and one that has not listened after this long, however busy, too
 
 
 def _command(rpc: int, http: int, metrics: int, extra: tuple[str, ...]) -> list[str]:
@@ -97,10 +99,10 @@ class Master:
             self.proc = subprocess.Popen(_command(self.rpc_port, self.http_port, self.metrics_port, self.extra),
                                          stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True)
-        deadline = time.monotonic() + 20
-        while not (_accepts(self.rpc_port) and _accepts(self.http_port)):
-            assert self.alive() and time.monotonic() < deadline, "restarted master did not come up"
-            time.sleep(0.05)
+        wait_for(lambda: not self.alive() or (_accepts(self.rpc_port) and _accepts(self.http_port)),
+                 f"the restarted mooncake_master (pid {self.pid}) to listen on {self.rpc_port} and {self.http_port}",
+                 MASTER_UP_S, progress=lambda: tree_cpu(self.pid), ceiling_s=MASTER_CEILING_S)
+        assert self.alive(), f"the restarted master exited: {self.log.read_text(errors='replace')[-2000:]}"
 
     def stop(self) -> None:
         if self.alive():
@@ -122,15 +124,18 @@ def start_master(log_dir: Path, extra: tuple[str, ...] = (), attempts: int = 3) 
         with open(log, "wb") as out:
             proc = subprocess.Popen(_command(rpc, http, metrics, extra), stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and proc.poll() is None:
-            if _accepts(rpc) and _accepts(http):
+        try:
+            wait_for(lambda: proc.poll() is not None or (_accepts(rpc) and _accepts(http)),
+                     f"mooncake_master (pid {proc.pid}) to listen on {rpc} and {http}", MASTER_UP_S,
+                     progress=lambda: tree_cpu(proc.pid), ceiling_s=MASTER_CEILING_S)
+            if proc.poll() is None:
                 return Master(proc, rpc, http, metrics, log, extra)
-            time.sleep(0.05)
-        if proc.poll() is None:
+            last = ""
+        except TimedOut as exc:  # stuck (on a port taken meanwhile, say): killed, and new ports tried
+            last = f"{exc}\n"
             os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-        last = log.read_text(errors="replace")[-2000:]
+            proc.wait()
+        last += log.read_text(errors="replace")[-2000:]
         if "error while loading shared libraries" in last:
             unavailable(f"mooncake_master cannot start: {last.strip().splitlines()[-1]} (apt-get install libibverbs1)")
     raise RuntimeError(f"mooncake_master did not come up on loopback; last log:\n{last}")

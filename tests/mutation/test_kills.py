@@ -20,6 +20,7 @@ from kvfsm.generated.decode_offload import DecodeOffloadEffectsEach, DecodeOfflo
 from kvfsm.runtime.backup import BackupJob, SteppedBackupWorker
 from kvfsm.spec import load_spec
 from kvfsm.spec.locations import packaged_spec
+from timing import scaled
 
 
 # --- the generated batch events, over every pair of states ----------------------------------------------
@@ -380,7 +381,7 @@ def test_thread_worker_batches_at_most_its_limit_and_wait_idle_times_out() -> No
         w.submit_many([BackupJob(i, lambda p: (gate.wait(10), sizes.append(1), [True])[2], many) for i in range(5)])
         assert w.wait_idle(timeout=0.05) is False  # the store has not answered yet
         gate.set()
-        assert w.wait_idle(timeout=10) is True
+        assert w.wait_idle(timeout=scaled(10)) is True
         assert max(sizes) <= 2 and sum(sizes) == 5
         assert [j.payload for j in w.collect_many(5)] == list(range(5)) and w.room() == 8
     finally:

@@ -19,6 +19,7 @@ from dataplane.helpers import fill_random, make_host_pool  # noqa: E402
 from kvfsm.dataplane import FileStorage, KVCacheConfig, page_hashes  # noqa: E402
 from kvfsm.dataplane.storage import file as storage_mod  # noqa: E402
 from kvfsm.dataplane.storage.file import _SIDECAR, _SIDECAR_MAX  # noqa: E402
+from timing import scaled  # noqa: E402
 
 
 def _pages(n: int, size: int = 1000, seed: int = 0) -> list[torch.Tensor]:
@@ -351,7 +352,7 @@ def test_the_sweep_asks_whether_a_writer_lives_without_signalling_it(tmp_path: P
         os.utime(tmp_path / name, (old, old))
         assert FileStorage(tmp_path).swept_temps == 0
         with pytest.raises(subprocess.TimeoutExpired):
-            writer.wait(timeout=0.3)  # a signal that ends it would have ended it by now
+            writer.wait(timeout=scaled(0.3))  # a signal that ends it would have ended it by now
         assert os.listdir(tmp_path) == [name]
     finally:
         writer.kill()

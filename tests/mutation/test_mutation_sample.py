@@ -1,6 +1,8 @@
 """The CI step of mutation testing (docs/mutation.md): a fixed, seeded sample of the mutants `make mutate`
-runs, time-boxed to a few minutes, must be killed at no lower a rate than the committed full run killed
-the same mutants.
+runs (about two minutes on 2 cores), every one of them, must be killed at no lower a rate than the committed
+full run killed the same mutants. No time box: the same mutants are checked on a slow or busy machine as on an
+idle one; a hang guard on progress (tests/timing.py) stops a run that stopped moving, and mutmut stops a mutant
+that spins.
 
 The committed run (tests/mutation/survivors.json, written with docs/mutation.md) lists every mutant that
 survived it; every other mutant it ran was killed. So the sample's expected kill rate is known mutant by
@@ -12,14 +14,15 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from timing import run_watched
+
 HERE = Path(__file__).resolve().parent
-N, SEED, BUDGET_S = 40, 18, 300  # 40 of the ~5,600 mutants; the time box of the whole step
+N, SEED = 40, 18  # 40 of the ~5,600 mutants
 
 
 def test_sampled_mutants_are_killed_as_in_the_committed_run() -> None:
@@ -29,12 +32,12 @@ def test_sampled_mutants_are_killed_as_in_the_committed_run() -> None:
         if os.environ.get("CI") or os.environ.get("KVFSM_REQUIRE_MUTMUT"):
             pytest.fail("mutmut is missing: `make test-deps` installs the `mutation` extra")
         pytest.skip("mutmut not installed (pip install -e '.[mutation]')")
-    proc = subprocess.run([sys.executable, str(HERE / "mutate.py"), "sample", "--n", str(N), "--seed", str(SEED),
-                           "--budget", str(BUDGET_S - 20)], capture_output=True, text=True, timeout=BUDGET_S + 60)
+    proc = run_watched([sys.executable, str(HERE / "mutate.py"), "sample", "--n", str(N), "--seed", str(SEED)],
+                       f"mutate.py sample of {N} mutants")
     lines = [l.strip() for l in proc.stdout.replace("\r", "\n").splitlines() if l.strip().startswith("{")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = json.loads(lines[-1])
-    assert out["checked"] >= N // 2, f"the time box ran out after {out['checked']} of {N} mutants: {out}"
+    assert out["checked"] == N, f"only {out['checked']} of the {N} sampled mutants were checked: {out}"
     assert out["kill_rate"] >= out["committed_kill_rate_on_sample"], (
         f"kill rate {out['kill_rate']:.1%} on the sample, the committed run killed {out['committed_kill_rate_on_sample']:.1%} "
         f"of the same mutants; survivors the committed run does not list: {out['new_survivors']} "

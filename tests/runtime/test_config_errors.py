@@ -15,7 +15,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 from typing import Any, Iterator
@@ -28,6 +27,7 @@ from kvfsm.dataplane import (CpuCopyEngine, DeviceKVPool, HostKVPool, KVCacheCon
                              TokenSlotAllocator)
 from kvfsm.errors import ConfigError
 from kvfsm.runtime import DecodeOffloadManager, OffloadConfig, SimplePrefixCache
+from timing import TimedOut, tree_cpu, wait_for
 
 KV = KVCacheConfig(num_layers=2, kv_heads=1, head_dim=4, attention="mha", dtype=torch.float32)
 
@@ -313,17 +313,28 @@ def mooncake_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[
     binary = master_binary()
     if binary is None:
         _unavailable("mooncake_master binary not found in the mooncake wheel")
-    rpc, http, metrics = _free_port(), _free_port(), _free_port()
-    log = tmp_path_factory.mktemp("mooncake") / "master.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(master_command(binary, rpc, http, metrics), stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+    logs = tmp_path_factory.mktemp("mooncake")
+    for attempt in range(3):  # a picked port can be taken (by another test process, say) before the master binds it
+        rpc, http, metrics = _free_port(), _free_port(), _free_port()
+        log = logs / f"master-{attempt}.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(master_command(binary, rpc, http, metrics), stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        try:  # a hang guard on the master's progress (tests/timing.py), not a fixed timeout
+            wait_for(lambda: proc.poll() is not None or (_accepts(rpc) and _accepts(http)),
+                     f"mooncake_master (pid {proc.pid}) to listen on {rpc} and {http}", 20,
+                     progress=lambda: tree_cpu(proc.pid), ceiling_s=300)
+        except TimedOut as exc:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+            why = str(exc)
+        else:
+            if proc.poll() is None:
+                break
+            why = "it exited"
+        if attempt == 2:
+            _unavailable(f"mooncake_master did not come up ({why}): {log.read_text(errors='replace')[-500:]}")
     try:
-        deadline = time.monotonic() + 20
-        while not (_accepts(rpc) and _accepts(http)):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                _unavailable(f"mooncake_master did not come up: {log.read_text(errors='replace')[-500:]}")
-            time.sleep(0.05)
         with pytest.MonkeyPatch.context() as mp:  # loopback only, bounded setup (read when a client sets up)
             for key, value in {**LOOPBACK_ENV, "MC_RPC_TIMEOUT_MS": "3000", "MC_RPC_CONNECT_TIMEOUT_MS": "1000",
                                "MC_STORE_CLIENT_SETUP_RETRIES": "2"}.items():

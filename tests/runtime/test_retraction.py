@@ -15,6 +15,7 @@ from kvfsm.errors import LifecycleError, RetractionRefused
 from kvfsm.runtime import OffloadConfig
 from kvfsm.runtime.tp import ProgressConsensus
 from kvfsm.verify.engine import SimEngine, SimRequest
+from timing import join_all
 from tp_threads import ThreadGroup, route_all_reduce
 
 
@@ -92,8 +93,7 @@ def test_fail_closed_refuses_on_every_rank_when_one_rank_has_a_copy(monkeypatch:
     threads = [threading.Thread(target=rank, args=(i,)) for i in range(2)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join(30)
+    join_all(threads, "both ranks' drain_before_retraction", 30)
     assert outcome == ["refused", "refused"]
     # the MIN agreement acknowledged nothing on either rank: rank 0 keeps its landed copy tracked too
     assert all(e.manager.has_inflight_device_transfer() for e in engines)

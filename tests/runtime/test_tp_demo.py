@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from timing import run_watched
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,7 +22,7 @@ def _torchrun(tmp_path: Path, backend: str, device: str, requests: int) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "bench" / "tp_nccl.py"), "--backend", backend, "--device", device,
            "--requests", str(requests), "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    proc = run_watched(cmd, f"bench/tp_nccl.py over {backend} (torchrun, 2 ranks)", cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return json.loads(out.read_text())
 

@@ -22,7 +22,6 @@ import hashlib
 import json
 import multiprocessing
 import random
-import time
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,7 @@ from kvfsm.dataplane.storage import FaultyStorage
 from kvfsm.runtime import TPMismatch
 from kvfsm.runtime.tp import ProgressConsensus
 from kvfsm.verify.engine import SimEngine
+from timing import scaled, tree_cpu, wait_for
 from tp_threads import REDUCE_OPS, reduce_inputs, reduce_stacked
 
 SEED = 20240611
@@ -200,12 +200,12 @@ def _reduce_ops_run(rank: int, out: Path) -> None:
     (out / f"rank{rank}.json").write_text(json.dumps(results))
 
 
-def _worker(rank: int, world: int, init: str, out_dir: str) -> None:
+def _worker(rank: int, world: int, init: str, out_dir: str, timeout_s: float) -> None:
     """One rank: the workload with ProgressConsensus, again with `agree` as the identity (control), ranks of
     different sizes, the reduction ops; then a clean exit."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+                            timeout=datetime.timedelta(seconds=timeout_s))
     try:
         _one_run(rank, world, Path(out_dir, "consensus"))
         with pytest.MonkeyPatch.context() as mpatch:
@@ -237,13 +237,12 @@ def tp_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     # forkserver: torch is imported once by the server, not once per rank (spawn), and nothing is forked
     # from this multi-threaded pytest process.
     multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "kvfsm.verify.engine"])
-    ctx = mp.start_processes(_worker, args=(world, f"file://{tmp / 'store'}", str(tmp)), nprocs=world, join=False,
-                             start_method="forkserver")
-    deadline = time.monotonic() + 3 * TIMEOUT_S
-    try:
-        while not ctx.join(timeout=0.2):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{world} ranks did not finish in {3 * TIMEOUT_S} s")
+    # gloo's own timeout (a collective whose peer never comes) in this machine's seconds now
+    ctx = mp.start_processes(_worker, args=(world, f"file://{tmp / 'store'}", str(tmp), scaled(TIMEOUT_S)),
+                             nprocs=world, join=False, start_method="forkserver")
+    try:  # a hang guard on the ranks' progress (their CPU time), not a fixed deadline
+        wait_for(lambda: ctx.join(timeout=0.2), f"{world} gloo ranks to finish", 3 * TIMEOUT_S, poll_s=0,
+                 progress=lambda: tree_cpu(*(p.pid for p in ctx.processes if p.pid is not None)))
     finally:
         for p in ctx.processes:  # only the processes this fixture started
             if p.is_alive():

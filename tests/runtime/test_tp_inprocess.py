@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from kvfsm.runtime.tp import ProgressConsensus
 from kvfsm.verify.engine import SimEngine
+from timing import join_all
 from tp_threads import OpBlindGroup, ThreadGroup, reduce_inputs, reduce_stacked, route_all_reduce
 
 R = dist.ReduceOp
@@ -94,8 +95,7 @@ def run_ranks(group: ThreadGroup, seed: int, iterations: int = 80) -> Optional[s
         threads = [threading.Thread(target=progress, args=(r,)) for r in range(2)]
         for t in threads:
             t.start()
-        for t in threads:
-            t.join(60)
+        join_all(threads, f"iteration {it}: both ranks' progress checks", 60)
         if errors:
             first = next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
             return f"iteration {it}: a rank raised {type(first).__name__}: {first}"
@@ -156,8 +156,7 @@ def test_thread_group_reduces_with_the_op_given(world: int) -> None:
             threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
             for t in threads:
                 t.start()
-            for t in threads:
-                t.join(10)
+            join_all(threads, f"all_reduce({op_name}, {dtype}) on {world} rank threads", 10)
             for r in range(world):
                 assert torch.equal(got[r], want.to(stacked.dtype)), (op_name, dtype, r, got[r], want)
     with pytest.raises(ValueError):
@@ -181,8 +180,7 @@ def test_consensus_is_the_min_over_ranks(monkeypatch: pytest.MonkeyPatch) -> Non
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join(10)
+    join_all(threads, "two ranks' consensus", 10)
     assert out == [((3, 2, 0), True, False)] * 2
 
 

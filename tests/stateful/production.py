@@ -97,6 +97,7 @@ from kvfsm.verify.engine import SCRATCH_WRITER, SimRequest, kv_value
 
 import test_manager_machine as tm
 from test_manager_machine import check, page_values
+from timing import measure, scaled
 
 # --- configurations ------------------------------------------------------------------------------------
 
@@ -163,11 +164,13 @@ class InlineBackupWorker(BackupWorker):
 
 
 class ThreadGroup:
-    """all_reduce(MIN) between rank threads through a barrier (what gloo/NCCL do across processes)."""
+    """all_reduce(MIN) between rank threads through a barrier (what gloo/NCCL do across processes). The
+    barrier's timeout is a hang guard: 60 s of the reference machine, in this machine's seconds now."""
 
     def __init__(self, world: int) -> None:
         self.world = world
-        self.barrier = threading.Barrier(world, timeout=60)
+        self.timeout = scaled(60)
+        self.barrier = threading.Barrier(world, timeout=self.timeout)
         self.slots: list[Any] = [None] * world
         self.rank_of: dict[int, int] = {}
 
@@ -208,11 +211,12 @@ class RankThread:
         try:
             return self._done.get(timeout=timeout)
         except queue.Empty:
-            return violation("tp_progress", "a rank's progress check did not return")
+            return violation("tp_progress", f"timed out: a rank's progress check did not return in {timeout:.0f} s "
+                                            f"({measure(0)})")
 
     def close(self) -> None:
         self._todo.put(None)
-        self._thread.join(10)
+        self._thread.join(scaled(10))  # a daemon thread: at worst it is left behind
 
 
 def patch_all_reduce(mp: Any) -> None:
@@ -1389,7 +1393,7 @@ class ProductionMachine(tm.ManagerMachine):
             errors.append(exc)
             group.barrier.abort()
         for t in self.rank_threads:
-            got = t.result(120)
+            got = t.result(2 * group.timeout)
             if got is not None:
                 errors.append(got)
                 group.barrier.abort()

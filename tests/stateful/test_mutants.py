@@ -32,6 +32,7 @@ from kvfsm.runtime.tp import ProgressConsensus
 from kvfsm.verify.engine import SimEngine
 
 import test_manager_machine as tm
+from timing import join_all
 from tp_threads import ThreadGroup, route_all_reduce
 from catalog_faults import (b1, b2, b3, b3_host, b4, b5, b6, b6_readmit, b7, b8, b9, b10, b11, b12, b13, b14, b15, b16,
                             b17, b17_carried)
@@ -164,8 +165,7 @@ def run_tp_ranks(seed: int, iterations: int = 80, group: Optional[ThreadGroup] =
         threads = [threading.Thread(target=progress, args=(r,)) for r in range(2)]
         for t in threads:
             t.start()
-        for t in threads:
-            t.join(60)
+        join_all(threads, f"iteration {it}: both ranks' progress checks", 60)
         if errors:
             raise errors[0]
         if logs[0] != logs[1]:

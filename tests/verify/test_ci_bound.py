@@ -18,6 +18,7 @@ from kvfsm.verify.bounds import CI, DEFAULT
 from kvfsm.verify.commands import check
 from kvfsm.verify.coverage_page import extract
 from kvfsm.verify.replay import default_spec_path
+from timing import calibration_cpu
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "explorer-coverage.md"
 DEEP = os.environ.get("KVFSM_FUZZ", "ci") == "deep"
@@ -44,25 +45,11 @@ CALIBRATION_LOOPS = 190  # 1.5x the measured ratio
 CPU_CEILING_S = 400  # whatever the machine: the bound must leave CI well inside its 90 minutes
 
 
-def _calibration_cpu() -> float:
-    """CPU seconds of a fixed loop of dict and tuple work (the interpreter work the explorer is made of): the
-    fastest of three runs, so that a moment of contention does not shrink the budget."""
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.process_time()
-        d: dict[tuple[int, int], int] = {}
-        for i in range(1_000_000):
-            k = (i & 1023, i >> 10)
-            d[k] = d.get(k, 0) + 1
-        best = min(best, time.process_time() - t0)
-    return best
-
-
 def test_ci_bound_reaches_every_transition_and_the_page_says_so(tmp_path: Path,
                                                                 capsys: pytest.CaptureFixture) -> None:
-    unit = _calibration_cpu()
+    unit = calibration_cpu()  # tests/timing.py: a fixed loop of dict and tuple work, fastest of three
     rc, out, page, cpu = _regenerate("ci", tmp_path, capsys)
-    unit = min(unit, _calibration_cpu())
+    unit = min(unit, calibration_cpu())
     assert rc == 0, out
     assert "every transition reached" in out and "INCOMPLETE" not in out
     assert page == PAGE.read_text(), STALE.format(f"{CI.command} --report docs/explorer-coverage.md")

@@ -15,13 +15,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from catalog_faults import b1, b2, b3_engine as b3_faults, b5, b6_readmit, b7, b8, b9, b10, b13, b15, b16, b17, b17_carried
+from timing import run_watched
 from kvfsm.dataplane.pools.allocator import PageSlots
 from kvfsm.runtime.manager import DecodeOffloadManager
 from kvfsm.verify.commands import check
@@ -114,8 +114,8 @@ def test_default_bound_3_requests_16_slots(fenced: bool) -> None:
             f"r = explore(ExplorerConfig(fenced={fenced}), max_depth={None if DEEP else 9}); "
             "print(json.dumps({'violation': repr(r.violation) if r.violation else None, "
             "'complete': r.complete, 'peak_rss_mib': r.peak_rss_mib}))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800,
-                          cwd=Path(__file__).resolve().parents[2])
+    proc = run_watched([sys.executable, "-c", code], f"the default bound's exploration (fenced={fenced})",
+                       cwd=Path(__file__).resolve().parents[2])
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert res["violation"] is None, res["violation"]
@@ -129,8 +129,7 @@ def test_the_peak_memory_reported_is_the_process_own_not_its_parents() -> None:
     ballast = bytearray(512 * 2**20)
     ballast[::4096] = b"\x01" * len(ballast[::4096])  # resident, not just reserved
     code = "from kvfsm.verify.explorer.search import peak_rss_mib; print(peak_rss_mib())"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          cwd=Path(__file__).resolve().parents[2])
+    proc = run_watched([sys.executable, "-c", code], "a child's peak_rss_mib()", cwd=Path(__file__).resolve().parents[2])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert float(proc.stdout.strip().splitlines()[-1]) < 400
     del ballast
