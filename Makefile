@@ -5,6 +5,15 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvfsm-installed
 TEST_STAMP := $(VENV)/.kvfsm-test-installed
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
+# `make test` builds the main venv and sglang's side by side (a core each). The steps that touch what the two
+# share, apt's database and the checkout's kvfsm.egg-info that an editable install writes, run one at a time
+# under a lock on pyproject.toml.
+ONE_AT_A_TIME := $(shell command -v flock >/dev/null 2>&1 && echo flock pyproject.toml)
+APT_INSTALL = $(ONE_AT_A_TIME) $(SUDO) env DEBIAN_FRONTEND=noninteractive sh -c \
+	'apt-get update -qq >/dev/null && apt-get install -y -qq $(1) >/dev/null'
+# the main suite on every core, a module at a time, in the order tests/conftest.py puts them (the long first)
+TEST_WORKERS ?= auto
+PYTEST_PARALLEL = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 .PHONY: demo test venv test-deps bench clean mutate
 
@@ -15,15 +24,14 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[dev,bench]'
+	$(ONE_AT_A_TIME) $(BIN)/python -m pip install -q -e '.[dev,bench]'
 	touch $(STAMP)
 
 # Every test also runs the optional integrations for real: a Mooncake master (needs Debian's libibverbs1)
 # and transformers' continuous batching.
 $(TEST_STAMP): $(STAMP)
-	dpkg -s libibverbs1 >/dev/null 2>&1 || { $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null && \
-	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null; }
-	$(BIN)/python -m pip install -q -e '.[dev,bench,mooncake,transformers,mutation]'
+	dpkg -s libibverbs1 >/dev/null 2>&1 || $(call APT_INSTALL,libibverbs1)
+	$(ONE_AT_A_TIME) $(BIN)/python -m pip install -q -e '.[dev,bench,mooncake,transformers,mutation]'
 	touch $(TEST_STAMP)
 
 test-deps: $(TEST_STAMP)
@@ -31,12 +39,13 @@ test-deps: $(TEST_STAMP)
 demo: $(STAMP)
 	$(BIN)/kvfsm demo
 
-# Every test: the spec checks, the suite, then the differential test against the real SGLang 0.5.23 in its
-# own venv (test-upstream, below).
-test: $(TEST_STAMP) $(UPSTREAM_STAMP)
+# Every test: the spec checks, the suite (on every core), then the differential test against the real SGLang
+# 0.5.23 in its own venv (test-upstream, below). Both venvs are built first, side by side.
+test:
+	$(MAKE) -j2 -O test-deps upstream-venv
 	for spec in spec/*.yaml; do $(BIN)/kvfsm gen $$spec --check || exit 1; done
 	$(BIN)/kvfsm schema --check
-	KVFSM_REQUIRE_MOONCAKE=1 KVFSM_REQUIRE_TRANSFORMERS=1 KVFSM_REQUIRE_MUTMUT=1 $(BIN)/python -m pytest -q
+	KVFSM_REQUIRE_MOONCAKE=1 KVFSM_REQUIRE_TRANSFORMERS=1 KVFSM_REQUIRE_MUTMUT=1 $(BIN)/python -m pytest -q $(PYTEST_PARALLEL)
 	$(MAKE) test-upstream
 
 bench: $(STAMP)
@@ -66,19 +75,25 @@ UPSTREAM_STAMP := $(UPSTREAM_VENV)/.kvfsm-sglang-installed
 upstream-venv: $(UPSTREAM_STAMP)
 
 $(UPSTREAM_STAMP): pyproject.toml tests/upstream/requirements.txt
-	dpkg -s g++ ninja-build libssl-dev >/dev/null 2>&1 || { $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null && \
-	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ ninja-build libssl-dev >/dev/null; }
+	dpkg -s g++ ninja-build libssl-dev >/dev/null 2>&1 || $(call APT_INSTALL,g++ ninja-build libssl-dev)
 	test -x $(UPSTREAM_BIN)/python || $(PY) -m venv $(UPSTREAM_VENV)
 	$(UPSTREAM_BIN)/python -m pip install -q --upgrade pip
 	$(UPSTREAM_BIN)/python -m pip install -q torch==2.13.0
 	$(UPSTREAM_BIN)/python -m pip install -q --no-deps -r tests/upstream/requirements.txt
-	$(UPSTREAM_BIN)/python -m pip install -q -e '.[dev]'
+	$(ONE_AT_A_TIME) $(UPSTREAM_BIN)/python -m pip install -q -e '.[dev]'
 	$(UPSTREAM_BIN)/python tests/upstream/harness.py --warm
 	touch $(UPSTREAM_STAMP)
 
+# Its two parts run side by side (a core each; -O keeps each part's output in one piece).
+.PHONY: test-upstream-sglang test-upstream-triton
 test-upstream: $(UPSTREAM_STAMP)
+	$(MAKE) -j2 -O test-upstream-sglang test-upstream-triton
+
+test-upstream-sglang: $(UPSTREAM_STAMP)
 	KVFSM_REQUIRE_SGLANG=1 $(UPSTREAM_BIN)/python -m pytest -q -p no:cacheprovider tests/upstream
-	# the Triton copy kernels, interpreted on the CPU (sglang's venv carries triton; the main venv does not)
+
+# the Triton copy kernels, interpreted on the CPU (sglang's venv carries triton; the main venv does not)
+test-upstream-triton: $(UPSTREAM_STAMP)
 	TRITON_INTERPRET=1 $(UPSTREAM_BIN)/python -m pytest -q -p no:cacheprovider tests/dataplane/test_layer_pool.py \
 		tests/dataplane/test_copy_engine.py -k "interpreted"
 

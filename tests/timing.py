@@ -183,10 +183,22 @@ def wait_for(cond: Callable[[], Any], what: str, within_s: float, *, progress: O
 
 
 def join_all(threads: Sequence[Any], what: str, within_s: float) -> None:
-    """Join threads (started by the caller) with a hang guard: TimedOut, naming the ones still alive, when
-    they have not all finished after `within_s` scaled."""
-    wait_for(lambda: not any(t.is_alive() for t in threads), what, within_s,
-             detail=lambda: "still running: " + ", ".join(t.name for t in threads if t.is_alive()))
+    """Join threads (started by the caller; returns as soon as the last one ends) with a hang guard:
+    TimedOut, naming the ones still alive, when they have not all finished after `within_s` scaled (measured
+    again before it fails)."""
+    start = time.monotonic()
+    limit = scaled(within_s)
+    while True:
+        for t in threads:
+            t.join(max(0.0, limit - (time.monotonic() - start)))
+        alive = [t.name for t in threads if t.is_alive()]
+        if not alive:
+            return
+        waited = time.monotonic() - start
+        limit = max(limit, within_s * measure(0).slowdown)
+        if waited >= limit:
+            raise timed_out(what, waited, f"limit {limit:.1f} s = {within_s:g} s on the reference machine scaled",
+                            "still running: " + ", ".join(alive))
 
 
 class Watch:
