@@ -13,7 +13,7 @@ import logging
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -90,8 +90,8 @@ class Chunk:
     __slots__ = ("record", "start", "end", "tokens", "run", "handle", "serial", "job", "host_pages",
                  "_device", "_host", "lo", "hi")
 
-    def __init__(self, record: RequestRecord, start: int, end: int, tokens: list[int], handle: CopyHandle,
-                 device: torch.Tensor, host: torch.Tensor, lo: int, hi: int, host_pages: list[int]) -> None:
+    def __init__(self, record: RequestRecord, start: int, end: int, tokens: Sequence[int], handle: CopyHandle,
+                 device: torch.Tensor, host: torch.Tensor, lo: int, hi: int, host_pages: Sequence[int]) -> None:
         self.record, self.start, self.end, self.tokens, self.handle = record, start, end, tokens, handle
         self.run: Optional[PageRun] = None
         self._device, self._host, self.lo, self.hi = device, host, lo, hi

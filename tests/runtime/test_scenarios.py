@@ -119,7 +119,7 @@ def test_last_sampled_token_is_never_offloaded() -> None:
     assert e.manager.offload(r)
     chunk = e.manager.fx.copy_fifo[0]
     assert (chunk.start, chunk.end) == (4, 6)
-    assert chunk.tokens == r.output_ids[:2] and len(r.output_ids) == 3  # output_ids[-1] excluded
+    assert list(chunk.tokens) == r.output_ids[:2] and len(r.output_ids) == 3  # output_ids[-1] excluded
 
 
 def test_prompt_prefix_seeds_the_hash_chain() -> None:

@@ -453,7 +453,7 @@ class ManagerMachine(RuleBasedStateMachine):
                   f"{rec.key} inc_len {rec.inc_len} + prefill {rec.prefill_len} != chunk end {c.end}")
             req = rec.req_ref()
             tokens = list(req.origin_input_ids) + list(req.output_ids)
-            check(c.tokens == tokens[c.start:c.end], "chunk_tokens", f"{rec.key} [{c.start}, {c.end})")
+            check(list(c.tokens) == list(tokens[c.start:c.end]), "chunk_tokens", f"{rec.key} [{c.start}, {c.end})")
             check(c.end <= req.kv_committed_len, "chunk_committed", f"{rec.key} chunk end {c.end} > committed")
             want = e.req_to_token.req_to_token[rec.row, c.start:c.end]
             check(bool(torch.equal(c.device_indices, want)), "chunk_device_slots", f"{rec.key} [{c.start}, {c.end})")
