@@ -34,7 +34,9 @@ class BackupJob:
     def run(self) -> None:
         try:
             self.results = list(self.write(self.payload))
-        except Exception as exc:  # a store that raises is a failed backup, never a success (B13)
+        except BaseException as exc:  # noqa: B036  a store that raises anything is a failed backup, never a
+            # success (B13), and the worker thread lives on: a client's own error type, even SystemExit from
+            # a library that gives up, must not end the thread every later backup waits on
             self.error = exc
             self.results = []
 
@@ -58,7 +60,7 @@ def run_jobs(jobs: list[BackupJob]) -> None:
         if len(group) > 1:
             try:
                 results = many([job.payload for job in group])  # type: ignore[misc]
-            except Exception:
+            except BaseException:  # noqa: B036  whatever it was, each job is run alone below
                 results = None
             if results is not None and len(results) == len(group):
                 for job, res in zip(group, results):

@@ -27,7 +27,10 @@ class FaultyStorage:
     fail_writes: keys (or a predicate) whose writes fail (reported False, never reach the inner store);
     fail_write_ordinals: 0-based positions, counted over all pages ever passed to batch_set, that fail;
     corrupt_reads: keys whose read returns the stored page with byte 0 flipped (silent corruption);
-    drop_reads: keys whose read returns None (a lost or detected-bad page).
+    drop_reads: keys whose read returns None (a lost or detected-bad page);
+    raise_writes: key -> the exception a write of it raises (None: none), for faults outside the expected
+    types, a client library's own error or a BaseException, say. The whole batch_set call raises, as a
+    client's batch call would.
     """
 
     def __init__(
@@ -37,12 +40,15 @@ class FaultyStorage:
         fail_write_ordinals: Collection[int] = (),
         corrupt_reads: KeySelector | None = None,
         drop_reads: KeySelector | None = None,
+        raise_writes: Callable[[str], BaseException | None] | None = None,
     ) -> None:
         self.inner = inner
         self._fail = _selector(fail_writes)
         self._fail_ordinals = frozenset(fail_write_ordinals)
         self._corrupt = _selector(corrupt_reads)
         self._drop = _selector(drop_reads)
+        self._raise = raise_writes
+        self.raised: list[str] = []  # keys whose write raised
         self.pages_written = 0
         self.failed_writes: list[str] = []
         self.corrupted_reads: list[str] = []
@@ -50,6 +56,12 @@ class FaultyStorage:
 
     def batch_set(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[bool]:
         _check_batch(keys, pages)
+        if self._raise is not None:
+            for k in keys:
+                exc = self._raise(k)
+                if exc is not None:
+                    self.raised.append(k)
+                    raise exc
         ok = [True] * len(keys)
         passed: list[int] = []
         for i, k in enumerate(keys):
