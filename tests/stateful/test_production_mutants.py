@@ -202,10 +202,10 @@ def release_reads_current_prefix(mp: pytest.MonkeyPatch) -> None:
 def gauge_stale_after_offload(mp: pytest.MonkeyPatch) -> None:
     """copies_in_flight is derived only by check_progress (stale after every offload until then)."""
     def make(orig: Callable) -> Callable:
-        def _submit(self: Any, due: list) -> int:
+        def _submit(self: Any, due: list, *more: Any) -> int:  # (the host pages reserved for them, if any)
             before = self.metrics.copies_in_flight
             try:
-                return orig(self, due)
+                return orig(self, due, *more)
             finally:
                 self.metrics.copies_in_flight = before
         return _submit
