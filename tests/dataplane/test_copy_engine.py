@@ -193,6 +193,44 @@ def test_a_failed_coalesced_submit_keeps_the_copies_queued() -> None:
         assert torch.equal(bits(host.token_view()[:, :, h]), bits(dev.storage[:, :, d]))
 
 
+def test_a_flush_refused_after_its_first_group_submits_each_copy_exactly_once() -> None:
+    """Offloads from two device pools are two inner copies. The engine takes the first and refuses the
+    second: the first group is submitted once and never again, the second stays queued and lands at the
+    next flush, once."""
+    cfg = KVCacheConfig.tiny()
+    devs = [make_device_pool(cfg, 64, seed=7), make_device_pool(cfg, 64, seed=8)]
+    host = make_host_pool(cfg, 32, 4)
+
+    class RefusesSecond(CpuCopyEngine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls: list[int] = []
+            self.refuse = {1}
+
+        def submit_d2h(self, device_pool, *args, **kwargs):  # type: ignore[no-untyped-def]
+            n = len(self.calls)
+            self.calls.append(id(device_pool))
+            if n in self.refuse:
+                raise CopyError("refused the second copy")
+            return super().submit_d2h(device_pool, *args, **kwargs)
+
+    inner = RefusesSecond()
+    eng = CoalescingCopyEngine(inner)
+    parts = [(dev, torch.arange(8 + 8 * k, 12 + 8 * k), host.alloc(4)) for dev in devs for k in range(2)]
+    handles = [eng.submit_d2h(dev, d, host, h) for dev, d, h in parts]
+    with pytest.raises(CopyError, match="second"):
+        eng.flush()
+    assert inner.calls == [id(devs[0]), id(devs[1])] and eng.queued == 2  # the first group left the queue
+    assert all(h.done() for h in handles[:2])
+    eng.flush()  # the second group once more, the first not again
+    assert inner.calls == [id(devs[0]), id(devs[1]), id(devs[1])] and eng.queued == 0
+    assert all(h.done() for h in handles)
+    eng.flush()
+    assert len(inner.calls) == 3  # nothing is submitted twice
+    for dev, d, h in parts:
+        assert torch.equal(bits(host.token_view()[:, :, h]), bits(dev.storage[:, :, d]))
+
+
 def test_thread_engine_polls_without_blocking() -> None:
     cfg = KVCacheConfig.tiny()
     dev = make_device_pool(cfg, 64)
