@@ -295,6 +295,24 @@ def test_a_restore_call_skips_its_scan_only_while_no_machine_awaits_a_restore(mo
     assert e.inst.leaks() == [] and e.kv.awaiting_restore == 0 and e.kv.metrics.restore_calls == 4
 
 
+def test_a_fenced_swap_out_enqueues_the_compute_streams_wait_before_the_blocks_go_back(model: Any) -> None:
+    """The victim's blocks go back to the engine only after a wait on the copy was enqueued on the compute
+    stream (recorded by the CPU twin), not merely a fence marked waited; the host does not wait."""
+    engine = DeferredCpuCopyEngine(stream_ordered=True)
+    e = _Engine(model, kt.SwapConfig(host_blocks=8, copy_engine=engine, fenced=True))
+    state = e.admit("a", 10)
+    assert e.kv._swap_out(state)
+    (copy,) = engine.pending
+    assert engine.waits == [(e.kv.compute_stream, copy)] and not copy.done()
+    assert e.kv.metrics.fenced_releases == 1
+    engine.complete_all()
+    state.is_cpu_offloaded = True
+    e.restore(state)
+    e.kv.poll(wait=True)
+    e.cache.free_blocks("a")
+    assert e.inst.leaks() == []
+
+
 def test_checked_mode_scans_every_call_and_catches_a_wrong_awaiting_count(model: Any) -> None:
     e = _Engine(model, kt.SwapConfig(host_blocks=8, checked=True))
     state = e.admit("a", 10)

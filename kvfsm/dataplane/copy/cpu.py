@@ -107,6 +107,7 @@ class DeferredHandle(CopyHandle):
         self._engine.complete(self)
 
     def wait_stream(self, stream: object | None = None) -> None:
+        self._engine.waits.append((stream, self))  # the wait as enqueued, on the stream it was made on
         if self._engine.stream_ordered:
             self._engine.order(self)
         else:
@@ -119,12 +120,15 @@ class DeferredHandle(CopyHandle):
 class DeferredCpuCopyEngine(CopyEngine):
     """Copies are recorded at submit and performed at complete(): the test controls completion order.
     Its handles are the CPU twin of fences: waiting on one completes its copy first, or, `stream_ordered`,
-    performs it and leaves it in flight (the GPU's case: a stream wait orders the waiter, nothing lands)."""
+    performs it and leaves it in flight (the GPU's case: a stream wait orders the waiter, nothing lands).
+    `waits` records every stream wait actually made on a handle, as (stream, handle), the stream None for
+    the caller's current one: a CPU test can tell a wait that was enqueued from a fence only marked waited."""
 
     fences = True
 
     def __init__(self, stream_ordered: bool = False) -> None:
         self.stream_ordered = stream_ordered
+        self.waits: list[tuple[object | None, DeferredHandle]] = []
         self._pending: OrderedDict[int, DeferredHandle] = OrderedDict()
         self._seq = count()
         self._lock = threading.Lock()
