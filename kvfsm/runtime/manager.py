@@ -399,9 +399,10 @@ class DecodeOffloadManager:
                 end = offset + n
                 # A chunk's tokens and host pages as tuples of ints, which the collector stops tracking at its
                 # first pass: a chunk can wait for its backup for many iterations (parked behind a slow store),
-                # and every full collection would walk two lists per waiting chunk. What it saves: at 4096 live,
-                # 16/16, the H200 adapter bench held 352k tracked objects (kvfsm's 148k, with ~23k chunks
-                # waiting), and its full collections took 97-161 ms (bench/results/sglang_adapter_gpu-h200.json).
+                # and every full collection would walk two lists per waiting chunk. What it saves: the heap a
+                # full collection walks at 4096 live, 16/16, over SGLang's pools, 144,949 -> 99,156 objects (a
+                # CPU probe, docs/performance.md); on the H200 that heap was 352k objects and its full
+                # collections took 97-161 ms (bench/results/sglang_adapter_gpu-h200.json).
                 chunks.append(Chunk(rec, start, start + n, tuple(token_slice(req, start, start + n)), handle, device,
                                     host, offset, end, tuple(pages[offset // ps:end // ps])))
                 offset = end
