@@ -65,3 +65,8 @@ def write_result(name: str, payload: dict[str, Any], out: str | Path | None = No
            "utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), **payload}
     path.write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n")
     return path
+
+
+def target(name: str, value: float | None, limit: float) -> dict[str, Any]:
+    """One entry of a verdict JSON's `targets` list: the figure, its limit and whether it is met."""
+    return {"name": name, "value": value, "limit": limit, "met": value is not None and value <= limit}

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result  # noqa: E402
+from common import target, write_result  # noqa: E402
 from bare_offload import BareOffload  # noqa: E402
 from seed_baseline import SeedAlgorithmOffload  # noqa: E402
 
@@ -475,10 +475,6 @@ def run_config(algo: str, live: int, page: int, stride: int, table: str, args: a
         shutil.rmtree(store, ignore_errors=True)
 
 
-def _target(name: str, value: Optional[float], limit: float) -> dict[str, Any]:
-    return {"name": name, "value": value, "limit": limit, "met": value is not None and value <= limit}
-
-
 def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The verdict's targets, each `{name, value, limit, met}`: at the largest live count, kvfsm's median
     against the same run's bare floor (1.5x at page/stride 64/64, 2x at 16/16), and for every kvfsm row
@@ -494,10 +490,10 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                       == (r["live"], r["page"], r["stride"])), None)
         limit = {(64, 64): 1.5, (16, 16): 2.0}.get((r["page"], r["stride"]))
         if floor is not None and limit is not None and r["live"] == top and floor["total"]["median"]:
-            out.append(_target(f"median / bare floor median, {at}", t["median"] / floor["total"]["median"], limit))
-        out.append(_target(f"p99 / median, {at}", t["p99"] / t["median"] if t["median"] else None, 2.0))
-        out.append(_target(f"max ms (GC on), {at}", t["max"], 10.0))
-        out.append(_target(f"kvfsm objects found by a full collection, {at}", r["teardown"]["garbage_of_kvfsm"], 0))
+            out.append(target(f"median / bare floor median, {at}", t["median"] / floor["total"]["median"], limit))
+        out.append(target(f"p99 / median, {at}", t["p99"] / t["median"] if t["median"] else None, 2.0))
+        out.append(target(f"max ms (GC on), {at}", t["max"], 10.0))
+        out.append(target(f"kvfsm objects found by a full collection, {at}", r["teardown"]["garbage_of_kvfsm"], 0))
     return out
 
 

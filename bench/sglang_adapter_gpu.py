@@ -52,7 +52,7 @@ sys.path.insert(0, str(ROOT / "tests" / "upstream"))
 import harness  # noqa: E402  (the CUDA-only stand-ins first)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from common import write_result  # noqa: E402
+from common import target, write_result  # noqa: E402
 from serving_loop import GcPauses, stats  # noqa: E402
 from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req  # noqa: E402
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator  # noqa: E402
@@ -423,10 +423,6 @@ def run_one(mode: str, live: int, page: int, stride: int, args: argparse.Namespa
         if args.device == "cuda":
             torch.cuda.empty_cache()
         shutil.rmtree(store, ignore_errors=True)
-
-
-def target(name: str, value: Optional[float], limit: float) -> dict[str, Any]:
-    return {"name": name, "value": value, "limit": limit, "met": value is not None and value <= limit}
 
 
 def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

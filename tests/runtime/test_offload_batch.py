@@ -118,13 +118,19 @@ def test_reserved_then_submitted_equals_loop(seed: int, page_size: int, stride: 
     assert any(o["metrics"]["host_full_retries"] for o in reserved) or host_slots > 16
 
 
-def test_a_reservation_holds_host_pages_and_nothing_else_until_submitted() -> None:
+def _three_with_a_chunk_due() -> tuple[SimEngine, list[SimRequest]]:
+    """Three admitted requests (seen by the manager before anything was due), each with a chunk due now."""
     e = SimEngine(page_size=2, host_slots=32, device_slots=96, rows=4)
     reqs = [e.admit(f"r{i}", 5) for i in range(3)]
     assert not any(e.manager.offload(r) for r in reqs)  # admitted, nothing due yet
     for _ in range(3):
         for r in reqs:
             e.decode(r)
+    return e, reqs
+
+
+def test_a_reservation_holds_host_pages_and_nothing_else_until_submitted() -> None:
+    e, reqs = _three_with_a_chunk_due()
     before = observe(e)
     got = [e.manager.reserve_offload(r) for r in reqs]
     assert all(r is not None and r.tokens == 4 for r in got)
@@ -151,12 +157,7 @@ def test_a_stale_reservation_gives_its_pages_back() -> None:
 
 
 def test_a_batch_whose_copy_is_refused_changes_nothing_and_stays_due() -> None:
-    e = SimEngine(page_size=2, host_slots=32, device_slots=96, rows=4)
-    reqs = [e.admit(f"r{i}", 5) for i in range(3)]
-    assert not any(e.manager.offload(r) for r in reqs)  # admitted, nothing due yet
-    for _ in range(3):
-        for r in reqs:
-            e.decode(r)
+    e, reqs = _three_with_a_chunk_due()
     before = snapshot(e)
     got = [e.manager.reserve_offload(r) for r in reqs]
     submit = e.manager.fx.copy_engine.submit_d2h
