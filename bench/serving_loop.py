@@ -72,20 +72,17 @@ class LoopRequest:
         return self.done
 
 
-class DecodeStep:
-    """One decode step on the compute stream: write each live request's new KV row, then matmuls until
-    `step_ms` (calibrated once). On the CPU: write the rows, then sleep."""
+class ComputeStep:
+    """A decode step's compute on the current stream: bf16 matmuls filling `step_ms` (calibrated once). On
+    the CPU it is a sleep at `wait`. Every GPU bench's busy compute stream (this loop, the SGLang adapter's)."""
 
-    def __init__(self, pool: DeviceKVPool, step_ms: float, rows: int) -> None:
-        self.pool, self.step_ms = pool, step_ms
-        self.cuda = pool.device.type == "cuda"
-        c = pool.config
-        self.src = torch.randn((c.num_planes, c.num_layers, rows, *c.token_shape), device=pool.device).to(c.dtype)
-        self.staging = PinnedIndexStaging(pin_memory=self.cuda)
+    def __init__(self, device: Any, step_ms: float) -> None:
+        self.step_ms = step_ms
+        self.cuda = torch.device(device).type == "cuda"
         self.matmuls = 0
         if self.cuda:
-            self.a = torch.randn(4096, 4096, device=pool.device, dtype=torch.bfloat16)
-            self.b = torch.randn(4096, 4096, device=pool.device, dtype=torch.bfloat16)
+            self.a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+            self.b = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
             self.c = torch.empty_like(self.a)
             self.matmuls = self._calibrate()
 
@@ -99,6 +96,38 @@ class DecodeStep:
         end.record()
         end.synchronize()
         return max(1, round(self.step_ms / (start.elapsed_time(end) / 100)))
+
+    def enqueue(self) -> Any:
+        """Queue the matmuls; the event after them (None on the CPU)."""
+        if not self.cuda:
+            return None
+        for _ in range(self.matmuls):
+            torch.mm(self.a, self.b, out=self.c)
+        ev = torch.cuda.Event()
+        ev.record()
+        return ev
+
+    def wait(self, ev: Any) -> None:
+        """The engine waits for a step's results (outside every manager call)."""
+        if ev is None:
+            time.sleep(self.step_ms / 1e3)
+        else:
+            ev.synchronize()
+
+
+class DecodeStep:
+    """One decode step on the compute stream: write each live request's new KV row, then the compute
+    (ComputeStep). On the CPU: write the rows, then sleep."""
+
+    def __init__(self, pool: DeviceKVPool, step_ms: float, rows: int) -> None:
+        self.pool, self.step_ms = pool, step_ms
+        self.cuda = pool.device.type == "cuda"
+        c = pool.config
+        self.src = torch.randn((c.num_planes, c.num_layers, rows, *c.token_shape), device=pool.device).to(c.dtype)
+        self.staging = PinnedIndexStaging(pin_memory=self.cuda)
+        self.compute = ComputeStep(pool.device, step_ms)
+        self.matmuls = self.compute.matmuls
+        self.wait = self.compute.wait
 
     def write_rows(self, slots: np.ndarray) -> None:
         """KV rows at `slots` (the engine's own write; on the compute stream on a GPU)."""
@@ -116,20 +145,7 @@ class DecodeStep:
 
     def enqueue(self, slots: np.ndarray) -> Any:
         self.write_rows(slots)
-        if not self.cuda:
-            return None
-        for _ in range(self.matmuls):
-            torch.mm(self.a, self.b, out=self.c)
-        ev = torch.cuda.Event()
-        ev.record()
-        return ev
-
-    def wait(self, ev: Any) -> None:
-        """The engine waits for a step's results (outside every manager call)."""
-        if ev is None:
-            time.sleep(self.step_ms / 1e3)
-        else:
-            ev.synchronize()
+        return self.compute.enqueue()
 
 
 class GcPauses:

@@ -53,7 +53,7 @@ import harness  # noqa: E402  (the CUDA-only stand-ins first)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from common import target, write_result  # noqa: E402
-from serving_loop import GcPauses, stats  # noqa: E402
+from serving_loop import ComputeStep, GcPauses, stats  # noqa: E402
 from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req  # noqa: E402
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
@@ -195,20 +195,7 @@ class Loop:
         self.bare = Bare(self.adapter, self.r2t, self.allocator) if mode == "bare" else None
         self.live: list[Req] = []
         self.serial = 0
-        self.matmuls = 0
-        if self.cuda:
-            self.a = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
-            self.c = torch.empty_like(self.a)
-            for _ in range(10):
-                torch.mm(self.a, self.a, out=self.c)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(50):
-                torch.mm(self.a, self.a, out=self.c)
-            end.record()
-            end.synchronize()
-            self.matmuls = max(1, round(args.step_ms / (start.elapsed_time(end) / 50)))
-        self.step_ms = args.step_ms
+        self.step = ComputeStep(dev, args.step_ms)  # the decode step's matmuls on the compute stream
 
     # --- the engine (never timed) ---------------------------------------------------------------------
     def _pages(self, n: int) -> torch.Tensor:
@@ -242,21 +229,6 @@ class Loop:
                 slots = self._pages(1)
                 self.r2t.write((req.kv.req_pool_idx, slice(pos, pos + slots.numel())), slots.to(torch.int32))
                 req.kv.kv_allocated_len = pos + slots.numel()
-
-    def enqueue_step(self) -> Any:
-        if not self.cuda:
-            return None
-        for _ in range(self.matmuls):
-            torch.mm(self.a, self.a, out=self.c)
-        ev = torch.cuda.Event()
-        ev.record()
-        return ev
-
-    def wait(self, ev: Any) -> None:
-        if ev is None:
-            time.sleep(self.step_ms / 1e3)
-        else:
-            ev.synchronize()
 
     # --- the manager calls (timed) --------------------------------------------------------------------
     def calls(self, ended: list[Req]) -> tuple[float, float, int]:
@@ -309,7 +281,7 @@ class Loop:
         with GcPauses() as gcp:
             for it in range(warmup + iterations):
                 self.grow()
-                ev = self.enqueue_step()
+                ev = self.step.enqueue()
                 for req in self.live:  # the step computes this token's KV; the next token is sampled
                     req.kv.kv_committed_len += 1
                     req.output_ids.append(self.rng.randrange(128_000))
@@ -338,13 +310,13 @@ class Loop:
                 while len(self.live) < self.live_target and self.admit():
                     pass
                 if prev is not None or not self.cuda:
-                    self.wait(prev)
+                    self.step.wait(prev)
                 prev = ev
         heap = census()
         gc.unfreeze()
         if self.cuda:
             torch.cuda.synchronize()
-        out = {"mode": self.mode, "iterations": len(per_iter), "matmuls_per_step": self.matmuls,
+        out = {"mode": self.mode, "iterations": len(per_iter), "matmuls_per_step": self.step.matmuls,
                "total_ms": stats([r["total_ms"] for r in per_iter]),
                "check_ms": stats([r["check_ms"] for r in per_iter]),
                "offload_ms": stats([r["offload_ms"] for r in per_iter]),
