@@ -1,0 +1,258 @@
+"""The GPU mutation pass: the survivors of `make mutate` that only a CUDA host can tell apart, run against the
+GPU tests on a GPU machine (docs/mutation.md, "GPU pass").
+
+    python tests/mutation/gpu_pass.py list                        # the mutants this pass runs, and why
+    python tests/mutation/gpu_pass.py run --out DIR [--jobs 8]    # on the GPU machine: every mutant, then the log
+    python tests/mutation/gpu_pass.py report                      # docs/mutation.md's GPU section, from gpu_pass.json
+
+The CPU run (mutate.py) marks a survivor "CPU-only" when its reason in tests/mutation/equivalent*.py says the
+difference needs a CUDA device to show (a tensor that stays on the CPU either way, pinning that needs CUDA).
+That is a statement about where the tests ran, not about the mutant, so every such survivor runs here, against
+every test marked `gpu`. mutmut itself cannot run them: it forks its test process for each mutant, and a
+process that has initialised CUDA cannot fork a child that uses it. So each mutant is applied to a copy of the
+tree from its recorded change (function and `-`/`+` lines, tests/mutation/survivors.json) and its tests run in
+a fresh process; the unmutated tree runs first, and a pass whose clean run fails reports nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import concurrent.futures as cf
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+
+import mutate  # noqa: E402  (the CPU run: its survivors, equivalence reasons and normalisation)
+
+RESULTS = HERE / "gpu_pass.json"  # the last GPU pass, machine-readable (what the report and the docs read)
+# A reason that says the difference needs a CUDA device to show.
+CPU_ONLY = re.compile(r"CPU-only|without CUDA|GPU run|needs CUDA|CUDA host|on CUDA")
+# What each mutant's tree leaves out of the checkout (it holds the rest), and the tests it runs: every test marked `gpu`. The SGLang adapter's
+# GPU test needs SGLang importable (it skips otherwise, and the pass records that it skipped).
+SKIP = {".git", ".old", "build", "kvfsm-store", "kvfsm.egg-info", ".device", ".whl"}
+PYTEST = ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:randomly", "-o", "addopts=",
+          "--tb=line", "-rs"]
+# (pytest arguments, test files): the tests marked `gpu`, then the files whose CPU tests take CUDA branches
+# when a device is present (pinned host pools, a CUDA request table, the kill tests of the CPU run).
+SUITES = [(["-m", "gpu"], ["tests/gpu", "tests/dataplane/test_copy_engine.py", "tests/dataplane/test_cuda_pipeline.py",
+                           "tests/dataplane/test_layer_pool.py", "tests/runtime/test_config_errors.py",
+                           "tests/runtime/test_tp_demo.py", "tests/engine/test_demo.py",
+                           "tests/stateful/test_production_matrix.py", "tests/stateful/test_production_mutants.py",
+                           "tests/upstream/test_adapter_gpu.py"]),
+          ([], ["tests/dataplane/test_host_pool.py", "tests/runtime/test_offload_batch.py", "tests/mutation/test_kills.py"])]
+MUTANT_TIMEOUT_S = 420  # a mutant whose tests hang past this is killed (as mutmut counts a timeout)
+
+
+@dataclass(frozen=True)
+class Mutant:
+    function: str  # mutmut's name: module.x_function or module.xǁClassǁmethod
+    change: str    # normalised `-`/`+` lines
+    reason: str    # why the CPU run called it equivalent
+
+    @property
+    def module_path(self) -> str:
+        module = self.function.rsplit(".", 1)[0]
+        if module.startswith("kvfsm.generated."):  # laid out as the wheel does in the CPU run
+            return "generated/" + module.rsplit(".", 1)[1] + ".py"
+        return module.replace(".", "/") + ".py"
+
+    @property
+    def qualname(self) -> list[str]:
+        short = self.function.rsplit(".", 1)[1]
+        if short.startswith("x\u01c1"):
+            return short[2:].split("\u01c1")
+        return [short.removeprefix("x_")]
+
+    @property
+    def key(self) -> str:
+        return f"{self.function}\n{self.change}"
+
+
+def selected() -> list[Mutant]:
+    """The CPU run's survivors whose only reason is the missing CUDA device."""
+    equiv = mutate.equivalents()
+    out = []
+    for s in json.loads(mutate.SURVIVORS.read_text())["survivors"]:
+        why = mutate.equivalent_reason(equiv, s["function"], s["change"])
+        if why and CPU_ONLY.search(why):
+            out.append(Mutant(s["function"], s["change"], why))
+    return out
+
+
+def _function_span(tree: ast.Module, qualname: list[str]) -> tuple[int, int]:
+    body: list[ast.stmt] = tree.body
+    node: ast.AST | None = None
+    for part in qualname:
+        node = next((n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                     and n.name == part), None)
+        if node is None:
+            raise LookupError(f"no {'.'.join(qualname)}")
+        body = node.body  # type: ignore[attr-defined]
+    assert node is not None and node.end_lineno is not None
+    return node.lineno, node.end_lineno  # type: ignore[attr-defined]
+
+
+def _norm_line(line: str) -> str:
+    return re.sub(r"\s+", " ", line.strip())
+
+
+def apply(mutant: Mutant, root: Path) -> None:
+    """Write the mutant into the tree at `root`: its `-` lines, found in order inside its function, become its
+    `+` lines (each at the indentation of the line it replaces). Raises LookupError when the change does not
+    apply, which the pass reports rather than counting the mutant."""
+    path = root / mutant.module_path
+    src = path.read_text().splitlines(keepends=True)
+    start, end = _function_span(ast.parse("".join(src)), mutant.qualname)
+    old = [l[1:].strip() for l in mutant.change.splitlines() if l.startswith("-")]
+    new = [l[1:].strip() for l in mutant.change.splitlines() if l.startswith("+")]
+    if not old:
+        raise LookupError("a change with no removed line")
+    hits = [i for i in range(start - 1, end - len(old) + 1)
+            if all(_norm_line(src[i + k]) == _norm(o) for k, o in enumerate(old))]
+    if not hits:
+        raise LookupError(f"the removed lines are not in {'.'.join(mutant.qualname)}")
+    i = hits[0]
+    indent = re.match(r"\s*", src[i]).group(0)  # type: ignore[union-attr]
+    src[i:i + len(old)] = [indent + n + "\n" for n in new]
+    text = "".join(src)
+    compile(text, str(path), "exec")  # a mutant must still be Python: mutmut's are
+    path.write_text(text)
+
+
+def _norm(line: str) -> str:
+    return re.sub(r"\s+", " ", line.strip())
+
+
+def _run_tests(tree: Path, env: dict[str, str]) -> dict:
+    """Each suite in turn, in a fresh process, stopping at the first failure (the mutant is then killed)."""
+    t0 = time.monotonic()
+    summaries = []
+    for extra, files in SUITES:
+        left = MUTANT_TIMEOUT_S - (time.monotonic() - t0)
+        try:
+            p = subprocess.run([sys.executable, *PYTEST, *extra, *files], cwd=tree, env=env, capture_output=True,
+                               text=True, timeout=max(left, 1))
+        except subprocess.TimeoutExpired as exc:
+            out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+            return {"rc": None, "seconds": round(time.monotonic() - t0, 1), "tail": out[-1500:], "timeout": True}
+        out = p.stdout + p.stderr
+        summaries.append((re.findall(r"^=*\s*(\d+ (?:passed|failed|skipped|deselected).*?)\s*=*$", out, re.M) or [""])[-1])
+        if p.returncode != 0:
+            failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", out, re.M)
+            return {"rc": p.returncode, "seconds": round(time.monotonic() - t0, 1),
+                    "first_failure": failed[0] if failed else None, "summary": summaries, "tail": out[-1500:]}
+    return {"rc": 0, "seconds": round(time.monotonic() - t0, 1), "first_failure": None, "summary": summaries}
+
+
+def _copy_tree(dest: Path) -> None:
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".hypothesis", ".venv*", *SKIP)
+    shutil.copytree(ROOT, dest, ignore=ignore)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import torch
+    if not torch.cuda.is_available():
+        print("the GPU pass needs a CUDA device", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    mutants = selected()
+    if args.limit:
+        mutants = mutants[:args.limit]
+    work = Path(tempfile.mkdtemp(prefix="gpu-pass-"))
+    log = open(out / "mutation_gpu-h200.log", "w", buffering=1)
+    results: dict = {"machine": {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                                 "python": sys.version.split()[0]},
+                     "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "tests": [" ".join(PYTEST[1:] + e + f) for e, f in SUITES],
+                     "clean": None, "mutants": []}
+
+    def env_for(tree: Path) -> dict[str, str]:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(tree)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                                                           if p and Path(p).resolve() != ROOT])
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+        return env
+
+    def one(i: int, m: Mutant | None) -> dict:
+        tree = work / (f"m{i}" if m is not None else "clean")
+        _copy_tree(tree)
+        rec: dict = {"function": m.function, "change": m.change} if m else {}
+        if m is not None:
+            try:
+                apply(m, tree)
+            except (LookupError, SyntaxError) as exc:
+                rec.update(status="not applied", why=str(exc))
+                return rec
+        res = _run_tests(tree, env_for(tree))
+        shutil.rmtree(tree, ignore_errors=True)
+        if res.get("timeout"):
+            status = "killed (timeout)"
+        else:
+            status = "survived" if res["rc"] == 0 else "killed"
+        rec.update(status=status, **{k: v for k, v in res.items() if k != "tail"})
+        if res.get("rc") not in (0, 1) or (m is None and res.get("rc") != 0):
+            rec["tail"] = res.get("tail", "")
+        return rec
+
+    t0 = time.monotonic()
+    with cf.ThreadPoolExecutor(args.jobs) as pool:
+        clean = pool.submit(one, -1, None)
+        futs = {pool.submit(one, i, m): m for i, m in enumerate(mutants)}
+        for f in cf.as_completed(futs):
+            rec = f.result()
+            results["mutants"].append(rec)
+            log.write(f"{rec['status']:>16}  {rec['function'].rsplit('.', 1)[1]}  {rec['change']!r}  "
+                      f"{rec.get('first_failure') or rec.get('summary') or rec.get('why', '')}  {rec.get('seconds', '')}s\n")
+            (out / "gpu_pass.json").write_text(json.dumps(results, indent=1) + "\n")
+        results["clean"] = clean.result()
+    results["seconds"] = round(time.monotonic() - t0)
+    results["mutants"].sort(key=lambda r: (r["function"], r["change"]))
+    log.write(f"clean run: {results['clean']}\n")
+    (out / "gpu_pass.json").write_text(json.dumps(results, indent=1) + "\n")
+    shutil.rmtree(work, ignore_errors=True)
+    return 0 if results["clean"].get("rc") == 0 else 1
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    ms = selected()
+    for m in ms:
+        try:
+            with tempfile.TemporaryDirectory() as d:
+                dest = Path(d) / m.module_path
+                dest.parent.mkdir(parents=True)
+                shutil.copy2(ROOT / m.module_path, dest)
+                apply(m, Path(d))
+            ok = "applies"
+        except (LookupError, SyntaxError) as exc:
+            ok = f"DOES NOT APPLY: {exc}"
+        print(f"{m.function.rsplit('.', 1)[1]}: {m.change!r}: {ok}")
+    print(len(ms), "mutants")
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("list")
+    r = sub.add_parser("run")
+    r.add_argument("--out", required=True)
+    r.add_argument("--jobs", type=int, default=8)
+    r.add_argument("--limit", type=int, default=0)
+    args = ap.parse_args()
+    return {"list": cmd_list, "run": cmd_run}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
