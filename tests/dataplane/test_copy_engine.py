@@ -584,3 +584,23 @@ def test_cuda_handle_keeps_indices_until_done() -> None:
     assert h._keepalive is not None
     h.wait()
     assert h._keepalive is None and h.done()
+
+
+@gpu
+def test_a_cpu_pool_takes_slot_indices_from_a_cuda_tensor() -> None:
+    """The CPU engines copy between CPU pools; slot indices that an engine keeps on its GPU (a request table on
+    the device) are planned on the CPU, not refused as a device mismatch (only two different devices, a CUDA
+    pool with indices on another device, are a mismatch)."""
+    from kvfsm.dataplane.copy.base import plan_copy
+
+    cfg = KVCacheConfig.tiny()
+    dev = make_device_pool(cfg, 64)
+    host = make_host_pool(cfg, 32, 1)
+    slots = torch.tensor([9, 3, 40, 17], device="cuda")
+    host_slots = host.alloc(4)
+    assert host_slots is not None
+    plan = plan_copy("d2h", dev, slots, host, host_slots)
+    assert plan.device_idx.device.type == "cpu" and plan.device_idx.tolist() == [9, 3, 40, 17]
+    handle = ThreadCpuCopyEngine().submit_d2h(dev, slots, host, host_slots)
+    handle.wait()
+    assert torch.equal(bits(host.token_view()[:, :, host_slots]), bits(dev.token_view()[:, :, slots.cpu()]))
