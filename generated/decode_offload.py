@@ -142,7 +142,7 @@ TRANSITIONS: tuple[tuple[Any, ...], ...] = (
     ('inflight', 'released_by_engine', None, 'draining', ('record_engine_release',), (), (), ('device_slots', 'table_row', 'prefix_lock'), 224),  # T50
     ('offloading', 'released_by_engine_fenced', 'fenced_release', 'fenced', ('record_engine_release_fenced',), (), (), ('table_row', 'prefix_lock', 'device_slots'), 225),  # T51
 )
-# Transitions that release resources fenced (while operations still read them; each resource's `fence` rule).
+# Transitions that release resources fenced (while operations still read or write them; each resource's `fence` rule).
 FENCED_RELEASES: dict[int, tuple[str, ...]] = {
     46: ('device_slots',),  # T46 offloading --finish [fenced_release]--> fenced
     47: ('device_slots',),  # T47 offloading --abort [fenced_release]--> fenced

@@ -1,4 +1,5 @@
-"""Fences of device slots released while a copy still reads them (spec: `resources.device_slots.fence`).
+"""Fences of device slots released while a copy still reads them (spec: `resources.device_slots.fence`), or,
+in the swap lifecycle, still writes them (a swap-in: spec/cb_swap.yaml `resources.device_blocks.fence`).
 
 A fenced release hands a request's device slots back at once, each tagged with a `SlotFence`: the copies
 that still read it. The allocator hands such a slot out again only together with its fence, after every
@@ -33,7 +34,8 @@ class Fenceable(Protocol):
 
 
 class SlotFence:
-    """The copies that still read a set of released slots: passed once all have landed.
+    """The copies that still read (an offload) or write (a load-back) a set of released slots: passed once
+    all have landed; its next writer's wait orders the write after their reads and writes alike.
 
     `waited` records that some writer's stream was made to wait on it, and `waits` how many times (checked
     mode's ledger accepts a write into a slot whose fence has passed or was waited on since the slot's

@@ -248,33 +248,68 @@ def holdings(spec: CompiledSpec) -> tuple[dict[str, frozenset[str]], list[tuple[
 
 
 def check_fences(spec: CompiledSpec) -> list[SpecError]:
-    """A resource that in-flight operations read (`read_by`) is released plainly only once none can be left
-    after the transition; while some may be, only fenced (`releases_fenced`, under the resource's `fence`
-    rule), and a fenced release must have something to fence (else it should be a plain one)."""
+    """A resource that in-flight operations read (`read_by`) or write (`written_by`) is released plainly only
+    once none can be left after the transition; while some may be, only fenced (`releases_fenced`, under the
+    resource's `fence` rule), and a fenced release must have something to fence (else it should be a plain
+    one). A load-back writes what an offload reads: a release under either is checked against both."""
     errors: list[SpecError] = []
-    readers = {r: m.read_by for r, m in spec.model.resources.items() if m.read_by is not None}
-    if not readers:
+    users = {r: [(c, verb) for c, verb in ((m.read_by, "reads"), (m.written_by, "writes")) if c is not None]
+             for r, m in spec.model.resources.items()}
+    users = {r: u for r, u in users.items() if u}
+    if not users:
         return errors
     valuations = list(_box(spec))
     for t in spec.transitions:
         posts = [_apply(t, env) for env in valuations if spec.state_holds(t.src, env) and _guard_holds(spec, t, env)]
         for r in t.releases:
-            c = readers.get(r)
-            if c is None:
+            if r not in users:
                 continue
-            busy = next((post for post in posts if post[c] >= 1), None)
+            busy = next(((c, verb, post) for c, verb in users[r] for post in posts if post[c] >= 1), None)
             where = ("transitions", t.rule), f"transitions[{t.rule}] {t.label}"
             if r not in t.fenced and busy is not None:
-                errors.append(spec.lines.error(*where, f"releases {r!r} while {c} may still be {busy[c]} (at {busy}): "
-                                               f"what {c} counts still reads it; release it fenced "
+                c, verb, post = busy
+                errors.append(spec.lines.error(*where, f"releases {r!r} while {c} may still be {post[c]} (at {post}): "
+                                               f"what {c} counts still {verb} it; release it fenced "
                                                f"(`releases_fenced`) or after the last of them"))
             elif r in t.fenced and busy is None and posts:
-                errors.append(spec.lines.error(*where, f"releases {r!r} fenced, but {c} is 0 after it in every case: "
-                                               "nothing reads it any more; release it plainly"))
+                counters = list(dict.fromkeys(c for c, _ in users[r]))
+                names, what = " and ".join(counters), " or ".join(verb for _, verb in users[r])
+                errors.append(spec.lines.error(*where, f"releases {r!r} fenced, but {names} "
+                                               f"{'is' if len(counters) == 1 else 'are'} 0 after it in every case: "
+                                               f"nothing {what} it any more; release it plainly"))
     return errors
 
 
-CHECKS = (check_structure, check_updates, check_determinism, check_invariants, check_resources, check_fences)
+def check_copy_directions(spec: CompiledSpec) -> list[SpecError]:
+    """An action that starts an operation (`implies: {c: +1}`) reads the resources it `reads` and writes those it
+    `acquires` (a copy: its source and its destination). On a resource whose releases are checked against
+    in-flight operations (`read_by` / `written_by`), an operation counted so for some resource must be the one
+    named for its direction, else a release under it (a load-back's writes, say, where only reads are named)
+    would go unchecked."""
+    errors: list[SpecError] = []
+    model = spec.model
+    operations = {c for res in model.resources.values() for c in (res.read_by, res.written_by) if c is not None}
+    for a, act in model.actions.items():
+        started = [c for c, d in act.implies.items() if d > 0 and c in operations]
+        for verb, field, resources in (("reads", "read_by", act.reads), ("writes", "written_by", act.acquires)):
+            for r in resources:
+                res = model.resources.get(r)
+                if res is None or (res.read_by is None and res.written_by is None):
+                    continue
+                named = getattr(res, field)
+                for c in started:
+                    if named != c:
+                        how = "reads" if verb == "reads" else "acquires"
+                        errors.append(spec.lines.error(
+                            ("actions", a), f"action {a!r}",
+                            f"starts what {c} counts, which {verb} {r!r} (it {how} it), but resource {r!r} names "
+                            f"{f'{named!r}' if named else 'no counter'} as `{field}`: a release of {r!r} under it "
+                            "would not be checked against it"))
+    return errors
+
+
+CHECKS = (check_structure, check_updates, check_determinism, check_invariants, check_resources, check_fences,
+          check_copy_directions)
 
 
 def load_spec(path: str | Path) -> CompiledSpec:

@@ -141,11 +141,12 @@ def build(path: str | Path) -> CompiledSpec:
             known(("invariants", i, "states"), f"invariant {inv.name!r}", "state", s, model.states)
         invariants[inv.name] = (node, tuple(inv.states or ()))
     for r, res in model.resources.items():
-        if res.read_by is not None:
-            known(("resources", r, "read_by"), f"resource {r!r}", "counter", res.read_by, model.counters)
-        if res.fence is not None and res.read_by is None:
-            err(("resources", r, "fence"), f"resource {r!r}",
-                "declares a fence rule but no `read_by` counter: a fence is the completion of what reads it")
+        for verb in ("read_by", "written_by"):
+            if getattr(res, verb) is not None:
+                known(("resources", r, verb), f"resource {r!r}", "counter", getattr(res, verb), model.counters)
+        if res.fence is not None and res.read_by is None and res.written_by is None:
+            err(("resources", r, "fence"), f"resource {r!r}", "declares a fence rule but no `read_by` or "
+                "`written_by` counter: a fence is the completion of what reads or writes it")
     for a, act in model.actions.items():
         for verb in ("acquires", "reads", "releases", "releases_fenced"):
             for r in getattr(act, verb):

@@ -45,10 +45,15 @@ class Resource(_Strict):
     doc: Doc
     read_by: Optional[Name] = Field(None, description=(
         "The counter of in-flight operations that read this resource (device slots: `copies`). `kvfsm validate` "
-        "rejects a plain release of it by a transition after which that counter may be above zero."))
+        "rejects a plain release of it by a transition after which that counter may be above zero, and an action "
+        "that starts one of them (`implies` +1) and `reads` it while this names another counter."))
+    written_by: Optional[Name] = Field(None, description=(
+        "The counter of in-flight operations that write this resource (a load-back's device blocks: `swap_ins`), "
+        "checked as `read_by` is; an action that starts one of them (`implies` +1) and `acquires` it writes it."))
     fence: Optional[Doc] = Field(None, description=(
-        "The rule under which it may be released while those operations still read it (`releases_fenced`): "
-        "what the release carries and what must pass before it is handed out and written again."))
+        "The rule under which it may be released while those operations (`read_by`, `written_by`) still read or "
+        "write it (`releases_fenced`): what the release carries and what must pass before it is handed out and "
+        "written again."))
 
 
 class Guard(_Strict):
@@ -62,7 +67,8 @@ class Action(_Strict):
     reads: list[Name] = []
     releases: list[Name] = []
     releases_fenced: list[Name] = Field([], description=(
-        "Resources released while operations still read them, each carrying their fences (its `fence` rule)."))
+        "Resources released while operations still read or write them, each carrying their fences (its `fence` "
+        "rule)."))
     implies: Update = Field({}, description=(
         "The counter update running this action implies (submitting a copy: `{copies: +1}`). `kvfsm validate` "
         "checks that every transition's `update` is exactly the sum of its event's and its actions' `implies`."))

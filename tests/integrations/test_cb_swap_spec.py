@@ -1,6 +1,7 @@
 """spec/cb_swap.yaml is valid and generated/cb_swap.py is fresh (needs no transformers); the generated machine
 and the reference interpreter agree for both values of the `fences` param, and the validator's fence checks
-accept the fenced swap-out for the right reasons (its mutants are rejected)."""
+accept the fenced swap-out and the fenced end under a swap-in for the right reasons (their mutants, a fence
+that names only the copies that read the blocks among them, are rejected)."""
 
 from __future__ import annotations
 
@@ -38,12 +39,12 @@ def test_the_fenced_swap_out_releases_the_device_blocks_at_the_preempt_and_only_
     spec = COMPILED
     assert spec.params == ("fences",)
     blocks = spec.model.resources["device_blocks"]
-    assert blocks.read_by == "copies" and blocks.fence and "compute stream" in blocks.fence
+    assert blocks.read_by == "swap_outs" and blocks.fence and "compute stream" in blocks.fence
     by = {(t.src, t.event, t.guard): t for t in spec.transitions}
     fenced = by[("resident", "preempt", "fenced_release")]
     deferred = by[("resident", "preempt", "deferred_release")]
     assert fenced.dst == "swapping_out_fenced" and fenced.fenced == ("device_blocks",)
-    assert "device_blocks" in fenced.releases and dict(fenced.update) == {"copies": 1}
+    assert "device_blocks" in fenced.releases and dict(fenced.update) == {"swap_outs": 1}
     assert deferred.dst == "swapping_out" and not deferred.releases
     # its acknowledgement does what remains: the blocks are gone, only the host blocks are checked
     ack = by[("swapping_out_fenced", "swap_out_done", None)]
@@ -51,12 +52,46 @@ def test_the_fenced_swap_out_releases_the_device_blocks_at_the_preempt_and_only_
     # a cancel in that window frees the host blocks, which the copy still writes, only at the ack
     cancel = by[("swapping_out_fenced", "cancel", None)]
     assert cancel.dst == "ending_fenced" and not cancel.releases
-    assert by[("ending_fenced", "swap_out_done", None)].releases == ("host_blocks",)
+    assert by[("ending_fenced", "swap_out_done", "swap_out_in_flight")].releases == ("host_blocks",)
     assert spec.outcomes[("swapping_out_fenced", "finish")].kind == "error"
     assert spec.outcomes[("swapping_out_fenced", "restore")].kind == "error"
     assert spec.outcomes[("ending_fenced", "cancel")].kind == "ignore"
-    # every plain release of the device blocks leaves no copy in flight; the one fenced release leaves one
-    assert gen.FENCED_RELEASES == {fenced.id: ("device_blocks",)}
+    # every plain release of the device blocks leaves no copy in flight; each fenced one leaves one: the
+    # swap-out's, or the swap-in's of a request ended under it (below)
+    ends = {t.id for t in spec.transitions if t.src == "swapping_in" and t.guard == "fenced_release"}
+    assert gen.FENCED_RELEASES == {i: ("device_blocks",) for i in {fenced.id} | ends}
+
+
+def test_a_release_under_the_swap_in_is_fenced_against_it_or_deferred_to_its_ack() -> None:
+    """The swap-in (the load-back) writes the device blocks and reads the host blocks: the spec names it for
+    both, so an end under it releases the device blocks only fenced (fences) or at its ack (no fences), and
+    the host blocks only at its ack, which must be a swap-in's."""
+    spec = COMPILED
+    device, host = spec.model.resources["device_blocks"], spec.model.resources["host_blocks"]
+    assert (device.read_by, device.written_by) == ("swap_outs", "swap_ins") and "swap-in writes them" in device.fence
+    assert (host.read_by, host.written_by, host.fence) == ("swap_ins", "swap_outs", None)
+    by = {(t.src, t.event, t.guard): t for t in spec.transitions}
+    for end in ("finish", "cancel"):
+        fenced = by[("swapping_in", end, "fenced_release")]
+        assert fenced.dst == "ending_fenced" and fenced.fenced == ("device_blocks",) == fenced.releases
+        assert fenced.actions == ("release_device_blocks_fenced", "defer_host_release")
+        deferred = by[("swapping_in", end, "deferred_release")]
+        assert deferred.dst == "ending" and not deferred.releases
+    ack = by[("ending_fenced", "swap_in_done", "swap_in_in_flight")]
+    assert ack.dst == "released" and ack.releases == ("host_blocks",) and dict(ack.update) == {"swap_ins": -1}
+    # a swap-out's ack for the swap-in's end (or the reverse) is refused, changing nothing
+    for state_events in (("restore", "finish", "swap_out_done"), ("preempt", "cancel", "swap_in_done")):
+        m = gen.CbSwapMachine(RecordingEffects(), fences=1)
+        if state_events[0] == "restore":
+            m.preempt(), m.swap_out_done(), m.restore()
+        else:
+            m.preempt()
+        getattr(m, state_events[1])()
+        before = m.snapshot()
+        assert gen.STATES[m.state] == "ending_fenced"
+        with pytest.raises(GuardRejected):
+            getattr(m, state_events[2])()
+        assert m.snapshot() == before
 
 
 def test_generated_machine_is_fresh() -> None:
@@ -81,15 +116,50 @@ def _errors(tmp_path: Path, edit: Callable[[str], str]) -> str:
 def test_a_plain_release_under_the_swap_out_is_rejected(tmp_path: Path) -> None:
     """The fenced preempt with its release made plain: the copy still reads the blocks after it (B2)."""
     msg = _errors(tmp_path, lambda s: s.replace("    releases_fenced: [device_blocks]", "    releases: [device_blocks]"))
-    assert "releases 'device_blocks' while copies may still be 1" in msg
+    assert "releases 'device_blocks' while swap_outs may still be 1" in msg
 
 
 def test_a_fenced_release_after_the_ack_is_rejected(tmp_path: Path) -> None:
     """The deferred ack releasing fenced: no copy reads the blocks any more, so it must be a plain release."""
     msg = _errors(tmp_path, lambda s: s.replace(
-        "actions: [verify_swap_out, release_device_blocks], update: {copies: -1}}",
-        "actions: [verify_swap_out, release_device_blocks_fenced], update: {copies: -1}}"))
-    assert "releases 'device_blocks' fenced, but copies is 0 after it in every case" in msg
+        "actions: [verify_swap_out, release_device_blocks], update: {swap_outs: -1}}",
+        "actions: [verify_swap_out, release_device_blocks_fenced], update: {swap_outs: -1}}"))
+    assert "releases 'device_blocks' fenced, but swap_outs and swap_ins are 0 after it in every case" in msg
+
+
+FENCED_END = "guard: fenced_release, to: ending_fenced, actions: [release_device_blocks_fenced, defer_host_release]}"
+
+
+def test_a_fence_rule_that_names_only_the_readers_is_rejected(tmp_path: Path) -> None:
+    """The wrong direction: device_blocks names only the swap-outs that read it, so a release under the swap-in
+    that writes it would go unchecked; the swap-in's action, which acquires (writes) the blocks, says so."""
+    msg = _errors(tmp_path, lambda s: s.replace("    read_by: swap_outs\n    written_by: swap_ins\n",
+                                                "    read_by: swap_outs\n"))
+    assert ("action 'start_swap_in': starts what swap_ins counts, which writes 'device_blocks' (it acquires it), "
+            "but resource 'device_blocks' names no counter as `written_by`") in msg
+
+
+def test_a_plain_release_under_the_swap_in_is_rejected(tmp_path: Path) -> None:
+    """The fenced end under the swap-in with its release made plain: the swap-in still writes the blocks (B2)."""
+    msg = _errors(tmp_path, lambda s: s.replace(FENCED_END, FENCED_END.replace("_fenced, defer", ", defer")))
+    assert "releases 'device_blocks' while swap_ins may still be 1" in msg and "still writes it" in msg
+
+
+def test_freeing_the_host_blocks_under_the_swap_in_is_rejected(tmp_path: Path) -> None:
+    """The end under the swap-in freeing the host blocks at once: the swap-in still reads them (B10)."""
+    msg = _errors(tmp_path, lambda s: s.replace(FENCED_END, FENCED_END.replace("defer_host_release",
+                                                                               "free_host_blocks")))
+    assert "releases 'host_blocks' while swap_ins may still be 1" in msg and "still reads it" in msg
+
+
+def test_an_ack_of_either_direction_in_an_ending_state_is_rejected(tmp_path: Path) -> None:
+    """Without its direction guard, a swap-out's ack would end a request whose swap-in is in flight (B6) and free
+    the host blocks that swap-in still reads."""
+    msg = _errors(tmp_path, lambda s: s.replace("on: swap_out_done, guard: swap_out_in_flight, to: released, "
+                                                "actions: [free_host_blocks], ",
+                                                "on: swap_out_done, to: released, actions: [free_host_blocks], "))
+    assert "breaks the invariants of 'released': {'swap_outs': 0, 'swap_ins': 1, 'fences': 1}" in msg
+    assert "releases 'host_blocks' while swap_ins may still be 1" in msg
 
 
 def test_an_unguarded_fenced_preempt_is_nondeterministic(tmp_path: Path) -> None:
@@ -195,7 +265,7 @@ def test_a_swap_out_and_back_in_runs_the_actions_the_spec_names(fences: int) -> 
     m = gen.CbSwapMachine(fx, fences=fences)
     for event in ("preempt", "swap_out_done", "restore", "swap_in_done", "finish"):
         getattr(m, event)()
-    assert gen.STATES[m.state] == "released" and m.copies == 0
+    assert gen.STATES[m.state] == "released" and m.swap_outs == m.swap_ins == 0
     actions = [a for a, _, _ in fx.log]
     if fences:
         assert actions[:3] == ["start_swap_out", "release_device_blocks_fenced", "verify_landed_swap_out"]

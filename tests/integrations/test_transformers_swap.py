@@ -327,10 +327,11 @@ def test_checked_mode_scans_every_call_and_catches_a_wrong_awaiting_count(model:
 
 
 def test_cancel_during_swap_in_defers_the_release_to_the_ack(model: Any) -> None:
+    """Without fences the device blocks a swap-in still writes stay out of the engine's pool until its ack."""
     engine = DeferredCpuCopyEngine()
-    e = _Engine(model, kt.SwapConfig(host_blocks=8, checked=True, copy_engine=engine))
+    e = _Engine(model, kt.SwapConfig(host_blocks=8, checked=True, copy_engine=engine, fenced=False))
     state = e.admit("a", 10)
-    assert e.kv._swap_out(state)  # fenced: the fence's wait completes a deferred CPU copy (no stream to wait)
+    assert e.kv._swap_out(state)  # deferred: waited for and acknowledged at once
     state.is_cpu_offloaded = True
     e.restore(state)
     rec = e.kv.live["a"]
@@ -349,7 +350,74 @@ def test_cancel_during_swap_in_defers_the_release_to_the_ack(model: Any) -> None
     e.kv.poll()
     assert rec.machine.state == gen.RELEASED and "a" not in e.kv.live
     assert e.free_blocks() == free_before + len(restored)
-    assert e.inst.leaks() == [] and {tid("swapping_in", "cancel"), tid("ending", "swap_in_done")} <= e.inst.coverage
+    assert e.inst.leaks() == []
+    ends = {tid("swapping_in", "cancel", "deferred_release"), tid("ending", "swap_in_done", "swap_in_in_flight")}
+    assert ends <= e.inst.coverage
+
+
+class _Logged(list):  # type: ignore[type-arg]
+    """DeferredCpuCopyEngine.waits that also logs each wait, in order, into `log`."""
+
+    def __init__(self, items: Any, log: list[Any]) -> None:
+        super().__init__(items)
+        self.log = log
+
+    def append(self, item: Any) -> None:
+        self.log.append(("wait", item))
+        super().append(item)
+
+
+@pytest.mark.parametrize("end", ["finish", "cancel"])
+@pytest.mark.parametrize("checked", [True, False], ids=["checked", "unchecked"])
+def test_an_end_under_the_swap_in_releases_the_blocks_fenced_against_the_swap_in(model: Any, checked: bool,
+                                                                                 end: str) -> None:
+    """With fences, a request ended while its swap-in (host -> device) is in flight gives its device blocks back
+    at once, after the compute stream was made to wait on that swap-in, which still writes them: the next
+    writer of a reused block writes after the swap-in's last write, not under it. The host blocks the swap-in
+    reads stay held until its ack. A fence against swap-outs only (no wait here) fails: the swap-in lands
+    over the next writer's KV, and in checked mode the ledger refuses the release."""
+    engine = DeferredCpuCopyEngine(stream_ordered=True)  # the GPU's case: a stream wait orders, lands nothing
+    e = _Engine(model, kt.SwapConfig(host_blocks=8, checked=checked, copy_engine=engine, fenced=True))
+    pool = e.kv.device_pool
+    state = e.admit("a", 10)
+    assert e.kv._swap_out(state)
+    engine.complete_all()
+    e.kv.poll()
+    state.is_cpu_offloaded = True
+    e.restore(state)
+    rec = e.kv.live["a"]
+    (load,) = engine.pending
+    assert load.direction == "h2d" and rec.machine.state == gen.SWAPPING_IN
+    restored, held = list(e.allocator.block_table["a"]), e.kv.host_pool.free_slots
+    log: list[Any] = []
+    engine.waits = _Logged(engine.waits, log)
+    free = e.kv._orig_free_blocks
+    e.kv._orig_free_blocks = lambda rid, no_cache=False: (log.append(("free", rid)), free(rid, no_cache))[1]
+    free0 = e.free_blocks()
+    if end == "finish":
+        e.cache.free_blocks("a")
+    else:
+        e.scheduler.set_request_cancellation("a")
+        e.scheduler.clear_cancelled_requests()
+    assert rec.machine.state == gen.ENDING_FENCED
+    assert log == [("wait", (e.kv.compute_stream, load)), ("free", "a")]  # the wait, on the compute stream, first
+    assert not load.done() and e.free_blocks() == free0 + len(restored)  # back at once; the host did not wait
+    assert e.kv.host_pool.free_slots == held and e.inst.leaks()  # the swap-in still reads the host blocks
+    assert e.kv.metrics.fenced_ends == 1 and e.kv.metrics.deferred_releases == 1
+    tokens = e.free_blocks() * pool.tokens_per_block
+    e.admit("b", tokens)  # every free block, the released ones among them, written with b's KV
+    mine = list(e.allocator.block_table["b"])
+    assert set(restored) <= set(mine)
+    written = pool.blocks(mine).clone()
+    engine.complete_all()  # the swap-in lands now: it wrote before b's KV (ordered by the wait), not over it
+    assert torch.equal(pool.blocks(mine), written)
+    e.kv.poll()
+    assert rec.machine.state == gen.RELEASED and "a" not in e.kv.live
+    assert e.kv.host_pool.free_slots == e.kv.host_pool.capacity
+    e.cache.free_blocks("b")
+    assert e.inst.leaks() == []
+    ends = {tid("swapping_in", end, "fenced_release"), tid("ending_fenced", "swap_in_done", "swap_in_in_flight")}
+    assert ends <= e.inst.coverage
 
 
 def test_events_the_spec_declares_errors_are_rejected(model: Any) -> None:
@@ -553,7 +621,8 @@ def test_cancel_during_a_fenced_swap_out_frees_the_host_blocks_at_the_ack(model:
     e.kv.poll()
     assert rec.machine.state == gen.RELEASED and "a" not in e.kv.live
     assert e.inst.leaks() == [] and e.kv.host_pool.free_slots == e.kv.host_pool.capacity
-    assert {tid("swapping_out_fenced", "cancel"), tid("ending_fenced", "swap_out_done")} <= e.inst.coverage
+    ends = {tid("swapping_out_fenced", "cancel"), tid("ending_fenced", "swap_out_done", "swap_out_in_flight")}
+    assert ends <= e.inst.coverage
 
 
 def test_a_restore_before_the_fenced_swap_out_landed_waits_for_it(model: Any) -> None:
@@ -677,6 +746,39 @@ def test_swap_ledger_takes_a_fenced_release_only_covered_and_waited_on() -> None
     assert led.fenced == {} and led.handles == {} and led.host_owner == {}
 
 
+def test_swap_ledger_takes_a_release_under_a_swap_in_only_fenced_against_that_swap_in() -> None:
+    """The swap-in writes the device blocks: a release under it is fenced against it (not against some swap-out),
+    and only by the request whose swap-in it is; its host blocks stay held until the ack."""
+    led = kt.SwapLedger()
+    out, load = _Pending(), _Pending()
+    led.copy_started("a#1", "preempt", "d2h", [5, 6], [0, 1])
+    led.copy_submitted("a#1", out)
+    out.landed = True
+    led.copy_done("a#1", [5, 6])
+    led.copy_started("a#1", "restore", "h2d", [8, 9], [0, 1])
+    led.copy_submitted("a#1", load)
+    with pytest.raises(CheckedModeError, match="in-flight h2d copy of a#1 still uses"):
+        led.release_device("a#1", "end", [8, 9])  # plain, under the swap-in
+    with pytest.raises(CheckedModeError, match="misses the h2d copy that still writes"):
+        led.release_device("a#1", "end", [8, 9], SlotFence([out]))  # fenced against the (landed) swap-out only
+    fence = SlotFence([load])
+    with pytest.raises(CheckedModeError, match="only a request's own copy"):
+        led.release_device("b#2", "end", [8, 9], fence)
+    with pytest.raises(CheckedModeError, match="no stream has waited on"):
+        led.release_device("a#1", "end", [8, 9], fence)
+    fence.wait("compute")
+    led.release_device("a#1", "end", [8, 9], fence)
+    assert led.in_flight == {} and set(led.fenced) == {8, 9} and led.host_owner == {0: "a#1", 1: "a#1"}
+    led.device_write("b#2", [9])
+    fence.waited = False
+    with pytest.raises(CheckedModeError, match="neither passed nor been waited on"):
+        led.device_write("b#2", [9])
+    load.landed = True
+    led.copy_done("a#1", [8, 9])
+    led.free_host("a#1", "swap_in_done", [0, 1])
+    assert led.fenced == {} and led.handles == {} and led.host_owner == {}
+
+
 # ---- the same on the H200: CUDA cache, CUDA copy engine ----------------------------------------------
 
 
@@ -742,3 +844,56 @@ def test_fenced_swap_out_on_cuda_never_synchronizes(asynchronous: bool, on_compu
     assert len(strict_calls["restore_scheduled_requests"]) == m.restore_calls and m.restores == m.preempts
     assert m.fenced_releases == m.preempts == m.swap_outs_done
     assert inst.leaks() == []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("end", ["finish", "cancel"])
+def test_an_end_under_a_swap_in_on_cuda_is_fenced_and_never_synchronizes(end: str,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA twin of test_an_end_under_the_swap_in_releases_the_blocks_fenced_against_the_swap_in: a request
+    ended while its swap-in is in flight (the host sees it landed only once the test says so) gives its device
+    blocks back under torch.cuda.set_sync_debug_mode("error"), fenced against the swap-in; the engine's next
+    write of them on the compute stream lands after the swap-in's, and the host blocks go back only at its ack.
+    The compute stream also waited on the swap-in at its submit, so a fence of the wrong direction is told
+    apart by the CPU twin, not here."""
+    from kvfsm.dataplane.copy.cuda import CudaCopyHandle
+
+    done, landed = CudaCopyHandle.done, [False]
+    monkeypatch.setattr(CudaCopyHandle, "done", lambda self: (self.direction != "h2d" or landed[0]) and done(self))
+    e = _Engine(tiny_llama("cuda"), kt.SwapConfig(host_blocks=8, fenced=True))
+    kv, pool = e.kv, e.kv.device_pool
+    assert type(kv.engine).__name__ == "CudaCopyEngine" and kv.fenced
+    state = e.admit("a", 10, fill=False)
+    blocks = list(e.allocator.block_table["a"])
+    pool.kv.index_copy_(2, torch.tensor(blocks, device=pool.device), torch.randn_like(pool.kv[:, :, blocks]))
+    assert kv._swap_out(state)
+    torch.cuda.synchronize()
+    kv.poll()
+    state.is_cpu_offloaded = True
+    with kv.stream_ctx():
+        torch.cuda._sleep(200_000_000)  # work ahead of the swap-in on the stream it is ordered after
+    e.restore(state)
+    rec = kv.live["a"]
+    assert rec.machine.state == gen.SWAPPING_IN
+    restored, held, free0 = list(e.allocator.block_table["a"]), kv.host_pool.free_slots, e.free_blocks()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        if end == "finish":
+            e.cache.free_blocks("a")
+        else:
+            e.scheduler.set_request_cancellation("a")
+            e.scheduler.clear_cancelled_requests()
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    assert rec.machine.state == gen.ENDING_FENCED and kv.metrics.fenced_ends == 1
+    assert e.free_blocks() == free0 + len(restored) and kv.host_pool.free_slots == held
+    reused = torch.tensor(restored, device=pool.device)
+    with kv.stream_ctx():
+        pool.kv.index_fill_(2, reused, 7.0)  # the engine's next write of the reused blocks, on its compute stream
+    torch.cuda.synchronize()
+    assert bool((pool.kv.index_select(2, reused) == 7.0).all())  # written after the swap-in, not under it
+    landed[0] = True
+    kv.poll()
+    assert rec.machine.state == gen.RELEASED and kv.host_pool.free_slots == kv.host_pool.capacity
+    assert e.inst.leaks() == []

@@ -26,8 +26,9 @@ class SwapConfig:
 
     `fenced` is the spec's `fences` param: a victim's device blocks go back to the engine at its swap-out,
     fenced (the compute stream waits on the copy; the host does not), instead of after a host wait for the
-    copy. None (default): fenced when the copy engine's handles fence (`CopyEngine.fences`, true of every
-    kvfsm engine); True requires it; False keeps the deferred release.
+    copy; those of a request ended under its swap-in go back at once, fenced against the swap-in that still
+    writes them, instead of at its acknowledgement. None (default): fenced when the copy engine's handles
+    fence (`CopyEngine.fences`, true of every kvfsm engine); True requires it; False keeps the deferred release.
 
     `copy_on_compute_stream` (the CUDA engine the integration builds, "auto"/"cuda"): run each swap's copy
     on the engine's compute stream itself rather than on a copy stream ordered after it. The compute stream
@@ -58,6 +59,7 @@ class SwapMetrics:
     cancels: int = 0  # cancel events (client cancellation, engine failure or reset)
     deferred_releases: int = 0  # ends while a copy was in flight (release at its ack)
     fenced_releases: int = 0  # swap-outs whose device blocks went back at once, fenced
+    fenced_ends: int = 0  # ends under a swap-in whose device blocks went back at once, fenced against it
     restore_waits: int = 0  # restores that waited on the host for a fenced swap-out not yet seen landed
     ignored_ends: int = 0  # declared no-op finish/cancel calls
     blocks_out: int = 0

@@ -37,7 +37,7 @@ class SwapCopy:
     handle: Optional[CopyHandle] = None
     submitted_at: float = 0.0
     valid_tokens: Optional[int] = None  # swap-in: tokens of KV the request has (the rest of its last block is free)
-    fence: Optional[SlotFence] = None  # fenced swap-out: what its device blocks went back with
+    fence: Optional[SlotFence] = None  # what the device blocks went back with, released fenced under this copy
 
 
 @dataclass(eq=False)
@@ -134,19 +134,26 @@ class SwapEffects:
         rec.parked_table = o.allocator.block_table.pop(rec.rid, [])
         o.metrics.deferred_releases += 1
 
-    def release_device_blocks_fenced(self, m: CbSwapMachine, c: SwapCopy) -> None:
+    def release_device_blocks_fenced(self, m: CbSwapMachine, arg: Any) -> None:
+        """Fenced against the request's copy in flight, whichever its direction: the swap-out submitted in this
+        `preempt` reads the blocks; a swap-in under which the request ends writes them (write after write)."""
         o, rec = self.o, m.ctx
-        assert c.handle is not None
+        c = rec.copy
+        assert c is not None and c.handle is not None
         fence = SlotFence([c.handle])
         # The engine writes KV blocks only on its compute stream: once that stream waits on the copy's event,
         # every later write of these blocks is ordered after the copy (the host never waits; a CPU handle has
         # no stream, and the wait completes its copy).
         fence.wait(o.compute_stream)
         if o.ledger is not None:
-            o.ledger.release_device(rec.key, "preempt", list(o.allocator.block_table.get(rec.rid, [])), fence)
+            event = "preempt" if c.direction == "d2h" else "end"
+            o.ledger.release_device(rec.key, event, list(o.allocator.block_table.get(rec.rid, [])), fence)
         o.engine_free_blocks(rec.rid, rec.no_cache)
         c.fence = fence
-        o.metrics.fenced_releases += 1
+        if c.direction == "d2h":
+            o.metrics.fenced_releases += 1
+        else:
+            o.metrics.fenced_ends += 1
 
     def defer_host_release(self, m: CbSwapMachine, arg: Any) -> None:
         self.o.metrics.deferred_releases += 1

@@ -8,7 +8,9 @@ follow transformers' own methods line for line, so that they can be compared wit
 
 With fences (the spec's `fences` param, SwapConfig.fenced) a victim's device blocks go back to the engine
 inside its `preempt`, fenced: the compute stream waits on the copy's event and the host does not, and the
-copy is acknowledged by a later progress check. Without, the manager waits on the host for the copy.
+copy is acknowledged by a later progress check. Without, the manager waits on the host for the copy. A
+request the engine ends under its swap-in gives its blocks back fenced against that swap-in (with fences)
+or at its acknowledgement (without); its host blocks, which the swap-in reads, only at the acknowledgement.
 """
 
 from __future__ import annotations
