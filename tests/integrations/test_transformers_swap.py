@@ -643,6 +643,107 @@ def test_a_restore_before_the_fenced_swap_out_landed_waits_for_it(model: Any) ->
     assert torch.equal(pool.blocks(e.allocator.block_table["a"][: before.shape[2]]), before)
 
 
+# ---- a victim whose swap-in is not seen landed yet --------------------------------------------------------
+# transformers' async batching chooses the victims of batch N+1 while batch N, which may read a request just
+# restored, still runs on the GPU: a victim's swap-in can still be in flight at its preemption (how often
+# depends only on the GPU's pace, seen in GPU tests run ten at a time). The spec preempts only `resident`:
+# the swap-out waits for that swap-in first. These tests decide when each copy is seen landed.
+
+
+def test_preempting_a_request_whose_swap_in_is_in_flight_waits_for_it(model: Any) -> None:
+    engine = DeferredCpuCopyEngine()
+    e = _Engine(model, kt.SwapConfig(host_blocks=8, checked=True, copy_engine=engine))
+    state = e.admit("a", 10)
+    pool = e.kv.device_pool
+    before = pool.blocks(e.allocator.block_table["a"]).clone()
+    assert e.kv._swap_out(state)  # fenced: the fence's wait completes a deferred CPU copy, acknowledged at once
+    state.is_cpu_offloaded = True
+    e.restore(state)
+    rec = e.kv.live["a"]
+    (swap_in,) = engine.pending
+    assert rec.machine.state == gen.SWAPPING_IN and not swap_in.done()
+    assert e.kv._swap_out(state)  # chosen again before its swap-in was seen landed: waits for it, then swaps out
+    assert swap_in.done() and e.kv.metrics.preempt_waits == 1 and e.kv.metrics.swap_ins_done == 1
+    assert rec.machine.state == gen.SWAPPED and e.kv.metrics.preempts == 2
+    pool.storage.zero_()  # the engine reuses the blocks
+    state.is_cpu_offloaded = True
+    e.restore(state)
+    engine.complete_all()
+    e.kv.poll()
+    assert rec.machine.state == gen.RESIDENT and e.kv.metrics.verified_copies == 4  # B15: every copy compared
+    assert torch.equal(pool.blocks(e.allocator.block_table["a"][: before.shape[2]]), before)
+    e.cache.free_blocks("a")
+    assert e.inst.leaks() == [] and e.kv.metrics.preempt_waits == 1
+    assert {tid("swapping_in", "swap_in_done"), SWAP_OUT[True]} <= e.inst.coverage
+
+
+class _LateSwapInHandle(CopyHandle):
+    """A swap-in that ran at submit, seen landed only by a host wait or by the poll of an engine free (by
+    then the forward that read it has completed: on the GPU its event has passed). Counts host waits."""
+
+    def __init__(self, inner: CopyHandle, engine: "_LateSwapInEngine") -> None:
+        self.direction, self.num_tokens, self.nbytes = inner.direction, inner.num_tokens, inner.nbytes
+        self.engine, self.seen, self.host_waits = engine, False, 0
+
+    def done(self) -> bool:
+        self.seen = self.seen or self.engine.freeing > 0
+        return self.seen
+
+    def wait(self) -> None:
+        self.host_waits += 1
+        self.seen = True
+
+    def wait_stream(self, stream: object | None = None) -> None:
+        pass
+
+
+class _LateSwapInEngine(CopyEngine):
+    """CpuCopyEngine whose swap-ins the host sees landed as late as a GPU can show them: not at the polls of
+    the restore and of the next offload (the GPU may still be running the batch before), only by a wait or
+    at an engine free. `freeing` is set by the test around the manager's handling of engine frees."""
+
+    fences = True
+
+    def __init__(self) -> None:
+        self.inner, self.swap_ins, self.freeing = CpuCopyEngine(), [], 0
+
+    def submit_d2h(self, device_pool, device_indices, host_pool, host_indices):  # type: ignore[no-untyped-def]
+        return self.inner.submit_d2h(device_pool, device_indices, host_pool, host_indices)
+
+    def submit_h2d(self, host_pool, host_indices, device_pool, device_indices):  # type: ignore[no-untyped-def]
+        h = _LateSwapInHandle(self.inner.submit_h2d(host_pool, host_indices, device_pool, device_indices), self)
+        self.swap_ins.append(h)
+        return h
+
+
+@pytest.mark.parametrize("sharing", [False, True], ids=["no-prefix-sharing", "prefix-sharing"])
+def test_victims_whose_swap_in_is_not_seen_landed_wait_for_it_and_still_match_generate(
+        model: Any, workload: Any, sharing: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every swap-in is still in flight, as far as the host can tell, when the next victims are chosen: a
+    request restored and chosen again (what async batching on a busy GPU does) waits for its own swap-in,
+    and only there. Before, its `preempt` in `swapping_in` was rejected and the engine failed every request."""
+    inputs, expected = workload
+    engine = _LateSwapInEngine()
+    frees = kt.KvfsmOffloadingManager._engine_frees
+
+    def engine_frees(self: kt.KvfsmOffloadingManager, request_id: str, no_cache: bool = False) -> None:
+        engine.freeing += 1
+        try:
+            frees(self, request_id, no_cache)
+        finally:
+            engine.freeing -= 1
+
+    monkeypatch.setattr(kt.KvfsmOffloadingManager, "_engine_frees", engine_frees)
+    outs, inst = run_batch(model, inputs, kt.SwapConfig(host_blocks=64, checked=True, copy_engine=engine),
+                           cb_config(NUM_BLOCKS, sharing=sharing))
+    m = inst.metrics
+    assert outs == expected
+    assert m.preempts >= 10 and m.restores == m.preempts == m.swap_outs_done == m.swap_ins_done
+    assert m.preempt_waits >= 1 and m.preempt_waits == sum(h.host_waits for h in engine.swap_ins)
+    assert m.restore_waits == 0 and m.verified_copies == m.swap_outs_done + m.swap_ins_done
+    assert inst.leaks() == []
+
+
 def test_checked_mode_flags_a_fenced_release_no_stream_waited_on(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """The fault "the release skips the compute stream's wait": the engine could rewrite a block before the
     copy has read it. The ledger refuses the release."""
@@ -780,41 +881,95 @@ def test_swap_ledger_takes_a_release_under_a_swap_in_only_fenced_against_that_sw
 
 
 # ---- the same on the H200: CUDA cache, CUDA copy engine ----------------------------------------------
+# `acks`: "as-they-land" sees each copy landed when its event has passed (how often a restore or a preemption
+# comes before that depends on the GPU's pace: async batching on a GPU shared by ten test processes, say);
+# "seen-late" sees every swap-out landed only by a host wait and every swap-in only by a wait or at an engine
+# free, so both of those waits happen in every run.
+
+ACKS = ["as-they-land", "seen-late"]
+
+
+def _cuda_copies_seen_late(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CudaCopyHandle.done() is the event's query only once the copy was waited for on the host, or, for a
+    swap-in, inside the manager's handling of an engine free (the forward that read it has completed, so
+    its event has passed: what a GPU running as far behind as it can would show)."""
+    from kvfsm.dataplane.copy.cuda import CudaCopyHandle
+
+    done, wait, frees = CudaCopyHandle.done, CudaCopyHandle.wait, kt.KvfsmOffloadingManager._engine_frees
+    freeing = [0]
+
+    def late_done(self: CudaCopyHandle) -> bool:
+        if not getattr(self, "seen_by_test", False) and not (self.direction == "h2d" and freeing[0]):
+            return False
+        return done(self)
+
+    def seen_wait(self: CudaCopyHandle) -> None:
+        self.seen_by_test = True  # type: ignore[attr-defined]
+        wait(self)
+
+    def engine_frees(self: kt.KvfsmOffloadingManager, request_id: str, no_cache: bool = False) -> None:
+        freeing[0] += 1
+        try:
+            frees(self, request_id, no_cache)
+        finally:
+            freeing[0] -= 1
+
+    monkeypatch.setattr(CudaCopyHandle, "done", late_done)
+    monkeypatch.setattr(CudaCopyHandle, "wait", seen_wait)
+    monkeypatch.setattr(kt.KvfsmOffloadingManager, "_engine_frees", engine_frees)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("acks", ACKS)
 @pytest.mark.parametrize("fenced", [True, False], ids=["fenced", "deferred"])
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
-def test_generate_batch_swaps_on_cuda(asynchronous: bool, fenced: bool) -> None:
+def test_generate_batch_swaps_on_cuda(asynchronous: bool, fenced: bool, acks: str,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
     model = tiny_llama("cuda")
     inputs = prompts(N_REQUESTS)
     expected = reference_outputs(model, inputs, NEW_TOKENS)
+    if acks == "seen-late":
+        _cuda_copies_seen_late(monkeypatch)
     cb = cb_config(NUM_BLOCKS, use_async_batching=asynchronous, use_cuda_graph=asynchronous)
     outs, inst = run_batch(model, inputs, kt.SwapConfig(host_blocks=64, checked=True, fenced=fenced), cb)
     (kv,) = inst.managers
     m = inst.metrics
-    print(f"\ncuda {'async' if asynchronous else 'sync'} {'fenced' if fenced else 'deferred'} "
+    print(f"\ncuda {'async' if asynchronous else 'sync'} {'fenced' if fenced else 'deferred'} {acks} "
           f"({type(kv.engine).__name__}): {m.as_dict()}")
     assert type(kv.engine).__name__ == "CudaCopyEngine" and kv.host_pool.pinned
     assert outs == expected
     assert m.preempts >= 10 and m.swap_ins_done == m.restores == m.preempts
     assert m.fenced_releases == (m.preempts if fenced else 0)
-    assert m.verified_copies == m.swap_outs_done + m.swap_ins_done
+    assert m.verified_copies == m.swap_outs_done + m.swap_ins_done  # B15, also for copies acknowledged by a wait
+    if acks == "seen-late":
+        assert m.preempt_waits >= 1 and m.restore_waits == (m.restores if fenced else 0)
     assert inst.leaks() == []
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("acks", ACKS)
 @pytest.mark.parametrize("on_compute", [True, False], ids=["compute-stream", "copy-stream"])
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
-def test_fenced_swap_out_on_cuda_never_synchronizes(asynchronous: bool, on_compute: bool,
+def test_fenced_swap_out_on_cuda_never_synchronizes(asynchronous: bool, on_compute: bool, acks: str,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """Every swap-out and every restore call runs under torch.cuda.set_sync_debug_mode("error"): a host-device
-    synchronisation in it (a host wait for the copy, a blocking transfer) raises. Checked mode is off: its
-    snapshots synchronise. Both places a swap's copy can run: the engine's compute stream, or a copy stream."""
+    synchronisation in it (a blocking transfer, a stream or device synchronize) raises. The one host wait the
+    spec allows there is for the request's own copy when the host has not yet seen it landed: a restore
+    before its fenced swap-out (`restore_waits`), a preemption before its swap-in (`preempt_waits`). The debug
+    mode does not see an event wait, so each CudaCopyHandle.wait inside these calls is counted, by direction,
+    and must be exactly the waits those metrics declare (none at all in sync batching, which synchronises the
+    compute stream after every step). Checked mode is off: its snapshots synchronise. Both places a swap's copy
+    can run: the engine's compute stream, or a copy stream."""
+    from kvfsm.dataplane.copy.cuda import CudaCopyHandle
+
     model = tiny_llama("cuda")
     inputs = prompts(N_REQUESTS)
     expected = reference_outputs(model, inputs, NEW_TOKENS)
+    if acks == "seen-late":
+        _cuda_copies_seen_late(monkeypatch)
     strict_calls: dict[str, list[Any]] = {"_swap_out": [], "restore_scheduled_requests": []}
+    inside: list[str] = []
+    waits: list[str] = []  # the direction of each copy waited for inside a strict call
 
     def strict(name: str) -> Any:
         real = getattr(kt.KvfsmOffloadingManager, name)
@@ -822,28 +977,76 @@ def test_fenced_swap_out_on_cuda_never_synchronizes(asynchronous: bool, on_compu
         def call(self: kt.KvfsmOffloadingManager, *args: Any) -> Any:
             previous = torch.cuda.get_sync_debug_mode()
             torch.cuda.set_sync_debug_mode("error")
+            inside.append(name)
             try:
                 out = real(self, *args)
             finally:
+                inside.pop()
                 torch.cuda.set_sync_debug_mode(previous)
             strict_calls[name].append(out)
             return out
         return call
 
+    wait = CudaCopyHandle.wait
+
+    def counted_wait(self: CudaCopyHandle) -> None:
+        if inside:
+            waits.append(self.direction)
+        wait(self)
+
     for name in strict_calls:
         monkeypatch.setattr(kt.KvfsmOffloadingManager, name, strict(name))
+    monkeypatch.setattr(CudaCopyHandle, "wait", counted_wait)
     cb = cb_config(NUM_BLOCKS, use_async_batching=asynchronous, use_cuda_graph=asynchronous)
     outs, inst = run_batch(model, inputs, kt.SwapConfig(host_blocks=64, fenced=True, copy_on_compute_stream=on_compute), cb)
     (kv,) = inst.managers
     m = inst.metrics
-    print(f"\ncuda {'async' if asynchronous else 'sync'} fenced, sync debug: {m.as_dict()}")
+    print(f"\ncuda {'async' if asynchronous else 'sync'} fenced {acks}, sync debug: {m.as_dict()}")
     assert type(kv.engine).__name__ == "CudaCopyEngine" and kv.fenced and kv._stream_bound
     assert kv.engine.on_compute_stream is on_compute and kv.engine.compute_stream is kv.compute_stream
     assert outs == expected
     assert m.preempts >= 10 and len(strict_calls["_swap_out"]) == m.preempts + m.soft_resets
     assert len(strict_calls["restore_scheduled_requests"]) == m.restore_calls and m.restores == m.preempts
     assert m.fenced_releases == m.preempts == m.swap_outs_done
+    assert waits.count("d2h") == m.restore_waits and waits.count("h2d") == m.preempt_waits
+    assert len(waits) == m.restore_waits + m.preempt_waits
+    if acks == "seen-late":
+        assert m.restore_waits == m.restores and m.preempt_waits >= 1
+    elif not asynchronous:
+        assert waits == []
     assert inst.leaks() == []
+
+
+@pytest.mark.gpu
+def test_warm_up_copies_what_the_engine_wrote_before_it_on_another_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The warm-up swaps blocks 0 and 1 (block 0 is the read trash, zeroed by the engine on the stream it built
+    its cache on) out and back. Copies on the compute stream are not ordered after that stream: here the
+    engine's write lands between the swap-out and the swap-in (held back 200 ms, then waited for just before the
+    swap-in), which wrote the stale bytes back over it before the warm-up synchronised first. The race that
+    explains request 0's wrong first tokens in async batching with CUDA graphs (whose padding tokens read the
+    read trash) when ten test processes shared the GPU."""
+    model = tiny_llama("cuda")
+    manager = model.init_continuous_batching(generation_config=generation_config(4),
+                                             continuous_batching_config=cb_config(NUM_BLOCKS))
+    kt.install(manager, kt.SwapConfig(host_blocks=8))
+    kv = manager._create_batch_processor().offloading_manager
+    pool, engine = kv.device_pool, kv.engine
+    before = pool.blocks([0, 1])
+    written = torch.full_like(before, 7.0)
+    real_h2d = engine.submit_h2d
+
+    def submit_h2d(*args: Any) -> Any:
+        torch.cuda.default_stream(pool.device).synchronize()  # the engine's write lands now, after the swap-out
+        return real_h2d(*args)
+
+    monkeypatch.setattr(engine, "submit_h2d", submit_h2d)
+    with torch.cuda.stream(torch.cuda.default_stream(pool.device)):
+        torch.cuda._sleep(400_000_000)  # ~200 ms of other work ahead of the engine's write on its stream
+        pool.kv[:, :, :2] = written
+    kv.warm_up()
+    torch.cuda.synchronize()
+    assert torch.equal(pool.blocks([0, 1]), written)
+    assert kv.host_pool.free_slots == kv.host_pool.capacity
 
 
 @pytest.mark.gpu

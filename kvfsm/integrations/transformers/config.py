@@ -61,6 +61,7 @@ class SwapMetrics:
     fenced_releases: int = 0  # swap-outs whose device blocks went back at once, fenced
     fenced_ends: int = 0  # ends under a swap-in whose device blocks went back at once, fenced against it
     restore_waits: int = 0  # restores that waited on the host for a fenced swap-out not yet seen landed
+    preempt_waits: int = 0  # swap-outs that waited on the host for the victim's swap-in not yet seen landed
     ignored_ends: int = 0  # declared no-op finish/cancel calls
     blocks_out: int = 0
     blocks_in: int = 0

@@ -101,6 +101,11 @@ class KvfsmOffloadingManager(OffloadingManager):
         if pages is None:
             return
         host, blocks = self.host_pool.page_slots(pages), list(range(n))
+        # The engine zeroed its cache (block 0 is the read trash its padding tokens read) on the stream current
+        # when it built it, which the compute stream is not ordered after: a copy read before the fill lands
+        # writes stale bytes back over it (seen under GPU contention as wrong tokens with CUDA graphs).
+        if self.device_pool.device.type == "cuda":
+            torch.cuda.synchronize(self.device_pool.device)
         try:
             with self.stream_ctx():
                 self.engine.submit_d2h(self.device_pool, blocks, self.host_pool, host).wait()
@@ -199,6 +204,12 @@ class KvfsmOffloadingManager(OffloadingManager):
         rec = self._record(state)
         m = rec.machine
         assert m is not None
+        if m.state == spec_gen.SWAPPING_IN and rec.copy is not None and rec.copy.handle is not None:
+            # Chosen again before its swap-in was seen landed (async batching schedules the next batch while the
+            # one that restored it still runs): the spec preempts only `resident`, so wait for that copy here.
+            rec.copy.handle.wait()
+            self._ack(rec)
+            self.metrics.preempt_waits += 1
         table = list(self.allocator.block_table.get(state.request_id, []))
         rec.no_cache = True  # a victim's blocks go straight back to the pool (as transformers does)
         # host blocks as page ids (page size 1): the copy plan and the free check them as a list, not a tensor
