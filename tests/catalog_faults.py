@@ -1,9 +1,12 @@
 """The catalog's faults (docs/bug-catalog.md), one per bug class: each injects its bug into the runtime
 with `monkeypatch`. Shared by the stateful suite (tests/stateful/test_mutants.py), which must fail with
 each fault in place, and the bounded explorer (tests/verify/test_explorer.py), which must find a shortest
-trace to it. Each fault's docstring is what docs/mutants.md says it injects.
+trace to it. A fault whose bug neither can see (most of B18 to B21: an allocator's refusal, the order of
+resubmitted backups, an integration's fenced free, the explorer's own checks) must instead fail the
+component test that guards it, which test_mutants.py runs in a pytest of its own that loads this module as
+a plugin (`-p catalog_faults`). Each fault's docstring is what docs/mutants.md says it injects.
 
-Every mutant the two suites run is defined here and nowhere else, and each bites in checked and unchecked
+Every mutant these suites run is defined here and nowhere else, and each bites in checked and unchecked
 mode alike (`_wrap_action` patches an action's single and batch forms): `b<n>(mp)` patches the runtime's classes
 (the form both suites use), `b3_engine(engine)` is the explorer's per-engine `faults` hook for the same B3
 fault (the explorer copies worlds, so it injects into each engine it builds), and `b14` is the TP fault the
@@ -12,6 +15,10 @@ stateful suite's two-rank harness runs.
 
 from __future__ import annotations
 
+import collections
+import json
+import os
+import sys
 from typing import Callable
 
 import pytest
@@ -20,8 +27,10 @@ import torch
 import kvfsm.generated.decode_offload as gen
 import kvfsm.dataplane.copy.base as copy_engine
 from kvfsm.generated.decode_offload import DecodeOffloadMachine
-from kvfsm.dataplane import TokenSlotAllocator
+from kvfsm.dataplane import HostKVPool, TokenSlotAllocator
+from kvfsm.dataplane.fences import SlotFence
 from kvfsm.runtime import SimplePrefixCache
+from kvfsm.runtime.backup import BackupJob
 from kvfsm.runtime.tp import ProgressConsensus
 from kvfsm.runtime.effects import OffloadEffects
 from kvfsm.runtime.manager import DecodeOffloadManager
@@ -294,3 +303,178 @@ def b17_carried(mp: pytest.MonkeyPatch) -> None:
             self._held_fence.pop(p, None)
         orig(self, pages, fence)
     mp.setattr(TokenSlotAllocator, "_put_free", put_free)
+
+
+# --- B18 to B21: what the stateful machine mostly takes as given (an allocator's refusal, the order of
+# resubmitted backups, a store's exception type, an integration's fenced free, the explorer's own checks).
+# A component test catches each of these faults but b20_in_flight: test_mutants.py's COMPONENT_MUTANTS runs
+# that test in a pytest of its own with the fault in place from the start (`-p catalog_faults`, below).
+
+
+def b18(mp: pytest.MonkeyPatch) -> None:
+    """The allocator refuses k pages unless k + 1 are free to it (`>=` for `>`; device and host pool alike): a spurious out-of-slots or host-full."""
+    plain, fenced = TokenSlotAllocator.alloc_pages, TokenSlotAllocator.alloc_pages_fenced
+    inner = [False]  # alloc_pages_fenced takes its plain pages through alloc_pages: one comparison per call
+
+    def alloc_pages(self: TokenSlotAllocator, k: int) -> list[int] | None:
+        if not inner[0] and k and k >= len(self._free_pages):
+            self.reclaim_fenced()
+            if k >= len(self._free_pages):
+                return None
+        return plain(self, k)
+
+    def alloc_pages_fenced(self: TokenSlotAllocator, k: int):  # type: ignore[no-untyped-def]
+        if k and k >= len(self._free_pages) + len(self._fenced_pages):
+            return None
+        inner[0] = True
+        try:
+            return fenced(self, k)
+        finally:
+            inner[0] = False
+    mp.setattr(TokenSlotAllocator, "alloc_pages", alloc_pages)
+    mp.setattr(TokenSlotAllocator, "alloc_pages_fenced", alloc_pages_fenced)
+
+
+def b18_fenced(mp: pytest.MonkeyPatch) -> None:
+    """A plain allocation never looks at the fenced free pages: pages whose fence has passed stay unusable until a fenced allocation takes them."""
+    mp.setattr(TokenSlotAllocator, "reclaim_fenced", lambda self: 0)
+
+
+class _NewestFirst(collections.deque):
+    """The parked chunks, resubmitted newest first."""
+
+    def popleft(self):  # type: ignore[no-untyped-def]
+        return self.pop()
+
+
+def b18_parked(mp: pytest.MonkeyPatch) -> None:
+    """Chunks parked by a full backup queue are resubmitted newest first: the oldest starves behind newer copies, holding its host pages."""
+    orig = OffloadEffects.__init__
+
+    def __init__(self: OffloadEffects, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        orig(self, *args, **kwargs)
+        self.parked = _NewestFirst(self.parked)
+    mp.setattr(OffloadEffects, "__init__", __init__)
+
+
+def b19(mp: pytest.MonkeyPatch) -> None:
+    """A backup job catches only the errors a store is expected to raise (OSError, ValueError): a client library's own exception escapes the backup worker."""
+    def run(self: BackupJob) -> None:
+        try:
+            self.results = list(self.write(self.payload))
+        except (OSError, ValueError) as exc:
+            self.error = exc
+            self.results = []
+    mp.setattr(BackupJob, "run", run)
+
+
+def b19_partial(mp: pytest.MonkeyPatch) -> None:
+    """The coalescing engine's flush is undone whole when the inner engine refuses a later group: the groups it already submitted are queued again and copied twice."""
+    from kvfsm.dataplane.copy.coalescing import CoalescingCopyEngine
+    orig = CoalescingCopyEngine.flush
+
+    def flush(self: CoalescingCopyEngine) -> None:
+        queued = [(h, h.plan) for h in self._queue]
+        try:
+            orig(self)
+        except BaseException:
+            for h, plan in queued:
+                h.plan = plan
+            self._queue = [h for h, _ in queued]
+            raise
+    mp.setattr(CoalescingCopyEngine, "flush", flush)
+
+
+def b19_batch(mp: pytest.MonkeyPatch) -> None:
+    """An offload batch whose shared copy is refused keeps the host pages it took for every chunk of the batch."""
+    orig = HostKVPool.undo_alloc
+
+    def undo_alloc(self: HostKVPool, indices: object) -> None:
+        if sys.exc_info()[1] is None:  # a stale reservation's pages still go back; a refusal's do not
+            orig(self, indices)
+    mp.setattr(HostKVPool, "undo_alloc", undo_alloc)
+
+
+def b20(mp: pytest.MonkeyPatch) -> None:
+    """The SGLang adapter's fenced free marks the fence waited without enqueueing the stream wait: the next writer is ordered after nothing."""
+    from kvfsm.integrations.sglang.objects import AllocatorView
+    orig = AllocatorView.free
+
+    def free(self: AllocatorView, slots: torch.Tensor, fence: SlotFence | None = None) -> None:
+        if fence is not None and not fence.passed():
+            fence.mark_waited()
+        orig(self, slots)
+    mp.setattr(AllocatorView, "free", free)
+
+
+def b20_swap_out(mp: pytest.MonkeyPatch) -> None:
+    """Transformers' fenced swap-out marks the copy's fence waited without enqueueing the compute stream's wait."""
+    import kvfsm.integrations.transformers.effects as swap_effects
+
+    class MarkedOnly(SlotFence):
+        __slots__ = ()
+
+        def wait(self, stream: object | None = None) -> None:
+            self.mark_waited()
+    mp.setattr(swap_effects, "SlotFence", MarkedOnly)
+
+
+def b20_in_flight(mp: pytest.MonkeyPatch) -> None:
+    """fence_copies_in_flight records the copies in flight as fenced without enqueueing a wait on any of them."""
+    def fence_copies_in_flight(self: DecodeOffloadManager, stream: object = None) -> int:
+        self.fx.fenced_handles = {id(c.handle) for c in self.fx.copy_fifo}
+        return len(self.fx.fenced_handles)
+    mp.setattr(DecodeOffloadManager, "fence_copies_in_flight", fence_copies_in_flight)
+
+
+def _weaken(mp: pytest.MonkeyPatch, module: object, name: str, old: str, new: str) -> None:
+    """Replace function `name` of `module` with its source edited `old` -> `new` (exactly one occurrence),
+    under every name a loaded kvfsm module imported it as."""
+    import inspect
+    import textwrap
+    fn = getattr(module, name)
+    src = textwrap.dedent(inspect.getsource(fn))
+    if src.count(old) != 1:
+        raise AssertionError(f"{module.__name__}.{name} no longer has exactly one {old!r}: the fault needs updating")
+    ns: dict = {}
+    exec(compile(src.replace(old, new), inspect.getsourcefile(fn) or "<fault>", "exec"), vars(module), ns)
+    for mod in [m for k, m in sys.modules.items() if k.split(".")[0] == "kvfsm"]:
+        if getattr(mod, name, None) is fn:
+            mp.setattr(mod, name, ns[name])
+
+
+def b21(mp: pytest.MonkeyPatch) -> None:
+    """The explorer's host-content check skips the last completed copy (`for c in done[:-1]`)."""
+    import kvfsm.verify.explorer.checks as checks
+    _weaken(mp, checks, "check_world", "for c in done:", "for c in done[:-1]:")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Loaded as a plugin (`-p catalog_faults`, tests/ on the path) with KVFSM_CATALOG_FAULT naming a fault:
+    the session runs with it in place from before collection, so a test module's `from x import f` sees it
+    too; hypothesis derandomized and without shrinking, so which test fails first is the same every run."""
+    name = os.environ.get("KVFSM_CATALOG_FAULT")
+    if not name:
+        return
+    fault = globals().get(name)
+    if not callable(fault) or not name.startswith("b"):
+        raise pytest.UsageError(f"KVFSM_CATALOG_FAULT={name!r} names no fault of tests/catalog_faults.py")
+    from hypothesis import HealthCheck, Phase, settings
+    settings.register_profile("catalog-fault", parent=settings.default, deadline=None, derandomize=True, database=None,
+                              phases=(Phase.explicit, Phase.generate), suppress_health_check=list(HealthCheck))
+    settings.load_profile("catalog-fault")
+    mp = pytest.MonkeyPatch()
+    fault(mp)
+    config.add_cleanup(mp.undo)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Loaded as that plugin: the first test that fails (node id, phase, error) is written, as JSON, to
+    KVFSM_CATALOG_FAULT_REPORT, which the mutant report quotes."""
+    path = os.environ.get("KVFSM_CATALOG_FAULT_REPORT")
+    if not path or not os.environ.get("KVFSM_CATALOG_FAULT") or not report.failed or os.path.exists(path):
+        return
+    crash = getattr(report.longrepr, "reprcrash", None)
+    with open(path, "w") as f:
+        json.dump({"nodeid": report.nodeid, "when": report.when,
+                   "message": crash.message if crash is not None else str(report.longrepr)}, f)

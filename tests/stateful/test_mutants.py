@@ -10,14 +10,21 @@ one process: two SimEngines whose `check_progress` calls meet in a thread barrie
 all-reduce (the real ProgressConsensus code runs; only torch.distributed.all_reduce is replaced by the
 in-process exchange).
 
+The classes the stateful machine takes as given (an allocator's refusal, the order of resubmitted backups, a
+store's exception type, an integration's fenced free, the explorer's own checks) are caught by component
+tests instead: COMPONENT_MUTANTS runs each such test in a pytest of its own with the fault in place from the
+start, and records the first test that failed.
+
 `python tests/stateful/report_mutants.py` (or KVFSM_MUTANT_REPORT=docs/mutants.md pytest this file) writes
 the Markdown report docs/mutants.md.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import sys
 import threading
 import time
 from pathlib import Path
@@ -32,10 +39,11 @@ from kvfsm.runtime.tp import ProgressConsensus
 from kvfsm.verify.engine import SimEngine
 
 import test_manager_machine as tm
-from timing import join_all
+from timing import join_all, run_watched
 from tp_threads import ThreadGroup, route_all_reduce
 from catalog_faults import (b1, b2, b3, b3_host, b4, b5, b6, b6_readmit, b7, b8, b9, b10, b11, b12, b13, b14, b15, b16,
-                            b17, b17_carried)
+                            b17, b17_carried, b18, b18_fenced, b18_parked, b19, b19_batch, b19_partial, b20,
+                            b20_in_flight, b20_swap_out, b21)
 
 DEEP = tm.DEEP
 REPORT: dict[str, dict[str, Any]] = {}
@@ -63,6 +71,27 @@ MUTANTS: dict[str, tuple[str, Callable[[pytest.MonkeyPatch], None], bool]] = {
     "B17": ("reuse of a fenced slot before its copy landed", b17, True),
     "B17-unchecked": ("reuse of a fenced slot before its copy landed (ledger off)", b17, False),
     "B17-carried": ("reuse of a fenced slot before its copy landed (a reused slot freed again)", b17_carried, True),
+    "B20-in-flight": ("fence marked waited, no wait enqueued (fence_copies_in_flight)", b20_in_flight, True),
+}
+
+ROOT = Path(__file__).resolve().parents[2]
+WAITS = "fence marked waited, no wait enqueued"
+ROOM = "refusal or starvation while there is room"
+UNPLANNED = "unplanned fault: a foreign exception or a partial refusal"
+# id -> (bug class, fault, the component tests (paths or node ids, from the repository root) that must fail)
+COMPONENT_MUTANTS: dict[str, tuple[str, Callable[[pytest.MonkeyPatch], None], tuple[str, ...]]] = {
+    "B18": (ROOM, b18, ("tests/dataplane/test_allocator_liveness.py",)),
+    "B18-fenced": (f"{ROOM} (pages whose fence passed)", b18_fenced, ("tests/dataplane/test_allocator_liveness.py",)),
+    "B18-parked": (f"{ROOM} (parked chunks)", b18_parked, ("tests/runtime/test_parked_fairness.py",)),
+    "B19": (UNPLANNED, b19, ("tests/runtime/test_fault_breadth.py::"
+                             "test_a_store_that_raises_anything_fails_that_backup_and_nothing_else",)),
+    "B19-partial": (f"{UNPLANNED} (coalescing flush)", b19_partial, ("tests/dataplane/test_copy_engine.py",)),
+    "B19-batch": (f"{UNPLANNED} (an offload batch's shared copy)", b19_batch, ("tests/runtime/test_offload_batch.py",)),
+    "B20": (WAITS, b20, ("tests/dataplane/test_fence_waits.py",)),
+    "B20-swap-out": (f"{WAITS} (transformers' fenced swap-out)", b20_swap_out,
+                     ("tests/integrations/test_transformers_swap.py::"
+                      "test_a_fenced_swap_out_enqueues_the_compute_streams_wait_before_the_blocks_go_back",)),
+    "B21": ("weakened explorer check", b21, ("tests/verify/test_checks_fire.py",)),
 }
 
 # Shrinking a failing run costs minutes per mutant; CI only needs the catch. The report script turns it on,
@@ -96,6 +125,26 @@ def test_mutant_is_caught(mid: str, monkeypatch: pytest.MonkeyPatch) -> None:
                    "first": first, "last": last, "steps_run": tm.STEPS.get(machine.bucket, 0), "seconds": elapsed}
     assert error is not None, f"mutant {mid} survived {tm.STEPS.get(machine.bucket, 0)} steps"
     assert first is not None, f"mutant {mid}: failure outside the machine's steps: {error!r}"
+
+
+@pytest.mark.parametrize("mid", list(COMPONENT_MUTANTS))
+def test_component_mutant_is_caught(mid: str, tmp_path: Path) -> None:
+    """The fault in place from before collection (a test module's `from x import f` sees it too), the tests
+    run until the first failure, which must be a test's own (its call, not its set-up or a collection)."""
+    bug, inject, tests = COMPONENT_MUTANTS[mid]
+    first_file = tmp_path / "first_failure.json"
+    env = dict(os.environ, KVFSM_CATALOG_FAULT=inject.__name__, KVFSM_CATALOG_FAULT_REPORT=str(first_file),
+               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT / "tests"), os.environ.get("PYTHONPATH")) if p))
+    t0 = time.perf_counter()
+    proc = run_watched([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "catalog_faults",
+                        *tests], f"the component tests of mutant {mid}", cwd=ROOT, env=env)
+    first = json.loads(first_file.read_text()) if first_file.exists() else None
+    caught = proc.returncode == 1 and first is not None and first["when"] == "call"
+    REPORT[mid] = {"bug": bug, "fault": (inject.__doc__ or "").strip(), "checked": True, "caught": caught,
+                   "component": True, "last": None, "steps_run": None, "seconds": time.perf_counter() - t0,
+                   "first": first and {"check": first["nodeid"], "exc": first["message"].strip().splitlines()[0]}}
+    assert caught, f"mutant {mid} survived {' '.join(tests)} (exit {proc.returncode}, first failure {first}):\n" \
+                   f"{proc.stdout[-3000:]}{proc.stderr[-2000:]}"
 
 
 # --- B14: TP ranks diverge -----------------------------------------------------------------------------
@@ -224,7 +273,7 @@ def write_report(path: Path) -> None:
              "| mutant | bug class | fault injected | caught | first check | steps to failure | shrunk | first failure |",
              "|---|---|---|---|---|---|---|---|"]
     order = sorted(REPORT, key=lambda k: (int("".join(c for c in k.split("-")[0] if c.isdigit())), k))
-    for mid in order:
+    for mid in (m for m in order if not REPORT[m].get("component")):
         r = REPORT[mid]
         first, last = r["first"] or {}, r["last"] or {}
         steps = first.get("steps_total")
@@ -236,12 +285,29 @@ def write_report(path: Path) -> None:
         lines.append(f"| {mid} | {_md(r['bug'])}{'' if r['checked'] else ' (checked mode off)'} | {_md(r['fault'])} | "
                      f"{'yes' if r['caught'] else '**NO**'} | `{_md(first.get('check', '-'))}` | {steps_s} | {shrunk} | "
                      f"{_md(first.get('exc', '-'))[:240]} |")
+    if "B14" in REPORT:
+        lines += ["", "B14 needs several ranks: it runs two SimEngines in one process whose progress checks meet in a thread",
+                  "barrier that stands in for the MIN all-reduce (the real `ProgressConsensus.agree` runs over it); the",
+                  "check compares the two ranks' ordered device/host free logs and stored keys after every iteration.",
+                  "The multi-process version is `tests/runtime/test_tp_gloo.py` (gloo, spawned ranks)."]
+    component = [m for m in order if REPORT[m].get("component")]
+    if component:
+        lines += ["", "## Caught by component tests", "",
+                  "The stateful machine takes some bugs as given: an allocator's refusal is the pool's answer, the",
+                  "order of resubmitted backups is not a safety property, its stores fail by refusing pages, never by",
+                  "raising, it runs neither the coalescing engine nor an integration, and it checks the runtime with",
+                  "invariants of its own, not the explorer's. These mutants run the component tests that guard each",
+                  "(`COMPONENT_MUTANTS`) in a pytest of their own, with the fault in place from before collection",
+                  "(`-p catalog_faults`) and hypothesis derandomized; *first check* is the first test that failed.", "",
+                  "| mutant | bug class | fault injected | caught | first check | first failure |",
+                  "|---|---|---|---|---|---|"]
+        for mid in component:
+            r = REPORT[mid]
+            first = r["first"] or {}
+            lines.append(f"| {mid} | {_md(r['bug'])} | {_md(r['fault'])} | {'yes' if r['caught'] else '**NO**'} | "
+                         f"`{_md(first.get('check', '-'))}` | {_md(first.get('exc', '-'))[:240]} |")
     caught = sum(r["caught"] for r in REPORT.values())
-    lines += ["", f"{caught} of {len(REPORT)} mutants caught.", "",
-              "B14 needs several ranks: it runs two SimEngines in one process whose progress checks meet in a thread",
-              "barrier that stands in for the MIN all-reduce (the real `ProgressConsensus.agree` runs over it); the",
-              "check compares the two ranks' ordered device/host free logs and stored keys after every iteration.",
-              "The multi-process version is `tests/runtime/test_tp_gloo.py` (gloo, spawned ranks).", ""]
+    lines += ["", f"{caught} of {len(REPORT)} mutants caught.", ""]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))
 
@@ -250,7 +316,7 @@ CATALOG = Path(__file__).resolve().parents[2] / "docs" / "bug-catalog.md"
 
 
 def _catalog_ids() -> list[str]:
-    """The bug classes of docs/bug-catalog.md's table (B1 ... B15)."""
+    """The bug classes of docs/bug-catalog.md's table (B1, B2, ...)."""
     import re
     return sorted(set(re.findall(r"^\| \[(B\d+)\]\(#b\d+\) \|", CATALOG.read_text(), re.M)), key=lambda b: int(b[1:]))
 
@@ -259,7 +325,7 @@ def _selected(session: pytest.Session) -> set[str]:
     """The mutants whose tests this session selected (B14 is its own test)."""
     out = set()
     for item in session.items:
-        if getattr(item, "originalname", None) == "test_mutant_is_caught":
+        if getattr(item, "originalname", None) in ("test_mutant_is_caught", "test_component_mutant_is_caught"):
             out.add(item.callspec.params["mid"])  # type: ignore[attr-defined]
         elif item.name == "test_mutant_b14_tp_divergence_is_caught":
             out.add("B14")
@@ -271,8 +337,8 @@ def test_zz_report(request: pytest.FixtureRequest, tmp_path: Path) -> None:
     caught inside the machine's steps with a named first check, and the Markdown report (written to
     KVFSM_MUTANT_REPORT when set, docs/mutants.md by report_mutants.py) says so row by row."""
     ids = _catalog_ids()
-    assert ids == [f"B{i}" for i in range(1, 17)], ids
-    covered = {mid.split("-")[0] for mid in MUTANTS} | {"B14"}
+    assert ids == [f"B{i}" for i in range(1, 22)], ids
+    covered = {mid.split("-")[0] for mid in (*MUTANTS, *COMPONENT_MUTANTS)} | {"B14"}
     assert set(ids) <= covered, f"catalog classes without a mutant: {sorted(set(ids) - covered)}"
     if not REPORT:
         pytest.skip("no mutant ran in this session")
@@ -285,6 +351,9 @@ def test_zz_report(request: pytest.FixtureRequest, tmp_path: Path) -> None:
         assert first.get("exc"), f"mutant {mid}: no failure message recorded"
         if mid == "B14":
             assert first["check"] == "tp_identical_frees" and "differ" in first["exc"], first
+        elif r.get("component"):
+            test_path = first["check"].split("::")[0]
+            assert "::" in first["check"] and any(t.split("::")[0] == test_path for t in COMPONENT_MUTANTS[mid][2]), first
         else:
             assert r["steps_run"] > 0 and first["steps_total"] > 0 and first["where"], (mid, first)
     target = Path(os.environ.get("KVFSM_MUTANT_REPORT") or tmp_path / "mutants.md")
@@ -296,6 +365,6 @@ def test_zz_report(request: pytest.FixtureRequest, tmp_path: Path) -> None:
         assert "| yes |" in line and f"`{REPORT[mid]['first']['check']}`" in line, line
     assert "**NO**" not in text
     assert f"{len(REPORT)} of {len(REPORT)} mutants caught." in text
-    if selected >= set(MUTANTS) | {"B14"}:  # the whole table ran: every catalog class was caught
+    if selected >= set(MUTANTS) | set(COMPONENT_MUTANTS) | {"B14"}:  # the whole table ran: every catalog class was caught
         caught = {mid.split("-")[0] for mid, r in REPORT.items() if r["caught"]}
         assert set(ids) <= caught, f"catalog classes not caught: {sorted(set(ids) - caught)}"

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from catalog_faults import b1, b2, b3_engine as b3_faults, b5, b6_readmit, b7, b8, b9, b10, b13, b15, b16, b17, b17_carried
+from catalog_faults import (b1, b2, b3_engine as b3_faults, b5, b6_readmit, b7, b8, b9, b10, b13, b15, b16, b17, b17_carried,
+                            b20_in_flight)
 from timing import run_watched
 from kvfsm.dataplane.pools.allocator import PageSlots
 from kvfsm.runtime.manager import DecodeOffloadManager
@@ -175,6 +176,9 @@ MUTANTS = {
     "B17": (b17, None, ExplorerConfig(requests=1, fenced=True), 5, {"CheckedModeError"}),
     "B17-carried": (b17_carried, None, ExplorerConfig(requests=2, decodes=2, host_slots=4, fenced=True, stream_ordered=True),
                     9, {"CheckedModeError"}),
+    "B20-in-flight": (b20_in_flight, None, ExplorerConfig(requests=2, fenced=True, stream_ordered=True,
+                                                          end_kinds=("finish", "engine_release")),
+                      10, {"host_kv_content"}),
 }
 FOUND: dict[str, tuple[int, str, int]] = {}
 

@@ -158,8 +158,23 @@ BOUND_OF = {  # faults that need more than two plain requests to show
     "b17": ExplorerConfig(requests=2, fenced=True),  # a writer of a fenced slot: only with fences
     # a reused slot freed again under the old copy: fences, a wait that lands nothing, two requests' copies
     "b17_carried": ExplorerConfig(requests=2, decodes=2, host_slots=4, fenced=True, stream_ordered=True),
+    # the engine's own release after fence_copies_in_flight, then a writer of its slots (a wait lands nothing)
+    "b20_in_flight": ExplorerConfig(requests=2, fenced=True, stream_ordered=True, end_kinds=("finish", "engine_release")),
 }
-OUT_OF_SCOPE = {"b14": "TP consensus: the explorer runs one rank"}
+# faults the explorer cannot see, each caught by a component test instead (tests/stateful/test_mutants.py's
+# COMPONENT_MUTANTS)
+OUT_OF_SCOPE = {
+    "b14": "TP consensus: the explorer runs one rank",
+    "b18": "a refusal: the explorer takes the pool's answer as given (host_full) and checks safety, not liveness",
+    "b18_fenced": "a refusal: the explorer takes the pool's answer as given and checks safety, not liveness",
+    "b18_parked": "the order parked chunks are resubmitted: fairness, not safety",
+    "b19": "the explorer's store fails by refusing pages, never by raising",
+    "b19_partial": "the explorer's copy engine is not the coalescing one",
+    "b19_batch": "the explorer's copy engine never refuses a submission",
+    "b20": "the SGLang adapter's free: the explorer drives the manager, not the adapter",
+    "b20_swap_out": "transformers' swap-out: another lifecycle (spec/cb_swap.yaml)",
+    "b21": "a weakened check of the explorer itself: it can only find less",
+}
 
 
 def test_every_catalog_fault_is_checked() -> None:
