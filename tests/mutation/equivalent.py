@@ -6,6 +6,9 @@ match the whole change, written as the mutant's diff lines (`-old` then `+new`, 
 blanks made one). An entry names a class of mutants only where the same reason holds for every mutant it
 matches. Keyed by function and change, not by mutmut's running number, so an entry keeps matching when
 other mutants of the file come and go.
+
+An entry whose reason says that only a CUDA host tells the mutant apart (`mutate.NEEDS_CUDA`) is not counted
+equivalent: it says why the CPU run could not see it, and the GPU pass (tests/mutation/gpu_pass.py) runs it.
 """
 
 from __future__ import annotations
@@ -34,10 +37,10 @@ EQUIVALENT: list[tuple[str, str, str]] = [
                                r"\+ self\._file: Optional\[IO\[str\]\] = self\.path\.open\(\"w\", (buffering=2 << 16|buffering=1 << 17|)\)",
      "the size of the trace file's write buffer: when lines reach the disk, not what they say (close() flushes)"),
     ("x_as_index_tensor", r'- return indices\.slots if device\.type == "cpu" else indices\.slots\.to\(device=device\)\n\+ .*',
-     "equivalent on a CPU-only host: a PageSlots is built on the CPU, and moving it to the CPU (or not) is the "
+     "not told apart on a CPU-only host: a PageSlots is built on the CPU, and moving it to the CPU (or not) is the "
      "same tensor; which device it goes to on a CUDA host only a GPU run of tests/gpu/ can see"),
     ("x_as_index_tensor", r"- return t\.to\(device=device, dtype=torch\.int64\)\n\+ return t\.to\((device=None, dtype=torch\.int64|dtype=torch\.int64)\)",
-     "equivalent on a CPU-only host, where every index tensor already is on the CPU (a GPU run of tests/gpu/ "
+     "not told apart on a CPU-only host, where every index tensor already is on the CPU (a GPU run of tests/gpu/ "
      "sees the difference)"),
     ("x_as_index_tensor", r"- (t = torch\.(from_numpy\(np\.ascontiguousarray\(indices\.reshape\(-1\)|as_tensor\(list\(indices\))), dtype=(np|torch)\.int64\)\)?\n\+ .*(dtype=None|, )\)\)?",
      "the last line converts every index tensor to int64 whatever dtype this step gave it"),
@@ -57,7 +60,7 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ("x__token_bytes", r'- if arr\.dtype\.kind not in "iu":\n\+ if arr\.dtype\.kind not in "XXiuXX":',
      "numpy's dtype kinds are single letters: 'X' is none of them, so the test accepts exactly 'i' and 'u' still"),
     ("x__token_bytes", r'- arr = token_ids\.detach\(\)\.to\("cpu"\)\.reshape\(-1\)\.numpy\(\)\n\+ arr = token_ids\.detach\(\)\.to\(None\)\.reshape\(-1\)\.numpy\(\)',
-     "equivalent on a CPU-only host, where every tensor already is on the CPU (a GPU run sees the difference)"),
+     "not told apart on a CPU-only host, where every tensor already is on the CPU (a GPU run sees the difference)"),
     # --- offload_batch's hints: which requests it looks at, never what it copies --------------------------
     ("xǁDecodeOffloadManagerǁ__init__", r"- self\._due_at = np\.full\(req_to_token\.rows \+ 1, -1, dtype=np\.int64\)(.*)\n"
                                          r"\+ self\._due_at = np\.full\(req_to_token\.rows \+ (1, -1, dtype=None|1, -1, |2, -1, dtype=np\.int64|1, -2, dtype=np\.int64)\)\1",
@@ -76,10 +79,10 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      "both 0, which the inflight and draining invariant (parked + backups >= 1) rules out"),
     # --- copy planning -----------------------------------------------------------------------------------
     ("x_plan_copy", r"- (on_device = isinstance|if on_device and device_pool|dev_idx = as_index_tensor\(device_indices, device_pool\.device if).*\n\+ .*",
-     "equivalent on a CPU-only host: every pool and index tensor is on the CPU, so on_device is False and the "
+     "not told apart on a CPU-only host: every pool and index tensor is on the CPU, so on_device is False and the "
      "device chosen for the indices is the CPU whatever these tests say (a GPU run of tests/gpu/ sees the rest)"),
     ("x_plan_copy", r"- host_idx = None if host_slots is not None else as_index_tensor\(host_indices, _CPU\)\n\+ .*as_index_tensor\(host_indices, None\)",
-     "equivalent on a CPU-only host: host indices not given as PageSlots are CPU tensors or sequences there, and "
+     "not told apart on a CPU-only host: host indices not given as PageSlots are CPU tensors or sequences there, and "
      "as_index_tensor with no device leaves them on the CPU"),
     ("x_plan_copy", r"- if int\(s\[0\]\) < 0 or int\(s\[-1\]\) >= host_pool\.size:\n\+ .*",
      "the host allocator's is_allocated, called two lines down, raises the same OutOfRange for a slot outside "
@@ -109,7 +112,7 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      "comes out of the general path"),
     # --- CPU-only hosts ---------------------------------------------------------------------------------
     ("xǁ((Memory|File)Storageǁbatch_set|HostKVPoolǁset_pages_bytes)", r'- (.*)\.to\("cpu"\)(.*)\n\+ \1\.to\(None\)\2',
-     "equivalent on a CPU-only host, where every tensor already is on the CPU (a CUDA tensor would stay on the "
+     "not told apart on a CPU-only host, where every tensor already is on the CPU (a CUDA tensor would stay on the "
      "GPU: a difference only a GPU run of tests/gpu/ can see)"),
     # --- config --------------------------------------------------------------------------------------
     ("x__config_error|xǁOffloadConfigǁfrom_env|x_check_storage_extra", r"- near = difflib\.get_close_matches\((.*), n=1\)\n\+ near = difflib\.get_close_matches\(\1, (n=2|)\)",
@@ -154,7 +157,7 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      "the EPERM branch (the last `return True` is the same change, and is killed): not reachable where the "
      "tests run as root, for whom kill(pid, 0) is never refused"),
     ("xǁReqToTokenPoolǁwrite", r'- src = idx\.pin_memory\(\) if self\.device\.type == "cuda" else idx(.*)\n\+ src = idx\.pin_memory\(\) if self\.device\.type == "(XXcudaXX|CUDA)" else idx\1',
-     "equivalent without CUDA: no table is on a CUDA device here, so the test is false either way (a GPU run "
+     "not told apart without CUDA: no table is on a CUDA device here, so the test is false either way (a GPU run "
      "of tests/gpu/ sees the difference)"),
     ("xǁReqToTokenPoolǁwrite", r"- self\.req_to_token\[row, start:end\]\.copy_\(src, non_blocking=True\)\n\+ self\.req_to_token\[row, start:end\]\.copy_\(src, (non_blocking=None|non_blocking=False|)\)",
      "non_blocking only makes a host-to-GPU copy asynchronous; without CUDA every copy is synchronous"),
@@ -203,7 +206,7 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      "torch.tensor of Python ints is int64 already"),
     ("xǁProgressConsensusǁagree", r"- t = torch\.tensor\(counts, dtype=torch\.int64, device=self\.device\)\n"
                                   r"\+ t = torch\.tensor\(counts, dtype=torch\.int64, (device=None|)\)",
-     "equivalent on a CPU-only host: self.device is the CPU unless the group's backend is NCCL, which needs a "
+     "not told apart on a CPU-only host: self.device is the CPU unless the group's backend is NCCL, which needs a "
      "GPU (a GPU run of tests/gpu/ sees the difference)"),
     ("xǁProgressConsensusǁcheck_same", _lines("if self.world <= 1:", "if self.world < 1:"),
      "with one rank agree() returns its arguments, so the two calls give back the values and their negations "
@@ -341,10 +344,10 @@ EQUIVALENT: list[tuple[str, str, str]] = [
                               r"self\.kv_buffer = torch\.empty\(self\._shape\(\), dtype=config\.dtype, pin_memory=self\.pinned\))\n"
                               r"\+ (if pin_memory is not None:|pin_memory = None|self\.pinned = bool\(None\)|"
                               r"self\.kv_buffer = torch\.empty\(self\._shape\(\), dtype=config\.dtype, (pin_memory=None|)\))",
-     "equivalent on a CPU-only host, where pinning needs CUDA: these tests ask for no pinning (None or False) and "
+     "not told apart on a CPU-only host, where pinning needs CUDA: these tests ask for no pinning (None or False) and "
      "get an unpinned pool either way (pinned memory is for a GPU run of tests/gpu/)"),
     ("xǁHostKVPoolǁfor_device_pool", r"- return cls\(cfg, num_slots, page_size, layout, pin_memory\)\n\+ return cls\(cfg, num_slots, page_size, layout, (None|)\)",
-     "equivalent on a CPU-only host: pin_memory's default None means pinned only with CUDA"),
+     "not told apart on a CPU-only host: pin_memory's default None means pinned only with CUDA"),
     ("xǁHostKVPoolǁ__init__", r"- self\.allocator = TokenSlotAllocator\(self\.size, self\.page_size, \"cpu\", reserve_padding_page=False\)\n"
                               r"\+ self\.allocator = TokenSlotAllocator\(self\.size, self\.page_size, (\"cpu\", reserve_padding_page=None|reserve_padding_page=False)\)",
      "the allocator's defaults: device 'cpu', and reserve_padding_page is only tested for truth (None reserves none)"),
@@ -359,10 +362,10 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      "the page ids then come from the slots (every page_size-th slot // page_size), which for this pool's own "
      "PageSlots are its pages"),
     ("xǁReqToTokenPoolǁwrite", r'- src = idx\.pin_memory\(\) if self\.device\.type == "cuda" else idx(.*)\n\+ src = idx\.pin_memory\(\) if \(self\.device\.type == "cuda"\) and False else idx\1',
-     "equivalent without CUDA: no table is on a CUDA device here, so the test is false either way (a GPU run "
+     "not told apart without CUDA: no table is on a CUDA device here, so the test is false either way (a GPU run "
      "of tests/gpu/ sees the difference)"),
     ("x_torch_copy_rows", r"- (.*)\.to\((src5|dst5)\.device\)(.*)\n\+ \1\.to\(None\)\3",
-     "to(None) leaves a tensor where it is: equivalent on a CPU-only host, where source, destination and indices "
+     "to(None) leaves a tensor where it is: not told apart on a CPU-only host, where source, destination and indices "
      "all are on the CPU (a GPU run of tests/gpu/ sees the rest)"),
     ("x_plan_copy", r"- if isinstance\(device_indices, PageSlots\) and device_indices\.allocator\.num_slots <= device_pool\.size and \\\n"
                     r"\+ if isinstance\(device_indices, PageSlots\) and device_indices\.allocator\.num_slots < device_pool\.size and \\",

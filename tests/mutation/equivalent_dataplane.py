@@ -31,7 +31,7 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      "itself and never passes it on"),
     ("x__token_words", _lines('return _from_array(token_ids.detach().to("cpu").reshape(-1).numpy())',
                               "return _from_array(token_ids.detach().to(None).reshape(-1).numpy())"),
-     "equivalent on a CPU-only host, where every tensor already is on the CPU and .to(None) leaves it there (a GPU "
+     "not told apart on a CPU-only host, where every tensor already is on the CPU and .to(None) leaves it there (a GPU "
      "run sees the difference)"),
     # --- hashing: page_hashes' fast paths, whose general path gives the same result ------------------------
     ("x_page_hashes", _lines("if type(page_size) is not int: # the hot path passes an int: one check",
@@ -98,12 +98,12 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      "torch.tensor infers int64, the dtype asked for, from a non-empty list of Python ints (addresses, below "
      "2**63; a pool has at least one buffer)"),
     ("xǁLayerBufferKVPoolǁlayer_pointers", r'- if self\.device\.type == "cuda":\n\+ if self\.device\.type == "(XXcudaXX|CUDA)":',
-     "equivalent on a CPU-only host, where no pool is on CUDA and the test is false either way (the GPU test "
+     "not told apart on a CPU-only host, where no pool is on CUDA and the test is false either way (the GPU test "
      "tests/dataplane/test_layer_pool.py::test_pointer_table_kernel_on_gpu sees the difference)"),
     ("xǁLayerBufferKVPoolǁlayer_pointers",
      r"- ptrs = ptrs\.pin_memory\(\)\.to\(self\.device, non_blocking=True\)(.*)\n"
      r"\+ (ptrs = None|ptrs = ptrs\.pin_memory\(\)\.to\(None, non_blocking=True\)|ptrs = ptrs\.pin_memory\(\)\.to\(non_blocking=True\))\1",
-     "equivalent on a CPU-only host: the line runs only for a pool on CUDA (the GPU test "
+     "not told apart on a CPU-only host: the line runs only for a pool on CUDA (the GPU test "
      "tests/dataplane/test_layer_pool.py::test_pointer_table_kernel_on_gpu sees the difference)"),
     ("xǁLayerBufferKVPoolǁlayer_pointers",
      r"- ptrs = ptrs\.pin_memory\(\)\.to\(self\.device, non_blocking=True\)(.*)\n"

@@ -11,7 +11,7 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      "torch.arange of a Python int is int64 whether or not the dtype is given"),
     ("xǁDeviceTableSlotsǁ__init__", r"- self\._page_offsets = torch\.arange\(self\.page_size, dtype=torch\.int64, device=self\.device\)\n"
                                     r"\+ self\._page_offsets = torch\.arange\(self\.page_size, dtype=torch\.int64, (device=None)?\)",
-     "equivalent on a CPU-only host, where every table that can be read (and so self.device) is on the CPU, "
+     "not told apart on a CPU-only host, where every table that can be read (and so self.device) is on the CPU, "
      "torch's default device (a GPU run of tests/upstream/test_adapter_gpu.py sees the difference)"),
     ("xǁDeviceTableSlotsǁspans", r"- lens = np\.asarray\(lengths, dtype=np\.int64\)\n\+ lens = np\.asarray\(lengths, (dtype=None)?\)",
      "the lengths are integers (the manager passes a list of Python ints, which numpy makes int64 anyway); an "
@@ -22,7 +22,7 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ("xǁDeviceTableSlotsǁspans", r"- int\(lens\.sum\(\)\), dtype=np\.int64\)\n\+ int\(lens\.sum\(\)\), (dtype=None)?\)",
      "np.arange of a Python int is int64 whether or not the dtype is given"),
     ("xǁDeviceTableSlotsǁspans", r'- if self\.device\.type == "cuda":\n\+ if self\.device\.type == "(XXcudaXX|CUDA)":',
-     "equivalent on a CPU-only host, where the table's device is the CPU and the upload branch is skipped either "
+     "not told apart on a CPU-only host, where the table's device is the CPU and the upload branch is skipped either "
      "way (a GPU run of tests/upstream/test_adapter_gpu.py sees the difference)"),
     ("xǁDeviceTableSlotsǁspans", r"- positions = positions\.pin_memory\(\)\.to\(self\.device, non_blocking=True\) # pageable would sync\n"
                                  r"\+ positions = .* # pageable would sync",

@@ -7,7 +7,7 @@ from equivalent_helpers import _def, _lines  # noqa: F401
 EQUIVALENT: list[tuple[str, str, str]] = [
     # --- devices: a CPU-only host --------------------------------------------------------------------------
     ("x_run_plan", r"- (.*)\.to\((dev|host)\.device\)(.*)\n\+ \1\.to\(None\)\3",
-     "equivalent on a CPU-only host: the pools and the plan's indices are all on the CPU, so leaving a tensor "
+     "not told apart on a CPU-only host: the pools and the plan's indices are all on the CPU, so leaving a tensor "
      "where it is and moving it to the other pool's device give the same tensor (only a CUDA device pool "
      "without a token view could tell)"),
     # --- codecs -----------------------------------------------------------------------------------------------

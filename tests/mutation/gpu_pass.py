@@ -5,10 +5,12 @@ GPU tests on a GPU machine (docs/mutation.md, "GPU pass").
     python tests/mutation/gpu_pass.py run --out DIR [--jobs 8]    # on the GPU machine: every mutant, then the log
     python tests/mutation/gpu_pass.py report                      # docs/mutation.md's GPU section, from gpu_pass.json
 
-The CPU run (mutate.py) marks a survivor "CPU-only" when its reason in tests/mutation/equivalent*.py says the
-difference needs a CUDA device to show (a tensor that stays on the CPU either way, pinning that needs CUDA).
-That is a statement about where the tests ran, not about the mutant, so every such survivor runs here, against
-every test marked `gpu`. mutmut itself cannot run them: it forks its test process for each mutant, and a
+The CPU run (mutate.py) marks a survivor as told apart only on a CUDA host when its reason in
+tests/mutation/equivalent*.py says the difference needs a CUDA device to show (a tensor that stays on the CPU
+either way, pinning that needs CUDA; `mutate.NEEDS_CUDA`). That is a statement about where the tests ran, not
+about the mutant, so such a survivor is never counted equivalent: it runs here, against every test marked `gpu`.
+A pass's `gpu_pass.json` (written under --out) is copied to tests/mutation/gpu_pass.json, and the device log to
+bench/results/mutation_gpu-h200.log, before `report`. mutmut itself cannot run them: it forks its test process for each mutant, and a
 process that has initialised CUDA cannot fork a child that uses it. So each mutant is applied to a copy of the
 tree from its recorded change (function and `-`/`+` lines, tests/mutation/survivors.json) and its tests run in
 a fresh process; the unmutated tree runs first, and a pass whose clean run fails reports nothing.
@@ -36,9 +38,7 @@ sys.path.insert(0, str(HERE))
 
 import mutate  # noqa: E402  (the CPU run: its survivors, equivalence reasons and normalisation)
 
-RESULTS = HERE / "gpu_pass.json"  # the last GPU pass, machine-readable (what the report and the docs read)
-# A reason that says the difference needs a CUDA device to show.
-CPU_ONLY = re.compile(r"CPU-only|without CUDA|GPU run|needs CUDA|CUDA host|on CUDA")
+RESULTS = mutate.GPU_PASS  # the last GPU pass, machine-readable (what the report and the docs read)
 # What each mutant's tree leaves out of the checkout (it holds the rest), and the tests it runs: every test marked `gpu`. The SGLang adapter's
 # GPU test needs SGLang importable (it skips otherwise, and the pass records that it skipped).
 SKIP = {".git", ".old", "build", "kvfsm-store", "kvfsm.egg-info", ".device", ".whl"}
@@ -89,7 +89,7 @@ def selected() -> list[Mutant]:
     out = []
     for s in json.loads(mutate.SURVIVORS.read_text())["survivors"]:
         why = mutate.equivalent_reason(equiv, s["function"], s["change"])
-        if why and CPU_ONLY.search(why):
+        if why and mutate.NEEDS_CUDA.search(why):
             out.append(Mutant(s["function"], s["change"], why))
     return out
 
@@ -259,6 +259,55 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+LINE = re.compile(r"^- `(?P<fn>[^`]+)` #(?P<num>\d+) \((?P<status>[^)]+)\): `")
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """Rewrite what the GPU pass decides in docs/mutation.md and tests/mutation/survivors.json, in place: the lines
+    of the survivors only a CUDA host tells apart, the survivors' counts, and the GPU section. (`mutate.py report`
+    writes the same from the full run's workspace, which this does not need.)"""
+    gpu = mutate.gpu_pass()
+    equiv = mutate.equivalents()
+    wanted = selected()
+    out, rewritten = [], 0
+    for line in mutate.REPORT.read_text().splitlines():
+        hit = LINE.match(line)
+        for m in wanted if hit else []:
+            head = mutate.survivor_line(m.function, hit["num"], hit["status"], m.change, None, gpu)
+            head = head.removesuffix("**unexplained**")
+            cut = line.index("`: ", line.index("` → `")) + 3  # where the reason starts (_md keeps ` out of the change)
+            if _norm(line[:cut]) == _norm(head):  # the same function, number and change
+                why = mutate.equivalent_reason(equiv, m.function, m.change)
+                line = line[:cut] + mutate.survivor_reason(m.function, m.change, why, gpu)
+                rewritten += 1
+                break
+        out.append(line)
+    text = "\n".join(out) + "\n"
+    data = json.loads(mutate.SURVIVORS.read_text())
+    needs = {(m.function, m.change) for m in selected()}
+    for s in data["survivors"]:
+        if (s["function"], s["change"]) in needs:
+            s["equivalent"], s["needs_cuda"] = False, True
+    summary = data["summary"]
+    unexplained = summary["unexplained"]
+    summary["needs_cuda"] = len(needs)
+    summary["equivalent"] = summary["survived"] - unexplained - len(needs)
+    text = re.sub(r"^- survivors explained as equivalent: .*$",
+                  "\n".join(mutate.summary_lines(summary["survived"], len(needs), unexplained)), text, count=1, flags=re.M)
+    text = re.sub(r"^<!-- mutation-summary: .* -->$", f"<!-- mutation-summary: {json.dumps(summary, sort_keys=True)} -->",
+                  text, count=1, flags=re.M)
+    section = "\n".join(mutate.gpu_section(gpu, sorted(needs)))
+    start, end = mutate.GPU_SECTION
+    if start in text:
+        text = text[:text.index(start)] + section + text[text.index(end) + len(end):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    mutate.REPORT.write_text(text)
+    mutate.SURVIVORS.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    print(f"{rewritten} survivor lines rewritten, {len(needs)} mutants told apart only on a CUDA host")
+    return 0 if rewritten >= len(needs) else 1
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -268,8 +317,9 @@ def main() -> int:
     r.add_argument("--jobs", type=int, default=8)
     r.add_argument("--limit", type=int, default=0)
     r.add_argument("--previous", help="an earlier pass's gpu_pass.json: its named verdicts are kept")
+    sub.add_parser("report")
     args = ap.parse_args()
-    return {"list": cmd_list, "run": cmd_run}[args.cmd](args)
+    return {"list": cmd_list, "run": cmd_run, "report": cmd_report}[args.cmd](args)
 
 
 if __name__ == "__main__":

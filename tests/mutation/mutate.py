@@ -258,19 +258,120 @@ def _md(text: str) -> str:
     return text if len(text) <= 160 else text[:157] + "..."
 
 
+# A survivor whose reason says that only a CUDA host can tell it from the original (a tensor that stays on the
+# CPU either way, pinning that needs CUDA). It is not equivalent: no test that ran could see it. The GPU pass
+# (tests/mutation/gpu_pass.py) runs each one against the GPU tests; its verdicts are in GPU_PASS.
+NEEDS_CUDA = re.compile(r"CPU-only|without CUDA|GPU run|needs CUDA|CUDA host|on CUDA")
+GPU_PASS = Path(__file__).resolve().parent / "gpu_pass.json"
+GPU_SECTION = ("<!-- gpu-pass -->", "<!-- /gpu-pass -->")
+
+
+def gpu_pass() -> dict | None:
+    """The last GPU pass (tests/mutation/gpu_pass.py run), or None before the first."""
+    return json.loads(GPU_PASS.read_text()) if GPU_PASS.exists() else None
+
+
+def gpu_verdict(function: str, change: str, gpu: dict | None) -> str:
+    """What the GPU pass said of one survivor of the CPU run, in the report's words."""
+    rec = next((r for r in (gpu or {}).get("mutants", []) if r["function"] == function and r["change"] == _norm(change)),
+               None)
+    if rec is None:
+        return "not yet run on a GPU"
+    provisional = "" if (gpu or {}).get("clean", {}) and gpu["clean"].get("rc") == 0 else \
+        ", provisionally: that pass was stopped before its unmutated run finished"
+    if rec["status"].startswith("killed"):
+        by = f" by `{rec['first_failure']}`" if rec.get("first_failure") else " (its failing test not recorded)"
+        return f"killed on the GPU{by}{provisional}"
+    if rec["status"] == "survived":
+        return f"**survived the GPU pass**{provisional}"
+    return f"{rec['status']} on the GPU: {rec.get('why', '')}"
+
+
+def survivor_reason(function: str, change: str, why: str | None, gpu: dict | None) -> str:
+    """Why one survivor survived, in the report's words: its equivalence, what the GPU pass said of a mutant only
+    a CUDA host tells apart, or **unexplained**."""
+    if why is None:
+        return "**unexplained**"
+    if NEEDS_CUDA.search(why):
+        return f"not equivalent, told apart only on a CUDA host ({gpu_verdict(function, change, gpu)}): {why}"
+    return why
+
+
+def survivor_line(function: str, num: str, status: str, change: str, why: str | None, gpu: dict | None) -> str:
+    """One survivor of the report: the mutated function, mutmut's number, the line it changes and what it becomes
+    (the first "`: " after " → `" ends that part), then why it survived."""
+    fn, old, new = _readable(function, change)
+    return f"- `{fn}` #{num} ({status}): `{old}` → `{new}`: {survivor_reason(function, change, why, gpu)}"
+
+
+def _readable(function: str, change: str) -> tuple[str, str, str]:
+    """A mutant for people: the function as written in its module, the line it changes and what it becomes."""
+    fn = function.rsplit(".", 1)[-1].replace("x\u01c1", "").replace("\u01c1", ".").removeprefix("x_")
+    old = " / ".join(l[1:].strip() for l in change.splitlines() if l.startswith("-"))
+    new = " / ".join(l[1:].strip() for l in change.splitlines() if l.startswith("+"))
+    return fn, _md(old), _md(new)
+
+
+def summary_lines(survivors: int, needs_cuda: int, unexplained: int) -> list[str]:
+    """The survivors' counts in the report's "Last full run", which tell the equivalent apart from the rest."""
+    return [f"- survivors explained as equivalent: {survivors - needs_cuda - unexplained}; told apart only on a "
+            f"CUDA host: {needs_cuda} (not equivalent: [the GPU pass](#gpu-pass) runs them); unexplained: {unexplained}"]
+
+
+def gpu_section(gpu: dict | None, needs_cuda: list[tuple[str, str]]) -> list[str]:
+    """The GPU pass's section of the report: what ran where, and the verdicts on the CPU run's survivors that only
+    a CUDA host tells apart (each survivor's line above carries its own)."""
+    verdicts = [gpu_verdict(f, c, gpu) for f, c in needs_cuda]
+    count = {k: sum(v.startswith(p) for v in verdicts) for k, p in
+             (("killed", "killed"), ("survived", "**survived"), ("not run", "not yet run"), ("other", "not run on"))}
+    named = sum("by `" in v for v in verdicts)
+    lines = [GPU_SECTION[0], "", "## GPU pass", "",
+             "The survivors of the CPU run that only a CUDA host can tell apart are not equivalent. "
+             "`tests/mutation/gpu_pass.py run` applies each one to a copy of the tree and runs the GPU tests "
+             "(every test marked `gpu`, then the CPU tests that take CUDA branches when a device is present) in a "
+             "fresh process per mutant: mutmut forks its test process, and a process that has initialised CUDA "
+             "cannot fork a child that uses it. `gpu_pass.py report` rewrites this section and the survivors' "
+             "lines from `tests/mutation/gpu_pass.json`.", ""]
+    if gpu is None:
+        lines += ["No GPU pass has run yet.", "", GPU_SECTION[1]]
+        return lines
+    m = gpu.get("machine", {})
+    clean = gpu.get("clean") or {}
+    lines += [f"- machine: {m.get('gpu', '?')}, torch {m.get('torch', '?')}, Python {m.get('python', '?')}; "
+              f"started {gpu.get('utc', '?')}",
+              "- unmutated tree: " + ("passed" if clean.get("rc") == 0 else
+                                      "not finished (the pass was stopped), so its kills are provisional"),
+              f"- mutants: {len(needs_cuda)}; killed {count['killed']} ({named} with the failing test named); "
+              f"survived {count['survived']}; not yet run {count['not run']}; not run here {count['other']}"
+              + (" (ProgressConsensus: an NCCL reduction needs a rank per GPU)" if count["other"] else ""),
+              "- the device log: `bench/results/mutation_gpu-h200.log`" if (ROOT / "bench/results/mutation_gpu-h200.log").exists()
+              else "- the device log of the first, cut-off pass was not kept; the next pass writes `bench/results/mutation_gpu-h200.log`",
+              ""]
+    survived = [(f, c) for (f, c), v in zip(needs_cuda, verdicts) if v.startswith("**survived")]
+    if survived:
+        lines += ["Survivors of the GPU pass (each needs a GPU test that kills it, or a reason it is equivalent):", ""]
+        lines += ["- `{}`: `{}` → `{}`".format(*_readable(f, c)) for f, c in survived]
+        lines.append("")
+    lines.append(GPU_SECTION[1])
+    return lines
+
+
 def write_report(mutants: list[Mutant], seconds: float, run: dict | None) -> dict:
     equiv = equivalents()
     checked = [m for m in mutants if m.status not in ("not checked", "skipped")]
     unchecked = [m for m in mutants if m.status == "not checked"]  # a run stopped before them
     killed = [m for m in checked if m.status in KILLED]
     survivors = [m for m in checked if m.status not in KILLED]
-    rows, unexplained = [], 0
+    rows, unexplained, needs_cuda = [], 0, []
     for m in survivors:
         change = diff_of(m)
         why = equivalent_reason(equiv, m.function, change)
         if why is None:
             unexplained += 1
+        elif NEEDS_CUDA.search(why):
+            needs_cuda.append((m.function, _norm(change)))
         rows.append((m, change, why))
+    gpu = gpu_pass()
     rate = len(killed) / len(checked) if checked else 0.0
     max_children = (run or {}).get("max_children", 2)
     per_file: dict[str, list[int]] = {}
@@ -279,7 +380,8 @@ def write_report(mutants: list[Mutant], seconds: float, run: dict | None) -> dic
         k[0] += m.status in KILLED
         k[1] += 1
     summary = {"mutants": len(checked), "killed": len(killed), "survived": len(survivors),
-               "equivalent": len(survivors) - unexplained, "unexplained": unexplained,
+               "equivalent": len(survivors) - unexplained - len(needs_cuda), "needs_cuda": len(needs_cuda),
+               "unexplained": unexplained,
                "kill_rate": round(rate, 4), "seconds": round(seconds), "not_checked": len(unchecked)}
     lines = [
         "# Mutation testing",
@@ -295,7 +397,7 @@ def write_report(mutants: list[Mutant], seconds: float, run: dict | None) -> dic
         f"(timeouts and crashes count as killed); survived {len(survivors)}",
         f"- **kill rate: {rate:.2%}** (`kill_rate = {rate:.4f}`); the CI sample is held to this run's verdict on "
         "each mutant it picks (tests/mutation/survivors.json)",
-        f"- survivors explained as equivalent: {len(survivors) - unexplained}; unexplained: {unexplained}",
+        *summary_lines(len(survivors), len(needs_cuda), unexplained),
         *([f"- not checked: {len(unchecked)} (the run was stopped before them; tests/mutation/survivors.json lists "
            "them as `not checked`, so the CI sample never counts one of them against this run)"] if unchecked else []),
         f"- wall time: {seconds / 60:.1f} min for the run on {os.cpu_count()} cores, {max_children} mutants at a time"
@@ -314,7 +416,8 @@ def write_report(mutants: list[Mutant], seconds: float, run: dict | None) -> dic
         lines.append(f"| `{path}` | {n} | {k} | {k / n:.1%} |")
     lines += ["", "### Survivors", "",
               "Each survivor is an equivalent mutant (no test of the subset can tell it from the original; the reason is "
-              "given, from tests/mutation/equivalent.py) or **unexplained**: a behaviour no test of the subset pins down. "
+              "given, from tests/mutation/equivalent.py), one that only a CUDA host tells apart (with the GPU pass's "
+              "verdict), or **unexplained**: a behaviour no test of the subset pins down. "
               "One line per mutant: the mutated function, mutmut's number, the line it changes and what it becomes.", ""]
     if not rows:
         lines.append("None.")
@@ -324,16 +427,14 @@ def write_report(mutants: list[Mutant], seconds: float, run: dict | None) -> dic
     for path, group in sorted(by_path.items()):
         lines += [f"#### `{path}` ({len(group)})", ""]
         for m, change, why in group:
-            fn = m.function.rsplit(".", 1)[-1].replace("x\u01c1", "").replace("\u01c1", ".").removeprefix("x_")
-            num = m.name.rsplit("__mutmut_", 1)[-1]
-            old = " / ".join(l[1:].strip() for l in change.splitlines() if l.startswith("-"))
-            new = " / ".join(l[1:].strip() for l in change.splitlines() if l.startswith("+"))
-            lines.append(f"- `{fn}` #{num} ({m.status}): `{_md(old)}` → `{_md(new)}`: "
-                         + (why if why else "**unexplained**"))
+            lines.append(survivor_line(m.function, m.name.rsplit("__mutmut_", 1)[-1], m.status, change, why, gpu))
         lines.append("")
+    lines += gpu_section(gpu, needs_cuda)
     REPORT.write_text("\n".join(lines).rstrip("\n") + "\n")
     SURVIVORS.write_text(json.dumps({"summary": summary, "survivors": [
-        {"function": m.function, "change": _norm(change), "status": m.status, "equivalent": why is not None}
+        {"function": m.function, "change": _norm(change), "status": m.status,
+         "equivalent": why is not None and not NEEDS_CUDA.search(why),
+         **({"needs_cuda": True} if why is not None and NEEDS_CUDA.search(why) else {})}
         for m, change, why in rows] + [
         {"function": m.function, "change": _norm(diff_of(m)), "status": m.status, "equivalent": False}
         for m in unchecked]}, indent=1, sort_keys=True) + "\n")
@@ -386,7 +487,10 @@ down is in functions and methods.
   the budget, and they take minutes. Hypothesis runs derandomized in the workspace;
 - a survivor that no test can kill is listed in tests/mutation/equivalent.py with the reason (keyed by its
   function and its change, so the entry survives renumbering); the report marks every other survivor
-  **unexplained**.
+  **unexplained**;
+- a survivor whose reason says that only a CUDA host tells it apart (a tensor that stays on the CPU either
+  way, pinning that needs CUDA) is not equivalent: the CPU run could not see it. It is counted apart, and
+  the GPU pass (below) runs it against the GPU tests on a GPU machine.
 
 ## Files
 
@@ -397,6 +501,7 @@ down is in functions and methods.
 - `tests/mutation/equivalent.py` (with `equivalent_*.py`, one per group of modules): the equivalent survivors
   and why;
 - `tests/mutation/test_kills.py` and `test_kills_*.py`: the tests added to kill survivors;
+- `tests/mutation/gpu_pass.py` and `gpu_pass.json`: the GPU pass and its last verdicts;
 - `tests/mutation/survivors.json`: this run's survivors, machine-readable (function, change, status);
 - `tests/mutation/test_mutation_sample.py`: the CI step (`make test` runs it), 40 mutants picked with a fixed
   seed, every one checked (about two minutes on 2 cores; no time box, a hang guard on progress), failing when
