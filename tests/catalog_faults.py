@@ -449,6 +449,12 @@ def b21(mp: pytest.MonkeyPatch) -> None:
     _weaken(mp, checks, "check_world", "for c in done:", "for c in done[:-1]:")
 
 
+def b21_first(mp: pytest.MonkeyPatch) -> None:
+    """The explorer's host-content check looks only at the first completed copy (`for c in done[:1]`)."""
+    import kvfsm.verify.explorer.checks as checks
+    _weaken(mp, checks, "check_world", "for c in done:", "for c in done[:1]:")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Loaded as a plugin (`-p catalog_faults`, tests/ on the path) with KVFSM_CATALOG_FAULT naming a fault:
     the session runs with it in place from before collection, so a test module's `from x import f` sees it

@@ -43,7 +43,7 @@ from timing import join_all, run_watched
 from tp_threads import ThreadGroup, route_all_reduce
 from catalog_faults import (b1, b2, b3, b3_host, b4, b5, b6, b6_readmit, b7, b8, b9, b10, b11, b12, b13, b14, b15, b16,
                             b17, b17_carried, b18, b18_fenced, b18_parked, b19, b19_batch, b19_partial, b20,
-                            b20_in_flight, b20_swap_out, b21)
+                            b20_in_flight, b20_swap_out, b21, b21_first)
 
 DEEP = tm.DEEP
 REPORT: dict[str, dict[str, Any]] = {}
@@ -92,6 +92,7 @@ COMPONENT_MUTANTS: dict[str, tuple[str, Callable[[pytest.MonkeyPatch], None], tu
                      ("tests/integrations/test_transformers_swap.py::"
                       "test_a_fenced_swap_out_enqueues_the_compute_streams_wait_before_the_blocks_go_back",)),
     "B21": ("weakened explorer check", b21, ("tests/verify/test_checks_fire.py",)),
+    "B21-first": ("weakened explorer check (only the first landed copy)", b21_first, ("tests/verify/test_checks_fire.py",)),
 }
 
 # Shrinking a failing run costs minutes per mutant; CI only needs the catch. The report script turns it on,

@@ -2,8 +2,8 @@
 
 The explorer's claim (no violation within a bound) is only as strong as its checks, and a weakened check
 still passes every test that explores correct code. Here each check gets a reachable world and one
-corruption of exactly what it guards: the device KV of a live request, the host KV of the last completed
-copy (a check that looks at fewer chunks misses it), a stored page's bytes, an extra page, row or protected
+corruption of exactly what it guards: the device KV of a live request, the host KV of the first and of the
+last of two landed copies (a check that looks at fewer chunks misses one), a stored page's bytes, an extra page, row or protected
 token, two holders sharing a page, a chunk dropped from the copy queue, and so on. `check_world` must raise
 a `Violation` with that check's name, and the same world without the corruption must pass.
 
@@ -28,10 +28,18 @@ TWO_COPIES = GROWN + [("offload", 0), ("offload", 1)]  # two chunks in flight, n
 # r0's chunk stored, r1's copy landed and not yet acknowledged
 STORED = TWO_COPIES + [("copy", 0), ("progress",), ("backup", 0), ("progress",), ("copy", 0)]
 QUIET = GROWN + [("finish", 0), ("finish", 1), ("progress",)]  # nothing live, nothing in flight
+TWO_LANDED = TWO_COPIES + [("copy", 0), ("copy", 0)]  # both copies landed, neither acknowledged
 
 
-def _last_done_chunk(w: World) -> Any:
-    return [c for c in w.engine.manager.fx.copy_fifo if c.handle.done()][-1]
+def _done_chunk(w: World, which: int) -> Any:
+    done = [c for c in w.engine.manager.fx.copy_fifo if c.handle.done()]
+    assert len(done) == 2, "the world must hold two landed copies, so a check of fewer chunks misses one"
+    return done[which]
+
+
+def _corrupt_host_copy(which: int) -> Callable[[World], Any]:
+    return lambda w: w.engine.host_pool.token_view().__setitem__(
+        (slice(None), slice(None), int(_done_chunk(w, which).host_indices[-1])), -1.0)
 
 
 def _live_slot(w: World, i: int = 1) -> int:
@@ -79,8 +87,9 @@ SEEDED: dict[str, tuple[list, Callable[[World], Any]]] = {
         (slice(None), slice(None), _live_slot(w)), -1.0)),
     "no_shared_host_slot": (TWO_COPIES, _share_host_slot),
     "host_accounting": (TWO_COPIES, lambda w: w.engine.host_pool.alloc_pages(1)),
-    "host_kv_content": (STORED, lambda w: w.engine.host_pool.token_view().__setitem__(
-        (slice(None), slice(None), int(_last_done_chunk(w).host_indices[-1])), -1.0)),
+    # two landed copies, each corrupted in turn: a check that looks at fewer chunks misses one of them
+    "host_kv_content of the first landed copy": (TWO_LANDED, _corrupt_host_copy(0)),
+    "host_kv_content of the last landed copy": (TWO_LANDED, _corrupt_host_copy(-1)),
     "ledger_host_pages": (TWO_COPIES, lambda w: w.engine.manager.ledger.host_owner.popitem()),
     "stored_means_in_storage": (STORED, lambda w: w.engine.store.pages.clear()),
     "storage_kv_content": (STORED, _corrupt_stored),
