@@ -1,0 +1,41 @@
+"""Run kvfsm under an address-space limit: `python tests/hostile/limited.py MIB cli ARGS...` runs the
+`kvfsm` command line, `... MIB call MODULE:FUNCTION ARG` calls one reader on a path. The limit is set with
+resource.setrlimit(RLIMIT_AS) in this process before kvfsm is imported, so a reader that tries to expand
+its input into memory dies here with MemoryError instead of taking the machine's memory.
+
+A `call` prints the result's type and exits 0, or prints `error TYPE: message` and exits 3 for an
+exception (any type: the test decides which are typed), so the test sees which error came out.
+"""
+
+from __future__ import annotations
+
+import importlib
+import resource
+import sys
+
+
+def main(argv: list[str]) -> int:
+    mib, mode, *rest = argv
+    limit = int(mib) << 20
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    if mode == "cli":
+        from kvfsm.cli import app
+        sys.argv = ["kvfsm", *rest]
+        app()
+        return 0
+    target, *args = rest
+    module, func = target.split(":")
+    fn = importlib.import_module(module)
+    for part in func.split("."):
+        fn = getattr(fn, part)
+    try:
+        result = fn(*args)
+    except BaseException as exc:  # noqa: BLE001 - reported to the test, which judges the type
+        print(f"error {type(exc).__module__}.{type(exc).__qualname__}: {str(exc)[:2000]}")
+        return 3
+    print(f"ok {type(result).__name__}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
