@@ -11,20 +11,19 @@ from __future__ import annotations
 import time
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 
 from kvfsm.generated.cb_swap import CbSwapMachine
-from kvfsm.dataplane import CopyEngine, CopyHandle, CpuCopyEngine
+from kvfsm.dataplane import CopyEngine, CopyHandle, CpuCopyEngine, HostKVPool
 from kvfsm.dataplane.fences import SlotFence
 from kvfsm.dataplane.pools.allocator import PageSlots
 from kvfsm.runtime.ledger import CheckedModeError
 
-from .config import SwapConfig
-
-if TYPE_CHECKING:
-    from .manager import KvfsmOffloadingManager
+from .config import SwapConfig, SwapMetrics
+from .ledger import SwapLedger
+from .pool import PagedCachePool
 
 
 @dataclass(eq=False)
@@ -59,10 +58,36 @@ class SwapRecord:
         return self.key
 
 
+class SwapOwner(Protocol):
+    """What the effects use of the manager that owns them (`KvfsmOffloadingManager`): its pools, engine, ledger
+    and metrics, and the engine-facing calls. Named here, so that the manager imports the effects and the effects
+    import nothing of the manager."""
+
+    allocator: Any  # transformers' block allocator of the full-attention group (its block_table)
+    device_pool: PagedCachePool
+    host_pool: HostKVPool
+    engine: CopyEngine
+    checked: bool
+    ledger: Optional[SwapLedger]
+    metrics: SwapMetrics
+    in_flight: dict[str, "SwapRecord"]
+
+    @property
+    def compute_stream(self) -> Any: ...
+
+    def stream_ctx(self) -> Any: ...
+
+    def submit(self, submit: Callable[..., CopyHandle], *args: Any) -> CopyHandle: ...
+
+    def engine_free_blocks(self, request_id: str, no_cache: bool = False) -> None: ...
+
+    def check_restore_target(self, rec: "SwapRecord", blocks: list[int]) -> None: ...
+
+
 class SwapEffects:
     """Implements `kvfsm.generated.cb_swap.CbSwapEffects` over the engine's cache, a HostKVPool and a CopyEngine."""
 
-    def __init__(self, owner: "KvfsmOffloadingManager") -> None:
+    def __init__(self, owner: SwapOwner) -> None:
         self.o = owner
 
     def start_swap_out(self, m: CbSwapMachine, c: SwapCopy) -> None:
