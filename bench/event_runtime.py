@@ -1,6 +1,6 @@
 """Per-event cost of the generated machine vs the `transitions` reference, on one event stream, one run.
 
-Targets (issue 2): generated <= 0.3 us/event and >= 25x faster than the reference; construction <= 2 us.
+Targets: generated <= 0.3 us/event and >= 25x faster than the reference; construction <= 2 us.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""How fast the bounded explorer (`kvfsm check`) is, and what each technique of issue 19 buys, in one run.
+"""How fast the bounded explorer (`kvfsm check`) is, and what each search technique buys, in one run.
 
 The techniques, measured as a ladder on the same bounds (each step adds one to the one before; every step
 reaches the same states, see tests/verify/test_reduction_soundness.py):
 
-1. clone:     every child branched by a full pickle round trip of its parent (the search before issue 19,
-              with request symmetry, which it already had);
+1. clone:     every child branched by a full pickle round trip of its parent (the plain search,
+              with request symmetry);
 2. +sparse:   object arrays pickled by their filled slots (the stored-page index's mostly-empty rings);
 3. +snapshot: each state pickled once, every child unpickled from it (cloning.Snapshot);
 4. +orbits:   events of a request the state is symmetric in with a smaller one are not run (a symmetric

@@ -1,4 +1,4 @@
-"""The least work one scheduler iteration of issue 4's benchmark can do, timed in its cold regime.
+"""The least work one scheduler iteration of bench/manager_overhead.py's benchmark can do, timed in its cold regime.
 
 bench/manager_overhead.py times kvfsm's manager right after a simulated 20 ms decode step. This script
 times, in the same regime, a bare iteration with no kvfsm code, no checks and no lifecycle machines:

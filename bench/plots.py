@@ -367,8 +367,8 @@ def cold_calls(page: Page) -> None:
         return
     page.lines += ["## One call right after a simulated step", "",
                    "bench/probes/cold_call_probe.py: each primitive of the manager's hot path timed as the first call "
-                   "after a simulated 20 ms step (cold) and right after that (warm), median over samples. Issue 4's "
-                   "budget is spent in this regime.", "",
+                   "after a simulated 20 ms step (cold) and right after that (warm), median over samples. The "
+                   "manager's per-iteration budget is spent in this regime.", "",
                    "| result file | machine | primitive | cold us | warm us | cold / warm |", "|---|---|---|---|---|---|"]
     for path, d in runs:
         for r in d["rows"]:
@@ -382,9 +382,9 @@ def explorer_speed(page: Page) -> None:
     if not runs:
         return
     page.lines += ["## The bounded explorer: states per CPU second, technique by technique", "",
-                   "bench/explorer_speed.py: `kvfsm check`'s search over the real manager and pools, the techniques "
-                   "of issue 19 added one at a time on the same bounds (every step reaches the same states). "
-                   "Speed-up is CPU time against the step before; the first step is the search before issue 19.", ""]
+                   "bench/explorer_speed.py: `kvfsm check`'s search over the real manager and pools, the search "
+                   "techniques added one at a time on the same bounds (every step reaches the same states). "
+                   "Speed-up is CPU time against the step before; the first step is the search with request symmetry only.", ""]
     for path, d in runs:
         bounds = list(d["ladder"][0]["bounds"])
         page.lines += [f"From `{_rel(path)}`, machine: {_machine(d)}.", "",

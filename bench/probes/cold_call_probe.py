@@ -1,4 +1,4 @@
-"""What one call costs when a simulated decode step has just left the CPU caches cold (issue 4's regime).
+"""What one call costs when a simulated decode step has just left the CPU caches cold (the manager's regime).
 
 bench/manager_overhead.py times the manager right after a 20 ms simulated step. On the machines measured
 here, any operation's first run after such a step costs many times its warm cost: the step evicts the

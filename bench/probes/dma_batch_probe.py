@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Exploratory probe for issue #3: can gather-to-staging + ONE cuMemcpyBatchAsync per chunk beat the Triton
+"""Exploratory probe: can gather-to-staging + ONE cuMemcpyBatchAsync per chunk beat the Triton
 kernel's scattered-PCIe ceiling (offload 0.93-0.947 of contiguous D2H, load-back 0.90-0.925 of H2D)?
 
 Llama-3-8B-like KV (32 layers, 8 KV heads, head dim 128, bf16: 128 KiB per token), --gib per batch (1),

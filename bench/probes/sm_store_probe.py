@@ -1,4 +1,4 @@
-"""How fast can the GPU's SMs write pinned host memory? (A development probe for issue 3's page-1 target.)
+"""How fast can the GPU's SMs write pinned host memory? (A development probe for page-size-1 offload.)
 
 The copy engine's scattered offload is either SM stores through unified addressing (the Triton kernel) or
 DMA copies, one per contiguous host run (`bench/probes/dma_batch_probe.py`). Page-size-1 offload has host runs

@@ -1,4 +1,4 @@
-"""Transition coverage (issue 5, part 5): which declared transitions the implementation really took.
+"""Transition coverage: which declared transitions the implementation really took.
 
 The manager records the id of every transition its machines take in `manager.coverage`; the explorer
 unions them over every edge it runs (ExploreResult.coverage) and `fuzz` over a long random walk. A

@@ -10,7 +10,7 @@ from kvfsm.dataplane import page_hashes
 
 def test_a_float_among_wide_ids_is_refused_not_truncated() -> None:
     """A page with an id >= 2**32 goes the u64 way; a float beside it must be refused there too, as it is
-    on the u32 way, instead of being hashed as its truncation (found by mutation testing, #18)."""
+    on the u32 way, instead of being hashed as its truncation (found by mutation testing)."""
     with pytest.raises(ValueError, match="integers"):
         page_hashes([2**40, 1.5], 2)
     with pytest.raises(ValueError, match="integers"):

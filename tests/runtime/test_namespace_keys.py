@@ -1,4 +1,4 @@
-"""The manager's storage keys for namespaced and wide-token requests (issue 17's keys): what a request
+"""The manager's storage keys for namespaced and wide-token requests: what a request
 stores is `page_hashes(prompt + outputs, page_size, extra_key=..., cache_salt=...)` over the whole page-hash
 chain, the prompt's prefill-side prefix included, so a prefill instance that wrote the prompt under
 SGLang 0.5.23's keys and this decode side agree. Expected keys come from the public hashing API, whose own

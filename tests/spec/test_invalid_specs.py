@@ -101,7 +101,7 @@ def test_cli_validate_accepts_minimal() -> None:
     assert "ok:" in result.stdout and result.stderr == ""
 
 
-# --- counter updates tied to the actions and events that imply them (issue #18) --------------------
+# --- counter updates tied to the actions and events that imply them --------------------
 
 UPDATE_CASES = ["shipped_update_of_another_action", "shipped_implied_update_missing", "update_not_implied",
                 "double_implied_update"]

@@ -1,4 +1,4 @@
-"""The production configurations of the stateful suite (issue #18): what test_production_matrix.py and
+"""The production configurations of the stateful suite: what test_production_matrix.py and
 test_production_mutants.py run.
 
 `ProductionMachine` is the stateful machine of test_manager_machine.py (it subclasses `ManagerMachine` and

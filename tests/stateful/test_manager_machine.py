@@ -1,4 +1,4 @@
-"""Stateful fuzzing of the real DecodeOffloadManager over SimEngine (issue 5, part 1).
+"""Stateful fuzzing of the real DecodeOffloadManager over SimEngine.
 
 A hypothesis RuleBasedStateMachine drives many concurrent requests through a small engine (real CPU pools,
 a DeferredCpuCopyEngine whose copies land only when a rule completes them, in any order, and a

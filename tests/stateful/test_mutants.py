@@ -1,4 +1,4 @@
-"""Catalog mutants (issue 5, part 2): for each bug class of docs/bug-catalog.md, a fault injected into the
+"""Catalog mutants: for each bug class of docs/bug-catalog.md, a fault injected into the
 runtime with `monkeypatch` (tests/catalog_faults.py, shared with the explorer's tests), and proof that the
 stateful suite catches it.
 

@@ -1,4 +1,4 @@
-"""The stateful machine over every production configuration, checked and unchecked (issue #18).
+"""The stateful machine over every production configuration, checked and unchecked.
 
 `ProductionMachine` (tests/stateful/production.py: the rules of test_manager_machine.py over real
 production parts, compared after every rule with an independent shadow ledger) runs once per
@@ -17,7 +17,7 @@ TP 1/2 x checked/unchecked = 288) is far too slow for CI, so CONFIGS is a coveri
   consensus), Mooncake behind the production default (threaded engine and worker) and behind
   FaultyStorage (the batch_set path into Mooncake), and FaultyStorage under a batching worker in checked
   mode (a batch's page outcomes split per chunk, item by item) and in unchecked mode (batch events);
-- fenced release (OffloadConfig.fenced_release, issue #21) over the deferred engine (the test decides when
+- fenced release (OffloadConfig.fenced_release) over the deferred engine (the test decides when
   each copy lands) checked, over the copy thread with the backup thread and file storage, and over TP 2:
   an end under a copy frees at once with the copy's fence, the engine takes pages with alloc_fenced and
   waits on their fences before writing them, and a scratch writer (`reuse_fenced`) reuses fenced pages.
@@ -73,7 +73,7 @@ CONFIGS: list[Config] = [
     C("cpu", "stepped", "mooncake", False, 2, False, examples=6, steps=250),
     C("cpu", "inline", "file", True, 2, True, examples=40),
     C("deferred", "thread", "file", False, 1, True, examples=40),
-    # fenced release (issue #21): ends under a copy release at once, fenced; the engine's writes and a scratch
+    # fenced release: ends under a copy release at once, fenced; the engine's writes and a scratch
     # writer take fenced pages last and wait on their fences (the test's completion order; a copy thread's)
     C("deferred", "stepped", "memory", True, 1, True, examples=40, fenced=True),
     C("thread", "thread", "file", False, 1, False, examples=30, fenced=True),

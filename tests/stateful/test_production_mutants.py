@@ -244,7 +244,7 @@ def stored_pages_counts_chunks(mp: pytest.MonkeyPatch) -> None:
     _wrap(mp, OffloadEffects, "mark_stored_each", make)
 
 
-# --- fenced release (issue #21) ---------------------------------------------------------------------------
+# --- fenced release ---------------------------------------------------------------------------
 
 def writer_skips_the_wait(mp: pytest.MonkeyPatch) -> None:
     """The engine writes pages alloc_fenced handed out without waiting on their fences (#21's named fault)."""

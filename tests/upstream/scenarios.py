@@ -1,4 +1,4 @@
-"""The scripted decode workloads of the differential test (issue 17, item 6), as plain data.
+"""The scripted decode workloads of the differential test, as plain data.
 
 A scenario is run by `harness.run_scenario` step by step as SGLang's scheduler would; nothing here knows
 which manager runs it, so the same list drives upstream's manager and kvfsm's adapter.

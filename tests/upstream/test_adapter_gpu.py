@@ -1,4 +1,4 @@
-"""kvfsm's SGLang adapter on a GPU server's layout (issue 17): SGLang 0.5.23's own `ReqToTokenPool`, KV pools
+"""kvfsm's SGLang adapter on a GPU server's layout: SGLang 0.5.23's own `ReqToTokenPool`, KV pools
 and allocators on CUDA, `req_to_token` on the GPU, driven by the differential harness as SGLang's scheduler
 drives the manager.
 

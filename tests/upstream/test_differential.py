@@ -1,4 +1,4 @@
-"""Differential test (issue 17, item 6): every scenario on upstream SGLang 0.5.23's manager and on kvfsm's
+"""Differential test: every scenario on upstream SGLang 0.5.23's manager and on kvfsm's
 drop-in (`kvfsm.integrations.sglang.DecodeKVCacheOffloadManager`), compared per scheduler step.
 
 Both run the same script (`harness.run_scenario`) over the same SGLang objects; `harness.diff_runs` compares

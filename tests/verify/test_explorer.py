@@ -1,4 +1,4 @@
-"""The bounded exhaustive explorer of the implementation (issue 5, part 3).
+"""The bounded exhaustive explorer of the implementation.
 
 - every way of branching (copy: one snapshot per state, clone: one per child, replay) reaches exactly the
   same states;

@@ -1,4 +1,4 @@
-"""The explorer's reductions lose nothing (issue 19): request symmetry, the orbits of symmetric requests and
+"""The explorer's reductions lose nothing: request symmetry, the orbits of symmetric requests and
 partial-order reduction by sleep sets, each checked against the search without it.
 
 - the independence relation (kvfsm.verify.explorer.independence): every pair of events it calls independent
@@ -109,7 +109,7 @@ def test_key_tells_apart_worlds_whose_readmission_differs() -> None:
     """Two traces the key once merged: request 1 offloads (or not) before its retract, and request 0's chunk
     is backed up in between; re-admitting request 1 then reaches different states (which row it gets back
     depends on the order rows came back in). A key that merged them made the reached state set depend on
-    which world the search kept: the reduced and the full search reached different keys (issue 19)."""
+    which world the search kept: the reduced and the full search reached different keys."""
     cfg = ExplorerConfig(requests=2, decodes=2, host_slots=2, readmits=1)
     start = (("admit", 0), ("decode", 0), ("offload", 0), ("retract", 0), ("readmit", 0), ("admit", 1))
     a = build(cfg, start + (("copy", 0), ("progress",), ("offload", 1), ("retract", 1)))
@@ -130,7 +130,7 @@ BIG = [ExplorerConfig(requests=2, decodes=3, host_slots=2), ExplorerConfig(reque
 
 @pytest.mark.parametrize("cfg", SMALL + (BIG if DEEP else []), ids=lambda c: c.describe()[:60])
 def test_reductions_reach_the_same_states_at_the_same_depths(cfg: ExplorerConfig) -> None:
-    sym = explore(cfg, keep_keys=True, por=False, orbits=False)  # symmetry only: the search before issue 19
+    sym = explore(cfg, keep_keys=True, por=False, orbits=False)  # symmetry only: the search without orbits or partial-order reduction
     assert sym.complete and sym.violation is None
     alone = [dict(por=True, orbits=False), dict(por=False, orbits=True)] if DEEP else []
     for kw in alone + [REDUCED]:

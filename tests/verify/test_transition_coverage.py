@@ -1,4 +1,4 @@
-"""Transition coverage (issue 5, part 5): every declared transition is exercised by the implementation."""
+"""Transition coverage: every declared transition is exercised by the implementation."""
 
 from __future__ import annotations
 

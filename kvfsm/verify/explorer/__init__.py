@@ -1,4 +1,4 @@
-"""Bounded exhaustive exploration of the *implementation* (issue 5, part 3): the public vocabulary.
+"""Bounded exhaustive exploration of the *implementation*: the public vocabulary.
 
 Breadth-first over every interleaving of engine events for N requests over a SimEngine in checked mode,
 checking every invariant in every reached state; the first violation has a shortest event trace, which
