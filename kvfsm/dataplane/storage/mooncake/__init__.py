@@ -4,7 +4,7 @@ Install with `pip install 'kvfsm[mooncake]'` (the non-CUDA wheel; CUDA hosts ins
 `mooncake-transfer-engine` wheel instead). `mooncake` is imported only when a `MooncakeStorage` is built, so
 kvfsm imports without it. The binaries need `libibverbs1` even for the TCP protocol.
 
-Keys are SGLang 0.5.23 MooncakeStore's (`client.sglang_mooncake_keys`): an MHA page is two objects,
+Keys are SGLang 0.5.23 MooncakeStore's (`sglang_mooncake_keys`): an MHA page is two objects,
 `{model}_{hash}_{tp_rank}_k` and `..._v` (its K and V planes), an MLA page one, `{model}_{hash}__k`, so a kvfsm
 decode and an SGLang prefill of one deployment see each other's pages (the object bytes follow SGLang's
 `--hicache-mem-layout`: MooncakeStorage(layout=...), docs/page-layout.md). A page is stored, found or read
@@ -45,7 +45,9 @@ queueing. close() waits for running calls before closing the client (never under
 
 Modules: `errors` (status codes, error_name, MooncakeUnavailable), `connect` (import_store_class, probe,
 bounded client setup), `runner` (bounded calls on worker threads), `read_pool` (recycled receive buffers),
-`client` (MooncakeStorage, MooncakeStats), `master` (mooncake_master command line, binary, loopback env).
+`keys` (SGLang's object keys of a page), `objects` (a page split into its objects and joined back),
+`regions` (host memory registered with the client), `client` (MooncakeStorage, MooncakeStats: the data path),
+`master` (mooncake_master command line, binary, loopback env).
 Every name the former single module defined is re-exported here; importing the package never imports `mooncake`.
 """
 
@@ -55,6 +57,7 @@ import logging
 
 from .client import MooncakeStats, MooncakeStorage
 from .connect import _INSTALL_HINT, _host_port, import_store_class, probe  # noqa: F401
+from .keys import sglang_mooncake_keys, sglang_mooncake_prefix
 from .errors import (  # noqa: F401
     ERROR_NAMES, INVALID_PARAMS, NO_AVAILABLE_HANDLE, OBJECT_ALREADY_EXISTS, OBJECT_NOT_FOUND, OK, RPC_FAIL,
     RPC_TIMEOUT, TIMEOUT, WEDGED, MooncakeUnavailable, error_name)
@@ -65,4 +68,5 @@ from .runner import _ABANDONED, _CANCELLED, _FINISHED, _PENDING, _RUNNING, _Job,
 logger = logging.getLogger(__name__)  # the logger every submodule logs to
 
 __all__ = ["ERROR_NAMES", "LOOPBACK_ENV", "MooncakeStats", "MooncakeStorage", "MooncakeUnavailable", "error_name",
-           "import_store_class", "master_binary", "master_command", "probe"]
+           "import_store_class", "master_binary", "master_command", "probe", "sglang_mooncake_keys",
+           "sglang_mooncake_prefix"]

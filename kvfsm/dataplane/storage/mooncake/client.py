@@ -1,9 +1,9 @@
 """MooncakeStorage, the `StorageBackend` over one Mooncake Store client, and MooncakeStats.
 
-The batch data path described in the package docstring: keys, registered regions, puts (in place, staged, or
-gathered from a HostKVPool), reads into `read_pool` buffers, exists, per-page failure accounting. The client
-comes from `connect`; every call on it goes through `runner`.
-Over 500 lines as one class on purpose: its read, write and registration paths share the client, regions and pools.
+The batch data path described in the package docstring: puts (in place, staged, or gathered from a HostKVPool),
+reads into `read_pool` buffers, exists, per-page failure accounting. The client comes from `connect`; every call
+on it goes through `runner`. A page's object keys are `keys`', its split into objects and back `objects`', and
+the memory registered with the client `regions`'.
 """
 
 from __future__ import annotations
@@ -21,35 +21,13 @@ import torch
 from ..base import StorageStats, _check_batch
 from .connect import _host_port, connect
 from .errors import INVALID_PARAMS, OBJECT_ALREADY_EXISTS, OBJECT_NOT_FOUND, OK, RPC_FAIL, TIMEOUT, error_name
+from .keys import ObjectKeys
+from .objects import PageObjects
 from .read_pool import _ReadPool
+from .regions import Regions
 from .runner import _Runner
 
 logger = logging.getLogger(__package__)  # the backend's one logger, as before the package split
-
-LAYOUTS = ("layer_first", "page_first")
-
-
-def sglang_mooncake_prefix(model_name: str = "", backend_tag: str | None = None) -> str | None:
-    """SGLang 0.5.23 MooncakeStore's `config_prefix`: `{extra_backend_tag}_{model}` ("/" -> "-"), either
-    part left out when unset; None when both are."""
-    parts = [] if backend_tag is None else [str(backend_tag)]
-    if model_name:
-        parts.append("-".join(model_name.split("/")))
-    return "_".join(parts) if parts else None
-
-
-def sglang_mooncake_keys(page_hash: str, *, model_name: str = "", tp_rank: int = 0, is_mla: bool = False,
-                         backend_tag: str | None = None) -> list[str]:
-    """The object keys SGLang 0.5.23's MooncakeStore (`batch_set_v1`: `_tag_keys`, `_get_mha_buffer_meta` /
-    `_get_mla_buffer_meta`) stores one KV page under, without pipeline, decode-context parallelism or
-    split heads: `{prefix}_{hash}_{tp_rank}_k` and `..._v` for MHA (K and V are separate objects; no TP
-    size in the key), `{prefix}_{hash}__k` for MLA (one latent object, shared by every rank)."""
-    prefix = sglang_mooncake_prefix(model_name, backend_tag)
-    tagged = page_hash if prefix is None else f"{prefix}_{page_hash}"
-    if is_mla:
-        return [f"{tagged}__k"]
-    return [f"{tagged}_{tp_rank}_k", f"{tagged}_{tp_rank}_v"]
-
 
 @dataclass
 class MooncakeStats(StorageStats):
@@ -110,23 +88,13 @@ class MooncakeStorage:
         host, _ = _host_port(master_server_addr, 50051)
         self.metadata_server = metadata_server or f"http://{host}:8080/metadata"
         self.protocol = protocol
-        if layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-        self.planes = 1 if is_mla else 2
-        if page_dims is not None:
-            page_dims = tuple(page_dims)  # type: ignore[assignment]
-            if len(page_dims) != 3 or not all(isinstance(d, int) and d > 0 for d in page_dims) \
-                    or page_dims[0] != self.planes:
-                raise ValueError(f"page_dims must be ({self.planes}, layers, page_size) positive ints, got {page_dims!r}")
-        elif layout == "page_first":
-            raise ValueError("layout='page_first' needs page_dims=(planes, layers, page_size) to reorder objects")
+        self.objects = PageObjects(layout, is_mla, page_dims)
+        self.planes = self.objects.planes
         if page_nbytes is not None and (page_nbytes <= 0 or page_nbytes % self.planes):
             raise ValueError(f"page_nbytes must be a positive multiple of {self.planes}, got {page_nbytes}")
-        self.layout, self.page_dims = layout, page_dims
+        self.layout, self.page_dims = layout, self.objects.page_dims
         self.model_name, self.tp_rank, self.is_mla, self.backend_tag = model_name, tp_rank, is_mla, backend_tag
-        prefix = sglang_mooncake_prefix(model_name, backend_tag)
-        self._prefix = "" if prefix is None else prefix + "_"
-        self._object_suffixes = ["__k"] if is_mla else [f"_{tp_rank}_k", f"_{tp_rank}_v"]
+        self.keys = ObjectKeys(model_name=model_name, tp_rank=tp_rank, is_mla=is_mla, backend_tag=backend_tag)
         self.page_nbytes = page_nbytes
         self.op_timeout_s = float(op_timeout_s)
         self.close_timeout_s = float(close_timeout_s)
@@ -135,9 +103,7 @@ class MooncakeStorage:
         self.direct_unregistered = protocol == "tcp" if direct_unregistered is None else bool(direct_unregistered)
         self.stats = MooncakeStats()
         self._lock = threading.Lock()
-        self._regions: list[tuple[int, int]] = []  # registered [start, end) address ranges
         self._pools: dict[int, _ReadPool] = {}
-        self._registered_pools: set[int] = set()  # id() of host pools registered whole
         self._closed = False
         self._put_config = None
         if client is None:
@@ -148,6 +114,7 @@ class MooncakeStorage:
                 setup_timeout_s=setup_timeout_s, connect_timeout_s=connect_timeout_s)
         self.client = client
         self._runner = _Runner(max(1, int(workers)), "kvfsm-mooncake")
+        self.regions = Regions(client, self._runner, self.op_timeout_s, self._lock)
 
     @classmethod
     def from_config(cls, config: Any, *, tp_rank: int = 0, tp_size: int = 1, is_mla: bool = False,
@@ -163,59 +130,34 @@ class MooncakeStorage:
     # ---- keys, regions ----------------------------------------------------------------------------------
     def key_of(self, key: str) -> list[str]:
         """The Mooncake object keys of page hash `key`: SGLang's, K then V for MHA, one for MLA."""
-        if not isinstance(key, str) or not key:
-            raise ValueError(f"storage key must be a non-empty string, got {key!r}")
-        return [self._prefix + key + sfx for sfx in self._object_suffixes]
+        return self.keys.of(key)
 
     def register_buffer(self, tensor: torch.Tensor) -> None:
         """Register a CPU tensor's memory with the client: pages inside it are sent in place."""
         if tensor.device.type != "cpu":
             raise ValueError("only host memory can be registered with the Mooncake client")
-        self._register(tensor.data_ptr(), tensor.numel() * tensor.element_size(), strict=True)
+        self.regions.register(tensor.data_ptr(), tensor.numel() * tensor.element_size(), strict=True)
 
     def register_host_pool(self, host_pool: Any) -> None:
         """Register a HostKVPool's buffer (for batch_set_from_host and in-place puts from it)."""
-        if id(host_pool) not in self._registered_pools:
+        if id(host_pool) not in self.regions.pools:
             self.register_buffer(host_pool.kv_buffer)
-            self._registered_pools.add(id(host_pool))
+            self.regions.pools.add(id(host_pool))
 
     def unregister_buffer(self, tensor: torch.Tensor) -> None:
         """Undo register_buffer (before the tensor's memory is freed)."""
-        addr = tensor.data_ptr()
-        with self._lock:
-            if not any(s == addr for s, _ in self._regions):
-                return
-            self._regions = [r for r in self._regions if r[0] != addr]
-        client = self.client
-        self._runner.call(lambda: client.unregister_buffer(addr), self.op_timeout_s)
+        self.regions.unregister(tensor.data_ptr())
 
     def unregister_host_pool(self, host_pool: Any) -> None:
-        if id(host_pool) in self._registered_pools:
-            self._registered_pools.discard(id(host_pool))
+        if id(host_pool) in self.regions.pools:
+            self.regions.pools.discard(id(host_pool))
             self.unregister_buffer(host_pool.kv_buffer)
-
-    def _register(self, addr: int, nbytes: int, strict: bool = False) -> bool:
-        if any(s <= addr and addr + nbytes <= e for s, e in self._regions):
-            return True
-        client = self.client
-        status, rc = self._runner.call(lambda: client.register_buffer(addr, nbytes), self.op_timeout_s)
-        if status != "ok" or rc != 0:
-            if strict:
-                raise RuntimeError(f"Mooncake register_buffer({nbytes} bytes) failed: {status} {rc}")
-            logger.warning("Mooncake register_buffer(%d bytes) failed: %s %s", nbytes, status, rc)
-            return False
-        with self._lock:
-            self._regions.append((addr, addr + nbytes))
-        return True
-
-    def _registered(self, addr: int, nbytes: int) -> bool:
-        return any(s <= addr and addr + nbytes <= e for s, e in self._regions)
 
     def _pool(self, page_nbytes: int) -> _ReadPool:
         with self._lock:
             pool = self._pools.get(page_nbytes)
             if pool is None:
-                register = None if self.direct_unregistered else self._register  # TCP needs no registration
+                register = None if self.direct_unregistered else self.regions.register  # TCP needs no registration
                 pool = self._pools[page_nbytes] = _ReadPool(page_nbytes, self.read_pool_bytes, register)
             return pool
 
@@ -266,59 +208,18 @@ class MooncakeStorage:
         return undo
 
     # ---- writes ----------------------------------------------------------------------------------------------
-    def _mkeys(self, keys: Sequence[str]) -> list[str]:
-        """The object keys of pages `keys`, page by page (K, V per MHA page)."""
-        prefix, sfx = self._prefix, self._object_suffixes
-        try:
-            mkeys = [prefix + k + s for k in keys for s in sfx]
-        except TypeError:
-            mkeys = []
-        if len(mkeys) != len(keys) * len(sfx) or not all(keys):
-            bad = next(k for k in keys if not isinstance(k, str) or not k)
-            raise ValueError(f"storage key must be a non-empty string, got {bad!r}")
-        return mkeys
-
-    def _objects_of(self, page: torch.Tensor) -> list[torch.Tensor]:
-        """A canonical page's objects in the store's byte order (views for layer_first, copies otherwise)."""
-        flat = page.reshape(-1)
-        if self.layout == "layer_first":
-            return list(flat.view(self.planes, -1)) if self.planes > 1 else [flat]
-        p, l, t = self.page_dims  # type: ignore[misc]
-        if flat.numel() % (p * l * t):
-            raise ValueError(f"a {flat.numel()}-byte page does not split into page_dims {self.page_dims}")
-        return list(flat.view(p, l, t, -1).transpose(1, 2).contiguous().view(p, -1))
-
-    def _page_of(self, objs: list[torch.Tensor]) -> torch.Tensor:
-        """A page's objects back to canonical bytes. layer_first: the object itself (MLA), or, for K and V
-        read into adjacent buffers (the common case: one read-pool run per batch), one view over both, so
-        the page aliases the read buffer as before; else a copy."""
-        if self.layout == "layer_first":
-            if len(objs) == 1:
-                return objs[0]
-            k, v = objs
-            if (v.data_ptr() == k.data_ptr() + k.numel() and k.is_contiguous() and v.is_contiguous()
-                    and k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()):
-                return torch.as_strided(k, (k.numel() + v.numel(),), (1,), k.storage_offset())
-            return torch.cat(objs)
-        p, l, t = self.page_dims  # type: ignore[misc]
-        return torch.stack(objs).view(p, t, l, -1).transpose(1, 2).contiguous().view(-1)
-
-    def _pages_ok(self, codes: Sequence[Any], ok_object: Callable[[Any], bool]) -> list[bool]:
-        k = self.planes
-        return [all(ok_object(c) for c in codes[i:i + k]) for i in range(0, len(codes), k)]
-
     def batch_set(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[bool]:
         _check_batch(keys, pages)
         if not keys:
             return []
-        mkeys = self._mkeys(keys)
+        mkeys = self.keys.of_pages(keys)
         held: list[Any] = []  # everything the client reads stays referenced until the call returns
         for t in pages:
             if not (t.is_cpu and t.is_contiguous()):
                 t = t.detach().to("cpu").contiguous()
             if t.numel() % self.planes:
                 raise ValueError(f"a {t.numel()}-byte page does not split into {self.planes} objects (K, V)")
-            held.extend(self._objects_of(t))
+            held.extend(self.objects.split(t))
         ptrs: list[int] = [t.data_ptr() for t in held]
         sizes: list[int] = [t.numel() for t in held]
         if not self.direct_unregistered:
@@ -349,7 +250,7 @@ class MooncakeStorage:
             for i, rc in zip(todo, rcs):
                 codes[i] = rc
         good_obj = [c == OK or c == OBJECT_ALREADY_EXISTS for c in codes]
-        ok = self._pages_ok(codes, lambda c: c == OK or c == OBJECT_ALREADY_EXISTS)
+        ok = self.objects.pages_ok(codes, lambda c: c == OK or c == OBJECT_ALREADY_EXISTS)
         n_ok = ok.count(True)
         with self._lock:
             self.stats.writes_ok += n_ok
@@ -365,7 +266,7 @@ class MooncakeStorage:
         a page that finds no registered room gets size 0 (reported failed)."""
         by_size: dict[int, list[int]] = {}
         for i, (ptr, size) in enumerate(zip(ptrs, sizes)):
-            if not self._registered(ptr, size):
+            if not self.regions.covers(ptr, size):
                 by_size.setdefault(size, []).append(i)
         for nbytes, idx in by_size.items():
             at = 0
@@ -402,7 +303,7 @@ class MooncakeStorage:
         if self.page_dims is not None and self.page_dims != (planes, layers, ps):
             raise ValueError(f"host pool pages are {(planes, layers, ps)}, this store's page_dims {self.page_dims}")
         self.register_host_pool(host_pool)
-        mkeys = self._mkeys(keys)
+        mkeys = self.keys.of_pages(keys)
         es = tv.element_size()
         row = tv.shape[3] * tv.shape[4] * es  # one token of one (plane, layer): contiguous in both layouts
         st = tv.stride()
@@ -425,7 +326,7 @@ class MooncakeStorage:
         codes: list[int | str] = ([int(rc) for rc in rcs] if status == "ok" and len(rcs) == len(mkeys)
                                   else [status] * len(mkeys))
         good_obj = [c == OK or c == OBJECT_ALREADY_EXISTS for c in codes]
-        ok = self._pages_ok(codes, lambda c: c == OK or c == OBJECT_ALREADY_EXISTS)
+        ok = self.objects.pages_ok(codes, lambda c: c == OK or c == OBJECT_ALREADY_EXISTS)
         with self._lock:
             self.stats.writes_ok += sum(ok)
             self.stats.writes_failed += len(ok) - sum(ok)
@@ -468,7 +369,7 @@ class MooncakeStorage:
             rest = idx[at:]
             if rest:  # the pool is at its cap: fresh memory for the rest
                 extra = torch.empty((len(rest), size), dtype=torch.uint8)
-                if not self.direct_unregistered and not self._register(extra.data_ptr(), extra.numel()):
+                if not self.direct_unregistered and not self.regions.register(extra.data_ptr(), extra.numel()):
                     continue
                 for j, i in enumerate(rest):
                     addrs[i] = extra.data_ptr() + j * size
@@ -493,8 +394,7 @@ class MooncakeStorage:
                 for addr in unregister:
                     client.unregister_buffer(addr)
                 if unregister:
-                    with self._lock:
-                        self._regions = [r for r in self._regions if r[0] not in unregister]
+                    self.regions.forget(unregister)
 
         started = self._submit(get)
         for mem, k, size, mine in plan:
@@ -520,7 +420,7 @@ class MooncakeStorage:
         any object of the page is missing or of another size than its sibling."""
         if not keys:
             return []
-        mkeys = self._mkeys(keys)
+        mkeys = self.keys.of_pages(keys)
         n, k = len(mkeys), self.planes
         nbytes = self.page_nbytes
         if nbytes:
@@ -530,7 +430,7 @@ class MooncakeStorage:
             if codes.count(osize) == n:  # the common case: every object there, of the expected size
                 with self._lock:
                     self.stats.reads_ok += len(keys)
-                return [self._page_of(rows[i:i + k]) for i in range(0, n, k)]
+                return [self.objects.join(rows[i:i + k]) for i in range(0, n, k)]
         else:  # nothing written or configured yet: ask the store
             codes, rows, sizes = [INVALID_PARAMS] * n, [None] * n, [0] * n
         # Objects of another size than expected (buffer too small, or no size known): ask and fetch again.
@@ -557,7 +457,7 @@ class MooncakeStorage:
             page = None
             if whole and len(set(cs)) == 1:  # K and V of one size
                 try:
-                    page = self._page_of([r if c == sz else r[:c] for c, r, sz in zip(cs, rs, szs)])  # type: ignore[index]
+                    page = self.objects.join([r if c == sz else r[:c] for c, r, sz in zip(cs, rs, szs)])  # type: ignore[index]
                 except RuntimeError:  # a size page_dims cannot reorder: not a page of this deployment
                     page = None
             if page is not None:
@@ -577,7 +477,7 @@ class MooncakeStorage:
     def batch_exists(self, keys: Sequence[str]) -> int:
         if not keys:
             return 0
-        mkeys = self._mkeys(keys)
+        mkeys = self.keys.of_pages(keys)
         client = self.client
         status, rcs = self._call(lambda: client.batch_is_exist(mkeys))
         if status != "ok" or not isinstance(rcs, (list, tuple)):
@@ -598,7 +498,7 @@ class MooncakeStorage:
 
     def remove(self, keys: Sequence[str]) -> list[int]:
         """Remove pages by page hash (tests and tools): per page, 0 or the first of its objects' errors."""
-        mkeys = self._mkeys(keys)
+        mkeys = self.keys.of_pages(keys)
         client = self.client
         status, rcs = self._call(lambda: client.batch_remove(mkeys, True))
         if status != "ok" or not isinstance(rcs, (list, tuple)) or len(rcs) != len(mkeys):
