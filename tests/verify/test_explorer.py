@@ -126,13 +126,21 @@ def test_default_bound_3_requests_16_slots(fenced: bool) -> None:
 
 def test_the_peak_memory_reported_is_the_process_own_not_its_parents() -> None:
     """The bound test above runs the search in a child of pytest: a child must not report its parent's
-    high-water mark as its own (Linux's ru_maxrss carries it across fork and exec)."""
+    high-water mark as its own (Linux's ru_maxrss carries it across fork and exec). A child's own peak depends
+    on its torch build (a CUDA build peaks above 600 MiB importing), so it is measured first, without ballast;
+    512 MiB more in the parent must then not show in the child's figure."""
+    code = "from kvfsm.verify.explorer.search import peak_rss_mib; print(peak_rss_mib())"
+
+    def child_peak() -> float:
+        proc = run_watched([sys.executable, "-c", code], "a child's peak_rss_mib()",
+                           cwd=Path(__file__).resolve().parents[2])
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return float(proc.stdout.strip().splitlines()[-1])
+
+    own = child_peak()
     ballast = bytearray(512 * 2**20)
     ballast[::4096] = b"\x01" * len(ballast[::4096])  # resident, not just reserved
-    code = "from kvfsm.verify.explorer.search import peak_rss_mib; print(peak_rss_mib())"
-    proc = run_watched([sys.executable, "-c", code], "a child's peak_rss_mib()", cwd=Path(__file__).resolve().parents[2])
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert float(proc.stdout.strip().splitlines()[-1]) < 400
+    assert child_peak() < own + 256, f"the child reported its parent's 512 MiB ballast (own peak {own:.0f} MiB)"
     del ballast
 
 
