@@ -1,4 +1,7 @@
-"""The `kvfsm` command line: spec tools first; runtime tools register themselves below."""
+"""The `kvfsm` command line: spec tools first; runtime tools register themselves below.
+
+Exit codes (kvfsm/cli_errors.py): 0 success, 1 a failed check, 2 input a command cannot use, 3 `check
+--require-all` with a transition unreached, 70 an internal error (one line, never a traceback)."""
 
 from __future__ import annotations
 
@@ -12,10 +15,14 @@ from rich.console import Console
 from kvfsm.codegen import generate
 from kvfsm.docsgen import diagram as render_diagram
 from kvfsm.docsgen import markdown
+from kvfsm.cli_errors import INVALID, GuardedGroup
+from kvfsm.errors import InputRejected
+from kvfsm.input_limits import SCHEMA_LIMITS, read_bounded
 from kvfsm.spec import CompiledSpec, SpecInvalid, load_spec
 from kvfsm.spec.locations import packaged_spec, schema_path, spec_stamp
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help="A formally specified KV-cache offload lifecycle.")
+app = typer.Typer(cls=GuardedGroup, no_args_is_help=True, add_completion=False,
+                  help="A formally specified KV-cache offload lifecycle.")
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -101,7 +108,7 @@ def schema(output: Optional[Path] = typer.Option(None, "--out", show_default=Fal
     from kvfsm.spec.model import json_schema_text
     output = output or schema_path()
     text = json_schema_text()
-    current = output.read_text() if output.exists() else None
+    current = _current_schema(output)
     if check:
         if current != text:
             err.print(f"{output} is stale: run `kvfsm schema`", markup=False)
@@ -111,6 +118,17 @@ def schema(output: Optional[Path] = typer.Option(None, "--out", show_default=Fal
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(text)
     out.print(f"{output}: written", markup=False)
+
+
+def _current_schema(path: Path) -> Optional[str]:
+    """The schema file's text as it is, or None when it is missing or cannot be the schema (past
+    SCHEMA_LIMITS.max_bytes, not UTF-8): either way `--check` calls it stale. Not a file: OSError."""
+    if not path.exists():
+        return None
+    try:
+        return read_bounded(path, SCHEMA_LIMITS, "schema").decode("utf-8")
+    except (InputRejected, UnicodeDecodeError):
+        return None
 
 
 @app.command()
@@ -239,10 +257,13 @@ def check(requests: Optional[int] = typer.Option(None, help="Requests in the bou
 
 
 @app.command()
-def replay(trace: Path, spec: Optional[Path] = SPEC_OPT) -> None:
-    """Check a recorded transition trace (JSON lines) against the spec; exit 1 at the first illegal step."""
+def replay(trace: Path, spec: Optional[Path] = SPEC_OPT,
+           max_bytes: Optional[int] = typer.Option(None, "--max-bytes", min=1, show_default=False,
+                                                   help="The trace's size bound (default 16 GiB).")) -> None:
+    """Check a recorded transition trace (JSON lines) against the spec; exit 1 at the first illegal step, 2 on
+    a trace that cannot be read within its bounds (kvfsm.input_limits.TRACE_LIMITS)."""
     from kvfsm.verify import commands
-    raise typer.Exit(commands.replay(trace, spec_path=spec or packaged_spec()))
+    raise typer.Exit(commands.replay(trace, spec_path=spec or packaged_spec(), max_bytes=max_bytes))
 
 
 if __name__ == "__main__":

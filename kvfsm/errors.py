@@ -88,3 +88,30 @@ class ConfigError(ValueError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return type(self), (self.field, self.reason, self.source, self.problems[1:])
+
+
+class InputRejected(ValueError):
+    """A file or value from outside the engine (a spec, a config file, a KVFSM_* variable, a trace) that
+    kvfsm will not read: not UTF-8, not a regular file, or past a bound (`InputBoundExceeded`). `source`
+    names it, `line` is 1-based (0 when it concerns the whole source) and `reason` says what is wrong.
+    Nothing was built from it and nothing was written."""
+
+    def __init__(self, source: str, line: int, reason: str) -> None:
+        self.source, self.line, self.reason = source, line, reason
+        super().__init__(f"{source}:{line}: {reason}" if line else f"{source}: {reason}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.source, self.line, self.reason)
+
+
+class InputBoundExceeded(InputRejected):
+    """An input is past one of its reader's bounds (`kvfsm.input_limits`): `bound` is the bound's name
+    (max_bytes, max_depth, max_elements, max_aliases, max_line_bytes) and `limit` its value; `reason`
+    ends with both."""
+
+    def __init__(self, source: str, line: int, bound: str, limit: int, reason: str) -> None:
+        self.bound, self.limit, self.breach = bound, limit, reason
+        super().__init__(source, line, f"{reason} (bound {bound}={limit})")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.source, self.line, self.bound, self.limit, self.breach)

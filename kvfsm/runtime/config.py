@@ -5,6 +5,10 @@ Every way of making a config (the constructor, `model_validate`, `load`, `from_f
 before any memory is allocated. What depends on the machine and on the pools the manager is given (is
 CUDA there, does the stride fit the host pool, is Mooncake installed, is `storage_dir` usable) is checked
 when the manager is built, still before it allocates anything (`kvfsm.runtime.build`).
+
+Files and variables are read within bounds (`kvfsm.input_limits`: CONFIG_LIMITS for a file, ENV_VALUE_LIMITS
+for each variable's value: size, nesting depth, element count and YAML aliases at their expanded size); a
+breach is a ConfigError whose source names the file and line (or the variable) and whose reason names the bound.
 """
 
 from __future__ import annotations
@@ -19,15 +23,17 @@ from typing import Any, Literal, Mapping, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from kvfsm.errors import ConfigError
+from kvfsm.errors import ConfigError, InputRejected
+from kvfsm.input_limits import (CONFIG_LIMITS, ENV_VALUE_LIMITS, InputLimits, check_json_nesting, count_elements,
+                                decode_utf8, load_yaml_data, read_bounded)
 from kvfsm.runtime.storage_options import check_storage_extra
 
 logger = logging.getLogger(__name__)
 
 ENV_PREFIX = "KVFSM_"
-# KVFSM_* variables that are not config fields: read by the data plane (KVFSM_CU_BATCH) and by kvfsm's own
-# test and benchmark tooling. from_env does not warn about these.
-OTHER_ENV_VARS = frozenset({"KVFSM_CU_BATCH", "KVFSM_FUZZ", "KVFSM_REQUIRE_MOONCAKE", "KVFSM_REQUIRE_TRANSFORMERS",
+# KVFSM_* variables that are not config fields: read by the data plane (KVFSM_CU_BATCH), the command line
+# (KVFSM_TRACEBACK) and kvfsm's own test and benchmark tooling. from_env does not warn about these.
+OTHER_ENV_VARS = frozenset({"KVFSM_CU_BATCH", "KVFSM_FUZZ", "KVFSM_TRACEBACK", "KVFSM_REQUIRE_MOONCAKE", "KVFSM_REQUIRE_TRANSFORMERS",
                             "KVFSM_REQUIRE_MUTMUT",
                             "KVFSM_MUTANT_REPORT", "KVFSM_MUTANT_SHRINK"})
 # Fields whose environment value is taken as the string it is (KVFSM_MODEL_NAME=1234 is a name, not a number).
@@ -118,14 +124,26 @@ class OffloadConfig(BaseModel):
         return cls._validate(values, source)
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "OffloadConfig":
-        """YAML or JSON mapping of field names to values."""
+    def from_file(cls, path: str | Path, limits: InputLimits = CONFIG_LIMITS) -> "OffloadConfig":
+        """YAML or JSON mapping of field names to values, read within `limits`."""
         path = Path(path)
+        source = str(path)
         try:
-            text = path.read_text()
-            data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-        except (OSError, ValueError, yaml.YAMLError) as exc:
-            raise ConfigError(None, f"cannot read offload config: {exc}", str(path)) from exc
+            text = decode_utf8(read_bounded(path, limits, "offload config"), source, "offload config")
+            if path.suffix == ".json":
+                check_json_nesting(text, limits, source, 1, "offload config")
+                data = json.loads(text)
+                count_elements(data, limits, source, 1, "offload config")
+            else:
+                data = load_yaml_data(text, limits, source, "offload config")
+        except InputRejected as exc:
+            raise ConfigError(None, exc.reason, f"{exc.source}:{exc.line}" if exc.line else exc.source) from exc
+        except yaml.MarkedYAMLError as exc:
+            mark = exc.problem_mark or exc.context_mark
+            where = f"{source}:{mark.line + 1}" if mark is not None else source
+            raise ConfigError(None, f"cannot read offload config: malformed YAML: {exc.problem or exc}", where) from exc
+        except (OSError, ValueError, OverflowError, yaml.YAMLError) as exc:
+            raise ConfigError(None, f"cannot read offload config: {exc}", source) from exc
         if not isinstance(data, dict):
             raise ConfigError(None, "offload config must be a mapping of field names to values", str(path))
         return cls._validate(data, str(path))
@@ -148,11 +166,19 @@ class OffloadConfig(BaseModel):
                 logger.warning("environment variable %s is not an offload config field%s; ignored", var,
                                f" (did you mean {near[0]}?)" if near else "")
                 continue
+            source = f"environment ({var})"
+            if len(raw) > ENV_VALUE_LIMITS.max_bytes:
+                raise ConfigError(name, f"a value longer than {ENV_VALUE_LIMITS.max_bytes} characters "
+                                        f"(bound max_bytes={ENV_VALUE_LIMITS.max_bytes})", source)
             if name in _STRING_FIELDS:
                 values[name] = raw
                 continue
             try:
+                check_json_nesting(raw, ENV_VALUE_LIMITS, source, 1, "the value")
                 values[name] = json.loads(raw)
+                count_elements(values[name], ENV_VALUE_LIMITS, source, 1, "the value")
+            except InputRejected as exc:
+                raise ConfigError(name, exc.reason, source) from exc
             except ValueError:
                 values[name] = raw
         values.update(overrides)

@@ -10,7 +10,9 @@ Grammar::
     atom := COUNTER | INT
 
 Kept this small on purpose: it can be enumerated (nondeterminism and inductive-invariant checks),
-rendered to Python (the generator) and to text (auditor docs) without surprises.
+rendered to Python (the generator) and to text (auditor docs) without surprises. Its trees are walked
+recursively, so the parser bounds them (kvfsm.input_limits: EXPR_MAX_NESTING levels of `not` and
+parentheses, EXPR_MAX_TERMS atoms in a sum, EXPR_MAX_DIGITS in a literal), an ExprError past either.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from typing import Callable, Mapping, Union
+
+from kvfsm.input_limits import EXPR_MAX_DIGITS, EXPR_MAX_NESTING, EXPR_MAX_TERMS
 
 
 class ExprError(ValueError):
@@ -97,6 +101,7 @@ class _Parser:
     def __init__(self, text: str) -> None:
         self.tokens = _tokenize(text)
         self.i = 0
+        self.nesting = 0  # `not`s and parentheses open around the current token
 
     def peek(self) -> tuple[str, str, int]:
         return self.tokens[self.i]
@@ -132,18 +137,28 @@ class _Parser:
             items.append(self.unary())
         return items[0] if len(items) == 1 else BoolOp("and", tuple(items))
 
+    def _enter(self, col: int) -> None:
+        self.nesting += 1
+        if self.nesting > EXPR_MAX_NESTING:
+            raise ExprError(f"nested deeper than {EXPR_MAX_NESTING} levels of `not` and parentheses", col)
+
     def unary(self) -> Node:
         kind, text, col = self.peek()
         if text == "not":
             self.take()
-            return Not(self.unary())
+            self._enter(col)
+            node: Node = Not(self.unary())
+            self.nesting -= 1
+            return node
         if text in ("true", "false"):
             self.take()
             return Const(text == "true")
         if text == "(":
             self.take()
+            self._enter(col)
             node = self.disj()
             self.expect(")")
+            self.nesting -= 1
             return node
         left = self.sum()
         kind, text, col = self.take()
@@ -153,14 +168,20 @@ class _Parser:
 
     def sum(self) -> Term:
         node = self.atom()
+        terms = 1
         while self.peek()[1] in ("+", "-"):
-            op = self.take()[1]
+            op, col = self.take()[1:]
+            terms += 1
+            if terms > EXPR_MAX_TERMS:
+                raise ExprError(f"a sum of more than {EXPR_MAX_TERMS} terms", col)
             node = Arith(op, node, self.atom())
         return node
 
     def atom(self) -> Term:
         kind, text, col = self.take()
         if kind == "num":
+            if len(text) > EXPR_MAX_DIGITS:
+                raise ExprError(f"a literal of more than {EXPR_MAX_DIGITS} digits", col)
             return Num(int(text))
         if kind == "name" and text not in _KEYWORDS:
             return Var(text)

@@ -2,6 +2,10 @@
 
 Auditors and authors need every error to point at `file:line`; PyYAML's composed node tree keeps the
 marks, so we walk it ourselves instead of using `safe_load` (which also silently accepts duplicate keys).
+
+A spec arrives in pull requests, so it is read within `kvfsm.input_limits.SPEC_LIMITS` (size, nesting
+depth, node count) and YAML aliases are refused outright: a spec gains nothing from them, and refusing
+them means no expansion to account for. A breach is a SpecInvalid naming the file, the line and the bound.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from typing import Any
 
 import yaml
 
+from kvfsm.errors import InputRejected
+from kvfsm.input_limits import SPEC_LIMITS, InputLimits, compose_yaml, decode_utf8, read_bounded
 from kvfsm.spec.errors import SpecError, SpecInvalid
 
 Loc = tuple[Any, ...]
@@ -58,23 +64,28 @@ def _to_data(node: yaml.Node, loc: Loc, lines: LineMap) -> Any:
         return out
     if isinstance(node, yaml.SequenceNode):
         return [_to_data(item, loc + (i,), lines) for i, item in enumerate(node.value)]
-    return _SCALARS.construct_object(node, deep=True)
+    try:
+        return _SCALARS.construct_object(node, deep=True)
+    except (ValueError, OverflowError) as exc:  # a YAML int past Python's digit limit, a date that is none
+        raise SpecInvalid([SpecError(lines.file, node.start_mark.line + 1, ".".join(map(str, loc)) or "<root>",
+                                     f"unreadable value: {exc}")]) from None
 
 
-def load_yaml(path: str | Path) -> tuple[Any, LineMap, bytes]:
-    """Return (data, line map, raw bytes) for `path`; YAML syntax errors become SpecInvalid with a line."""
+def load_yaml(path: str | Path, limits: InputLimits = SPEC_LIMITS) -> tuple[Any, LineMap, bytes]:
+    """Return (data, line map, raw bytes) for `path`; YAML syntax errors and breaches of `limits` become
+    SpecInvalid with a line."""
     path = Path(path)
     try:
-        raw = path.read_bytes()
+        raw = read_bounded(path, limits, "spec")
     except OSError as exc:
         raise SpecInvalid([SpecError(str(path), 0, "<file>", f"cannot read spec: {exc.strerror or exc}")]) from None
+    except InputRejected as exc:
+        raise SpecInvalid([SpecError(str(path), exc.line, "<input>", exc.reason)]) from None
     lines = LineMap(str(path))
     try:
-        text = raw.decode("utf-8")
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-    except UnicodeDecodeError as exc:
-        line = raw[: exc.start].count(b"\n") + 1
-        raise SpecInvalid([SpecError(str(path), line, "<file>", f"not UTF-8: {exc.reason}")]) from None
+        node = compose_yaml(decode_utf8(raw, str(path), "spec"), limits, str(path), "spec")
+    except InputRejected as exc:
+        raise SpecInvalid([SpecError(str(path), exc.line, "<input>", exc.reason)]) from None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line = mark.line + 1 if mark else 1

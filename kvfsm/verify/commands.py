@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -22,6 +23,8 @@ from rich.table import Table
 from rich.text import Text
 
 from kvfsm.codegen import runtime_mismatch
+from kvfsm.errors import InputRejected
+from kvfsm.input_limits import TRACE_LIMITS
 from kvfsm.spec import CompiledSpec, SpecInvalid, load_spec
 from kvfsm.spec.locations import packaged_spec
 from kvfsm.verify.bounds import BOUNDS, Bound, SubBound
@@ -203,8 +206,10 @@ def _write_report(path: Path, bound: Bound, results: list[ExploreResult], spec: 
     out.print(f"wrote the {bound.name} bound's section of {path}", markup=False)
 
 
-def replay(trace: Path, spec_path: Optional[Path] = None) -> int:
-    """Check a recorded trace against the spec: 0 when every step is legal, 1 at the first illegal one."""
+def replay(trace: Path, spec_path: Optional[Path] = None, max_bytes: Optional[int] = None) -> int:
+    """Check a recorded trace against the spec: 0 when every step is legal, 1 at the first illegal one, 2 on
+    a trace or spec that cannot be read (past a bound of kvfsm.input_limits, not UTF-8, not a file).
+    `max_bytes` raises (or lowers) the trace's size bound, TRACE_LIMITS.max_bytes."""
     trace = Path(trace)
     if not trace.exists():
         err.print(f"{trace}: no such file", markup=False)
@@ -215,13 +220,21 @@ def replay(trace: Path, spec_path: Optional[Path] = None) -> int:
         for e in exc.errors:
             err.print(str(e), markup=False)
         return 2
-    res = check_trace(trace, spec)
+    limits = TRACE_LIMITS if max_bytes is None else replace(TRACE_LIMITS, max_bytes=max_bytes)
+    try:
+        res = check_trace(trace, spec, limits=limits)
+    except InputRejected as exc:
+        err.print(f"{exc}: not replayed", markup=False)
+        return 2
+    except OSError as exc:
+        err.print(f"{trace}: cannot read trace: {exc.strerror or exc}", markup=False)
+        return 2
     if res.error is not None:
         e = res.error
         who = f" (request {e.request})" if e.request else ""
-        err.print(f"{trace}:{e.line}: illegal step{who}: {e.message}", markup=False)
+        err.print(f"{trace}:{e.line}: illegal step{who}: {e.message[:2000]}", markup=False)
         if e.record is not None:
-            err.print(f"  {e.record}", markup=False)
+            err.print(f"  {str(e.record)[:2000]}", markup=False)
         return 1
     out.print(f"{trace}: ok: {res.steps} steps ({res.ignored} declared no-ops) of {res.requests} requests, "
               f"{len([t for t in res.transitions if t >= 0])} distinct transitions, spec sha256 {res.spec_sha256[:12]}",

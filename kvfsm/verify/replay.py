@@ -9,17 +9,26 @@ CompiledSpec (not from the generated code the trace came from): each line's even
 the counters after it must be the update's result; what it acquires and releases must be what the spec
 declares, and a single-owner resource can be released only while held (no second release). The first
 illegal step is reported with its line number.
+
+A trace may come from anywhere (a pull request, another host), so it is read a line at a time within
+`kvfsm.input_limits.TRACE_LIMITS` (file size, line length, each line's nesting depth and element count) and
+at most `max_requests` request keys are tracked. Input that cannot be read within them is not an illegal
+step: `check_trace` raises InputRejected (InputBoundExceeded for a bound) naming the file, line and bound.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import os
+import stat
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
+from kvfsm.errors import InputBoundExceeded, InputRejected
+from kvfsm.input_limits import TRACE_LIMITS, TRACE_MAX_REQUESTS, InputLimits, check_json_nesting, count_elements, decode_utf8
 from kvfsm.spec import CompiledSpec, load_spec
 from kvfsm.spec import expr as ex
 from kvfsm.spec.locations import packaged_spec
@@ -85,46 +94,74 @@ def _holds(r: _Request, env: dict[str, int], pred: Callable[[dict[str, int]], bo
     return False
 
 
-def check_trace(path: str | Path, spec: CompiledSpec | str | Path | None = None) -> ReplayResult:
-    """Check every line of the trace at `path`; stops at the first illegal one (result.error)."""
+def _lines(path: Path, limits: InputLimits) -> Iterator[tuple[int, str]]:
+    """(line number, text) of each line, within `limits` (InputRejected past them)."""
+    source, size = str(path), 0
+    cap = limits.max_line_bytes or limits.max_bytes
+    with path.open("rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise InputRejected(source, 0, "trace is not a regular file")
+        for n in itertools.count(1):
+            raw = f.readline(cap + 1)
+            if not raw:
+                return
+            size += len(raw)
+            if size > limits.max_bytes:
+                raise InputBoundExceeded(source, n, "max_bytes", limits.max_bytes,
+                                         f"trace is larger than {limits.max_bytes} bytes")
+            if len(raw) > cap and not raw.endswith(b"\n"):
+                raise InputBoundExceeded(source, n, "max_line_bytes", cap, f"a trace line longer than {cap} bytes")
+            text = decode_utf8(raw, source, "trace line", n)
+            check_json_nesting(text, limits, source, n, "trace line")
+            yield n, text
+
+
+def check_trace(path: str | Path, spec: CompiledSpec | str | Path | None = None, *,
+                limits: InputLimits = TRACE_LIMITS, max_requests: int = TRACE_MAX_REQUESTS) -> ReplayResult:
+    """Check every line of the trace at `path`; stops at the first illegal one (result.error). Raises
+    InputRejected (nothing checked past it) for input past `limits`, or not UTF-8, and OSError for a path
+    that cannot be opened."""
     spec = spec if isinstance(spec, CompiledSpec) else load_spec(spec or default_spec_path())
     path = Path(path)
     res = ReplayResult(path, spec.sha256)
     single_owner = set(spec.model.create.holds if spec.model.create else ())
     reqs: dict[str, _Request] = {}
-    with path.open() as f:
-        for n, raw in enumerate(f, 1):
-            res.lines = n
-            if not raw.strip():
-                continue
-            try:
-                rec = json.loads(raw)
-            except json.JSONDecodeError as exc:
-                res.error = TraceError(n, f"not a JSON object: {exc.msg}")
+    for n, raw in _lines(path, limits):
+        res.lines = n
+        if not raw.strip():
+            continue
+        try:
+            rec = json.loads(raw)
+        except ValueError as exc:  # JSONDecodeError, or an integer past Python's digit limit
+            res.error = TraceError(n, f"not a JSON object: {getattr(exc, 'msg', exc)}")
+            return res
+        count_elements(rec, limits, str(path), n, "trace line")
+        if not isinstance(rec, dict):
+            res.error = TraceError(n, "not a JSON object")
+            return res
+        if n == 1 or rec.get("kind") == "header":
+            err = _header(rec, n, spec)
+            if err is not None:
+                res.error = err
                 return res
-            if not isinstance(rec, dict):
-                res.error = TraceError(n, "not a JSON object")
-                return res
-            if n == 1 or rec.get("kind") == "header":
-                err = _header(rec, n, spec)
-                if err is not None:
-                    res.error = err
-                    return res
-                continue
-            key = rec.get("req")
-            try:
-                if not isinstance(key, str):
-                    raise _Illegal("no request key ('req')")
-                r = reqs.get(key)
-                if r is None:
-                    r = reqs[key] = _Request(spec)
-                tid = _step(spec, r, rec, single_owner)
-            except _Illegal as exc:
-                res.error = TraceError(n, str(exc), key if isinstance(key, str) else None, rec)
-                return res
-            res.steps += 1
-            res.transitions[tid] += 1
-            res.ignored += tid < 0
+            continue
+        key = rec.get("req")
+        try:
+            if not isinstance(key, str):
+                raise _Illegal("no request key ('req')")
+            r = reqs.get(key)
+            if r is None:
+                if len(reqs) >= max_requests:
+                    raise InputBoundExceeded(str(path), n, "max_requests", max_requests,
+                                             f"a trace of more than {max_requests} requests")
+                r = reqs[key] = _Request(spec)
+            tid = _step(spec, r, rec, single_owner)
+        except _Illegal as exc:
+            res.error = TraceError(n, str(exc), key if isinstance(key, str) else None, rec)
+            return res
+        res.steps += 1
+        res.transitions[tid] += 1
+        res.ignored += tid < 0
     if res.lines == 0:
         res.error = TraceError(1, "empty trace: no header")
         return res
@@ -147,6 +184,13 @@ def _header(rec: dict[str, Any], n: int, spec: CompiledSpec) -> Optional[TraceEr
 def _step(spec: CompiledSpec, r: _Request, rec: dict[str, Any], single_owner: set[str]) -> int:
     event, src, dst, tid = rec.get("event"), rec.get("from"), rec.get("to"), rec.get("transition")
     counters = rec.get("counters")
+    for name, value in (("event", event), ("from", src), ("to", dst)):
+        if not isinstance(value, str):
+            raise _Illegal(f"{name!r} is {value!r}, not a name")
+    for name in ("acquired", "released"):
+        value = rec.get(name, [])
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise _Illegal(f"{name!r} is {value!r}, not a list of resource names")
     if event not in spec.events:
         raise _Illegal(f"undeclared event {event!r}")
     if src not in spec.states or dst not in spec.states:

@@ -40,7 +40,8 @@ def files() -> dict[str, bytes]:
         "config_billion_laughs.yaml": ("page_size: 1\nstorage_extra:\n" + "".join(f"  {l}\n" for l in laughs.splitlines())).encode(),
         "config_not_utf8.yaml": b"page_size: \xff\xfe\n",
         "trace_nested_100000.jsonl": (nested_lists(100_000) + "\n").encode(),
-        "trace_not_utf8.jsonl": header.encode() + b'{"req": "\xff\xfe"}\n',
+        "trace_nested_1000.jsonl": (nested_lists(1000) + "\n").encode(),
+        "trace_not_utf8.jsonl": b'{"kind": "\xff\xfe"}\n' + header.encode(),
     }
 
 

@@ -58,6 +58,10 @@ _MAGIC = b"KVFSSC01"
 # then the key and the format
 _SIDECAR = struct.Struct("<8sIIQII")
 _SIDECAR_MAX = 4096  # a sidecar is ~100 bytes; anything larger is not one of ours
+# The largest page file a read takes into memory (a page of a large model is tens of MiB). A page file is
+# read only when its length is the one its sidecar records (or, without one, the store's page size), so a
+# file grown past it is rejected by its size, unread.
+MAX_PAGE_BYTES = 1 << 30
 # what _set_one names its temp files: ".{final name}.{pid}.{12 hex}.{serial}.tmp"
 _TMP_RE = re.compile(r"^\..+\.(?:bin|kvfsm)\.(?P<pid>\d+)\.[0-9a-f]{12}\.\d+\.tmp$")
 LAYOUTS = ("layer_first", "page_first")
@@ -384,20 +388,20 @@ class FileStorage:
     def batch_get(self, keys: Sequence[str]) -> list[torch.Tensor | None]:
         return [self._get_one(k) for k in keys]
 
+    def _expected_len(self, side: bytes | None) -> int | None:
+        """The page length worth reading: what the sidecar records (when it is one of ours) or, without a
+        sidecar, this store's page size; never more than MAX_PAGE_BYTES. None: nothing to read."""
+        if side is None:
+            want = self.page_nbytes
+        elif len(side) >= _SIDECAR.size and side[:8] == _MAGIC:
+            want = _SIDECAR.unpack_from(side)[3]
+        else:
+            return 0  # not a sidecar of ours: the page is rejected on the sidecar alone
+        return want if want is not None and want <= MAX_PAGE_BYTES else None
+
     def _get_one(self, key: str) -> torch.Tensor | None:
         path = self.path_of(key)
         side_path = self.sidecar_of(path)
-        try:
-            with open(path, "rb") as f:
-                buf = bytearray(os.fstat(f.fileno()).st_size)
-                n = f.readinto(buf)
-        except FileNotFoundError:
-            self._count("reads_missing")
-            return None
-        except OSError as e:
-            logger.warning("storage read of %s failed: %s", key, e)
-            self._count("reads_missing")
-            return None
         try:
             with open(side_path, "rb") as f:
                 side: bytes | None = f.read(_SIDECAR_MAX + 1)
@@ -405,6 +409,21 @@ class FileStorage:
             side = None
         except OSError as e:
             logger.warning("storage read of %s's sidecar failed: %s", key, e)
+            self._count("reads_missing")
+            return None
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                # Read only a page of the length expected: a file grown to gigabytes (by a bug, or by whoever
+                # else writes the directory) is rejected by its size, never read into memory.
+                want = self._expected_len(side)
+                buf = bytearray(size if size == want else 0)
+                n = f.readinto(buf) if buf else size
+        except FileNotFoundError:
+            self._count("reads_missing")
+            return None
+        except OSError as e:
+            logger.warning("storage read of %s failed: %s", key, e)
             self._count("reads_missing")
             return None
         if side is None:
@@ -460,6 +479,8 @@ class FileStorage:
         fmt = side[_SIDECAR.size + klen :].decode("ascii", "replace")
         if not _formats_agree(self.format, fmt):
             return f"page format {fmt!r}, this store reads {self.format!r}"
+        if self.page_dims is not None and n % (self.page_dims[0] * self.page_dims[1] * self.page_dims[2]):
+            return f"page format: {n} bytes do not split into page_dims {self.page_dims}"
         if zlib.crc32(buf) & 0xFFFFFFFF != crc:
             return "checksum mismatch"
         return None
