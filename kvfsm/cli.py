@@ -13,6 +13,7 @@ import typer
 from rich.console import Console
 
 from kvfsm.codegen import generate
+from kvfsm.codegen.rows import RowsUnsupported
 from kvfsm.docsgen import diagram as render_diagram
 from kvfsm.docsgen import markdown
 from kvfsm.cli_errors import INVALID, GuardedGroup
@@ -81,7 +82,8 @@ def gen(spec_arg: Optional[Path] = SPEC_ARG, spec_opt: Optional[Path] = SPEC_OPT
         out_dir: Optional[Path] = typer.Option(None, "--out", show_default=False,
                                                help="Where generated modules go (default: the generated/ beside the spec's folder)."),
         check: bool = typer.Option(False, "--check", help="Exit 1 when the generated code is stale; write nothing.")) -> None:
-    """Generate the runtime machine for the spec into its generated/ (the same from any directory)."""
+    """Generate the spec's machines into its generated/ (the same from any directory): the per-request machine
+    and the struct-of-arrays batch machine (`<machine>_rows.py`)."""
     spec = _spec_path(spec_arg, spec_opt)
     try:
         result = generate(spec, out_dir, check=check)
@@ -89,10 +91,15 @@ def gen(spec_arg: Optional[Path] = SPEC_ARG, spec_opt: Optional[Path] = SPEC_OPT
         for e in exc.errors:
             err.print(str(e), markup=False)
         raise typer.Exit(INVALID) from None
+    except RowsUnsupported as exc:
+        err.print(str(exc), markup=False)
+        raise typer.Exit(INVALID) from None
     if check and result.changed:
-        err.print(f"{result.path} is stale: run `kvfsm gen {spec}`", markup=False)
+        for path in result.stale:
+            err.print(f"{path} is stale: run `kvfsm gen {spec}`", markup=False)
         raise typer.Exit(1)
-    out.print(f"{result.path}: {'written' if result.changed else 'up to date'}", markup=False)
+    for path, changed in result.files:
+        out.print(f"{path}: {'written' if changed else 'up to date'}", markup=False)
 
 
 class DiagramFormat(str, Enum):

@@ -29,6 +29,33 @@ class GuardRejected(EventRejected):
         self.guards = guards
 
 
+class RowNotCreated(LifecycleError):
+    """A batch of a rows machine (`generated/<machine>_rows.py`) names a row that holds no machine: outside its
+    capacity, or never created. Nothing was changed."""
+
+    def __init__(self, machine: Any, what: str, row: int, position: int, capacity: int) -> None:
+        self.machine, self.what, self.row, self.position, self.capacity = machine, what, row, position, capacity
+        where = "is outside its rows" if not 0 <= row < capacity else "holds no machine (never created)"
+        super().__init__(f"{type(machine).__name__}.{what}: row {row} (item {position}) {where}; "
+                         f"capacity {capacity}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.machine, self.what, self.row, self.position, self.capacity)
+
+
+class RowStillLive(LifecycleError):
+    """`create` names a row whose machine is not in a terminal state: a new machine there would drop a live
+    lifecycle and what it holds. Nothing was changed."""
+
+    def __init__(self, machine: Any, row: int, position: int, state: str) -> None:
+        self.machine, self.row, self.position, self.state = machine, row, position, state
+        super().__init__(f"{type(machine).__name__}.create: row {row} (item {position}) holds a live machine in "
+                         f"state {state!r}; a row is taken again only once its machine is terminal")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.machine, self.row, self.position, self.state)
+
+
 class RetractionRefused(LifecycleError):
     """Under the spec's `retraction: fail_closed` policy, retraction is refused while a device-to-host copy is
     tracked (on any TP rank, for `drain_before_retraction`; for the request itself, for `retract`): retracting

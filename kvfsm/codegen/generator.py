@@ -121,24 +121,40 @@ def render(spec: CompiledSpec, spec_path: str) -> str:
 
 @dataclass(frozen=True)
 class GenResult:
+    """What `generate` wrote or compared: `path` is the per-request machine, `files` every module it generates
+    for the spec (the per-request machine, then the rows machine) with whether each differed."""
+
     path: Path
-    changed: bool
+    changed: bool  # whether any of `files` differed from what the spec generates
+    files: tuple[tuple[Path, bool], ...] = ()
+
+    @property
+    def stale(self) -> list[Path]:
+        """The generated files that differ from what the spec generates (missing ones included)."""
+        return [p for p, changed in self.files if changed]
 
 
 def generate(spec_path: str | Path, out_dir: str | Path | None = None, check: bool = False) -> GenResult:
-    """Write (or with `check`, compare) the generated module for the spec at `spec_path`.
+    """Write (or with `check`, compare) the generated modules for the spec at `spec_path`: its per-request
+    machine (`<machine>.py`) and its struct-of-arrays batch machine (`<machine>_rows.py`, codegen/rows.py).
 
     `out_dir` defaults to the spec's own `generated/` (`locations.default_out_dir`), and the stamped spec
     path does not depend on the working directory, so any directory gives the same result."""
+    from kvfsm.codegen.rows import render_rows, rows_module_name
+
     spec = load_spec(spec_path)
-    target = Path(out_dir if out_dir is not None else default_out_dir(Path(spec_path))) / f"{module_name(spec)}.py"
-    source = render(spec, spec_stamp(Path(spec_path)))
-    current = target.read_text() if target.exists() else None
-    changed = current != source
-    if changed and not check:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(source)
-    return GenResult(target, changed)
+    folder = Path(out_dir if out_dir is not None else default_out_dir(Path(spec_path)))
+    stamp = spec_stamp(Path(spec_path))
+    files = []
+    for stem, source in ((module_name(spec), render(spec, stamp)), (rows_module_name(spec), render_rows(spec, stamp))):
+        target = folder / f"{stem}.py"
+        current = target.read_text() if target.exists() else None
+        changed = current != source
+        if changed and not check:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(source)
+        files.append((target, changed))
+    return GenResult(files[0][0], any(c for _, c in files), tuple(files))
 
 
 def runtime_mismatch(spec_path: str | Path, module: str = "decode_offload") -> str | None:
@@ -151,5 +167,6 @@ def runtime_mismatch(spec_path: str | Path, module: str = "decode_offload") -> s
         return f"{spec_path} generates {module_name(spec)}.py, but the manager runs {module}.py"
     result = generate(spec_path, generated_dir(), check=True)
     if result.changed:
-        return f"{result.path} is not what {spec_path} generates: run `kvfsm gen {spec_path}`"
+        stale = ", ".join(str(p) for p in result.stale)
+        return f"{stale} is not what {spec_path} generates: run `kvfsm gen {spec_path}`"
     return None
