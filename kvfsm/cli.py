@@ -17,7 +17,7 @@ from kvfsm.codegen.rows import RowsUnsupported
 from kvfsm.docsgen import diagram as render_diagram
 from kvfsm.docsgen import markdown
 from kvfsm.cli_errors import INVALID, GuardedGroup
-from kvfsm.errors import InputRejected
+from kvfsm.errors import InputBoundExceeded
 from kvfsm.input_limits import SCHEMA_LIMITS, read_bounded
 from kvfsm.spec import CompiledSpec, SpecInvalid, load_spec
 from kvfsm.spec.locations import packaged_spec, schema_path, spec_stamp
@@ -129,12 +129,13 @@ def schema(output: Optional[Path] = typer.Option(None, "--out", show_default=Fal
 
 def _current_schema(path: Path) -> Optional[str]:
     """The schema file's text as it is, or None when it is missing or cannot be the schema (past
-    SCHEMA_LIMITS.max_bytes, not UTF-8): either way `--check` calls it stale. Not a file: OSError."""
+    SCHEMA_LIMITS.max_bytes, not UTF-8): either way `--check` calls it stale. Not a regular file:
+    InputRejected (exit 2)."""
     if not path.exists():
         return None
     try:
         return read_bounded(path, SCHEMA_LIMITS, "schema").decode("utf-8")
-    except (InputRejected, UnicodeDecodeError):
+    except (InputBoundExceeded, UnicodeDecodeError):
         return None
 
 

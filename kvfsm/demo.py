@@ -212,6 +212,7 @@ def main(workdir: Optional[Path] = None, requests: int = 48, json_out: Optional[
          spec_path: Optional[Path] = None) -> None:
     torch.set_num_threads(1)  # one-token steps on tiny tensors: threads only add synchronisation
     console = Console()
+    load_spec(Path(spec_path or packaged_spec()))  # an invalid spec is refused before anything is written
     root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="kvfsm-demo-"))
     root.mkdir(parents=True, exist_ok=True)
     r = run_demo(root, requests=requests, console=console, spec_path=spec_path)

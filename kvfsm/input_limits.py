@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import stat
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, BinaryIO, Optional
 
 import yaml
 
@@ -63,15 +63,27 @@ EXPR_MAX_TERMS = 64
 EXPR_MAX_DIGITS = 9
 
 
-def read_bounded(path: str | os.PathLike[str], limits: InputLimits, what: str) -> bytes:
-    """The bytes of the regular file at `path`, at most `limits.max_bytes` of them (checked on the bytes
-    read, not only on the size the file claims: a FIFO or a file that grows is bounded too). OSError
-    propagates for a missing or unreadable path; anything that is not a regular file is InputRejected."""
+def open_regular(path: str | os.PathLike[str], what: str) -> BinaryIO:
+    """The regular file at `path`, open for binary reading. Opened without blocking, so a FIFO or a device
+    given as a file is InputRejected at once instead of hanging the reader or streaming forever; OSError
+    for a path that is missing or cannot be opened."""
     source = os.fspath(path)
-    with open(source, "rb") as f:
-        mode = os.fstat(f.fileno()).st_mode
-        if not stat.S_ISREG(mode):
+    fd = os.open(source, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise InputRejected(source, 0, f"{what} is not a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_bounded(path: str | os.PathLike[str], limits: InputLimits, what: str) -> bytes:
+    """The bytes of the regular file at `path` (see open_regular), at most `limits.max_bytes` of them
+    (checked on the bytes read, not only on the size the file claims, which may grow meanwhile)."""
+    source = os.fspath(path)
+    with open_regular(source, what) as f:
         raw = f.read(limits.max_bytes + 1)
     if len(raw) > limits.max_bytes:
         raise InputBoundExceeded(source, raw.count(b"\n", 0, limits.max_bytes) + 1, "max_bytes", limits.max_bytes,
@@ -224,4 +236,4 @@ def count_elements(value: Any, limits: InputLimits, source: str, line: int, what
 
 __all__ = ["CONFIG_LIMITS", "EXPR_MAX_DIGITS", "EXPR_MAX_NESTING", "EXPR_MAX_TERMS", "ENV_VALUE_LIMITS", "SCHEMA_LIMITS", "SPEC_LIMITS", "TRACE_LIMITS", "TRACE_MAX_REQUESTS", "BoundedYAMLLoader",
            "InputBoundExceeded", "InputLimits", "InputRejected", "check_json_nesting", "compose_yaml",
-           "count_elements", "decode_utf8", "load_yaml_data", "read_bounded"]
+           "count_elements", "decode_utf8", "load_yaml_data", "open_regular", "read_bounded"]

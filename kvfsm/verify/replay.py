@@ -20,15 +20,14 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import stat
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-from kvfsm.errors import InputBoundExceeded, InputRejected
-from kvfsm.input_limits import TRACE_LIMITS, TRACE_MAX_REQUESTS, InputLimits, check_json_nesting, count_elements, decode_utf8
+from kvfsm.errors import InputBoundExceeded
+from kvfsm.input_limits import (TRACE_LIMITS, TRACE_MAX_REQUESTS, InputLimits, check_json_nesting, count_elements,
+                                decode_utf8, open_regular)
 from kvfsm.spec import CompiledSpec, load_spec
 from kvfsm.spec import expr as ex
 from kvfsm.spec.locations import packaged_spec
@@ -98,9 +97,7 @@ def _lines(path: Path, limits: InputLimits) -> Iterator[tuple[int, str]]:
     """(line number, text) of each line, within `limits` (InputRejected past them)."""
     source, size = str(path), 0
     cap = limits.max_line_bytes or limits.max_bytes
-    with path.open("rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise InputRejected(source, 0, "trace is not a regular file")
+    with open_regular(path, "trace") as f:
         for n in itertools.count(1):
             raw = f.readline(cap + 1)
             if not raw:

@@ -1,5 +1,7 @@
 """Run kvfsm under an address-space limit: `python tests/hostile/limited.py MIB cli ARGS...` runs the
-`kvfsm` command line, `... MIB call MODULE:FUNCTION ARG` calls one reader on a path. The limit is set with
+`kvfsm` command line, `... MIB call MODULE:FUNCTION ARG` calls one reader on a path, and `... MIB batch
+FILE.json` runs every argv listed in the JSON file through the command line (typer's CliRunner) in this one
+process and prints a JSON list of their exit codes, stderr and whether an exception escaped. The limit is set with
 resource.setrlimit(RLIMIT_AS) in this process before kvfsm is imported, so a reader that tries to expand
 its input into memory dies here with MemoryError instead of taking the machine's memory.
 
@@ -23,6 +25,8 @@ def main(argv: list[str]) -> int:
         sys.argv = ["kvfsm", *rest]
         app()
         return 0
+    if mode == "batch":
+        return _batch(rest[0])
     target, *args = rest
     module, func = target.split(":")
     fn = importlib.import_module(module)
@@ -34,6 +38,23 @@ def main(argv: list[str]) -> int:
         print(f"error {type(exc).__module__}.{type(exc).__qualname__}: {str(exc)[:2000]}")
         return 3
     print(f"ok {type(result).__name__}")
+    return 0
+
+
+def _batch(listing: str) -> int:
+    import json
+
+    from typer.testing import CliRunner
+
+    from kvfsm.cli import app
+    runner = CliRunner()
+    results = []
+    for argv in json.load(open(listing)):
+        res = runner.invoke(app, argv)
+        escaped = res.exception is not None and not isinstance(res.exception, SystemExit)
+        results.append({"argv": argv, "code": res.exit_code, "stderr": res.stderr[-4000:],
+                        "escaped": f"{type(res.exception).__name__}: {res.exception}" if escaped else None})
+    print(json.dumps(results))
     return 0
 
 

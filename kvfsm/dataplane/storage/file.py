@@ -47,6 +47,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvfsm.errors import InputRejected
+from kvfsm.input_limits import open_regular
+
 from .base import StorageStats, _check_batch, storage_key_suffix
 
 logger = logging.getLogger(__name__)
@@ -403,16 +406,16 @@ class FileStorage:
         path = self.path_of(key)
         side_path = self.sidecar_of(path)
         try:
-            with open(side_path, "rb") as f:
+            with open_regular(side_path, "sidecar") as f:
                 side: bytes | None = f.read(_SIDECAR_MAX + 1)
         except FileNotFoundError:
             side = None
-        except OSError as e:
+        except (OSError, InputRejected) as e:  # a FIFO or a device under a sidecar's name is never waited on
             logger.warning("storage read of %s's sidecar failed: %s", key, e)
             self._count("reads_missing")
             return None
         try:
-            with open(path, "rb") as f:
+            with open_regular(path, "page file") as f:
                 size = os.fstat(f.fileno()).st_size
                 # Read only a page of the length expected: a file grown to gigabytes (by a bug, or by whoever
                 # else writes the directory) is rejected by its size, never read into memory.
@@ -422,7 +425,7 @@ class FileStorage:
         except FileNotFoundError:
             self._count("reads_missing")
             return None
-        except OSError as e:
+        except (OSError, InputRejected) as e:
             logger.warning("storage read of %s failed: %s", key, e)
             self._count("reads_missing")
             return None
