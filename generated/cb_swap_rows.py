@@ -178,11 +178,8 @@ class CbSwapRows(RowMachine):
         at_resident = s == RESIDENT
         t0 = at_resident & g_deferred_release  # T0 resident --preempt [deferred_release]--> swapping_out  (spec line 132): start_swap_out
         t1 = at_resident & g_fenced_release & ~g_deferred_release  # T1 resident --preempt [fenced_release]--> swapping_out_fenced  (spec line 133): start_swap_out, release_device_blocks_fenced
-        bad = (
-            (at_resident & ~(g_deferred_release | g_fenced_release))  # resident: handled, but no guard holds
-            | ((s == SWAPPING_OUT) | (s == SWAPPING_OUT_FENCED) | (s == SWAPPED) | (s == SWAPPING_IN) | (s == ENDING) | (s == ENDING_FENCED) | (s == RELEASED))  # swapping_out, swapping_out_fenced, swapped, swapping_in, ending, ending_fenced, released: declared error
-        )
         taken = t0 | t1  # every transition of preempt
+        bad = ~taken  # rejected: resident when no guard holds; swapping_out, swapping_out_fenced, swapped, swapping_in, ending, ending_fenced, released (declared error)
         ns = s.copy()
         ns[t0] = SWAPPING_OUT
         ns[t1] = SWAPPING_OUT_FENCED
@@ -200,7 +197,7 @@ class CbSwapRows(RowMachine):
         """soft_reset for distinct rows: the transition each takes, the new arrays, the rows of each action call."""
         s = self.state[rows]
         t2 = s == RESIDENT  # T2 resident --soft_reset--> released  (spec line 134): count_soft_reset, release_device_blocks
-        bad = (s == SWAPPING_OUT) | (s == SWAPPING_OUT_FENCED) | (s == SWAPPED) | (s == SWAPPING_IN) | (s == ENDING) | (s == ENDING_FENCED) | (s == RELEASED)  # swapping_out, swapping_out_fenced, swapped, swapping_in, ending, ending_fenced, released: declared error
+        bad = ~t2  # rejected: swapping_out, swapping_out_fenced, swapped, swapping_in, ending, ending_fenced, released (declared error)
         ns = s.copy()
         ns[t2] = RELEASED
         writes = (
@@ -223,17 +220,14 @@ class CbSwapRows(RowMachine):
         t17 = at_ending & g_swap_out_in_flight  # T17 ending --swap_out_done [swap_out_in_flight]--> released  (spec line 144): free_host_blocks, release_device_blocks
         at_ending_fenced = s == ENDING_FENCED
         t19 = at_ending_fenced & g_swap_out_in_flight  # T19 ending_fenced --swap_out_done [swap_out_in_flight]--> released  (spec line 146): free_host_blocks
-        bad = (
-            (at_ending & ~g_swap_out_in_flight)  # ending: handled, but no guard holds
-            | (at_ending_fenced & ~g_swap_out_in_flight)  # ending_fenced: handled, but no guard holds
-            | ((s == RESIDENT) | (s == SWAPPED) | (s == SWAPPING_IN) | (s == RELEASED))  # resident, swapped, swapping_in, released: declared error
-        )
+        taken = t3 | t4 | t17 | t19  # every transition of swap_out_done
+        bad = ~taken  # rejected: ending when no guard holds; ending_fenced when no guard holds; resident, swapped, swapping_in, released (declared error)
         ns = s.copy()
         ns[t3 | t4] = SWAPPED
         ns[t17 | t19] = RELEASED
         writes = (
             ('state', s, ns),
-            ('swap_outs', swap_outs, swap_outs - (t3 | t4 | t17 | t19)),
+            ('swap_outs', swap_outs, swap_outs - taken),
         )
         takes = (
             t3,  # verify_swap_out
@@ -248,7 +242,7 @@ class CbSwapRows(RowMachine):
         s = self.state[rows]
         swap_ins = self.swap_ins[rows]
         t5 = s == SWAPPED  # T5 swapped --restore--> swapping_in  (spec line 137): start_swap_in
-        bad = (s == RESIDENT) | (s == SWAPPING_OUT) | (s == SWAPPING_OUT_FENCED) | (s == SWAPPING_IN) | (s == ENDING) | (s == ENDING_FENCED) | (s == RELEASED)  # resident, swapping_out, swapping_out_fenced, swapping_in, ending, ending_fenced, released: declared error
+        bad = ~t5  # rejected: resident, swapping_out, swapping_out_fenced, swapping_in, ending, ending_fenced, released (declared error)
         ns = s.copy()
         ns[t5] = SWAPPING_IN
         writes = (
@@ -270,12 +264,8 @@ class CbSwapRows(RowMachine):
         t18 = at_ending & g_swap_in_in_flight  # T18 ending --swap_in_done [swap_in_in_flight]--> released  (spec line 145): free_host_blocks, release_device_blocks
         at_ending_fenced = s == ENDING_FENCED
         t20 = at_ending_fenced & g_swap_in_in_flight  # T20 ending_fenced --swap_in_done [swap_in_in_flight]--> released  (spec line 147): free_host_blocks
-        bad = (
-            (at_ending & ~g_swap_in_in_flight)  # ending: handled, but no guard holds
-            | (at_ending_fenced & ~g_swap_in_in_flight)  # ending_fenced: handled, but no guard holds
-            | ((s == RESIDENT) | (s == SWAPPING_OUT) | (s == SWAPPING_OUT_FENCED) | (s == SWAPPED) | (s == RELEASED))  # resident, swapping_out, swapping_out_fenced, swapped, released: declared error
-        )
         taken = t6 | t18 | t20  # every transition of swap_in_done
+        bad = ~taken  # rejected: ending when no guard holds; ending_fenced when no guard holds; resident, swapping_out, swapping_out_fenced, swapped, released (declared error)
         ns = s.copy()
         ns[t6] = RESIDENT
         ns[t18 | t20] = RELEASED
@@ -303,11 +293,8 @@ class CbSwapRows(RowMachine):
         t12 = at_swapping_in & g_deferred_release  # T12 swapping_in --finish [deferred_release]--> ending  (spec line 141): defer_release
         t14 = at_swapping_in & g_fenced_release & ~g_deferred_release  # T14 swapping_in --finish [fenced_release]--> ending_fenced  (spec line 142): release_device_blocks_fenced, defer_host_release
         # ending, ending_fenced, released: declared no-op: The request has already ended; ending it again must free nothing twice (B9).
-        bad = (
-            (at_swapping_out & ~g_deferred_release)  # swapping_out: handled, but no guard holds
-            | (at_swapping_in & ~(g_deferred_release | g_fenced_release))  # swapping_in: handled, but no guard holds
-            | ((s == SWAPPING_OUT_FENCED) | (s == SWAPPED))  # swapping_out_fenced, swapped: declared error
-        )
+        taken = t7 | t10 | t12 | t14  # every transition of finish
+        bad = ~(taken | (s == ENDING) | (s == ENDING_FENCED) | (s == RELEASED))  # rejected: swapping_out when no guard holds; swapping_in when no guard holds; swapping_out_fenced, swapped (declared error)
         ns = s.copy()
         ns[t7] = RELEASED
         ns[t10 | t12] = ENDING
@@ -338,10 +325,8 @@ class CbSwapRows(RowMachine):
         t13 = at_swapping_in & g_deferred_release  # T13 swapping_in --cancel [deferred_release]--> ending  (spec line 141): defer_release
         t15 = at_swapping_in & g_fenced_release & ~g_deferred_release  # T15 swapping_in --cancel [fenced_release]--> ending_fenced  (spec line 142): release_device_blocks_fenced, defer_host_release
         # ending, ending_fenced, released: declared no-op: The request has already ended; ending it again must free nothing twice (B9).
-        bad = (
-            (at_swapping_out & ~g_deferred_release)  # swapping_out: handled, but no guard holds
-            | (at_swapping_in & ~(g_deferred_release | g_fenced_release))  # swapping_in: handled, but no guard holds
-        )
+        taken = t8 | t11 | t16 | t9 | t13 | t15  # every transition of cancel
+        bad = ~(taken | (s == ENDING) | (s == ENDING_FENCED) | (s == RELEASED))  # rejected: swapping_out when no guard holds; swapping_in when no guard holds
         ns = s.copy()
         ns[t8 | t9] = RELEASED
         ns[t11 | t13] = ENDING

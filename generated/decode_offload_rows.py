@@ -220,8 +220,8 @@ class DecodeOffloadRows(RowMachine):
         t0 = s == ALLOCATED  # T0 allocated --offload--> offloading  (spec line 167): start_copy
         t1 = s == OFFLOADING  # T1 offloading --offload--> offloading  (spec line 167): start_copy
         t2 = s == INFLIGHT  # T2 inflight --offload--> offloading  (spec line 167): start_copy
-        bad = (s == FINISHED) | (s == FENCED) | (s == DRAINING) | (s == RELEASED)  # finished, fenced, draining, released: declared error
         taken = t0 | t1 | t2  # every transition of offload
+        bad = ~taken  # rejected: finished, fenced, draining, released (declared error)
         ns = s.copy()
         ns[t0 | t2] = OFFLOADING
         writes = (
@@ -239,10 +239,11 @@ class DecodeOffloadRows(RowMachine):
         t3 = s == ALLOCATED  # T3 allocated --host_full--> allocated  (spec line 169): count_host_full
         t4 = s == OFFLOADING  # T4 offloading --host_full--> offloading  (spec line 169): count_host_full
         t5 = s == INFLIGHT  # T5 inflight --host_full--> inflight  (spec line 169): count_host_full
-        bad = (s == FINISHED) | (s == FENCED) | (s == DRAINING) | (s == RELEASED)  # finished, fenced, draining, released: declared error
+        taken = t3 | t4 | t5  # every transition of host_full
+        bad = ~taken  # rejected: finished, fenced, draining, released (declared error)
         writes = ()  # host_full changes no state and no counter
         takes = (
-            t3 | t4 | t5,  # count_host_full
+            taken,  # count_host_full
         )
         return Decided(bad, s, writes, takes)
 
@@ -262,13 +263,8 @@ class DecodeOffloadRows(RowMachine):
         at_fenced = s == FENCED
         t14 = at_fenced & g_more_copies  # T14 fenced --copy_done [more_copies]--> fenced  (spec line 188): hash_chunk, submit_backup
         t15 = at_fenced & g_last_copy & ~g_more_copies  # T15 fenced --copy_done [last_copy]--> draining  (spec line 190): hash_chunk, submit_backup
-        bad = (
-            (at_offloading & ~(g_more_copies | g_last_copy))  # offloading: handled, but no guard holds
-            | (at_finished & ~(g_more_copies | g_last_copy))  # finished: handled, but no guard holds
-            | (at_fenced & ~(g_more_copies | g_last_copy))  # fenced: handled, but no guard holds
-            | ((s == ALLOCATED) | (s == INFLIGHT) | (s == DRAINING) | (s == RELEASED))  # allocated, inflight, draining, released: declared error
-        )
         taken = t6 | t7 | t10 | t11 | t14 | t15  # every transition of copy_done
+        bad = ~taken  # rejected: offloading when no guard holds; finished when no guard holds; fenced when no guard holds; allocated, inflight, draining, released (declared error)
         ns = s.copy()
         ns[t7] = INFLIGHT
         ns[t11 | t15] = DRAINING
@@ -300,13 +296,8 @@ class DecodeOffloadRows(RowMachine):
         at_fenced = s == FENCED
         t16 = at_fenced & g_more_copies  # T16 fenced --copy_parked [more_copies]--> fenced  (spec line 192): hash_chunk, park_chunk
         t17 = at_fenced & g_last_copy & ~g_more_copies  # T17 fenced --copy_parked [last_copy]--> draining  (spec line 194): hash_chunk, park_chunk
-        bad = (
-            (at_offloading & ~(g_more_copies | g_last_copy))  # offloading: handled, but no guard holds
-            | (at_finished & ~(g_more_copies | g_last_copy))  # finished: handled, but no guard holds
-            | (at_fenced & ~(g_more_copies | g_last_copy))  # fenced: handled, but no guard holds
-            | ((s == ALLOCATED) | (s == INFLIGHT) | (s == DRAINING) | (s == RELEASED))  # allocated, inflight, draining, released: declared error
-        )
         taken = t8 | t9 | t12 | t13 | t16 | t17  # every transition of copy_parked
+        bad = ~taken  # rejected: offloading when no guard holds; finished when no guard holds; fenced when no guard holds; allocated, inflight, draining, released (declared error)
         ns = s.copy()
         ns[t9] = INFLIGHT
         ns[t13 | t17] = DRAINING
@@ -338,15 +329,8 @@ class DecodeOffloadRows(RowMachine):
         t21 = at_fenced & g_has_parked  # T21 fenced --backup_resubmit [has_parked]--> fenced  (spec line 198): submit_backup
         at_draining = s == DRAINING
         t22 = at_draining & g_has_parked  # T22 draining --backup_resubmit [has_parked]--> draining  (spec line 198): submit_backup
-        bad = (
-            (at_offloading & ~g_has_parked)  # offloading: handled, but no guard holds
-            | (at_inflight & ~g_has_parked)  # inflight: handled, but no guard holds
-            | (at_finished & ~g_has_parked)  # finished: handled, but no guard holds
-            | (at_fenced & ~g_has_parked)  # fenced: handled, but no guard holds
-            | (at_draining & ~g_has_parked)  # draining: handled, but no guard holds
-            | ((s == ALLOCATED) | (s == RELEASED))  # allocated, released: declared error
-        )
         taken = t18 | t19 | t20 | t21 | t22  # every transition of backup_resubmit
+        bad = ~taken  # rejected: offloading when no guard holds; inflight when no guard holds; finished when no guard holds; fenced when no guard holds; draining when no guard holds; allocated, released (declared error)
         writes = (
             ('parked', parked, parked - taken),
             ('backups', backups, backups + taken),
@@ -376,15 +360,8 @@ class DecodeOffloadRows(RowMachine):
         at_draining = s == DRAINING
         t30 = at_draining & g_more_host_chunks  # T30 draining --backup_done [more_host_chunks]--> draining  (spec line 204): mark_stored, free_host_chunk
         t35 = at_draining & g_last_host_chunk & ~g_more_host_chunks  # T35 draining --backup_done [last_host_chunk]--> released  (spec line 212): mark_stored, free_host_chunk
-        bad = (
-            (at_offloading & ~g_has_backup)  # offloading: handled, but no guard holds
-            | (at_inflight & ~(g_more_host_chunks | g_last_host_chunk))  # inflight: handled, but no guard holds
-            | (at_finished & ~g_has_backup)  # finished: handled, but no guard holds
-            | (at_fenced & ~g_has_backup)  # fenced: handled, but no guard holds
-            | (at_draining & ~(g_more_host_chunks | g_last_host_chunk))  # draining: handled, but no guard holds
-            | ((s == ALLOCATED) | (s == RELEASED))  # allocated, released: declared error
-        )
         taken = t23 | t29 | t33 | t24 | t25 | t30 | t35  # every transition of backup_done
+        bad = ~taken  # rejected: offloading when no guard holds; inflight when no guard holds; finished when no guard holds; fenced when no guard holds; draining when no guard holds; allocated, released (declared error)
         ns = s.copy()
         ns[t33] = ALLOCATED
         ns[t35] = RELEASED
@@ -418,15 +395,8 @@ class DecodeOffloadRows(RowMachine):
         at_draining = s == DRAINING
         t32 = at_draining & g_more_host_chunks  # T32 draining --backup_failed [more_host_chunks]--> draining  (spec line 206): count_backup_failure, free_host_chunk
         t36 = at_draining & g_last_host_chunk & ~g_more_host_chunks  # T36 draining --backup_failed [last_host_chunk]--> released  (spec line 214): count_backup_failure, free_host_chunk
-        bad = (
-            (at_offloading & ~g_has_backup)  # offloading: handled, but no guard holds
-            | (at_inflight & ~(g_more_host_chunks | g_last_host_chunk))  # inflight: handled, but no guard holds
-            | (at_finished & ~g_has_backup)  # finished: handled, but no guard holds
-            | (at_fenced & ~g_has_backup)  # fenced: handled, but no guard holds
-            | (at_draining & ~(g_more_host_chunks | g_last_host_chunk))  # draining: handled, but no guard holds
-            | ((s == ALLOCATED) | (s == RELEASED))  # allocated, released: declared error
-        )
         taken = t26 | t31 | t34 | t27 | t28 | t32 | t36  # every transition of backup_failed
+        bad = ~taken  # rejected: offloading when no guard holds; inflight when no guard holds; finished when no guard holds; fenced when no guard holds; draining when no guard holds; allocated, released (declared error)
         ns = s.copy()
         ns[t34] = ALLOCATED
         ns[t36] = RELEASED
@@ -453,7 +423,8 @@ class DecodeOffloadRows(RowMachine):
         t40 = s == INFLIGHT  # T40 inflight --finish--> draining  (spec line 219): freeze_lengths, release_request
         # finished: declared no-op: Release is already deferred to the last copy acknowledgement; a second call must not free anything (B9).
         # fenced, draining, released: declared no-op: The request is already released; release is idempotent and frees nothing twice (B9).
-        bad = at_offloading & ~(g_deferred_release | g_fenced_release)  # offloading: handled, but no guard holds
+        taken = t37 | t43 | t46 | t40  # every transition of finish
+        bad = ~(taken | (s == FINISHED) | (s == FENCED) | (s == DRAINING) | (s == RELEASED))  # rejected: offloading when no guard holds
         ns = s.copy()
         ns[t37] = RELEASED
         ns[t43] = FINISHED
@@ -463,7 +434,7 @@ class DecodeOffloadRows(RowMachine):
             ('state', s, ns),
         )
         takes = (
-            t37 | t43 | t46 | t40,  # freeze_lengths
+            taken,  # freeze_lengths
             t37 | t40,  # release_request
             t46,  # release_request_fenced
         )
@@ -482,7 +453,8 @@ class DecodeOffloadRows(RowMachine):
         t41 = s == INFLIGHT  # T41 inflight --abort--> draining  (spec line 219): freeze_lengths, release_request
         # finished: declared no-op: Release is already deferred to the last copy acknowledgement; a second call must not free anything (B9).
         # fenced, draining, released: declared no-op: The request is already released; release is idempotent and frees nothing twice (B9).
-        bad = at_offloading & ~(g_deferred_release | g_fenced_release)  # offloading: handled, but no guard holds
+        taken = t38 | t44 | t47 | t41  # every transition of abort
+        bad = ~(taken | (s == FINISHED) | (s == FENCED) | (s == DRAINING) | (s == RELEASED))  # rejected: offloading when no guard holds
         ns = s.copy()
         ns[t38] = RELEASED
         ns[t44] = FINISHED
@@ -492,7 +464,7 @@ class DecodeOffloadRows(RowMachine):
             ('state', s, ns),
         )
         takes = (
-            t38 | t44 | t47 | t41,  # freeze_lengths
+            taken,  # freeze_lengths
             t38 | t41,  # release_request
             t47,  # release_request_fenced
         )
@@ -511,7 +483,8 @@ class DecodeOffloadRows(RowMachine):
         t42 = s == INFLIGHT  # T42 inflight --retract--> draining  (spec line 219): freeze_lengths, release_request
         # finished: declared no-op: Release is already deferred to the last copy acknowledgement; a second call must not free anything (B9).
         # fenced, draining, released: declared no-op: The request is already released; release is idempotent and frees nothing twice (B9).
-        bad = at_offloading & ~(g_deferred_release | g_fenced_release)  # offloading: handled, but no guard holds
+        taken = t39 | t45 | t48 | t42  # every transition of retract
+        bad = ~(taken | (s == FINISHED) | (s == FENCED) | (s == DRAINING) | (s == RELEASED))  # rejected: offloading when no guard holds
         ns = s.copy()
         ns[t39] = RELEASED
         ns[t45] = FINISHED
@@ -521,7 +494,7 @@ class DecodeOffloadRows(RowMachine):
             ('state', s, ns),
         )
         takes = (
-            t39 | t45 | t48 | t42,  # freeze_lengths
+            taken,  # freeze_lengths
             t39 | t42,  # release_request
             t48,  # release_request_fenced
         )
@@ -533,7 +506,8 @@ class DecodeOffloadRows(RowMachine):
         t49 = s == ALLOCATED  # T49 allocated --released_by_engine--> released  (spec line 223): record_engine_release
         t50 = s == INFLIGHT  # T50 inflight --released_by_engine--> draining  (spec line 224): record_engine_release
         # fenced, draining, released: declared no-op: The manager released the request already; the engine's own release of it is the engine's business, and nothing here is freed again (B9).
-        bad = (s == OFFLOADING) | (s == FINISHED)  # offloading, finished: declared error
+        taken = t49 | t50  # every transition of released_by_engine
+        bad = ~(taken | (s == FENCED) | (s == DRAINING) | (s == RELEASED))  # rejected: offloading, finished (declared error)
         ns = s.copy()
         ns[t49] = RELEASED
         ns[t50] = DRAINING
@@ -541,7 +515,7 @@ class DecodeOffloadRows(RowMachine):
             ('state', s, ns),
         )
         takes = (
-            t49 | t50,  # record_engine_release
+            taken,  # record_engine_release
         )
         return Decided(bad, s, writes, takes)
 
@@ -553,11 +527,7 @@ class DecodeOffloadRows(RowMachine):
         at_offloading = s == OFFLOADING
         t51 = at_offloading & g_fenced_release  # T51 offloading --released_by_engine_fenced [fenced_release]--> fenced  (spec line 225): record_engine_release_fenced
         # fenced, draining, released: declared no-op: The manager released the request already; the engine's own release of it is the engine's business, and nothing here is freed again (B9).
-        bad = (
-            (at_offloading & ~g_fenced_release)  # offloading: handled, but no guard holds
-            | ((s == ALLOCATED) | (s == INFLIGHT))  # allocated, inflight: declared error
-            | (s == FINISHED)  # finished: declared error
-        )
+        bad = ~(t51 | (s == FENCED) | (s == DRAINING) | (s == RELEASED))  # rejected: offloading when no guard holds; allocated, inflight (declared error); finished (declared error)
         ns = s.copy()
         ns[t51] = FENCED
         writes = (

@@ -80,6 +80,7 @@ class RowMachine:
         for name in self.PARAMS:
             setattr(self, name, np.zeros(0, PARAM_DTYPE))
         self._mark = np.zeros(0, np.intp)  # scratch for the repeated-row test
+        self._iota = np.arange(0)
         self._terminal = np.array([i in self.TERMINAL for i in range(len(self.STATES))], bool)
         self.grow(capacity)
 
@@ -136,18 +137,19 @@ class RowMachine:
         return rows, args
 
     def _distinct(self, rows: np.ndarray) -> bool:
-        iota = np.arange(rows.size)
+        if self._iota.size < rows.size:
+            self._iota = np.arange(max(rows.size, 2 * self._iota.size))
+        iota = self._iota[: rows.size]
         self._mark[rows] = iota  # a repeated row keeps only one of its positions
         return bool((self._mark[rows] == iota).all())
 
     def _check_created(self, what: str, rows: np.ndarray) -> None:
-        outside = (rows < 0) | (rows >= self.capacity)
-        if outside.any():
+        if rows.min() < 0 or rows.max() >= self.capacity:
+            outside = (rows < 0) | (rows >= self.capacity)
             i = int(outside.argmax())
             raise RowNotCreated(self, what, int(rows[i]), i, self.capacity)
-        missing = ~self.created[rows]
-        if missing.any():
-            i = int(missing.argmax())
+        if not self.created[rows].all():
+            i = int((~self.created[rows]).argmax())
             raise RowNotCreated(self, what, int(rows[i]), i, self.capacity)
 
     def _rejection(self, event: str, row: int, position: int, state: int) -> EventRejected:
@@ -172,7 +174,9 @@ class RowMachine:
                 raise self._rejection(event, int(rows[i]), i, int(d.state[i]))
             for name, _, after in d.writes:
                 getattr(self, name)[rows] = after
-            positions = [np.flatnonzero(m) for m in d.takes]
+            found: dict[int, np.ndarray] = {}  # an event's calls often share one mask (`taken`)
+            positions = [found[id(m)] if id(m) in found else found.setdefault(id(m), m.nonzero()[0])
+                         for m in d.takes]
             saved = [(name, rows, before) for name, before, _ in d.writes]
         else:
             positions, saved = self._rounds(event, decide, rows, len(actions))
@@ -212,7 +216,7 @@ class RowMachine:
             for name, _, after in d.writes:
                 getattr(self, name)[rk] = after
             for i, m in enumerate(d.takes):
-                taken[i].append(pos[m])
+                taken[i].append(pos[m])  # the positions (in the batch) of this round's items that take it
         if worst is not None:
             self._restore(saved)
             raise self._rejection(event, int(rows[worst[0]]), worst[0], worst[1])

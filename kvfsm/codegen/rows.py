@@ -102,7 +102,8 @@ def _event(spec: CompiledSpec, event: str, const: dict[str, str]) -> dict:
         if py.startswith("(") and py.endswith(")") and isinstance(node, ex.Cmp):
             py = py[1:-1]
         guards.append(dict(name=g, py=py, text=ex.render(node)))
-    branches, bad_terms = [], []
+    branches: list[dict] = []
+    rejected: list[str] = []  # where the event is rejected: what takes no transition and is no declared no-op
     for s in spec.states:
         ts = spec.handlers(s, event)
         if not ts:
@@ -123,12 +124,10 @@ def _event(spec: CompiledSpec, event: str, const: dict[str, str]) -> dict:
                 mask = " & ".join(parts)
             earlier.append(t.guard)
             rows.append(dict(id=t.id, label=t.label, line=t.line, mask=mask, actions=t.actions))
-        guarded = all(t.guard for t in ts)
-        if guarded:
-            gs = [f"g_{t.guard}" for t in ts]
-            bad_terms.append(dict(expr=f"at_{s} & ~" + (gs[0] if len(gs) == 1 else "(" + " | ".join(gs) + ")"),
-                                  note=f"{s}: handled, but no guard holds"))
+        if all(t.guard for t in ts):
+            rejected.append(f"{s} when no guard holds")
         branches.append(dict(state=s, const=const[s], single=single, transitions=rows))
+    ignored: list[str] = []
     for kind in ("ignore", "error"):
         groups: dict[str, list[str]] = {}
         for s in spec.states:
@@ -137,10 +136,9 @@ def _event(spec: CompiledSpec, event: str, const: dict[str, str]) -> dict:
                 groups.setdefault(o.reason, []).append(s)
         for reason, states in groups.items():
             if kind == "error":
-                bad_terms.append(dict(expr=f"s == {const[states[0]]}" if len(states) == 1
-                                      else " | ".join(f"(s == {const[s]})" for s in states),
-                                      note=f"{', '.join(states)}: declared error"))
+                rejected.append(f"{', '.join(states)} (declared error)")
             else:
+                ignored += states
                 branches.append(dict(state=None, ignored=", ".join(states), reason=reason, transitions=[]))
     every = [t.id for t in transitions]
     uses: list[list[int]] = []
@@ -166,7 +164,17 @@ def _event(spec: CompiledSpec, event: str, const: dict[str, str]) -> dict:
                  for d, tids in by_delta.items()]
         counter_writes.append(dict(name=c, py=f"{c} {' '.join(terms)}"))
     calls = [dict(action=a, takes=union(tids)) for a, tids in action_calls(spec, transitions)]
-    shared = len(every) > 1 and sum(u == every for u in uses) > 1
+    # The union of every transition, `taken`, is named where it is used more than once; it also gives the
+    # rejected items: by the spec's totality, an item that takes no transition and is in no state where the
+    # event is a declared no-op is one where it is a declared error or no guard holds.
+    shared = len(every) > 1 and (sum(u == every for u in uses) > 1 or bool(rejected))
+    taken = "taken" if shared else _union(every)
+    if not rejected:
+        bad = None
+    elif ignored:
+        bad = f"~({taken} | " + " | ".join(f"(s == {const[s]})" for s in ignored) + ")"
+    else:
+        bad = f"~{taken}"
     marked = re.compile("\0([^\0]*)\0")
 
     def resolve(text: str) -> str:
@@ -179,7 +187,7 @@ def _event(spec: CompiledSpec, event: str, const: dict[str, str]) -> dict:
     for c in calls:
         c["takes"] = resolve(c["takes"])
     return dict(name=event, doc=spec.model.events[event].doc, gathers=gathers, guards=guards, branches=branches,
-                bad=bad_terms, taken=_union(every) if shared else None, state_writes=state_writes,
+                bad=bad, rejected=rejected, taken=_union(every) if shared else None, state_writes=state_writes,
                 counter_writes=counter_writes, calls=calls,
                 call_names=tuple(f"{c['action']}_rows" for c in calls),
                 action_order=tuple(c["action"] for c in calls))
