@@ -14,10 +14,16 @@ import json
 import os
 import platform
 import socket
+import sys
 from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
+# Which threads a cProfile table covers. From Python 3.12 cProfile runs on sys.monitoring, whose events fire in
+# every thread: a profile taken around the scheduler's calls then also holds what the backup worker and the
+# store's threads ran meanwhile (hashing, file writes), which is not the scheduler thread's time.
+PROFILED_THREADS = ("every thread (Python >= 3.12: cProfile runs on sys.monitoring)" if sys.version_info >= (3, 12)
+                    else "the profiling thread only")
 QUICK = RESULTS / "quick"  # git-ignored: quick runs and their plots
 
 

@@ -20,7 +20,7 @@ BENCH = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(BENCH))
 
 import sglang_adapter_gpu as bench  # noqa: E402
-from common import write_result  # noqa: E402
+from common import PROFILED_THREADS, write_result  # noqa: E402
 
 
 def main() -> int:
@@ -57,8 +57,10 @@ def main() -> int:
         shutil.rmtree(store, ignore_errors=True)
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(40)
+    print(f"profiled: {PROFILED_THREADS}")
     print(text.getvalue())
-    print("wrote", write_result("adapter_profile", {"settings": vars(args), "figures": out, "profile": text.getvalue()},
+    print("wrote", write_result("adapter_profile", {"settings": vars(args), "figures": out, "profile": text.getvalue(),
+                                                    "profiled_threads": PROFILED_THREADS},
                                 args.out, quick=opts.device == "cpu"))
     return 0
 
