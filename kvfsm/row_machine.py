@@ -194,19 +194,20 @@ class RowMachine:
         """A batch with repeated rows: round k decides and writes every row's k-th appearance. Returns the
         positions taking each action call (in batch order) and what puts the arrays back; on a rejection the
         arrays are put back first and the item a loop would have stopped at is named."""
-        order = np.argsort(rows, kind="stable")
+        n = rows.size
+        order = np.argsort(rows, kind="stable")  # each row's appearances together, in batch order
         srt = rows[order]
-        first = np.ones(rows.size, bool)
-        first[1:] = srt[1:] != srt[:-1]
-        idx = np.arange(rows.size)
-        rank = np.empty(rows.size, np.intp)
-        rank[order] = idx - np.maximum.accumulate(np.where(first, idx, 0))
-        touched = srt[first]
+        first = np.ones(n, bool)
+        np.not_equal(srt[1:], srt[:-1], out=first[1:])
+        starts = first.nonzero()[0]
+        rank = np.empty(n, np.intp)  # how many appearances of its row come before each item
+        rank[order] = np.arange(n) - np.repeat(starts, np.diff(np.append(starts, n)))
+        touched = srt[starts]
         saved = [(name, touched, getattr(self, name)[touched].copy()) for name in ("state", *self.COUNTERS)]
-        taken: list[list[np.ndarray]] = [[] for _ in range(calls)]
+        taken = [np.zeros(n, bool) for _ in range(calls)]
         worst: Optional[tuple[int, int]] = None  # (position, state) of the first rejected item
         for k in range(int(rank.max()) + 1):
-            pos = np.flatnonzero(rank == k)
+            pos = (rank == k).nonzero()[0]
             rk = rows[pos]
             d = decide(rk)
             if d.bad is not None and d.bad.any():
@@ -216,11 +217,11 @@ class RowMachine:
             for name, _, after in d.writes:
                 getattr(self, name)[rk] = after
             for i, m in enumerate(d.takes):
-                taken[i].append(pos[m])  # the positions (in the batch) of this round's items that take it
+                taken[i][pos[m]] = True  # the positions (in the batch) of this round's items that take it
         if worst is not None:
             self._restore(saved)
             raise self._rejection(event, int(rows[worst[0]]), worst[0], worst[1])
-        return [np.sort(np.concatenate(t)) for t in taken], saved
+        return [t.nonzero()[0] for t in taken], saved
 
     def _restore(self, saved: list[tuple[str, np.ndarray, np.ndarray]]) -> None:
         for name, where, before in saved:
