@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from kvfsm.row_machine import Decided, RowMachine
 
@@ -133,38 +134,38 @@ class CbSwapRows(RowMachine):
         """Room for `capacity` rows (more are made as `create` needs them); no machine yet."""
         super().__init__(fx, capacity)
 
-    def create(self, rows: Any, args: Any = None, *, fences: Any = 0) -> None:
+    def create(self, rows: ArrayLike, args: Any = None, *, fences: ArrayLike = 0) -> None:
         """The engine first chose the request as a preemption victim; from then its machine owns the request's device blocks. Holds: device_blocks.
 
         One new machine per row (distinct rows, each never created or its machine terminal). Params: an int, or one per row.
         """
         self._create(rows, args, {'fences': fences})
 
-    def preempt(self, rows: Any, args: Any = None) -> None:
+    def preempt(self, rows: ArrayLike, args: Any = None) -> None:
         """The engine chose the request as a victim and host blocks were reserved for all its device blocks; the swap-out is submitted."""
         self._fire('preempt', self._decide_preempt, ('start_swap_out_rows', 'release_device_blocks_fenced_rows'), rows, args)
 
-    def soft_reset(self, rows: Any, args: Any = None) -> None:
+    def soft_reset(self, rows: ArrayLike, args: Any = None) -> None:
         """The engine chose the request as a victim but the host pool had no room for its blocks; it will be re-prefilled from its tokens."""
         self._fire('soft_reset', self._decide_soft_reset, ('count_soft_reset_rows', 'release_device_blocks_rows'), rows, args)
 
-    def swap_out_done(self, rows: Any, args: Any = None) -> None:
+    def swap_out_done(self, rows: ArrayLike, args: Any = None) -> None:
         """The progress check observed the completion of the request's device-to-host copy (a restore of a request whose fenced swap-out has not been observed landed waits for it first)."""
         self._fire('swap_out_done', self._decide_swap_out_done, ('verify_swap_out_rows', 'free_host_blocks_rows', 'release_device_blocks_rows', 'verify_landed_swap_out_rows'), rows, args)
 
-    def restore(self, rows: Any, args: Any = None) -> None:
+    def restore(self, rows: ArrayLike, args: Any = None) -> None:
         """The engine rescheduled the swapped request and allocated fresh device blocks for it; the swap-in is submitted."""
         self._fire('restore', self._decide_restore, ('start_swap_in_rows',), rows, args)
 
-    def swap_in_done(self, rows: Any, args: Any = None) -> None:
+    def swap_in_done(self, rows: ArrayLike, args: Any = None) -> None:
         """The progress check observed the completion of the request's host-to-device copy."""
         self._fire('swap_in_done', self._decide_swap_in_done, ('verify_swap_in_rows', 'free_host_blocks_rows', 'release_device_blocks_rows'), rows, args)
 
-    def finish(self, rows: Any, args: Any = None) -> None:
+    def finish(self, rows: ArrayLike, args: Any = None) -> None:
         """The engine finished the running request and frees its device blocks."""
         self._fire('finish', self._decide_finish, ('release_device_blocks_rows', 'defer_release_rows', 'release_device_blocks_fenced_rows', 'defer_host_release_rows'), rows, args)
 
-    def cancel(self, rows: Any, args: Any = None) -> None:
+    def cancel(self, rows: ArrayLike, args: Any = None) -> None:
         """The client cancelled the request, or the engine failed or reset it, wherever it is in its lifecycle."""
         self._fire('cancel', self._decide_cancel, ('release_device_blocks_rows', 'free_host_blocks_rows', 'defer_release_rows', 'release_device_blocks_fenced_rows', 'defer_host_release_rows'), rows, args)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from kvfsm.row_machine import Decided, RowMachine
 
@@ -157,7 +158,7 @@ class DecodeOffloadRows(RowMachine):
         """Room for `capacity` rows (more are made as `create` needs them); no machine yet."""
         super().__init__(fx, capacity)
 
-    def create(self, rows: Any, args: Any = None, *, fences: Any = 0) -> None:
+    def create(self, rows: ArrayLike, args: Any = None, *, fences: ArrayLike = 0) -> None:
         """The engine admitted the request; it owns its device slots and table row, and holds its prefix lock. Its matched prefix must be whole pages of its prompt, and a live request keeps its row until it ends; a call breaking either is refused (InvalidRequest, nothing changed), so no page is split with the prefix cache and no copy reads another request's slots. Holds: device_slots, table_row, prefix_lock.
 
         One new machine per row (distinct rows, each never created or its machine terminal), then
@@ -165,51 +166,51 @@ class DecodeOffloadRows(RowMachine):
         """
         self._create(rows, args, {'fences': fences})
 
-    def offload(self, rows: Any, args: Any = None) -> None:
+    def offload(self, rows: ArrayLike, args: Any = None) -> None:
         """The scheduler offloads the request's next stride-aligned chunk and host slots were allocated for it."""
         self._fire('offload', self._decide_offload, ('start_copy_rows',), rows, args)
 
-    def host_full(self, rows: Any, args: Any = None) -> None:
+    def host_full(self, rows: ArrayLike, args: Any = None) -> None:
         """The scheduler tried to offload a chunk but the host pool had no room for it."""
         self._fire('host_full', self._decide_host_full, ('count_host_full_rows',), rows, args)
 
-    def copy_done(self, rows: Any, args: Any = None) -> None:
+    def copy_done(self, rows: ArrayLike, args: Any = None) -> None:
         """The progress check observed the completion of the request's oldest copy and its backup was queued."""
         self._fire('copy_done', self._decide_copy_done, ('hash_chunk_rows', 'submit_backup_rows', 'release_request_rows'), rows, args)
 
-    def copy_parked(self, rows: Any, args: Any = None) -> None:
+    def copy_parked(self, rows: ArrayLike, args: Any = None) -> None:
         """The progress check observed the completion of the request's oldest copy but the backup queue was full."""
         self._fire('copy_parked', self._decide_copy_parked, ('hash_chunk_rows', 'park_chunk_rows', 'release_request_rows'), rows, args)
 
-    def backup_resubmit(self, rows: Any, args: Any = None) -> None:
+    def backup_resubmit(self, rows: ArrayLike, args: Any = None) -> None:
         """The backup queue has room again and the request's oldest parked chunk is queued."""
         self._fire('backup_resubmit', self._decide_backup_resubmit, ('submit_backup_rows',), rows, args)
 
-    def backup_done(self, rows: Any, args: Any = None) -> None:
+    def backup_done(self, rows: ArrayLike, args: Any = None) -> None:
         """The backup worker stored the chunk's pages."""
         self._fire('backup_done', self._decide_backup_done, ('mark_stored_rows', 'free_host_chunk_rows'), rows, args)
 
-    def backup_failed(self, rows: Any, args: Any = None) -> None:
+    def backup_failed(self, rows: ArrayLike, args: Any = None) -> None:
         """The backup worker failed to store some or all of the chunk's pages."""
         self._fire('backup_failed', self._decide_backup_failed, ('count_backup_failure_rows', 'free_host_chunk_rows'), rows, args)
 
-    def finish(self, rows: Any, args: Any = None) -> None:
+    def finish(self, rows: ArrayLike, args: Any = None) -> None:
         """The engine finished the request (the seed's finalize_release_on_finish)."""
         self._fire('finish', self._decide_finish, ('freeze_lengths_rows', 'release_request_rows', 'release_request_fenced_rows'), rows, args)
 
-    def abort(self, rows: Any, args: Any = None) -> None:
+    def abort(self, rows: ArrayLike, args: Any = None) -> None:
         """The engine aborted the request (client disconnect, error)."""
         self._fire('abort', self._decide_abort, ('freeze_lengths_rows', 'release_request_rows', 'release_request_fenced_rows'), rows, args)
 
-    def retract(self, rows: Any, args: Any = None) -> None:
+    def retract(self, rows: ArrayLike, args: Any = None) -> None:
         """The engine retracted the request under memory pressure; re-admitted under a new table row, it starts a new machine."""
         self._fire('retract', self._decide_retract, ('freeze_lengths_rows', 'release_request_rows', 'release_request_fenced_rows'), rows, args)
 
-    def released_by_engine(self, rows: Any, args: Any = None) -> None:
+    def released_by_engine(self, rows: ArrayLike, args: Any = None) -> None:
         """The engine released the request itself (SGLang's scheduler does so for the requests it retracts, after drain_before_retraction passed), freeing its device slots and row and unlocking its prefix, and the manager learns of it afterwards. Only sound while no copy reads those slots."""
         self._fire('released_by_engine', self._decide_released_by_engine, ('record_engine_release_rows',), rows, args)
 
-    def released_by_engine_fenced(self, rows: Any, args: Any = None) -> None:
+    def released_by_engine_fenced(self, rows: ArrayLike, args: Any = None) -> None:
         """As released_by_engine, while copies still read the request's slots, after the manager made the engine's writing stream wait on every copy in flight (drain_before_retraction with fences, so retraction is never refused); the manager learns of it afterwards."""
         self._fire('released_by_engine_fenced', self._decide_released_by_engine_fenced, ('record_engine_release_fenced_rows',), rows, args)
 
