@@ -248,7 +248,7 @@ class CbSwapRows(RowMachine):
         ns[t5] = SWAPPING_IN
         writes = (
             ('state', s, ns),
-            ('swap_ins', swap_ins, swap_ins + (t5)),
+            ('swap_ins', swap_ins, swap_ins + t5),
         )
         takes = (
             t5,  # start_swap_in

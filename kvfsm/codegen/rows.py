@@ -109,7 +109,7 @@ def _event(spec: CompiledSpec, event: str, const: dict[str, str]) -> dict:
         if not ts:
             continue
         single = len(ts) == 1 and ts[0].guard is None  # every row in the state takes it: no `at_` mask
-        rows = []
+        masks = []
         earlier: list[str | None] = []
         for t in ts:
             if None in earlier:
@@ -123,10 +123,10 @@ def _event(spec: CompiledSpec, event: str, const: dict[str, str]) -> dict:
                     parts.append("~" + (gs[0] if len(gs) == 1 else "(" + " | ".join(gs) + ")"))
                 mask = " & ".join(parts)
             earlier.append(t.guard)
-            rows.append(dict(id=t.id, label=t.label, line=t.line, mask=mask, actions=t.actions))
+            masks.append(dict(id=t.id, label=t.label, line=t.line, mask=mask, actions=t.actions))
         if all(t.guard for t in ts):
             rejected.append(f"{s} when no guard holds")
-        branches.append(dict(state=s, const=const[s], single=single, transitions=rows))
+        branches.append(dict(state=s, const=const[s], single=single, transitions=masks))
     ignored: list[str] = []
     for kind in ("ignore", "error"):
         groups: dict[str, list[str]] = {}
@@ -141,56 +141,47 @@ def _event(spec: CompiledSpec, event: str, const: dict[str, str]) -> dict:
                 ignored += states
                 branches.append(dict(state=None, ignored=", ".join(states), reason=reason, transitions=[]))
     every = [t.id for t in transitions]
-    uses: list[list[int]] = []
-
-    def union(tids: list[int]) -> str:
-        """`t6 | t7`; the union of all the event's transitions is `taken` where it is needed more than once."""
-        uses.append(tids)
-        return f"\0{_union(tids)}\0"
-
-    dsts: dict[str, list[int]] = {}
+    dsts: dict[str, list[int]] = {}  # target state -> the transitions that change state to it
     for t in transitions:
         if t.dst != t.src:
             dsts.setdefault(t.dst, []).append(t.id)
-    state_writes = [dict(const=const[d], tids=union(tids)) for d, tids in dsts.items()]
-    counter_writes = []
+    deltas: dict[str, dict[int, list[int]]] = {}  # counter -> delta -> the transitions that apply it
     for c in updated:
-        by_delta: dict[int, list[int]] = {}
         for t in transitions:
             for cc, d in t.update:
                 if cc == c and d:
-                    by_delta.setdefault(d, []).append(t.id)
-        terms = [f"{'+' if d > 0 else '-'} {'' if abs(d) == 1 else f'{abs(d)} * '}({union(tids)})"
-                 for d, tids in by_delta.items()]
-        counter_writes.append(dict(name=c, py=f"{c} {' '.join(terms)}"))
-    calls = [dict(action=a, takes=union(tids)) for a, tids in action_calls(spec, transitions)]
-    # The union of every transition, `taken`, is named where it is used more than once; it also gives the
-    # rejected items: by the spec's totality, an item that takes no transition and is in no state where the
-    # event is a declared no-op is one where it is a declared error or no guard holds.
-    shared = len(every) > 1 and (sum(u == every for u in uses) > 1 or bool(rejected))
-    taken = "taken" if shared else _union(every)
+                    deltas.setdefault(c, {}).setdefault(d, []).append(t.id)
+    calls = action_calls(spec, transitions)
+    unions = [*dsts.values(), *(tids for by in deltas.values() for tids in by.values()), *(tids for _, tids in calls)]
+    # The union of every transition is named `taken` where it is used more than once or gives the rejected
+    # items: by the spec's totality, an item that takes no transition and is in no state where the event is a
+    # declared no-op is one where it is a declared error or no guard holds.
+    shared = len(every) > 1 and (sum(u == every for u in unions) > 1 or bool(rejected))
+
+    def union(tids: list[int], grouped: bool = False) -> str:
+        if shared and tids == every:
+            return "taken"
+        text = _union(tids)
+        return f"({text})" if grouped and len(tids) > 1 else text
+
+    taken = union(every, grouped=True)
     if not rejected:
         bad = None
     elif ignored:
-        bad = f"~({taken} | " + " | ".join(f"(s == {const[s]})" for s in ignored) + ")"
+        bad = f"~({union(every)} | " + " | ".join(f"(s == {const[s]})" for s in ignored) + ")"
     else:
         bad = f"~{taken}"
-    marked = re.compile("\0([^\0]*)\0")
-
-    def resolve(text: str) -> str:
-        return marked.sub(lambda m: "taken" if shared and m.group(1) == _union(every) else m.group(1), text)
-
-    for w in state_writes:
-        w["tids"] = resolve(w["tids"])
-    for w in counter_writes:
-        w["py"] = resolve(w["py"]).replace("(taken)", "taken")
-    for c in calls:
-        c["takes"] = resolve(c["takes"])
+    counter_writes = []
+    for c, by in deltas.items():
+        terms = [f"{'+' if d > 0 else '-'} {'' if abs(d) == 1 else f'{abs(d)} * '}{union(tids, grouped=True)}"
+                 for d, tids in by.items()]
+        counter_writes.append(dict(name=c, py=f"{c} {' '.join(terms)}"))
     return dict(name=event, doc=spec.model.events[event].doc, gathers=gathers, guards=guards, branches=branches,
-                bad=bad, rejected=rejected, taken=_union(every) if shared else None, state_writes=state_writes,
-                counter_writes=counter_writes, calls=calls,
-                call_names=tuple(f"{c['action']}_rows" for c in calls),
-                action_order=tuple(c["action"] for c in calls))
+                bad=bad, rejected=rejected, taken=_union(every) if shared else None,
+                state_writes=[dict(const=const[d], tids=union(tids)) for d, tids in dsts.items()],
+                counter_writes=counter_writes,
+                calls=[dict(action=a, takes=union(tids)) for a, tids in calls],
+                call_names=tuple(f"{a}_rows" for a, _ in calls), action_order=tuple(a for a, _ in calls))
 
 
 def render_rows(spec: CompiledSpec, spec_path: str) -> str:
