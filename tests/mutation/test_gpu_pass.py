@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -34,7 +35,8 @@ def test_no_survivor_is_called_equivalent_for_lack_of_a_cuda_host() -> None:
     assert summary["equivalent"] + summary["needs_cuda"] + summary["unexplained"] == summary["survived"]
 
 
-@pytest.mark.parametrize("mutant", gpu_pass.selected(), ids=lambda m: f"{m.qualname[-1]}:{hash(m.change) & 0xffff:x}")
+# ids stable across processes (xdist's workers must collect the same tests): not hash(), which is salted
+@pytest.mark.parametrize("mutant", gpu_pass.selected(), ids=lambda m: f"{m.qualname[-1]}:{zlib.crc32(m.change.encode()):08x}")
 def test_each_mutant_of_the_pass_still_applies_to_the_source(mutant: gpu_pass.Mutant, tmp_path: Path) -> None:
     dest = tmp_path / mutant.module_path
     dest.parent.mkdir(parents=True)
