@@ -393,3 +393,46 @@ def test_every_transition_in_a_batch_equals_the_loop(name: str) -> None:
         pair.compare()
         pair.fire(path[-1], [1, 1, 0], "again")  # accepted or rejected, as the loop is
         pair.compare()
+
+
+class Spans:
+    """Per-item args as a struct of arrays, the form chunks as rows of preallocated arrays would take."""
+
+    def __init__(self, start: np.ndarray, length: np.ndarray) -> None:
+        self.start, self.length = start, length
+
+    def __len__(self) -> int:
+        return len(self.start)
+
+    def __getitem__(self, positions: np.ndarray) -> "Spans":
+        return Spans(self.start[positions], self.length[positions])
+
+
+def test_args_as_a_struct_of_arrays_reach_each_action_taken_at_its_items() -> None:
+    """finish over rows in four states: each action gets the args of the items that take it, a declared no-op
+    row's none; an action every item takes gets the args object as given."""
+    import kvfsm.generated.decode_offload_rows as mod
+
+    got: dict[str, tuple[list[int], Any]] = {}
+
+    class Fx:
+        def __getattr__(self, name: str) -> Any:
+            return lambda rows, args: got.__setitem__(name, (rows.tolist(), args))
+
+    table = mod.DecodeOffloadRows(Fx())
+    table.create([0, 1, 2, 3], fences=[0, 0, 1, 0])
+    table.offload([1, 2])  # 1, 2 offloading (1 without fences, 2 with); 0 and 3 allocated
+    table.finish([3])  # 3 released: finish is a declared no-op there
+    spans = Spans(np.array([10, 20, 30, 40]), np.array([1, 2, 3, 4]))
+    table.finish([0, 1, 2, 3], spans)
+    assert got["freeze_lengths_rows"][0] == [0, 1, 2] and got["freeze_lengths_rows"][1].start.tolist() == [10, 20, 30]
+    rows, args = got["release_request_rows"]
+    assert rows == [0] and args.start.tolist() == [10] and args.length.tolist() == [1]
+    rows, args = got["release_request_fenced_rows"]
+    assert rows == [2] and args.start.tolist() == [30]
+    assert [mod.STATES[table.snapshot(r)[0]] for r in range(4)] == ["released", "finished", "fenced", "released"]
+    got.clear()
+    table.create([0, 3])
+    both = spans[np.array([0, 3])]
+    table.offload([0, 3], both)
+    assert got["start_copy_rows"][0] == [0, 3] and got["start_copy_rows"][1] is both
