@@ -181,10 +181,12 @@ class RowMachine:
         else:
             positions, saved = self._rounds(event, decide, rows, len(actions))
         fx = self.fx
+        whole = rows.view()
+        whole.flags.writeable = False  # what puts the arrays back if an action raises indexes with `rows`
         try:
             for name, pos in zip(actions, positions):
                 if pos.size:
-                    getattr(fx, name)(rows if pos.size == n else rows[pos], take_args(args, pos, n))
+                    getattr(fx, name)(whole if pos.size == n else rows[pos], take_args(args, pos, n))
         except BaseException:
             self._restore(saved)
             raise
