@@ -146,6 +146,9 @@ class OffloadConfig(BaseModel):
             raise ConfigError(None, f"cannot read offload config: {exc}", source) from exc
         if not isinstance(data, dict):
             raise ConfigError(None, "offload config must be a mapping of field names to values", str(path))
+        odd = [k for k in data if not isinstance(k, str)]
+        if odd:
+            raise ConfigError(None, f"offload config keys must be field names, got {odd[0]!r}", str(path))
         return cls._validate(data, str(path))
 
     @classmethod

@@ -66,7 +66,7 @@ def _to_data(node: yaml.Node, loc: Loc, lines: LineMap) -> Any:
         return [_to_data(item, loc + (i,), lines) for i, item in enumerate(node.value)]
     try:
         return _SCALARS.construct_object(node, deep=True)
-    except (ValueError, OverflowError) as exc:  # a YAML int past Python's digit limit, a date that is none
+    except (ValueError, OverflowError, yaml.YAMLError) as exc:  # an int past Python's digit limit, an unknown tag
         raise SpecInvalid([SpecError(lines.file, node.start_mark.line + 1, ".".join(map(str, loc)) or "<root>",
                                      f"unreadable value: {exc}")]) from None
 
