@@ -39,10 +39,10 @@ test-deps: $(TEST_STAMP)
 demo: $(STAMP)
 	$(BIN)/kvfsm demo
 
-# Every test: the spec checks, the suite (on every core), then the differential test against the real SGLang
-# 0.5.23 in its own venv (test-upstream, below). Both venvs are built first, side by side.
+# Every test: the spec checks, the suite (on every core), then the differential tests against the real SGLang
+# 0.5.23 and vLLM 0.34.0, each in its own venv (test-upstream, below). The venvs are built first, side by side.
 test:
-	$(MAKE) -j2 -O test-deps upstream-venv
+	$(MAKE) -j3 -O test-deps upstream-venv vllm-venv
 	for spec in spec/*.yaml; do $(BIN)/kvfsm gen $$spec --check || exit 1; done
 	$(BIN)/kvfsm schema --check
 	KVFSM_REQUIRE_MOONCAKE=1 KVFSM_REQUIRE_TRANSFORMERS=1 KVFSM_REQUIRE_MUTMUT=1 $(BIN)/python -m pytest -q $(PYTEST_PARALLEL)
@@ -69,6 +69,10 @@ clean:
 UPSTREAM_VENV := .venv-sglang
 UPSTREAM_BIN := $(UPSTREAM_VENV)/bin
 UPSTREAM_STAMP := $(UPSTREAM_VENV)/.kvfsm-sglang-installed
+# vLLM's venv (below)
+VLLM_VENV := .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.kvfsm-vllm-installed
 
 .PHONY: upstream-venv test-upstream device-sglang-site
 
@@ -84,10 +88,10 @@ $(UPSTREAM_STAMP): pyproject.toml tests/upstream/requirements.txt
 	$(UPSTREAM_BIN)/python tests/upstream/harness.py --warm
 	touch $(UPSTREAM_STAMP)
 
-# Its two parts run side by side (a core each; -O keeps each part's output in one piece).
+# Its parts run side by side (two at a time, a core each; -O keeps each part's output in one piece).
 .PHONY: test-upstream-sglang test-upstream-triton
-test-upstream: $(UPSTREAM_STAMP)
-	$(MAKE) -j2 -O test-upstream-sglang test-upstream-triton
+test-upstream: $(UPSTREAM_STAMP) $(VLLM_STAMP)
+	$(MAKE) -j2 -O test-upstream-sglang test-upstream-triton test-vllm
 
 test-upstream-sglang: $(UPSTREAM_STAMP)
 	KVFSM_REQUIRE_SGLANG=1 $(UPSTREAM_BIN)/python -m pytest -q -p no:cacheprovider tests/upstream
@@ -106,3 +110,22 @@ device-sglang-site: $(UPSTREAM_STAMP)
 		$$(grep -vE '^#|^$$|^(triton|numpy|pydantic|pydantic_core|annotated-types|typing-inspection|PyYAML)==' \
 		tests/upstream/requirements.txt)
 	$(BIN)/python tests/upstream/device_site.py --wheels $(DEVICE_WHEELS) --out .device/sglang-site.tar.xz
+
+# vLLM 0.34.0's offload manager against kvfsm's (docs/vllm.md, tests/upstream_vllm/) has its own venv: vLLM pins
+# a CUDA torch, so it goes in --no-deps beside the CPU torch with only what its kv_offload import path needs
+# (tests/upstream_vllm/requirements.txt), and without kvfsm's transformers extra (vLLM wants transformers <5.23).
+
+.PHONY: vllm-venv test-vllm
+
+vllm-venv: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml tests/upstream_vllm/requirements.txt
+	test -x $(VLLM_BIN)/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -m pip install -q --upgrade pip
+	$(VLLM_BIN)/python -m pip install -q torch==2.13.0
+	$(VLLM_BIN)/python -m pip install -q --no-deps -r tests/upstream_vllm/requirements.txt
+	$(ONE_AT_A_TIME) $(VLLM_BIN)/python -m pip install -q -e '.[dev]'
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	KVFSM_REQUIRE_VLLM=1 $(VLLM_BIN)/python -m pytest -q -p no:cacheprovider tests/upstream_vllm
