@@ -45,6 +45,9 @@ class InputLimits:
 
 # A spec: a few dozen states, events and transitions (the largest shipped spec: 19 KB, 2,000 nodes).
 SPEC_LIMITS = InputLimits(max_bytes=1 * MIB, max_depth=16, max_elements=50_000, max_aliases=0)
+# The semantic checks enumerate counter valuations for every transition and state (kvfsm.spec.checks): their
+# product bounds the time `validate` takes (the shipped specs need at most 6,656; a million is seconds).
+SPEC_MAX_CHECK_WORK = 1_000_000
 # An OffloadConfig file: twenty fields and a backend's options; aliases allowed (shared option blocks).
 CONFIG_LIMITS = InputLimits(max_bytes=1 * MIB, max_depth=16, max_elements=10_000, max_aliases=100)
 # One KVFSM_* variable's value (a JSON value where it parses).
@@ -234,6 +237,6 @@ def count_elements(value: Any, limits: InputLimits, source: str, line: int, what
             todo.extend(v)
 
 
-__all__ = ["CONFIG_LIMITS", "EXPR_MAX_DIGITS", "EXPR_MAX_NESTING", "EXPR_MAX_TERMS", "ENV_VALUE_LIMITS", "SCHEMA_LIMITS", "SPEC_LIMITS", "TRACE_LIMITS", "TRACE_MAX_REQUESTS", "BoundedYAMLLoader",
+__all__ = ["CONFIG_LIMITS", "EXPR_MAX_DIGITS", "EXPR_MAX_NESTING", "EXPR_MAX_TERMS", "ENV_VALUE_LIMITS", "SCHEMA_LIMITS", "SPEC_LIMITS", "SPEC_MAX_CHECK_WORK", "TRACE_LIMITS", "TRACE_MAX_REQUESTS", "BoundedYAMLLoader",
            "InputBoundExceeded", "InputLimits", "InputRejected", "check_json_nesting", "compose_yaml",
            "count_elements", "decode_utf8", "load_yaml_data", "open_regular", "read_bounded"]

@@ -16,6 +16,7 @@ from collections import defaultdict, deque
 from pathlib import Path
 from typing import Iterator
 
+from kvfsm.input_limits import SPEC_MAX_CHECK_WORK
 from kvfsm.spec import expr as ex
 from kvfsm.spec.compiled import CompiledSpec, Transition, build
 from kvfsm.spec.errors import SpecError, SpecInvalid
@@ -31,6 +32,12 @@ def _box(spec: CompiledSpec) -> Iterator[dict[str, int]]:
         raise SpecInvalid([spec.lines.error(("counters",), "counters",
                                             f"guards need counter values up to {bound} over {len(spec.counters)} counters; "
                                             f"more than {MAX_VALUATIONS} valuations to check (use smaller literals)")])
+    work = (bound + 1) ** len(spec.counters) * 2 ** len(spec.params) * (len(spec.transitions) + len(spec.states))
+    if work > SPEC_MAX_CHECK_WORK:  # a spec from a pull request must not keep `validate` busy for hours
+        raise SpecInvalid([spec.lines.error(("counters",), "counters",
+                                            f"checking needs {work} valuations of transitions and states, more than "
+                                            f"{SPEC_MAX_CHECK_WORK} (bound SPEC_MAX_CHECK_WORK): fewer counters, params, "
+                                            "transitions or smaller literals")])
     for values in itertools.product(range(bound + 1), repeat=len(spec.counters)):
         for flags in _param_values(spec):
             yield dict(zip(spec.counters, values)) | flags

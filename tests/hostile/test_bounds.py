@@ -16,7 +16,7 @@ from kvfsm.dataplane.storage import FileStorage
 from kvfsm.errors import ConfigError, InputBoundExceeded, InputRejected
 from kvfsm.input_limits import CONFIG_LIMITS, SPEC_LIMITS, TRACE_LIMITS, load_yaml_data
 from kvfsm.runtime import OffloadConfig
-from kvfsm.spec import SpecInvalid
+from kvfsm.spec import SpecInvalid, load_spec
 from kvfsm.spec.loader import load_yaml
 from kvfsm.verify.replay import check_trace
 
@@ -166,3 +166,18 @@ def test_file_storage_never_reads_a_page_grown_past_its_length(tmp_path: Path) -
         del file_mod.bytearray
     assert reads and max(reads) < 1 << 20  # neither 10 GiB file was read into memory
     assert store.stats.reads_corrupt == 2
+
+
+def test_spec_check_work_is_bounded(tmp_path: Path) -> None:
+    """Counters, params and literals whose valuations times transitions and states would keep `validate`
+    busy past SPEC_MAX_CHECK_WORK are refused before the enumeration starts."""
+    base = (ROOT / "tests" / "specs" / "valid" / "minimal.yaml").read_text()
+    extra = "".join(f"  c{i}:\n    doc: A counter of the test.\n" for i in range(4))
+    heavy = base.replace("counters:\n", "counters:\n" + extra, 1).replace("expr: jobs > 1", "expr: jobs > 1 and c0 < 7")
+    ok, over = tmp_path / "ok.yaml", tmp_path / "over.yaml"
+    ok.write_text(heavy)
+    over.write_text(heavy.replace("resources:\n", "params:\n  p:\n    doc: A param of the test.\n\nresources:\n", 1))
+    load_spec(ok)  # 10**5 valuations of 8 transitions and states: within the bound
+    with pytest.raises(SpecInvalid) as info:
+        load_spec(over)
+    assert "SPEC_MAX_CHECK_WORK" in str(info.value) and str(over) in str(info.value)
