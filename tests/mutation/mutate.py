@@ -5,6 +5,7 @@
     .venv/bin/python tests/mutation/mutate.py rerun                    # the last run's survivors, after adding tests
     .venv/bin/python tests/mutation/mutate.py refresh                  # after a change: the changed functions' mutants
     .venv/bin/python tests/mutation/mutate.py sample [--n 40 --seed 18 --budget S]     # the CI sample
+    .venv/bin/python tests/mutation/mutate.py --scope fences-adapter run               # another scope (SCOPES)
 
 mutmut never touches the checkout: this script lays out a workspace in build/mutation/ (the mutated files,
 the rest of the package unmutated, the fast test subset, and a pyproject.toml holding mutmut's
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import filecmp
 import fnmatch
+import importlib
 import json
 import os
 import random
@@ -28,7 +30,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,6 +87,149 @@ CONFTEST_ADDENDUM = '''
 settings.register_profile("mutation", parent=settings.get_profile("ci"), derandomize=True, database=None)
 settings.load_profile("mutation")
 '''
+
+
+# --- scopes ------------------------------------------------------------------------------------------------
+# The constants above are the main scope's (`make mutate`). Another scope mutates code the main run has not
+# covered yet and reports its score apart: its own workspace, test subset, interpreter, survivors file and
+# reasons, and its own section of docs/mutation.md. `--scope NAME` rebinds the module's scope constants
+# (use_scope) before a command runs, so every command works on any scope.
+
+@dataclass(frozen=True)
+class Scope:
+    name: str
+    mutate: list[str]
+    tests: list[str]
+    support: list[str]
+    deselect: list[str] = field(default_factory=list)
+    do_not_mutate: list[str] = field(default_factory=lambda: list(DO_NOT_MUTATE))
+    # fnmatch patterns over mutmut's names (`module.function*`): only these functions' mutants are run and
+    # counted (none: every mutant of the mutated files); a pattern matches the function's name as well, which
+    # is how mutmut finds the tests that call it
+    functions: list[str] = field(default_factory=list)
+    python: str = PY  # the interpreter mutmut runs under (its venv holds what the tests import)
+    equivalent: str = "equivalent"  # the module whose EQUIVALENT (and NEEDS_GPU_PASS) explain the survivors
+    title: str = ""  # the heading of its section of docs/mutation.md (the main scope has the whole page)
+    doc: str = ""
+
+    @property
+    def work(self) -> Path:
+        return ROOT / "build" / ("mutation" if self.name == "main" else f"mutation-{self.name}")
+
+    @property
+    def survivors(self) -> Path:
+        here = Path(__file__).resolve().parent
+        return here / ("survivors.json" if self.name == "main" else f"survivors_{self.name.replace('-', '_')}.json")
+
+    @property
+    def markers(self) -> tuple[str, str]:
+        return f"<!-- mutation-scope {self.name} -->", f"<!-- /mutation-scope {self.name} -->"
+
+
+_UPSTREAM = "tests/upstream"
+_SGLANG_PY = ROOT / ".venv-sglang" / "bin" / "python"
+_LEDGER = "kvfsm.runtime.ledger.x\u01c1SlotLedger\u01c1"
+
+FENCES_ADAPTER_DOC = """
+The fences of released device slots (`kvfsm/dataplane/fences.py`: `SlotFence`, `SlotFence.join`,
+`wait_fences`), the slot ledger's functions that take or check fences and waits (`release_device`,
+`release_owned`, `_covering`, `_needs`, `_landed`, `device_write`, `copy_completed` in
+`kvfsm/runtime/ledger.py`; its other functions are the main scope's), the coalescing copy engine
+(`kvfsm/dataplane/copy/coalescing.py`) and the SGLang drop-in adapter (`kvfsm/integrations/sglang/`:
+`manager.py`, `objects.py`, `pool.py`, `settings.py`). mutmut does not mutate properties (nor any function
+with a decorator other than `staticmethod` and `classmethod`), so `RequestView`'s fields and the engine's
+`fences` and `queued` are not mutated.
+
+- run: `.venv/bin/python tests/mutation/mutate.py --scope fences-adapter run --max-children 2` (every
+  command takes `--scope`); the workspace is `build/mutation-fences-adapter/`, and mutmut runs under
+  `.venv-sglang` (the adapter's tests import SGLang 0.5.23; that venv needs mutmut: `.venv-sglang/bin/pip
+  install 'mutmut>=3.8,<3.9'`, the `mutation` extra's pin);
+- the tests (`SCOPES["fences-adapter"].tests`): the fence, fence-wait, fenced-release and copy-engine tests
+  (the deferred CPU engine records every stream wait made on its handles, so a wait skipped or only marked
+  is seen on a CPU), the adapter's tests in tests/upstream/ against the real SGLang objects (its GPU test
+  excepted), the differential scenarios of the adapter against upstream's manager on a few scenarios,
+  tests/mutation/test_kills_fenced.py, and the tests written to kill survivors of this scope:
+  tests/mutation/test_kills_fences_adapter.py (no SGLang needed: CI's main run has them) and
+  tests/upstream/test_kills_adapter.py (over SGLang's objects: `make test-upstream` runs them). The
+  scenarios with two TP ranks (a process per rank, 20 to 50 s each) and the test that profiles the early
+  exit call by call (mutmut's trampolines are calls too) are left out;
+- survivors: tests/mutation/survivors_fences_adapter.json; reasons: tests/mutation/equivalent_fences_adapter.py,
+  which keeps two lists apart: `EQUIVALENT` (no test can tell the mutant from the original, and why) and
+  `NEEDS_GPU_PASS` (the mutant survives this CPU run because only a CUDA device shows the difference: it is
+  not equivalent, and its verdict is the GPU pass's).
+"""
+
+
+def _main_scope() -> Scope:
+    return Scope("main", MUTATE, TESTS, SUPPORT, DESELECT)
+
+
+SCOPES: dict[str, Scope] = {s.name: s for s in [
+    _main_scope(),
+    Scope(
+        "fences-adapter",
+        mutate=["kvfsm/dataplane/fences.py", "kvfsm/runtime/ledger.py", "kvfsm/dataplane/copy/coalescing.py",
+                "kvfsm/integrations/sglang/*.py"],
+        functions=["kvfsm.dataplane.fences.*", "kvfsm.dataplane.copy.coalescing.*", "kvfsm.integrations.sglang.*"]
+                  + [_LEDGER + f + "*" for f in ("release_device", "release_owned", "_covering", "_needs", "_landed",
+                                                 "device_write", "copy_completed")],
+        tests=["tests/dataplane/test_fences.py", "tests/dataplane/test_fence_waits.py",
+               "tests/runtime/test_fenced_release.py", "tests/dataplane/test_copy_engine.py",
+               f"{_UPSTREAM}/test_adapter_pool.py", f"{_UPSTREAM}/test_adapter_config.py",
+               f"{_UPSTREAM}/test_adapter_batch.py", f"{_UPSTREAM}/test_adapter_retraction.py",
+               f"{_UPSTREAM}/test_differential.py",
+               "tests/mutation/test_kills_fenced.py", "tests/mutation/test_kills_fences_adapter.py",
+               f"{_UPSTREAM}/test_kills_adapter.py"],
+        # the scenarios with two TP ranks spawn a process per rank (20 to 50 s each; test_summary runs them all)
+        deselect=[f"{_UPSTREAM}/test_adapter_batch.py::test_batched_submission_is_invisible_to_sglang[tp2]",
+                  f"{_UPSTREAM}/test_differential.py::test_adapter_matches_upstream[tp2]",
+                  f"{_UPSTREAM}/test_differential.py::test_adapter_reading_slots_on_the_device_matches_upstream[tp2]",
+                  f"{_UPSTREAM}/test_differential.py::test_tp_ranks_with_different_host_pools_are_refused",
+                  f"{_UPSTREAM}/test_differential.py::test_summary",
+                  # it traces every call the early exit makes (sys.setprofile), and mutmut's trampolines are calls
+                  f"{_UPSTREAM}/test_adapter_batch.py::test_a_call_with_no_chunk_due_makes_no_call_at_all"],
+        support=SUPPORT + [f"{_UPSTREAM}/{f}" for f in ("conftest.py", "harness.py", "scenarios.py",
+                                                         "cuda_only/__init__.py", "cuda_only/torchvision_stub.py")],
+        python=str(_SGLANG_PY),
+        equivalent="equivalent_fences_adapter",
+        title="Scope `fences-adapter`: fences, the coalescing copy engine and the SGLang adapter",
+        doc=FENCES_ADAPTER_DOC,
+    ),
+]}
+SCOPE = SCOPES["main"]
+
+
+def use_scope(name: str) -> None:
+    """Point the module's scope constants (what layout(), mutmut() and the report read) at scope `name`."""
+    global SCOPE, WORK, SURVIVORS, PY, MUTATE, DO_NOT_MUTATE, TESTS, DESELECT, SUPPORT
+    SCOPE = SCOPES[name]
+    if not Path(SCOPE.python).exists():
+        raise SystemExit(f"scope {name} runs under {SCOPE.python}, which does not exist (`make upstream-venv` builds "
+                         "it; then install mutmut there)")
+    WORK, SURVIVORS, PY = SCOPE.work, SCOPE.survivors, SCOPE.python
+    MUTATE, DO_NOT_MUTATE, TESTS, DESELECT, SUPPORT = (SCOPE.mutate, SCOPE.do_not_mutate, SCOPE.tests,
+                                                       SCOPE.deselect, SCOPE.support)
+
+
+def in_scope(name: str) -> bool:
+    """Whether the mutant (or function) `name` is one the current scope runs and counts."""
+    return not SCOPE.functions or any(fnmatch.fnmatch(name, p) for p in SCOPE.functions)
+
+
+def run_unchecked(max_children: int, budget: float | None) -> int:
+    """mutmut over the mutants without a verdict (after a change: those of the functions it changed). In a
+    scope that runs only some functions of its files, the mutants are generated first and the unchecked ones
+    of those functions named, keeping every other verdict (mutmut clears them in a named run)."""
+    if not SCOPE.functions:
+        return mutmut("run", "--max-children", str(max_children), timeout=budget)
+    generate(max_children)
+    names = [m.name for m in results() if m.status == "not checked"]
+    if not names:
+        return 0
+    verdicts = exit_codes()
+    rc = mutmut("run", "--max-children", str(max_children), *names, timeout=budget)
+    restore_exit_codes(verdicts, keep=set(names))
+    return rc
 
 
 def mutmut_config(tests: list[str]) -> str:
@@ -194,6 +339,8 @@ def results() -> list[Mutant]:
         path = str(meta.relative_to(WORK / "mutants"))[: -len(".meta")]
         data = json.loads(meta.read_text())
         for name, code in sorted(data.get("exit_code_by_key", {}).items()):
+            if not in_scope(name):
+                continue
             out.append(Mutant(name, path, "not checked" if code is None else STATUS.get(code, "suspicious")))
     return out
 
@@ -233,8 +380,8 @@ def diff_of(m: Mutant) -> str:
 
 def equivalents() -> list[tuple[str, re.Pattern[str], str]]:
     sys.path.insert(0, str(Path(__file__).parent))
-    from equivalent import EQUIVALENT
-    return [(fn, re.compile(change, re.S), why) for fn, change, why in EQUIVALENT]
+    return [(fn, re.compile(change, re.S), why)
+            for fn, change, why in importlib.import_module(SCOPE.equivalent).EQUIVALENT]
 
 
 def equivalent_reason(equiv: list[tuple[str, re.Pattern[str], str]], function: str, change: str) -> str | None:
@@ -357,6 +504,8 @@ def gpu_section(gpu: dict | None, needs_cuda: list[tuple[str, str]]) -> list[str
 
 
 def write_report(mutants: list[Mutant], seconds: float, run: dict | None) -> dict:
+    if SCOPE.name != "main":
+        return write_scope_section(mutants, seconds, run)
     equiv = equivalents()
     checked = [m for m in mutants if m.status not in ("not checked", "skipped")]
     unchecked = [m for m in mutants if m.status == "not checked"]  # a run stopped before them
@@ -430,7 +579,7 @@ def write_report(mutants: list[Mutant], seconds: float, run: dict | None) -> dic
             lines.append(survivor_line(m.function, m.name.rsplit("__mutmut_", 1)[-1], m.status, change, why, gpu))
         lines.append("")
     lines += gpu_section(gpu, needs_cuda)
-    REPORT.write_text("\n".join(lines).rstrip("\n") + "\n")
+    REPORT.write_text(keep_scope_sections("\n".join(lines).rstrip("\n") + "\n"))
     SURVIVORS.write_text(json.dumps({"summary": summary, "survivors": [
         {"function": m.function, "change": _norm(change), "status": m.status,
          "equivalent": why is not None and not NEEDS_CUDA.search(why),
@@ -439,6 +588,116 @@ def write_report(mutants: list[Mutant], seconds: float, run: dict | None) -> dic
         {"function": m.function, "change": _norm(diff_of(m)), "status": m.status, "equivalent": False}
         for m in unchecked]}, indent=1, sort_keys=True) + "\n")
     return summary
+
+
+def needs_gpu_pass() -> list[tuple[str, re.Pattern[str], str]]:
+    """The scope's survivors that a CPU run cannot tell apart and a CUDA device can (NEEDS_GPU_PASS, written as
+    EQUIVALENT is): not equivalent, so counted and listed apart."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    module = importlib.import_module(SCOPE.equivalent)
+    return [(fn, re.compile(change, re.S), why) for fn, change, why in getattr(module, "NEEDS_GPU_PASS", [])]
+
+
+def _survivor_text(m: Mutant, change: str, why: str) -> str:
+    """A survivor of a scope, as the main report writes one, but bulleted `*`: the main report's survivor lines
+    (`- `) are what gpu_pass.py rewrites and counts against tests/mutation/survivors.json."""
+    fn, old, new = _readable(m.function, change)
+    return f"* `{fn}` #{m.name.rsplit('__mutmut_', 1)[-1]} ({m.status}): `{old}` → `{new}`: {why}"
+
+
+def write_scope_section(mutants: list[Mutant], seconds: float, run: dict | None) -> dict:
+    """A scope's section of docs/mutation.md (between its markers; the rest of the page is left as it is) and
+    its survivors file: its score apart from the main run's, and each survivor with its reason, in three
+    lists: equivalent, needs the GPU pass, unexplained."""
+    equiv, gpu = equivalents(), needs_gpu_pass()
+    checked = [m for m in mutants if m.status not in ("not checked", "skipped")]
+    unchecked = [m for m in mutants if m.status == "not checked"]
+    killed = [m for m in checked if m.status in KILLED]
+    kinds: dict[str, list[tuple[Mutant, str, str]]] = {"equivalent": [], "needs_gpu_pass": [], "unexplained": []}
+    for m in checked:
+        if m.status in KILLED:
+            continue
+        change = diff_of(m)
+        why = equivalent_reason(equiv, m.function, change)
+        on_gpu = equivalent_reason(gpu, m.function, change)
+        kind = "equivalent" if why else "needs_gpu_pass" if on_gpu else "unexplained"
+        kinds[kind].append((m, change, why or on_gpu or "**unexplained**"))
+    rate = len(killed) / len(checked) if checked else 0.0
+    per_file: dict[str, list[int]] = {}
+    for m in checked:
+        k = per_file.setdefault(m.path, [0, 0])
+        k[0] += m.status in KILLED
+        k[1] += 1
+    summary = {"mutants": len(checked), "killed": len(killed), "survived": len(checked) - len(killed),
+               **{k: len(v) for k, v in kinds.items()}, "kill_rate": round(rate, 4), "seconds": round(seconds),
+               "not_checked": len(unchecked)}
+    max_children = (run or {}).get("max_children", 2)
+    start, end = SCOPE.markers
+    lines = [
+        start,
+        f"<!-- GENERATED by `tests/mutation/mutate.py --scope {SCOPE.name} run` (or `rerun`, `refresh`, `report`): "
+        f"the text from the scope's doc, the numbers from its last run, the reasons from "
+        f"tests/mutation/{SCOPE.equivalent}.py. Do not edit. -->",
+        "",
+        f"## {SCOPE.title}",
+        "",
+        *SCOPE.doc.strip("\n").splitlines(),
+        "",
+        f"### Last run of `{SCOPE.name}`",
+        "",
+        f"- mutants: {len(checked)} over {len(per_file)} files; killed {len(killed)} (timeouts and crashes count "
+        f"as killed); survived {len(checked) - len(killed)}",
+        f"- **kill rate: {rate:.2%}** (`kill_rate = {rate:.4f}`), this scope's alone (the main run's is above)",
+        f"- survivors: equivalent {len(kinds['equivalent'])}; survive the CPU run and need the GPU pass "
+        f"{len(kinds['needs_gpu_pass'])}; unexplained {len(kinds['unexplained'])}",
+        *([f"- not checked: {len(unchecked)} (the run was stopped before them)"] if unchecked else []),
+        f"- wall time: {seconds / 60:.1f} min for the run on {os.cpu_count()} cores, {max_children} mutants at a time"
+        + "".join((f"; then, after a change, the mutants of the functions it changed: {r['seconds'] / 60:.1f} min")
+                  if "changed" in r else (f"; then {r['survivors']} survivors run again against the tests added to "
+                                          f"kill them: {r['seconds'] / 60:.1f} min")
+                  for r in (run or {}).get("reruns", [])),
+        "",
+        f"<!-- mutation-scope-summary {SCOPE.name}: {json.dumps(summary, sort_keys=True)} -->",
+        "",
+        "| file | mutants | killed | kill rate |",
+        "|---|---|---|---|",
+        *[f"| `{path}` | {n} | {k} | {k / n:.1%} |" for path, (k, n) in sorted(per_file.items())],
+        "",
+    ]
+    heads = {"needs_gpu_pass": "Survives the CPU run; needs the GPU pass (not equivalent: a CUDA device shows "
+                               "the difference, and the GPU pass gives the verdict)",
+             "equivalent": "Equivalent (no test can tell it from the original; the reason)",
+             "unexplained": "Unexplained (a behaviour no test of the subset pins down)"}
+    for kind in ("needs_gpu_pass", "equivalent", "unexplained"):
+        rows = kinds[kind]
+        lines += [f"### {heads[kind]}: {len(rows)}", ""]
+        lines += [_survivor_text(m, change, why) for m, change, why in sorted(rows, key=lambda r: (r[0].path, r[0].name))]
+        lines += [""] if rows else ["None.", ""]
+    lines.append(end)
+    section = "\n".join(lines)
+    text = REPORT.read_text() if REPORT.exists() else ""
+    if start in text and end in text:
+        text = text[:text.index(start)] + section + text[text.index(end) + len(end):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    REPORT.write_text(text)
+    SURVIVORS.write_text(json.dumps({"summary": summary, "survivors": [
+        {"function": m.function, "change": _norm(change), "status": m.status, "equivalent": kind == "equivalent",
+         "needs_gpu_pass": kind == "needs_gpu_pass"} for kind, rows in kinds.items() for m, change, _ in rows] + [
+        {"function": m.function, "change": _norm(diff_of(m)), "status": m.status, "equivalent": False,
+         "needs_gpu_pass": False} for m in unchecked]}, indent=1, sort_keys=True) + "\n")
+    return summary
+
+
+def keep_scope_sections(page: str) -> str:
+    """The main report's page with every other scope's section of the current page kept, after it."""
+    old = REPORT.read_text() if REPORT.exists() else ""
+    kept = []
+    for scope in SCOPES.values():
+        start, end = scope.markers
+        if scope.name != "main" and start in old and end in old:
+            kept.append(old[old.index(start):old.index(end) + len(end)])
+    return page.rstrip("\n") + "".join("\n\n" + s for s in kept) + "\n"
 
 
 DOC = """
@@ -515,7 +774,7 @@ down is in functions and methods.
 def cmd_run(args: argparse.Namespace) -> int:
     layout()
     t0 = time.monotonic()
-    rc = mutmut("run", "--max-children", str(args.max_children))
+    rc = mutmut("run", "--max-children", str(args.max_children), *SCOPE.functions)
     seconds = time.monotonic() - t0
     (WORK / "run.json").write_text(json.dumps({"seconds": seconds, "rc": rc, "max_children": args.max_children}))
     summary = write_report(results(), seconds, {"seconds": seconds})
@@ -526,9 +785,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_rerun(args: argparse.Namespace) -> int:
     """Run the last run's survivors again against the current test files (after tests were added to kill
     them), without generating or running anything else; then rewrite the report. The tests are the run's (those
-    its workspace holds) plus the kill tests (tests/mutation/test_kills*.py): a test file added since the run
+    its workspace holds) plus the kill tests (the files named test_kills*.py): a test file added since the run
     may exercise code the run's source does not have, and would fail on every mutant of it."""
-    tests = [t for t in TESTS if (WORK / t).exists() or t.startswith("tests/mutation/test_kills")]
+    tests = [t for t in TESTS if (WORK / t).exists() or Path(t).name.startswith("test_kills")]
     (WORK / "pyproject.toml").write_text(mutmut_config(tests))
     for rel in tests + SUPPORT:
         for base in (WORK, WORK / "mutants"):
@@ -599,7 +858,7 @@ def cmd_refresh(args: argparse.Namespace) -> int:
     (WORK / "pyproject.toml").write_text(mutmut_config(TESTS))
     print(f"refresh: {len(changed)} files changed: {', '.join(changed)}", flush=True)
     t0 = time.monotonic()
-    rc = mutmut("run", "--max-children", str(args.max_children), timeout=args.budget)
+    rc = run_unchecked(args.max_children, args.budget)
     run = json.loads((WORK / "run.json").read_text()) if (WORK / "run.json").exists() else {"seconds": 0}
     run.setdefault("reruns", []).append({"changed": changed, "seconds": time.monotonic() - t0, "rc": rc})  # in order
     (WORK / "run.json").write_text(json.dumps(run))
@@ -625,7 +884,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
     survivors survived it, the rest were killed), so the two are compared mutant for mutant, not as two
     samples of a rate."""
     global WORK
-    WORK = ROOT / "build" / "mutation-sample"
+    WORK = WORK.with_name(WORK.name + "-sample")
     layout()
     t0 = time.monotonic()
     rc = generate(args.max_children)
@@ -666,6 +925,8 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--scope", choices=sorted(SCOPES), default="main",
+                    help="what to mutate and test (default: main, `make mutate`'s)")
     sub = ap.add_subparsers(dest="cmd", required=True)
     run = sub.add_parser("run", help="every mutant, then docs/mutation.md")
     run.add_argument("--max-children", type=int, default=2)
@@ -685,6 +946,7 @@ def main() -> int:
                                                                    "the whole sample)")
     sample.add_argument("--max-children", type=int, default=2)
     args = ap.parse_args()
+    use_scope(args.scope)
     return {"run": cmd_run, "report": cmd_report, "rerun": cmd_rerun, "refresh": cmd_refresh,
             "sample": cmd_sample}[args.cmd](args)
 

@@ -1,0 +1,132 @@
+"""Tests written to kill survivors of the `fences-adapter` mutation scope in the SGLang adapter's manager
+(docs/mutation.md), over SGLang 0.5.23's own objects (the adapter's code that needs no SGLang is covered in
+tests/mutation/test_kills_fences_adapter.py)."""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from typing import Any, Callable
+
+import pytest
+
+import harness
+from scenarios import ReqSpec, Scenario
+from test_differential import ProbedAdapter
+
+from kvfsm.integrations.sglang import DecodeKVCacheOffloadManager
+
+SC = Scenario(name="kills", page_size=4, stride=8,
+              requests=tuple(ReqSpec(f"r{i}", tuple(range(100 * i + 1, 100 * i + 11)), decode=20) for i in range(2)))
+
+
+def _started(cls: type, store: str) -> Any:
+    run = harness._Run(SC, cls, 0, harness._tp_group_world1(), store)
+    for spec in SC.requests:
+        run.admit(spec)
+    return run
+
+
+def _kvfsm_functions_entered(call: Callable[[], Any]) -> tuple[Any, list[str]]:
+    """`call()`'s result, and the name of every Python function of kvfsm's package it entered, in order
+    (frames of other packages, SGLang's, torch's or a tool's wrapper around kvfsm's functions, are left out)."""
+    entered: list[str] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and "/kvfsm/" in frame.f_code.co_filename.replace("\\", "/"):
+            entered.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        out = call()
+    finally:
+        sys.setprofile(None)
+    return out, entered
+
+
+def test_a_quiet_request_is_answered_by_the_offload_call_alone() -> None:
+    """A request with no chunk due, already seen on its row, is answered inside offload_kv_cache: no other
+    kvfsm function runs (the lifecycle lookup, the manager, the views), however the call is wrapped."""
+    with tempfile.TemporaryDirectory() as store, harness.published(SC, 0, store):
+        run = _started(ProbedAdapter, store)
+        spec = SC.requests[0]
+        req = run.reqs[spec.rid]
+        run.decode(spec)
+        assert run.mgr.offload_kv_cache(req) is False  # first sight: the full path notes it quiet
+        run.decode(spec)
+        answer, entered = _kvfsm_functions_entered(lambda: run.mgr.offload_kv_cache(req))
+        assert answer is False and entered and all("offload_kv_cache" in name for name in entered), entered
+        for s in SC.requests:
+            run.mgr.finalize_release_on_finish(run.reqs[s.rid])
+        run.probe.close(run.mgr)
+
+
+def test_a_second_call_before_the_batch_was_submitted_takes_the_next_chunk() -> None:
+    """A request called again before its pending chunk was submitted (the next stride already due): the call
+    submits the pending batch first, then takes the next chunk (never the pending one again). The copies in flight read as upstream's
+    ongoing_offload: serial -> tokens."""
+    with tempfile.TemporaryDirectory() as store, harness.published(SC, 0, store):
+        run = _started(ProbedAdapter, store)
+        spec = SC.requests[0]
+        req = run.reqs[spec.rid]
+        for _ in range(9):
+            run.decode(spec)
+        assert run.mgr.offload_kv_cache(req) is True
+        assert len(run.mgr.ongoing_offload) == 1 and not run.mgr.manager.fx.copy_fifo  # pending, not submitted
+        for _ in range(8):
+            run.decode(spec)
+        assert run.mgr.offload_kv_cache(req) is True
+        fifo = run.mgr.manager.fx.copy_fifo
+        assert [(c.start, c.end) for c in fifo] == [(8, 16)] and len(run.mgr.ongoing_offload) == 2
+        serials = list(run.mgr.ongoing_offload)  # submits the second chunk first
+        assert [(c.start, c.end) for c in fifo] == [(8, 16), (16, 24)] and serials == [c.serial for c in fifo]
+        assert [run.mgr.ongoing_offload[s] for s in serials] == [8, 8]
+        with pytest.raises(KeyError):
+            run.mgr.ongoing_offload[max(serials) + 1]
+        run.mgr.check_offload_progress()
+        run.settle()
+        assert run.mgr.manager.metrics.chunks == 2
+        for s in SC.requests:
+            run.mgr.finalize_release_on_finish(run.reqs[s.rid])
+        run.probe.close(run.mgr)
+
+
+def test_finishing_a_request_whose_chunk_is_pending_submits_it_first() -> None:
+    with tempfile.TemporaryDirectory() as store, harness.published(SC, 0, store):
+        run = _started(ProbedAdapter, store)
+        spec = SC.requests[0]
+        req = run.reqs[spec.rid]
+        for _ in range(9):
+            run.decode(spec)
+        assert run.mgr.offload_kv_cache(req) is True
+        run.finish(spec)
+        run.mgr.finalize_release_on_finish(req)  # its chunk goes first, then the finish waits for its ack
+        assert [(c.start, c.end) for c in run.mgr.manager.fx.copy_fifo] == [(8, 16)]
+        run.mgr.check_offload_progress()
+        run.settle()
+        run.mgr.check_offload_progress()
+        assert run.mgr.manager.metrics.chunks == 1 and req.kv.req_pool_idx is None
+        run.mgr.finalize_release_on_finish(run.reqs[SC.requests[1].rid])
+        run.probe.close(run.mgr)
+
+
+def test_shutdown_runs_once() -> None:
+    with tempfile.TemporaryDirectory() as store, harness.published(SC, 0, store):
+        run = _started(ProbedAdapter, store)
+        drains: list[int] = []
+        drain = run.mgr.manager.drain
+        run.mgr.manager.drain = lambda *a, **k: drains.append(1) or drain(*a, **k)
+        run.mgr.release_host_resources()
+        run.mgr.release_host_resources()
+        assert drains == [1]
+
+
+def test_the_adapter_keeps_upstreams_attributes_and_is_unchecked_by_default() -> None:
+    with tempfile.TemporaryDirectory() as store, harness.published(SC, 0, store):
+        run = _started(DecodeKVCacheOffloadManager, store)
+        mgr = run.mgr
+        assert mgr.manager.config.checked is False and mgr.manager.ledger is None
+        assert mgr.req_to_token_pool is run.r2t and mgr.token_to_kv_pool_allocator is run.allocator
+        assert mgr.tree_cache is run.tree and mgr.kv_cache is run.kv and mgr.tp_group is not None
+        assert (mgr.page_size, mgr.offload_stride, mgr.tp_world_size) == (4, 8, 1)
+        mgr.manager.close()
