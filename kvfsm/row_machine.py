@@ -107,18 +107,18 @@ class RowMachine:
 
     def snapshot(self, row: int) -> tuple[int, ...]:
         """(state, counters...) of one row: the per-request machine's `snapshot()`, for differential tests."""
-        row = self._check_row(row)
+        row = self._check_row(row, "snapshot")
         return (int(self.state[row]), *(int(getattr(self, c)[row]) for c in self.COUNTERS))
 
     def params(self, row: int) -> dict[str, int]:
         """The params one row's machine was created with."""
-        row = self._check_row(row)
+        row = self._check_row(row, "params")
         return {p: int(getattr(self, p)[row]) for p in self.PARAMS}
 
-    def _check_row(self, row: int) -> int:
+    def _check_row(self, row: int, what: str) -> int:
         row = int(row)
         if not (0 <= row < self.capacity and self.created[row]):
-            raise RowNotCreated(self, "snapshot", row, 0, self.capacity)
+            raise RowNotCreated(self, what, row, 0, self.capacity)
         return row
 
     # --- batches ---------------------------------------------------------------------------------------

@@ -436,3 +436,15 @@ def test_args_as_a_struct_of_arrays_reach_each_action_taken_at_its_items() -> No
     both = spans[np.array([0, 3])]
     table.offload([0, 3], both)
     assert got["start_copy_rows"][0] == [0, 3] and got["start_copy_rows"][1] is both
+
+
+def test_reading_a_row_that_holds_no_machine_is_refused() -> None:
+    import kvfsm.generated.decode_offload_rows as mod
+
+    table = mod.DecodeOffloadRows(RowsEffects(), capacity=4)
+    table.create([1])
+    assert table.snapshot(1) == (mod.ALLOCATED, 0, 0, 0) and table.params(1) == {"fences": 0}
+    with pytest.raises(RowNotCreated, match=r"DecodeOffloadRows.snapshot: row 0 \(item 0\) holds no machine"):
+        table.snapshot(0)
+    with pytest.raises(RowNotCreated, match=r"DecodeOffloadRows.params: row 9 \(item 0\) is outside its rows"):
+        table.params(9)
