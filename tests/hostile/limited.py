@@ -1,5 +1,6 @@
 """Run kvfsm under an address-space limit: `python tests/hostile/limited.py MIB cli ARGS...` runs the
-`kvfsm` command line, `... MIB call MODULE:FUNCTION ARG` calls one reader on a path, and `... MIB batch
+`kvfsm` command line, `... MIB call MODULE:FUNCTION ARG` calls one reader on a path (`calls` on each of
+several paths, printing a JSON list of outcomes), and `... MIB batch
 FILE.json` runs every argv listed in the JSON file through the command line (typer's CliRunner) in this one
 process and prints a JSON list of their exit codes, stderr and whether an exception escaped. The limit is set with
 resource.setrlimit(RLIMIT_AS) in this process before kvfsm is imported, so a reader that tries to expand
@@ -32,13 +33,21 @@ def main(argv: list[str]) -> int:
     fn = importlib.import_module(module)
     for part in func.split("."):
         fn = getattr(fn, part)
+    if mode == "calls":  # one call per argument, one JSON line of outcomes
+        import json
+        print(json.dumps([_outcome(fn, arg) for arg in args]))
+        return 0
+    outcome = _outcome(fn, *args)
+    print(outcome)
+    return 3 if outcome.startswith("error") else 0
+
+
+def _outcome(fn, *args) -> str:
     try:
         result = fn(*args)
     except BaseException as exc:  # noqa: BLE001 - reported to the test, which judges the type
-        print(f"error {type(exc).__module__}.{type(exc).__qualname__}: {str(exc)[:2000]}")
-        return 3
-    print(f"ok {type(result).__name__}")
-    return 0
+        return f"error {type(exc).__module__}.{type(exc).__qualname__}: {str(exc)[:2000]}"
+    return f"ok {type(result).__name__}"
 
 
 def _batch(listing: str) -> int:

@@ -172,12 +172,14 @@ def test_spec_check_work_is_bounded(tmp_path: Path) -> None:
     """Counters, params and literals whose valuations times transitions and states would keep `validate`
     busy past SPEC_MAX_CHECK_WORK are refused before the enumeration starts."""
     base = (ROOT / "tests" / "specs" / "valid" / "minimal.yaml").read_text()
-    extra = "".join(f"  c{i}:\n    doc: A counter of the test.\n" for i in range(4))
-    heavy = base.replace("counters:\n", "counters:\n" + extra, 1).replace("expr: jobs > 1", "expr: jobs > 1 and c0 < 7")
+    def counters(n: int) -> str:
+        extra = "".join(f"  c{i}:\n    doc: A counter of the test.\n" for i in range(n))
+        return base.replace("counters:\n", "counters:\n" + extra, 1).replace("expr: jobs > 1", "expr: jobs > 1 and c0 < 7")
+
     ok, over = tmp_path / "ok.yaml", tmp_path / "over.yaml"
-    ok.write_text(heavy)
-    over.write_text(heavy.replace("resources:\n", "params:\n  p:\n    doc: A param of the test.\n\nresources:\n", 1))
-    load_spec(ok)  # 10**5 valuations of 8 transitions and states: within the bound
+    ok.write_text(counters(3))
+    over.write_text(counters(4).replace("resources:\n", "params:\n  p:\n    doc: A param of the test.\n\nresources:\n", 1))
+    load_spec(ok)  # 10**4 valuations of 8 transitions and states: within the bound (2 * 10**5 of them: past it)
     with pytest.raises(SpecInvalid) as info:
         load_spec(over)
     assert "SPEC_MAX_CHECK_WORK" in str(info.value) and str(over) in str(info.value)

@@ -4,10 +4,10 @@ the line and the bound, with the command's documented exit code."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
-import pytest
 
 from timing import run_watched
 
@@ -39,23 +39,26 @@ def test_deeply_nested_spec_is_refused_at_the_depth_bound() -> None:
     assert f"{path}:2:" in res.stderr and "(bound max_depth=" in res.stderr
 
 
-@pytest.mark.parametrize("name, bound", [("config_nested_3000.yaml", "(bound max_depth="),
-                                         ("config_nested_3000.json", "(bound max_depth="),
-                                         ("config_billion_laughs.yaml", "(bound max_elements="),
-                                         ("config_not_utf8.yaml", "not UTF-8")])
-def test_hostile_config_file_is_a_config_error(name: str, bound: str) -> None:
-    path = CORPUS / name
-    res = limited("call", "kvfsm.runtime.config:OffloadConfig.from_file", str(path))
-    assert res.returncode == 3, res.stdout[-2000:] + res.stderr[-2000:]
-    assert res.stdout.startswith("error kvfsm.errors.ConfigError:"), res.stdout[-2000:]
-    assert f"{path}:" in res.stdout and bound in res.stdout
+CONFIGS = {"config_nested_3000.yaml": "(bound max_depth=", "config_nested_3000.json": "(bound max_depth=",
+           "config_billion_laughs.yaml": "(bound max_elements=", "config_not_utf8.yaml": "not UTF-8"}
 
 
-@pytest.mark.parametrize("name, bound", [("trace_nested_100000.jsonl", "max_line_bytes"),
-                                         ("trace_nested_1000.jsonl", "max_depth")])
-def test_deeply_nested_trace_line_is_unreadable_input_not_an_illegal_step(name: str, bound: str) -> None:
-    path = CORPUS / name
-    res = limited("cli", "replay", str(path))
-    assert res.returncode == INVALID, res.stderr[-2000:]
-    assert "Traceback" not in res.stderr and "illegal step" not in res.stderr
-    assert f"{path}:1:" in res.stderr and f"(bound {bound}=" in res.stderr
+def test_hostile_config_files_are_config_errors() -> None:
+    paths = [CORPUS / name for name in CONFIGS]
+    res = limited("calls", "kvfsm.runtime.config:OffloadConfig.from_file", *map(str, paths))
+    assert res.returncode == 0, res.stderr[-2000:]
+    for path, outcome in zip(paths, json.loads(res.stdout.strip().splitlines()[-1])):
+        assert outcome.startswith("error kvfsm.errors.ConfigError:"), outcome
+        assert f"{path}:" in outcome and CONFIGS[path.name] in outcome, outcome
+
+
+def test_deeply_nested_trace_lines_are_unreadable_input_not_illegal_steps(tmp_path: Path) -> None:
+    traces = {CORPUS / "trace_nested_100000.jsonl": "max_line_bytes", CORPUS / "trace_nested_1000.jsonl": "max_depth"}
+    listing = tmp_path / "argv.json"
+    listing.write_text(json.dumps([["replay", str(t)] for t in traces]))
+    res = limited("batch", str(listing))
+    assert res.returncode == 0, res.stderr[-2000:]
+    for (path, bound), run in zip(traces.items(), json.loads(res.stdout.strip().splitlines()[-1])):
+        assert run["escaped"] is None and run["code"] == INVALID, run
+        assert "illegal step" not in run["stderr"]
+        assert f"{path}:1:" in run["stderr"] and f"(bound {bound}=" in run["stderr"], run
