@@ -8,7 +8,6 @@ import json
 import sys
 from pathlib import Path
 
-
 from timing import run_watched
 
 HERE = Path(__file__).resolve().parent
