@@ -11,8 +11,8 @@ breach is `InputBoundExceeded`, naming the source, the line and the bound; other
 UTF-8, not a file) is `InputRejected`. Callers wrap them in their own typed errors (SpecInvalid,
 ConfigError) or let them through (`kvfsm replay`).
 
-The defaults are far above anything kvfsm writes (the largest shipped spec is 19 KB, nesting 6, about
-2,000 YAML nodes; a trace line is about 300 bytes) and each reader takes `limits=` to raise them.
+The defaults are far above anything kvfsm writes (the largest shipped spec is 19 KB, nesting 4, about
+1,000 YAML nodes; a trace line is about 300 bytes) and each reader takes `limits=` to raise them.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class InputLimits:
     max_line_bytes: Optional[int] = None
 
 
-# A spec: a few dozen states, events and transitions (the largest shipped spec: 19 KB, 2,000 nodes).
+# A spec: a few dozen states, events and transitions (the largest shipped spec: 19 KB, 1,010 nodes, depth 4).
 SPEC_LIMITS = InputLimits(max_bytes=1 * MIB, max_depth=16, max_elements=50_000, max_aliases=0)
 # The semantic checks enumerate counter valuations for every transition and state (kvfsm.spec.checks): their
 # product bounds the time `validate` takes (the shipped specs need at most 6,656; a million is seconds).
@@ -54,13 +54,13 @@ CONFIG_LIMITS = InputLimits(max_bytes=1 * MIB, max_depth=16, max_elements=10_000
 ENV_VALUE_LIMITS = InputLimits(max_bytes=64 * KIB, max_depth=16, max_elements=10_000)
 # A replay trace: read a line at a time, so the file may be large; each line is one JSON object.
 TRACE_LIMITS = InputLimits(max_bytes=16 * GIB, max_depth=8, max_elements=10_000, max_line_bytes=64 * KIB)
-# Request keys a replay tracks at once (each a few hundred bytes of state).
+# Request keys a replay tracks at once (about 700 bytes of state each: 700 MB at the bound).
 TRACE_MAX_REQUESTS = 1_000_000
-# The spec format's JSON Schema as shipped (`kvfsm schema --check` compares it; about 20 KB).
+# The spec format's JSON Schema as shipped (`kvfsm schema --check` compares it; 17 KB).
 SCHEMA_LIMITS = InputLimits(max_bytes=4 * MIB, max_depth=64, max_elements=100_000)
 
 # Guard and invariant expressions (kvfsm.spec.expr), whose trees are walked recursively: `not`s and
-# parentheses nested, atoms in one sum, digits in one literal. Fixed: the shipped specs use at most 2, 3, 1.
+# parentheses nested, atoms in one sum, digits in one literal. Fixed: the shipped specs use at most 0, 2, 1.
 EXPR_MAX_NESTING = 32
 EXPR_MAX_TERMS = 64
 EXPR_MAX_DIGITS = 9
