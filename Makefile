@@ -127,5 +127,11 @@ $(VLLM_STAMP): pyproject.toml tests/upstream_vllm/requirements.txt
 	$(ONE_AT_A_TIME) $(VLLM_BIN)/python -m pip install -q -e '.[dev]'
 	touch $(VLLM_STAMP)
 
+# kvfsm's tests against vLLM's manager, then vLLM's own manager tests against kvfsm's (tests/upstream_vllm/upstream/)
+VLLM_OWN_TESTS := build/vllm-own-tests
 test-vllm: $(VLLM_STAMP)
 	KVFSM_REQUIRE_VLLM=1 $(VLLM_BIN)/python -m pytest -q -p no:cacheprovider tests/upstream_vllm
+	rm -rf $(VLLM_OWN_TESTS) && mkdir -p $(VLLM_OWN_TESTS)
+	cp tests/upstream_vllm/upstream/test_manager.py.orig $(VLLM_OWN_TESTS)/test_manager.py
+	cd $(VLLM_OWN_TESTS) && git apply -p1 $(CURDIR)/tests/upstream_vllm/upstream/kvfsm.patch
+	cd $(VLLM_OWN_TESTS) && $(CURDIR)/$(VLLM_BIN)/python -m pytest -q -p no:cacheprovider test_manager.py
