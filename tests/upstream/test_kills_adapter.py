@@ -12,8 +12,10 @@ import pytest
 
 import harness
 from scenarios import ReqSpec, Scenario
+from test_adapter_config import build, published
 from test_differential import ProbedAdapter
 
+from kvfsm.dataplane.storage.file import storage_key_suffix
 from kvfsm.integrations.sglang import DecodeKVCacheOffloadManager
 
 SC = Scenario(name="kills", page_size=4, stride=8,
@@ -130,3 +132,99 @@ def test_the_adapter_keeps_upstreams_attributes_and_is_unchecked_by_default() ->
         assert mgr.tree_cache is run.tree and mgr.kv_cache is run.kv and mgr.tp_group is not None
         assert (mgr.page_size, mgr.offload_stride, mgr.tp_world_size) == (4, 8, 1)
         mgr.manager.close()
+
+
+class _Deferred(ProbedAdapter):
+    """The adapter over the CPU twin of a copy still in flight at the drain (a GPU server meets those at once)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        from kvfsm.dataplane import DeferredCpuCopyEngine
+
+        self.deferred = DeferredCpuCopyEngine()
+        self.manager.fx.copy_engine = self.deferred
+
+
+def _drain_with_a_copy_in_flight(retraction: str) -> Any:
+    with tempfile.TemporaryDirectory() as store, harness.published(SC, 0, store):
+        run = harness._Run(SC, type("A", (_Deferred,), {"__init__": lambda self, **kw: _Deferred.__init__(
+            self, **kw, retraction=retraction)}), 0, harness._tp_group_world1(), store)
+        for spec in SC.requests:
+            run.admit(spec)
+        spec = SC.requests[0]
+        for _ in range(9):
+            run.decode(spec)
+        assert run.mgr.offload_kv_cache(run.reqs[spec.rid]) is True
+        run.mgr.check_offload_progress()  # submitted; the deferred copy stays in flight
+        try:
+            run.mgr.drain_before_retraction()
+            return None
+        except Exception as exc:  # noqa: BLE001 (the refusal is the result)
+            return exc
+        finally:
+            run.mgr.deferred.complete_all()
+            run.mgr.check_offload_progress()
+            for s in SC.requests:
+                run.mgr.finalize_release_on_finish(run.reqs[s.rid])
+            run.probe.close(run.mgr)
+
+
+def test_the_default_retraction_refuses_a_drain_that_meets_a_copy_and_fenced_never_does() -> None:
+    from kvfsm.integrations.sglang import RetractionRefusedError
+
+    assert isinstance(_drain_with_a_copy_in_flight("refuse"), RetractionRefusedError)
+    assert _drain_with_a_copy_in_flight("fenced") is None
+
+
+def test_the_adapter_configures_kvfsm_as_the_server_published(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the adapter hands kvfsm's manager: the retraction policy, and its own host pool (unpinned on a CPU,
+    in the published layout), FileStorage (the rank, sizes and dtype of the KV pool) and KV pool view."""
+    sc = Scenario(name="config-mla", page_size=4, stride=8, pool="mla",
+                  requests=(ReqSpec("a", tuple(range(1, 9)), decode=4),))
+    with tempfile.TemporaryDirectory() as store, harness.published(sc, 0, store):
+        for retraction, policy, fenced in (("refuse", "fail_closed", False), ("fenced", "deferred", True)):
+            run = harness._Run(sc, type("A", (ProbedAdapter,), {"__init__": lambda self, r=retraction, **kw:
+                                                                 ProbedAdapter.__init__(self, **kw, retraction=r)}),
+                               0, harness._tp_group_world1(), store)
+            cfg = run.mgr.manager.config
+            assert (cfg.retraction, cfg.fenced_release, run.mgr.retraction) == (policy, fenced, retraction)
+            host = run.mgr.decode_host_mem_pool
+            assert host is run.mgr.manager.host_pool and host.pinned is False and host.layout == "layer_first"
+            fs = run.mgr.manager.fx.storage
+            assert (fs.suffix, fs.dtype, fs.layout) == (storage_key_suffix(harness.MODEL, 0, 1, True), "float32",
+                                                        "layer_first")
+            dev = run.mgr.manager.fx.device_pool
+            assert dev.kv_pool is run.kv and dev.config.is_mla
+            assert run.mgr.settings.page_size == 4
+            run.mgr.manager.close()
+
+
+def test_an_unnamed_served_model_still_configures() -> None:
+    with tempfile.TemporaryDirectory() as store, published(SC, store, served_model_name=""):
+        mgr = build(DecodeKVCacheOffloadManager, SC)
+        assert mgr.settings.model_name == "" and mgr.manager.config.model_name == "model"
+        mgr.manager.close()
+
+
+def test_a_tp_group_of_two_reaches_kvfsms_manager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two TP ranks, as rank 1 sees them, whose peer always agrees (a reduction over the group returns this
+    rank's values): the sizes are checked over the group, the manager reduces its progress over it."""
+    import torch
+    from sglang.srt.runtime_context import get_parallel
+
+    group = harness._tp_group_world1()
+    reductions: list[Any] = []
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda t, op=None, group=None: reductions.append(group))
+    with tempfile.TemporaryDirectory() as store, published(SC, store, tp_size=2):
+        get_parallel().override_permanently(tp_rank=1)
+        try:
+            mgr = build(ProbedAdapter, SC)
+            assert (mgr.tp_group, mgr.tp_world_size) == (group, 2)
+            assert reductions and all(g is group for g in reductions)  # the sizes, over the group
+            assert mgr.manager.consensus.world == 2 and mgr.manager.consensus.group is group
+            assert mgr.manager.fx.storage.suffix == storage_key_suffix(harness.MODEL, 1, 2, False)
+            assert (mgr.settings.tp_rank, mgr.settings.tp_size) == (1, 2)
+            mgr.manager.close()
+        finally:
+            get_parallel().override_permanently(tp_rank=0)
