@@ -228,3 +228,50 @@ def test_a_tp_group_of_two_reaches_kvfsms_manager(monkeypatch: pytest.MonkeyPatc
             mgr.manager.close()
         finally:
             get_parallel().override_permanently(tp_rank=0)
+
+
+def test_a_row_the_engine_reused_without_a_drain_waits_for_the_old_lifecycle_then_goes_to_the_new_request() -> None:
+    """SGLang frees request a itself while a's copy is in flight (it skipped the drain) and admits c on a's row.
+    kvfsm cannot end a's lifecycle before the copy lands, so c is not pinned on the row and nothing of it is
+    offloaded; once the copy is acknowledged, c's next call ends a's lifecycle (released_by_engine: nothing freed
+    again), pins c on the row, and c runs to its release."""
+    from test_adapter_retraction import _engine_release
+
+    sc = Scenario(name="row-reuse-without-drain", page_size=4, stride=8,
+                  requests=(ReqSpec("a", tuple(range(1, 9)), decode=12), ReqSpec("b", tuple(range(100, 110)), decode=12),
+                            ReqSpec("c", tuple(range(300, 306)), decode=12, start=1)))
+    with tempfile.TemporaryDirectory() as store, harness.published(sc, 0, store):
+        run = harness._Run(sc, _Deferred, 0, harness._tp_group_world1(), store)
+        a_spec, b_spec, c_spec = sc.requests
+        run.admit(a_spec)
+        run.admit(b_spec)
+        a = run.reqs["a"]
+        for _ in range(9):
+            run.decode(a_spec)
+        assert run.mgr.offload_kv_cache(a) is True
+        run.mgr.check_offload_progress()  # submitted: in flight on the deferred engine
+        row = a.kv.req_pool_idx
+        a_view = run.mgr._views.view(a)
+        _engine_release(run, a)
+        run.admit(c_spec)
+        c = run.reqs["c"]
+        assert c.kv.req_pool_idx == row
+        for _ in range(10):
+            run.decode(c_spec)  # a chunk due: the call admits c to kvfsm
+        assert run.mgr.offload_kv_cache(c) is False  # the row is still a's lifecycle's: nothing of c's is due
+        assert run.mgr._views.holder(row) is a and run.mgr.manager.machine_of(a_view) is not None
+        run.mgr.deferred.complete_all()
+        run.mgr.check_offload_progress()
+        run.settle()
+        assert run.mgr.offload_kv_cache(c) is True
+        assert run.mgr._views.holder(row) is c
+        assert run.mgr.manager.metrics.engine_releases == 1
+        for spec in (b_spec, c_spec):
+            run.finish(spec)
+            run.mgr.finalize_release_on_finish(run.reqs[spec.rid])
+        run.mgr.deferred.complete_all()
+        run.mgr.check_offload_progress()
+        run.settle()
+        run.mgr.check_offload_progress()
+        assert row in run.r2t.free_slots and run.mgr._views.pinned() == []
+        run.probe.close(run.mgr)
