@@ -73,7 +73,7 @@ def open_regular(path: str | os.PathLike[str], what: str) -> BinaryIO:
     source = os.fspath(path)
     fd = os.open(source, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        if not stat.S_ISREG(os.stat(fd).st_mode):
             raise InputRejected(source, 0, f"{what} is not a regular file")
         os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
