@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvfsm.generated.offload_chunk import PINNED, READY, WRITE_PENDING, OffloadChunkMachine
+from kvfsm.generated.offload_chunk import ABSENT, PINNED, READY, WRITE_PENDING, OffloadChunkMachine
 
 
 class Chunk(OffloadChunkMachine):
@@ -17,14 +17,16 @@ class Chunk(OffloadChunkMachine):
     __slots__ = ("chunk_id",)
 
     def __init__(self, fx: Any, key: bytes, observer: Any = None) -> None:
-        super().__init__(fx, key, observer)
+        # OffloadChunkMachine.__init__'s fields, set here without the extra call: one Chunk per stored key
+        self.state, self.writes, self.pins = ABSENT, 0, 0
+        self.fx, self.ctx, self.observer = fx, key, observer
         self.chunk_id = -1
 
     @property
-    def ref_cnt(self) -> int:
+    def ref_cnt(self, _pending: int = WRITE_PENDING) -> int:
         """vLLM's reference count: -1 while the store is pending, else the loads in flight."""
-        return -1 if self.state == WRITE_PENDING else self.pins
+        return -1 if self.state == _pending else self.pins
 
     @property
-    def is_ready(self) -> bool:
-        return self.state == READY or self.state == PINNED
+    def is_ready(self, _ready: tuple[int, int] = (READY, PINNED)) -> bool:
+        return self.state in _ready

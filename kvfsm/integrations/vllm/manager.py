@@ -165,14 +165,13 @@ class KvfsmOffloadingManager(ChunkEffects, CPUOffloadingManager):
             self.events.append(OffloadingEvent(keys=to_evict, medium=self.medium, removed=True))
 
         slots = []
-        policy = self._policy
+        insert, observer = self._policy.insert, self.observer
         for key in keys_to_store:
-            chunk = Chunk(self, key, self.observer)
+            chunk = Chunk(self, key, observer)
             chunk.store()
             chunks[key] = chunk
             slots.append(chunk.chunk_id)
-        for key in keys_to_store:
-            policy.insert(key, chunks[key], req_context)
+            insert(key, chunk, req_context)
         state.inserted_keys.update(keys_to_store)
         if self.checked:
             led = self._ledger(req_context)
@@ -192,7 +191,10 @@ class KvfsmOffloadingManager(ChunkEffects, CPUOffloadingManager):
         for key in keys:
             chunk = chunks.get(key)
             if chunk is not None and chunk.state == WRITE_PENDING:
-                chunk.store_done() if success else chunk.rollback()
+                if success:
+                    chunk.store_done()
+                else:
+                    chunk.rollback()
                 done.append(key)
         if done and self.events is not None:
             if success:

@@ -1,0 +1,168 @@
+"""kvfsm's vLLM offload manager against vLLM 0.34.0's CPUOffloadingManager, on the same scheduler call sequence.
+
+Run in the vLLM venv (`make vllm-venv`): `.venv-vllm/bin/python bench/vllm_manager.py [--quick]`.
+
+Each size (slots x live requests) replays one seeded workload through both managers, unchecked, and kvfsm's
+checked mode apart. A step follows the OffloadingConnector's scheduler: the workers' reports of the last step
+(complete_store, one in ten failed, and complete_load), then per live request a prefix scan of lookup (stopping
+at the first MISS, waiting on HIT_PENDING), a prepare_load of a new request's hits, a prepare_store of the
+request's next chunk, the finishes (a finished request is replaced by a new one that shares a prompt prefix
+with others, so lookups hit), and on_schedule_end. The timed figure is the manager calls' time for the whole
+replay; the workload's own bookkeeping is the same for both and is timed apart, then subtracted. Runs alternate
+between the managers and the median of the repeats is kept. `targets`: kvfsm's time over vLLM's, at most 1.0
+(required) and at most 1/1.5 (the goal), per size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import target, write_result  # noqa: E402
+
+from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key  # noqa: E402
+from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager  # noqa: E402
+
+from kvfsm.integrations.vllm import KvfsmOffloadingManager  # noqa: E402
+
+MISS, HIT_PENDING = LookupResult.MISS, LookupResult.HIT_PENDING
+END = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
+
+
+def workload(live: int, steps: int, seed: int) -> list[list[tuple[Any, ...]]]:
+    """The requests of each step as (rid, keys, next, finishing): a request's key chain, the index of its next
+    chunk to store, and whether it finishes this step. Prompts share one of 64 prefixes of 8 chunks."""
+    rng = random.Random(seed)
+    prefixes = [[make_offload_key(bytes([p % 256, p // 256, c, 0]) * 8, 0) for c in range(8)] for p in range(64)]
+    serial = 0
+
+    def new_request() -> list[Any]:
+        nonlocal serial
+        serial += 1
+        own = [make_offload_key(serial.to_bytes(8, "big") + bytes([c]) * 24, 0) for c in range(24)]
+        return [serial, prefixes[rng.randrange(64)] + own, 0]
+
+    reqs = [new_request() for _ in range(live)]
+    plan = []
+    for _ in range(steps):
+        step = []
+        for i, r in enumerate(reqs):
+            finishing = r[2] >= len(r[1]) - 1 or rng.random() < 0.02
+            step.append((r[0], r[1], r[2], finishing))
+            r[2] += 1
+            if finishing:
+                reqs[i] = new_request()
+        plan.append(step)
+    return plan
+
+
+def replay(make: Callable[[], Any], plan: list[list[tuple[Any, ...]]], calls: bool = True) -> float:
+    """Seconds the replay spends, the manager's calls included only with `calls` (the workload's own cost)."""
+    m = make()
+    contexts: dict[int, ReqContext] = {}
+    stores: list[tuple[list[Any], ReqContext]] = []
+    loads: list[tuple[list[Any], ReqContext]] = []
+    failed = 0
+    gc.collect()
+    start = time.perf_counter()
+    for step in plan:
+        done_stores, stores = stores, []
+        done_loads, loads = loads, []
+        for keys, ctx in done_stores:
+            failed += 1
+            if calls:
+                m.complete_store(keys, ctx, failed % 10 != 0)
+        for keys, ctx in done_loads:
+            if calls:
+                m.complete_load(keys, ctx)
+        finished = []
+        for rid, keys, nxt, finishing in step:
+            ctx = contexts.get(rid)
+            if ctx is None:
+                ctx = contexts[rid] = ReqContext(req_id=str(rid))
+                for pos, k in enumerate(keys):
+                    ctx.set_offload_key_position(k, (pos + 1) * 16)
+                if calls:
+                    m.on_new_request(ctx)
+                hits = []
+                for k in keys:
+                    res = m.lookup(k, ctx) if calls else MISS
+                    if res is MISS or res is HIT_PENDING:
+                        break
+                    hits.append(k)
+                if hits and not (hits and res is HIT_PENDING):
+                    if calls:
+                        m.prepare_load(hits, ctx)
+                    loads.append((hits, ctx))
+            key = [keys[nxt]]
+            out = m.prepare_store(key, ctx) if calls else None
+            if out is not None and out.keys_to_store:
+                stores.append((out.keys_to_store, ctx))
+            if finishing:
+                finished.append((rid, ctx))
+        for rid, ctx in finished:
+            if calls:
+                m.on_request_finished(ctx)
+            del contexts[rid]
+        if calls:
+            m.on_schedule_end(END)
+    return time.perf_counter() - start
+
+
+def measure(num_chunks: int, live: int, steps: int, repeats: int) -> dict[str, Any]:
+    plan = workload(live, steps, seed=num_chunks * 7 + live)
+    makers = {
+        "vllm": lambda: CPUOffloadingManager(num_chunks),
+        "kvfsm": lambda: KvfsmOffloadingManager(num_chunks),
+        "kvfsm_checked": lambda: KvfsmOffloadingManager(num_chunks, checked=True),
+    }
+    times: dict[str, list[float]] = {name: [] for name in makers}
+    base = statistics.median(replay(makers["vllm"], plan, calls=False) for _ in range(repeats))
+    for _ in range(repeats):
+        for name, make in makers.items():
+            times[name].append(replay(make, plan) - base)
+    med = {name: statistics.median(t) for name, t in times.items()}
+    calls = steps * live
+    return {"num_chunks": num_chunks, "live_requests": live, "steps": steps, "request_steps": calls,
+            "repeats": repeats, "workload_s": base,
+            "seconds": med, "us_per_request_step": {n: 1e6 * s / calls for n, s in med.items()},
+            "ratio_kvfsm_over_vllm": med["kvfsm"] / med["vllm"],
+            "ratio_checked_over_vllm": med["kvfsm_checked"] / med["vllm"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="checks the script, not the numbers")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    sizes = [(1_000, 256), (10_000, 256), (100_000, 256), (1_000, 4096), (10_000, 4096), (100_000, 4096)]
+    steps, repeats = (4, 1) if args.quick else (40, 5)
+    runs = []
+    for num_chunks, live in sizes:
+        run = measure(num_chunks, live, steps, repeats)
+        runs.append(run)
+        print(f"{num_chunks:>7} slots {live:>5} live: vllm {run['seconds']['vllm']:.3f}s kvfsm "
+              f"{run['seconds']['kvfsm']:.3f}s ratio {run['ratio_kvfsm_over_vllm']:.3f} "
+              f"(checked {run['ratio_checked_over_vllm']:.3f})", flush=True)
+    targets = []
+    for run in runs:
+        label = f"{run['num_chunks']} slots, {run['live_requests']} live"
+        targets.append(target(f"kvfsm/vllm time, {label} (required)", run["ratio_kvfsm_over_vllm"], 1.0))
+        targets.append(target(f"kvfsm/vllm time, {label} (goal: 1.5x faster)", run["ratio_kvfsm_over_vllm"],
+                              round(1 / 1.5, 4)))
+    path = write_result("vllm_manager", {"runs": runs, "targets": targets,
+                                         "checked_mode": "reported apart (ratio_checked_over_vllm), never a target"},
+                        out=args.out, quick=args.quick)
+    print(path)
+
+
+if __name__ == "__main__":
+    main()
