@@ -234,6 +234,9 @@ def test_the_table_view_refuses_anything_but_a_2d_tensor() -> None:
             TableView(FakeTablePool(table=table), RequestViews())
     view = TableView(FakeTablePool(rows=5), RequestViews())
     assert (view.rows, view.max_context) == (5, 8) and view.host_table is view.req_to_token
+    # a table off the CPU (a CUDA server's) has no host mirror: kvfsm reads its slots on its device
+    off_cpu = TableView(FakeTablePool(table=torch.zeros(5, 8, dtype=torch.int32, device="meta")), RequestViews())
+    assert off_cpu.host_table is None and off_cpu.req_to_token.device.type == "meta"
 
 
 def test_a_table_row_is_allocated_when_it_is_a_request_row_not_free() -> None:
@@ -308,6 +311,7 @@ def test_host_slots_sizes_the_host_pool_as_upstream() -> None:
     # hicache_size in GB: whole tokens of bytes_per_token, then whole pages plus one page
     assert host_slots(SimpleNamespace(hicache_size=1), 100, 1000, 4) == (1_000_000 // 4 + 1) * 4
     assert host_slots(SimpleNamespace(hicache_size=1, hicache_ratio=9), 100, 3, 4) == (333_333_333 // 4 + 1) * 4
+    assert host_slots(SimpleNamespace(hicache_size=1), 100, 1, 1) == 1_000_000_001  # 10**9 tokens, one more page
     # no hicache_size (or 0): the ratio of the device pool's tokens
     for memory in (SimpleNamespace(hicache_ratio=2.5), SimpleNamespace(hicache_size=0, hicache_ratio=2.5)):
         got = host_slots(memory, 10, 1000, 4)

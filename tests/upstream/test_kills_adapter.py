@@ -58,6 +58,13 @@ def test_a_quiet_request_is_answered_by_the_offload_call_alone() -> None:
         run.decode(spec)
         answer, entered = _kvfsm_functions_entered(lambda: run.mgr.offload_kv_cache(req))
         assert answer is False and entered and all("offload_kv_cache" in name for name in entered), entered
+        for _ in range(6):
+            run.decode(spec)
+        assert run.mgr.offload_kv_cache(req) is True  # a chunk due: reserved, submitted at the progress check
+        run.mgr.check_offload_progress()  # which notes the request quiet again
+        run.decode(spec)
+        answer, entered = _kvfsm_functions_entered(lambda: run.mgr.offload_kv_cache(req))
+        assert answer is False and all("offload_kv_cache" in name for name in entered), entered
         for s in SC.requests:
             run.mgr.finalize_release_on_finish(run.reqs[s.rid])
         run.probe.close(run.mgr)
@@ -259,6 +266,7 @@ def test_a_row_the_engine_reused_without_a_drain_waits_for_the_old_lifecycle_the
         for _ in range(10):
             run.decode(c_spec)  # a chunk due: the call admits c to kvfsm
         assert run.mgr.offload_kv_cache(c) is False  # the row is still a's lifecycle's: nothing of c's is due
+        assert id(a) not in run.mgr._views.quiet  # a's early exit went with its row
         assert run.mgr._views.holder(row) is a and run.mgr.manager.machine_of(a_view) is not None
         run.mgr.deferred.complete_all()
         run.mgr.check_offload_progress()
@@ -266,6 +274,10 @@ def test_a_row_the_engine_reused_without_a_drain_waits_for_the_old_lifecycle_the
         assert run.mgr.offload_kv_cache(c) is True
         assert run.mgr._views.holder(row) is c
         assert run.mgr.manager.metrics.engine_releases == 1
+        from kvfsm.errors import EventRejected
+
+        with pytest.raises(EventRejected, match="'offload' rejected in state 'draining'"):
+            run.mgr.offload_kv_cache(a)  # a Req SGLang released (no row left): the spec refuses its offload
         for spec in (b_spec, c_spec):
             run.finish(spec)
             run.mgr.finalize_release_on_finish(run.reqs[spec.rid])
@@ -274,4 +286,40 @@ def test_a_row_the_engine_reused_without_a_drain_waits_for_the_old_lifecycle_the
         run.settle()
         run.mgr.check_offload_progress()
         assert row in run.r2t.free_slots and run.mgr._views.pinned() == []
+        run.probe.close(run.mgr)
+
+
+def test_the_host_pool_takes_the_published_memory_layout() -> None:
+    with tempfile.TemporaryDirectory() as store, published(SC, store, hicache_mem_layout="page_first"):
+        mgr = build(DecodeKVCacheOffloadManager, SC)
+        assert mgr.decode_host_mem_pool.layout == "page_first" and mgr.manager.fx.storage.layout == "page_first"
+        mgr.manager.close()
+
+
+def test_after_a_drain_the_requests_sglang_released_are_ended_and_let_go() -> None:
+    """SGLang releases a request itself after the drain; the next call ends its lifecycle (released_by_engine)
+    and drops kvfsm's pin on its row, so nothing keeps the Req alive."""
+    import gc
+    import weakref
+
+    from test_adapter_retraction import _engine_release
+
+    with tempfile.TemporaryDirectory() as store, harness.published(SC, 0, store):
+        run = _started(ProbedAdapter, store)
+        a_spec, b_spec = SC.requests
+        for spec in SC.requests:
+            run.decode(spec)
+            run.mgr.offload_kv_cache(run.reqs[spec.rid])
+        run.mgr.drain_before_retraction()
+        a = run.reqs.pop(a_spec.rid)
+        row = a.kv.req_pool_idx
+        _engine_release(run, a)
+        gone = weakref.ref(a)
+        del a
+        run.mgr.check_offload_progress()  # the sweep
+        assert run.mgr.manager.metrics.engine_releases == 1 and run.mgr._views.holder(row) is None
+        gc.collect()
+        assert gone() is None
+        run.finish(b_spec)
+        run.mgr.finalize_release_on_finish(run.reqs[b_spec.rid])
         run.probe.close(run.mgr)
