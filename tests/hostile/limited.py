@@ -61,7 +61,8 @@ def _batch(listing: str) -> int:
     for argv in json.load(open(listing)):
         res = runner.invoke(app, argv)
         escaped = res.exception is not None and not isinstance(res.exception, SystemExit)
-        results.append({"argv": argv, "code": res.exit_code, "stderr": res.stderr[-4000:],
+        err = res.stderr if len(res.stderr) <= 8000 else res.stderr[:4000] + " ... " + res.stderr[-4000:]
+        results.append({"argv": argv, "code": res.exit_code, "stderr": err,
                         "escaped": f"{type(res.exception).__name__}: {res.exception}" if escaped else None})
     print(json.dumps(results))
     return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 CORPUS = Path(__file__).resolve().parent / "corpus"
+MINIMAL = CORPUS.parents[1] / "specs" / "valid" / "minimal.yaml"
 
 
 def billion_laughs(levels: int = 9, fan: int = 9) -> str:
@@ -34,7 +35,8 @@ def files() -> dict[str, bytes]:
         "spec_not_utf8.yaml": b"machine: \xff\xfe\x00bad\n",
         "spec_empty.yaml": b"",
         "spec_garbage.yaml": bytes(range(256)) * 4,
-        "spec_long_guard.yaml": ("machine: G\nguards:\n  g:\n    expr: " + "(" * 3000 + "copies > 0" + ")" * 3000 + "\n").encode(),
+        "spec_long_guard.yaml": MINIMAL.read_text().replace(
+            "expr: jobs > 1", "expr: " + "(" * 3000 + "jobs > 1" + ")" * 3000).encode(),
         "config_nested_3000.yaml": ("page_size: 1\nstorage_extra: " + nested_lists(3000) + "\n").encode(),
         "config_nested_3000.json": ('{"page_size": 1, "storage_extra": ' + nested_lists(3000) + "}\n").encode(),
         "config_billion_laughs.yaml": ("page_size: 1\nstorage_extra:\n" + "".join(f"  {l}\n" for l in laughs.splitlines())).encode(),

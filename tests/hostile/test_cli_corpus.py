@@ -1,7 +1,7 @@
 """Every `kvfsm` command that reads a file, run on every hostile file of tests/hostile/corpus/ (and on a
 directory, a FIFO, a device and a missing path), in one subprocess under a 1 GiB address-space limit: each
 exits with its documented code (2: input it cannot use; `schema --check` 1: stale), never with an escaped
-exception, names the file, and writes nothing."""
+exception, names the file, and writes nothing. A 10 GiB sparse file stands for the file too large to read."""
 
 from __future__ import annotations
 
@@ -29,7 +29,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, ...], dict
     out.mkdir()
     fifo = tmp / "fifo.yaml"
     os.mkfifo(fifo)
-    odd = [tmp, fifo, Path("/dev/zero"), tmp / "missing.yaml"]
+    sparse = tmp / "sparse_10g.yaml"  # 10 GiB of zeros, no newline: read only up to each bound
+    with open(sparse, "wb") as f:
+        f.truncate(10 << 30)
+    odd = [tmp, fifo, Path("/dev/zero"), tmp / "missing.yaml", sparse]
     trace = TRACES[0]
     argvs: list[list[str]] = []
     for spec in [*SPECS, *odd]:
@@ -39,7 +42,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, ...], dict
                   ["replay", str(trace), "--spec", s], ["demo", "--spec", s, "--dir", str(out / "demo"), "--requests", "1"]]
     for t in [*TRACES, *odd]:
         argvs.append(["replay", str(t)])
-    for f in [*SPECS, *TRACES, fifo, Path("/dev/zero")]:
+    for f in [*SPECS, *TRACES, fifo, Path("/dev/zero"), sparse]:
         argvs.append(["schema", "--check", "--out", str(f)])
     argvs.append(["schema", "--check", "--out", str(tmp)])
     listing = tmp / "argv.json"
