@@ -1,7 +1,8 @@
 """Typed errors of kvfsm's public surface; a raised error means nothing was changed.
 
 Lifecycle errors come from generated machines and the manager's request checks; `ConfigError` from the
-configuration, always before anything is allocated.
+configuration, always before anything is allocated; `InputRejected` (`InputBoundExceeded` past a bound of
+kvfsm.input_limits) from the readers of files, variables and traces, before anything is built from them.
 """
 
 from __future__ import annotations
