@@ -323,3 +323,63 @@ def test_after_a_drain_the_requests_sglang_released_are_ended_and_let_go() -> No
         run.finish(b_spec)
         run.mgr.finalize_release_on_finish(run.reqs[b_spec.rid])
         run.probe.close(run.mgr)
+
+
+def test_a_request_that_finished_with_its_chunk_is_not_noted_quiet() -> None:
+    """Its last chunk is submitted with the batch and it is released at the ack: no early exit is kept for it."""
+    with tempfile.TemporaryDirectory() as store, harness.published(SC, 0, store):
+        run = _started(ProbedAdapter, store)
+        a_spec, b_spec = SC.requests
+        a, b = run.reqs[a_spec.rid], run.reqs[b_spec.rid]
+        for _ in range(9):
+            run.decode(a_spec)
+            run.decode(b_spec)
+        run.finish(a_spec)
+        assert run.mgr.offload_kv_cache(a) is True and run.mgr.offload_kv_cache(b) is True
+        run.mgr.check_offload_progress()
+        assert id(a) not in run.mgr._views.quiet and id(b) in run.mgr._views.quiet
+        run.settle()
+        run.mgr.check_offload_progress()
+        assert a.kv.req_pool_idx is None  # released at the ack
+        run.mgr.finalize_release_on_finish(b)
+        run.probe.close(run.mgr)
+
+
+def test_a_request_on_row_one_is_released_like_any_other() -> None:
+    """Row 0 is SGLang's padding row; row 1 is a request's like every row after it."""
+    with tempfile.TemporaryDirectory() as store, harness.published(SC, 0, store):
+        run = harness._Run(SC, ProbedAdapter, 0, harness._tp_group_world1(), store)
+        others = run.r2t.alloc_rows(len(run.r2t.free_slots) - 1)  # every row but row 1 taken
+        spec = SC.requests[0]
+        run.admit(spec)
+        req = run.reqs[spec.rid]
+        assert req.kv.req_pool_idx == 1
+        for _ in range(9):
+            run.decode(spec)
+        assert run.mgr.offload_kv_cache(req) is True
+        run.finish(spec)
+        run.mgr.finalize_release_on_finish(req)
+        run.mgr.check_offload_progress()
+        run.settle()
+        run.mgr.check_offload_progress()
+        assert req.kv.req_pool_idx is None and 1 in run.r2t.free_slots
+        run.r2t.free_slots.extend(others)
+        run.probe.close(run.mgr)
+
+
+def test_the_pinned_requests_are_swept_once_per_drain() -> None:
+    """A sweep walks every Req pinned on a row: the first call after a drain runs it, the calls after do not."""
+    with tempfile.TemporaryDirectory() as store, harness.published(SC, 0, store):
+        run = _started(ProbedAdapter, store)
+        sweep, sweeps = run.mgr._sweep, []
+        run.mgr._sweep = lambda: sweeps.append(1) or sweep()
+        run.mgr.drain_before_retraction()
+        for _ in range(3):
+            for spec in SC.requests:
+                run.decode(spec)
+                run.mgr.offload_kv_cache(run.reqs[spec.rid])
+            run.mgr.check_offload_progress()
+        assert sweeps == [1]
+        for spec in SC.requests:
+            run.mgr.finalize_release_on_finish(run.reqs[spec.rid])
+        run.probe.close(run.mgr)
