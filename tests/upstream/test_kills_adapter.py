@@ -383,3 +383,37 @@ def test_the_pinned_requests_are_swept_once_per_drain() -> None:
         for spec in SC.requests:
             run.mgr.finalize_release_on_finish(run.reqs[spec.rid])
         run.probe.close(run.mgr)
+
+
+def test_a_quiet_request_readmitted_on_another_row_takes_the_full_path() -> None:
+    """SGLang releases a quiet request itself (no drain) and admits the same Req again on another row: its
+    next call ends the old lifecycle (released_by_engine) and starts a new one, which offloads its decode again
+    from the first chunk (the early exit, made for the old row, does not answer)."""
+    from test_adapter_retraction import _engine_release, _readmit
+
+    with tempfile.TemporaryDirectory() as store, harness.published(SC, 0, store):
+        run = _started(ProbedAdapter, store)
+        spec = SC.requests[0]
+        a = run.reqs[spec.rid]
+        for _ in range(9):
+            run.decode(spec)
+        assert run.mgr.offload_kv_cache(a) is True
+        run.mgr.check_offload_progress()
+        run.settle()
+        run.mgr.check_offload_progress()
+        run.decode(spec)
+        assert run.mgr.offload_kv_cache(a) is False and id(a) in run.mgr._views.quiet
+        old = a.kv.req_pool_idx
+        _engine_release(run, a)
+        run.r2t.free_slots.remove(old)  # readmitted on another row
+        _readmit(run, spec)
+        run.r2t.free_slots.append(old)
+        assert a.kv.req_pool_idx != old
+        assert run.mgr.offload_kv_cache(a) is True and run.mgr.manager.metrics.engine_releases == 1
+        run.mgr.check_offload_progress()
+        run.settle()
+        for s in SC.requests:
+            run.finish(s)
+            run.mgr.finalize_release_on_finish(run.reqs[s.rid])
+        run.mgr.check_offload_progress()
+        run.probe.close(run.mgr)
