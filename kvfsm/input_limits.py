@@ -221,9 +221,14 @@ def check_json_nesting(text: str, limits: InputLimits, source: str, line: int, w
             depth -= 1
 
 
-def count_elements(value: Any, limits: InputLimits, source: str, line: int, what: str) -> None:
+def count_elements(value: Any, limits: InputLimits, source: str, line: int, what: str,
+                   text_len: Optional[int] = None) -> None:
     """Raise InputBoundExceeded when a parsed JSON value holds more than `limits.max_elements` values
-    (iteratively: its depth is already bounded, but this walks it without recursion anyway)."""
+    (iteratively: its depth is already bounded, but this walks it without recursion anyway). `text_len`, the
+    length of the JSON text it was parsed from, skips the walk when too short to hold that many: k values
+    take at least 2k - 1 characters."""
+    if text_len is not None and (text_len + 1) // 2 <= limits.max_elements:
+        return
     seen, todo = 0, [value]
     while todo:
         v = todo.pop()

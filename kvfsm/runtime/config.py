@@ -133,7 +133,7 @@ class OffloadConfig(BaseModel):
             if path.suffix == ".json":
                 check_json_nesting(text, limits, source, 1, "offload config")
                 data = json.loads(text)
-                count_elements(data, limits, source, 1, "offload config")
+                count_elements(data, limits, source, 1, "offload config", len(text))
             else:
                 data = load_yaml_data(text, limits, source, "offload config")
         except InputRejected as exc:
@@ -179,7 +179,7 @@ class OffloadConfig(BaseModel):
             try:
                 check_json_nesting(raw, ENV_VALUE_LIMITS, source, 1, "the value")
                 values[name] = json.loads(raw)
-                count_elements(values[name], ENV_VALUE_LIMITS, source, 1, "the value")
+                count_elements(values[name], ENV_VALUE_LIMITS, source, 1, "the value", len(raw))
             except InputRejected as exc:
                 raise ConfigError(name, exc.reason, source) from exc
             except ValueError:

@@ -132,7 +132,7 @@ def check_trace(path: str | Path, spec: CompiledSpec | str | Path | None = None,
         except ValueError as exc:  # JSONDecodeError, or an integer past Python's digit limit
             res.error = TraceError(n, f"not a JSON object: {getattr(exc, 'msg', exc)}")
             return res
-        count_elements(rec, limits, str(path), n, "trace line")
+        count_elements(rec, limits, str(path), n, "trace line", len(raw))
         if not isinstance(rec, dict):
             res.error = TraceError(n, "not a JSON object")
             return res
