@@ -38,11 +38,6 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      "LayerBufferKVPool reads attention only as `attention == \"mla\"` (one plane, else two): any other "
      "value is MHA"),
     # --- the fence ledger -------------------------------------------------------------------------------
-    ("xǁSlotLedgerǁ_needs",
-     _lines("carried = [(f, 0 if need == 0 else f.waits + 1) for f, need in self.device_fence.get(page, ()) if f is not fence]",
-            "carried = [(f, 1 if need == 0 else f.waits + 1) for f, need in self.device_fence.get(page, ()) if f is not fence]"),
-     "a need of 0 is recorded only for a fence that had been waited on before its release (`0 if fence.waits`), "
-     "and a fence's waits never go down: a need of 1 is met already, as a need of 0 is"),
     # --- the adapter's views ----------------------------------------------------------------------------
     ("xǁRequestViewǁ__init__", r"- self\.row = self\.due = -1\n\+ self\.row = self\.due = (None|\+1|-2)",
      "row and due are read only for a view in RequestViews.quiet (the early exit), and _note_quiet sets both "
@@ -61,10 +56,10 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      "the default is only read through `or 0`: None or 0 is 0"),
     ("x_host_slots", _lines("tokens = int(size_gb * 1e9 // bytes_per_token)",
                             "tokens = int(size_gb * 1e9 / bytes_per_token)"),
-     "both operands are positive here (size_gb > 0, bytes_per_token a positive int): a = size_gb * 1e9 is a float "
-     "at least one of its ulps away from any multiple k * b it is below, and a / b rounds to nearest, so it "
-     "cannot round up to k (that needs a distance under half an ulp of k, which is below ulp(a) / b); the "
-     "truncation of a / b is then the floor that // gives"),
+     "both operands are positive (size_gb > 0; bytes_per_token b a positive int) and a = size_gb * 1e9 is far "
+     "below 2**53: a / b, rounded to nearest, could truncate above floor(a / b) only by rounding up to an "
+     "integer k, which needs k * b - a under b * ulp(k) / 2; but k * b is then a float too, so k * b - a is at "
+     "least ulp(a), which is not smaller: int() of a / b is the floor that // gives"),
     ("x__tp_rank_size", _lines("dp_attention = False", "dp_attention = None"),
      "dp_attention is only tested for its truth (`if dp_attention:`)"),
     ("x__tp_rank_size", _lines("value = _get(parallel, name, 1)", "value = _get(parallel, name, None)"),
@@ -122,6 +117,12 @@ EQUIVALENT: list[tuple[str, str, str]] = [
                                                      "if row is not None and row != -2:"),
      "SGLang's req_pool_idx is None or a row (a request never has a negative one); -1 is the adapter's own 'no "
      "row', and for it the branch finds no holder (pin() never stores -1) and calls pin(), which skips -1"),
+    ("xǁDecodeKVCacheOffloadManagerǁ_flush",
+     r"- if req is not None and id\(view\) not in finished:\n\+ if req is not None (or id\(view\)|and id\(None\)) not in finished:",
+     "the loop then also visits the requests that finished with their chunk, and only those: a pending request "
+     "SGLang still runs is alive (its batch holds the Req), so a collected one finished; each finishing view was "
+     "finalized in the `finally` just above, and ending a lifecycle sets its row's due hint to -1 "
+     "(DecodeOffloadManager._end), so _note_quiet notes nothing for it"),
     ("xǁDecodeKVCacheOffloadManagerǁ_note_quiet", r"- if due >= 0:\n\+ if due (> 0|>= 1):",
      "due_at is -1 (none known) or a committed length where a whole stride ends (prefill + offloaded + stride, "
      "at least one page): never 0"),

@@ -156,7 +156,10 @@ with a decorator other than `staticmethod` and `classmethod`), so `RequestView`'
 - survivors: tests/mutation/survivors_fences_adapter.json; reasons: tests/mutation/equivalent_fences_adapter.py,
   which keeps two lists apart: `EQUIVALENT` (no test can tell the mutant from the original, and why) and
   `NEEDS_GPU_PASS` (the mutant survives this CPU run because only a CUDA device shows the difference: it is
-  not equivalent, and its verdict is the GPU pass's).
+  not equivalent, and its verdict is the GPU pass's; tests/mutation/gpu_pass.py reads the main run's
+  survivors only, so these wait for it to read this scope's file too);
+- the CI sample (tests/mutation/test_mutation_sample.py) does not cover this scope: its mutmut stats pass
+  alone runs the scope's whole subset under `.venv-sglang`, far more than the sample's budget in `make test`.
 """
 
 

@@ -47,8 +47,8 @@ def _ledger_with_copy(handle: object = None) -> SlotLedger:
 
 def test_a_fence_waited_before_the_engine_released_the_page_is_never_carried_as_a_wait() -> None:
     """The engine waited on the fence on its own stream, then freed the page itself (released_by_engine_fenced):
-    every later write is ordered after the copy, so neither the next owner's write nor, after that owner
-    releases the page while the copy still reads it, the one after needs a new wait."""
+    every later write is ordered after the copy, so neither the next owner's write nor, after each later owner
+    releases the page while the copy still reads it, the writes after need a new wait."""
     copy = FakeCopy()
     ledger = _ledger_with_copy(copy)
     fence = SlotFence([copy])
@@ -58,6 +58,9 @@ def test_a_fence_waited_before_the_engine_released_the_page_is_never_carried_as_
     ledger.claim_device("b", "admit", [0, 1])
     ledger.release_device("b", "finish", [0, 1])  # plainly: covered by the carried fence
     ledger.device_write("c", [0, 1])  # no new wait needed
+    ledger.claim_device("c", "admit", [0, 1])
+    ledger.release_device("c", "finish", [0, 1])  # carried once more
+    ledger.device_write("d", [0, 1])  # still none
     assert fence.waits == 1
 
 
