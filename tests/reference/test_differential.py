@@ -197,7 +197,7 @@ class SpecEffects:
 
 
 @pytest.mark.parametrize("name", SHIPPED)
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(data=st.data())
 def test_every_shipped_spec_generated_matches_reference(name: str, data: st.DataObject) -> None:
     """The same random event streams (each action possibly failing, each param drawn) through the generated
