@@ -57,8 +57,10 @@ def _version(value: bool) -> None:
     import kvfsm
     import kvfsm.generated.cb_swap as cb
     import kvfsm.generated.decode_offload as do
+    import kvfsm.generated.offload_chunk as oc
     out.print(f"kvfsm {kvfsm.__version__}; generated from {do.SPEC_PATH} sha256 {do.SPEC_SHA256[:16]}, "
-              f"{cb.SPEC_PATH} sha256 {cb.SPEC_SHA256[:16]}", markup=False)
+              f"{cb.SPEC_PATH} sha256 {cb.SPEC_SHA256[:16]}, {oc.SPEC_PATH} sha256 {oc.SPEC_SHA256[:16]}",
+              markup=False)
     raise typer.Exit(0)
 
 

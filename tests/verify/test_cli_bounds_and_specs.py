@@ -106,3 +106,6 @@ def test_version_prints_version_and_spec_hashes() -> None:
     res = cli("--version")
     assert res.exit_code == 0
     assert res.output.startswith(f"kvfsm {kvfsm.__version__};") and machine.SPEC_SHA256[:16] in res.output
+    import kvfsm.generated.cb_swap as cb
+    import kvfsm.generated.offload_chunk as oc
+    assert cb.SPEC_SHA256[:16] in res.output and oc.SPEC_SHA256[:16] in res.output
