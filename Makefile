@@ -134,4 +134,5 @@ test-vllm: $(VLLM_STAMP)
 	rm -rf $(VLLM_OWN_TESTS) && mkdir -p $(VLLM_OWN_TESTS)
 	cp tests/upstream_vllm/upstream/test_manager.py.orig $(VLLM_OWN_TESTS)/test_manager.py
 	cd $(VLLM_OWN_TESTS) && git apply -p1 $(CURDIR)/tests/upstream_vllm/upstream/kvfsm.patch
+	grep -q '^from kvfsm.integrations.vllm import KvfsmOffloadingManager' $(VLLM_OWN_TESTS)/test_manager.py
 	cd $(VLLM_OWN_TESTS) && $(CURDIR)/$(VLLM_BIN)/python -m pytest -q -p no:cacheprovider test_manager.py
