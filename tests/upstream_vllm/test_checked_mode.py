@@ -166,3 +166,24 @@ def test_checked_mode_accepts_the_scheduler_s_own_sequence() -> None:
     m.complete_load([A, B], r2)
     assert len(m.prepare_store([C], _ctx("r4", C)).evicted_keys) == 1
     assert m.audit() == []
+
+
+def test_a_completion_of_a_job_from_before_a_reset_is_named() -> None:
+    """The slot fence rule of a reset: the connector must drop the completions of jobs submitted before it. If
+    one arrives anyway while another request's new store of the same key is in flight, vLLM's manager publishes
+    that chunk before its own store is written (a reader would get stale KV); checked mode names the late
+    completion and the new store stays pending."""
+    m = KvfsmOffloadingManager(2, checked=True)
+    r1, r2 = _ctx("r1", A), _ctx("r2", A)
+    m.prepare_store([A], r1)
+    m.reset_cache()
+    assert m.prepare_store([A], r2).keys_to_store == [A]
+    _refused(m, "complete_store", A, "write_pending", "never prepared", [A], r1)
+    assert m.lookup(A, r2) is LookupResult.HIT_PENDING
+    vllm = CPUOffloadingManager(2)
+    v1, v2 = _ctx("r1", A), _ctx("r2", A)
+    vllm.prepare_store([A], v1)
+    vllm.reset_cache()
+    vllm.prepare_store([A], v2)
+    vllm.complete_store([A], v1)  # accepted: r2's chunk is published before r2's store is written
+    assert vllm.lookup(A, v2) is LookupResult.HIT
