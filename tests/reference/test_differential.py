@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import os
 from pathlib import Path
 from typing import Any
 
@@ -197,7 +198,8 @@ class SpecEffects:
 
 
 @pytest.mark.parametrize("name", SHIPPED)
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=30 if os.environ.get("KVFSM_FUZZ", "ci") == "ci" else settings.default.max_examples,
+          deadline=None)
 @given(data=st.data())
 def test_every_shipped_spec_generated_matches_reference(name: str, data: st.DataObject) -> None:
     """The same random event streams (each action possibly failing, each param drawn) through the generated

@@ -6,6 +6,7 @@ audit (no slot in two chunks, capacity, each chunk's spec invariants, the gauges
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from hypothesis import given, settings
@@ -70,7 +71,9 @@ def same_answers(policy: str, events: bool, threshold: int, num_chunks: int, che
     assert theirs.data == kvfsm.data
 
 
-test_kvfsm_answers_every_scheduler_call_as_vllm_does = settings(max_examples=120, deadline=None)(
+# 120 sequences in CI; the deep fuzz profile (KVFSM_FUZZ=deep, tests/conftest.py) runs its own count
+EXAMPLES = 120 if os.environ.get("KVFSM_FUZZ", "ci") == "ci" else settings.default.max_examples
+test_kvfsm_answers_every_scheduler_call_as_vllm_does = settings(max_examples=EXAMPLES, deadline=None)(
     given(**CASES)(same_answers))
 
 
