@@ -114,5 +114,5 @@ def test_every_world_within_the_bound_answers_alike_and_fires_every_transition()
             if sig not in seen:
                 seen.add(sig)
                 frontier.append((nxt, depth + 1))
-    assert worlds > 300, worlds  # 361 at this bound
+    assert worlds > 300, worlds  # 361 at this bound, and a search to depth 10 finds no other
     assert REACHED == set(range(len(TRANSITIONS))), sorted(set(range(len(TRANSITIONS))) - REACHED)
