@@ -187,3 +187,25 @@ def test_a_completion_of_a_job_from_before_a_reset_is_named() -> None:
     vllm.prepare_store([A], v2)
     vllm.complete_store([A], v1)  # accepted: r2's chunk is published before r2's store is written
     assert vllm.lookup(A, v2) is LookupResult.HIT
+
+
+def test_ref_cnt_is_a_read_only_view_and_slots_come_from_the_spec_s_action() -> None:
+    """Difference 3 of docs/vllm.md: vLLM's policy chunks take writes of ref_cnt, kvfsm's chunks refuse them (a
+    pin goes through prepare_load, an event of the machine); vLLM allocates in _allocate_chunks, kvfsm in the
+    spec's allocate_slot action, so replacing the former changes nothing in kvfsm."""
+    for make in (CPUOffloadingManager, KvfsmOffloadingManager):
+        m = make(2)
+        ctx = _ctx("r", A)
+        _stored(m, ctx, A)
+        chunk = m._policy.get(A)
+        if make is CPUOffloadingManager:
+            chunk.ref_cnt = 1
+            assert m._policy.get(A).ref_cnt == 1
+        else:
+            with pytest.raises(AttributeError):
+                chunk.ref_cnt = 1
+            m.prepare_load([A], ctx)
+            assert m._policy.get(A).ref_cnt == 1
+    ours = KvfsmOffloadingManager(2)
+    ours._allocate_chunks = None  # never called
+    assert ours.prepare_store([B], _ctx("r", B)).store_spec.block_ids.tolist() == [0]
