@@ -147,7 +147,7 @@ with a decorator other than `staticmethod` and `classmethod`), so `RequestView`'
 - the tests (`SCOPES["fences-adapter"].tests`): the fence, fence-wait, fenced-release and copy-engine tests
   (the deferred CPU engine records every stream wait made on its handles, so a wait skipped or only marked
   is seen on a CPU), the adapter's tests in tests/upstream/ against the real SGLang objects (its GPU test
-  excepted), the differential scenarios of the adapter against upstream's manager on a few scenarios,
+  excepted), the differential test of the adapter against upstream's manager (its single-rank scenarios),
   tests/mutation/test_kills_fenced.py, and the tests written to kill survivors of this scope:
   tests/mutation/test_kills_fences_adapter.py (no SGLang needed: CI's main run has them) and
   tests/upstream/test_kills_adapter.py (over SGLang's objects: `make test-upstream` runs them). The
