@@ -64,3 +64,28 @@ def test_refresh_brings_every_workspace_file_from_its_source() -> None:
     assert mutate.mutated("kvfsm/dataplane/copy/base.py") and mutate.mutated("kvfsm/generated/decode_offload.py")
     assert not mutate.mutated("kvfsm/dataplane/copy/cuda.py") and not mutate.mutated("kvfsm/runtime/__init__.py")
     assert not mutate.mutated("kvfsm/dataplane/storage/mooncake/store.py")
+
+
+def test_the_main_report_keeps_the_other_scopes_sections(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The main run writes the whole of docs/mutation.md; every other scope's section (between its markers, which
+    `mutate.py --scope NAME` writes) comes through it unchanged, and the main scope's constants stay its own."""
+    sys.path.insert(0, str(HERE))
+    try:
+        import mutate
+    finally:
+        sys.path.remove(str(HERE))
+    report = tmp_path / "mutation.md"
+    monkeypatch.setattr(mutate, "REPORT", report)
+    start, end = mutate.SCOPES["fences-adapter"].markers
+    section = f"{start}\n## a scope\n\n* `f` #1 (survived): `a` → `b`: why\n{end}"
+    report.write_text("# Mutation testing\n\nold main text\n\n" + section + "\n")
+    assert mutate.keep_scope_sections("# Mutation testing\n\nnew main text\n") == \
+        "# Mutation testing\n\nnew main text\n\n" + section + "\n"
+    report.write_text("# Mutation testing\n")
+    assert mutate.keep_scope_sections("new\n") == "new\n"
+    main = mutate.SCOPES["main"]
+    assert (mutate.SCOPE, main.work, main.survivors) == (main, mutate.WORK, mutate.SURVIVORS)
+    assert main.tests == mutate.TESTS and not main.functions and mutate.in_scope("anything")
+    scope = mutate.SCOPES["fences-adapter"]
+    assert scope.work != main.work and scope.survivors != main.survivors and scope.equivalent != main.equivalent
+    assert "tests/upstream/test_kills_adapter.py" in scope.tests and "tests/upstream/test_kills_adapter.py" not in main.tests
