@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import click
 import typer
 from rich.console import Console
 from typer.core import TyperGroup
@@ -37,7 +36,7 @@ class GuardedGroup(TyperGroup):
     """The command group: a typed input error that a command lets through exits INVALID with its message
     (each spec error on its own `file:line` line); anything else exits INTERNAL with one line."""
 
-    def invoke(self, ctx: click.Context) -> Any:
+    def invoke(self, ctx: typer.Context) -> Any:
         try:
             return super().invoke(ctx)
         except Exception as exc:
