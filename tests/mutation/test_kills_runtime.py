@@ -481,3 +481,30 @@ def test_without_fences_an_engine_release_under_a_copy_is_refused_as_the_event_i
     with pytest.raises(EventRejected) as info:
         e.manager.released_by_engine(req)
     assert info.value.event == "released_by_engine" and _state(e, req) == "offloading"
+
+
+# --- the config file's error location ---------------------------------------------------------------------
+
+def test_a_malformed_config_file_is_located_at_its_line_or_else_named_alone(tmp_path: Any,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A YAML error names the file and the line of its mark; one that carries no mark (PyYAML's marks are
+    optional) names the file alone instead of failing on the missing mark."""
+    import yaml
+
+    import kvfsm.runtime.config as config_mod
+    from kvfsm.errors import ConfigError
+    from kvfsm.runtime import OffloadConfig
+
+    cfg = tmp_path / "offload.yaml"
+    cfg.write_text("page_size: 4\noffload_stride: [8\n")
+    with pytest.raises(ConfigError) as marked:
+        OffloadConfig.from_file(cfg)
+    assert marked.value.source == f"{cfg}:3" and "malformed YAML" in marked.value.reason  # the mark: end of input
+
+    def unmarked(*_: Any, **__: Any) -> Any:
+        raise yaml.MarkedYAMLError(problem="no mark on this one")
+
+    monkeypatch.setattr(config_mod, "load_yaml_data", unmarked)
+    with pytest.raises(ConfigError, match="no mark on this one") as bare:
+        OffloadConfig.from_file(cfg)
+    assert bare.value.source == str(cfg)
