@@ -109,56 +109,57 @@ def test_small_host_pool_soft_resets_and_still_matches(model: Any, workload: Any
     assert m.host_blocks_peak <= 6 and inst.leaks() == []
 
 
-def test_cancel_swapped_resident_and_running_requests(model: Any) -> None:
+def test_cancel_swapped_resident_and_running_requests(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Cancel, mid-run, a swapped request (host blocks freed), a restored one (device blocks through its
-    machine) and a running request that never swapped; the others still match `generate`."""
+    machine) and a running request that never swapped; the others still match `generate`.
+
+    The picks are made at every batch boundary, in the generation thread, right where the engine reads its
+    cancellations (kvfsm's clear_cancelled_requests hook), so which requests are cancelled and in which state
+    depend only on the engine's own schedule, never on how often another thread got the CPU. The running
+    request is picked only once a swap happened, so the memory pressure that makes the swaps is not relieved
+    before it."""
     inputs = prompts(12, seed=3)
     expected = reference_outputs(model, inputs, NEW_TOKENS)
+    cancelled: dict[str, str] = {}
+    clears = kt.KvfsmOffloadingManager._engine_clears_cancelled
+
+    def pick_then_clear(kv: kt.KvfsmOffloadingManager) -> list[Any]:
+        by_state: dict[int, list[str]] = {}
+        for rid, rec in kv.live.items():
+            by_state.setdefault(rec.machine.state, []).append(rid)
+        picks = {"swapped": by_state.get(gen.SWAPPED, []), "resident": by_state.get(gen.RESIDENT, [])}
+        if "swapped" in cancelled.values():
+            picks["running"] = [rid for rid in kv.scheduler.active_requests if rid not in kv.live]
+        for kind, rids in picks.items():
+            rid = next((r for r in rids if r not in cancelled), None)
+            if kind not in cancelled.values() and rid is not None:
+                cancelled[rid] = kind
+                kv.scheduler.set_request_cancellation(rid)  # what manager.cancel_request(rid) leads to
+        return clears(kv)
+
+    monkeypatch.setattr(kt.KvfsmOffloadingManager, "_engine_clears_cancelled", pick_then_clear)
     manager = model.init_continuous_batching(generation_config=generation_config(NEW_TOKENS),
                                              continuous_batching_config=cb_config(14))
     inst = kt.install(manager, kt.SwapConfig(host_blocks=64, checked=True))
     manager.start()
-    cancelled: dict[str, str] = {}
+    results = {}
     try:
         ids = manager.add_requests(inputs, max_new_tokens=NEW_TOKENS)
-        limit = scaled(60)  # a hang guard: a minute of the reference machine, in this machine's seconds now
-        deadline = time.monotonic() + limit
-        while len(cancelled) < 3 and time.monotonic() < deadline:
-            time.sleep(0.002)
-            if not inst.managers:
-                continue
-            (kv,) = inst.managers
-            with manager.pause():
-                scheduler = manager.batch_processor.scheduler
-                by_state: dict[int, list[str]] = {}
-                for rid, rec in kv.live.items():
-                    by_state.setdefault(rec.machine.state, []).append(rid)
-                plain = [rid for rid in scheduler.active_requests if rid not in kv.live]
-                picks = {"swapped": by_state.get(gen.SWAPPED, []), "resident": by_state.get(gen.RESIDENT, []),
-                         "running": plain}
-                for kind, rids in picks.items():
-                    if kind not in cancelled.values() and rids:
-                        rid = next((r for r in rids if r not in cancelled), None)
-                        if rid is not None:
-                            cancelled[rid] = kind
-                            # what manager.cancel_request(rid) leads to, applied by the loop as soon as the
-                            # pause ends (the cancel queue would only be read one batch later)
-                            scheduler.set_request_cancellation(rid)
-        assert sorted(cancelled.values()) == ["resident", "running", "swapped"], (
-            f"timed out after {limit:.0f} s waiting for a swapped, a resident and a running request to cancel: "
-            f"cancelled {cancelled}; {measure(0)}")
-        results = {}
-        while len(results) < len(ids) - len(cancelled):
-            wait = scaled(30)
+        while len(results) + len(cancelled) < len(ids):
+            wait = scaled(30)  # a hang guard: half a minute of the reference machine, in this machine's seconds
             r = manager.get_result(timeout=wait)
             assert r is not None, f"timed out after {wait:.0f} s waiting for a result: the engine stalled with " \
-                                  f"{len(results)} results; {measure(0)}"
-            if r.request_id in cancelled:
-                continue
-            results[r.request_id] = r
+                                  f"{len(results)} results, cancelled {cancelled}; {measure(0)}"
+            if r.request_id not in cancelled:
+                results[r.request_id] = r
     finally:
-        manager.stop(block=True, timeout=scaled(30))
+        wait = scaled(30)
+        manager.stop(block=True, timeout=wait)
+        # destroy() would join the generation thread without a timeout: only once it stopped
+        assert not manager.is_running(), f"the generation thread did not stop within {wait:.0f} s; {measure(0)}"
         manager.destroy()
+    assert sorted(cancelled.values()) == ["resident", "running", "swapped"], (
+        f"the run ended before a swapped, a resident and a running request were there to cancel: {cancelled}")
     (kv,) = inst.managers
     for i, rid in enumerate(ids):
         if rid not in cancelled:
