@@ -15,7 +15,7 @@ APT_INSTALL = $(ONE_AT_A_TIME) $(SUDO) env DEBIAN_FRONTEND=noninteractive sh -c 
 TEST_WORKERS ?= auto
 PYTEST_PARALLEL = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-.PHONY: demo test venv test-deps bench clean mutate
+.PHONY: demo test venv test-deps bench clean mutate test-compat
 
 venv: $(STAMP)
 
@@ -136,3 +136,8 @@ test-vllm: $(VLLM_STAMP)
 	cd $(VLLM_OWN_TESTS) && git apply -p1 $(CURDIR)/tests/upstream_vllm/upstream/kvfsm.patch
 	grep -q '^from kvfsm.integrations.vllm import KvfsmOffloadingManager' $(VLLM_OWN_TESTS)/test_manager.py
 	cd $(VLLM_OWN_TESTS) && $(CURDIR)/$(VLLM_BIN)/python -m pytest -q -p no:cacheprovider test_manager.py
+
+# The compatibility matrix (README "Tested versions"): a fresh venv per row, oldest and newest Python, torch,
+# transformers and pydantic, and the whole suite in each (tests/compat/matrix.py; about 10 minutes a row).
+test-compat:
+	$(PY) tests/compat/matrix.py run

@@ -39,3 +39,12 @@ def test_readme_architecture_block_matches_the_tree():
     modules = {p.name for p in (ROOT / "kvfsm").rglob("*.py")} | {p.name for p in (ROOT / "generated").glob("*.py")}
     for name in re.findall(r"\b([a-z_]+\.py)\b", block):
         assert name in modules, f"the README's architecture block names {name}, which does not exist"
+
+
+def test_readme_lifecycle_diagram_is_the_spec_s():
+    """The diagram a newcomer sees first is `kvfsm diagram` of the shipped spec, not a drawing that can age."""
+    from kvfsm.docsgen import diagram
+
+    text = (ROOT / "README.md").read_text()
+    shown = re.search(r"```mermaid\n(.*?)```", text, re.S).group(1)
+    assert shown.rstrip("\n") == diagram(load_spec(ROOT / "spec/decode_offload.yaml"), "mermaid").rstrip("\n")

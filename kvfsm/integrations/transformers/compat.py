@@ -24,8 +24,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "(pip install 'kvfsm[transformers]')"
     ) from exc
 
-TESTED_VERSIONS = (">=5.24", "<5.25")  # the range of kvfsm[transformers]; others get a warning at install
-_TESTED_MIN, _TESTED_MAX = (5, 24), (5, 25)
+TESTED_VERSIONS = (">=5.24", "<5.26")  # the range of kvfsm[transformers]; others get a warning at install
+_TESTED_MIN, _TESTED_MAX = (5, 24), (5, 26)
 
 
 def _version_tuple(version: str) -> tuple[int, int]:
