@@ -1,4 +1,4 @@
-"""Trace conformance (issue 5, part 4): check a recorded transition trace against the spec.
+"""Trace conformance: check a recorded transition trace against the spec.
 
 The manager's trace (kvfsm/runtime/trace.py) is JSON lines: a header {"kind": "header", "spec_sha256"},
 then one line per accepted event {"t", "req", "event", "from", "to", "transition", "counters", "acquired",

@@ -189,7 +189,7 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      "the two differ only at the very instant of the deadline, which a monotonic clock read twice does not hit on purpose"),
     ("xǁThreadBackupWorkerǁwait_idle", _lines("time.sleep(0.001)", "time.sleep(1.001)"),
      "the poll interval: wait_idle returns the same answer, later"),
-    # --- second pass (issue 18): numpy and torch defaults ------------------------------------------------
+    # --- second pass: numpy and torch defaults ------------------------------------------------
     ("xǁDecodeOffloadManagerǁ(__init__|_copy_slots|_device_slots)|xǁOffloadEffectsǁrequest_slots|x_as_index_tensor|"
      "xǁTokenSlotAllocatorǁ(_validate_free|pages_of)|x__token_bytes", r"- (.*)\.reshape\(-1(.*)\n\+ \1\.reshape\(-2\2",
      "every one of these is a numpy array, and numpy (the pinned 2.x) reads any negative size in reshape as the "

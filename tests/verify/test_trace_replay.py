@@ -1,4 +1,4 @@
-"""Trace conformance (issue 5, part 4): recorded traces replay clean; illegal steps are flagged at their line."""
+"""Trace conformance: recorded traces replay clean; illegal steps are flagged at their line."""
 
 from __future__ import annotations
 
