@@ -174,6 +174,7 @@ OUT_OF_SCOPE = {
     "b20": "the SGLang adapter's free: the explorer drives the manager, not the adapter",
     "b20_swap_out": "transformers' swap-out: another lifecycle (spec/cb_swap.yaml)",
     "b21": "a weakened check of the explorer itself: it can only find less",
+    "b21_first": "a weakened check of the explorer itself: it can only find less",
 }
 
 
