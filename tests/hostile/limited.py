@@ -3,8 +3,10 @@
 several paths, printing a JSON list of outcomes), and `... MIB batch
 FILE.json` runs every argv listed in the JSON file through the command line (typer's CliRunner) in this one
 process and prints a JSON list of their exit codes, stderr and whether an exception escaped. The limit is set with
-resource.setrlimit(RLIMIT_AS) in this process before kvfsm is imported, so a reader that tries to expand
-its input into memory dies here with MemoryError instead of taking the machine's memory.
+resource.setrlimit(RLIMIT_AS) in this process before kvfsm is imported, MIB above the address space the
+interpreter has once torch is loaded (what torch maps depends on its build: a CUDA build maps gigabytes it
+never touches on a CPU), so a reader that tries to expand its input into memory dies here with MemoryError
+instead of taking the machine's memory.
 
 A `call` prints the result's type and exits 0, or prints `error TYPE: message` and exits 3 for an
 exception (any type: the test decides which are typed), so the test sees which error came out.
@@ -17,9 +19,19 @@ import resource
 import sys
 
 
+def _mapped_bytes() -> int:
+    """This process's address space now (Linux: VmSize), or 0 where it cannot be read."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmSize:"))
+    except (OSError, StopIteration, ValueError):
+        return 0
+
+
 def main(argv: list[str]) -> int:
     mib, mode, *rest = argv
-    limit = int(mib) << 20
+    import torch  # noqa: F401  (mapped before the limit: see the module doc)
+    limit = _mapped_bytes() + (int(mib) << 20)
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     if mode == "cli":
         from kvfsm.cli import app
