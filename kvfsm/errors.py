@@ -89,6 +89,15 @@ class RowInUse(InvalidRequest):
         return type(self), (self.request, self.row, self.holder)
 
 
+class RequestFieldInvalid(InvalidRequest):
+    """A request field holds a value of the wrong type (a length that is not an integer)."""
+
+    def __init__(self, request: str, field: str, value: Any, protocol: str = "kvfsm.runtime.OffloadRequest") -> None:
+        self.request, self.field, self.value, self.protocol = request, field, value, protocol
+        super().__init__(f"request {request} has {field} = {value!r:.80}; the request protocol {protocol} "
+                         f"needs an integer there")
+
+
 class RequestFieldMissing(InvalidRequest):
     """A request object lacks a field of the request protocol (`kvfsm.runtime.OffloadRequest`)."""
 

@@ -34,7 +34,8 @@ from kvfsm.runtime.device_table import DeviceTableSlots
 from kvfsm.runtime.effects import Chunk, OffloadEffects, RequestRecord, token_slice
 from kvfsm.runtime.ledger import CheckedModeError, SlotLedger
 from kvfsm.runtime.metrics import OffloadMetrics
-from kvfsm.runtime.protocols import (OffloadRequest, PrefixCache, check_request_fields, describe, raise_if_field_missing,
+from kvfsm.runtime.protocols import (OffloadRequest, PrefixCache, check_request_fields, check_request_lengths, describe,
+                                     raise_if_field_missing, raise_if_length_invalid,
                                      request_namespace_seed)
 from kvfsm.runtime.tp import ProgressConsensus
 from kvfsm.runtime.trace import TraceWriter
@@ -203,12 +204,15 @@ class DecodeOffloadManager:
                 # (committed bounds what can be offloaded), so nothing to look up.
                 return None
             rec = self._offloadable_record(req)
+            if rec is None:
+                return None
+            n = self._chunk_tokens(req, rec)
         except AttributeError as exc:
             raise_if_field_missing(req, exc)
             raise
-        if rec is None:
-            return None
-        n = self._chunk_tokens(req, rec)
+        except TypeError as exc:
+            raise_if_length_invalid(req, exc)
+            raise
         if n <= 0:
             self._due_at[rec.row] = rec.prefill_len + rec.inc_len + self.stride
             return None
@@ -307,6 +311,9 @@ class DecodeOffloadManager:
         except AttributeError as exc:
             raise_if_field_missing(req, exc)
             raise
+        except TypeError as exc:
+            raise_if_length_invalid(req, exc)
+            raise
         if admit:
             for k, (rec, req, n) in enumerate(todo):
                 if rec is None:
@@ -359,7 +366,8 @@ class DecodeOffloadManager:
         """Tokens of the next chunk: whole strides of committed KV past what was offloaded."""
         start = rec.prefill_len + rec.inc_len
         # The last sampled token has no KV yet; never offload past what is committed.
-        available = min(len(req.origin_input_ids) + len(req.output_ids) - 1, req.kv_committed_len)
+        # operator.index: a length that is no integer (a float) fails here, before anything is taken
+        available = min(len(req.origin_input_ids) + len(req.output_ids) - 1, operator.index(req.kv_committed_len))
         n = (available - start) // self.stride * self.stride
         # Never more than the whole host pool: a larger backlog (host-full retries, re-admission) would
         # otherwise fail to allocate forever, even with the pool empty; the rest follows in later chunks.
@@ -659,6 +667,8 @@ class DecodeOffloadManager:
                 rec = self._admit(req)
             elif self._readmitted(rec, req):
                 rec = self._admit(req)  # re-admitted after a retract: a new lifecycle
+            else:
+                check_request_lengths(req)  # an end freezes them (freeze_lengths): nothing changes before
         except AttributeError as exc:
             raise_if_field_missing(req, exc)
             raise

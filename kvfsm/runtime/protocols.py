@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
 from kvfsm.dataplane.hashing import storage_namespace_seed
-from kvfsm.errors import InvalidRequest, RequestFieldMissing
+from kvfsm.errors import InvalidRequest, RequestFieldInvalid, RequestFieldMissing
 
 
 @runtime_checkable
@@ -56,12 +57,38 @@ def describe(req: Any) -> str:
     return f"{rid!r} ({type(req).__name__})" if rid is not None else f"<{type(req).__name__} object>"
 
 
+LENGTH_FIELDS = ("kv_committed_len", "kv_allocated_len")  # compared and converted as integers
+
+
 def check_request_fields(req: Any) -> None:
-    """Raise RequestFieldMissing naming the first OffloadRequest field `req` lacks (checked once, when a
-    lifecycle starts, so that no later call fails half-way on a raw AttributeError)."""
+    """Raise RequestFieldMissing naming the first OffloadRequest field `req` lacks, or RequestFieldInvalid
+    naming a length that is not an integer (checked once, when a lifecycle starts, so that no later call
+    fails half-way on a raw AttributeError or TypeError)."""
     for name in REQUEST_FIELDS:
         if not hasattr(req, name):
             raise RequestFieldMissing(describe(req), name)
+    check_request_lengths(req)
+
+
+def check_request_lengths(req: Any) -> None:
+    """RequestFieldInvalid naming the first length of `req` that is not an integer (a numpy or torch integer
+    scalar is one): the manager compares and converts them."""
+    for name in LENGTH_FIELDS:
+        value = getattr(req, name)
+        try:
+            operator.index(value)
+        except TypeError:
+            raise RequestFieldInvalid(describe(req), name, value) from None
+
+
+def raise_if_length_invalid(req: Any, exc: TypeError) -> None:
+    """For a TypeError raised while comparing `req`'s lengths: RequestFieldInvalid (from it) when one is not
+    an integer; otherwise return, and the caller re-raises `exc`. The hot paths compare first and check only
+    when that fails, so a well-typed request pays nothing."""
+    try:
+        check_request_lengths(req)
+    except RequestFieldInvalid as bad:
+        raise bad from exc
 
 
 def raise_if_field_missing(req: Any, exc: AttributeError) -> None:

@@ -22,7 +22,8 @@ import kvfsm.runtime.effects as effects_mod
 import kvfsm.runtime.manager as manager_mod
 from kvfsm.dataplane import MemoryStorage
 from kvfsm.dataplane.storage import FaultyStorage
-from kvfsm.errors import EventRejected, InvalidRequest, LifecycleError, RequestFieldMissing, RowInUse
+from kvfsm.errors import (EventRejected, InvalidRequest, LifecycleError, RequestFieldInvalid, RequestFieldMissing,
+                          RowInUse)
 from kvfsm.verify.engine import SimEngine, SimRequest
 from tests.runtime.test_scenarios import decode_to_offload, settle, world
 
@@ -209,6 +210,40 @@ def test_a_missing_request_field_is_named_with_the_protocol(field: str) -> None:
         assert isinstance(exc.value, InvalidRequest) and not isinstance(exc.value, AttributeError)
         assert isinstance(exc.value.__cause__, AttributeError) or exc.value.__cause__ is None
     assert world(e) == before and e.manager.machine_of(r) is None
+
+
+@pytest.mark.parametrize("admitted", [False, True])
+@pytest.mark.parametrize("field", ["kv_committed_len", "kv_allocated_len"])
+def test_a_length_that_is_not_an_integer_is_named_with_the_protocol(field: str, admitted: bool) -> None:
+    """A None (or a float) where a length belongs is RequestFieldInvalid, before a lifecycle starts or at any
+    call of a live one that uses it, with nothing changed (offload's early exit compares without checking
+    types: a float that says no chunk is due gets False, the answer to the comparison); an integer scalar of
+    numpy is an integer."""
+    e = SimEngine(page_size=2, stride=2, device_slots=64, host_slots=32, checked=False)
+    r = e.admit("a", 4)
+    for _ in range(3):
+        e.decode(r)
+    if admitted:
+        e.manager.offload(r)
+        settle(e)
+    good = getattr(r, field)
+    for bad in (None, float(good)):
+        setattr(r, field, bad)
+        before, machine = world(e), e.manager.machine_of(r)
+        calls: list[Any] = [e.manager.finalize]
+        if field == "kv_committed_len":
+            calls += [e.manager.offload, lambda req: e.manager.offload_batch([req])]
+        for call in calls:
+            if bad is not None and call == e.manager.offload and admitted:
+                assert call(r) is False  # the early exit: not yet a whole stride past the last chunk
+                continue
+            with pytest.raises(RequestFieldInvalid) as exc:
+                call(r)
+            assert exc.value.field == field and repr(bad) in str(exc.value)
+        assert world(e) == before and e.manager.machine_of(r) is machine
+    setattr(r, field, np.int64(good))
+    e.manager.finalize(r)
+    settle(e)
 
 
 def test_an_attribute_error_of_the_manager_itself_is_not_blamed_on_the_request(monkeypatch) -> None:

@@ -65,6 +65,10 @@ def _set(req: Any, field: str, value: Any) -> None:
     setattr(target, field.removeprefix("kv."), value)
 
 
+def _get(req: Any, field: str) -> Any:
+    return getattr(req.kv if field.startswith("kv.") else req, field.removeprefix("kv."))
+
+
 # A Req whose row is no longer its lifecycle's row was released by SGLang itself (a retraction): the adapter
 # ends that lifecycle with the spec's released_by_engine, which frees nothing, before it looks at the Req
 # again. That move is the only change a refused call may leave behind.
@@ -142,12 +146,10 @@ def test_hostile_request_fields_end_in_typed_errors_that_change_nothing(
         assert all(not name.endswith(".tmp") for name in os.listdir(store))
 
 
-# Found by this fuzzer when its values were not limited to the fields' own types: the adapter and the manager
-# compare and convert the request's lengths as ints without checking them, so a None escapes as TypeError
-# (offload_kv_cache's early exit and kvfsm.runtime.manager.reserve_offload compare kv_committed_len; the
-# spec's freeze_lengths action converts both lengths). The engine's Req is trusted to hold its protocol's
-# types (docs/security.md); these stay here as the inputs that show it, failing until the check exists.
-@pytest.mark.xfail(strict=True, raises=TypeError, reason="request fields of other types are not checked")
+# Found by this fuzzer when its values were not limited to the fields' own types: a length that is not an
+# integer once escaped as TypeError (offload_kv_cache's early exit and the manager's reserve_offload compare
+# kv_committed_len; the spec's freeze_lengths action converts both lengths). Each is now RequestFieldInvalid,
+# naming the field, with nothing changed.
 @pytest.mark.parametrize("steps, field, call", [(1, "kv.kv_committed_len", "offload_kv_cache"),
                                                 (0, "kv.kv_committed_len", "offload_kv_cache"),
                                                 (0, "kv.kv_allocated_len", "finalize_release_on_finish")])
@@ -163,14 +165,12 @@ def test_request_fields_of_other_types(steps: int, field: str, call: str) -> Non
                     run.decode_and_offload(spec, t)
                 run.settle()
             req = run.reqs[SC.requests[0].rid]
+            good = _get(req, field)
             _set(req, field, None)
-            try:
+            before = _state(run, store)
+            with pytest.raises(kvfsm.errors.RequestFieldInvalid, match=field.split(".")[-1]):
                 getattr(run.mgr, call)(req)
-            except TYPED:
-                pass
+            assert _state(run, store) == before, f"{call} refused the request but changed state"
+            _set(req, field, good)
         finally:
-            _set(req, field, 0)
-            try:
-                run.probe.close(run.mgr)
-            except (TypeError, *TYPED):
-                pass
+            run.probe.close(run.mgr)

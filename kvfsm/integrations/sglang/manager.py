@@ -39,6 +39,7 @@ from kvfsm.dataplane import CpuCopyEngine, CudaCopyEngine, FileStorage, HostKVPo
 from kvfsm.errors import ConfigError, EventRejected, RetractionRefused
 from kvfsm.runtime import DecodeOffloadManager, OffloadConfig, TPMismatch
 from kvfsm.runtime.manager import Reservation
+from kvfsm.runtime.protocols import raise_if_length_invalid
 from kvfsm.runtime.tp import ProgressConsensus
 
 import kvfsm.generated.decode_offload as spec_gen
@@ -184,8 +185,12 @@ class DecodeKVCacheOffloadManager:
         if view is not None:
             kv = req.kv
             if kv.req_pool_idx == view.row and view._ref() is req:
-                if kv.kv_committed_len < view.due:
-                    return False
+                try:
+                    if kv.kv_committed_len < view.due:
+                        return False
+                except TypeError as exc:  # costs nothing until raised
+                    raise_if_length_invalid(view, exc)
+                    raise
                 del self._quiet[key]  # due: re-entered once its chunk is submitted
                 return self._reserve(req, view)
         self._quiet.pop(key, None)
