@@ -175,9 +175,20 @@ class BoundedYAMLLoader(yaml.SafeLoader):
         return event
 
 
+def _loader(text: str, limits: InputLimits, source: str, what: str) -> BoundedYAMLLoader:
+    """A bounded loader over `text`. PyYAML's reader refuses characters YAML does not allow (a NUL, most
+    control characters) with a ReaderError, which carries no mark: InputRejected at the character's line."""
+    try:
+        return BoundedYAMLLoader(text, limits, source, what)
+    except yaml.reader.ReaderError as exc:
+        line = text.count("\n", 0, exc.position) + 1
+        raise InputRejected(source, line, f"{what} holds character {chr(exc.character)!r}, which YAML does not "
+                                          f"allow") from None
+
+
 def compose_yaml(text: str, limits: InputLimits, source: str, what: str) -> Optional[yaml.Node]:
     """The node tree of one YAML document (None for an empty one), its marks kept; bounds as it reads."""
-    loader = BoundedYAMLLoader(text, limits, source, what)
+    loader = _loader(text, limits, source, what)
     try:
         return loader.get_single_node()
     finally:
@@ -186,7 +197,7 @@ def compose_yaml(text: str, limits: InputLimits, source: str, what: str) -> Opti
 
 def load_yaml_data(text: str, limits: InputLimits, source: str, what: str) -> Any:
     """One YAML document as plain data (safe types only); bounds as it reads."""
-    loader = BoundedYAMLLoader(text, limits, source, what)
+    loader = _loader(text, limits, source, what)
     try:
         return loader.get_single_data()
     finally:
