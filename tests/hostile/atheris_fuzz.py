@@ -4,7 +4,7 @@ branches of kvfsm's own code, which generated YAML and JSON do not aim at.
 
     python tests/hostile/atheris_fuzz.py TARGET [libFuzzer flags] CORPUS_DIR...
 
-TARGET is `spec`, `config`, `trace` or `storage`. The invariant, for any input: the reader returns a valid
+TARGET is `spec`, `config`, `env`, `trace` or `storage`. The invariant, for any input: the reader returns a valid
 result or raises its typed error (SpecInvalid, ConfigError, InputRejected; FileStorage: a miss, never an
 exception). Anything else escapes, and libFuzzer saves the input (`-artifact_prefix`) and exits non-zero.
 test_atheris.py runs each target from the corpus of tests/hostile/ with a short budget; KVFSM_FUZZ=deep
@@ -57,6 +57,15 @@ def config(data: bytes) -> None:
             assert exc.source.startswith(str(path))
 
 
+def env(data: bytes) -> None:
+    """Lines `NAME=VALUE`, as an environment: the KVFSM_* variables of OffloadConfig.from_env."""
+    environ = dict(line.partition("=")[::2] for line in data.decode("utf-8", "replace").splitlines())
+    try:
+        assert isinstance(OffloadConfig.from_env(environ), OffloadConfig)
+    except ConfigError as exc:
+        assert exc.source.startswith("environment")
+
+
 def trace(data: bytes) -> None:
     path = _file("trace.jsonl", data)
     try:
@@ -93,7 +102,8 @@ def storage(data: bytes) -> None:
         assert reader.batch_exists(["k"]) in (0, 1)
 
 
-TARGETS: dict[str, Callable[[bytes], None]] = {"spec": spec, "config": config, "trace": trace, "storage": storage}
+TARGETS: dict[str, Callable[[bytes], None]] = {"spec": spec, "config": config, "env": env, "trace": trace,
+                                               "storage": storage}
 
 
 def _mapped_bytes() -> int:

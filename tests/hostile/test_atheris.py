@@ -19,7 +19,7 @@ pytest.importorskip("atheris")
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 DEEP = os.environ.get("KVFSM_FUZZ", "ci") == "deep"
-RUNS = {"spec": 150, "config": 300, "trace": 300, "storage": 300}
+RUNS = {"spec": 150, "config": 300, "env": 300, "trace": 300, "storage": 300}
 SEEDS = {"spec": [*(ROOT / "tests" / "specs" / "valid").glob("*.yaml"), *(HERE / "corpus").glob("spec_*")],
          "config": list((HERE / "corpus").glob("config_*")),
          "trace": list((HERE / "corpus").glob("trace_*"))}
@@ -32,6 +32,8 @@ def test_atheris_finds_no_input_that_escapes_the_typed_errors(target: str, tmp_p
     crashes.mkdir()
     for seed in SEEDS.get(target, []):
         shutil.copy(seed, corpus / seed.name)
+    if target == "env":
+        (corpus / "env").write_text("KVFSM_PAGE_SIZE=4\nKVFSM_OFFLOAD_STRIDE=8\nKVFSM_STORAGE_EXTRA={\"fsync\": true}\n")
     if target == "storage":  # the page, then the sidecar, replaced (atheris_fuzz.storage's first byte)
         (corpus / "page").write_bytes(b"\x00" + bytes(range(192)))
         (corpus / "sidecar").write_bytes(b"\x01KVFSM")
