@@ -13,13 +13,13 @@ runs longer.
 
 from __future__ import annotations
 
-import resource
 import sys
 import tempfile
 from pathlib import Path
 from typing import Callable
 
 import atheris
+from limited import cap_address_space
 
 with atheris.instrument_imports(include=["kvfsm"]):
     import torch
@@ -106,15 +106,6 @@ TARGETS: dict[str, Callable[[bytes], None]] = {"spec": spec, "config": config, "
                                                "storage": storage}
 
 
-def _mapped_bytes() -> int:
-    """This process's address space now (Linux: VmSize), or 0 where it cannot be read."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmSize:"))
-    except (OSError, StopIteration, ValueError):
-        return 0
-
-
 HEADROOM_MIB = 1024  # what one input may add to the address space of the loaded process
 
 
@@ -123,9 +114,6 @@ if __name__ == "__main__":
     # The memory bound is an address-space limit a fixed headroom above what the loaded process maps, as in
     # limited.py: libFuzzer's own RSS limit reads the peak RSS, which Linux carries over from the parent
     # across fork and exec (a pytest worker's peak of 2 GiB made every input "out of memory").
-    mapped = _mapped_bytes()
-    if mapped:
-        limit = mapped + (HEADROOM_MIB << 20)
-        resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+    cap_address_space(HEADROOM_MIB)
     atheris.Setup([sys.argv[0], "-rss_limit_mb=0", *sys.argv[2:]], target)
     atheris.Fuzz()

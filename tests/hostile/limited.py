@@ -19,20 +19,24 @@ import resource
 import sys
 
 
-def _mapped_bytes() -> int:
-    """This process's address space now (Linux: VmSize), or 0 where it cannot be read."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmSize:"))
-    except (OSError, StopIteration, ValueError):
-        return 0
+def cap_address_space(headroom_mib: int) -> tuple[int, int]:
+    """Lower RLIMIT_AS to the address space this process maps now plus `headroom_mib` (never above the hard
+    limit), and return the limits it replaced. Relative, not absolute: what an interpreter maps before any
+    input depends on its torch build and, under a fuzzer, on its coverage tables."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    with open("/proc/self/statm") as f:
+        mapped = int(f.read().split()[0]) * resource.getpagesize()
+    limit = mapped + (headroom_mib << 20)
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    return soft, hard
 
 
 def main(argv: list[str]) -> int:
     mib, mode, *rest = argv
     import torch  # noqa: F401  (mapped before the limit: see the module doc)
-    limit = _mapped_bytes() + (int(mib) << 20)
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    cap_address_space(int(mib))
     if mode == "cli":
         from kvfsm.cli import app
         sys.argv = ["kvfsm", *rest]

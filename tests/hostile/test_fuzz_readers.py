@@ -34,6 +34,7 @@ from kvfsm.errors import ConfigError, InputRejected
 from kvfsm.runtime import OffloadConfig
 from kvfsm.spec import CompiledSpec, SpecInvalid, load_spec
 from kvfsm.verify.replay import ReplayResult, check_trace, default_spec_path
+from limited import cap_address_space
 
 ROOT = Path(__file__).resolve().parents[2]
 MINIMAL_TEXT = (ROOT / "tests" / "specs" / "valid" / "minimal.yaml").read_text()
@@ -56,13 +57,7 @@ def budget(reader: str) -> Any:
 def address_space_headroom(mib: int = HEADROOM_MIB) -> Iterator[None]:
     """RLIMIT_AS lowered to this process's current address space plus `mib` for the block, then restored:
     a reader that tried to expand its input would fail with MemoryError here (not a typed error)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    with open("/proc/self/statm") as f:
-        vsz = int(f.read().split()[0]) * resource.getpagesize()
-    limit = vsz + (mib << 20)
-    if hard != resource.RLIM_INFINITY:
-        limit = min(limit, hard)
-    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    soft, hard = cap_address_space(mib)
     try:
         yield
     finally:
