@@ -65,6 +65,17 @@ def _set(req: Any, field: str, value: Any) -> None:
     setattr(target, field.removeprefix("kv."), value)
 
 
+def _decode(run: Any, steps: int) -> None:
+    """Admit the scenario's requests, then `steps` iterations of progress check, decode and offload calls."""
+    for spec in SC.requests:
+        run.admit(spec)
+    for t in range(1, steps + 1):
+        run.mgr.check_offload_progress()
+        for spec in SC.requests:
+            run.decode_and_offload(spec, t)
+        run.settle()
+
+
 def _get(req: Any, field: str) -> Any:
     return getattr(req.kv if field.startswith("kv.") else req, field.removeprefix("kv."))
 
@@ -113,13 +124,7 @@ def test_hostile_request_fields_end_in_typed_errors_that_change_nothing(
         with harness.published(SC, 0, store):
             run = harness._Run(SC, Adapter, 0, harness._tp_group_world1(), store)
             try:
-                for spec in SC.requests:
-                    run.admit(spec)
-                for t in range(1, steps + 1):
-                    run.mgr.check_offload_progress()
-                    for spec in SC.requests:
-                        run.decode_and_offload(spec, t)
-                    run.settle()
+                _decode(run, steps)
                 req = run.reqs[SC.requests[victim].rid]
                 for field, value in edits:
                     _set(req, field, value)
@@ -157,13 +162,7 @@ def test_request_fields_of_other_types(steps: int, field: str, call: str) -> Non
     with tempfile.TemporaryDirectory() as store, harness.published(SC, 0, store):
         run = harness._Run(SC, Adapter, 0, harness._tp_group_world1(), store)
         try:
-            for spec in SC.requests:
-                run.admit(spec)
-            for t in range(1, steps + 1):
-                run.mgr.check_offload_progress()
-                for spec in SC.requests:
-                    run.decode_and_offload(spec, t)
-                run.settle()
+            _decode(run, steps)
             req = run.reqs[SC.requests[0].rid]
             good = _get(req, field)
             _set(req, field, None)
