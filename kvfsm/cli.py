@@ -27,7 +27,6 @@ app = typer.Typer(cls=GuardedGroup, no_args_is_help=True, add_completion=False,
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
-INVALID = 2
 
 # Every command that reads a spec takes `--spec`; the spec tools also take it as their first argument.
 # Without either, they use the shipped spec (installed or in a checkout, from any directory).
