@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import ast
 import concurrent.futures as cf
+import importlib
 import json
 import os
 import re
@@ -42,7 +43,8 @@ RESULTS = mutate.GPU_PASS  # the last GPU pass, machine-readable (what the repor
 # What each mutant's tree leaves out of the checkout (it holds the rest), and the tests it runs: every test marked `gpu`. The SGLang adapter's
 # GPU test needs SGLang importable (it skips otherwise, and the pass records that it skipped).
 SKIP = {".git", ".old", "build", "kvfsm-store", "kvfsm.egg-info", ".device", ".whl"}
-PYTEST = ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:randomly", "-o", "addopts=",
+# -p no:anyio: the anyio carried for SGLang shadows the device's own, whose pytest plugin it does not carry
+PYTEST = ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:randomly", "-p", "no:anyio", "-o", "addopts=",
           "--tb=line", "-rfEs"]
 # (pytest arguments, test files): the tests marked `gpu`, then the files whose CPU tests take CUDA branches
 # when a device is present (pinned host pools, a CUDA request table, the kill tests of the CPU run).
@@ -62,7 +64,8 @@ MUTANT_TIMEOUT_S = 420  # a mutant whose tests hang past this is killed (as mutm
 class Mutant:
     function: str  # mutmut's name: module.x_function or module.xǁClassǁmethod
     change: str    # normalised `-`/`+` lines
-    reason: str    # why the CPU run called it equivalent
+    reason: str    # why the CPU run could not tell it apart
+    scope: str = "main"  # the mutation scope whose run left it (mutate.SCOPES)
 
     @property
     def module_path(self) -> str:
@@ -84,13 +87,23 @@ class Mutant:
 
 
 def selected() -> list[Mutant]:
-    """The CPU run's survivors whose only reason is the missing CUDA device."""
+    """The CPU runs' survivors whose only reason is the missing CUDA device: the main run's (their reason in
+    equivalent*.py matches NEEDS_CUDA), then each other scope's (listed in its module's NEEDS_GPU_PASS)."""
     equiv = mutate.equivalents()
     out = []
     for s in json.loads(mutate.SURVIVORS.read_text())["survivors"]:
         why = mutate.equivalent_reason(equiv, s["function"], s["change"])
         if why and mutate.NEEDS_CUDA.search(why):
             out.append(Mutant(s["function"], s["change"], why))
+    for scope in mutate.SCOPES.values():
+        if scope.name == "main" or not scope.survivors.exists():
+            continue
+        module = importlib.import_module(scope.equivalent)
+        needs = [(fn, re.compile(change, re.S), why) for fn, change, why in getattr(module, "NEEDS_GPU_PASS", [])]
+        for s in json.loads(scope.survivors.read_text())["survivors"]:
+            why = mutate.equivalent_reason(needs, s["function"], s["change"]) if s.get("needs_gpu_pass") else None
+            if why:
+                out.append(Mutant(s["function"], s["change"], why, scope.name))
     return out
 
 
@@ -226,17 +239,20 @@ def cmd_run(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     with cf.ThreadPoolExecutor(args.jobs) as pool:
         clean = pool.submit(one, -1, None)
-        futs = {pool.submit(one, i, m): m for i, m in enumerate(mutants)}
+        futs = [clean] + [pool.submit(one, i, m) for i, m in enumerate(mutants)]
         for f in cf.as_completed(futs):
             rec = f.result()
-            results["mutants"].append(rec)
-            log.write(f"{rec['status']:>16}  {rec['function'].rsplit('.', 1)[1]}  {rec['change']!r}  "
-                      f"{rec.get('first_failure') or rec.get('summary') or rec.get('why', '')}  {rec.get('seconds', '')}s\n")
+            if f is clean:  # written as soon as it is known: a pass stopped later still has it
+                results["clean"] = rec
+                log.write(f"clean run: {rec}\n")
+            else:
+                results["mutants"].append(rec)
+                log.write(f"{rec['status']:>16}  {rec['function'].rsplit('.', 1)[1]}  {rec['change']!r}  "
+                          f"{rec.get('first_failure') or rec.get('summary') or rec.get('why', '')}  "
+                          f"{rec.get('seconds', '')}s\n")
             (out / "gpu_pass.json").write_text(json.dumps(results, indent=1) + "\n")
-        results["clean"] = clean.result()
     results["seconds"] = round(time.monotonic() - t0)
     results["mutants"].sort(key=lambda r: (r["function"], r["change"]))
-    log.write(f"clean run: {results['clean']}\n")
     (out / "gpu_pass.json").write_text(json.dumps(results, indent=1) + "\n")
     shutil.rmtree(work, ignore_errors=True)
     return 0 if results["clean"].get("rc") == 0 else 1
@@ -260,6 +276,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 LINE = re.compile(r"^- `(?P<fn>[^`]+)` #(?P<num>\d+) \((?P<status>[^)]+)\): `")
+SCOPE_LINE = re.compile(r"^\* `(?P<fn>[^`]+)` #(?P<num>\d+) \((?P<status>[^)]+)\): `")  # another scope's survivor
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -268,10 +285,21 @@ def cmd_report(args: argparse.Namespace) -> int:
     writes the same from the full run's workspace, which this does not need.)"""
     gpu = mutate.gpu_pass()
     equiv = mutate.equivalents()
-    wanted = selected()
+    everything = selected()
+    wanted = [m for m in everything if m.scope == "main"]
+    scoped = [m for m in everything if m.scope != "main"]
     out, rewritten = [], 0
     for line in mutate.REPORT.read_text().splitlines():
-        hit = LINE.match(line)
+        hit = LINE.match(line) or SCOPE_LINE.match(line)
+        if hit and line.startswith("* "):  # another scope's survivor: its reason, then the GPU pass's verdict
+            for m in scoped:
+                fn, old, new = mutate._readable(m.function, m.change)
+                head = f"* `{fn}` #{hit['num']} ({hit['status']}): `{old}` → `{new}`: "
+                if _norm(line[:len(head)]) == _norm(head) and line[len(head):].startswith(m.reason):
+                    line = head + mutate.scope_gpu_reason(m.reason, m.function, m.change, gpu)
+                    rewritten += 1
+                    break
+            hit = None
         for m in wanted if hit else []:
             head = mutate.survivor_line(m.function, hit["num"], hit["status"], m.change, None, gpu)
             head = head.removesuffix("**unexplained**")
@@ -284,7 +312,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         out.append(line)
     text = "\n".join(out) + "\n"
     data = json.loads(mutate.SURVIVORS.read_text())
-    needs = {(m.function, m.change) for m in selected()}
+    needs = {(m.function, m.change) for m in wanted}
     for s in data["survivors"]:
         if (s["function"], s["change"]) in needs:
             s["equivalent"], s["needs_cuda"] = False, True
@@ -296,7 +324,10 @@ def cmd_report(args: argparse.Namespace) -> int:
                   "\n".join(mutate.summary_lines(summary["survived"], len(needs), unexplained)), text, count=1, flags=re.M)
     text = re.sub(r"^<!-- mutation-summary: .* -->$", f"<!-- mutation-summary: {json.dumps(summary, sort_keys=True)} -->",
                   text, count=1, flags=re.M)
-    section = "\n".join(mutate.gpu_section(gpu, sorted(needs)))
+    by_scope: dict[str, int] = {}
+    for m in everything:
+        by_scope[m.scope] = by_scope.get(m.scope, 0) + 1
+    section = "\n".join(mutate.gpu_section(gpu, sorted(needs) + [(m.function, m.change) for m in scoped], by_scope))
     start, end = mutate.GPU_SECTION
     if start in text:
         text = text[:text.index(start)] + section + text[text.index(end) + len(end):]
@@ -304,8 +335,8 @@ def cmd_report(args: argparse.Namespace) -> int:
         text = text.rstrip("\n") + "\n\n" + section + "\n"
     mutate.REPORT.write_text(text)
     mutate.SURVIVORS.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-    print(f"{rewritten} survivor lines rewritten, {len(needs)} mutants told apart only on a CUDA host")
-    return 0 if rewritten >= len(needs) else 1
+    print(f"{rewritten} survivor lines rewritten, {len(everything)} mutants told apart only on a CUDA host")
+    return 0 if rewritten >= len(everything) else 1
 
 
 def main() -> int:

@@ -156,8 +156,8 @@ with a decorator other than `staticmethod` and `classmethod`), so `RequestView`'
 - survivors: tests/mutation/survivors_fences_adapter.json; reasons: tests/mutation/equivalent_fences_adapter.py,
   which keeps two lists apart: `EQUIVALENT` (no test can tell the mutant from the original, and why) and
   `NEEDS_GPU_PASS` (the mutant survives this CPU run because only a CUDA device shows the difference: it is
-  not equivalent, and its verdict is the GPU pass's; tests/mutation/gpu_pass.py reads the main run's
-  survivors only, so these wait for it to read this scope's file too);
+  not equivalent: tests/mutation/gpu_pass.py runs them with the main run's, and each line below ends with
+  its verdict);
 - the CI sample (tests/mutation/test_mutation_sample.py) does not cover this scope: its mutmut stats pass
   alone runs the scope's whole subset under `.venv-sglang`, far more than the sample's budget in `make test`.
 """
@@ -437,6 +437,11 @@ def gpu_verdict(function: str, change: str, gpu: dict | None) -> str:
     return f"{rec['status']} on the GPU: {rec.get('why', '')}"
 
 
+def scope_gpu_reason(why: str, function: str, change: str, gpu: dict | None) -> str:
+    """A scope's survivor that only a CUDA device tells apart: its reason, then what the GPU pass said of it."""
+    return f"{why} (GPU pass: {gpu_verdict(function, change, gpu)})"
+
+
 def survivor_reason(function: str, change: str, why: str | None, gpu: dict | None) -> str:
     """Why one survivor survived, in the report's words: its equivalence, what the GPU pass said of a mutant only
     a CUDA host tells apart, or **unexplained**."""
@@ -468,9 +473,9 @@ def summary_lines(survivors: int, needs_cuda: int, unexplained: int) -> list[str
             f"CUDA host: {needs_cuda} (not equivalent: [the GPU pass](#gpu-pass) runs them); unexplained: {unexplained}"]
 
 
-def gpu_section(gpu: dict | None, needs_cuda: list[tuple[str, str]]) -> list[str]:
-    """The GPU pass's section of the report: what ran where, and the verdicts on the CPU run's survivors that only
-    a CUDA host tells apart (each survivor's line above carries its own)."""
+def gpu_section(gpu: dict | None, needs_cuda: list[tuple[str, str]], by_scope: dict[str, int] | None = None) -> list[str]:
+    """The GPU pass's section of the report: what ran where, and the verdicts on the CPU runs' survivors that only
+    a CUDA host tells apart (each survivor's line carries its own; `by_scope`: how many each scope's run left)."""
     verdicts = [gpu_verdict(f, c, gpu) for f, c in needs_cuda]
     count = {k: sum(v.startswith(p) for v in verdicts) for k, p in
              (("killed", "killed"), ("survived", "**survived"), ("not run", "not yet run"), ("other", "not run on"))}
@@ -491,7 +496,10 @@ def gpu_section(gpu: dict | None, needs_cuda: list[tuple[str, str]]) -> list[str
               f"started {gpu.get('utc', '?')}",
               "- unmutated tree: " + ("passed" if clean.get("rc") == 0 else
                                       "not finished (the pass was stopped), so its kills are provisional"),
-              f"- mutants: {len(needs_cuda)}; killed {count['killed']} ({named} with the failing test named); "
+              f"- mutants: {len(needs_cuda)}"
+              + (" (" + ", ".join(f"{n} from the {k} run" if k == "main" else f"{n} from the `{k}` scope"
+                                  for k, n in by_scope.items()) + ")" if by_scope else "")
+              + f"; killed {count['killed']} ({named} with the failing test named); "
               f"survived {count['survived']}; not yet run {count['not run']}; not run here {count['other']}"
               + (" (ProgressConsensus: an NCCL reduction needs a rank per GPU)" if count["other"] else ""),
               "- the device log: `bench/results/mutation_gpu-h200.log`" if (ROOT / "bench/results/mutation_gpu-h200.log").exists()
@@ -624,6 +632,8 @@ def write_scope_section(mutants: list[Mutant], seconds: float, run: dict | None)
         why = equivalent_reason(equiv, m.function, change)
         on_gpu = equivalent_reason(gpu, m.function, change)
         kind = "equivalent" if why else "needs_gpu_pass" if on_gpu else "unexplained"
+        if kind == "needs_gpu_pass":
+            on_gpu = scope_gpu_reason(on_gpu, m.function, change, gpu_pass())
         kinds[kind].append((m, change, why or on_gpu or "**unexplained**"))
     rate = len(killed) / len(checked) if checked else 0.0
     per_file: dict[str, list[int]] = {}
