@@ -7,20 +7,17 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 from rich.console import Console
 
-from kvfsm.codegen import generate
-from kvfsm.codegen.rows import RowsUnsupported
-from kvfsm.docsgen import diagram as render_diagram
-from kvfsm.docsgen import markdown
 from kvfsm.cli_errors import INVALID, GuardedGroup
-from kvfsm.errors import InputBoundExceeded
-from kvfsm.input_limits import SCHEMA_LIMITS, read_bounded
-from kvfsm.spec import CompiledSpec, SpecInvalid, load_spec
-from kvfsm.spec.locations import packaged_spec, schema_path, spec_stamp
+
+# Each command imports what it uses when it runs, so `kvfsm --help` builds no spec model, code generator or
+# torch, and the spec tools import neither torch nor numpy (tests/cli/test_import_footprint.py).
+if TYPE_CHECKING:
+    from kvfsm.spec import CompiledSpec
 
 app = typer.Typer(cls=GuardedGroup, no_args_is_help=True, add_completion=False,
                   help="A formally specified KV-cache offload lifecycle.")
@@ -38,16 +35,28 @@ def _spec_path(positional: Optional[Path], option: Optional[Path]) -> Path:
     if positional is not None and option is not None and positional != option:
         err.print(f"two different specs given: {positional} and --spec {option}", markup=False)
         raise typer.Exit(INVALID)
-    return option or positional or packaged_spec()
+    return option or positional or _packaged_spec()
+
+
+def _packaged_spec() -> Path:
+    from kvfsm.spec.locations import packaged_spec
+    return packaged_spec()
 
 
 def _load(spec: Path) -> CompiledSpec:
+    from kvfsm.spec import SpecInvalid, load_spec
     try:
         return load_spec(spec)
     except SpecInvalid as exc:
         for e in exc.errors:
             err.print(str(e), markup=False)
         raise typer.Exit(INVALID) from None
+
+
+def render_diagram(spec: CompiledSpec, fmt: str) -> str:
+    """The state diagram of `spec` (kvfsm.docsgen.diagram)."""
+    from kvfsm.docsgen import diagram
+    return diagram(spec, fmt)
 
 
 def _version(value: bool) -> None:
@@ -85,6 +94,9 @@ def gen(spec_arg: Optional[Path] = SPEC_ARG, spec_opt: Optional[Path] = SPEC_OPT
         check: bool = typer.Option(False, "--check", help="Exit 1 when the generated code is stale; write nothing.")) -> None:
     """Generate the spec's machines into its generated/ (the same from any directory): the per-request machine
     and the struct-of-arrays batch machine (`<machine>_rows.py`)."""
+    from kvfsm.codegen import generate
+    from kvfsm.codegen.rows import RowsUnsupported
+    from kvfsm.spec import SpecInvalid
     spec = _spec_path(spec_arg, spec_opt)
     try:
         result = generate(spec, out_dir, check=check)
@@ -113,6 +125,7 @@ def schema(output: Optional[Path] = typer.Option(None, "--out", show_default=Fal
                                                  help="Where the JSON Schema goes (default: the shipped one beside the specs)."),
            check: bool = typer.Option(False, "--check", help="Exit 1 when the file is stale; write nothing.")) -> None:
     """Export the spec format's JSON Schema (from the pydantic models) for editors and other tools."""
+    from kvfsm.spec.locations import schema_path
     from kvfsm.spec.model import json_schema_text
     output = output or schema_path()
     text = json_schema_text()
@@ -132,6 +145,8 @@ def _current_schema(path: Path) -> Optional[str]:
     """The schema file's text as it is, or None when it is missing or cannot be the schema (past
     SCHEMA_LIMITS.max_bytes, not UTF-8): either way `--check` calls it stale. Not a regular file:
     InputRejected (exit 2)."""
+    from kvfsm.errors import InputBoundExceeded
+    from kvfsm.input_limits import SCHEMA_LIMITS, read_bounded
     if not path.exists():
         return None
     try:
@@ -151,6 +166,8 @@ def diagram(spec_arg: Optional[Path] = SPEC_ARG, spec_opt: Optional[Path] = SPEC
 def docs(spec_arg: Optional[Path] = SPEC_ARG, spec_opt: Optional[Path] = SPEC_OPT,
          output: Path = typer.Option(None, "--out", help="Write here instead of stdout.")) -> None:
     """Render the auditor's Markdown reference for the spec."""
+    from kvfsm.docsgen import markdown
+    from kvfsm.spec.locations import spec_stamp
     spec = _spec_path(spec_arg, spec_opt)
     text = markdown(_load(spec), spec_stamp(spec))
     if output is None:
@@ -169,7 +186,7 @@ def demo(workdir: Path = typer.Option(None, "--dir", help="Where the store, trac
     """Validate the spec and check the runtime's machine is generated from it, then serve a decode workload
     with and without offload and compare."""
     from kvfsm.demo import main as run
-    run(workdir, requests, json_out, spec_path=spec or packaged_spec())
+    run(workdir, requests, json_out, spec_path=spec or _packaged_spec())
 
 
 @app.command()
@@ -261,7 +278,7 @@ def check(requests: Optional[int] = typer.Option(None, help="Requests in the bou
     name = "ci" if ci else bound.value if bound is not None else None
     raise typer.Exit(commands.check(requests, slots, page_size, stride, host_slots, max_depth, out_test,
                                     decodes=decodes, readmits=readmits, backup_queue=backup_queue,
-                                    speculative=speculative, spec_path=spec or packaged_spec(),
+                                    speculative=speculative, spec_path=spec or _packaged_spec(),
                                     require_all=require_all, bound=name, jobs=jobs, report=report))
 
 
@@ -272,7 +289,7 @@ def replay(trace: Path, spec: Optional[Path] = SPEC_OPT,
     """Check a recorded transition trace (JSON lines) against the spec; exit 1 at the first illegal step, 2 on
     a trace that cannot be read within its bounds (kvfsm.input_limits.TRACE_LIMITS)."""
     from kvfsm.verify import commands
-    raise typer.Exit(commands.replay(trace, spec_path=spec or packaged_spec(), max_bytes=max_bytes))
+    raise typer.Exit(commands.replay(trace, spec_path=spec or _packaged_spec(), max_bytes=max_bytes))
 
 
 if __name__ == "__main__":

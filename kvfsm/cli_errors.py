@@ -18,7 +18,6 @@ from rich.console import Console
 from typer.core import TyperGroup
 
 from kvfsm.errors import ConfigError, InputRejected
-from kvfsm.spec import SpecInvalid
 
 INVALID = 2
 INTERNAL = 70
@@ -48,11 +47,13 @@ class GuardedGroup(TyperGroup):
 
 
 def _is_input_error(exc: Exception) -> bool:
+    from kvfsm.spec import SpecInvalid  # here, not at the top: `kvfsm --help` builds no spec model
     return isinstance(exc, (SpecInvalid, InputRejected, ConfigError, OSError))
 
 
 def _report(exc: Exception, command: str) -> int:
     """Print what `exc` says on stderr; return the exit code it gets."""
+    from kvfsm.spec import SpecInvalid
     if isinstance(exc, SpecInvalid):
         for e in exc.errors:
             _err.print(str(e), markup=False)
