@@ -141,19 +141,22 @@ def test_auto_choice_for_llama_shapes(layout: str, ps: int, d2h: str, h2d: str) 
     if ps == 1:  # random single slots rarely touch: runs of one
         hi = rng.permutation(host.size)[:32]
     mean = mean_copy_bytes(host, hi)
-    gib = 2**30
+    gib = 4 * 2**30  # past AutoPolicy.d2h_min_bytes: offload weighs link efficiency too
     assert choose_backend("auto", "d2h", gib, mean, True) == d2h
     assert choose_backend("auto", "h2d", gib, mean, True) == h2d
 
 
 def test_policy_edges() -> None:
     p = AutoPolicy()
-    big, wide = 2**30, 4 * MiB
+    big, wide = 4 * 2**30, 4 * MiB
     assert choose_backend("auto", "d2h", 1 * MiB, wide, True) == "triton"  # too small for the pipeline
     # a decode step's offload (32 MiB at 4096 live): host time beats the pipeline's last percent of link
     assert choose_backend("auto", "d2h", 32 * MiB, wide, True) == "triton"
     assert choose_backend("auto", "h2d", 32 * MiB, wide, True) == "dma"
     assert choose_backend("auto", "d2h", p.d2h_min_bytes, wide, True) == "dma"
+    # a full-model chunk (2048 tokens x 32 layers of Llama-3-8B): the scheduler's host time decides
+    assert choose_backend("auto", "d2h", 256 * MiB, wide, True) == "triton"
+    assert choose_backend("auto", "h2d", 256 * MiB, wide, True) == "dma"
     assert choose_backend("auto", "d2h", 0, wide, True) == "triton"
     assert choose_backend("auto", "d2h", big, wide, False) == "dma"  # no Triton: anything beats the torch path
     assert choose_backend("auto", "h2d", big, 4 * KiB, False) == "torch"
@@ -177,7 +180,7 @@ def test_policy_edges() -> None:
 
 def test_dma_rows_policy() -> None:
     """Big rows, few of them, addressable on the CPU: one DMA copy per row; anything else as before."""
-    p, big = AutoPolicy(), 2**30
+    p, big = AutoPolicy(), 4 * 2**30
     block = 512 * KiB  # a transformers engine block, one row
     assert choose_backend("auto", "d2h", 8 * block, block, True, p, row_bytes=block, rows=8) == "dma_rows"
     assert choose_backend("auto", "h2d", 8 * block, block, False, p, row_bytes=block, rows=8) == "dma_rows"

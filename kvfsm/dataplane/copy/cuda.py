@@ -36,7 +36,7 @@ bench/results/dma_batch_probe-h200.{json,log} from bench/probes/dma_batch_probe.
 "auto" (default) takes "dma_rows" for rows of >= rows_min_row_bytes when the copy has at most
 rows_max_copies of them (and its device indices are on the CPU); otherwise it chooses per copy, by
 direction and the mean size of one DMA copy (tokens per run of consecutive host slots x bytes per token
-within one row: x64 KiB for page_first, x2 KiB for layer_first with Llama-3-8B): "dma" when the copy moves >= dma_min_bytes_d2h (offload, 256 MiB: below
+within one row: x64 KiB for page_first, x2 KiB for layer_first with Llama-3-8B): "dma" when the copy moves >= dma_min_bytes_d2h (offload, 2 GiB: below
 it the pipeline's planning costs the scheduler more than the kernel's link efficiency) / dma_min_bytes
 (load-back, 16 MiB) and the mean copy is >= dma_min_copy_bytes_d2h / dma_min_copy_bytes_h2d, else
 "triton" (or "hybrid" for offload when auto_hybrid_fraction is set), else "torch" when Triton is missing.
@@ -92,8 +92,12 @@ class AutoPolicy:
       pipeline's planning is host time the scheduler pays while the direct kernel's lower link efficiency
       costs nothing it waits for. In the serving loop on the H200 (4096 live, 32 MiB per submit) the
       pipeline took 1.9 ms of host time per submit (bench/results/serving_loop-h200-before-policy.json),
-      the direct kernel 0.4-0.7 ms (1024 live there; 4096 live in serving_loop-h200.json). Offload takes
-      the pipeline only from 256 MiB per copy, where a few percent of link time is worth the planning.
+      the direct kernel 0.4-0.7 ms (1024 live there; 4096 live in serving_loop-h200.json). At full model
+      size (2048 tokens of Llama-3-8B at 32 layers, 256 MiB) the pipeline's submit took 2.5-4.3 ms of host
+      time and the kernel's 0.44-0.71 ms (bench/results/submit_cost-h200.json): the kernel's 3-4
+      points of link efficiency are about 0.2 ms of copy time that nothing waits for, off the scheduler.
+      Offload takes the pipeline only from 2 GiB per copy, over 40 ms of link time, twice a decode step:
+      there the link, not the scheduler, bounds how fast offload keeps up, and its last points count.
     - no_triton_min_copy_bytes: without Triton the alternative is the torch path (host scatter on the CPU,
       0.06-0.2 of the ceiling), so the pipeline (torch gathers, batched DMA) wins for copies >= 16 KiB.
     - hybrid_fraction: when set, offloads below the DMA threshold use "hybrid" instead of "triton".
@@ -114,7 +118,7 @@ class AutoPolicy:
     d2h_min_copy_bytes: int = 512 * KiB
     h2d_min_copy_bytes: int = 16 * KiB
     min_bytes: int = 16 * MiB
-    d2h_min_bytes: int = 256 * MiB
+    d2h_min_bytes: int = 2 * 1024 * MiB
     no_triton_min_copy_bytes: int = 16 * KiB
     hybrid_fraction: float | None = None
     dma_floor_copy_bytes: int = 16 * KiB
