@@ -79,7 +79,14 @@ if HAVE_TRITON:
             x = tl.load(src_ptr + so[:, None] + c[None, :], mask=m)
             tl.store(dst_ptr + do[:, None] + c[None, :], x, mask=m)
 
-    @triton.jit
+    # Integer arguments are not specialised on their values (divisible by 16, equal to 1): a compiled kernel
+    # then depends only on what `_Launcher` keys it by, the pointers' dtypes and 16-byte alignment, each
+    # integer's width and the constexprs.
+    _INTS_ROWS = ["n_tokens", "src_s_plane", "src_s_layer", "src_s_tok", "dst_s_plane", "dst_s_layer", "dst_s_tok",
+                  "num_rows_pl"]
+    _INTS_LAYERS = ["n_tokens", "dev_s_tok", "host_s_plane", "host_s_layer", "host_s_tok", "num_rows_pl"]
+
+    @triton.jit(do_not_specialize=_INTS_ROWS)
     def _kv_rows_copy_kernel(
         src_ptr,
         dst_ptr,
@@ -108,7 +115,7 @@ if HAVE_TRITON:
         do = tl.multiple_of(plane * dst_s_plane + layer * dst_s_layer + d * dst_s_tok, VEC)
         _copy_rows(src_ptr, so, dst_ptr, do, tmask, ROW, BLOCK, MASK_COLS)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=_INTS_LAYERS)
     def _kv_layer_rows_copy_kernel(
         layer_ptrs,
         host_ptr,
@@ -142,6 +149,37 @@ if HAVE_TRITON:
         else:
             _copy_rows(host_ptr, ho, dev_ptr, do, tmask, ROW, BLOCK, MASK_COLS)
 
+class _Launcher:
+    """Launches a kernel compiled once per key through its compiled handle, not through `JITFunction.run`.
+
+    `kernel[grid](...)` binds and specialises every argument and hashes a cache key on each launch before
+    the driver call. The first launch of a key goes that way and keeps the compiled kernel it returns; later
+    ones call it directly (`CompiledKernel[grid]`). The key is everything the compile depends on for these
+    kernels: the device, the warps, the constexprs, each pointer's dtype and 16-byte alignment, and each
+    integer's width (their values are not specialised: `do_not_specialize`). Under the Triton interpreter,
+    or a Triton whose launch returns no compiled kernel, every launch takes `kernel[grid]`.
+    What it saves, measured on the H200 (bench/probes/launch_probe.py): see docs/performance.md."""
+
+    def __init__(self) -> None:
+        self._compiled: dict[tuple, object] = {}
+
+    def __call__(self, kernel: object, grid: tuple[int], args: tuple, constexprs: dict, num_warps: int) -> None:
+        key = (kernel, num_warps, *constexprs.values(),
+               *[(a.dtype, a.device, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else
+                 (type(a), -2**31 <= a < 2**31) for a in args])
+        compiled = self._compiled.get(key)
+        if compiled is not None:
+            compiled[grid](*args, *constexprs.values())  # type: ignore[index]
+            return
+        compiled = kernel[grid](*args, **constexprs, num_warps=num_warps)  # type: ignore[index]
+        if hasattr(compiled, "function") and hasattr(compiled, "__getitem__") and \
+                list(constexprs) == kernel.arg_names[len(args):]:  # type: ignore[attr-defined]
+            self._compiled[key] = compiled
+
+
+_launch = _Launcher()
+
+
 def _word_dtype(row_bytes: int) -> tuple[torch.dtype, int]:
     """Widest word that divides a row, and the vector hint (in words) that makes accesses 16 bytes."""
     if row_bytes % 16 == 0:
@@ -173,6 +211,15 @@ def _launch_walk(view5: torch.Tensor, n: int, cfg: KernelConfig) -> tuple[torch.
     return rows, vec, (triton.cdiv(n, cfg.tokens) * planes * layers,), walk
 
 
+def _constexprs(walk: dict, **more: object) -> dict:
+    """The kernels' constexprs in their signature's order (NUM_LAYERS, ROW, BLOCK, TOKENS, VEC, MASK_COLS,
+    LAYER_FASTEST, then TO_HOST for the layered kernel), as `CompiledKernel[grid]` takes them."""
+    out = {k: walk[k] for k in ("NUM_LAYERS", "ROW", "BLOCK", "TOKENS")}
+    out["VEC"] = more.pop("VEC")
+    out.update(MASK_COLS=walk["MASK_COLS"], LAYER_FASTEST=walk["LAYER_FASTEST"], **more)
+    return out
+
+
 def kv_rows_copy(
     src5: torch.Tensor,
     src_idx: torch.Tensor,
@@ -196,22 +243,10 @@ def kv_rows_copy(
         return
     src, vec, grid, walk = _launch_walk(src5, n, config or KernelConfig())
     dst = _as_rows(dst5, src.dtype)
-    _kv_rows_copy_kernel[grid](
-        src,
-        dst,
-        src_idx,
-        dst_idx,
-        n,
-        src.stride(0),
-        src.stride(1),
-        src.stride(2),
-        dst.stride(0),
-        dst.stride(1),
-        dst.stride(2),
-        src.shape[0] * src.shape[1],
-        VEC=vec,
-        **walk,
-    )
+    _launch(_kv_rows_copy_kernel, grid,
+            (src, dst, src_idx, dst_idx, n, src.stride(0), src.stride(1), src.stride(2), dst.stride(0), dst.stride(1),
+             dst.stride(2), src.shape[0] * src.shape[1]),
+            _constexprs(walk, VEC=vec), walk["num_warps"])
 
 
 def kv_layer_rows_copy(
@@ -247,18 +282,7 @@ def kv_layer_rows_copy(
     dev_s_tok = stride_bytes // word_bytes
     if dev_s_tok % vec:
         vec = 1  # the 16-byte hint needs every device row to start on a 16-byte boundary
-    _kv_layer_rows_copy_kernel[grid](
-        layer_ptrs,
-        host,
-        dev_idx,
-        host_idx,
-        n,
-        dev_s_tok,
-        host.stride(0),
-        host.stride(1),
-        host.stride(2),
-        planes * layers,
-        VEC=vec,
-        TO_HOST=to_host,
-        **walk,
-    )
+    _launch(_kv_layer_rows_copy_kernel, grid,
+            (layer_ptrs, host, dev_idx, host_idx, n, dev_s_tok, host.stride(0), host.stride(1), host.stride(2),
+             planes * layers),
+            _constexprs(walk, VEC=vec, TO_HOST=to_host), walk["num_warps"])
