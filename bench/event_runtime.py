@@ -44,7 +44,7 @@ def per_event(machine, cycles: int) -> float:
         call()
     elapsed = time.perf_counter() - t0
     t0 = time.perf_counter()
-    for call in calls:  # loop overhead alone, to report the machine's own cost too
+    for _call in calls:  # loop overhead alone, to report the machine's own cost too
         pass
     return elapsed / len(calls), (time.perf_counter() - t0) / len(calls)
 

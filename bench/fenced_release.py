@@ -110,7 +110,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         for mode in runs:
             runs[mode].append(serve(model, cfg, mode, args.requests, args.batch, args.slots, device))
     rows = []
-    for mode, rs in runs.items():
+    for rs in runs.values():
         best = max(rs, key=lambda r: r["tokens_per_s"])
         best["outputs_identical"] = all(r["_outputs"] == base["_outputs"] for r in rs)
         rows.append(best)

@@ -244,7 +244,7 @@ def main() -> None:
             os.kill(proc.pid, signal.SIGKILL)
     worst = max(max(r["put_overhead"], r["get_overhead"]) for r in runs)
     payload = {"setup": {"transport": "tcp over loopback (127.0.0.1)", "master": "mooncake_master, HTTP metadata",
-                         "client": "one MooncakeDistributedStore, segment %d MiB" % args.segment_mib,
+                         "client": f"one MooncakeDistributedStore, segment {args.segment_mib:d} MiB",
                          "mooncake": _mooncake_version(), "nice": os.nice(0),
                          "loadavg_1m_before_after": [load_before[0], os.getloadavg()[0]]},
                "runs": runs, "target": {"overhead_max": TARGET_OVERHEAD}, "worst_overhead": worst,

@@ -251,7 +251,6 @@ def contiguous_ceilings(nbytes: int, device: torch.device, timer: Timer, reps: i
     d2h = timer(lambda: host.copy_(dev, non_blocking=True), reps)
     h2d = timer(lambda: dev.copy_(host, non_blocking=True), reps)
     ok = same_bits(dev, host)
-    del dev, host
     return {"bytes": nbytes, "d2h": stats(nbytes, d2h), "h2d": stats(nbytes, h2d), "verified": ok}
 
 
@@ -446,7 +445,7 @@ def run_case(
     timer.sync()
     loadback["torch_pinned_scatter"] = {**stats(nbytes, secs, ceil_h2d), "verified": dev_ok(),
                                         "note": "source already contiguous in pinned staging (host gather not timed)"}
-    del pinned
+    pinned = None  # the staging freed before the next rows (the closures above hold the name, so not `del`)
 
     # -- torch fallback engine end to end (includes the CPU-side scatter / gather) ------------------
     if cuda:
@@ -554,7 +553,7 @@ def main() -> int:
 
         from kvfsm.dataplane import CudaCopyEngine
 
-        for n, kw, _ in ENGINES:  # every variant's keywords must bind to the CUDA engine's constructor
+        for _name, kw, _ in ENGINES:  # every variant's keywords must bind to the CUDA engine's constructor
             inspect.signature(CudaCopyEngine).bind(**kw)
         engines.append(("auto", CpuCopyEngine()))
     elif cuda and HAVE_TRITON:

@@ -41,14 +41,20 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import target, write_result  # noqa: E402
 from bare_offload import BareOffload  # noqa: E402
+from common import target, write_result  # noqa: E402
 from seed_baseline import SeedAlgorithmOffload  # noqa: E402
 
-from kvfsm.dataplane import (HostKVPool, KVCacheConfig, ReqToTokenPool, ThreadCpuCopyEngine,  # noqa: E402
-                             TokenSlotAllocator, wait_fences)
-from kvfsm.dataplane.pools.device_pool import DeviceKVPool  # noqa: E402
+from kvfsm.dataplane import (  # noqa: E402
+    HostKVPool,
+    KVCacheConfig,
+    ReqToTokenPool,
+    ThreadCpuCopyEngine,
+    TokenSlotAllocator,
+    wait_fences,
+)
 from kvfsm.dataplane.copy.staging import PinnedIndexStaging  # noqa: E402
+from kvfsm.dataplane.pools.device_pool import DeviceKVPool  # noqa: E402
 from kvfsm.dataplane.storage import FileStorage  # noqa: E402
 from kvfsm.runtime import DecodeOffloadManager, OffloadConfig, SimplePrefixCache  # noqa: E402
 
@@ -161,7 +167,7 @@ class GcPauses:
         else:
             self.pauses.append((info["generation"], (time.perf_counter() - self._t0) * 1e3))
 
-    def __enter__(self) -> "GcPauses":
+    def __enter__(self) -> GcPauses:
         gc.callbacks.append(self)
         return self
 

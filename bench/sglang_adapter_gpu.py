@@ -41,19 +41,17 @@ import sys
 import tempfile
 import time
 from collections import deque
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT / "tests" / "upstream"))
 
-import harness  # noqa: E402  (the CUDA-only stand-ins first)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from common import target, write_result  # noqa: E402
-from serving_loop import ComputeStep, GcPauses, stats  # noqa: E402
 from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req  # noqa: E402
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
@@ -62,7 +60,11 @@ from sglang.srt.mem_cache.radix_cache import RadixCache  # noqa: E402
 from sglang.srt.runtime_context import get_context, get_parallel  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 
-from kvfsm.dataplane import CpuCopyEngine, CudaCopyEngine  # noqa: E402
+import harness  # noqa: E402  (the CUDA-only stand-ins first)
+from common import target, write_result  # noqa: E402
+from serving_loop import ComputeStep, GcPauses, stats  # noqa: E402
+
+from kvfsm.dataplane import CpuCopyEngine  # noqa: E402
 from kvfsm.integrations.sglang import DecodeKVCacheOffloadManager  # noqa: E402
 from kvfsm.runtime.device_table import DeviceTableSlots  # noqa: E402
 

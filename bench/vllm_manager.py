@@ -21,15 +21,16 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import target, write_result  # noqa: E402
-
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key  # noqa: E402
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager  # noqa: E402
+
+from common import target, write_result  # noqa: E402
 
 from kvfsm.integrations.vllm import KvfsmOffloadingManager  # noqa: E402
 

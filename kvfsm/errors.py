@@ -7,7 +7,8 @@ kvfsm.input_limits) from the readers of files, variables and traces, before anyt
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Optional
 
 
 class LifecycleError(Exception):

@@ -18,7 +18,8 @@ spec; this class does what is the same for every spec:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, NamedTuple, Optional
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
@@ -34,7 +35,7 @@ class Row:
 
     __slots__ = ("machine", "row", "position")
 
-    def __init__(self, machine: "RowMachine", row: int, position: int) -> None:
+    def __init__(self, machine: RowMachine, row: int, position: int) -> None:
         self.machine, self.row, self.position = machine, row, position
 
     def __repr__(self) -> str:

@@ -19,21 +19,21 @@ import collections
 import json
 import os
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch
 
-import kvfsm.generated.decode_offload as gen
 import kvfsm.dataplane.copy.base as copy_engine
-from kvfsm.generated.decode_offload import DecodeOffloadMachine
+import kvfsm.generated.decode_offload as gen
 from kvfsm.dataplane import HostKVPool, TokenSlotAllocator
 from kvfsm.dataplane.fences import SlotFence
+from kvfsm.generated.decode_offload import DecodeOffloadMachine
 from kvfsm.runtime import SimplePrefixCache
 from kvfsm.runtime.backup import BackupJob
-from kvfsm.runtime.tp import ProgressConsensus
 from kvfsm.runtime.effects import OffloadEffects
 from kvfsm.runtime.manager import DecodeOffloadManager
+from kvfsm.runtime.tp import ProgressConsensus
 from kvfsm.verify.engine import SimEngine
 
 # --- helpers ---------------------------------------------------------------------------------------------

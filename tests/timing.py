@@ -30,8 +30,9 @@ import selectors
 import signal
 import subprocess
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional
 
 LOOP_N = 200_000
 # Wall seconds of the loop of LOOP_N on the 2-core CI machine, idle, on a fast day (2026-12-03: 0.055-0.057;

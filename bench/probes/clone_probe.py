@@ -36,14 +36,24 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for common
 from common import write_result  # noqa: E402
 
-from kvfsm.verify.explorer import (ExplorerConfig, World, apply, build, canonical_key, check_world,  # noqa: E402
-                                   clone, enabled, explore)
+from kvfsm.verify.explorer import (  # noqa: E402
+    ExplorerConfig,
+    World,
+    apply,
+    build,
+    canonical_key,
+    check_world,
+    clone,
+    enabled,
+    explore,
+)
 
 _LOCK_TYPES = (type(threading.Lock()), type(threading.RLock()))
 

@@ -56,9 +56,6 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from common import result_path  # noqa: E402
-from kvfsm.dataplane import HAVE_TRITON, DeviceKVPool, HostKVPool, KVCacheConfig  # noqa: E402
-from kvfsm.dataplane.copy import cuda_driver, dma  # noqa: E402
-from kvfsm.dataplane.copy.triton_kernels import default_config, kv_rows_copy  # noqa: E402
 from offload_bandwidth import (  # noqa: E402
     Timer,
     contiguous_ceilings,
@@ -68,6 +65,10 @@ from offload_bandwidth import (  # noqa: E402
     slug,
     stats,
 )
+
+from kvfsm.dataplane import HAVE_TRITON, DeviceKVPool, HostKVPool, KVCacheConfig  # noqa: E402
+from kvfsm.dataplane.copy import cuda_driver, dma  # noqa: E402
+from kvfsm.dataplane.copy.triton_kernels import default_config, kv_rows_copy  # noqa: E402
 
 GiB, MiB, KiB = 2**30, 2**20, 2**10
 DEVICE, PIN = "cuda", True  # where the measurement runs (a CPU simulation of the plumbing swaps these)
@@ -381,7 +382,7 @@ class Probe:
                         row["verified"] = host_ok() if direction == "d2h" else same_bits(back[: n * size], src[: n * size])
                     print("  " + row_line(row), flush=True)
             self.write()
-        del src, back
+        src = back = None  # freed before the next size (the closures above hold the names, so not `del`)
 
     # -- c: the pipelined path ----------------------------------------------------------------------
     def pipeline_section(self, dev: DeviceKVPool, host: HostKVPool, tokens: int, ps: int, ceil: dict[str, Any],
@@ -549,7 +550,7 @@ class Probe:
                             self.add_stats(row, nbytes, secs, ceiling, cpu, calls)
                         print("  " + row_line(row), flush=True)
                 self.write()
-        del staging, expected
+        staging = expected = None  # freed before the next size (the closures above hold the names, so not `del`)
 
 
 # ---- CPU smoke ---------------------------------------------------------------------------------------

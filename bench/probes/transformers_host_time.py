@@ -49,8 +49,7 @@ def timed(owner: Any, attr: str, label: str) -> None:
 
 
 def instrument() -> None:
-    from transformers.generation.continuous_batching import offloading_manager as om
-    from transformers.generation.continuous_batching import cache as tcache
+    from transformers.generation.continuous_batching import cache as tcache, offloading_manager as om
 
     import kvfsm.dataplane.copy.cuda as cuda_mod
     from kvfsm.dataplane import HostKVPool

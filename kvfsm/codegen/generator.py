@@ -12,8 +12,7 @@ from pathlib import Path
 
 import jinja2
 
-from kvfsm.spec import CompiledSpec, load_spec
-from kvfsm.spec import expr as ex
+from kvfsm.spec import CompiledSpec, expr as ex, load_spec
 from kvfsm.spec.checks import holdings
 from kvfsm.spec.locations import default_out_dir, generated_dir, spec_stamp
 

@@ -12,8 +12,7 @@ from __future__ import annotations
 import re
 
 from kvfsm.codegen.generator import _env, module_name
-from kvfsm.spec import CompiledSpec
-from kvfsm.spec import expr as ex
+from kvfsm.spec import CompiledSpec, expr as ex
 from kvfsm.spec.compiled import Transition
 
 # Names the generated class or its decide methods use themselves; a counter or param may not take one.

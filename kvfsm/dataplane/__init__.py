@@ -4,12 +4,10 @@ Depends on torch and numpy only (no pydantic, no other kvfsm package), so it imp
 carry nothing else. Nothing here knows about requests' lifecycles: the runtime above drives it.
 """
 
-from .pools.allocator import TokenSlotAllocator
-from .pools.config import KVCacheConfig
 from .copy.base import CopyEngine, CopyHandle
 from .copy.cpu import CpuCopyEngine, DeferredCpuCopyEngine, DeferredHandle, ThreadCpuCopyEngine
 from .copy.cuda import CudaCopyEngine, CudaCopyHandle
-from .pools.device_pool import DeviceKVPool, MHADeviceKVPool, MLADeviceKVPool
+from .copy.triton_kernels import HAVE_TRITON, KernelConfig
 from .errors import (
     ConservationError,
     CopyError,
@@ -25,10 +23,12 @@ from .errors import (
 )
 from .fences import SlotFence, wait_fences
 from .hashing import PageRun, page_hash, page_hashes, request_namespace, storage_namespace_seed
+from .pools.allocator import TokenSlotAllocator
+from .pools.config import KVCacheConfig
+from .pools.device_pool import DeviceKVPool, MHADeviceKVPool, MLADeviceKVPool
 from .pools.host_pool import HostKVPool, available_host_memory
 from .pools.req_to_token import ReqToTokenPool
 from .storage import FaultyStorage, FileStorage, MemoryStorage, StorageBackend, storage_key_suffix
-from .copy.triton_kernels import HAVE_TRITON, KernelConfig
 
 
 def make_copy_engine(device: str | None = None) -> CopyEngine:

@@ -261,7 +261,7 @@ class PageRun:
     __slots__ = ("tokens", "page_size", "prior", "namespace", "_hashes")
 
     def __init__(
-        self, tokens: TokenIds, page_size: int, prior: "PageRun | str | None" = None, *, namespace: str | None = None
+        self, tokens: TokenIds, page_size: int, prior: PageRun | str | None = None, *, namespace: str | None = None
     ) -> None:
         if namespace is not None:
             _prior_bytes(namespace, "namespace")  # a bad seed fails here, not later on the backup worker

@@ -6,13 +6,13 @@ differential test) is evidence that the generated branches say what the spec say
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 from transitions import EventData, Machine, MachineError
 
 from kvfsm.errors import EventRejected, GuardRejected
-from kvfsm.spec import CompiledSpec, Transition
-from kvfsm.spec import expr as ex
+from kvfsm.spec import CompiledSpec, Transition, expr as ex
 
 IGNORED_TRANSITION = -1
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 import collections
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 
 class BackupQueueFull(RuntimeError):
@@ -128,10 +129,10 @@ class BackupWorker(ABC):
     @abstractmethod
     def _pop_done(self) -> BackupJob: ...
 
-    def flush(self) -> None:
+    def flush(self) -> None:  # noqa: B027 - a no-op unless the worker buffers submissions
         """Make every submitted job visible to the worker (the progress check ends with this)."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - a no-op unless the worker holds a thread or a queue
         """Stop accepting work; finished jobs can still be collected."""
 
 

@@ -9,14 +9,24 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
-from kvfsm.dataplane import (CopyEngine, CpuCopyEngine, CudaCopyEngine, DeferredCpuCopyEngine, DeviceKVPool, FileStorage,
-                             HostKVPool, StorageBackend, available_host_memory)
+from kvfsm.dataplane import (
+    CopyEngine,
+    CpuCopyEngine,
+    CudaCopyEngine,
+    DeferredCpuCopyEngine,
+    DeviceKVPool,
+    FileStorage,
+    HostKVPool,
+    StorageBackend,
+    available_host_memory,
+)
 from kvfsm.errors import ConfigError
 from kvfsm.runtime.config import OffloadConfig
 

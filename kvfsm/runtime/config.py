@@ -17,15 +17,24 @@ import difflib
 import json
 import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, Mapping, Optional
+from typing import Any, Literal, Optional
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kvfsm.errors import ConfigError, InputRejected
-from kvfsm.input_limits import (CONFIG_LIMITS, ENV_VALUE_LIMITS, InputLimits, check_json_nesting, count_elements,
-                                decode_utf8, load_yaml_data, read_bounded)
+from kvfsm.input_limits import (
+    CONFIG_LIMITS,
+    ENV_VALUE_LIMITS,
+    InputLimits,
+    check_json_nesting,
+    count_elements,
+    decode_utf8,
+    load_yaml_data,
+    read_bounded,
+)
 from kvfsm.runtime.storage_options import check_storage_extra
 
 logger = logging.getLogger(__name__)
@@ -87,18 +96,18 @@ class OffloadConfig(BaseModel):
             raise _config_error(exc, "OffloadConfig") from exc
 
     @classmethod
-    def model_validate(cls, obj: Any, **kwargs: Any) -> "OffloadConfig":  # type: ignore[override]
+    def model_validate(cls, obj: Any, **kwargs: Any) -> OffloadConfig:  # type: ignore[override]
         return cls._validate(obj, "OffloadConfig", **kwargs)
 
     @classmethod
-    def _validate(cls, obj: Any, source: str, **kwargs: Any) -> "OffloadConfig":
+    def _validate(cls, obj: Any, source: str, **kwargs: Any) -> OffloadConfig:
         try:
             return super().model_validate(obj, **kwargs)
         except ValidationError as exc:
             raise _config_error(exc, source) from exc
 
     @model_validator(mode="after")
-    def _fields_agree(self) -> "OffloadConfig":
+    def _fields_agree(self) -> OffloadConfig:
         # A ConfigError raised here reaches the caller as itself (see _config_error), with the field it names.
         if self.host_pool_ratio is None and self.host_pool_bytes is None:
             raise ConfigError("host_pool_bytes", "set host_pool_bytes or host_pool_ratio (both are None)")
@@ -119,12 +128,12 @@ class OffloadConfig(BaseModel):
         return max(self.page_size, self.offload_stride // self.page_size * self.page_size)
 
     @classmethod
-    def load(cls, source: str = "<code>", **values: Any) -> "OffloadConfig":
+    def load(cls, source: str = "<code>", **values: Any) -> OffloadConfig:
         """A config from field values; a ConfigError names `source`, the field and the reason."""
         return cls._validate(values, source)
 
     @classmethod
-    def from_file(cls, path: str | Path, limits: InputLimits = CONFIG_LIMITS) -> "OffloadConfig":
+    def from_file(cls, path: str | Path, limits: InputLimits = CONFIG_LIMITS) -> OffloadConfig:
         """YAML or JSON mapping of field names to values, read within `limits`."""
         path = Path(path)
         source = str(path)
@@ -152,7 +161,7 @@ class OffloadConfig(BaseModel):
         return cls._validate(data, str(path))
 
     @classmethod
-    def from_env(cls, environ: Optional[Mapping[str, str]] = None, **overrides: Any) -> "OffloadConfig":
+    def from_env(cls, environ: Optional[Mapping[str, str]] = None, **overrides: Any) -> OffloadConfig:
         """Fields from KVFSM_<FIELD> variables (JSON values where they parse, else strings; text fields as
         given). A KVFSM_* name that is no field (nor one of OTHER_ENV_VARS) is logged as a WARNING with the
         closest field's variable: the environment is shared with other tools and versions, so an unknown

@@ -10,7 +10,7 @@ it), hands those to the copy engine and, at release, to the engine's allocator.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch

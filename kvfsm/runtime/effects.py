@@ -12,24 +12,25 @@ import itertools
 import logging
 import time
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import numpy as np
 import torch
 
-from kvfsm.generated.decode_offload import DecodeOffloadEffectsEach, DecodeOffloadMachine
 from kvfsm.dataplane import CopyEngine, CopyHandle, HostKVPool, PageRun, ReqToTokenPool, TokenSlotAllocator
 from kvfsm.dataplane.fences import SlotFence
 from kvfsm.dataplane.pools.device_pool import DeviceKVPool
 from kvfsm.dataplane.storage import StorageBackend
+from kvfsm.errors import LifecycleError
+from kvfsm.generated.decode_offload import DecodeOffloadEffectsEach, DecodeOffloadMachine
 from kvfsm.runtime.backup import BackupJob, BackupWorker
 from kvfsm.runtime.device_table import DeviceTableSlots
-from kvfsm.errors import LifecycleError
 from kvfsm.runtime.ledger import SlotLedger
 from kvfsm.runtime.metrics import OffloadMetrics
-from kvfsm.runtime.stored_index import StoredPageIndex
 from kvfsm.runtime.protocols import OffloadRequest, PrefixCache
+from kvfsm.runtime.stored_index import StoredPageIndex
 
 logger = logging.getLogger(__name__)
 _serials = itertools.count(1)
@@ -55,7 +56,7 @@ class RequestRecord:
 
     key: str
     rid: str
-    req_ref: "weakref.ReferenceType[Any]"
+    req_ref: weakref.ReferenceType[Any]
     req: Optional[Any]  # strong until release: release must read the request's lengths
     row: int
     prefix_len: int  # positions [0, prefix_len) are the prefix cache's pages (whole pages), locked by `lock`

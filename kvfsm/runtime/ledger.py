@@ -15,11 +15,11 @@ next writer must wait on it again (a wait orders only the stream that made it).
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any, Optional
 
 from kvfsm.dataplane.fences import SlotFence
 from kvfsm.errors import LifecycleError
-
 
 PREFIX_CACHE = "<prefix cache>"  # the owner of a matched prefix's pages
 

@@ -15,18 +15,19 @@ import functools
 import logging
 import operator
 import weakref
-from typing import Any, Iterable, NamedTuple, Optional, Sequence, Union
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple, Optional, Union
 
 import numpy as np
 import torch
 
 import kvfsm.generated.decode_offload as spec_gen
-from kvfsm.generated.decode_offload import DecodeOffloadMachine
 from kvfsm.dataplane import CopyEngine, HostKVPool, ReqToTokenPool, TokenSlotAllocator
 from kvfsm.dataplane.pools.allocator import PageSlots
 from kvfsm.dataplane.pools.device_pool import DeviceKVPool
 from kvfsm.dataplane.storage import StorageBackend
 from kvfsm.errors import ConfigError, InvalidRequest, LifecycleError, RetractionRefused, RowInUse
+from kvfsm.generated.decode_offload import DecodeOffloadMachine
 from kvfsm.runtime.backup import BackupWorker, ThreadBackupWorker
 from kvfsm.runtime.build import build_components, close_storage
 from kvfsm.runtime.config import OffloadConfig
@@ -34,9 +35,16 @@ from kvfsm.runtime.device_table import DeviceTableSlots
 from kvfsm.runtime.effects import Chunk, OffloadEffects, RequestRecord, token_slice
 from kvfsm.runtime.ledger import CheckedModeError, SlotLedger
 from kvfsm.runtime.metrics import OffloadMetrics
-from kvfsm.runtime.protocols import (OffloadRequest, PrefixCache, check_request_fields, check_request_lengths, describe,
-                                     raise_if_field_missing, raise_if_length_invalid,
-                                     request_namespace_seed)
+from kvfsm.runtime.protocols import (
+    OffloadRequest,
+    PrefixCache,
+    check_request_fields,
+    check_request_lengths,
+    describe,
+    raise_if_field_missing,
+    raise_if_length_invalid,
+    request_namespace_seed,
+)
 from kvfsm.runtime.tp import ProgressConsensus
 from kvfsm.runtime.trace import TraceWriter
 
@@ -315,7 +323,7 @@ class DecodeOffloadManager:
             raise_if_length_invalid(req, exc)
             raise
         if admit:
-            for k, (rec, req, n) in enumerate(todo):
+            for k, (rec, req, _) in enumerate(todo):
                 if rec is None:
                     rec = self._admit(req)
                     todo[k] = (rec, req, chunk_tokens(req, rec))

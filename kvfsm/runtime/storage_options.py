@@ -12,7 +12,8 @@ import functools
 import inspect
 import types
 import typing
-from typing import Any, Callable, Mapping, Union
+from collections.abc import Callable, Mapping
+from typing import Any, Union
 
 from kvfsm.errors import ConfigError
 
@@ -32,7 +33,7 @@ def _constructor(backend: str) -> Callable[..., Any]:
     return MooncakeStorage.__init__
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def backend_options(backend: str) -> dict[str, tuple[Any, bool]]:
     """Keyword options `storage_extra` may give the backend: name -> (type hint, required)."""
     if backend == "none":

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import itertools
 from collections import defaultdict, deque
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from kvfsm.input_limits import SPEC_MAX_CHECK_WORK
 from kvfsm.spec import expr as ex
 from kvfsm.spec.compiled import CompiledSpec, Transition, build
 from kvfsm.spec.errors import SpecError, SpecInvalid
-
 
 MAX_VALUATIONS = 200_000
 
@@ -123,7 +122,7 @@ def check_determinism(spec: CompiledSpec) -> list[SpecError]:
     for t in spec.transitions:
         by_pair[(t.src, t.event)].append(t)
     valuations = list(_box(spec))
-    for (s, e), ts in by_pair.items():
+    for (s, _event), ts in by_pair.items():
         for a, b in itertools.combinations(ts, 2):
             witness = next((env for env in valuations if spec.state_holds(s, env)
                             and _guard_holds(spec, a, env) and _guard_holds(spec, b, env)), None)

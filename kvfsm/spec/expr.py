@@ -18,8 +18,9 @@ parentheses, EXPR_MAX_TERMS atoms in a sum, EXPR_MAX_DIGITS in a literal), an Ex
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Mapping, Union
+from typing import Union
 
 from kvfsm.input_limits import EXPR_MAX_DIGITS, EXPR_MAX_NESTING, EXPR_MAX_TERMS
 
@@ -45,26 +46,26 @@ class Var:
 @dataclass(frozen=True)
 class Arith:
     op: str  # '+' | '-'
-    left: "Term"
-    right: "Term"
+    left: Term
+    right: Term
 
 
 @dataclass(frozen=True)
 class Cmp:
     op: str
-    left: "Term"
-    right: "Term"
+    left: Term
+    right: Term
 
 
 @dataclass(frozen=True)
 class BoolOp:
     op: str  # 'and' | 'or'
-    items: tuple["Node", ...]
+    items: tuple[Node, ...]
 
 
 @dataclass(frozen=True)
 class Not:
-    item: "Node"
+    item: Node
 
 
 @dataclass(frozen=True)

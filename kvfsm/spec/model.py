@@ -11,6 +11,7 @@ from typing import Annotated, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
+
 def _not_keyword(name: str) -> str:
     if keyword.iskeyword(name) or keyword.issoftkeyword(name) or name in ("same", "true", "false", "not", "and", "or"):
         raise ValueError(f"{name!r} is reserved (a Python or spec keyword) and cannot name an element")
@@ -138,7 +139,7 @@ class Policy(_Strict):
     choices: dict[Name, Doc] = Field(min_length=2)
 
     @model_validator(mode="after")
-    def _default_is_a_choice(self) -> "Policy":
+    def _default_is_a_choice(self) -> Policy:
         if self.default not in self.choices:
             raise ValueError(f"default {self.default!r} is not one of the choices {', '.join(self.choices)}")
         return self

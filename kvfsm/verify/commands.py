@@ -30,7 +30,7 @@ from kvfsm.spec.locations import packaged_spec
 from kvfsm.verify.bounds import BOUNDS, Bound, SubBound
 from kvfsm.verify.coverage import report as report_coverage
 from kvfsm.verify.coverage_page import render_page, render_section
-from kvfsm.verify.explorer import BoundInvalid, ExploreResult, ExplorerConfig, counterexample_test, explore
+from kvfsm.verify.explorer import BoundInvalid, ExplorerConfig, ExploreResult, counterexample_test, explore
 from kvfsm.verify.replay import check_trace
 
 out = Console(highlight=False, soft_wrap=True)

@@ -14,12 +14,24 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Optional
 
 from kvfsm.spec import CompiledSpec, Transition, load_spec
-from kvfsm.verify.explorer import (LIVE, NEW, Counterexample, ExplorerConfig, Faults, World, _describe, apply,
-                                   check_world, enabled, explore)
+from kvfsm.verify.explorer import (
+    LIVE,
+    NEW,
+    Counterexample,
+    ExplorerConfig,
+    Faults,
+    World,
+    _describe,
+    apply,
+    check_world,
+    enabled,
+    explore,
+)
 from kvfsm.verify.replay import default_spec_path
 
 # Small bounds whose explorations together take every declared transition (a few seconds in all).

@@ -7,8 +7,9 @@ the spec's hash), never a time, so exploring again gives the same text and a tes
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 from kvfsm.spec import CompiledSpec
 from kvfsm.verify.bounds import BOUNDS, Bound

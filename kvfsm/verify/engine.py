@@ -14,8 +14,16 @@ from typing import Any, Optional
 
 import torch
 
-from kvfsm.dataplane import (DeferredCpuCopyEngine, HostKVPool, KVCacheConfig, ReqToTokenPool, SlotFence,
-                             TokenSlotAllocator, page_hashes, wait_fences)
+from kvfsm.dataplane import (
+    DeferredCpuCopyEngine,
+    HostKVPool,
+    KVCacheConfig,
+    ReqToTokenPool,
+    SlotFence,
+    TokenSlotAllocator,
+    page_hashes,
+    wait_fences,
+)
 from kvfsm.dataplane.pools.device_pool import DeviceKVPool
 from kvfsm.dataplane.storage import FaultyStorage, MemoryStorage
 from kvfsm.engine.scheduler import EngineRequest, grow_slots

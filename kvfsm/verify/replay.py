@@ -21,17 +21,23 @@ from __future__ import annotations
 import itertools
 import json
 from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Optional
 
 from kvfsm.errors import InputBoundExceeded
-from kvfsm.input_limits import (TRACE_LIMITS, TRACE_MAX_REQUESTS, InputLimits, check_json_nesting, count_elements,
-                                decode_utf8, open_regular)
-from kvfsm.spec import CompiledSpec, load_spec
-from kvfsm.spec import expr as ex
+from kvfsm.input_limits import (
+    TRACE_LIMITS,
+    TRACE_MAX_REQUESTS,
+    InputLimits,
+    check_json_nesting,
+    count_elements,
+    decode_utf8,
+    open_regular,
+)
+from kvfsm.spec import CompiledSpec, expr as ex, load_spec
 from kvfsm.spec.locations import packaged_spec
-
 
 
 def default_spec_path() -> Path:

@@ -9,14 +9,16 @@ import numpy as np
 import pytest
 import torch
 
+from timing import wait_for
+
 from kvfsm.dataplane import (
+    HAVE_TRITON,
     CopyEngine,
     CopyError,
     CpuCopyEngine,
     DeferredCpuCopyEngine,
     DeviceKVPool,
     DuplicateIndex,
-    HAVE_TRITON,
     HostKVPool,
     KVCacheConfig,
     NotAllocated,
@@ -24,10 +26,8 @@ from kvfsm.dataplane import (
     ThreadCpuCopyEngine,
     TokenSlotAllocator,
 )
-
 from kvfsm.dataplane.copy.coalescing import CoalescingCopyEngine
 from kvfsm.dataplane.pools.allocator import PageSlots
-from timing import wait_for
 
 from .helpers import bits, check_orders_after_compute_and_never_blocks, fill_random, make_device_pool, make_host_pool
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvfsm.dataplane import (DeferredCpuCopyEngine, DoubleFree, KVCacheConfig, SlotFence, TokenSlotAllocator,
-                             wait_fences)
+from kvfsm.dataplane import DeferredCpuCopyEngine, DoubleFree, KVCacheConfig, SlotFence, TokenSlotAllocator, wait_fences
 from kvfsm.dataplane.copy.coalescing import CoalescingCopyEngine
 
 from .helpers import bits, make_device_pool, make_host_pool

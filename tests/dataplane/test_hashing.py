@@ -11,8 +11,7 @@ import hashlib
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from kvfsm.dataplane import page_hash, page_hashes
 from kvfsm.dataplane.hashing import PageRun, request_namespace, storage_namespace_seed
@@ -107,7 +106,7 @@ def test_page_runs_hash_lazily_along_the_chain() -> None:
         for lo, hi in [(8, 16), (16, 32), (32, 40)]:
             runs.append(PageRun(tokens[lo:hi], 4, runs[-1]))
         for i in ask:
-            runs[i].hashes
+            _ = runs[i].hashes  # computed on first access: in the order `ask` gives
         assert [h for r in runs for h in r.hashes] == want
         assert all(not isinstance(r.prior, PageRun) and r.tokens is None for r in runs)
         assert runs[-1].last_hash == want[-1]

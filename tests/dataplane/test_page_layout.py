@@ -18,9 +18,9 @@ from __future__ import annotations
 import os
 import struct
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pytest
@@ -156,7 +156,7 @@ def name_of(case: Case, word: int) -> str:
     c = case.kv
     code = word - BASE[c.dtype]
     if 0 <= code < c.num_planes * c.num_layers * case.tokens * c.kv_heads * c.head_dim:
-        return "(p, l, pos, h, d)=%s" % (unravel(code, (c.num_planes, c.num_layers, case.tokens, c.kv_heads, c.head_dim)),)
+        return f"(p, l, pos, h, d)={unravel(code, (c.num_planes, c.num_layers, case.tokens, c.kv_heads, c.head_dim))}"
     return f"{word:#x} (no element)"
 
 

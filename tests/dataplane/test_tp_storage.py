@@ -25,9 +25,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from timing import join_all
+
 from kvfsm.dataplane import DeviceKVPool, FileStorage, HostKVPool, KVCacheConfig, page_hashes
 from kvfsm.dataplane.storage import file as storage_mod
-from timing import join_all
 
 MODEL = "org/Model-7B"
 N_PAGES = 48

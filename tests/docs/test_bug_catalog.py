@@ -108,7 +108,8 @@ def test_each_entry_is_complete_and_true_to_the_repository(bug):
     assert title, f"{bug} has no title"
     for field in ("What goes wrong", "Upstream", "Spec", "Mutant"):
         assert f"- **{field}**: " in body, f"{bug} has no {field}"
-    field = lambda name: re.search(rf"- \*\*{name}\*\*: (.*?)(?=\n- \*\*|\Z)", body, re.S).group(1)
+    def field(name: str) -> str:
+        return re.search(rf"- \*\*{name}\*\*: (.*?)(?=\n- \*\*|\Z)", body, re.S).group(1)
 
     # the title is the bug class the mutant report gives for this id
     assert _mutants_md_rows().get(bug) == title, f"{bug}: title {title!r}, docs/mutants.md says {_mutants_md_rows().get(bug)!r}"

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
-from pathlib import Path
 
 from kvfsm.docsgen import markdown
 from kvfsm.spec import load_spec

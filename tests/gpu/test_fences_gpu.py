@@ -11,12 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvfsm.dataplane import (CudaCopyEngine, HostKVPool, KVCacheConfig, SlotFence, TokenSlotAllocator,
-                             wait_fences)
+from test_serving_path_gpu import no_sync, spin  # noqa: F401  (tests/gpu is on sys.path; spin is a fixture)
+
+from kvfsm.dataplane import CudaCopyEngine, HostKVPool, KVCacheConfig, SlotFence, TokenSlotAllocator, wait_fences
 from kvfsm.dataplane.copy.coalescing import CoalescingCopyEngine
 from kvfsm.dataplane.pools.device_pool import DeviceKVPool
-
-from test_serving_path_gpu import no_sync, spin  # noqa: F401  (tests/gpu is on sys.path; spin is a fixture)
 
 pytestmark = pytest.mark.gpu
 

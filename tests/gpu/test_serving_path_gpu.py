@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
 
-from kvfsm.dataplane import (CudaCopyEngine, HostKVPool, KVCacheConfig, ReqToTokenPool, TokenSlotAllocator)
+from kvfsm.dataplane import CudaCopyEngine, HostKVPool, KVCacheConfig, ReqToTokenPool, TokenSlotAllocator
 from kvfsm.dataplane.pools.device_pool import DeviceKVPool
 from kvfsm.dataplane.storage import FileStorage
 from kvfsm.engine.scheduler import EngineRequest

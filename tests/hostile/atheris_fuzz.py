@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import atheris
+
 from limited import cap_address_space
 
 with atheris.instrument_imports(include=["kvfsm"]):

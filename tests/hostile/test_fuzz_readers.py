@@ -18,23 +18,23 @@ import json
 import os
 import resource
 import zlib
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
 import yaml
-from hypothesis import HealthCheck, example, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
-from kvfsm.dataplane.storage import FileStorage
-from kvfsm.dataplane.storage import file as file_mod
+from limited import cap_address_space
+
+from kvfsm.dataplane.storage import FileStorage, file as file_mod
 from kvfsm.errors import ConfigError, InputRejected
 from kvfsm.runtime import OffloadConfig
 from kvfsm.spec import CompiledSpec, SpecInvalid, load_spec
 from kvfsm.verify.replay import ReplayResult, check_trace, default_spec_path
-from limited import cap_address_space
 
 ROOT = Path(__file__).resolve().parents[2]
 MINIMAL_TEXT = (ROOT / "tests" / "specs" / "valid" / "minimal.yaml").read_text()

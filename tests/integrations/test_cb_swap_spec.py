@@ -5,12 +5,12 @@ that names only the copies that read the blocks among them, are rejected)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 import kvfsm.generated.cb_swap as gen
 from kvfsm.codegen.generator import generate

@@ -9,7 +9,6 @@ its acknowledgement (`fenced=False`).
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +21,11 @@ from timing import measure, scaled
 require_transformers()
 
 import kvfsm.integrations.transformers as kt  # noqa: E402
-from kvfsm.generated import cb_swap as gen  # noqa: E402
 from kvfsm.dataplane import CopyEngine, CopyHandle, CpuCopyEngine, DeferredCpuCopyEngine  # noqa: E402
 from kvfsm.dataplane.copy.base import plan_copy  # noqa: E402
 from kvfsm.dataplane.copy.cpu import DeferredHandle  # noqa: E402
 from kvfsm.dataplane.fences import SlotFence  # noqa: E402
+from kvfsm.generated import cb_swap as gen  # noqa: E402
 from kvfsm.runtime.ledger import CheckedModeError  # noqa: E402
 
 NEW_TOKENS = 24
@@ -682,7 +681,7 @@ class _LateSwapInHandle(CopyHandle):
     """A swap-in that ran at submit, seen landed only by a host wait or by the poll of an engine free (by
     then the forward that read it has completed: on the GPU its event has passed). Counts host waits."""
 
-    def __init__(self, inner: CopyHandle, engine: "_LateSwapInEngine") -> None:
+    def __init__(self, inner: CopyHandle, engine: _LateSwapInEngine) -> None:
         self.direction, self.num_tokens, self.nbytes = inner.direction, inner.num_tokens, inner.nbytes
         self.engine, self.seen, self.host_waits = engine, False, 0
 

@@ -16,16 +16,23 @@ import signal
 import socket
 import subprocess
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 
 from mooncake_helpers import free_port
 from timing import TimedOut, tree_cpu, wait_for
 
-from kvfsm.dataplane.storage.mooncake import LOOPBACK_ENV, MooncakeUnavailable, import_store_class, master_binary, master_command
+from kvfsm.dataplane.storage.mooncake import (
+    LOOPBACK_ENV,
+    MooncakeUnavailable,
+    import_store_class,
+    master_binary,
+    master_command,
+)
 
 # Before any client exists in this process (or in a child it starts).
 os.environ.update(LOOPBACK_ENV)

@@ -12,8 +12,9 @@ import time
 
 import torch
 
-from kvfsm.dataplane.storage.mooncake import OBJECT_NOT_FOUND, RPC_FAIL, MooncakeStorage
 from timing import scaled, wait_for
+
+from kvfsm.dataplane.storage.mooncake import OBJECT_NOT_FOUND, RPC_FAIL, MooncakeStorage
 
 
 class ScriptedClient:
@@ -48,7 +49,7 @@ class ScriptedClient:
         try:
             import ctypes
             out = []
-            for k, p, n in zip(keys, ptrs, sizes):
+            for k, p, _size in zip(keys, ptrs, sizes):
                 data = self.objects.get(k)
                 if data is None:
                     out.append(OBJECT_NOT_FOUND)

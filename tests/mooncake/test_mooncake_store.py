@@ -22,13 +22,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvfsm.dataplane import HostKVPool, KVCacheConfig
-from kvfsm.dataplane.storage.mooncake import MooncakeUnavailable, NO_AVAILABLE_HANDLE, error_name
-from kvfsm.dataplane.storage import StorageBackend
-from kvfsm.verify.engine import kv_value
 from mooncake_helpers import StoreEngine, free_port
 from mooncake_peer import seeded_page
 from timing import Watch, scaled, wait_for
+
+from kvfsm.dataplane import HostKVPool, KVCacheConfig
+from kvfsm.dataplane.storage import StorageBackend
+from kvfsm.dataplane.storage.mooncake import NO_AVAILABLE_HANDLE, MooncakeUnavailable, error_name
+from kvfsm.verify.engine import kv_value
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]

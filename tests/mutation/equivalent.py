@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import re
 
-
 from equivalent_helpers import _def, _lines  # noqa: E402
-
 
 EQUIVALENT: list[tuple[str, str, str]] = [
     # --- the generated machine ------------------------------------------------------------------------
@@ -421,10 +419,11 @@ EQUIVALENT: list[tuple[str, str, str]] = [
 
 # the survivors of the run of 2026-12-01 (commit 1307cb9), one file per group of modules
 from equivalent_dataplane import EQUIVALENT as _DATAPLANE  # noqa: E402
-from equivalent_runtime import EQUIVALENT as _RUNTIME  # noqa: E402
-from equivalent_storage import EQUIVALENT as _STORAGE  # noqa: E402
+
 # the survivors of the run at 6ea51a2 (the fenced release's code, and the generated machine's observer arguments)
 from equivalent_fenced import EQUIVALENT as _FENCED  # noqa: E402
 from equivalent_generated import EQUIVALENT as _GENERATED  # noqa: E402
+from equivalent_runtime import EQUIVALENT as _RUNTIME  # noqa: E402
+from equivalent_storage import EQUIVALENT as _STORAGE  # noqa: E402
 
 EQUIVALENT += _STORAGE + _DATAPLANE + _RUNTIME + _FENCED + _GENERATED

@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 import torch
 
+from timing import scaled
+
 import kvfsm.generated.decode_offload as gen
 from kvfsm.codegen.generator import batch_action_order
 from kvfsm.dataplane.storage.file import FileStorage
@@ -20,8 +22,6 @@ from kvfsm.generated.decode_offload import DecodeOffloadEffectsEach, DecodeOfflo
 from kvfsm.runtime.backup import BackupJob, SteppedBackupWorker
 from kvfsm.spec import load_spec
 from kvfsm.spec.locations import packaged_spec
-from timing import scaled
-
 
 # --- the generated batch events, over every pair of states ----------------------------------------------
 
@@ -1399,8 +1399,9 @@ def test_each_chunk_that_finds_no_host_room_counts_one_retry() -> None:
 # --- the effects, the ledger and the backup jobs (second pass) ------------------------------------------
 
 def test_token_slice_is_the_list_slice_of_prompt_and_outputs_for_every_span() -> None:
-    import numpy as np
     from types import SimpleNamespace
+
+    import numpy as np
 
     from kvfsm.runtime.effects import token_slice
 
@@ -1537,7 +1538,7 @@ def test_a_free_batch_is_refused_exactly_slot_by_slot() -> None:
     from kvfsm.dataplane.errors import DuplicateIndex, OutOfRange, PartialPage
 
     one = TokenSlotAllocator(8, 1, reserve_padding_page=False)
-    slots = one.alloc(8)
+    one.alloc(8)
     for bad, err in (([8], OutOfRange), ([5, 5], DuplicateIndex), ([1, 2, 2], DuplicateIndex)):
         with pytest.raises(err):
             one.free(bad)

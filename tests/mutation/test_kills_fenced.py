@@ -10,6 +10,9 @@ import pytest
 import torch
 
 from catalog_faults import b2, b16
+from tests.dataplane.test_fences import FakeCopy
+from tests.runtime.test_fenced_release import _engine, _offloading, _state
+
 from kvfsm.dataplane import CpuCopyEngine, FileStorage, SlotFence, TokenSlotAllocator
 from kvfsm.dataplane.copy.cpu import DeferredHandle
 from kvfsm.dataplane.pools.config import KVCacheConfig
@@ -17,8 +20,6 @@ from kvfsm.dataplane.pools.device_pool import DeviceKVPool
 from kvfsm.errors import ConfigError
 from kvfsm.runtime import CheckedModeError, DecodeOffloadManager, OffloadConfig, SimplePrefixCache
 from kvfsm.runtime.ledger import SlotLedger
-from tests.dataplane.test_fences import FakeCopy
-from tests.runtime.test_fenced_release import _engine, _offloading, _state
 
 
 def _fenced_free(a: TokenSlotAllocator, pages: int, copy: FakeCopy) -> list[int]:

@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.dataplane.helpers import bits, make_device_pool, make_host_pool
+from tests.dataplane.test_fences import FakeCopy
+
 from kvfsm.dataplane import CpuCopyEngine, DeferredCpuCopyEngine, KVCacheConfig, SlotFence
 from kvfsm.dataplane.copy.coalescing import CoalescingCopyEngine
 from kvfsm.runtime import CheckedModeError
 from kvfsm.runtime.ledger import SlotLedger
-from tests.dataplane.helpers import bits, make_device_pool, make_host_pool
-from tests.dataplane.test_fences import FakeCopy
-
 
 # --- SlotFence --------------------------------------------------------------------------------------------
 

@@ -7,11 +7,12 @@ from typing import Any
 
 import pytest
 
+from test_kills import ORDERS, Recorder  # tests/mutation is on sys.path (rootdir-relative test modules)
+from tests.reference.test_differential import SPEC, RecordingEffects, _outcome, put_into
+
 import kvfsm.generated.decode_offload as gen
 from kvfsm.generated.decode_offload import DecodeOffloadMachine
 from kvfsm.reference import ReferenceMachine
-from test_kills import ORDERS, Recorder  # tests/mutation is on sys.path (rootdir-relative test modules)
-from tests.reference.test_differential import SPEC, RecordingEffects, _outcome, put_into
 
 # Every state with every counter in 0..3 (a decrement that sets a counter to 1 shows only from 3), for both
 # values of the param: machines are put straight into them, as the differential test's exhaustive box does.

@@ -446,8 +446,9 @@ def test_each_release_under_a_copy_is_counted_fenced_or_deferred() -> None:
 
 def test_a_machine_built_without_the_fences_param_releases_deferred() -> None:
     """`fences` defaults to 0: a machine an engine builds without it must never take the fenced release."""
-    from kvfsm.generated import decode_offload as gen
     from tests.reference.test_differential import RecordingEffects, put_into
+
+    from kvfsm.generated import decode_offload as gen
 
     m = put_into(gen.DecodeOffloadMachine(RecordingEffects()), gen.OFFLOADING, (1, 0, 0))
     assert m.fences == 0
@@ -473,8 +474,9 @@ def test_checked_modes_ledger_forgets_every_copy_once_acknowledged() -> None:
 def test_without_fences_an_engine_release_under_a_copy_is_refused_as_the_event_it_called() -> None:
     """With fences off the engine's release of a request whose copy is in flight is refused as
     `released_by_engine`, the call it made, and changes nothing (never as the fenced event it did not make)."""
-    from kvfsm.errors import EventRejected
     from tests.runtime.test_fenced_release import _engine, _offloading, _state
+
+    from kvfsm.errors import EventRejected
 
     e = _engine(fenced=False)
     req = _offloading(e, "a")

@@ -16,10 +16,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dataplane.helpers import fill_random, make_host_pool  # noqa: E402
+
+from timing import scaled  # noqa: E402
+
 from kvfsm.dataplane import FileStorage, KVCacheConfig, page_hashes  # noqa: E402
 from kvfsm.dataplane.storage import file as storage_mod  # noqa: E402
 from kvfsm.dataplane.storage.file import _SIDECAR, _SIDECAR_MAX  # noqa: E402
-from timing import scaled  # noqa: E402
 
 
 def _pages(n: int, size: int = 1000, seed: int = 0) -> list[torch.Tensor]:
@@ -307,7 +309,7 @@ class _Listing:
     def __init__(self, entries: list[os.DirEntry], reverse: bool) -> None:
         self._entries = sorted(entries, key=lambda e: e.name, reverse=reverse)
 
-    def __enter__(self) -> "_Listing":
+    def __enter__(self) -> _Listing:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from kvfsm.generated.decode_offload import STATES as SPEC_STATES  # the shipped spec's states, as generated
 from timing import run_watched
+
+from kvfsm.generated.decode_offload import STATES as SPEC_STATES  # the shipped spec's states, as generated
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCH_PIN = "torch==2.13.0"  # the Makefile's pin: the CPU build, so the range in pyproject installs nothing bigger

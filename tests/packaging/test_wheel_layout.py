@@ -6,8 +6,9 @@ rules out automatic discovery), so this test is what keeps that list honest.
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,15 +11,13 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 from typer.testing import CliRunner
 
 from kvfsm.cli import app
 from kvfsm.codegen import generate
 from kvfsm.codegen.rows import action_calls, render_rows, rows_module_name, vector
-from kvfsm.spec import expr as ex
-from kvfsm.spec import load_spec
+from kvfsm.spec import expr as ex, load_spec
 from kvfsm.spec.compiled import Transition
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -23,9 +23,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import event as hypothesis_event
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, event as hypothesis_event, given, settings, strategies as st
 
 from kvfsm.errors import EventRejected, GuardRejected, RowNotCreated, RowStillLive
 
@@ -404,7 +402,7 @@ class Spans:
     def __len__(self) -> int:
         return len(self.start)
 
-    def __getitem__(self, positions: np.ndarray) -> "Spans":
+    def __getitem__(self, positions: np.ndarray) -> Spans:
         return Spans(self.start[positions], self.length[positions])
 
 

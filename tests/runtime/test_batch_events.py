@@ -17,14 +17,14 @@ from typing import Any
 
 import pytest
 
+from test_offload_batch import run_workload  # tests/runtime is on sys.path (rootdir-relative test modules)
+
 import kvfsm.generated.cb_swap as cb_gen
 import kvfsm.generated.decode_offload as gen
-from kvfsm.generated.decode_offload import DecodeOffloadEffectsEach, DecodeOffloadMachine
 from kvfsm.codegen.generator import batch_action_order
 from kvfsm.errors import EventRejected
+from kvfsm.generated.decode_offload import DecodeOffloadEffectsEach, DecodeOffloadMachine
 from kvfsm.spec import load_spec
-
-from test_offload_batch import run_workload  # tests/runtime is on sys.path (rootdir-relative test modules)
 
 
 class Recorder(DecodeOffloadEffectsEach):

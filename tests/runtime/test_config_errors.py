@@ -16,18 +16,19 @@ import socket
 import subprocess
 import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
 from pydantic import ValidationError
 
-from kvfsm.dataplane import (CpuCopyEngine, DeviceKVPool, HostKVPool, KVCacheConfig, ReqToTokenPool,
-                             TokenSlotAllocator)
+from timing import TimedOut, tree_cpu, wait_for
+
+from kvfsm.dataplane import CpuCopyEngine, DeviceKVPool, HostKVPool, KVCacheConfig, ReqToTokenPool, TokenSlotAllocator
 from kvfsm.errors import ConfigError
 from kvfsm.runtime import DecodeOffloadManager, OffloadConfig, SimplePrefixCache
-from timing import TimedOut, tree_cpu, wait_for
 
 KV = KVCacheConfig(num_layers=2, kv_heads=1, head_dim=4, attention="mha", dtype=torch.float32)
 
@@ -304,8 +305,13 @@ def _accepts(port: int) -> bool:
 def mooncake_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
     """(RPC address, metadata URL) of a mooncake_master on loopback, stopped by its pid; skipped (failed
     under KVFSM_REQUIRE_MOONCAKE=1) without the wheel, as tests/mooncake does."""
-    from kvfsm.dataplane.storage.mooncake import (LOOPBACK_ENV, MooncakeUnavailable, import_store_class,
-                                                  master_binary, master_command)
+    from kvfsm.dataplane.storage.mooncake import (
+        LOOPBACK_ENV,
+        MooncakeUnavailable,
+        import_store_class,
+        master_binary,
+        master_command,
+    )
     try:
         import_store_class()
     except MooncakeUnavailable as exc:

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
+import kvfsm.verify.engine as engine_mod
 from kvfsm.runtime import DecodeOffloadManager
 from kvfsm.runtime.device_table import DeviceTableSlots
-import kvfsm.verify.engine as engine_mod
 from kvfsm.verify.engine import SimEngine
 
 

@@ -12,8 +12,7 @@ import threading
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from kvfsm.dataplane.storage import MemoryStorage
 from kvfsm.dataplane.storage.faulty import FaultyStorage

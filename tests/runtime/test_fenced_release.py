@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 import kvfsm.generated.decode_offload as spec_gen
-from kvfsm.dataplane import ThreadCpuCopyEngine, SlotFence, TokenSlotAllocator
+from kvfsm.dataplane import SlotFence, ThreadCpuCopyEngine, TokenSlotAllocator
 from kvfsm.dataplane.copy.base import CopyEngine
 from kvfsm.errors import ConfigError
 from kvfsm.runtime import CheckedModeError, DecodeOffloadManager, OffloadConfig, SimplePrefixCache

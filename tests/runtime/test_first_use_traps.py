@@ -17,15 +17,22 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests.runtime.test_scenarios import decode_to_offload, settle, world
+
 import kvfsm.generated.decode_offload as spec_gen
 import kvfsm.runtime.effects as effects_mod
 import kvfsm.runtime.manager as manager_mod
 from kvfsm.dataplane import MemoryStorage
 from kvfsm.dataplane.storage import FaultyStorage
-from kvfsm.errors import (EventRejected, InvalidRequest, LifecycleError, RequestFieldInvalid, RequestFieldMissing,
-                          RowInUse)
+from kvfsm.errors import (
+    EventRejected,
+    InvalidRequest,
+    LifecycleError,
+    RequestFieldInvalid,
+    RequestFieldMissing,
+    RowInUse,
+)
 from kvfsm.verify.engine import SimEngine, SimRequest
-from tests.runtime.test_scenarios import decode_to_offload, settle, world
 
 
 def state(e: SimEngine, req: SimRequest) -> str:

@@ -53,7 +53,7 @@ def run_workload(batched: bool, seed: int, steps: int = 60, engine: SimEngine | 
     e = engine if engine is not None else SimEngine(**engine_kw)
     log = []
     serial = 0
-    for step in range(steps):
+    for _ in range(steps):
         if len(e.live) < e.rows and rng.random() < 0.4:
             serial += 1
             e.admit(f"r{serial}", rng.randint(1, 12), prefix_len=rng.randint(0, 2))

@@ -10,13 +10,14 @@ import typing
 
 import pytest
 
+from timing import join_all
+from tp_threads import ThreadGroup, route_all_reduce
+
 import kvfsm.generated.decode_offload as gen
 from kvfsm.errors import LifecycleError, RetractionRefused
 from kvfsm.runtime import OffloadConfig
 from kvfsm.runtime.tp import ProgressConsensus
 from kvfsm.verify.engine import SimEngine, SimRequest
-from timing import join_all
-from tp_threads import ThreadGroup, route_all_reduce
 
 
 def test_the_config_offers_exactly_the_spec_policy_choices() -> None:

@@ -7,7 +7,7 @@ import hashlib
 import json
 import struct
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 import torch
@@ -15,8 +15,15 @@ import torch
 import kvfsm.generated.decode_offload as spec_gen
 from kvfsm.dataplane import DoubleFree, page_hashes
 from kvfsm.errors import EventRejected
-from kvfsm.runtime import (CheckedModeError, ConfigError, DecodeOffloadManager, InvalidRequest, OffloadConfig,
-                           SimplePrefixCache, ThreadBackupWorker)
+from kvfsm.runtime import (
+    CheckedModeError,
+    ConfigError,
+    DecodeOffloadManager,
+    InvalidRequest,
+    OffloadConfig,
+    SimplePrefixCache,
+    ThreadBackupWorker,
+)
 from kvfsm.runtime.effects import OffloadEffects
 from kvfsm.verify.engine import SimEngine, SimRequest
 

@@ -21,15 +21,15 @@ import numpy as np
 import pytest
 import torch
 
+from tests.runtime.test_offload_batch import run_workload
+
 from kvfsm.dataplane import HostKVPool, KVCacheConfig, OutOfRange, ReqToTokenPool
 from kvfsm.dataplane.copy.base import plan_copy
-from kvfsm.dataplane.pools.device_pool import DeviceKVPool
 from kvfsm.dataplane.copy.staging import PinnedIndexStaging
+from kvfsm.dataplane.pools.device_pool import DeviceKVPool
 from kvfsm.dataplane.storage import FaultyStorage
 from kvfsm.runtime.stored_index import StoredPageIndex
 from kvfsm.verify.engine import SimEngine
-from tests.runtime.test_offload_batch import run_workload
-
 
 # ---- the request table --------------------------------------------------------------------------------
 

@@ -30,12 +30,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from timing import scaled, tree_cpu, wait_for
+from tp_threads import REDUCE_OPS, reduce_inputs, reduce_stacked
+
 from kvfsm.dataplane.storage import FaultyStorage
 from kvfsm.runtime import TPMismatch
 from kvfsm.runtime.tp import ProgressConsensus
 from kvfsm.verify.engine import SimEngine
-from timing import scaled, tree_cpu, wait_for
-from tp_threads import REDUCE_OPS, reduce_inputs, reduce_stacked
 
 SEED = 20240611
 STEPS = 160

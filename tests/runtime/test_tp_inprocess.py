@@ -22,10 +22,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from kvfsm.runtime.tp import ProgressConsensus
-from kvfsm.verify.engine import SimEngine
 from timing import join_all
 from tp_threads import OpBlindGroup, ThreadGroup, reduce_inputs, reduce_stacked, route_all_reduce
+
+from kvfsm.runtime.tp import ProgressConsensus
+from kvfsm.verify.engine import SimEngine
 
 R = dist.ReduceOp
 SEEDS = range(6)

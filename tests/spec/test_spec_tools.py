@@ -15,8 +15,7 @@ from typer.testing import CliRunner
 
 from kvfsm.cli import app
 from kvfsm.codegen import generate, module_name, render
-from kvfsm.spec import load_spec
-from kvfsm.spec import expr as ex
+from kvfsm.spec import expr as ex, load_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC_REL = "spec/decode_offload.yaml"
@@ -90,7 +89,7 @@ def test_gen_is_deterministic_and_matches_committed(tmp_path: Path, spec) -> Non
     assert first == second
     committed = (GENERATED / f"{module_name(spec)}.py").read_text()
     assert first == committed
-    for run, out in enumerate((tmp_path / "a", tmp_path / "b")):
+    for out in (tmp_path / "a", tmp_path / "b"):
         result = generate(SPEC_REL, out)
         assert result.changed and result.path == out / "decode_offload.py"
         assert result.path.read_text() == committed

@@ -75,29 +75,36 @@ import tempfile
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
 
+import test_manager_machine as tm
+from test_manager_machine import check, page_values
+from timing import measure, scaled
+
 import kvfsm.dataplane.copy.cpu as cpu_copy
-from kvfsm.dataplane import (KVCacheConfig, ReqToTokenPool, ThreadCpuCopyEngine, TokenSlotAllocator, page_hashes,
-                             wait_fences)
+import kvfsm.runtime.backup as backup_mod
+from kvfsm.dataplane import (
+    KVCacheConfig,
+    ReqToTokenPool,
+    ThreadCpuCopyEngine,
+    TokenSlotAllocator,
+    page_hashes,
+    wait_fences,
+)
 from kvfsm.dataplane.pools.allocator import PageSlots
 from kvfsm.dataplane.pools.device_pool import DeviceKVPool
 from kvfsm.dataplane.storage import FaultyStorage, MemoryStorage
 from kvfsm.runtime import DecodeOffloadManager, OffloadConfig, SimplePrefixCache, SteppedBackupWorker
-import kvfsm.runtime.backup as backup_mod
 from kvfsm.runtime.backup import BackupWorker
 from kvfsm.runtime.build import close_storage, storage_factory
 from kvfsm.runtime.tp import ProgressConsensus
 from kvfsm.verify.engine import SCRATCH_WRITER, SimRequest, kv_value
-
-import test_manager_machine as tm
-from test_manager_machine import check, page_values
-from timing import measure, scaled
 
 # --- configurations ------------------------------------------------------------------------------------
 
@@ -232,7 +239,7 @@ def patch_all_reduce(mp: Any) -> None:
 
 # --- copy landings: the truth about which copies have moved their bytes --------------------------------
 
-_SHADOWS: dict[int, "Shadow"] = {}  # id(host pool) -> the shadow of its rank
+_SHADOWS: dict[int, Shadow] = {}  # id(host pool) -> the shadow of its rank
 
 
 def patch_landing_probe(mp: Any) -> None:
@@ -336,7 +343,7 @@ class Shadow:
     """The independent model of one rank (see the module docstring). Methods named on_* are called by the
     wrapped data plane (any thread); `check()` after every rule (the scheduler thread)."""
 
-    def __init__(self, rank: "Rank") -> None:
+    def __init__(self, rank: Rank) -> None:
         self.rank = rank
         self.ps = rank.ps
         self.lock = threading.RLock()

@@ -27,23 +27,54 @@ import random
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import pytest
 import torch
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from kvfsm.runtime.tp import ProgressConsensus
-from kvfsm.verify.engine import SimEngine
-
 import test_manager_machine as tm
+from catalog_faults import (
+    b1,
+    b2,
+    b3,
+    b3_host,
+    b4,
+    b5,
+    b6,
+    b6_readmit,
+    b7,
+    b8,
+    b9,
+    b10,
+    b11,
+    b12,
+    b13,
+    b14,
+    b15,
+    b16,
+    b17,
+    b17_carried,
+    b18,
+    b18_fenced,
+    b18_parked,
+    b19,
+    b19_batch,
+    b19_partial,
+    b20,
+    b20_in_flight,
+    b20_swap_out,
+    b21,
+    b21_first,
+)
 from timing import join_all, run_watched
 from tp_threads import ThreadGroup, route_all_reduce
-from catalog_faults import (b1, b2, b3, b3_host, b4, b5, b6, b6_readmit, b7, b8, b9, b10, b11, b12, b13, b14, b15, b16,
-                            b17, b17_carried, b18, b18_fenced, b18_parked, b19, b19_batch, b19_partial, b20,
-                            b20_in_flight, b20_swap_out, b21, b21_first)
+
+from kvfsm.runtime.tp import ProgressConsensus
+from kvfsm.verify.engine import SimEngine
 
 DEEP = tm.DEEP
 REPORT: dict[str, dict[str, Any]] = {}

@@ -42,8 +42,9 @@ from __future__ import annotations
 import importlib.util
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import pytest
 from hypothesis import HealthCheck, Phase, seed, settings

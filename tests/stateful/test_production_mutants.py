@@ -13,18 +13,22 @@ that ran was caught.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 
-import kvfsm.runtime.backup as backup_mod
-import kvfsm.runtime.build as build
 import test_manager_machine as tm
 from catalog_faults import b1, b2, b3_host, b5, b8, b10, b13, b15
+from production import Config
+from test_production_matrix import CONFIGS, matrix_mooncake, run_config  # noqa: F401 (the fixture)
+
+import kvfsm.runtime.backup as backup_mod
+import kvfsm.runtime.build as build
 from kvfsm.dataplane import TokenSlotAllocator
 from kvfsm.dataplane.copy.cpu import DeferredHandle, _FutureHandle
 from kvfsm.dataplane.fences import SlotFence
@@ -33,8 +37,6 @@ from kvfsm.runtime.backup import BackupJob, ThreadBackupWorker
 from kvfsm.runtime.effects import OffloadEffects
 from kvfsm.runtime.manager import DecodeOffloadManager
 from kvfsm.runtime.tp import ProgressConsensus
-from production import Config
-from test_production_matrix import CONFIGS, matrix_mooncake, run_config  # noqa: F401 (the fixture)
 
 CFG = {c.id: c for c in CONFIGS}
 

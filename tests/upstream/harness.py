@@ -24,9 +24,10 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -457,7 +458,6 @@ class _Run:
     # --- scheduler actions
     def admit(self, spec: ReqSpec) -> None:
         """A request whose prompt KV the prefill instance transferred, with its first token sampled."""
-        ps = self.sc.page_size
         req = Req(spec.rid, "", array("q", spec.prompt), SamplingParams(max_new_tokens=spec.decode + 1),
                   extra_key=spec.extra_key, cache_salt=spec.cache_salt, lora_id=spec.lora_id)
         self.reqs[spec.rid] = req

@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 from contextlib import contextmanager
 from types import SimpleNamespace
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -229,7 +230,7 @@ def test_in_flight_views_follow_upstream() -> None:
             spec = SC.requests[0]
             trace = []
             run.admit(spec)
-            for t in range(1, spec.decode + 1):
+            for _ in range(1, spec.decode + 1):
                 run.decode(spec)
                 run.mgr.offload_kv_cache(run.reqs["a"])
                 trace.append((len(run.mgr.ongoing_offload), run.mgr.has_inflight_device_transfer()))

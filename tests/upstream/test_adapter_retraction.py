@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+
 import harness
 from scenarios import ReqSpec, Scenario
 from test_differential import ProbedAdapter

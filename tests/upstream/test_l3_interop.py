@@ -85,7 +85,7 @@ def test_plain_wide_and_empty_keys_match_upstream() -> None:
         wide = rng.random() < 0.5
         tokens = [rng.randrange(0, 2**63) if wide and rng.random() < 0.3 else rng.randrange(0, 2**32)
                   for _ in range(ps * rng.randrange(0, 4))]
-        prior = rng.choice([None, "%064x" % rng.getrandbits(256)])
+        prior = rng.choice([None, f"{rng.getrandbits(256):064x}"])
         ek = rng.choice(PARTS)
         assert page_hashes(tokens, ps, prior, extra_key=ek) == upstream_chain(tokens, ps, prior, ek, None)
         assert page_hashes(tokens, ps, prior) == (get_hash_str(tokens, prior, ps) if tokens else [])

@@ -12,6 +12,7 @@ from vllm.v1.kv_offload.base import LookupResult, ReqContext
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
 from driver import key
+
 from kvfsm.integrations.vllm import ChunkMisuse, KvfsmOffloadingManager
 
 A, B, C = key(1, 0), key(1, 1), key(2, 0)

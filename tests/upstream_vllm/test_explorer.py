@@ -18,6 +18,7 @@ from vllm.v1.kv_offload.base import LookupResult, ReqContext
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
 from driver import _norm, key
+
 from kvfsm.generated.offload_chunk import TRANSITIONS
 from kvfsm.integrations.vllm import KvfsmOffloadingManager
 

@@ -9,14 +9,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
 from driver import Pair, key
+
 from kvfsm.generated.offload_chunk import TRANSITIONS
 from kvfsm.integrations.vllm import KvfsmOffloadingManager
-
 
 REACHED: set[int] = set()  # the chunk transitions the random sequences fired, over every example
 

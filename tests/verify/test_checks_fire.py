@@ -14,7 +14,8 @@ below say which); `teardown_ledger_empty` has its own.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 

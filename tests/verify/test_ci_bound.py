@@ -12,13 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from timing import calibration_cpu
+
 import kvfsm.generated.decode_offload as gen
 from kvfsm.spec import load_spec
 from kvfsm.verify.bounds import CI, DEFAULT
 from kvfsm.verify.commands import check
 from kvfsm.verify.coverage_page import extract
 from kvfsm.verify.replay import default_spec_path
-from timing import calibration_cpu
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "explorer-coverage.md"
 DEEP = os.environ.get("KVFSM_FUZZ", "ci") == "deep"

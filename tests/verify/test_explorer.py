@@ -20,14 +20,41 @@ from pathlib import Path
 
 import pytest
 
-from catalog_faults import (b1, b2, b3_engine as b3_faults, b5, b6_readmit, b7, b8, b9, b10, b13, b15, b16, b17, b17_carried,
-                            b20_in_flight)
+from catalog_faults import (
+    b1,
+    b2,
+    b3_engine as b3_faults,
+    b5,
+    b6_readmit,
+    b7,
+    b8,
+    b9,
+    b10,
+    b13,
+    b15,
+    b16,
+    b17,
+    b17_carried,
+    b20_in_flight,
+)
 from timing import run_watched
+
 from kvfsm.dataplane.pools.allocator import PageSlots
 from kvfsm.runtime.manager import DecodeOffloadManager
 from kvfsm.verify.commands import check
-from kvfsm.verify.explorer import (ExplorerConfig, World, apply, build, canonical_key, check_world, clone,
-                                   counterexample_test, enabled, explore, replay_events)
+from kvfsm.verify.explorer import (
+    ExplorerConfig,
+    World,
+    apply,
+    build,
+    canonical_key,
+    check_world,
+    clone,
+    counterexample_test,
+    enabled,
+    explore,
+    replay_events,
+)
 
 DEEP = os.environ.get("KVFSM_FUZZ", "ci") == "deep"
 
@@ -220,10 +247,10 @@ def test_explorer_finds_mutant(mid: str, monkeypatch: pytest.MonkeyPatch, tmp_pa
     mod = _load(path)
     test = getattr(mod, f"test_cx_{mid.replace('-', '_').lower()}")
     if faults is not None:  # the generated test replays without hooks: re-apply this one through replay_events
-        with pytest.raises(BaseException):
+        with pytest.raises(BaseException):  # noqa: B017 - the mutant's own failure, whatever its type
             replay_events(mod.CONFIG, mod.EVENTS, faults=faults)
     else:
-        with pytest.raises(BaseException):
+        with pytest.raises(BaseException):  # noqa: B017 - the mutant's own failure, whatever its type
             test()
     # ... and passes once it is gone
     monkeypatch.undo()

@@ -8,6 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from catalog_faults import b2
+
 from kvfsm.cli import app
 from kvfsm.verify.explorer import ExplorerConfig, explore
 

@@ -21,6 +21,7 @@ import random
 import pytest
 
 import catalog_faults
+
 from kvfsm.verify.explorer import ExplorerConfig, World, apply, build, canonical_key, clone, enabled, explore
 from kvfsm.verify.explorer.canonical import canonical
 from kvfsm.verify.explorer.independence import dependent, footprints, stable_id

@@ -171,7 +171,7 @@ class RowGeometry:
     rows_of: tuple[Any, ...]  # (P, L, H, D, dtype): two views' rows pair only when these match
 
     @classmethod
-    def of(cls, view: torch.Tensor) -> "RowGeometry":
+    def of(cls, view: torch.Tensor) -> RowGeometry:
         st, shape, es = view.stride(), tuple(view.shape), view.element_size()
         if len(shape) != 5:
             raise ValueError(f"a (P, L, S, H, D) view, got shape {shape}")

@@ -52,7 +52,7 @@ class PageSlots:
 
     __slots__ = ("allocator", "pages", "_slots")
 
-    def __init__(self, allocator: "TokenSlotAllocator", pages: list[int], slots: torch.Tensor | None = None) -> None:
+    def __init__(self, allocator: TokenSlotAllocator, pages: list[int], slots: torch.Tensor | None = None) -> None:
         self.allocator, self.pages, self._slots = allocator, pages, slots
 
     @property

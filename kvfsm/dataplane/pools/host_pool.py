@@ -22,10 +22,10 @@ from typing import Literal
 import numpy as np
 import torch
 
+from ..errors import HostMemoryError, NotAllocated, PartialPage
 from .allocator import IndexLike, PageSlots, TokenSlotAllocator, as_index_tensor
 from .config import KVCacheConfig
 from .device_pool import DeviceKVPool
-from ..errors import HostMemoryError, NotAllocated, PartialPage
 
 Layout = Literal["layer_first", "page_first"]
 LAYOUTS: tuple[Layout, ...] = ("layer_first", "page_first")

@@ -14,7 +14,8 @@ in place. `LayerBufferKVPool` presents them as a `DeviceKVPool` without copying 
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import torch
 

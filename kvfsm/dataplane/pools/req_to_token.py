@@ -17,9 +17,9 @@ from collections import deque
 
 import torch
 
+from ..errors import ConservationError, DoubleFree, NeverAllocated, NotAllocated, OutOfRange
 from .allocator import IndexLike, as_index_tensor
 from .device_pool import resolve_device
-from ..errors import ConservationError, DoubleFree, NeverAllocated, NotAllocated, OutOfRange
 
 
 class ReqToTokenPool:

@@ -6,8 +6,7 @@ from collections.abc import Callable, Collection, Sequence
 
 import torch
 
-from .base import _check_batch
-
+from .base import StorageBackend, _check_batch
 
 KeySelector = Collection[str] | Callable[[str], bool]
 

@@ -33,16 +33,16 @@ What differs from upstream on purpose (docs/sglang-upstream.md has upstream's si
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
+import kvfsm.generated.decode_offload as spec_gen
 from kvfsm.dataplane import CpuCopyEngine, CudaCopyEngine, FileStorage, HostKVPool
 from kvfsm.errors import ConfigError, EventRejected, RetractionRefused
 from kvfsm.runtime import DecodeOffloadManager, OffloadConfig, TPMismatch
 from kvfsm.runtime.manager import Reservation
 from kvfsm.runtime.protocols import raise_if_length_invalid
 from kvfsm.runtime.tp import ProgressConsensus
-
-import kvfsm.generated.decode_offload as spec_gen
 
 from .objects import AllocatorView, PrefixCacheView, RequestView, RequestViews, TableView
 from .pool import SGLangDeviceKVPool
@@ -72,7 +72,7 @@ class _CopiesInFlight(Mapping[int, int]):
     ones waiting for their batch included. Iterating submits those first (serials name submitted chunks).
     Read-only."""
 
-    def __init__(self, adapter: "DecodeKVCacheOffloadManager") -> None:
+    def __init__(self, adapter: DecodeKVCacheOffloadManager) -> None:
         self._adapter = adapter
 
     def __len__(self) -> int:

@@ -17,7 +17,8 @@ after `tree_cache.unlock(req.lock)`.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Optional
 
 import torch
 
@@ -107,7 +108,7 @@ class RequestViews:
     """The identity-stable view of each Req, and the Reqs kvfsm may still release, by table row."""
 
     def __init__(self) -> None:
-        self._views: "weakref.WeakKeyDictionary[Any, RequestView]" = weakref.WeakKeyDictionary()
+        self._views: weakref.WeakKeyDictionary[Any, RequestView] = weakref.WeakKeyDictionary()
         self._pinned: dict[int, Any] = {}  # row -> the Req that holds it (strong: kvfsm may release it later)
         # id(Req) -> its view, for Reqs pinned on a live lifecycle with no chunk due before `view.due`:
         # the adapter answers their offload calls with no other lookup. An entry goes with its Req (the

@@ -19,6 +19,7 @@ from kvfsm.errors import ConfigError
 
 from .settings import SOURCE
 
+
 def _buffers(kv_pool: Any) -> tuple[list[list[torch.Tensor]], bool]:
     """(per plane, the per-layer buffers; is MLA) of an SGLang MHA or MLA pool; anything else: ConfigError."""
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool

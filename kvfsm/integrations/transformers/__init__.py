@@ -41,14 +41,13 @@ from __future__ import annotations
 
 # compat first: without transformers, importing this package fails there, with the extra to install.
 # The private names stay importable from here, as they were from the single module.
-from .compat import TESTED_VERSIONS, _TESTED_MAX, _TESTED_MIN, _version_tuple, transformers_version_tested  # noqa: F401
+from .compat import _TESTED_MAX, _TESTED_MIN, TESTED_VERSIONS, _version_tuple, transformers_version_tested  # noqa: F401
 from .config import SwapConfig, SwapMetrics, _size_host_pool  # noqa: F401
 from .effects import SwapCopy, SwapEffects, SwapRecord, _engine_for  # noqa: F401
 from .installer import SwapInstallation, _install_on_manager, install, installed  # noqa: F401
 from .ledger import SwapLedger
 from .manager import KvfsmOffloadingManager, _serials  # noqa: F401
 from .pool import PagedCachePool
-
 
 __all__ = [
     "KvfsmOffloadingManager",

@@ -74,7 +74,7 @@ class SwapMetrics:
     time_offload_s: float = 0.0  # host wall time inside offload_requests (victim choice, swap-outs)
     time_restore_s: float = 0.0  # host wall time inside restore_scheduled_requests calls that restored a request
 
-    def __add__(self, other: "SwapMetrics") -> "SwapMetrics":
+    def __add__(self, other: SwapMetrics) -> SwapMetrics:
         out = SwapMetrics()
         for f in fields(self):
             a, b = getattr(self, f.name), getattr(other, f.name)

@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Optional, Protocol
 
 import torch
 
-from kvfsm.generated.cb_swap import CbSwapMachine
 from kvfsm.dataplane import CopyEngine, CopyHandle, CpuCopyEngine, HostKVPool
 from kvfsm.dataplane.fences import SlotFence
 from kvfsm.dataplane.pools.allocator import PageSlots
+from kvfsm.generated.cb_swap import CbSwapMachine
 from kvfsm.runtime.ledger import CheckedModeError
 
 from .config import SwapConfig, SwapMetrics
@@ -45,7 +46,7 @@ class SwapRecord:
 
     key: str
     rid: str
-    state_ref: "weakref.ReferenceType[Any]"
+    state_ref: weakref.ReferenceType[Any]
     machine: Optional[CbSwapMachine] = None
     host_blocks: Optional[PageSlots] = None  # held from the swap-out until the swap-in lands
     copy: Optional[SwapCopy] = None  # the copy in flight
@@ -70,7 +71,7 @@ class SwapOwner(Protocol):
     checked: bool
     ledger: Optional[SwapLedger]
     metrics: SwapMetrics
-    in_flight: dict[str, "SwapRecord"]
+    in_flight: dict[str, SwapRecord]
 
     @property
     def compute_stream(self) -> Any: ...
@@ -81,7 +82,7 @@ class SwapOwner(Protocol):
 
     def engine_free_blocks(self, request_id: str, no_cache: bool = False) -> None: ...
 
-    def check_restore_target(self, rec: "SwapRecord", blocks: list[int]) -> None: ...
+    def check_restore_target(self, rec: SwapRecord, blocks: list[int]) -> None: ...
 
 
 class SwapEffects:

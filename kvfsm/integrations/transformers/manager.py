@@ -23,10 +23,10 @@ from typing import Any, Optional
 
 import torch
 
-from kvfsm.generated import cb_swap as spec_gen
-from kvfsm.generated.cb_swap import CbSwapMachine
 from kvfsm.dataplane import HostKVPool
 from kvfsm.errors import LifecycleError
+from kvfsm.generated import cb_swap as spec_gen
+from kvfsm.generated.cb_swap import CbSwapMachine
 from kvfsm.runtime.ledger import CheckedModeError
 
 from .compat import FULL_ATTENTION, OffloadingManager, RequestStatus

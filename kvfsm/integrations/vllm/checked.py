@@ -10,8 +10,9 @@ request's store completes. Nothing here imports vLLM.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Collection, Iterable, Mapping
+from typing import Any
 
 from kvfsm.generated.offload_chunk import PINNED, READY, STATES, WRITE_PENDING
 from kvfsm.integrations.vllm.chunk import Chunk

@@ -21,12 +21,12 @@ calls `Snapshot`, `clone` and `build`), not here.
 """
 
 from kvfsm.verify.explorer.canonical import canonical_key
-from kvfsm.verify.explorer.checks import Violation, _describe, check_world
+from kvfsm.verify.explorer.checks import Violation, _describe as _describe, check_world
 from kvfsm.verify.explorer.cloning import CloneError, Snapshot, clone
 from kvfsm.verify.explorer.counterexample import counterexample_test
 from kvfsm.verify.explorer.events import apply, build, enabled, event_label, replay_events
 from kvfsm.verify.explorer.search import Counterexample, ExploreResult, explore
-from kvfsm.verify.explorer.world import BoundInvalid, ENDED, LIVE, NEW, RETRACTED, Event, ExplorerConfig, Faults, World
+from kvfsm.verify.explorer.world import ENDED, LIVE, NEW, RETRACTED, BoundInvalid, Event, ExplorerConfig, Faults, World
 
 # `_describe` (exception -> (violation name, detail)) is re-exported for kvfsm.verify.coverage's fuzzer.
 __all__ = ["BoundInvalid", "CloneError", "Counterexample", "ENDED", "Event", "ExploreResult", "ExplorerConfig", "Faults", "LIVE",

@@ -22,7 +22,8 @@ with one key may name the same request, chunk or copy differently.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Optional
 
 from kvfsm.verify.explorer.checks import _Snap
 from kvfsm.verify.explorer.world import _DEFERRED, _ROW_HOLDING, LIVE, RETRACTED, World

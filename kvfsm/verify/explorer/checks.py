@@ -135,7 +135,7 @@ def check_world(w: World, snap: Optional[_Snap] = None) -> _Snap:
     for k in [k for k in w.ends if k not in {(h[1], h[2]) for h in holders}]:
         del w.ends[k]  # released lifecycles
     pages: list[int] = []
-    for name, i, row, committed, alloc, _ in holders:
+    for name, _i, row, _committed, alloc, _ in holders:
         _check(isinstance(row, int) and 0 <= row < len(s.rows_alloc) and s.rows_alloc[row], "holder_has_row",
                f"{name} row {row!r}")
         pages += [slot // ps for slot in s.table[row][0:-(-alloc // ps) * ps:ps]]

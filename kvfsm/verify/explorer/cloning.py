@@ -35,7 +35,8 @@ import sys
 import threading
 import types
 import weakref
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 

@@ -17,13 +17,13 @@ on them.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Optional
 
 import kvfsm.generated.decode_offload as gen
 from kvfsm.verify.engine import SimEngine, SimRequest
 from kvfsm.verify.explorer.checks import Violation, _check, _check_chunk, check_world
-from kvfsm.verify.explorer.world import (_LIVE_STATES, ENDED, LIVE, NEW, RETRACTED, Event, ExplorerConfig, Faults,
-                                         World)
+from kvfsm.verify.explorer.world import _LIVE_STATES, ENDED, LIVE, NEW, RETRACTED, Event, ExplorerConfig, Faults, World
 
 
 def enabled(w: World) -> list[Event]:

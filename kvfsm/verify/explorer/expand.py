@@ -16,8 +16,9 @@ events commute); every state is still reached, only edges into already reached s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 from kvfsm.verify.explorer.canonical import Naming, canonical, canonical_key
 from kvfsm.verify.explorer.checks import check_world

@@ -29,7 +29,8 @@ reaches the same states, coverage and violations as the full one.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 from kvfsm.verify.explorer.world import _LIVE_STATES, _ROW_HOLDING, LIVE, RETRACTED, Event, World
 

@@ -22,8 +22,9 @@ import contextlib
 import logging
 import resource
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Optional
 
 from kvfsm.verify.explorer.canonical import Naming, canonical
 from kvfsm.verify.explorer.checks import _describe, check_world

@@ -9,8 +9,9 @@ The phases and the spec's state sets the events, checks and key are written agai
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import kvfsm.generated.decode_offload as gen
 from kvfsm.verify.engine import SimEngine, SimRequest

@@ -23,7 +23,7 @@ class _Placeholder:
     def __init__(self, name: str) -> None:
         self._name = name
 
-    def __getattr__(self, attr: str) -> "_Placeholder":
+    def __getattr__(self, attr: str) -> _Placeholder:
         if attr.startswith("__"):
             raise AttributeError(attr)
         return _Placeholder(f"{self._name}.{attr}")

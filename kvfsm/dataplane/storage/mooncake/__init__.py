@@ -57,10 +57,21 @@ import logging
 
 from .client import MooncakeStats, MooncakeStorage
 from .connect import _INSTALL_HINT, _host_port, import_store_class, probe  # noqa: F401
-from .keys import sglang_mooncake_keys, sglang_mooncake_prefix
 from .errors import (  # noqa: F401
-    ERROR_NAMES, INVALID_PARAMS, NO_AVAILABLE_HANDLE, OBJECT_ALREADY_EXISTS, OBJECT_NOT_FOUND, OK, RPC_FAIL,
-    RPC_TIMEOUT, TIMEOUT, WEDGED, MooncakeUnavailable, error_name)
+    ERROR_NAMES,
+    INVALID_PARAMS,
+    NO_AVAILABLE_HANDLE,
+    OBJECT_ALREADY_EXISTS,
+    OBJECT_NOT_FOUND,
+    OK,
+    RPC_FAIL,
+    RPC_TIMEOUT,
+    TIMEOUT,
+    WEDGED,
+    MooncakeUnavailable,
+    error_name,
+)
+from .keys import sglang_mooncake_keys, sglang_mooncake_prefix
 from .master import LOOPBACK_ENV, master_binary, master_command
 from .read_pool import _ReadPool, _Slab  # noqa: F401
 from .runner import _ABANDONED, _CANCELLED, _FINISHED, _PENDING, _RUNNING, _Job, _Runner  # noqa: F401
