@@ -417,3 +417,113 @@ def test_a_quiet_request_readmitted_on_another_row_takes_the_full_path() -> None
             run.mgr.finalize_release_on_finish(run.reqs[s.rid])
         run.mgr.check_offload_progress()
         run.probe.close(run.mgr)
+
+
+def test_a_row_whose_last_req_never_started_a_lifecycle_goes_to_the_next_req_and_back_to_sglang() -> None:
+    """A request the manager saw before its first token (nothing to offload: kvfsm starts no lifecycle for it)
+    is retracted by SGLang, which admits the next request on its row. That request is pinned on the row, as any
+    other: it offloads, finishes, and its release gives the row back to SGLang's pool."""
+    from test_adapter_retraction import _engine_release
+
+    sc = Scenario(name="row-after-a-req-without-lifecycle", page_size=4, stride=8,
+                  requests=(ReqSpec("a", tuple(range(1, 9)), decode=12),
+                            ReqSpec("c", tuple(range(300, 306)), decode=12, start=1)))
+    with tempfile.TemporaryDirectory() as store, harness.published(sc, 0, store):
+        run = harness._Run(sc, ProbedAdapter, 0, harness._tp_group_world1(), store)
+        a_spec, c_spec = sc.requests
+        run.admit(a_spec)
+        a = run.reqs["a"]
+        a.output_ids.pop()  # its first token not sampled yet
+        assert run.mgr.offload_kv_cache(a) is False
+        assert run.mgr.manager.machine_of(run.mgr._views.view(a)) is None
+        row = a.kv.req_pool_idx
+        run.mgr.drain_before_retraction()
+        _engine_release(run, a)  # a stays alive (SGLang's waiting queue holds it)
+        run.admit(c_spec)
+        c = run.reqs["c"]
+        assert c.kv.req_pool_idx == row
+        for _ in range(9):
+            run.decode(c_spec)
+        assert run.mgr.offload_kv_cache(c) is True
+        run.mgr.check_offload_progress()
+        run.settle()
+        run.finish(c_spec)
+        run.mgr.finalize_release_on_finish(c)
+        run.mgr.check_offload_progress()
+        assert c.kv.req_pool_idx is None and row in run.r2t.free_slots
+        assert run.mgr.manager.metrics.chunks == 1
+        run.probe.close(run.mgr)
+
+
+class _Unchecked(DecodeKVCacheOffloadManager):
+    """The production adapter (unchecked, as SGLang runs it), with the harness's probe."""
+
+    @staticmethod
+    def harness_probe() -> harness.Probe:
+        from test_differential import _KvfsmProbe
+
+        return _KvfsmProbe()
+
+
+def test_the_early_exit_never_answers_for_a_row_its_req_left() -> None:
+    """The early exit answers what the full path would, even for an engine that hands one row to two live
+    Reqs. x is seen on row r before its first token (no lifecycle), then y claims r too and starts r's
+    lifecycle; x, with its first token, is answered from that lifecycle's due point and noted quiet on r. x
+    leaves r (a call sees it off the row), the engine releases y, and x comes back on r with a whole stride
+    committed: its call takes the full path, which admits x and takes its first chunk, instead of answering
+    from y's due point."""
+    sc = Scenario(name="quiet-row-left", page_size=4, stride=8,
+                  requests=(ReqSpec("x", tuple(range(1, 11)), decode=12),
+                            ReqSpec("y", tuple(range(100, 118)), decode=12)))
+    with tempfile.TemporaryDirectory() as store, harness.published(sc, 0, store):
+        run = harness._Run(sc, _Unchecked, 0, harness._tp_group_world1(), store)
+        x_spec, y_spec = sc.requests
+        run.admit(x_spec)
+        run.admit(y_spec)
+        x, y = run.reqs["x"], run.reqs["y"]
+        first = x.output_ids.pop()  # x: nothing sampled yet
+        assert run.mgr.offload_kv_cache(x) is False
+        row = x.kv.req_pool_idx
+        y.kv.req_pool_idx = row  # y claims x's row: its lifecycle starts there (due at 16 + 8)
+        assert run.mgr.offload_kv_cache(y) is False
+        x.output_ids.append(first)
+        assert run.mgr.offload_kv_cache(x) is False  # committed 10: before y's due point
+        x.kv.req_pool_idx = None
+        assert run.mgr.offload_kv_cache(x) is False  # off the row
+        y.kv.req_pool_idx = None  # the engine released y itself
+        run.mgr.finalize_release_on_finish(y)
+        assert run.mgr.manager.metrics.engine_releases == 1
+        x.kv.req_pool_idx = row
+        for _ in range(6):
+            run.decode(x_spec)  # committed 16: x's first chunk [8, 16) is due
+        assert run.mgr.offload_kv_cache(x) is True
+        run.mgr.check_offload_progress()
+        assert run.mgr.manager.metrics.chunks == 1
+        run.finish(x_spec)
+        run.mgr.finalize_release_on_finish(x)
+        run.settle()
+        run.mgr.check_offload_progress()
+        run.probe.close(run.mgr)
+
+
+def test_a_quiet_request_whose_committed_length_is_no_integer_is_refused_naming_it() -> None:
+    """The early exit compares the committed length first and checks its type only when that fails: a length that
+    is not an integer is RequestFieldInvalid naming kv_committed_len, raised from the comparison's TypeError.
+    Nothing changed: with the length restored, the call answers from the early exit as before."""
+    from kvfsm.errors import RequestFieldInvalid
+
+    with tempfile.TemporaryDirectory() as store, harness.published(SC, 0, store):
+        run = _started(ProbedAdapter, store)
+        spec = SC.requests[0]
+        req = run.reqs[spec.rid]
+        run.decode(spec)
+        assert run.mgr.offload_kv_cache(req) is False and id(req) in run.mgr._views.quiet
+        good, req.kv.kv_committed_len = req.kv.kv_committed_len, None
+        with pytest.raises(RequestFieldInvalid, match="kv_committed_len") as refused:
+            run.mgr.offload_kv_cache(req)
+        assert isinstance(refused.value.__cause__, TypeError)
+        req.kv.kv_committed_len = good
+        assert run.mgr.offload_kv_cache(req) is False and id(req) in run.mgr._views.quiet
+        for s in SC.requests:
+            run.mgr.finalize_release_on_finish(run.reqs[s.rid])
+        run.probe.close(run.mgr)
