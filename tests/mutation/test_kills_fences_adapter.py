@@ -1,6 +1,6 @@
 """Tests written to kill survivors of the `fences-adapter` mutation scope (docs/mutation.md): the fences, the
 ledger's fence and wait checks, the coalescing copy engine and the parts of the SGLang adapter that run
-without SGLang (the adapter's tests over SGLang's own objects are in tests/upstream/test_adapter_kills.py)."""
+without SGLang (the adapter's tests over SGLang's own objects are in tests/upstream/test_kills_adapter.py)."""
 
 from __future__ import annotations
 
