@@ -127,15 +127,21 @@ $(VLLM_STAMP): pyproject.toml tests/upstream_vllm/requirements.txt
 	$(ONE_AT_A_TIME) $(VLLM_BIN)/python -m pip install -q -e '.[dev]'
 	touch $(VLLM_STAMP)
 
-# kvfsm's tests against vLLM's manager, then vLLM's own manager tests against kvfsm's (tests/upstream_vllm/upstream/)
+# kvfsm's tests against vLLM's manager; then vLLM 0.34.0's own tests against kvfsm's manager (the CPU manager's,
+# the offload factories', the OffloadingConnector's scheduler, events, metrics and config tests: vLLM's files
+# unchanged in tests/upstream_vllm/upstream/, kvfsm's patches beside them, assembled into build/); then those that
+# build kvfsm's manager again, in checked mode (docs/vllm.md).
 VLLM_OWN_TESTS := build/vllm-own-tests
+VLLM_CHECKED_TESTS := tests/v1/kv_connector/unit/offloading_connector/test_scheduler.py \
+	tests/v1/kv_connector/unit/offloading_connector/test_events.py tests/v1/kv_offload/test_factory.py \
+	tests/v1/kv_offload/cpu/policies/test_factory.py tests/v1/kv_offload/cpu/test_manager.py
 test-vllm: $(VLLM_STAMP)
 	KVFSM_REQUIRE_VLLM=1 $(VLLM_BIN)/python -m pytest -q -p no:cacheprovider tests/upstream_vllm
 	rm -rf $(VLLM_OWN_TESTS) && mkdir -p $(VLLM_OWN_TESTS)
-	cp tests/upstream_vllm/upstream/test_manager.py.orig $(VLLM_OWN_TESTS)/test_manager.py
-	cd $(VLLM_OWN_TESTS) && git apply -p1 $(CURDIR)/tests/upstream_vllm/upstream/kvfsm.patch
-	grep -q '^from kvfsm.integrations.vllm import KvfsmOffloadingManager' $(VLLM_OWN_TESTS)/test_manager.py
-	cd $(VLLM_OWN_TESTS) && $(CURDIR)/$(VLLM_BIN)/python -m pytest -q -p no:cacheprovider test_manager.py
+	$(VLLM_BIN)/python tests/upstream_vllm/upstream/assemble.py $(VLLM_OWN_TESTS)
+	cd $(VLLM_OWN_TESTS) && $(CURDIR)/$(VLLM_BIN)/python -m pytest -q -p no:cacheprovider -rs tests
+	cd $(VLLM_OWN_TESTS) && KVFSM_VLLM_CHECKED=1 $(CURDIR)/$(VLLM_BIN)/python -m pytest -q -p no:cacheprovider -rsx \
+		$(VLLM_CHECKED_TESTS)
 
 # The compatibility matrix (README "Tested versions"): a fresh venv per row, oldest and newest Python, torch,
 # transformers and pydantic, and the whole suite in each (tests/compat/matrix.py; about 10 minutes a row).
