@@ -154,9 +154,10 @@ class ThreadBackupWorker(BackupWorker):
             with self._wake:
                 while not self._todo:
                     self._wake.wait()
-                jobs = []  # everything queued: written together, completed in order
-                while self._todo and self._todo[0] is not None and len(jobs) < self.batch_limit:
-                    jobs.append(self._todo.popleft())
+                jobs: list[BackupJob] = []  # everything queued: written together, completed in order
+                while self._todo and (job := self._todo[0]) is not None and len(jobs) < self.batch_limit:
+                    jobs.append(job)
+                    self._todo.popleft()
                 if not jobs:
                     self._todo.popleft()  # close()'s None, after every job before it
                     return

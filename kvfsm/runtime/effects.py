@@ -156,6 +156,7 @@ class OffloadEffects(DecodeOffloadEffectsEach):
     def seed_hash_chain(self, m: DecodeOffloadMachine, arg: Any) -> None:
         rec: RequestRecord = m.ctx
         if rec.prefill_len:
+            assert rec.req is not None  # held from creation to release
             rec.chain = PageRun(list(rec.req.origin_input_ids[: rec.prefill_len]), self.page_size,
                                 namespace=rec.namespace)
 
@@ -317,7 +318,11 @@ class OffloadEffects(DecodeOffloadEffectsEach):
         over-allocation [ceil_page(committed), allocated), each once. The matched prefix's pages [0,
         prefix_len) are the prefix cache's (SGLang 0.5.23 frees [cache_protected_len, kv_allocated_len))."""
         req, ps = rec.req, self.page_size
-        committed, allocated = rec.end_lengths or (req.kv_committed_len, req.kv_allocated_len)
+        if rec.end_lengths is not None:
+            committed, allocated = rec.end_lengths
+        else:
+            assert req is not None  # held until release, which reads these lengths
+            committed, allocated = req.kv_committed_len, req.kv_allocated_len
         # pages at positions [prefix_len, ceil_page(committed)) and [ceil_page(committed), allocated):
         # together every page start in [prefix_len, ceil_page(max(committed, allocated)))
         end = -(-max(allocated, committed) // ps) * ps
@@ -375,6 +380,7 @@ class OffloadEffects(DecodeOffloadEffectsEach):
         """release_request, and with a `fence` release_request_fenced: the same frees, the device slots
         tagged with the fence of the copies that still read them."""
         req = rec.req
+        assert req is not None  # held until this release
         slots = self.request_slots(rec)
         if self.ledger is not None:
             self.ledger.release_device(rec.key, "release" if fence is None else "release_fenced", slots.tolist(), fence)

@@ -18,13 +18,22 @@ class OffloadRequest(Protocol):
     """A decoding request as the manager sees it. Objects must support weak references (the manager keys
     its per-request machines by object identity, never by `rid`, so a reused rid cannot reach old state)."""
 
-    rid: str
-    origin_input_ids: Sequence[int]  # the prompt
-    output_ids: Sequence[int]  # sampled tokens; the last one has no KV yet
-    req_pool_idx: Optional[int]  # row in the request-to-token table; None once released
-    kv_committed_len: int  # positions whose KV is final
-    kv_allocated_len: int  # positions with device slots (> committed under speculative decoding)
-    prefix_len: int  # positions [0, prefix_len) matched in the prefix cache (whole pages): the cache's pages
+    # Read-only members: the manager never writes them, so an engine's request may hold each as a plain
+    # attribute of the type given or a narrower one (a list for a Sequence).
+    @property
+    def rid(self) -> str: ...
+    @property
+    def origin_input_ids(self) -> Sequence[int]: ...  # the prompt
+    @property
+    def output_ids(self) -> Sequence[int]: ...  # sampled tokens; the last one has no KV yet
+    @property
+    def req_pool_idx(self) -> Optional[int]: ...  # row in the request-to-token table; None once released
+    @property
+    def kv_committed_len(self) -> int: ...  # positions whose KV is final
+    @property
+    def kv_allocated_len(self) -> int: ...  # positions with device slots (> committed under speculative decoding)
+    @property
+    def prefix_len(self) -> int: ...  # positions [0, prefix_len) matched in the prefix cache (whole pages): the cache's pages
     # Optional (read with a default of None): the storage namespace, as SGLang's Req holds it, already
     # normalised (cache_salt "" is None, a LoRA id is appended to extra_key: see
     # kvfsm.dataplane.hashing.request_namespace for raw client fields). Keys of a namespaced request chain
@@ -38,7 +47,9 @@ class OffloadRequest(Protocol):
     def finished(self) -> bool: ...
 
 
-REQUEST_FIELDS = tuple(OffloadRequest.__annotations__)  # the protocol's fields: what the manager reads
+# the protocol's fields: what the manager reads
+REQUEST_FIELDS = ("rid", "origin_input_ids", "output_ids", "req_pool_idx", "kv_committed_len", "kv_allocated_len",
+                  "prefix_len")
 NAMESPACE_FIELDS = ("extra_key", "cache_salt")  # optional fields, None when absent
 
 

@@ -315,11 +315,12 @@ class CudaCopyEngine(CopyEngine):
         self.on_compute_stream = bool(on_compute_stream)
         if dma_chunk_bytes is not None:
             dma_d2h_chunk_bytes = dma_h2d_chunk_bytes = dma_chunk_bytes
-        common = dict(first_chunk_bytes=dma_first_chunk_bytes, head_bytes=dma_head_bytes,
-                      head_min_bytes=dma_head_min_bytes, host_order=host_order, kernel_config=kernel_config)
+        common: dict[str, Any] = dict(first_chunk_bytes=dma_first_chunk_bytes, head_bytes=dma_head_bytes,
+                                      head_min_bytes=dma_head_min_bytes, host_order=host_order,
+                                      kernel_config=kernel_config)
         self.settings = {
-            "d2h": PipelineSettings(chunk_bytes=dma_d2h_chunk_bytes, streams=dma_d2h_streams, **common),  # type: ignore[arg-type]
-            "h2d": PipelineSettings(chunk_bytes=dma_h2d_chunk_bytes, streams=dma_h2d_streams,  # type: ignore[arg-type]
+            "d2h": PipelineSettings(chunk_bytes=dma_d2h_chunk_bytes, streams=dma_d2h_streams, **common),
+            "h2d": PipelineSettings(chunk_bytes=dma_h2d_chunk_bytes, streams=dma_h2d_streams,
                                     last_chunk_bytes=dma_h2d_last_chunk_bytes, **common),
         }
         self.hybrid_fraction = hybrid_fraction
@@ -437,30 +438,36 @@ class CudaCopyEngine(CopyEngine):
                 n = plan.num_tokens
                 at = 0
                 if on_cpu:
+                    assert up is not None  # parts holds the device indices
                     dev_idx, at = up[:n], n
                 elif copy_stream is not caller:
                     dev_idx.record_stream(copy_stream)  # made on the compute stream, read on ours
                 host_idx_dev = None
                 if backend == "triton" and n:
+                    assert up is not None  # parts holds the host indices
                     host_idx_dev, at = up[at:at + n], at + n
                 if ready is not None:
                     copy_stream.wait_event(ready)  # the KV (and device indices) the caller's stream writes
                 if not on_cpu and order is not None:
+                    assert up is not None  # parts holds the order
                     dev_idx = dev_idx.index_select(0, up[at:at + n])
                 keep += [ready, dev_idx, host_idx_dev, up]
                 if plan.num_tokens == 0:
                     pass
                 elif backend == "triton":
+                    assert host_idx_dev is not None  # uploaded above for a triton copy of any tokens
                     cfg = self.kernel_config or default_config(plan.host_pool.layout)
                     info["pre_launch_ms"] = (time.perf_counter() - t0) * 1e3
                     if layered:
                         pool = plan.device_pool
                         kv_layer_rows_copy(pool.layer_pointers(), pool.token_stride, dev_idx,  # type: ignore[attr-defined]
                                            host_view, host_idx_dev, plan.direction == "d2h", cfg)
-                    elif plan.direction == "d2h":
-                        kv_rows_copy(dev_view, dev_idx, host_view, host_idx_dev, cfg)
                     else:
-                        kv_rows_copy(host_view, host_idx_dev, dev_view, dev_idx, cfg)
+                        assert dev_view is not None  # a pool with a token view (not layered)
+                        if plan.direction == "d2h":
+                            kv_rows_copy(dev_view, dev_idx, host_view, host_idx_dev, cfg)
+                        else:
+                            kv_rows_copy(host_view, host_idx_dev, dev_view, dev_idx, cfg)
                     info["launched_ms"] = (time.perf_counter() - t0) * 1e3
                 elif plan.direction == "d2h":
                     staging = plan.device_pool.gather_rows(dev_idx)

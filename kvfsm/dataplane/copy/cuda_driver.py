@@ -202,7 +202,8 @@ class CudaDriver:
             return 0
         stream = int(stream or 0)
         if self._batch is not None and stream != 0:
-            rc, fail = self._batch_at(*(address(a) for a in arrays), n, stream, flags, hint)
+            dsts, srcs, sizes = arrays
+            rc, fail = self._batch_at(address(dsts), address(srcs), address(sizes), n, stream, flags, hint)
             if rc == 0:
                 return 1
             if rc != CUDA_ERROR_NOT_SUPPORTED:

@@ -71,7 +71,7 @@ class PageSlots:
         return f"PageSlots(pages={self.pages[:8]}{'...' if len(self.pages) > 8 else ''}, slots={len(self)})"
 
 
-IndexLike = torch.Tensor | PageSlots | Sequence[int]
+IndexLike = torch.Tensor | PageSlots | np.ndarray | Sequence[int]
 
 
 def as_index_tensor(indices: IndexLike, device: torch.device) -> torch.Tensor:

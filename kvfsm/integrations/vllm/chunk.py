@@ -18,8 +18,9 @@ class Chunk(OffloadChunkMachine):
 
     def __init__(self, fx: Any, key: bytes, observer: Any = None) -> None:
         # OffloadChunkMachine.__init__'s fields, set here without the extra call: one Chunk per stored key
-        self.state, self.writes, self.pins = ABSENT, 0, 0
-        self.fx, self.ctx, self.observer = fx, key, observer
+        # (mypy sees the generated base as Any, so not its __slots__: kvfsm.generated is found at run time)
+        self.state, self.writes, self.pins = ABSENT, 0, 0  # type: ignore[misc]
+        self.fx, self.ctx, self.observer = fx, key, observer  # type: ignore[misc]
         self.chunk_id = -1
 
     @property

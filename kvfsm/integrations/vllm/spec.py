@@ -17,7 +17,7 @@ class KvfsmOffloadingSpec(CPUOffloadingSpec):
     """CPUOffloadingSpec, its manager built as vLLM builds its own but on the chunk lifecycle's machine."""
 
     def get_manager(self) -> OffloadingManager:
-        if not self._manager:
+        if not self._manager:  # type: ignore[has-type]  # vLLM's base sets it; vLLM is not installed beside mypy
             self._manager = KvfsmOffloadingManager(
                 num_chunks=self.num_chunks,
                 cache_policy=self.eviction_policy,
