@@ -11,13 +11,16 @@ itself, reported on one line with a hint (KVFSM_TRACEBACK=1 shows the traceback)
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
 from typer.core import TyperGroup
 
 from kvfsm.errors import ConfigError, InputRejected
+
+if TYPE_CHECKING:
+    from typer._click import Context  # the context class TyperGroup.invoke declares (typer vendors click)
 
 INVALID = 2
 INTERNAL = 70
@@ -35,7 +38,7 @@ class GuardedGroup(TyperGroup):
     """The command group: a typed input error that a command lets through exits INVALID with its message
     (each spec error on its own `file:line` line); anything else exits INTERNAL with one line."""
 
-    def invoke(self, ctx: typer.Context) -> Any:
+    def invoke(self, ctx: Context) -> Any:
         try:
             return super().invoke(ctx)
         except Exception as exc:

@@ -76,7 +76,7 @@ def _serve(model: TinyDecoder, pools: _Pools, requests: list[EngineRequest], bat
         release = engine._release_without_manager
 
         def keep(req: EngineRequest) -> None:
-            idx = pools.table.read(req.req_pool_idx, 0, req.kv_committed_len)
+            idx = pools.table.read(req.row, 0, req.kv_committed_len)
             snapshot[req.rid] = pools.pool.token_view()[:, :, idx].to("cpu")
             release(req)
         engine._release_without_manager = keep  # type: ignore[method-assign]
@@ -196,6 +196,8 @@ def _load_back(manager: DecodeOffloadManager, storage: FileStorage, host: HostKV
                 raise SystemExit(f"{rid}: page at {pos} could not be read back from storage")
             host_idx = host.alloc(PAGE)
             dev_idx = pools.allocator.alloc(PAGE)
+            if host_idx is None or dev_idx is None:
+                raise SystemExit(f"{rid}: no free host or device page to load the page at {pos} back into")
             host.set_pages_bytes(host_idx, data.view(1, -1))
             engine.submit_h2d(host, host_idx, pools.pool, dev_idx).wait()
             got = pools.pool.token_view()[:, :, dev_idx].to("cpu")

@@ -17,10 +17,11 @@ The defaults are far above anything kvfsm writes (the largest shipped spec is 19
 
 from __future__ import annotations
 
+import io
 import os
 import stat
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Optional
+from typing import Any, Optional
 
 import yaml
 
@@ -66,7 +67,7 @@ EXPR_MAX_TERMS = 64
 EXPR_MAX_DIGITS = 9
 
 
-def open_regular(path: str | os.PathLike[str], what: str) -> BinaryIO:
+def open_regular(path: str | os.PathLike[str], what: str) -> io.BufferedReader:
     """The regular file at `path`, open for binary reading. Opened without blocking, so a FIFO or a device
     given as a file is InputRejected at once instead of hanging the reader or streaming forever; OSError
     for a path that is missing or cannot be opened."""
@@ -121,12 +122,13 @@ class BoundedYAMLLoader(yaml.SafeLoader):
         super().__init__(text)
         self.limits, self.source, self.what = limits, source, what
         self._frames: list[_Frame] = []
-        self._sizes: dict[str, tuple[int, int]] = {}  # anchor -> (expanded elements, expanded depth)
+        self._sizes: dict[str | None, tuple[int, int]] = {}  # anchor -> (expanded elements, expanded depth)
         self._elements = 0
         self._aliases = 0
 
     def _breach(self, event: yaml.Event, bound: str, limit: int, message: str) -> InputBoundExceeded:
-        return InputBoundExceeded(self.source, event.start_mark.line + 1, bound, limit, message)
+        line = event.start_mark.line + 1 if event.start_mark is not None else 0  # the parser marks every event
+        return InputBoundExceeded(self.source, line, bound, limit, message)
 
     def _add(self, event: yaml.Event, elements: int, depth: int) -> None:
         """Account a node of `elements` nodes and `depth` levels at the current position."""

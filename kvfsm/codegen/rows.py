@@ -195,7 +195,7 @@ def render_rows(spec: CompiledSpec, spec_path: str) -> str:
     for e in spec.events:
         errors[e] = [(const[s], o.reason) for s in spec.states
                      if (o := spec.outcomes.get((s, e))) is not None and o.kind == "error"]
-        guarded[e] = [(const[s], tuple(t.guard for t in ts)) for s in spec.states
+        guarded[e] = [(const[s], tuple(t.guard for t in ts if t.guard)) for s in spec.states
                       if (ts := spec.handlers(s, e)) and all(t.guard for t in ts)]
     ctx = dict(
         spec_path=spec_path, sha256=spec.sha256, name=spec.name, doc=model.doc,

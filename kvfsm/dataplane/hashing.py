@@ -31,6 +31,7 @@ import hashlib
 import operator
 import sys
 from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 import torch
@@ -223,7 +224,7 @@ def _wide_chain(words: np.ndarray, page_size: int, prev: bytes) -> list[str]:
     """The chain of u64 words: a page with an id >= 2**32 hashes its u64 bytes behind the 0xff tag, the
     others their u32 bytes, exactly as a page of small ids would."""
     pages = words.reshape(-1, page_size)
-    wide = (pages >= _U32).any(axis=1).tolist()
+    wide = cast("list[bool]", (pages >= _U32).any(axis=1).tolist())
     narrow = pages.astype("<u4")
     out: list[str] = []
     for i, is_wide in enumerate(wide):

@@ -68,6 +68,13 @@ class EngineRequest:
     def finished(self) -> bool:
         return self.done
 
+    @property
+    def row(self) -> int:
+        """Its row in the request-to-token table while admitted (`req_pool_idx`, None before and after)."""
+        if self.req_pool_idx is None:
+            raise RuntimeError(f"request {self.rid!r} holds no table row")
+        return self.req_pool_idx
+
 
 def make_workload(n: int, seed: int, vocab: int) -> list[EngineRequest]:
     """Mixed prompt and output lengths; some requests abort part way, some share a protected prefix."""
@@ -116,10 +123,10 @@ class DecodeEngine:
         """What the manager's release does: free the request's own pages [prefix_len, allocated), its row, and
         unlock its matched prefix (the prefix cache evicts those pages)."""
         held = -(-req.kv_allocated_len // self.page) * self.page
-        starts = self.table.read(req.req_pool_idx, req.prefix_len, held)[:: self.page]
+        starts = self.table.read(req.row, req.prefix_len, held)[:: self.page]
         slots = (starts[:, None] + torch.arange(self.page, device=starts.device)).reshape(-1)
         self.allocator.free(slots)
-        self.table.free(req.req_pool_idx)
+        self.table.free(req.row)
         self.protected.unlock(req.lock)
         req.lock = None
         req.req_pool_idx = None
@@ -173,14 +180,14 @@ class DecodeEngine:
                     stats.retractions += 1
                     waiting.insert(0, req)
                     continue
-                slots = self.table.read(req.req_pool_idx, 0, pos + 1)
+                slots = self.table.read(req.row, 0, pos + 1)
                 req.output_ids.append(self.model.step(self.pool, slots, req.output_ids[-1]))
                 req.kv_committed_len = pos + 1
                 stats.tokens += 1
                 stepped.append(req)
             stats.batch_sum += len(stepped)
             if self.manager is not None and stepped:  # the decode batch's new KV, in one call
-                self.manager.offload_batch(stepped, [r.req_pool_idx for r in stepped],
+                self.manager.offload_batch(stepped, [r.row for r in stepped],
                                            [r.kv_committed_len for r in stepped])
             for req in stepped:
                 ended = "abort" if req.abort_at is not None and len(req.output_ids) >= req.abort_at else (

@@ -18,9 +18,11 @@ IGNORED_TRANSITION = -1
 
 
 class _Model:
-    """The object `transitions` drives; it only carries the current state name."""
+    """The object `transitions` drives; it only carries the current state name (and the `trigger` method
+    `transitions` adds to it)."""
 
     state: str
+    trigger: Callable[..., bool]
 
 
 class ReferenceMachine:
@@ -52,7 +54,7 @@ class ReferenceMachine:
 
     def _effects(self, t: Transition) -> Callable[[EventData], None]:
         def run(ev: EventData) -> None:
-            arg = ev.args[0] if ev.args else None
+            arg = next(iter(ev.args), None)
             for action in t.actions:
                 getattr(self.fx, action)(self, arg)
             for counter, delta in t.update:

@@ -175,9 +175,9 @@ def build(path: str | Path) -> CompiledSpec:
                     "counters start at their `initial` values, so a creation action may imply no update")
 
     transitions: list[Transition] = []
-    for r, rule in enumerate(model.transitions):
-        loc = ("transitions", r)
-        where = f"transitions[{r}]"
+    for index, rule in enumerate(model.transitions):
+        loc = ("transitions", index)
+        where = f"transitions[{index}]"
         ok = all([known(loc + ("from",), where, "state", s, model.states) for s in rule.src]
                  + [known(loc + ("on",), where, "event", e, model.events) for e in rule.on])
         if rule.to != SAME:
@@ -197,13 +197,13 @@ def build(path: str | Path) -> CompiledSpec:
                     dst=s if rule.to == SAME else rule.to, actions=tuple(rule.actions),
                     update=tuple(rule.update.items()), acquires=gather("acquires"), reads=gather("reads"),
                     releases=tuple(dict.fromkeys(gather("releases") + gather("releases_fenced"))),
-                    line=lines.line(loc), rule=r, fenced=gather("releases_fenced")))
+                    line=lines.line(loc), rule=index, fenced=gather("releases_fenced")))
 
     outcomes: dict[tuple[str, str], Outcome] = {}
     for section, kind in (("ignore", "ignore"), ("errors", "error")):
-        for r, rule in enumerate(getattr(model, section)):
-            loc = (section, r)
-            where = f"{section}[{r}]"
+        for index, rule in enumerate(getattr(model, section)):
+            loc = (section, index)
+            where = f"{section}[{index}]"
             ok = all([known(loc + ("in",), where, "state", s, model.states) for s in rule.states]
                      + [known(loc + ("on",), where, "event", e, model.events) for e in rule.on])
             if not ok:

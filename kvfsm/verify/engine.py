@@ -25,6 +25,7 @@ from kvfsm.dataplane import (
     wait_fences,
 )
 from kvfsm.dataplane.pools.device_pool import DeviceKVPool
+from kvfsm.dataplane.pools.host_pool import Layout
 from kvfsm.dataplane.storage import FaultyStorage, MemoryStorage
 from kvfsm.engine.scheduler import EngineRequest, grow_slots
 from kvfsm.runtime import DecodeOffloadManager, OffloadConfig, SimplePrefixCache, SteppedBackupWorker
@@ -67,7 +68,7 @@ class SimEngine:
     num_layers: int = 2
     kv_heads: int = 1
     head_dim: int = 2
-    host_layout: str = "layer_first"
+    host_layout: Layout = "layer_first"
     stored_index_pages: int = 1 << 20
     retraction: str = "deferred"  # the spec's retraction policy
     table_device: str = "cpu"  # "meta": a request table nobody can read (the manager must use its host mirror)

@@ -203,7 +203,7 @@ class HostKVPool:
         idx = self._page_index(host_indices)
         c, ps = self.config, self.page_size
         own = isinstance(host_indices, PageSlots) and host_indices.allocator is self.allocator
-        pages = host_indices.pages if own else (idx[::ps] // ps).tolist()
+        pages = host_indices.pages if own and isinstance(host_indices, PageSlots) else (idx[::ps] // ps).tolist()
         word = {2: torch.int16, 4: torch.int32}[c.element_size]
         view = self.token_view().view(word).numpy()  # (P, L, size, H, D), strided, no copy
         view = view.reshape(c.num_planes, c.num_layers, self.size // ps, ps, *c.token_shape)

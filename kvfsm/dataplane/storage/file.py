@@ -374,7 +374,7 @@ class FileStorage:
                 there = f.read()
         except FileNotFoundError:
             return  # moved aside or evicted meanwhile: nothing to describe
-        if there == memoryview(payload):
+        if there == payload.data:  # the array's bytes, as a memoryview
             return
         tmp_side = self._tmp_name(side_path)
         self._write_file(tmp_side, self._sidecar(kb, there, fmt))

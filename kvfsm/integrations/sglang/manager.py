@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 import kvfsm.generated.decode_offload as spec_gen
 from kvfsm.dataplane import CpuCopyEngine, CudaCopyEngine, FileStorage, HostKVPool
@@ -287,7 +287,7 @@ class DecodeKVCacheOffloadManager:
                 self.manager.finalize(view)
         finished = set(map(id, finishing))
         for r in pending:
-            view = r.req
+            view = cast(RequestView, r.req)  # what this adapter reserved
             req = view._ref()
             if req is not None and id(view) not in finished:
                 self._note_quiet(req, view)

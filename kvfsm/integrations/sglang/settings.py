@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 import torch
 
+from kvfsm.dataplane.pools.host_pool import Layout
 from kvfsm.errors import ConfigError
 
 SOURCE = "kvfsm.integrations.sglang"
@@ -26,7 +27,8 @@ STRIDE_ENV = "SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE"
 FILE_DIR_ENV = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
 DEFAULT_FILE_DIR = "/tmp/hicache"  # HiCacheFile's default
 # SGLang's --hicache-mem-layout -> kvfsm's host layout and FileStorage page order (docs/page-layout.md)
-LAYOUTS = {"layer_first": "layer_first", "page_first": "page_first", "page_first_direct": "layer_first"}
+LAYOUTS: dict[str, Layout] = {"layer_first": "layer_first", "page_first": "page_first",
+                               "page_first_direct": "layer_first"}
 
 
 def config_error(field_name: str, reason: str) -> ConfigError:
@@ -38,7 +40,7 @@ class Settings:
     page_size: int
     stride: int
     host_slots: int  # tokens of the host pool, whole pages (upstream's size, its extra page included)
-    host_layout: str  # kvfsm's HostKVPool layout (internal: any layout gives the same page bytes)
+    host_layout: Layout  # kvfsm's HostKVPool layout (internal: any layout gives the same page bytes)
     file_layout: str  # FileStorage page order: what SGLang peers of the server's layout read and write
     storage_backend: Optional[str]
     storage_extra: dict[str, Any] = field(default_factory=dict)

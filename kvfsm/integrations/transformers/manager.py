@@ -327,6 +327,7 @@ class KvfsmOffloadingManager(OffloadingManager):
                     rec.copy.handle.wait()
                     self._ack(rec)
                     self.metrics.restore_waits += 1
+                assert state is not None  # the identity check above narrowed it to what state_ref() returns
                 gpu_blocks = list(self.allocator.block_table.get(state.request_id, []))
                 n = min(len(rec.host_blocks), len(gpu_blocks))
                 assert rec.machine is not None

@@ -375,11 +375,12 @@ class MooncakeStorage:
                     addrs[i] = extra.data_ptr() + j * size
                 plan.append((extra, len(rest), size, rest))
         filled = sum(k for _, k, _, _ in plan)
+        todo: list[int] | None = None
         if filled < n:
-            todo: list[int] | None = sorted(i for _, _, _, mine in plan for i in mine)
-            tk, ta, ts = [mkeys[i] for i in todo], [addrs[i] for i in todo], [sizes[i] for i in todo]
+            todo = picked = sorted(i for _, _, _, mine in plan for i in mine)
+            tk, ta, ts = [mkeys[i] for i in picked], [addrs[i] for i in picked], [sizes[i] for i in picked]
         else:
-            todo, tk, ta, ts = None, mkeys, addrs, sizes
+            tk, ta, ts = mkeys, addrs, sizes
         rows: list[Any] = [None] * n
         if not tk:
             return [INVALID_PARAMS] * n, rows
