@@ -90,6 +90,11 @@ class _PageWriter:
 
 class _KvfsmProbe(harness.Probe):
     def settle(self, mgr: Any, timeout: float = 30.0) -> None:
+        # Copies first: a CPU engine's copy has landed when its submit returns, a CUDA one's lands when the
+        # GPU gets to it. Without this wait a busy GPU makes the CUDA run acknowledge fewer chunks at a check
+        # than the CPU run, and two correct runs record different steps.
+        for chunk in list(mgr.manager.fx.copy_fifo):
+            chunk.handle.wait()
         worker = mgr.manager.fx.worker
         assert worker.wait_idle(timeout), "kvfsm backups did not settle"
 
