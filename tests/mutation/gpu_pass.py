@@ -48,10 +48,11 @@ PYTEST = ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:random
           "--tb=line", "-rfEs"]
 # (pytest arguments, test files): the tests marked `gpu`, then the files whose CPU tests take CUDA branches
 # when a device is present (pinned host pools, a CUDA request table, the kill tests of the CPU run).
-SUITES = [(["-m", "gpu"], ["tests/gpu", "tests/dataplane/test_copy_engine.py", "tests/dataplane/test_cuda_pipeline.py",
-                           "tests/dataplane/test_layer_pool.py", "tests/runtime/test_config_errors.py",
-                           "tests/runtime/test_tp_demo.py", "tests/engine/test_demo.py",
-                           "tests/upstream/test_adapter_gpu.py", "tests/stateful/test_production_mutants.py",
+# The files that killed the most mutants of earlier passes come first: a mutant dies at its first failure (-x).
+SUITES = [(["-m", "gpu"], ["tests/dataplane/test_layer_pool.py", "tests/dataplane/test_copy_engine.py",
+                           "tests/engine/test_demo.py", "tests/upstream/test_adapter_gpu.py", "tests/gpu",
+                           "tests/dataplane/test_cuda_pipeline.py", "tests/runtime/test_config_errors.py",
+                           "tests/runtime/test_tp_demo.py", "tests/stateful/test_production_mutants.py",
                            "tests/stateful/test_production_matrix.py"]),
           ([], ["tests/dataplane/test_host_pool.py", "tests/runtime/test_offload_batch.py", "tests/mutation/test_kills.py"])]
 # Mutants only a group of several GPUs can tell apart (an NCCL reduction needs a rank per GPU; on one rank
@@ -189,8 +190,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         mutants = mutants[:args.limit]
     known: dict[str, dict] = {}
     if args.previous:  # an earlier, cut-off pass: keep each verdict that names its test; run the rest first
-        for rec in json.loads(Path(args.previous).read_text())["mutants"]:
-            known[f"{rec['function']}\n{rec['change']}"] = rec
+        previous = json.loads(Path(args.previous).read_text())
+        # a test the unmutated tree failed there killed nothing: those mutants run again
+        void = (previous.get("clean") or {}).get("first_failure")
+        for rec in previous["mutants"]:
+            if not (void and rec.get("first_failure") == void):
+                known[f"{rec['function']}\n{rec['change']}"] = rec
     keep = [known[m.key] for m in mutants if m.key in known and (known[m.key].get("first_failure")
                                                                    or known[m.key]["status"] == "survived")]
     mutants.sort(key=lambda m: m.key in known)  # never run first; then the kills whose test went unrecorded
