@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import sys
 import tempfile
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
