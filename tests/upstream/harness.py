@@ -167,6 +167,10 @@ class Probe:
     def settle(self, mgr: Any) -> None:
         """Return once every backup the manager has started is done (acknowledged, not yet consumed)."""
 
+    def before_check(self, mgr: Any) -> None:
+        """Right before a progress check or a drain: make what the call will acknowledge independent of how
+        fast the device is (nothing, unless the manager submits copies that land later than a CPU's)."""
+
     def host_pool(self, mgr: Any) -> Any | None:
         return None
 
@@ -558,6 +562,7 @@ class _Run:
             self.cur = Step(t)
             if t not in sc.skip_progress:
                 self.settle()
+                self.probe.before_check(self.mgr)
                 with manager_call():
                     self.mgr.check_offload_progress()
             for spec in sc.requests:
@@ -566,6 +571,7 @@ class _Run:
                     live_rows[spec.rid] = True
             if t in sc.retract_at:
                 self.settle()
+                self.probe.before_check(self.mgr)
                 try:
                     with manager_call():
                         self.mgr.drain_before_retraction()

@@ -90,13 +90,18 @@ class _PageWriter:
 
 class _KvfsmProbe(harness.Probe):
     def settle(self, mgr: Any, timeout: float = 30.0) -> None:
-        # Copies first: a CPU engine's copy has landed when its submit returns, a CUDA one's lands when the
-        # GPU gets to it. Without this wait a busy GPU makes the CUDA run acknowledge fewer chunks at a check
-        # than the CPU run, and two correct runs record different steps.
-        for chunk in list(mgr.manager.fx.copy_fifo):
-            chunk.handle.wait()
         worker = mgr.manager.fx.worker
         assert worker.wait_idle(timeout), "kvfsm backups did not settle"
+
+    def before_check(self, mgr: Any) -> None:
+        # The check would submit the accepted chunks first (_flush) and then acknowledge the copies that have
+        # landed: a CPU engine's has landed when its submit returns, a CUDA one's when the GPU gets to it. So
+        # the harness submits them itself (as the check would, under the sync check), waits for every copy in
+        # flight, and the check acknowledges the same chunks on a busy GPU as on the CPU.
+        with harness.manager_call():
+            mgr._flush()
+        for chunk in list(mgr.manager.fx.copy_fifo):
+            chunk.handle.wait()
 
     def host_pool(self, mgr: Any) -> Any:
         return _HostMeter(mgr.manager.host_pool)
