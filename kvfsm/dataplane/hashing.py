@@ -115,7 +115,7 @@ def _bad_id_error(value: object, position: int) -> ValueError:
     return ValueError(f"token id {value} at position {position} is out of range: ids must be in [0, 2**63 - 1]")
 
 
-def _from_list(token_ids: list) -> array.array | np.ndarray:
+def _from_list(token_ids: list[int]) -> array.array[int] | np.ndarray:
     """A list of ids: array("I") when all are uint32 (the hot path), else u64 words (checked)."""
     try:
         return array.array("I", token_ids)
@@ -154,7 +154,7 @@ def _from_array(arr: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(arr.astype("<u8"))
 
 
-def _token_words(token_ids: TokenIds) -> array.array | np.ndarray:
+def _token_words(token_ids: TokenIds) -> array.array[int] | np.ndarray:
     """Token ids as contiguous little-endian words: uint32 (itemsize 4) or, with a wide id, uint64."""
     if isinstance(token_ids, list) and _NATIVE_LE:
         return _from_list(token_ids)
@@ -194,7 +194,7 @@ def page_hashes(
         prev = bytes.fromhex(storage_namespace_seed(extra_key, cache_salt))  # type: ignore[arg-type]
     if isinstance(token_ids, list) and _NATIVE_LE:
         try:  # the decode hot path: a chunk's token list, converted without numpy's per-call overhead
-            words: array.array | np.ndarray = array.array("I", token_ids)
+            words: array.array[int] | np.ndarray = array.array("I", token_ids)
         except (OverflowError, TypeError):
             words = _from_list(token_ids)
     else:

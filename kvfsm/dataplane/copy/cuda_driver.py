@@ -186,7 +186,8 @@ class CudaDriver:
             raise ValueError(f"dst/src/size lengths differ: {d.size}, {s.size}, {n}")
         return self._enqueue((d, s, z), lambda a: a.ctypes.data, n, stream, flags, hint)
 
-    def run_batch_buffers(self, dsts: array.array, srcs: array.array, sizes: array.array, stream: int) -> int:
+    def run_batch_buffers(self, dsts: array.array[int], srcs: array.array[int], sizes: array.array[int],
+                          stream: int) -> int:
         """run_batch for copies listed in three `array.array("Q")` (dma.row_copies): their buffers' addresses go
         to the driver as they are, sparing the numpy conversions (the "dma_rows" backend's few copies)."""
         n = len(sizes)
@@ -224,7 +225,7 @@ class CudaDriver:
         return len(z)
 
 
-def _buffer_address(a: array.array) -> int:
+def _buffer_address(a: array.array[int]) -> int:
     return a.buffer_info()[0]
 
 

@@ -146,9 +146,9 @@ class RowCopies:
     """`row_copies`' list of 1-D copies: dst and src addresses and sizes, each an `array.array("Q")` whose
     buffer goes to the driver as it is (`CudaDriver.run_batch_buffers`)."""
 
-    dst: array.array
-    src: array.array
-    size: array.array
+    dst: array.array[int]
+    src: array.array[int]
+    size: array.array[int]
 
     @property
     def count(self) -> int:

@@ -27,7 +27,7 @@ class Ledger:
     generation: int
     stores: set[bytes] = field(default_factory=set)
     stored: set[bytes] = field(default_factory=set)
-    pins: Counter = field(default_factory=Counter)
+    pins: Counter[Any] = field(default_factory=Counter)
     loaded: set[bytes] = field(default_factory=set)
 
 

@@ -33,7 +33,7 @@ logger = logging.getLogger(__package__)  # the backend's one logger, as before t
 class MooncakeStats(StorageStats):
     timeouts: int = 0  # client calls abandoned after op_timeout_s
     late_removed: int = 0  # pages an abandoned put wrote after it was reported failed, removed again
-    errors: Counter = field(default_factory=Counter)  # per-page failure reasons by name
+    errors: Counter[str] = field(default_factory=Counter)  # per-page failure reasons by name
 
 
 class MooncakeStorage:
