@@ -184,6 +184,7 @@ def _reductions(res: ExploreResult) -> str:
 
 def _violation(cfg: ExplorerConfig, res: ExploreResult, out_test: Optional[Path]) -> int:
     cx = res.violation
+    assert cx is not None  # called on a violation
     out.print(Text.assemble(("violation ", "bold red"), f"{cx.name}: {cx.detail}"))
     out.print(f"shortest trace ({len(cx.events)} events):", markup=False)
     for line in cx.lines():
@@ -230,11 +231,11 @@ def replay(trace: Path, spec_path: Optional[Path] = None, max_bytes: Optional[in
         err.print(f"{trace}: cannot read trace: {exc.strerror or exc}", markup=False)
         return 2
     if res.error is not None:
-        e = res.error
-        who = f" (request {e.request})" if e.request else ""
-        err.print(f"{trace}:{e.line}: illegal step{who}: {e.message[:2000]}", markup=False)
-        if e.record is not None:
-            err.print(f"  {str(e.record)[:2000]}", markup=False)
+        bad = res.error
+        who = f" (request {bad.request})" if bad.request else ""
+        err.print(f"{trace}:{bad.line}: illegal step{who}: {bad.message[:2000]}", markup=False)
+        if bad.record is not None:
+            err.print(f"  {str(bad.record)[:2000]}", markup=False)
         return 1
     out.print(f"{trace}: ok: {res.steps} steps ({res.ignored} declared no-ops) of {res.requests} requests, "
               f"{len([t for t in res.transitions if t >= 0])} distinct transitions, spec sha256 {res.spec_sha256[:12]}",

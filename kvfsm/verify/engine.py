@@ -101,6 +101,7 @@ class SimEngine:
 
     def make_storage(self) -> Any:
         """The manager's storage: the in-memory store behind a fault injector (subclasses plug in others)."""
+        assert self.store is not None  # a subclass that drops the in-memory store plugs in its own storage
         return FaultyStorage(self.store, fail_writes=lambda k: k in self.fail_writes)
 
     def manager_options(self) -> dict[str, Any]:
@@ -109,7 +110,7 @@ class SimEngine:
 
     # --- engine actions ----------------------------------------------------------------------------
     def _write_kv(self, req: SimRequest, start: int, end: int) -> None:
-        slots = self.req_to_token.read_host(req.req_pool_idx, start, end)
+        slots = self.req_to_token.read_host(req.row, start, end)
         if self.manager.ledger is not None:  # checked mode: a reused slot's fence passed or was waited on
             self.manager.ledger.device_write(req.rid, slots.tolist())
         values = torch.tensor([kv_value(req.serial, p) for p in range(start, end)], dtype=torch.float32)
@@ -174,11 +175,11 @@ class SimEngine:
         self.live.remove(req)
         ps = self.page_size
         end = -(-max(req.kv_allocated_len, req.kv_committed_len) // ps) * ps
-        starts = self.req_to_token.read_host(req.req_pool_idx, req.prefix_len, end)[::ps]
+        starts = self.req_to_token.read_host(req.row, req.prefix_len, end)[::ps]
         slots = ((starts - starts % ps).unsqueeze(1) + torch.arange(ps)).reshape(-1)
         if len(slots):
             self.allocator.free(slots)
-        self.req_to_token.free(req.req_pool_idx)
+        self.req_to_token.free(req.row)
         lock, req.lock = req.lock, None
         self.protected.unlock(lock)
         req.req_pool_idx = None

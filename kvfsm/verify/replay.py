@@ -229,7 +229,8 @@ def _step(spec: CompiledSpec, r: _Request, rec: dict[str, Any], single_owner: se
     if t.src != src or t.event != event:
         raise _Illegal(f"transition T{tid} is {t.label!r}, not {event!r} from {src!r} "
                        f"(which is {', '.join(f'T{h.id}' for h in handlers)})")
-    if t.guard is not None and not _holds(r, before, lambda env: bool(ex.evaluate(spec.guards[t.guard], env))):
+    guard = t.guard
+    if guard is not None and not _holds(r, before, lambda env: bool(ex.evaluate(spec.guards[guard], env))):
         raise _Illegal(f"T{tid} {t.label}: guard {t.guard!r} does not hold for the counters before the step {before}")
     if dst != t.dst:
         raise _Illegal(f"T{tid} {t.label} leads to {t.dst!r}, but the step ends in {dst!r}")

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
+from kvfsm.dataplane.copy.cpu import DeferredHandle
 from kvfsm.verify.explorer.checks import _Snap
 from kvfsm.verify.explorer.world import _DEFERRED, _ROW_HOLDING, LIVE, RETRACTED, World
 
@@ -99,6 +100,7 @@ def canonical(w: World, snap: Optional[_Snap] = None, symmetry: bool = True) -> 
             best, ties = got, [order]
         elif hash(got[0]) == hash(best[0]) and got[0] == best[0]:
             ties.append(order)
+    assert best is not None  # the product above has at least one order
     if len(ties) > 1:  # automorphisms: request ties[0][k] plays other[k]; orbits by union-find
         root = list(range(n))
 
@@ -147,7 +149,7 @@ def _key(w: World, s: _Snap, order: list[int]) -> tuple[tuple, Naming]:
     def row(r: Any) -> Any:
         return rmap.setdefault(r, len(rmap)) if isinstance(r, int) else r
 
-    reqs = []
+    reqs: list[tuple[Any, ...]] = []
     for i in order:
         req = w.reqs[i]
         if req is None:
@@ -174,7 +176,7 @@ def _key(w: World, s: _Snap, order: list[int]) -> tuple[tuple, Naming]:
 
     recs = []
     for rec in records:
-        deferred = ()
+        deferred: tuple[Any, ...] = ()
         if rec.machine.state in _DEFERRED:
             ended = w.ends.get((s.index_of(rec), rec.row))
             n = -(-ended[1] // ps) * ps if ended else 0
@@ -196,7 +198,7 @@ def _key(w: World, s: _Snap, order: list[int]) -> tuple[tuple, Naming]:
     parked = tuple(chunk(c) for c in s.parked)
     pending = tuple(chunk(c) for c in s.pending)
     collected = tuple((chunk(j.payload), j.ok) for j in s.done_jobs)
-    ledger = ()
+    ledger: tuple[Any, ...] = ()
     led = m.ledger
     if led is not None:
         ledger = (tuple(sorted((pmap.setdefault(p, len(pmap)), by_key.get(o, o)) for p, o in led.device_owner.items())),
@@ -206,16 +208,16 @@ def _key(w: World, s: _Snap, order: list[int]) -> tuple[tuple, Naming]:
                                for p, x in led.host_owner.items())))
     # fenced free pages, in the order they are handed out, each with the copies (by number) its fence waits for
     fenced: tuple[Any, ...] = ()
-    fence_of = getattr(e.allocator, "_page_fence", None)
-    held = getattr(e.allocator, "_held_fence", None)
-    if fence_of or held:
+    fence_of = getattr(e.allocator, "_page_fence", {})
+    held_fence = getattr(e.allocator, "_held_fence", None)
+    if fence_of or held_fence:
         copy_no = {id(c.handle): chunk_no[c.serial] for c in s.copies}
 
         def copies_of(f: Any) -> tuple[int, ...]:
             return tuple(sorted(copy_no.get(id(h), -1) for h in f._handles if not h.done()))
         fenced = tuple((pmap.setdefault(p, len(pmap)), copies_of(fence_of[p])) for p in e.allocator._fenced_pages)
         # allocated pages still carrying the unpassed fence they were handed out with (freed, they keep it)
-        carrying = [(p, f) for p, f in (held or {}).items() if not f.passed()]
+        carrying = [(p, f) for p, f in (held_fence or {}).items() if not f.passed()]
         if carrying:
             fenced += (-1,) + tuple(sorted((pmap.setdefault(p, len(pmap)), copies_of(f)) for p, f in carrying))
     # pools: which named pages are allocated, how many allocated pages nobody names (a leak), how many free
@@ -230,7 +232,7 @@ def _key(w: World, s: _Snap, order: list[int]) -> tuple[tuple, Naming]:
            rows_next, fenced)
     handle: dict[int, int] = {}
     for c in s.copies:
-        handle.setdefault(c.handle.seq, chunk_no[c.serial])
+        handle.setdefault(cast(DeferredHandle, c.handle).seq, chunk_no[c.serial])
     return key, Naming([pos[i] for i in range(len(w.reqs))], chunk_no, handle)
 
 

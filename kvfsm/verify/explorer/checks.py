@@ -89,13 +89,15 @@ class _Snap:
         out = []
         for i, req in enumerate(w.reqs):
             if w.ctl[i][0] == LIVE:
+                assert req is not None  # a live request was admitted
                 out.append((f"r{i}", i, req.req_pool_idx, req.kv_committed_len,
                             max(req.kv_allocated_len, req.kv_committed_len), req.prefix_len))
         for rec in self.records:
             if rec.machine.state in _DEFERRED:
                 i = self.index_of(rec)
                 ended = w.ends.get((i, rec.row))
-                _check(ended is not None, "deferred_release_known", f"{rec.key} holds its slots but never ended")
+                if ended is None:
+                    raise Violation("deferred_release_known", f"{rec.key} holds its slots but never ended")
                 out.append((f"{rec.key} (release deferred)", i, rec.row, *ended))
         return out
 
@@ -125,6 +127,7 @@ def check_world(w: World, snap: Optional[_Snap] = None) -> _Snap:
                lambda: f"{mach!r} but chunks in flight (copies, parked, backups) = {count.get(id(rec), [0, 0, 0])}")
     for i, req in enumerate(w.reqs):
         if w.ctl[i][0] == LIVE:
+            assert req is not None  # a live request was admitted
             mach = m.machine_of(req)
             # after a re-admission the manager starts the new lifecycle lazily, at its next call
             _check(mach is None or mach.state in _LIVE_STATES or w.ctl[i][2] > 0,
@@ -132,12 +135,12 @@ def check_world(w: World, snap: Optional[_Snap] = None) -> _Snap:
 
     # device pages, rows and protected size: each page held by one holder, and nothing else allocated
     holders = s.holders(w)
-    for k in [k for k in w.ends if k not in {(h[1], h[2]) for h in holders}]:
-        del w.ends[k]  # released lifecycles
+    for end in [end for end in w.ends if end not in {(h[1], h[2]) for h in holders}]:
+        del w.ends[end]  # released lifecycles
     pages: list[int] = []
     for name, _i, row, _committed, alloc, _ in holders:
-        _check(isinstance(row, int) and 0 <= row < len(s.rows_alloc) and s.rows_alloc[row], "holder_has_row",
-               f"{name} row {row!r}")
+        if not (isinstance(row, int) and 0 <= row < len(s.rows_alloc) and s.rows_alloc[row]):
+            raise Violation("holder_has_row", f"{name} row {row!r}")
         pages += [slot // ps for slot in s.table[row][0:-(-alloc // ps) * ps:ps]]
     held = set(pages)
     _check(len(held) == len(pages), "no_shared_device_page",
@@ -157,7 +160,8 @@ def check_world(w: World, snap: Optional[_Snap] = None) -> _Snap:
     if holders:
         dev = e.device_pool.token_view()[0, 0, :, 0, 0].tolist()
         for name, i, row, committed, _, _ in holders:
-            serial = w.reqs[i].serial
+            assert row is not None  # holder_has_row held above
+            serial = w.req(i).serial
             got = [dev[slot] for slot in s.table[row][:committed]]
             want = [kv_value(serial, p) for p in range(committed)]
             _check(got == want, "device_kv_content", lambda: f"{name} device KV {got} != written {want} (B1)")
@@ -181,12 +185,13 @@ def check_world(w: World, snap: Optional[_Snap] = None) -> _Snap:
                    lambda: f"completed copy of {c.record.key} [{c.start}, {c.end}) holds {got}, wrote {want} (B2/B15)")
 
     # storage: a page reported stored is in storage and holds its writer's KV (B13)
+    assert e.store is not None  # the explorer's engine keeps its in-memory store
     in_store = e.store.pages
     for h, (key, pos) in m.fx.stored.items():
         _check(h in in_store, "stored_means_in_storage", f"{key} page at {pos} marked stored, not in storage (B13)")
         i = int(key.split("#", 1)[0][1:])
         got = _page_values(in_store[h], e.kv, ps)
-        want = [kv_value(w.reqs[i].serial, pos + j) for j in range(ps)]
+        want = [kv_value(w.req(i).serial, pos + j) for j in range(ps)]
         _check(got == want, "storage_kv_content", lambda: f"{key} page at {pos} stored {got}, wrote {want}")
 
     # quiescent: nothing live, nothing in flight -> every pool full, nothing protected (B3, B5, B8)

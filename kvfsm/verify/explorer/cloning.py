@@ -26,6 +26,7 @@ events; making replay the default at small bounds is the change these numbers ar
 
 from __future__ import annotations
 
+import functools
 import io
 import itertools
 import marshal
@@ -60,12 +61,23 @@ class _Region:
     objects view it: a tensor made with torch.frombuffer(bytearray) stays a view of the copied bytearray."""
 
     __slots__ = ("start", "nbytes", "data", "ba", "base")
+    ba: bytearray  # set when rebuilt from its bytes (_rebuild_region)
+    base: torch.Tensor
 
     def __init__(self, start: int, nbytes: int, data: Callable[[], bytes]) -> None:
         self.start, self.nbytes, self.data = start, nbytes, data
 
     def __reduce__(self) -> tuple:
         return (_rebuild_region, (self.data(),))
+
+
+def _tensor_bytes(raw: torch.Tensor) -> bytes:
+    return raw.numpy().tobytes()
+
+
+def _forget(records: dict[int, Any], key: int, _ref: object) -> None:
+    """A copied request object is gone: drop its record."""
+    records.pop(key, None)
 
 
 def _rebuild_region(data: bytes) -> _Region:
@@ -148,7 +160,7 @@ class _Pickler(pickle.Pickler):
             return None
         import numpy as np
         start = np.frombuffer(obj, dtype=np.uint8).ctypes.data
-        r, off = self._region(start, len(obj), lambda obj=obj: bytes(obj), "a bytearray")
+        r, off = self._region(start, len(obj), functools.partial(bytes, obj), "a bytearray")
         if off or r.nbytes != len(obj):
             raise CloneError("a bytearray lies inside memory another object defined first")
         return ("bytearray", r)
@@ -162,7 +174,7 @@ class _Pickler(pickle.Pickler):
             if st.nbytes() == 0:
                 return (_empty_tensor, (obj.dtype, tuple(obj.size())))
             raw = torch.empty(0, dtype=torch.uint8).set_(st)
-            r, off = self._region(st.data_ptr(), st.nbytes(), lambda raw=raw: raw.numpy().tobytes(), "a tensor")
+            r, off = self._region(st.data_ptr(), st.nbytes(), functools.partial(_tensor_bytes, raw), "a tensor")
             item = obj.element_size()
             if off % item:
                 raise CloneError("a tensor views memory at an offset that is not a multiple of its element size")
@@ -188,11 +200,11 @@ class _Pickler(pickle.Pickler):
             if isinstance(base, torch.Tensor) and base.device.type == "cpu" and base.untyped_storage().nbytes():
                 st = base.untyped_storage()
                 raw = torch.empty(0, dtype=torch.uint8).set_(st)
-                r, off = self._region(st.data_ptr(), st.nbytes(), lambda raw=raw: raw.numpy().tobytes(), "a tensor")
+                r, off = self._region(st.data_ptr(), st.nbytes(), functools.partial(_tensor_bytes, raw), "a tensor")
             elif isinstance(base, bytearray) and base:
                 import numpy as np
                 at = np.frombuffer(base, dtype=np.uint8).ctypes.data
-                r, off = self._region(at, len(base), lambda base=base: bytes(base), "a bytearray")
+                r, off = self._region(at, len(base), functools.partial(bytes, base), "a bytearray")
             else:
                 return NotImplemented  # a view of memory nothing else here shares: copied by value
             return (_rebuild_ndarray, (r, start - r.start, obj.dtype, obj.shape, obj.strides))
@@ -234,7 +246,9 @@ class Snapshot:
 
     def __init__(self, w: World) -> None:
         # immutable: the configs, and the pages in the in-memory store (it copies pages in and out)
-        self.shared = {id(o): o for o in (w.config, w.engine.config, w.engine.kv, *w.engine.store.pages.values())}
+        store = w.engine.store
+        assert store is not None  # the explorer's engine keeps its in-memory store
+        self.shared = {id(o): o for o in (w.config, w.engine.config, w.engine.kv, *store.pages.values())}
         buf = io.BytesIO()
         pickler = _Pickler(buf, self.shared)
         pickler.dump(w)
@@ -262,7 +276,7 @@ def _fix_records(w: World) -> None:
         if req is None:
             continue
         key = id(req)
-        rec.req_ref = weakref.ref(req, lambda _r, k=key, t=records: t.pop(k, None))
+        rec.req_ref = weakref.ref(req, functools.partial(_forget, records, key))
         fixed[key] = rec
     records.clear()
     records.update(fixed)

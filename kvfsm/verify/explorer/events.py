@@ -35,6 +35,7 @@ def enabled(w: World) -> list[Event]:
         if phase == NEW:
             out.append(("admit", i))
         elif phase == LIVE:
+            assert req is not None  # a live request was admitted
             if req.kv_committed_len < cfg.prompt_len + cfg.decodes:
                 out.append(("decode", i))
                 if cfg.speculative > 0:
@@ -131,7 +132,7 @@ def apply(w: World, ev: Event) -> None:
 def _no_copy_of(w: World, i: int) -> bool:
     """Whether no device-to-host copy of request i is in flight: when an engine may release it itself
     (SGLang's drain_before_retraction refuses otherwise)."""
-    mach = w.engine.manager.machine_of(w.reqs[i])
+    mach = w.engine.manager.machine_of(w.req(i))
     return mach is None or mach.copies == 0
 
 
@@ -161,10 +162,10 @@ def _offload_batch(w: World) -> None:
     e = w.engine
     fx = e.manager.fx
     live = [i for i, (phase, _, _) in enumerate(w.ctl) if phase == LIVE]
-    reqs = [w.reqs[i] for i in live]
+    reqs = [w.req(i) for i in live]
     before = [_offload_progress(w, req) for req in reqs]
     n_fifo = len(fx.copy_fifo)
-    submitted = e.manager.offload_batch(reqs, [r.req_pool_idx for r in reqs], [r.kv_committed_len for r in reqs])
+    submitted = e.manager.offload_batch(reqs, [r.row for r in reqs], [r.kv_committed_len for r in reqs])
     new = list(fx.copy_fifo)[n_fifo:]
     _check(len(new) == submitted, "offload_batch_count",
            f"offload_batch reported {submitted} chunks but queued {len(new)}")

@@ -104,7 +104,8 @@ class Expander:
         if (self.por or orbits) and naming is None:
             naming = canonical(parent, None, self.symmetry)[1]
         # an event of a request the world is symmetric in with a smaller one: that one's event stands for it
-        mirrored = [orbits and len(ev) == 2 and ev[0] not in _QUEUED and naming.rep[ev[1]] != ev[1] for ev in events]
+        rep = naming.rep if naming is not None else ()  # set above whenever orbits holds
+        mirrored = [orbits and len(ev) == 2 and ev[0] not in _QUEUED and rep[ev[1]] != ev[1] for ev in events]
         if self.por:
             ids = canon_ids(parent, events, naming)
             asleep = [cid in sleep for cid in ids]

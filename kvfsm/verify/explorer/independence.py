@@ -30,8 +30,9 @@ reaches the same states, coverage and violations as the full one.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Optional
+from typing import Optional, cast
 
+from kvfsm.dataplane.copy.cpu import DeferredHandle
 from kvfsm.verify.explorer.world import _LIVE_STATES, _ROW_HOLDING, LIVE, RETRACTED, Event, World
 
 _ALL = -1  # a mask that meets every other (offload_batch)
@@ -90,7 +91,7 @@ def footprints(w: World, events: Sequence[Event]) -> tuple[list[Footprint], tupl
     copy_bit = {h.seq: 1 << (2 * n + 3 + k) for k, h in enumerate(pending)}
     by_handle: dict[int, int] = {}
     for c in fx.copy_fifo:
-        seq = c.handle.seq
+        seq = cast(DeferredHandle, c.handle).seq  # the explorer's engine copies with DeferredCpuCopyEngine
         by_handle[seq] = by_handle.get(seq, 0) | owner(c)
     jobs = e.worker.pending
     chunk_owners = 0
@@ -151,7 +152,7 @@ def _stale_rows(w: World) -> set[int]:
     out = set()
     for i, (phase, left, _) in enumerate(w.ctl):
         if (phase == RETRACTED and left > 0) or phase == LIVE:
-            mach = m.machine_of(w.reqs[i])
+            mach = m.machine_of(w.req(i))
             if mach is not None and mach.state not in _ROW_HOLDING:
                 out.add(mach.ctx.row)
     return out
@@ -160,7 +161,7 @@ def _stale_rows(w: World) -> set[int]:
 def _chunk_due(w: World, i: int) -> int:
     """The host slots offload i may ask for (0: no chunk is due; the whole pool and one more when its
     lifecycle is not yet known to the manager, which admits it first)."""
-    req = w.reqs[i]
+    req = w.req(i)
     m = w.engine.manager
     mach = m.machine_of(req)
     if mach is None or mach.state not in _LIVE_STATES:

@@ -52,7 +52,7 @@ def _expand_chunk(items: list[tuple[tuple, tuple, frozenset, Optional[frozenset]
         else:
             got[1] &= sleep
 
-    failure = None
+    failure: Optional[tuple[Any, ...]] = None
     try:
         for trace, key, sleep, only in items:
             x.expand(Item(None, trace, key, trace, None, only, sleep), sleep, offer)

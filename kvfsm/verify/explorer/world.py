@@ -109,5 +109,12 @@ class World:
         self.ends: dict[tuple[int, int], tuple[int, int, int]] = {}
         self.checked: tuple = ()  # the pool snapshots whose conservation was last checked
 
+    def req(self, i: int) -> SimRequest:
+        """Request i, once its admission created it (an error before)."""
+        req = self.reqs[i]
+        if req is None:
+            raise LookupError(f"r{i} has not been admitted yet")
+        return req
+
     def prompt(self, i: int) -> list[int]:
         return [100_000 + i] + [1000 + j for j in range(self.config.prompt_len - 1)]
