@@ -15,7 +15,7 @@ APT_INSTALL = $(ONE_AT_A_TIME) $(SUDO) env DEBIAN_FRONTEND=noninteractive sh -c 
 TEST_WORKERS ?= auto
 PYTEST_PARALLEL = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-.PHONY: demo test venv test-deps bench clean mutate test-compat
+.PHONY: demo test venv test-deps bench clean mutate test-compat lint
 
 venv: $(STAMP)
 
@@ -39,14 +39,21 @@ test-deps: $(TEST_STAMP)
 demo: $(STAMP)
 	$(BIN)/kvfsm demo
 
-# Every test: the spec checks, the suite (on every core), then the differential tests against the real SGLang
-# 0.5.23 and vLLM 0.34.0, each in its own venv (test-upstream, below). The venvs are built first, side by side.
+# Every test: ruff and mypy (lint), the spec checks, the suite (on every core), then the differential tests
+# against the real SGLang 0.5.23 and vLLM 0.34.0, each in its own venv (test-upstream, below). The venvs are
+# built first, side by side.
 test:
 	$(MAKE) -j3 -O test-deps upstream-venv vllm-venv
+	$(MAKE) lint
 	for spec in spec/*.yaml; do $(BIN)/kvfsm gen $$spec --check || exit 1; done
 	$(BIN)/kvfsm schema --check
 	KVFSM_REQUIRE_MOONCAKE=1 KVFSM_REQUIRE_TRANSFORMERS=1 KVFSM_REQUIRE_MUTMUT=1 $(BIN)/python -m pytest -q $(PYTEST_PARALLEL)
 	$(MAKE) test-upstream
+
+# ruff over the project's Python and mypy over kvfsm/ and generated/, as pyproject.toml configures them
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 bench: $(STAMP)
 	$(BIN)/kvfsm bench
