@@ -72,6 +72,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 times.append(dt * 1e3)
         results[way] = {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times)}
         print(f"{way:9s} launch: median {results[way]['median_ms']:.4f} ms, min {results[way]['min_ms']:.4f} ms")
+    if not tk._launch.enabled:
+        raise SystemExit("this Triton's compiled handle refused the arguments: every launch went through kernel[grid]")
     saved = results["jit"]["median_ms"] - results["compiled"]["median_ms"]
     path = write_result("launch_probe", {"settings": vars(args), "launch": results, "saved_ms": saved},
                         args.out, quick=args.quick)

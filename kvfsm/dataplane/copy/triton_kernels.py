@@ -162,6 +162,7 @@ class _Launcher:
 
     def __init__(self) -> None:
         self._compiled: dict[tuple, object] = {}
+        self.enabled = True  # False once a compiled handle refused its arguments: every launch is kernel[grid]
 
     def __call__(self, kernel: object, grid: tuple[int], args: tuple, constexprs: dict, num_warps: int) -> None:
         key = (kernel, num_warps, *constexprs.values(),
@@ -169,10 +170,14 @@ class _Launcher:
                  (type(a), -2**31 <= a < 2**31) for a in args])
         compiled = self._compiled.get(key)
         if compiled is not None:
-            compiled[grid](*args, *constexprs.values())  # type: ignore[index]
-            return
+            try:  # its runner reads all three grid dimensions
+                compiled[(grid[0], 1, 1)](*args, *constexprs.values())  # type: ignore[index]
+                return
+            except (TypeError, ValueError, IndexError):  # raised packing the arguments, before any launch:
+                self._compiled.clear()  # this Triton's handle takes them otherwise; launch as it wants
+                self.enabled = False
         compiled = kernel[grid](*args, **constexprs, num_warps=num_warps)  # type: ignore[index]
-        if hasattr(compiled, "function") and hasattr(compiled, "__getitem__") and \
+        if self.enabled and hasattr(compiled, "function") and hasattr(compiled, "__getitem__") and \
                 list(constexprs) == kernel.arg_names[len(args):]:  # type: ignore[attr-defined]
             self._compiled[key] = compiled
 
