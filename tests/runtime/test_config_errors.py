@@ -87,6 +87,15 @@ def test_every_problem_is_listed_and_unknown_fields_get_a_suggestion() -> None:
     assert exc.value.field == "host_pool_bytes" and "host_pool_ratio" in exc.value.reason
 
 
+def test_a_config_file_past_a_bound_is_named_with_its_line_and_the_bound(tmp_path: Path) -> None:
+    """A YAML config file nested past CONFIG_LIMITS is refused as the offload config it is, at its line."""
+    cfg = tmp_path / "offload.yaml"
+    cfg.write_text("page_size: 4\noffload_stride: " + "[" * 20 + "]" * 20 + "\n")
+    with pytest.raises(ConfigError, match=r":2: offload config nests deeper than 16 levels") as exc:
+        OffloadConfig.from_file(cfg)
+    assert exc.value.source == f"{cfg}:2"
+
+
 def test_config_errors_pickle_with_their_fields() -> None:
     try:
         OffloadConfig(page_size=0, offload_stride=-1)
