@@ -189,6 +189,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.limit:
         mutants = mutants[:args.limit]
     known: dict[str, dict] = {}
+    previous: dict = {}
     if args.previous:  # an earlier, cut-off pass: keep each verdict that names its test; run the rest first
         previous = json.loads(Path(args.previous).read_text())
         # a test the unmutated tree failed there killed nothing: those mutants run again
@@ -196,8 +197,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         for rec in previous["mutants"]:
             if not (void and rec.get("first_failure") == void):
                 known[f"{rec['function']}\n{rec['change']}"] = rec
-    keep = [known[m.key] for m in mutants if m.key in known and (known[m.key].get("first_failure")
-                                                                   or known[m.key]["status"] == "survived")]
+    # kept: a kill that names its test, and a survival whose pass's unmutated run passed (a stopped pass's
+    # survivor may predate the test that kills it)
+    keep = [known[m.key] for m in mutants if m.key in known and not known[m.key].get("provisional") and
+            (known[m.key].get("first_failure") or known[m.key]["status"] == "survived" and
+             (previous.get("clean") or {}).get("rc") == 0)]
     mutants.sort(key=lambda m: m.key in known)  # never run first; then the kills whose test went unrecorded
     mutants = [m for m in mutants if not (m.key in known and known[m.key] in keep)]
     work = Path(tempfile.mkdtemp(prefix="gpu-pass-"))

@@ -427,9 +427,13 @@ def gpu_verdict(function: str, change: str, gpu: dict | None) -> str:
                None)
     if rec is None:
         return "not yet run on a GPU"
-    provisional = "" if (gpu or {}).get("clean", {}) and gpu["clean"].get("rc") == 0 else \
-        ", provisionally: that pass was stopped before its unmutated run finished"
+    clean = (gpu or {}).get("clean") or {}
+    provisional = ", provisionally: that pass was stopped before its unmutated run finished" \
+        if rec.get("provisional") or not clean else ""
+    void = clean.get("first_failure") if clean.get("rc") not in (0, None) else None
     if rec["status"].startswith("killed"):
+        if void and rec.get("first_failure") == void:
+            return f"not decided on the GPU: the unmutated tree failed `{void}` too, so it runs again"
         by = f" by `{rec['first_failure']}`" if rec.get("first_failure") else " (its failing test not recorded)"
         return f"killed on the GPU{by}{provisional}"
     if rec["status"] == "survived":
@@ -478,7 +482,8 @@ def gpu_section(gpu: dict | None, needs_cuda: list[tuple[str, str]], by_scope: d
     a CUDA host tells apart (each survivor's line carries its own; `by_scope`: how many each scope's run left)."""
     verdicts = [gpu_verdict(f, c, gpu) for f, c in needs_cuda]
     count = {k: sum(v.startswith(p) for v in verdicts) for k, p in
-             (("killed", "killed"), ("survived", "**survived"), ("not run", "not yet run"), ("other", "not run on"))}
+             (("killed", "killed"), ("survived", "**survived"), ("not run", ("not yet run", "not decided")),
+              ("other", "not run on"))}
     named = sum("by `" in v for v in verdicts)
     lines = [GPU_SECTION[0], "", "## GPU pass", "",
              "The survivors of the CPU run that only a CUDA host can tell apart are not equivalent. "
@@ -495,12 +500,17 @@ def gpu_section(gpu: dict | None, needs_cuda: list[tuple[str, str]], by_scope: d
     lines += [f"- machine: {m.get('gpu', '?')}, torch {m.get('torch', '?')}, Python {m.get('python', '?')}; "
               f"started {gpu.get('utc', '?')}",
               "- unmutated tree: " + ("passed" if clean.get("rc") == 0 else
-                                      "not finished (the pass was stopped), so its kills are provisional"),
+                                      "not finished (the pass was stopped), so its kills are provisional" if not clean
+                                      else f"failed `{clean.get('first_failure')}` (its first failure; every test "
+                                      "before it passed), so a kill by that test decides nothing and its mutant runs "
+                                      "again, while a kill by a test before it stands"),
+              *(["- the kills carried from an earlier pass, whose unmutated run never finished, are provisional"]
+                if any(r.get("provisional") for r in gpu.get("mutants", [])) else []),
               f"- mutants: {len(needs_cuda)}"
               + (" (" + ", ".join(f"{n} from the {k} run" if k == "main" else f"{n} from the `{k}` scope"
                                   for k, n in by_scope.items()) + ")" if by_scope else "")
               + f"; killed {count['killed']} ({named} with the failing test named); "
-              f"survived {count['survived']}; not yet run {count['not run']}; not run here {count['other']}"
+              f"survived {count['survived']}; not yet run or not decided {count['not run']}; not run here {count['other']}"
               + (" (ProgressConsensus: an NCCL reduction needs a rank per GPU)" if count["other"] else ""),
               "- the device log: `bench/results/mutation_gpu-h200.log`" if (ROOT / "bench/results/mutation_gpu-h200.log").exists()
               else "- the device log of the first, cut-off pass was not kept; the next pass writes `bench/results/mutation_gpu-h200.log`",
@@ -508,7 +518,9 @@ def gpu_section(gpu: dict | None, needs_cuda: list[tuple[str, str]], by_scope: d
     survived = [(f, c) for (f, c), v in zip(needs_cuda, verdicts) if v.startswith("**survived")]
     if survived:
         lines += ["Survivors of the GPU pass (each needs a GPU test that kills it, or a reason it is equivalent):", ""]
-        lines += ["- `{}`: `{}` → `{}`".format(*_readable(f, c)) for f, c in survived]
+        lines += ["- `{}`: `{}` → `{}`".format(*_readable(f, c)) + (" (provisional: it runs again)" if "provisionally" in v
+                                                                  else "")
+                  for (f, c), v in zip(needs_cuda, verdicts) if (f, c) in survived]
         lines.append("")
     lines.append(GPU_SECTION[1])
     return lines
