@@ -9,9 +9,24 @@ from typing import Any
 import pytest
 import torch
 
-from kvfsm.dataplane.copy.triton_kernels import _Launcher
+from kvfsm.dataplane.copy.triton_kernels import _launch, _Launcher
 
 NAMES = ["src", "dst", "n", "ROW", "VEC"]
+
+
+def on() -> _Launcher:
+    launch = _Launcher()
+    launch.enabled = True
+    return launch
+
+
+def test_the_engine_s_launcher_takes_the_jit_path_until_measured_on_a_gpu() -> None:
+    assert _launch.enabled is False
+    k, launch = Kernel(), _Launcher()
+    a = torch.zeros(8)
+    for _ in range(2):
+        launch(k, (1,), (a, a, 5), {"ROW": 16, "VEC": 4}, 4)
+    assert [e[0] for e in k.log] == ["jit", "jit"]
 
 
 class Compiled:
@@ -47,7 +62,7 @@ class Kernel:
 
 
 def test_a_key_compiles_once_and_later_launches_take_the_handle_with_every_argument_in_order() -> None:
-    k, launch = Kernel(), _Launcher()
+    k, launch = Kernel(), on()
     a, b = torch.zeros(8), torch.zeros(8)
     launch(k, (3,), (a, b, 5), {"ROW": 16, "VEC": 4}, 4)
     launch(k, (7,), (a, b, 9), {"ROW": 16, "VEC": 4}, 4)  # another count: the same compiled kernel
@@ -57,7 +72,7 @@ def test_a_key_compiles_once_and_later_launches_take_the_handle_with_every_argum
 
 @pytest.mark.parametrize("change", ["constexpr", "warps", "alignment", "dtype", "int width"])
 def test_anything_the_compile_depends_on_compiles_again(change: str) -> None:
-    k, launch = Kernel(), _Launcher()
+    k, launch = Kernel(), on()
     a, b = torch.zeros(8), torch.zeros(8)
     launch(k, (1,), (a, b, 5), {"ROW": 16, "VEC": 4}, 4)
     args: tuple = (a, b, 5)
@@ -77,7 +92,7 @@ def test_anything_the_compile_depends_on_compiles_again(change: str) -> None:
 
 
 def test_a_handle_that_refuses_its_arguments_turns_the_fast_path_off_and_still_launches() -> None:
-    k, launch = Kernel(refuse=True), _Launcher()
+    k, launch = Kernel(refuse=True), on()
     a = torch.zeros(8)
     launch(k, (1,), (a, a, 5), {"ROW": 16, "VEC": 4}, 4)
     launch(k, (1,), (a, a, 5), {"ROW": 16, "VEC": 4}, 4)  # the handle refuses: launched through the JIT instead
@@ -86,7 +101,7 @@ def test_a_handle_that_refuses_its_arguments_turns_the_fast_path_off_and_still_l
 
 
 def test_constexprs_out_of_signature_order_are_never_launched_through_a_handle() -> None:
-    k, launch = Kernel(), _Launcher()
+    k, launch = Kernel(), on()
     a = torch.zeros(8)
     for _ in range(2):
         launch(k, (1,), (a, a, 5), {"VEC": 4, "ROW": 16}, 4)
@@ -102,7 +117,7 @@ def test_a_launch_that_returns_no_handle_is_not_kept() -> None:
                 self.log.append(("jit",))
             return run
 
-    k, launch = Interpreted(), _Launcher()
+    k, launch = Interpreted(), on()
     a = torch.zeros(8)
     for _ in range(2):
         launch(k, (1,), (a, a, 5), {"ROW": 16, "VEC": 4}, 4)

@@ -158,11 +158,13 @@ class _Launcher:
     kernels: the device, the warps, the constexprs, each pointer's dtype and 16-byte alignment, and each
     integer's width (their values are not specialised: `do_not_specialize`). Under the Triton interpreter,
     or a Triton whose launch returns no compiled kernel, every launch takes `kernel[grid]`.
-    What it saves, measured on the H200 (bench/probes/launch_probe.py): see docs/performance.md."""
+    It is off (`enabled = False`) until bench/probes/launch_probe.py has measured on the H200 what it saves and
+    checked every copy it launched; the probe turns it on for its own launches."""
 
     def __init__(self) -> None:
         self._compiled: dict[tuple, object] = {}
-        self.enabled = True  # False once a compiled handle refused its arguments: every launch is kernel[grid]
+        # False: every launch is kernel[grid] (also set once a compiled handle refused its arguments)
+        self.enabled = False
 
     def __call__(self, kernel: object, grid: tuple[int], args: tuple, constexprs: dict, num_warps: int) -> None:
         key = (kernel, num_warps, *constexprs.values(),
