@@ -15,7 +15,7 @@ APT_INSTALL = $(ONE_AT_A_TIME) $(SUDO) env DEBIAN_FRONTEND=noninteractive sh -c 
 TEST_WORKERS ?= auto
 PYTEST_PARALLEL = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-.PHONY: demo test venv test-deps bench clean mutate test-compat lint
+.PHONY: demo test venv test-deps bench clean mutate test-compat lint docs
 
 venv: $(STAMP)
 
@@ -39,12 +39,13 @@ test-deps: $(TEST_STAMP)
 demo: $(STAMP)
 	$(BIN)/kvfsm demo
 
-# Every test: ruff and mypy (lint), the spec checks, the suite (on every core), then the differential tests
-# against the real SGLang 0.5.23 and vLLM 0.34.0, each in its own venv (test-upstream, below). The venvs are
-# built first, side by side.
+# Every test: ruff and mypy (lint), the documentation site's build (docs), the spec checks, the suite (on every
+# core), then the differential tests against the real SGLang 0.5.23 and vLLM 0.34.0, each in its own venv
+# (test-upstream, below). The venvs are built first, side by side.
 test:
 	$(MAKE) -j3 -O test-deps upstream-venv vllm-venv
 	$(MAKE) lint
+	$(MAKE) docs
 	for spec in spec/*.yaml; do $(BIN)/kvfsm gen $$spec --check || exit 1; done
 	$(BIN)/kvfsm schema --check
 	KVFSM_REQUIRE_MOONCAKE=1 KVFSM_REQUIRE_TRANSFORMERS=1 KVFSM_REQUIRE_MUTMUT=1 $(BIN)/python -m pytest -q $(PYTEST_PARALLEL)
@@ -54,6 +55,12 @@ test:
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+
+# The documentation site (mkdocs.yml: docs/ with the Material theme) into build/site/, every warning an error: a
+# broken link or anchor, a page outside the nav. NO_MKDOCS_2_WARNING silences the theme's start-up notice about
+# its own end of life, which is printed on every run and is no warning about these docs.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 bench: $(STAMP)
 	$(BIN)/kvfsm bench

@@ -4,7 +4,7 @@
 
 `make test` runs the suite on every core with pytest-xdist, a module at a time (`-n auto --dist loadfile
 --no-loadscope-reorder`): a module's tests share one worker, so its module fixtures are built once and the
-tests that check what the tests before them recorded (`test_zz_*`, and the README figures' last check) see
+tests that check what the tests before them recorded (`test_zz_*`, and the benchmark figures' last check) see
 every one of them. Workers take modules in collection order, which puts LONG_MODULES first, longest first:
 a long module started last would run alone at the end while the other core idles.
 """

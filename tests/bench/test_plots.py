@@ -160,8 +160,8 @@ def test_main_takes_an_output_dir(plots, tmp_path):
 
 
 def test_the_committed_results_page_is_fresh(rendered):
-    """docs/results.md is what plots.py renders from the committed JSON (README figures are checked against
-    it: tests/docs/test_readme_numbers.py)."""
+    """docs/results.md is what plots.py renders from the committed JSON (docs/benchmarks.md's figures are checked
+    against it: tests/docs/test_readme_numbers.py)."""
     _, text, _ = rendered
     assert (ROOT / "docs" / "results.md").read_text() == text, "docs/results.md is stale: run python bench/plots.py"
     for name in ("bandwidth.png", "event_cost.png", "manager_time.png", "serving_loop.png"):

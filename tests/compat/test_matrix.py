@@ -1,4 +1,5 @@
-"""The README's table of tested versions is the compatibility matrix that `make test-compat` runs."""
+"""The README's table of tested versions (and docs/verification.md's) is the compatibility matrix that
+`make test-compat` runs."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import matrix  # noqa: E402
 
 
-def test_the_readme_lists_every_row_of_the_matrix() -> None:
-    readme = (matrix.ROOT / "README.md").read_text()
+@pytest.mark.parametrize("page", ["README.md", "docs/verification.md"])
+def test_the_readme_lists_every_row_of_the_matrix(page: str) -> None:
+    """The README's table, and the docs site's copy of it, are the matrix's rows."""
+    text = (matrix.ROOT / page).read_text()
     table = "\n".join(matrix.table())
-    assert table in readme, f"README.md's table of tested versions is not tests/compat/matrix.py's:\n{table}"
+    assert table in text, f"{page}'s table of tested versions is not tests/compat/matrix.py's:\n{table}"
 
 
 def test_each_row_pins_what_the_project_declares_it_supports() -> None:

@@ -89,11 +89,11 @@ def test_cli_works_outside_the_checkout(installed) -> None:
 
 
 @pytest.mark.parametrize("steps", [10, 20])
-def test_readme_integration_example_runs_installed(installed, steps: int) -> None:
+def test_integration_example_runs_installed(installed, steps: int) -> None:
     bin_dir, user, env = installed
     spec = importlib.util.spec_from_file_location("_readme_example", ROOT / "tests" / "docs" / "readme_example.py")
     helper = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(helper)
     script = user / f"example_{steps}.py"
-    script.write_text(helper.example_source((ROOT / "README.md").read_text(), steps))
+    script.write_text(helper.example_source((ROOT / helper.PAGE).read_text(), steps))
     _run([str(bin_dir / "python"), str(script)], user, env)

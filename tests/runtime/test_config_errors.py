@@ -3,7 +3,7 @@
 Each test pins a first-use trap that was silent, raw or late before: the constructor's raw pydantic
 error, a file as storage_dir found only after the host pool was allocated, copy_backend="cuda" quietly
 running on the CPU, silent stride rounding, a stride no host pool could take, mistyped KVFSM_* variables,
-and storage_backend="mooncake", which the config refused although the README names it.
+and storage_backend="mooncake", which the config refused although the docs name it.
 """
 
 from __future__ import annotations
@@ -366,7 +366,7 @@ def mooncake_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[
 
 
 class Req:
-    """An OffloadRequest, as the README's example writes one."""
+    """An OffloadRequest, as the integration example of docs/integrations.md writes one."""
 
     def __init__(self, rid: str, prompt: list[int], row: int) -> None:
         self.rid, self.origin_input_ids, self.output_ids = rid, prompt, []

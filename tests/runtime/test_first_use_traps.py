@@ -3,7 +3,7 @@
 - A second request object naming a live request's table row is refused (RowInUse), in unchecked mode too:
   it used to be admitted, and its end freed the live request's slots and row (whose own end then raised
   DoubleFree).
-- Offloading a released request raises the spec's EventRejected (the README's promise) where it returned
+- Offloading a released request raises the spec's EventRejected (what docs/integrations.md promises) where it returned
   False; a request lacking a protocol field raises RequestFieldMissing where it raised AttributeError.
 - The runtime logs: backup failures at WARNING (throttled), lifecycle events at DEBUG behind an
   isEnabledFor guard, and it never installs a handler.
