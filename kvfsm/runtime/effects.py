@@ -14,7 +14,7 @@ import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 import torch
@@ -56,7 +56,7 @@ class RequestRecord:
 
     key: str
     rid: str
-    req_ref: weakref.ReferenceType[Any]
+    req_ref: weakref.ReferenceType[OffloadRequest]
     req: Optional[Any]  # strong until release: release must read the request's lengths
     row: int
     prefix_len: int  # positions [0, prefix_len) are the prefix cache's pages (whole pages), locked by `lock`
@@ -68,6 +68,7 @@ class RequestRecord:
     stored_pages: int = 0
     failed_backups: int = 0
     end_lengths: Optional[tuple[int, int]] = None  # (committed, allocated) when the engine ended it
+    # attached by admission (LiveRecord from then); None again once an ended lifecycle drops it (reference cycle)
     machine: Optional[DecodeOffloadMachine] = None
 
     @property
@@ -78,6 +79,19 @@ class RequestRecord:
 
     def __repr__(self) -> str:
         return self.key
+
+
+if TYPE_CHECKING:
+    class LiveRecord(RequestRecord):
+        """A RequestRecord whose machine is attached: from the end of its admission until it has left the
+        manager's table and its lifecycle ended (then `_forget` or `_unlink_released` may drop the machine to
+        break the record <-> machine cycle). The manager's table, the chunks in flight and the per-step
+        paths hold records as this type, so they read `machine` without a check. A type only: at run time
+        it is RequestRecord itself (no conversion, no per-record cost)."""
+
+        machine: DecodeOffloadMachine
+else:
+    LiveRecord = RequestRecord
 
 
 class Chunk:
@@ -91,7 +105,7 @@ class Chunk:
     __slots__ = ("record", "start", "end", "tokens", "run", "handle", "serial", "job", "host_pages",
                  "_device", "_host", "lo", "hi")
 
-    def __init__(self, record: RequestRecord, start: int, end: int, tokens: Sequence[int], handle: CopyHandle,
+    def __init__(self, record: LiveRecord, start: int, end: int, tokens: Sequence[int], handle: CopyHandle,
                  device: torch.Tensor, host: torch.Tensor, lo: int, hi: int, host_pages: Sequence[int]) -> None:
         self.record, self.start, self.end, self.tokens, self.handle = record, start, end, tokens, handle
         self.run: Optional[PageRun] = None

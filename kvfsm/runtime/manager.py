@@ -16,7 +16,7 @@ import logging
 import operator
 import weakref
 from collections.abc import Iterable, Sequence
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, NamedTuple, Optional, Union, cast
 
 import numpy as np
 import torch
@@ -32,7 +32,7 @@ from kvfsm.runtime.backup import BackupWorker, ThreadBackupWorker
 from kvfsm.runtime.build import build_components, close_storage
 from kvfsm.runtime.config import OffloadConfig
 from kvfsm.runtime.device_table import DeviceTableSlots
-from kvfsm.runtime.effects import Chunk, OffloadEffects, RequestRecord, token_slice
+from kvfsm.runtime.effects import Chunk, LiveRecord, OffloadEffects, RequestRecord, token_slice
 from kvfsm.runtime.ledger import CheckedModeError, SlotLedger
 from kvfsm.runtime.metrics import OffloadMetrics
 from kvfsm.runtime.protocols import (
@@ -77,16 +77,16 @@ def _fire(event_each: Any, chunks: list[Chunk]) -> None:
         event_each([chunk.record.machine for chunk in chunks], chunks)
 
 
-def _host_full(due: list[tuple[RequestRecord, OffloadRequest, int]]) -> None:
+def _host_full(due: list[tuple[LiveRecord, OffloadRequest, int]]) -> None:
     """The spec's host_full for each request whose chunk found no host room."""
     DecodeOffloadMachine.host_full_each([rec.machine for rec, _, _ in due], [None] * len(due))
 
 
-def _forget(records: dict[int, RequestRecord], key: int, _ref: object) -> None:
+def _forget(records: dict[int, LiveRecord], key: int, _ref: object) -> None:
     """The request object is gone: drop its record (and, if its lifecycle has ended, the record's link
     to its machine: machine.ctx is the record, so the pair is a reference cycle that only the garbage
     collector would free; a server's collector walking thousands of them is a pause on the hot path)."""
-    rec = records.pop(key, None)
+    rec: Optional[RequestRecord] = records.pop(key, None)  # out of the table: no longer a LiveRecord
     if rec is not None and rec.machine is not None and rec.machine.state in spec_gen.TERMINAL:
         rec.machine = None
 
@@ -95,7 +95,7 @@ def _unlink_released(chunks: list[Chunk]) -> None:
     """After completions: a lifecycle that just ended and whose request object is already gone (it
     finished under in-flight backups, then the engine dropped it) gives up its record <-> machine cycle."""
     for chunk in chunks:
-        rec = chunk.record
+        rec: RequestRecord = chunk.record  # the chunk is done with: its record may give up its machine
         m = rec.machine
         if m is not None and m.state in spec_gen.TERMINAL and rec.req_ref() is None:
             rec.machine = None
@@ -104,8 +104,8 @@ def _unlink_released(chunks: list[Chunk]) -> None:
 class Reservation(NamedTuple):
     """A chunk whose host pages are taken and whose copy waits for `submit_reserved` (reserve_offload)."""
 
-    record: RequestRecord
-    req: OffloadRequest
+    record: LiveRecord
+    req: OffloadRequest  # held strongly: its record keeps its machine (a LiveRecord) until submitted
     tokens: int
     pages: list[int]
     inc_len: int  # the record's inc_len when reserved: a lifecycle that moved on since is not submitted
@@ -157,7 +157,7 @@ class DecodeOffloadManager:
         # Machines report each transition only where someone listens (checked mode, trace): the hot
         # path's bookkeeping (the row hint, ignored releases) is kept by the manager's own calls.
         self._observer = self._observe if (self.ledger is not None or self.trace is not None) else None
-        self._records: dict[int, RequestRecord] = {}  # id(request object) -> its current lifecycle
+        self._records: dict[int, LiveRecord] = {}  # id(request object) -> its current lifecycle
         # Per table row: the record of the lifecycle admitted last on it (stale once that one released the
         # row). Admission refuses a row whose record still holds it for another request object (RowInUse).
         self._row_holder: list[Optional[RequestRecord]] = [None] * req_to_token.rows
@@ -288,12 +288,12 @@ class DecodeOffloadManager:
             picked = np.flatnonzero(committed >= hints) if rows.size else ()  # a few: iterated as is
         # Check every picked request before anything changes, then admit, then submit. The steady state
         # (every picked request live in an offloadable state) needs one pass.
-        todo: list[tuple[Optional[RequestRecord], OffloadRequest, int]] = []
+        todo: list[tuple[Optional[LiveRecord], OffloadRequest, int]] = []
         seen: set[int] = set()
         records, chunk_tokens = self._records, self._chunk_tokens
         admit = False
         new_rows: dict[int, OffloadRequest] = {}  # rows of the requests this call admits
-        req: Any = None
+        req: Optional[OffloadRequest] = None  # the request the except clauses below name (None: none read yet)
         try:
             for i in picked:
                 req = reqs[i]
@@ -327,14 +327,16 @@ class DecodeOffloadManager:
                 if rec is None:
                     rec = self._admit(req)
                     todo[k] = (rec, req, chunk_tokens(req, rec))
-        due = [item for item in todo if item[2] > 0]
+        looked = cast("list[tuple[LiveRecord, OffloadRequest, int]]", todo)  # every entry has its record now
+        due = [item for item in looked if item[2] > 0]
         submitted = self._submit(due) if due else 0
-        if todo:  # every looked-at row's next due point, in one numpy call
+        if looked:  # every looked-at row's next due point, in one numpy call
             stride = self.stride
-            self._due_at[[rec.row for rec, _, _ in todo]] = [rec.prefill_len + rec.inc_len + stride for rec, _, _ in todo]
+            self._due_at[[rec.row for rec, _, _ in looked]] = [rec.prefill_len + rec.inc_len + stride
+                                                                for rec, _, _ in looked]
         return submitted
 
-    def _offloadable_record(self, req: OffloadRequest) -> Optional[RequestRecord]:
+    def _offloadable_record(self, req: OffloadRequest) -> Optional[LiveRecord]:
         """The request's live lifecycle (admitting it if new); None if it holds no row or sampled nothing."""
         row = req.req_pool_idx
         if row is None or row == -1 or not req.output_ids:
@@ -370,7 +372,7 @@ class DecodeOffloadManager:
                                  f"ends (retract it, then re-admit it under the new row)")
         self._check_admissible(req)
 
-    def _chunk_tokens(self, req: OffloadRequest, rec: RequestRecord) -> int:
+    def _chunk_tokens(self, req: OffloadRequest, rec: LiveRecord) -> int:
         """Tokens of the next chunk: whole strides of committed KV past what was offloaded."""
         start = rec.prefill_len + rec.inc_len
         # The last sampled token has no KV yet; never offload past what is committed.
@@ -381,13 +383,13 @@ class DecodeOffloadManager:
         # otherwise fail to allocate forever, even with the pool empty; the rest follows in later chunks.
         return min(n, self._max_chunk)
 
-    def _submit(self, due: list[tuple[RequestRecord, OffloadRequest, int]], pages: Optional[list[int]] = None) -> int:
+    def _submit(self, due: list[tuple[LiveRecord, OffloadRequest, int]], pages: Optional[list[int]] = None) -> int:
         """Host pages and one copy for the due chunks, then each request's `offload` (or `host_full`).
         `pages`: host pages already reserved for them, in order (reserve_offload)."""
         fx = self.fx
         host_pool = fx.host_pool
         ps = self.config.page_size
-        full: list[tuple[RequestRecord, OffloadRequest, int]] = []
+        full: list[tuple[LiveRecord, OffloadRequest, int]] = []
         if pages is None:
             pages = host_pool.alloc_pages(sum(n for _, _, n in due) // ps)  # chunks are whole strides: whole pages
         if pages is None:  # not all fit: allocate in call order, as a loop of offload() calls would
@@ -440,7 +442,7 @@ class DecodeOffloadManager:
                 logger.debug("request %s offloaded tokens [%d, %d)", chunk.record.key, chunk.start, chunk.end)
         return len(due)
 
-    def _copy_slots(self, due: list[tuple[RequestRecord, OffloadRequest, int]],
+    def _copy_slots(self, due: list[tuple[LiveRecord, OffloadRequest, int]],
                     host_pages: list[int]) -> tuple[Union[torch.Tensor, PageSlots], PageSlots]:
         """(device slots, host slots) of the due chunks, in order (CPU tensors, read from the request
         table's host mirror), both as PageSlots when every chunk page starts a device page. A request's KV
@@ -456,7 +458,7 @@ class DecodeOffloadManager:
             return self._device_slots(due), host_pool.page_slots(host_pages)
         if ps > 1:
             width = self._width
-            positions = []  # flat table index of each chunk page's first token
+            positions: list[int] = []  # flat table index of each chunk page's first token
             for rec, _, n in due:
                 first = rec.row * width + rec.prefill_len + rec.inc_len
                 positions += range(first, first + n, ps)
@@ -470,7 +472,7 @@ class DecodeOffloadManager:
                 return device, PageSlots(host_pool.allocator, host_pages, torch.from_numpy(both[count:].reshape(-1)))
         return self._device_slots(due), host_pool.page_slots(host_pages)  # token by token
 
-    def _device_slots(self, due: list[tuple[RequestRecord, OffloadRequest, int]]) -> torch.Tensor:
+    def _device_slots(self, due: list[tuple[LiveRecord, OffloadRequest, int]]) -> torch.Tensor:
         """Device slots of every due chunk, concatenated in order: one gather from the table's host mirror
         (or, without one, on the table's device)."""
         table = self.fx.device_table
@@ -662,7 +664,7 @@ class DecodeOffloadManager:
             close_storage(self._owned_storage)
             self._owned_storage = None
 
-    def live_records(self) -> list[RequestRecord]:
+    def live_records(self) -> list[LiveRecord]:
         return [r for r in self._records.values() if r.machine.state in _ROW_HOLDERS]
 
     # --- internals ---------------------------------------------------------------------------------
@@ -689,14 +691,14 @@ class DecodeOffloadManager:
         if logger.isEnabledFor(_DEBUG):
             logger.debug("request %s %s: %s -> %s", rec.key, event, spec_gen.STATES[before], spec_gen.STATES[m.state])
 
-    def _current(self, req: OffloadRequest) -> Optional[RequestRecord]:
+    def _current(self, req: OffloadRequest) -> Optional[LiveRecord]:
         """The request object's current lifecycle, or None when the next call admits a new one."""
         rec = self._records.get(id(req))
         if rec is not None and rec.req_ref() is req and not self._readmitted(rec, req):
             return rec
         return None
 
-    def _readmitted(self, rec: RequestRecord, req: OffloadRequest) -> bool:
+    def _readmitted(self, rec: LiveRecord, req: OffloadRequest) -> bool:
         """Whether `req`, whose lifecycle `rec` has ended, was admitted again (it names a row it now holds)."""
         row = req.req_pool_idx
         if rec.machine.state in _OFFLOADABLE or row is None or row == -1:
@@ -708,10 +710,10 @@ class DecodeOffloadManager:
         return (rec.machine.state not in _ROW_HOLDERS and isinstance(row, int) and 0 <= row < self.req_to_token.rows
                 and self.req_to_token.is_allocated(row))
 
-    def _check_admissible(self, req: OffloadRequest) -> None:
+    def _check_admissible(self, req: OffloadRequest) -> int:
         """Raise, changing nothing, unless `req` can start a lifecycle: every protocol field, an allocated
         row, and no other live request object holding that row (which the new lifecycle's release would
-        free under it: a DoubleFree at its own release)."""
+        free under it: a DoubleFree at its own release). Returns that row."""
         check_request_fields(req)
         row = req.req_pool_idx
         if not isinstance(row, int) or not 0 <= row < self.req_to_token.rows or not self.req_to_token.is_allocated(row):
@@ -728,10 +730,10 @@ class DecodeOffloadManager:
             # the spec's `create`: a matched prefix is whole pages of the prompt
             raise InvalidRequest(f"request {describe(req)}: prefix_len {req.prefix_len!r} must be a whole number of pages "
                                  f"of {ps} within its {len(req.origin_input_ids)}-token prompt")
+        return row
 
-    def _admit(self, req: OffloadRequest) -> RequestRecord:
-        self._check_admissible(req)
-        row = req.req_pool_idx
+    def _admit(self, req: OffloadRequest) -> LiveRecord:
+        row = self._check_admissible(req)
         key = id(req)
         try:
             ref = weakref.ref(req, functools.partial(_forget, self._records, key))
@@ -749,12 +751,13 @@ class DecodeOffloadManager:
             self.ledger.prefix_locked(rec.key, self._table_flat[lo:lo + rec.prefix_len] if self._table_flat is not None
                                       else self.fx.device_table.span(row, 0, rec.prefix_len).tolist())
         rec.machine = DecodeOffloadMachine(self.fx, rec, self._observer, fences=self._fences)
-        self._records[key] = rec
-        self._row_holder[row] = rec
+        live = cast(LiveRecord, rec)  # its machine is attached: live until its lifecycle ends and it leaves the table
+        self._records[key] = live
+        self._row_holder[row] = live
         if logger.isEnabledFor(_DEBUG):
             logger.debug("request %s admitted: table row %d, prompt %d tokens, prefix %d", rec.key, row, prompt_len,
                          rec.prefix_len)
-        return rec
+        return live
 
     def _observe(self, m: DecodeOffloadMachine, event: str, src: int, dst: int, tid: int) -> None:
         if tid >= 0:
