@@ -16,6 +16,7 @@ stateful suite's two-rank harness runs.
 from __future__ import annotations
 
 import collections
+import importlib.util
 import json
 import os
 import sys
@@ -405,6 +406,27 @@ def b20(mp: pytest.MonkeyPatch) -> None:
             fence.mark_waited()
         orig(self, slots)
     mp.setattr(AllocatorView, "free", free)
+
+
+# Faults inside an optional integration, with the package each patches: where it is not installed (the oldest row
+# of tests/compat/matrix.py), a test that injects one skips, as the integration's own tests do, unless
+# KVFSM_REQUIRE_<PACKAGE>=1 asks that it be there.
+NEEDS = {"b20_swap_out": "transformers"}
+
+
+def missing(fault: Callable[..., object]) -> str | None:
+    """The package `fault` patches when it is not installed, else None."""
+    pkg = NEEDS.get(fault.__name__)
+    return pkg if pkg is not None and importlib.util.find_spec(pkg) is None else None
+
+
+def skip_if_missing(fault: Callable[..., object]) -> None:
+    pkg = missing(fault)
+    if pkg is not None:
+        reason = f"{fault.__name__} patches the {pkg} integration and {pkg} is not installed"
+        if os.environ.get(f"KVFSM_REQUIRE_{pkg.upper()}") == "1":
+            pytest.fail(f"{reason} (KVFSM_REQUIRE_{pkg.upper()}=1)", pytrace=False)
+        pytest.skip(reason)
 
 
 def b20_swap_out(mp: pytest.MonkeyPatch) -> None:

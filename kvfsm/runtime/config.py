@@ -50,7 +50,8 @@ _STRING_FIELDS = frozenset({"model_name", "storage_dir", "trace_path"})
 
 
 class OffloadConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # protected_namespaces: older pydantic (2.5) warns about any field named model_*, such as model_name
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
 
     page_size: int = Field(1, ge=1, description="Tokens per KV page.")
     offload_stride: int = Field(0, ge=0, description=(
@@ -105,6 +106,11 @@ class OffloadConfig(BaseModel):
             return super().model_validate(obj, **kwargs)
         except ValidationError as exc:
             raise _config_error(exc, source) from exc
+        except ConfigError as exc:
+            # older pydantic (2.5) validates through the model's own __init__, whose error names the class
+            if isinstance(exc.__cause__, ValidationError):
+                raise _config_error(exc.__cause__, source) from exc.__cause__
+            raise
 
     @model_validator(mode="after")
     def _fields_agree(self) -> OffloadConfig:

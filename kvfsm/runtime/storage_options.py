@@ -59,7 +59,8 @@ def _accepts(hint: Any, value: Any) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
     if hint is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
-    return isinstance(value, hint) if isinstance(hint, type) else True
+    # a parameterized generic (list[int]) is a type to isinstance() on Python 3.10, which then refuses it
+    return isinstance(value, hint) if isinstance(hint, type) and typing.get_origin(hint) is None else True
 
 
 def _name(hint: Any) -> str:

@@ -75,7 +75,9 @@ def test_a_command_s_help_runs_none_of_it(argv: list[str]) -> None:
     ["diagram", SPEC],
     ["docs", SPEC],
 ], ids=" ".join)
-def test_spec_tools_load_neither_torch_nor_numpy(argv: list[str]) -> None:
+def test_spec_tools_load_neither_torch_nor_numpy(argv: list[str], request: pytest.FixtureRequest) -> None:
+    if argv[0] == "schema":  # --check: the committed schema is this pydantic's rendering
+        request.getfixturevalue("schema_as_committed")
     code, modules = _run(argv)
     assert code == 0
     assert "kvfsm.spec.model" in modules  # the command ran its spec path, not just its help

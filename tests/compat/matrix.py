@@ -4,7 +4,8 @@ pydantic, one venv per row, the whole suite in each (`make test-compat`; README 
     python3 tests/compat/matrix.py list                 # the rows, as the README's table
     python3 tests/compat/matrix.py run [ROW ...]        # build .venv-compat-<row> and run the suite in it
 
-A row pins what it tests; everything else resolves to the newest release that the project's ranges admit.
+A row pins what it tests; everything else resolves to the newest release that the project's ranges admit (the
+newest with a wheel for the row's Python, where an older one has a wheel and the newest has none).
 Where a machine's pip configuration caps torch through a constraint file (a CPU build lies on its disk), a row
 installs with PIP_CONSTRAINT pointing to an empty file, for its own venv only: the newest torch on the registry
 is then its CUDA build, which runs on a machine without a GPU (the suite's CUDA tests skip, as anywhere without
@@ -85,7 +86,9 @@ def build(row: Row) -> None:
     if row.venv.exists():
         shutil.rmtree(row.venv)
     subprocess.run([_python(row.python), "-m", "venv", str(row.venv)], check=True)
-    pip = [str(row.venv / "bin" / "python"), "-m", "pip", "install", "-q"]
+    # --prefer-binary: a release that has no wheel for the row's Python is passed over for the newest one that has
+    # (atheris 3.0 ships no Python 3.10 wheel, and its source build needs clang's libFuzzer)
+    pip = [str(row.venv / "bin" / "python"), "-m", "pip", "install", "-q", "--prefer-binary"]
     empty = row.venv / "no-constraints.txt"
     empty.write_text("")
     env = dict(os.environ, PIP_CONSTRAINT=str(empty))  # this venv only: the machine's torch cap does not apply

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import tomllib
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: tomli, which pytest itself requires there
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,7 +13,7 @@ from kvfsm.spec.model import json_schema_text
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_committed_schema_is_fresh_and_describes_the_format():
+def test_committed_schema_is_fresh_and_describes_the_format(schema_as_committed):
     path = ROOT / "spec" / "kvfsm-spec.schema.json"
     assert path.read_text() == json_schema_text()
     schema = json.loads(path.read_text())

@@ -86,6 +86,10 @@ def test_gen_check_is_the_same_from_any_directory(tmp_path: Path, monkeypatch: p
     monkeypatch.chdir(ROOT / "spec")
     assert cli("gen", "decode_offload.yaml", "--check").exit_code == 0
     assert cli("gen", "--check").exit_code == 0  # the shipped spec by default
+
+
+def test_schema_check_is_the_same_from_spec(monkeypatch: pytest.MonkeyPatch, schema_as_committed: None) -> None:
+    monkeypatch.chdir(ROOT / "spec")
     assert cli("schema", "--check").exit_code == 0
 
 
