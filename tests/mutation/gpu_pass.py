@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import argparse
 import ast
+import collections
 import concurrent.futures as cf
-import importlib
 import json
 import os
 import re
@@ -99,8 +99,7 @@ def selected() -> list[Mutant]:
     for scope in mutate.SCOPES.values():
         if scope.name == "main" or not scope.survivors.exists():
             continue
-        module = importlib.import_module(scope.equivalent)
-        needs = [(fn, re.compile(change, re.S), why) for fn, change, why in getattr(module, "NEEDS_GPU_PASS", [])]
+        needs = mutate.needs_gpu_pass(scope)
         for s in json.loads(scope.survivors.read_text())["survivors"]:
             why = mutate.equivalent_reason(needs, s["function"], s["change"]) if s.get("needs_gpu_pass") else None
             if why:
@@ -333,9 +332,7 @@ def cmd_report(args: argparse.Namespace) -> int:
                   "\n".join(mutate.summary_lines(summary["survived"], len(needs), unexplained)), text, count=1, flags=re.M)
     text = re.sub(r"^<!-- mutation-summary: .* -->$", f"<!-- mutation-summary: {json.dumps(summary, sort_keys=True)} -->",
                   text, count=1, flags=re.M)
-    by_scope: dict[str, int] = {}
-    for m in everything:
-        by_scope[m.scope] = by_scope.get(m.scope, 0) + 1
+    by_scope = dict(collections.Counter(m.scope for m in everything))
     section = "\n".join(mutate.gpu_section(gpu, sorted(needs) + [(m.function, m.change) for m in scoped], by_scope))
     start, end = mutate.GPU_SECTION
     if start in text:

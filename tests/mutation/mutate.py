@@ -613,11 +613,11 @@ def write_report(mutants: list[Mutant], seconds: float, run: dict | None) -> dic
     return summary
 
 
-def needs_gpu_pass() -> list[tuple[str, re.Pattern[str], str]]:
-    """The scope's survivors that a CPU run cannot tell apart and a CUDA device can (NEEDS_GPU_PASS, written as
-    EQUIVALENT is): not equivalent, so counted and listed apart."""
+def needs_gpu_pass(scope: Scope | None = None) -> list[tuple[str, re.Pattern[str], str]]:
+    """The scope's (default: the current one's) survivors that a CPU run cannot tell apart and a CUDA device can
+    (NEEDS_GPU_PASS, written as EQUIVALENT is): not equivalent, so counted and listed apart."""
     sys.path.insert(0, str(Path(__file__).parent))
-    module = importlib.import_module(SCOPE.equivalent)
+    module = importlib.import_module((scope or SCOPE).equivalent)
     return [(fn, re.compile(change, re.S), why) for fn, change, why in getattr(module, "NEEDS_GPU_PASS", [])]
 
 
