@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import itertools
 import pstats
 import random
 import statistics
@@ -36,6 +37,14 @@ from kvfsm.dataplane import CudaCopyEngine, HostKVPool, KVCacheConfig, TokenSlot
 from kvfsm.dataplane.pools.device_pool import DeviceKVPool  # noqa: E402
 
 LIMIT_MS = 0.5
+
+
+def use_launcher(on: bool) -> None:
+    """The direct kernel's launches through its compiled handle (on) or `kernel[grid]` (off, the default)."""
+    from kvfsm.dataplane.copy import triton_kernels as tk
+    if tk.HAVE_TRITON:
+        tk._launch.enabled = on
+        tk._launch._compiled.clear()
 
 
 def busy(a: torch.Tensor, c: torch.Tensor, n: int) -> None:
@@ -100,6 +109,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--pages", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--backends", nargs="+", default=["auto", "triton", "dma"])
     ap.add_argument("--index-on", nargs="+", default=["cpu", "cuda"], choices=["cpu", "cuda"])
+    ap.add_argument("--launcher", nargs="+", default=["off"], choices=["off", "on"],
+                    help="the direct kernel launched through Triton's JIT (off) or its compiled handle (on)")
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--busy-ms", type=float, default=20.0)
     ap.add_argument("--profile", action="store_true", help="then a profiled pass of each configuration")
@@ -127,22 +138,27 @@ def main(argv: Optional[list[str]] = None) -> int:
         pool = DeviceKVPool.create(kv, dev_slots, "cuda")
         dev_alloc = TokenSlotAllocator(dev_slots, page)
         host = HostKVPool(kv, 4 * args.tokens, page, layout="page_first", pin_memory=True)
-        for backend in args.backends:
+        for backend, launcher in itertools.product(args.backends, args.launcher):
+            if launcher == "on" and backend == "dma":
+                continue  # the DMA pipeline launches no kernel
+            use_launcher(launcher == "on")
             engine = CudaCopyEngine("cuda", backend=backend)
             for index_on in args.index_on:
                 row = measure(engine, pool, host, dev_alloc, args.tokens, page, index_on, args.repeats,
-                              (a, c, n_mm), False) | {"asked_backend": backend, "layers": args.layers}
+                              (a, c, n_mm), False) | {"asked_backend": backend, "layers": args.layers,
+                                                      "launcher": launcher}
                 if args.profile:
                     row["profile"] = measure(engine, pool, host, dev_alloc, args.tokens, page, index_on, args.repeats,
                                              (a, c, n_mm), True)["profile"]
                 rows.append(row)
-                print(f"page {page:3d} {backend:7s} ({row['backend']}) indices on {index_on:4s}: host "
-                      f"{row['host_ms']['median']:.3f} ms (min {row['host_ms']['min']:.3f}, max "
+                print(f"page {page:3d} {backend:7s} ({row['backend']}, launcher {launcher}) indices on {index_on:4s}: "
+                      f"host {row['host_ms']['median']:.3f} ms (min {row['host_ms']['min']:.3f}, max "
                       f"{row['host_ms']['max']:.3f})  {row['info_median']}", flush=True)
+        use_launcher(False)
         del pool, host
         torch.cuda.empty_cache()
     targets = [{"name": f"submit host ms, {r['tokens']} tokens x {r['layers']} layers, page {r['page']}, "
-                        f"indices on {r['index_on']} (auto: {r['backend']})",
+                        f"indices on {r['index_on']} (auto: {r['backend']}, launcher {r['launcher']})",
                 "value": r["host_ms"]["median"], "limit": LIMIT_MS, "met": r["host_ms"]["median"] <= LIMIT_MS}
                for r in rows if r["asked_backend"] == "auto"]
     for t in targets:
