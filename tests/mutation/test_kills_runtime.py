@@ -346,6 +346,43 @@ def test_any_is_true_when_some_rank_says_so(mine: bool, theirs: bool) -> None:
     assert two.any(mine) is (mine or theirs)
 
 
+def test_an_nccl_group_reduces_on_the_ranks_current_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NCCL's collectives take only tensors on the rank's own GPU; gloo's take CPU tensors. The consensus
+    picks its device from the group's backend (no GPU is touched to pick it)."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    for backend, device in (("nccl", torch.device("cuda", 1)), ("gloo", torch.device("cpu"))):
+        monkeypatch.setattr(dist, "get_backend", lambda group=None, b=backend: b)
+        c = ProgressConsensus(group=object())
+        assert (c.world, c.device) == (2, device)
+
+
+def test_the_counts_are_reduced_on_the_consensus_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """agree() builds its counts tensor on the consensus device, so an NCCL group gets it on the rank's GPU
+    (on the CPU, NCCL refuses it). `meta` stands for that GPU here: a device that is not the CPU's default."""
+    import torch.distributed as dist
+
+    class Reduced(Exception):
+        """What the stand-in collective raises once it has seen its tensor (a meta tensor holds no values)."""
+
+    seen: list[tuple[Any, ...]] = []
+
+    def all_reduce(t: torch.Tensor, op: Any = None, group: Any = None) -> None:
+        seen.append((t.device, t.dtype, tuple(t.shape), op, group))
+        raise Reduced
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    c = ProgressConsensus(group=object())
+    c.device = torch.device("meta")
+    with pytest.raises(Reduced):
+        c.agree(3, 5)
+    assert seen == [(torch.device("meta"), torch.int64, (2,), dist.ReduceOp.MIN, c.group)]
+
+
 # --- fenced release: the engine's own release, the fence, the counters ------------------------------------
 
 def _fenced_offloading(e: SimEngine, rid: str) -> SimRequest:
