@@ -10,6 +10,7 @@ serving; the submit runs under `torch.cuda.set_sync_debug_mode("error")`. Each c
 (`handle.info`) and, with `--profile`, the heaviest functions of one submit.
 
     python3 bench/submit_cost.py [--tokens 2048] [--layers 32] [--pages 16 64] [--backends auto triton dma]
+                                 [--launcher off on]   # the direct kernel through Triton's JIT, its compiled handle
 Writes bench/results/submit_cost-<machine>.json with a `targets` list. Needs CUDA (`--quick` checks the script).
 """
 
