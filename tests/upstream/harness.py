@@ -23,13 +23,13 @@ import pickle
 import shutil
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(1, str(Path(__file__).parents[1]))  # tests/: timing's calibrated hang guards
 
 from cuda_only import install  # noqa: E402  (must precede any sglang import)
 
@@ -53,6 +53,7 @@ from sglang.srt.runtime_context import get_context, get_parallel  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 
 from scenarios import BY_NAME, ReqSpec, Scenario  # noqa: E402
+from timing import wait_for  # noqa: E402
 
 MODEL = "kvfsm-diff"
 STRIDE_ENV = "SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE"
@@ -182,14 +183,16 @@ class Probe:
         pass
 
 
+# A hang guard, not a latency: a scenario's backups take milliseconds. It is this many seconds of the idle CI
+# machine, scaled by tests/timing.py's calibration, and each backup that completes restarts it.
+SETTLE_S = 10.0
+
+
 class UpstreamProbe(Probe):
-    def settle(self, mgr: Any, timeout: float = 30.0) -> None:
+    def settle(self, mgr: Any) -> None:
         cc = mgr.cache_controller
-        deadline = time.monotonic() + timeout
-        while cc.ack_backup_queue.qsize() < len(mgr.ongoing_backup):
-            if time.monotonic() > deadline:
-                raise TimeoutError("upstream backups did not settle")
-            time.sleep(0.002)
+        wait_for(lambda: cc.ack_backup_queue.qsize() >= len(mgr.ongoing_backup), "upstream's backups to settle",
+                 SETTLE_S, progress=cc.ack_backup_queue.qsize, poll_s=0.002)
 
     def host_pool(self, mgr: Any) -> Any:
         return mgr.decode_host_mem_pool
