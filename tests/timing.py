@@ -183,6 +183,14 @@ def wait_for(cond: Callable[[], Any], what: str, within_s: float, *, progress: O
         time.sleep(poll_s)
 
 
+def backups_settled(worker: Any, what: str = "the backup worker's jobs to finish", within_s: float = 10.0) -> None:
+    """`ThreadBackupWorker.wait_idle` with this module's hang guard: every job submitted has finished (not yet
+    collected). Each job that finishes restarts the clock, so a slow store is waited for and a hung one is not."""
+    worker.flush()
+    wait_for(lambda: worker.completed() >= worker.outstanding(), what, within_s, progress=worker.completed,
+             poll_s=0.001)
+
+
 def join_all(threads: Sequence[Any], what: str, within_s: float) -> None:
     """Join threads (started by the caller; returns as soon as the last one ends) with a hang guard:
     TimedOut, naming the ones still alive, when they have not all finished after `within_s` scaled (measured

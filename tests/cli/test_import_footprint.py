@@ -7,11 +7,12 @@ the time itself)."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from timing import run_watched
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = "spec/decode_offload.yaml"
@@ -35,8 +36,7 @@ SPEC_TOOLING = ("jinja2", "kvfsm.spec", "kvfsm.codegen", "kvfsm.docsgen")
 
 
 def _run(argv: list[str]) -> tuple[int, set[str]]:
-    proc = subprocess.run([sys.executable, "-c", PROBE, json.dumps(argv)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    proc = run_watched([sys.executable, "-c", PROBE, json.dumps(argv)], f"kvfsm {' '.join(argv)}", cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout.strip().splitlines()[-1])
     return doc["code"], set(doc["modules"])
@@ -47,8 +47,8 @@ def _loaded(modules: set[str], roots: tuple[str, ...]) -> list[str]:
 
 
 def test_importing_the_cli_loads_no_spec_model_generator_or_torch() -> None:
-    proc = subprocess.run([sys.executable, "-c", "import json, sys, kvfsm.cli; print(json.dumps(sorted(sys.modules)))"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = run_watched([sys.executable, "-c", "import json, sys, kvfsm.cli; print(json.dumps(sorted(sys.modules)))"],
+                       "import kvfsm.cli", cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     modules = set(json.loads(proc.stdout))
     assert _loaded(modules, HEAVY + SPEC_TOOLING + ("pydantic",)) == []

@@ -6,6 +6,8 @@ import threading
 
 import pytest
 
+from timing import backups_settled
+
 from kvfsm.runtime import BackupJob, ThreadBackupWorker
 from kvfsm.runtime.backup import run_jobs
 
@@ -70,7 +72,7 @@ def test_thread_worker_writes_what_is_queued_together_and_completes_in_order() -
         worker.submit(job)
     worker.flush()
     gate.set()
-    assert worker.wait_idle()
+    backups_settled(worker)
     assert [worker.collect().payload for _ in range(6)] == ["first"] + [f"p{i}" for i in range(5)]
     assert store.calls == [[f"p{i}" for i in range(5)]]
     worker.close()

@@ -85,7 +85,7 @@ from hypothesis.stateful import initialize, invariant, precondition, rule
 
 import test_manager_machine as tm
 from test_manager_machine import check, page_values
-from timing import measure, scaled
+from timing import backups_settled, measure, scaled
 
 import kvfsm.dataplane.copy.cpu as cpu_copy
 import kvfsm.runtime.backup as backup_mod
@@ -1215,7 +1215,7 @@ class Rank:
             while self.worker.pending:
                 self.run_backups([0, 0, 0])
         elif self.cfg.worker == "thread":
-            self.worker.wait_idle()
+            backups_settled(self.worker)
 
     def close(self) -> None:
         _SHADOWS.pop(id(self.host_pool), None)
@@ -1537,7 +1537,7 @@ class ProductionMachine(tm.ManagerMachine):
         """Give the backup threads time: all of them until idle, or a moment."""
         if full:
             for rank in self.ranks:
-                rank.worker.wait_idle()
+                backups_settled(rank.worker)
         else:
             time.sleep(0.001)
 

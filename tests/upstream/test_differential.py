@@ -24,7 +24,7 @@ import pytest
 
 import harness
 from scenarios import BY_NAME, SCENARIOS, Scenario
-from timing import wait_for
+from timing import backups_settled
 
 import kvfsm.integrations.sglang.manager as adapter_module
 from kvfsm.integrations.sglang import DecodeKVCacheOffloadManager, TableView
@@ -91,10 +91,7 @@ class _PageWriter:
 
 class _KvfsmProbe(harness.Probe):
     def settle(self, mgr: Any) -> None:
-        worker = mgr.manager.fx.worker
-        worker.flush()
-        wait_for(lambda: worker.completed() >= worker.outstanding(), "kvfsm's backups to settle", harness.SETTLE_S,
-                 progress=worker.completed, poll_s=0.001)
+        backups_settled(mgr.manager.fx.worker, "kvfsm's backups to settle", harness.SETTLE_S)
 
     def before_check(self, mgr: Any) -> None:
         # The check would submit the accepted chunks first (_flush) and then acknowledge the copies that have
