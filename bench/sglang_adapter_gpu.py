@@ -31,6 +31,7 @@ allowed: a sleeping step, CPU pools), never a figure; its results go to bench/re
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import json
 import os
@@ -159,14 +160,18 @@ class _NoOp:
 
 
 def census() -> dict[str, Any]:
-    """What a full collection walks now (start-up objects frozen), by the module of each object's type."""
+    """What a full collection walks now (start-up objects frozen): by the module of each object's type, and
+    the types that hold the most (which of kvfsm's objects per request or per chunk the heap is made of)."""
     by: dict[str, int] = {}
+    types: collections.Counter[str] = collections.Counter()
     objs = gc.get_objects()
     for o in objs:
-        mod = (type(o).__module__ or "").split(".")[0]
+        t = type(o)
+        mod = (t.__module__ or "").split(".")[0]
         key = mod if mod in ("kvfsm", "generated", "sglang", "torch", "numpy") else "builtins/other"
         by[key] = by.get(key, 0) + 1
-    return {"tracked": len(objs), "by_module": by}
+        types[f"{t.__module__}.{t.__qualname__}"] += 1
+    return {"tracked": len(objs), "by_module": by, "by_type": dict(types.most_common(12))}
 
 
 class Loop:
