@@ -51,6 +51,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT / "tests" / "upstream"))
 
+# The stand-ins for what sglang reaches for that exists only as CUDA builds (tests/upstream/cuda_only: torchvision,
+# and on a GPU machine without them its kernel packages) go in before anything imports sglang.
+from cuda_only import install as _install_cuda_only  # noqa: E402
+
+_install_cuda_only()
+
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req  # noqa: E402
@@ -61,7 +67,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache  # noqa: E402
 from sglang.srt.runtime_context import get_context, get_parallel  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 
-import harness  # noqa: E402  (the CUDA-only stand-ins first)
+import harness  # noqa: E402
 from common import target, write_result  # noqa: E402
 from serving_loop import ComputeStep, GcPauses, stats  # noqa: E402
 
