@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(1, str(Path(__file__).parents[1]))  # tests/: timing's calibrated hang guards
+sys.path.append(str(Path(__file__).parents[1]))  # tests/, last: timing's calibrated hang guards
 
 from cuda_only import install  # noqa: E402  (must precede any sglang import)
 
