@@ -42,7 +42,7 @@ import sys
 import tempfile
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional
@@ -391,6 +391,35 @@ class Loop:
                     break
                 time.sleep(0.001)
         self.adapter.release_host_resources()
+
+
+def probe_loop(mode: str, live: int, page: int, device: str, store: str) -> Loop:
+    """The loop for the development probes (bench/probes/): on a CPU, one narrow head and no decode step (what
+    they count is the calls' own work); on a GPU, Llama-3-8B rows and the 20 ms step, as the verdict runs."""
+    cpu = device == "cpu"
+    args = argparse.Namespace(seed=0, device=device, kv_heads=1 if cpu else 8, head_dim=8 if cpu else 128, layers=2,
+                              host_gb=0.5, step_ms=0.0 if cpu else 20.0, store_root=None)
+    return Loop(mode, live, page, page, args, store)
+
+
+def run_marked(loop: Loop, warmup: int, iterations: int, timed: list[bool],
+               on_timed: Optional[Callable[[], None]] = None) -> None:
+    """`loop.run(warmup, iterations)` with `timed[0]` true only inside the manager calls of the timed iterations
+    (never in set-up, warm-up or teardown); `on_timed` runs as each timed iteration's calls begin."""
+    calls, seen = loop.calls, [0]
+
+    def marked(ended: list[Req]) -> tuple[float, float, int]:
+        seen[0] += 1
+        timed[0] = seen[0] > warmup
+        if timed[0] and on_timed is not None:
+            on_timed()
+        try:
+            return calls(ended)
+        finally:
+            timed[0] = False
+
+    loop.calls = marked  # type: ignore[method-assign]
+    loop.run(warmup, iterations)
 
 
 def run_one(mode: str, live: int, page: int, stride: int, args: argparse.Namespace) -> dict[str, Any]:

@@ -38,14 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    cpu = args.device == "cpu"
-    loop_args = argparse.Namespace(seed=0, device=args.device, kv_heads=1 if cpu else 8, head_dim=8 if cpu else 128,
-                                   layers=2, host_gb=0.5, step_ms=0.0 if cpu else 20.0, store_root=None)
     ns: dict[str, list[int]] = {"quiet": [], "due": [], "full": [], "finalize": []}
     timed = [False]  # only the timed iterations count (not warm-up, set-up or teardown)
     store = tempfile.mkdtemp(prefix="kvfsm-call-paths-")
     try:
-        loop = bench.Loop("adapter", args.live, args.page, args.page, loop_args, store)
+        loop = bench.probe_loop("adapter", args.live, args.page, args.device, store)
         adapter = loop.adapter
         quiet = adapter._views.quiet
         offload, finalize = adapter.offload_kv_cache, adapter.finalize_release_on_finish
@@ -58,18 +55,7 @@ def main(argv: list[str] | None = None) -> int:
 
         adapter.offload_kv_cache = _timed(offload, ns, timed, path)  # type: ignore[method-assign]
         adapter.finalize_release_on_finish = _timed(finalize, ns, timed, lambda req: "finalize")  # type: ignore[method-assign]
-        calls, seen = loop.calls, [0]
-
-        def iteration(ended: Any) -> Any:
-            seen[0] += 1
-            timed[0] = seen[0] > args.warmup
-            try:
-                return calls(ended)
-            finally:
-                timed[0] = False
-
-        loop.calls = iteration  # type: ignore[method-assign]
-        loop.run(args.warmup, args.iterations)
+        bench.run_marked(loop, args.warmup, args.iterations, timed)
         loop.close()
     finally:
         shutil.rmtree(store, ignore_errors=True)

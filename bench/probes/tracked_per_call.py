@@ -43,47 +43,36 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    loop_args = argparse.Namespace(seed=0, device=args.device, kv_heads=1 if args.device == "cpu" else 8,
-                                   head_dim=8 if args.device == "cpu" else 128, layers=2, host_gb=0.5,
-                                   step_ms=0.0 if args.device == "cpu" else 20.0, store_root=None)
     store = tempfile.mkdtemp(prefix="kvfsm-tracked-")
-    counts: dict[str, list[int]] = {}  # per call name: its net count in each iteration of the loop
-    inside = [False]  # only the loop's calls count (not set-up or teardown)
+    counts: dict[str, list[int]] = {}  # per call name: its net count in each timed iteration
+    timed = [False]  # only the timed iterations' calls count (not set-up, warm-up or teardown)
     try:
-        loop = bench.Loop(args.mode, args.live, args.page, args.page, loop_args, store)
+        loop = bench.probe_loop(args.mode, args.live, args.page, args.device, store)
         owner_name, names = CALLS[args.mode]
         owner = getattr(loop, owner_name)
         for name in names:
-            setattr(owner, name, _counted(getattr(owner, name), counts.setdefault(name, []), inside))
-        calls = loop.calls
+            setattr(owner, name, _counted(getattr(owner, name), counts.setdefault(name, []), timed))
 
-        def iteration(ended: Any) -> Any:
+        def new_iteration() -> None:
             for seen in counts.values():
                 seen.append(0)
-            inside[0] = True
-            try:
-                return calls(ended)
-            finally:
-                inside[0] = False
 
-        loop.calls = iteration  # type: ignore[method-assign]
-        loop.run(args.warmup, args.iterations)
+        bench.run_marked(loop, args.warmup, args.iterations, timed, new_iteration)
         loop.close()
     finally:
         shutil.rmtree(store, ignore_errors=True)
     per_iteration = {}
     for name, seen in counts.items():
-        timed = seen[-args.iterations:]
-        per_iteration[name] = {"net_tracked_per_iteration_mean": round(statistics.fmean(timed), 1),
-                               "median": statistics.median(timed)}
+        per_iteration[name] = {"net_tracked_per_iteration_mean": round(statistics.fmean(seen), 1),
+                               "median": statistics.median(seen)}
         print(f"{name:28s} {per_iteration[name]}")
     print("wrote", write_result("tracked_per_call", {"settings": vars(args), "per_iteration": per_iteration},
                                 args.out, quick=True))
     return 0
 
 
-def _counted(call: Callable[..., Any], into: list[int], inside: list[bool]) -> Callable[..., Any]:
-    """`call` with the collector paused around it; within the loop's calls its net adds to this iteration's."""
+def _counted(call: Callable[..., Any], into: list[int], timed: list[bool]) -> Callable[..., Any]:
+    """`call` with the collector paused around it; in a timed iteration its net adds to that iteration's."""
     def counted(*a: Any, **k: Any) -> Any:
         was = gc.isenabled()
         gc.disable()
@@ -91,7 +80,7 @@ def _counted(call: Callable[..., Any], into: list[int], inside: list[bool]) -> C
         try:
             return call(*a, **k)
         finally:
-            if inside[0]:
+            if timed[0]:
                 into[-1] += gc.get_count()[0] - before
             if was:
                 gc.enable()
