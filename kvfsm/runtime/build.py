@@ -7,6 +7,7 @@ no copy-engine staging and no half-made store behind. A fallback the config allo
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from kvfsm.dataplane import (
     StorageBackend,
     available_host_memory,
 )
+from kvfsm.dataplane.storage import ProcessStorage
 from kvfsm.errors import ConfigError
 from kvfsm.runtime.config import OffloadConfig
 
@@ -90,7 +92,8 @@ def check_fences(config: OffloadConfig, copy_engine: CopyEngine) -> None:
 
 
 def close_storage(storage: object) -> None:
-    """Close a store that has a close() (Mooncake's client does; FileStorage holds nothing to close)."""
+    """Close a store that has a close() (Mooncake's client and ProcessStorage's child do; FileStorage's writer
+    threads)."""
     close = getattr(storage, "close", None)
     if close is not None:
         close()
@@ -153,8 +156,11 @@ def storage_factory(config: OffloadConfig, device_pool: DeviceKVPool, tp_rank: i
         if "storage_dir" not in config.model_fields_set:
             logger.warning("storage_dir is not set: FileStorage writes pages to %s (the default, relative to the "
                            "working directory)", config.storage_dir.absolute())
-        return lambda: FileStorage(config.storage_dir, model_name=config.model_name, tp_rank=tp_rank,
-                                   tp_size=tp_size, is_mla=is_mla, **config.storage_extra)
+        make = functools.partial(FileStorage, config.storage_dir, model_name=config.model_name, tp_rank=tp_rank,
+                                 tp_size=tp_size, is_mla=is_mla, **config.storage_extra)
+        if config.storage_process:
+            return functools.partial(ProcessStorage, make)
+        return make
     if config.storage_backend == "mooncake":
         from kvfsm.dataplane.storage.mooncake import MooncakeStorage, MooncakeUnavailable, import_store_class
         try:

@@ -70,6 +70,9 @@ class OffloadConfig(BaseModel):
     storage_extra: dict[str, Any] = Field(default_factory=dict, description=(
         "Keyword options of the selected backend's constructor (FileStorage: fsync, writers; MooncakeStorage: "
         "master_server_addr, metadata_server, ...), checked against it."))
+    storage_process: bool = Field(False, description=(
+        "Run the file store in a child process (ProcessStorage): its page writes then take no interpreter time "
+        "from the scheduler thread, however many writers keep up with decoding. Needs storage_backend='file'."))
     model_name: str = Field("model", min_length=1)
     backup_queue_size: int = Field(64, ge=1, description="Backups queued or running at once; beyond it chunks park.")
     stored_index_pages: int = Field(1 << 20, ge=0, description=(
@@ -118,6 +121,9 @@ class OffloadConfig(BaseModel):
         if self.host_pool_ratio is None and self.host_pool_bytes is None:
             raise ConfigError("host_pool_bytes", "set host_pool_bytes or host_pool_ratio (both are None)")
         check_storage_extra(self.storage_backend, self.storage_extra)
+        if self.storage_process and self.storage_backend != "file":
+            raise ConfigError("storage_process", f"runs the file store in a child process; storage_backend is "
+                                                 f"{self.storage_backend!r}, not 'file'")
         if self.offload_stride > 0 and self.offload_stride % self.page_size:
             # The seed rounds, and configs written for it (and the verifier's bounds) rely on it: rounding
             # stays, but never silently.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -119,6 +120,12 @@ def test_page_bytes_round_trip_across_layouts(config: KVCacheConfig, src_layout:
     assert torch.equal(bits(b.token_view()[:, :, xb]), bits(a.token_view()[:, :, xa]))
     one = a.get_page_bytes(xa[:4])
     assert torch.equal(one, data[0])
+    staging = np.full(4 * a.page_nbytes, 7, dtype=np.uint8)  # gathered into a caller's buffer: its head, in place
+    into = a.get_pages_bytes(xa, out=staging)
+    assert torch.equal(into, data) and into.data_ptr() == staging.ctypes.data and (staging[3 * a.page_nbytes:] == 7).all()
+    for bad in (staging[: 3 * a.page_nbytes - 1], staging.view(np.int16), staging.reshape(4, -1)):
+        with pytest.raises(ValueError, match="out must be"):
+            a.get_pages_bytes(xa, out=bad)
     b.set_page_bytes(xb[4:8], one)
     assert torch.equal(bits(b.token_view()[:, :, xb[4:8]]), bits(a.token_view()[:, :, xa[:4]]))
 

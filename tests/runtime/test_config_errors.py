@@ -230,6 +230,14 @@ def test_file_storage_options_are_checked_and_passed(tmp_path: Path) -> None:
     manager.close()
 
 
+@pytest.mark.parametrize("backend", ["none", "mooncake"])
+def test_storage_process_needs_the_file_backend(backend: str) -> None:
+    extra = {"master_server_addr": "127.0.0.1:50051"} if backend == "mooncake" else {}
+    with pytest.raises(ConfigError) as exc:
+        OffloadConfig(storage_backend=backend, storage_extra=extra, storage_process=True)
+    assert exc.value.field == "storage_process" and repr(backend) in exc.value.reason
+
+
 # --- KVFSM_* variables ------------------------------------------------------------------------------------
 
 

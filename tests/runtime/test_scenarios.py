@@ -642,11 +642,13 @@ def test_config_errors_name_the_field(tmp_path: Path) -> None:
 # --- the default worker and storage, end to end ----------------------------------------------------------
 
 
-def test_thread_worker_and_file_storage_round_trip(tmp_path: Path) -> None:
+@pytest.mark.parametrize("in_process", [True, False], ids=["file", "file_in_a_child_process"])
+def test_thread_worker_and_file_storage_round_trip(tmp_path: Path, in_process: bool) -> None:
     sim = SimEngine(page_size=2, stride=4, device_slots=64, host_slots=32, rows=2)
     sim.manager.close()
     config = OffloadConfig(page_size=2, offload_stride=4, copy_backend="cpu", storage_backend="file",
-                           storage_dir=tmp_path / "store", model_name="org/tiny", checked=True, backup_queue_size=2)
+                           storage_dir=tmp_path / "store", model_name="org/tiny", checked=True, backup_queue_size=2,
+                           storage_process=not in_process)
     protected = SimplePrefixCache(sim.allocator)
     sim.protected = protected
     manager = DecodeOffloadManager(config, device_pool=sim.device_pool, allocator=sim.allocator,
@@ -654,7 +656,7 @@ def test_thread_worker_and_file_storage_round_trip(tmp_path: Path) -> None:
     sim.manager = manager
     assert isinstance(manager.fx.worker, ThreadBackupWorker)
     storage = manager.fx.storage
-    assert type(storage).__name__ == "FileStorage"
+    assert type(storage).__name__ == ("FileStorage" if in_process else "ProcessStorage")
     reqs = [sim.admit("a", 5), sim.admit("b", 4)]
     for _ in range(9):
         for req in reqs:
@@ -682,6 +684,8 @@ def test_thread_worker_and_file_storage_round_trip(tmp_path: Path) -> None:
     assert sim.allocator.free_slots == sim.allocator.capacity and protected.size == 0
     assert manager.host_pool.free_slots == manager.host_pool.capacity
     assert sim.req_to_token.free_rows == sim.rows
+    if not in_process:  # the manager built the store, so its close() ended the store process
+        assert storage.pid is None  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("limit", [0, 3])

@@ -191,9 +191,10 @@ class HostKVPool:
             raise NotAllocated("page bytes requested for a host page that is not allocated")
         return idx
 
-    def get_pages_bytes(self, host_indices: IndexLike) -> torch.Tensor:
+    def get_pages_bytes(self, host_indices: IndexLike, out: np.ndarray | None = None) -> torch.Tensor:
         """`[pages, page_nbytes]` uint8, one row per page in the order given (canonical byte order: planes,
-        layers, then the page's tokens).
+        layers, then the page's tokens). `out`: a flat uint8 buffer of at least that many bytes to gather
+        into (ProcessStorage's shared staging, which then needs no copy of its own); the result is its head.
 
         One numpy copy per page out of the pool's (P, L, pages, page, H, D) view. What it saves
         (bench/probes/page_bytes_probe.py -> bench/results/page_bytes_probe-h200.json, 32 MiB of
@@ -207,10 +208,17 @@ class HostKVPool:
         word = {2: torch.int16, 4: torch.int32}[c.element_size]
         view = self.token_view().view(word).numpy()  # (P, L, size, H, D), strided, no copy
         view = view.reshape(c.num_planes, c.num_layers, self.size // ps, ps, *c.token_shape)
-        out = np.empty((len(pages), c.num_planes, c.num_layers, ps, *c.token_shape), dtype=view.dtype)
+        shape = (len(pages), c.num_planes, c.num_layers, ps, *c.token_shape)
+        if out is None:
+            dst = np.empty(shape, dtype=view.dtype)
+        elif out.dtype != np.uint8 or out.ndim != 1 or out.nbytes < len(pages) * self.page_nbytes:
+            raise ValueError(f"out must be a flat uint8 array of at least {len(pages) * self.page_nbytes} bytes, "
+                             f"got {out.dtype} {out.shape}")
+        else:
+            dst = out[: len(pages) * self.page_nbytes].view(view.dtype).reshape(shape)
         for j, page in enumerate(pages):
-            out[j] = view[:, :, page]
-        return torch.from_numpy(out.view(np.uint8).reshape(len(pages), self.page_nbytes))
+            dst[j] = view[:, :, page]
+        return torch.from_numpy(dst.view(np.uint8).reshape(len(pages), self.page_nbytes))
 
     def set_pages_bytes(self, host_indices: IndexLike, data: torch.Tensor) -> None:
         """Write `[pages, page_nbytes]` uint8 (as returned by get_pages_bytes) into the given pages."""

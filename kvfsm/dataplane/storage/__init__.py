@@ -4,6 +4,8 @@
 - `file`: `FileStorage`, the embedded default (SGLang HiCacheFile's raw page files plus checksum sidecars,
   atomic publish).
 - `memory`: `MemoryStorage`, a dict, for tests and demos.
+- `process`: `ProcessStorage`, any of these run in a child process, so that its writes take no
+  interpreter time from the scheduler thread.
 - `faulty`: `FaultyStorage`, fault injection around any backend, for tests.
 - `mooncake`: `MooncakeStorage`, a shared distributed store (`pip install 'kvfsm[mooncake]'`; imported
   from `kvfsm.dataplane.storage.mooncake`, not here, so that this package never needs the extra).
@@ -15,5 +17,6 @@ from .base import StorageBackend, StorageStats, storage_key_suffix
 from .faulty import FaultyStorage
 from .file import FileStorage
 from .memory import MemoryStorage
+from .process import ProcessStorage, RemoteStoreError
 
-__all__ = ["FaultyStorage", "FileStorage", "MemoryStorage", "StorageBackend", "StorageStats", "storage_key_suffix"]
+__all__ = ["FaultyStorage", "FileStorage", "MemoryStorage", "ProcessStorage", "RemoteStoreError", "StorageBackend", "StorageStats", "storage_key_suffix"]

@@ -1,0 +1,203 @@
+"""ProcessStorage: the store in a child process stores what the in-process store would, byte for byte, and
+every way the child can fail (its store raises, it dies, it hangs, it cannot build its store, its parent
+dies) fails the call or the construction with a typed error, never reports a page stored that is not, and
+leaves no process or staging file behind."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from timing import run_watched, wait_for
+
+from kvfsm.dataplane import FileStorage, page_hashes
+from kvfsm.dataplane.pools.config import KVCacheConfig
+from kvfsm.dataplane.pools.host_pool import HostKVPool
+from kvfsm.dataplane.storage import FaultyStorage, ProcessStorage, RemoteStoreError
+
+
+def pool_with_pages(n: int, layout: str = "layer_first", seed: int = 0) -> tuple[HostKVPool, Any]:
+    pool = HostKVPool(KVCacheConfig(num_layers=3, head_dim=8, kv_heads=2), 64 * 8, page_size=8, layout=layout)  # type: ignore[arg-type]
+    slots = pool.page_slots(pool.allocator.alloc_pages(n))
+    g = torch.Generator().manual_seed(seed)
+    pool.set_pages_bytes(slots, torch.randint(0, 256, (n, pool.page_nbytes), dtype=torch.uint8, generator=g))
+    return pool, slots
+
+
+def raising_store(directory: str, bad_key: str) -> FaultyStorage:
+    """A file store whose write of `bad_key` raises a client library's own error (built in the child)."""
+    return FaultyStorage(FileStorage(directory, model_name="m"), raise_writes={bad_key: RuntimeError("client gave up")}.get)
+
+
+class SleepingStore(FileStorage):
+    """A store whose writes hang."""
+
+    def batch_set_from_host(self, keys: Any, host_pool: Any, host_indices: Any) -> list[bool]:
+        time.sleep(600)
+        return []
+
+
+def failing_factory() -> FileStorage:
+    raise PermissionError("no such mount")
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_pages_stored_by_the_child_read_back_byte_exact_in_process(tmp_path: Path, layout: str) -> None:
+    """Rounds through a staging buffer smaller than the batch, then a page larger than the staging buffer
+    (it grows): every page is what the pool holds, and an in-process FileStorage of the same directory reads
+    it back with its sidecar checked (same format: layout, page geometry, dtype)."""
+    pool, slots = pool_with_pages(7, layout)
+    dims = (2, 3, 8)
+    make = functools.partial(FileStorage, str(tmp_path), model_name="m", layout=layout,
+                             page_dims=dims if layout == "page_first" else None)
+    store = ProcessStorage(make, staging_bytes=pool.page_nbytes * 3)  # 7 pages: three rounds
+    try:
+        keys = page_hashes(list(range(7 * 8)), 8)
+        assert store.batch_set_from_host(keys, pool, slots) == [True] * 7
+        assert store.batch_exists(keys) == 7
+        want = pool.get_pages_bytes(slots)
+        assert all(torch.equal(g, w) for g, w in zip(store.batch_get(keys), want))  # type: ignore[arg-type]
+        local = FileStorage(str(tmp_path), model_name="m", layout=layout, page_dims=dims)
+        got = local.batch_get(keys)
+        assert all(g is not None and torch.equal(g, w) for g, w in zip(got, want))
+        assert local.stats.reads_unverified == 0 and store.stats.writes_ok == 7
+        # a staging buffer smaller than one page grows to hold it; the slot-index form of the pages works too
+        small = ProcessStorage(make, staging_bytes=pool.page_nbytes // 2)
+        try:
+            more = page_hashes(list(range(100, 100 + 2 * 8)), 8)
+            assert small.batch_set_from_host(more, pool, slots.slots[: 2 * 8]) == [True, True]
+            assert all(torch.equal(g, w) for g, w in zip(local.batch_get(more), want[:2]))  # type: ignore[arg-type]
+        finally:
+            small.close()
+        staging = Path(store._staging.path)  # type: ignore[union-attr]
+        assert staging.exists()
+    finally:
+        store.close()
+    assert store.pid is None and not staging.exists()  # the child ended, its staging file is gone
+
+
+def test_bad_calls_are_refused_before_anything_is_sent(tmp_path: Path) -> None:
+    pool, slots = pool_with_pages(2)
+    store = ProcessStorage(functools.partial(FileStorage, str(tmp_path), model_name="m"))
+    try:
+        with pytest.raises(ValueError, match="3 keys for 2 pages"):
+            store.batch_set_from_host(["a", "b", "c"], pool, slots)
+        with pytest.raises(Exception, match="whole pages"):
+            store.batch_set_from_host(["a"], pool, slots.slots[:5])
+        assert store.stats.writes_ok == 0 and store.batch_set_from_host([], pool, pool.page_slots([])) == []
+    finally:
+        store.close()
+    with pytest.raises(TypeError, match="pickles"):
+        ProcessStorage(lambda: FileStorage(str(tmp_path)))  # type: ignore[arg-type,return-value]
+    with pytest.raises(ValueError, match="staging_bytes"):
+        ProcessStorage(functools.partial(FileStorage, str(tmp_path)), staging_bytes=0)
+
+
+def test_a_store_that_cannot_be_built_fails_the_construction_naming_why(tmp_path: Path) -> None:
+    with pytest.raises(RemoteStoreError, match="PermissionError: no such mount"):
+        ProcessStorage(failing_factory)
+
+
+def test_a_store_error_fails_the_call_and_the_child_lives_on(tmp_path: Path) -> None:
+    pool, slots = pool_with_pages(2)
+    keys = page_hashes(list(range(16)), 8)
+    store = ProcessStorage(functools.partial(raising_store, str(tmp_path), keys[1]))
+    try:
+        pid = store.pid
+        with pytest.raises(RemoteStoreError, match="RuntimeError: client gave up"):
+            store.batch_set_from_host(keys, pool, slots)
+        assert store.pid == pid and store.restarts == 0
+        assert store.batch_set_from_host(keys[:1], pool, pool.page_slots(slots.pages[:1])) == [True]
+        assert store.batch_exists(keys) == 1
+    finally:
+        store.close()
+
+
+def test_a_dead_child_fails_the_call_and_is_started_again(tmp_path: Path) -> None:
+    pool, slots = pool_with_pages(2)
+    keys = page_hashes(list(range(16)), 8)
+    store = ProcessStorage(functools.partial(FileStorage, str(tmp_path), model_name="m"), restart_interval_s=3600)
+    try:
+        first = store.pid
+        assert first is not None
+        os.kill(first, signal.SIGKILL)
+        with pytest.raises(RemoteStoreError, match="ended during set|is gone"):
+            store.batch_set_from_host(keys, pool, slots)
+        assert store.pid is None
+        with pytest.raises(RemoteStoreError, match="down"):  # within the restart interval: no restart loop
+            store.batch_exists(keys)
+        store.restart_interval_s = 0
+        assert store.batch_set_from_host(keys, pool, slots) == [True, True]
+        assert store.restarts == 1 and store.pid not in (None, first)
+    finally:
+        store.close()
+
+
+def test_a_hung_child_is_stopped_and_the_call_fails(tmp_path: Path) -> None:
+    pool, slots = pool_with_pages(1)
+    store = ProcessStorage(functools.partial(SleepingStore, str(tmp_path)))
+    try:
+        pid = store.pid
+        store.call_timeout_s = 0.5  # the store sleeps 600 s: any machine is past this
+        with pytest.raises(RemoteStoreError, match="no answer to set within 0.5 s"):
+            store.batch_set_from_host(["k"], pool, slots)
+        assert store.pid is None
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # type: ignore[arg-type]
+    finally:
+        store.close()
+
+
+def test_the_child_ends_with_its_parent(tmp_path: Path) -> None:
+    """A parent that exits without closing (killed, say) leaves no store process: the child reads end-of-file."""
+    script = textwrap.dedent(f"""
+        import functools, os, sys
+        from kvfsm.dataplane import FileStorage
+        from kvfsm.dataplane.storage import ProcessStorage
+        store = ProcessStorage(functools.partial(FileStorage, {str(tmp_path)!r}))
+        print(store.pid, flush=True)
+        os._exit(0)
+    """)
+    proc = run_watched([sys.executable, "-c", script], "a parent that starts a store process and exits")
+    assert proc.returncode == 0, proc.stderr
+    child = int(proc.stdout.split()[-1])
+
+    def gone() -> bool:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return True
+        return subprocess.run(["ps", "-o", "stat=", "-p", str(child)], capture_output=True, text=True).stdout.startswith("Z")
+
+    wait_for(gone, f"the store process {child} to end after its parent", 10.0)
+
+
+def test_a_manager_with_storage_process_stores_through_the_child(tmp_path: Path) -> None:
+    """`storage_process=True`: the manager's store is a ProcessStorage of its FileStorage; close() ends it."""
+    from kvfsm.dataplane import DeviceKVPool
+    from kvfsm.runtime import OffloadConfig
+    from kvfsm.runtime.build import storage_factory
+
+    config = OffloadConfig(page_size=8, storage_dir=tmp_path, storage_process=True, storage_extra={"writers": 2})
+    device_pool = DeviceKVPool(KVCacheConfig(num_layers=3, head_dim=8, kv_heads=2), 64, torch.device("cpu"))  # type: ignore[arg-type]
+    make = storage_factory(config, device_pool, tp_rank=0, tp_size=1)
+    assert make is not None
+    store = make()
+    try:
+        assert isinstance(store, ProcessStorage)
+        pool, slots = pool_with_pages(2)
+        keys = page_hashes(list(range(16)), 8)
+        assert store.batch_set_from_host(keys, pool, slots) == [True, True]
+        assert len(list(tmp_path.glob("*_model_0_1.bin"))) == 2
+    finally:
+        store.close()
