@@ -28,6 +28,7 @@ of this script (tests/bench/), never a figure. `--quick` results go to bench/res
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import random
 import shutil
@@ -55,7 +56,7 @@ from kvfsm.dataplane import (  # noqa: E402
 )
 from kvfsm.dataplane.copy.staging import PinnedIndexStaging  # noqa: E402
 from kvfsm.dataplane.pools.device_pool import DeviceKVPool  # noqa: E402
-from kvfsm.dataplane.storage import FileStorage  # noqa: E402
+from kvfsm.dataplane.storage import FileStorage, ProcessStorage  # noqa: E402
 from kvfsm.runtime import DecodeOffloadManager, OffloadConfig, SimplePrefixCache  # noqa: E402
 
 PROMPT = (32, 256)  # prompt lengths, uniform (--prompt)
@@ -209,7 +210,12 @@ class ServingLoop:
         host_slots = int(host_gib * 2**30) // kv.bytes_per_token // page * page
         self.host_pool = HostKVPool(kv, host_slots, page, layout="page_first", pin_memory=device == "cuda")
         self.store_dir = store_dir
-        storage = FileStorage(store_dir, model_name="bench", writers=store_writers) if store_kind == "file" else None
+        storage: Any = None
+        if store_kind == "file":
+            storage = FileStorage(store_dir, model_name="bench", writers=store_writers)
+        elif store_kind == "process":  # the same store in a child process (ProcessStorage)
+            storage = ProcessStorage(functools.partial(FileStorage, store_dir, model_name="bench", writers=store_writers))
+        self.storage = storage
         if device == "cuda":
             from kvfsm.dataplane import CudaCopyEngine
             engine: Any = CudaCopyEngine(device)
@@ -473,19 +479,23 @@ class ServingLoop:
                "device_slots_leaked": self.allocator.capacity - self.allocator.free_slots,
                "host_slots_leaked": self.host_pool.capacity - self.host_pool.free_slots}
         self.manager.close()
+        if isinstance(self.storage, ProcessStorage):  # passed in, so not the manager's to close
+            self.storage.close()
         return out
 
 
-def run_config(algo: str, live: int, page: int, stride: int, table: str, args: argparse.Namespace) -> dict[str, Any]:
+def run_config(algo: str, live: int, page: int, stride: int, table: str, args: argparse.Namespace,
+               storage: Optional[str] = None) -> dict[str, Any]:
+    storage = storage or args.storage[0]
     store = Path(tempfile.mkdtemp(prefix=f"kvfsm-serving-{algo}-", dir=args.store_root))
     loop = None
     try:
         loop = ServingLoop(algo, live, page, stride, args.layers, table, args.device, args.step_ms, store,
-                           args.host_gib, args.seed, tuple(args.prompt), tuple(args.output), args.storage,
+                           args.host_gib, args.seed, tuple(args.prompt), tuple(args.output), storage,
                            args.store_writers)
         loop.freeze_gc = not args.no_gc_freeze
         res = {"live": live, "page": page, "stride": stride, "table": table, "layers": args.layers,
-               "matmuls_per_step": loop.step.matmuls}
+               "storage": storage if algo != "bare" else None, "matmuls_per_step": loop.step.matmuls}
         res.update(loop.run(args.warmup, args.iterations, args.prefill_index))
         res["teardown"] = loop.teardown()
         return res
@@ -507,6 +517,8 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if r["algo"] != "kvfsm":
             continue
         at = f"{r['live']} live {r['page']}/{r['stride']}, table {r['table']}, {r['layers']} layers"
+        if r.get("storage", "file") != "file":
+            at += f", storage {r['storage']}"
         t = r["total"]
         floor = next((b for b in rows if b["algo"] == "bare" and (b["live"], b["page"], b["stride"])
                       == (r["live"], r["page"], r["stride"])), None)
@@ -539,8 +551,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--fenced", action="store_true", help="also run kvfsm with fenced_release (kvfsm-fenced)")
     ap.add_argument("--no-floor", action="store_true", help="skip bench/bare_offload.py's floor")
-    ap.add_argument("--storage", default="file", choices=["file", "none"],
-                    help="none: a probe without storage writes (every backup fails at once, freeing its pages)")
+    ap.add_argument("--storage", nargs="+", default=["file"], choices=["file", "process", "none"],
+                    help="kvfsm runs once with each (the seed baseline with the first). process: the file store in a child process (ProcessStorage); none: a probe without storage "
+                         "writes (every backup fails at once, freeing its pages)")
     ap.add_argument("--no-gc-freeze", action="store_true", help="leave start-up objects to the collector")
     ap.add_argument("--store-writers", type=int, default=4,
                     help="FileStorage writer threads (the recorded H200 run used 4; the library default is 1)")
@@ -568,7 +581,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         for pair in args.pages:
             page, stride = (int(x) for x in pair.split("/"))
             for table in args.tables:
-                add(run_config("kvfsm", live, page, stride, table, args))
+                for storage in args.storage:
+                    add(run_config("kvfsm", live, page, stride, table, args, storage))
             if args.fenced:
                 add(run_config("kvfsm-fenced", live, page, stride, args.tables[0], args))
             if not args.no_baseline:
@@ -583,7 +597,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def _line(r: dict[str, Any]) -> str:
     t = r["total"]
-    return (f"{r['algo']:12s} live={r['live']} page/stride={r['page']}/{r['stride']} table={r['table']}: "
+    return (f"{r['algo']:12s} live={r['live']} page/stride={r['page']}/{r['stride']} table={r['table']} "
+            f"storage={r.get('storage')}: "
             f"manager median {t['median']:.3f} ms p99 {t['p99']:.3f} max {t['max']:.3f}; "
             f"chunks/it {r['chunks_per_iteration']['mean']:.1f}; gc max {r['gc']['max_ms']:.2f} ms; "
             f"host used max {r['host_pool']['used_max']}/{r['host_pool']['capacity_pages']}")

@@ -68,7 +68,8 @@ def build_components(config: OffloadConfig, *, device_pool: DeviceKVPool, host_p
         if host_pool is None:
             host_pool = HostKVPool.for_device_pool(device_pool, page_size=config.page_size,
                                                    ratio=None if config.host_pool_bytes else config.host_pool_ratio,
-                                                   size_bytes=config.host_pool_bytes, layout=config.host_layout)
+                                                   size_bytes=config.host_pool_bytes, layout=config.host_layout,
+                                                   shared=config.storage_process)  # the store process reads it
         if make_engine is not None:
             copy_engine = make_engine()
     except BaseException:

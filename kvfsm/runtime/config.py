@@ -72,7 +72,8 @@ class OffloadConfig(BaseModel):
         "master_server_addr, metadata_server, ...), checked against it."))
     storage_process: bool = Field(False, description=(
         "Run the file store in a child process (ProcessStorage): its page writes then take no interpreter time "
-        "from the scheduler thread, however many writers keep up with decoding. Needs storage_backend='file'."))
+        "from the scheduler thread, however many writers keep up with decoding. The host pool the manager builds "
+        "is then shared with that process, which reads the pages in place. Needs storage_backend='file'."))
     model_name: str = Field("model", min_length=1)
     backup_queue_size: int = Field(64, ge=1, description="Backups queued or running at once; beyond it chunks park.")
     stored_index_pages: int = Field(1 << 20, ge=0, description=(

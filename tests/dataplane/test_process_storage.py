@@ -25,9 +25,12 @@ from kvfsm.dataplane.pools.config import KVCacheConfig
 from kvfsm.dataplane.pools.host_pool import HostKVPool
 from kvfsm.dataplane.storage import FaultyStorage, ProcessStorage, RemoteStoreError
 
+gpu = pytest.mark.gpu
 
-def pool_with_pages(n: int, layout: str = "layer_first", seed: int = 0) -> tuple[HostKVPool, Any]:
-    pool = HostKVPool(KVCacheConfig(num_layers=3, head_dim=8, kv_heads=2), 64 * 8, page_size=8, layout=layout)  # type: ignore[arg-type]
+
+def pool_with_pages(n: int, layout: str = "layer_first", seed: int = 0, shared: bool = False) -> tuple[HostKVPool, Any]:
+    pool = HostKVPool(KVCacheConfig(num_layers=3, head_dim=8, kv_heads=2), 64 * 8, page_size=8, layout=layout,  # type: ignore[arg-type]
+                      shared=shared)
     slots = pool.page_slots(pool.allocator.alloc_pages(n))
     g = torch.Generator().manual_seed(seed)
     pool.set_pages_bytes(slots, torch.randint(0, 256, (n, pool.page_nbytes), dtype=torch.uint8, generator=g))
@@ -199,5 +202,89 @@ def test_a_manager_with_storage_process_stores_through_the_child(tmp_path: Path)
         keys = page_hashes(list(range(16)), 8)
         assert store.batch_set_from_host(keys, pool, slots) == [True, True]
         assert len(list(tmp_path.glob("*_model_0_1.bin"))) == 2
+    finally:
+        store.close()
+
+
+# --- a shared host pool: the child reads the pages in place -------------------------------------------------
+
+
+def test_a_shared_pool_is_one_memory_in_both_processes(tmp_path: Path) -> None:
+    """shared=True: the buffer is an anonymous memory file; a pool attached from its descriptor sees the same
+    bytes (and writes), every page readable there, and nothing of it is named in /dev/shm."""
+    pool, slots = pool_with_pages(3, "page_first", shared=True)
+    assert pool.share_fd is not None
+    twin = HostKVPool(pool.config, pool.size, pool.page_size, pool.layout, attach_fd=os.dup(pool.share_fd))
+    assert twin.share_fd is None and not twin.pinned and twin.free_slots == 0
+    assert torch.equal(twin.get_pages_bytes(twin.page_slots(slots.pages)), pool.get_pages_bytes(slots))
+    twin.kv_buffer.view(torch.uint8)[:7] = 42
+    assert (pool.kv_buffer.view(torch.uint8)[:7] == 42).all()
+    with pytest.raises(ValueError, match="bytes, not the"):
+        HostKVPool(pool.config, pool.size * 2, pool.page_size, pool.layout, attach_fd=os.dup(pool.share_fd))
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_the_child_stores_a_shared_pools_pages_in_place(tmp_path: Path, layout: str) -> None:
+    """Page ids go over the socket, the bytes do not: the child maps the pool once (again after a restart,
+    and for another pool), and what it stores is what the pool holds, read back in process with its sidecar."""
+    pool, slots = pool_with_pages(6, layout, shared=True)
+    store = ProcessStorage(functools.partial(FileStorage, str(tmp_path), model_name="m"), restart_interval_s=0)
+    try:
+        keys = page_hashes(list(range(6 * 8)), 8)
+        assert store.batch_set_from_host(keys[:4], pool, pool.page_slots(slots.pages[:4])) == [True] * 4
+        assert store.batch_set_from_host(keys[4:], pool, slots.slots[4 * 8:]) == [True, True]  # slot-index form
+        assert store._staging is None  # nothing went through the staging buffer
+        want = pool.get_pages_bytes(slots)
+        local = FileStorage(str(tmp_path), model_name="m")
+        assert all(g is not None and torch.equal(g, w) for g, w in zip(local.batch_get(keys), want))
+        with pytest.raises(Exception, match="not allocated"):  # checked here, before anything is sent
+            store.batch_set_from_host(["x"], pool, pool.page_slots([slots.pages[-1] + 1]))
+        os.kill(store.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        with pytest.raises(RemoteStoreError):
+            store.batch_exists(keys)
+        other, other_slots = pool_with_pages(2, layout, seed=1, shared=True)
+        more = page_hashes(list(range(500, 516)), 8)
+        assert store.batch_set_from_host(more, other, other_slots) == [True, True]  # a fresh child maps this pool
+        assert torch.equal(local.batch_get(more[:1])[0], other.get_pages_bytes(other_slots)[0])  # type: ignore[arg-type]
+        again = page_hashes(list(range(900, 916)), 8)
+        assert store.batch_set_from_host(again, pool, pool.page_slots(slots.pages[:2])) == [True, True]  # back to the first
+        assert all(torch.equal(g, w) for g, w in zip(local.batch_get(again), want[:2]))  # type: ignore[arg-type]
+    finally:
+        store.close()
+
+
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["triton", "dma", "auto"])
+def test_a_shared_pinned_pool_takes_cuda_copies_and_the_child_stores_them(tmp_path: Path, backend: str) -> None:
+    """On a GPU the shared pool is pinned (cudaHostRegister): the engine's offload lands in it without the host
+    waiting, and the child stores exactly the device rows."""
+    from kvfsm.dataplane import HAVE_TRITON, CudaCopyEngine, DeviceKVPool
+
+    if backend == "triton" and not HAVE_TRITON:
+        pytest.skip("triton not installed")
+    cfg = KVCacheConfig.llama3_8b()
+    host = HostKVPool(cfg, 64 * 16, 16, "page_first", shared=True)
+    assert host.pinned and host.kv_buffer.is_pinned()
+    pages = host.alloc_pages(8)
+    assert pages is not None
+    dev = DeviceKVPool.create(cfg, 1024, "cuda")
+    dev.storage.view(torch.int16).random_()
+    di = torch.randperm(1024, device="cuda")[: 8 * 16]
+    engine = CudaCopyEngine(backend=backend)  # type: ignore[arg-type]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        handle = engine.submit_d2h(dev, di, host, host.page_slots(pages))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    handle.wait()
+    rows = dev.storage[:, :, di].cpu()  # (planes, L, tokens, H, D)
+    assert torch.equal(host.token_view()[:, :, host.page_slots(pages).slots].view(torch.int16), rows.view(torch.int16))
+    store = ProcessStorage(functools.partial(FileStorage, str(tmp_path), model_name="m"))
+    try:
+        keys = page_hashes(list(range(8 * 16)), 16)
+        assert store.batch_set_from_host(keys, host, host.page_slots(pages)) == [True] * 8
+        want = host.get_pages_bytes(host.page_slots(pages))
+        assert all(g is not None and torch.equal(g, w) for g, w in zip(store.batch_get(keys), want))
     finally:
         store.close()

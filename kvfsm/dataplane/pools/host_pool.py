@@ -26,6 +26,7 @@ from ..errors import HostMemoryError, NotAllocated, PartialPage
 from .allocator import IndexLike, PageSlots, TokenSlotAllocator, as_index_tensor
 from .config import KVCacheConfig
 from .device_pool import DeviceKVPool
+from .shared_memory import attach_buffer, shared_buffer
 
 Layout = Literal["layer_first", "page_first"]
 LAYOUTS: tuple[Layout, ...] = ("layer_first", "page_first")
@@ -54,7 +55,14 @@ class HostKVPool:
         layout: Layout = "layer_first",
         pin_memory: bool | None = None,
         headroom_bytes: int = 0,
+        *,
+        shared: bool = False,
+        attach_fd: int | None = None,
     ) -> None:
+        """shared: the buffer lives in an anonymous memory file that another process can map (`share_fd`), so
+        a store process reads its pages in place (ProcessStorage). attach_fd: map such a buffer, handed over
+        from the process that made it: no allocation and no pinning, and every page counts as allocated (the
+        owner allocates and checks; this side only reads). The descriptor is this pool's from here."""
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         if page_size <= 0 or num_slots < page_size:
@@ -65,13 +73,24 @@ class HostKVPool:
         self.page_size = int(page_size)
         self.layout: Layout = layout
         requested = self.size * config.bytes_per_token
+        self.share_fd: int | None = None  # the memory file another process maps (shared=True)
+        if attach_fd is not None:
+            self.pinned = False
+            self.kv_buffer = attach_buffer(attach_fd, requested).view(config.dtype).view(self._shape())
+            self.allocator = TokenSlotAllocator(self.size, self.page_size, "cpu", reserve_padding_page=False)
+            self.allocator.alloc_pages(self.size // self.page_size)  # the owner allocates; here every page is readable
+            return
         available = available_host_memory()
         if available is not None and requested + headroom_bytes > available:
             raise HostMemoryError(requested + headroom_bytes, available)
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
         self.pinned = bool(pin_memory)
-        self.kv_buffer = torch.empty(self._shape(), dtype=config.dtype, pin_memory=self.pinned)
+        if shared:
+            buf, self.share_fd = shared_buffer(requested, self.pinned)
+            self.kv_buffer = buf.view(config.dtype).view(self._shape())
+        else:
+            self.kv_buffer = torch.empty(self._shape(), dtype=config.dtype, pin_memory=self.pinned)
         self.allocator = TokenSlotAllocator(self.size, self.page_size, "cpu", reserve_padding_page=False)
 
     @classmethod
@@ -83,6 +102,8 @@ class HostKVPool:
         size_bytes: int | None = None,
         layout: Layout = "layer_first",
         pin_memory: bool | None = None,
+        *,
+        shared: bool = False,
     ) -> HostKVPool:
         """Size by `size_bytes` when given (it wins, as in SGLang), else by `ratio` x the device pool's slots."""
         cfg = device_pool.config
@@ -92,7 +113,7 @@ class HostKVPool:
             num_slots = int(device_pool.size * ratio)
         else:
             raise ValueError("give a positive ratio or size_bytes")
-        return cls(cfg, num_slots, page_size, layout, pin_memory)
+        return cls(cfg, num_slots, page_size, layout, pin_memory, shared=shared)
 
     def _shape(self) -> tuple[int, ...]:
         c = self.config
@@ -191,6 +212,13 @@ class HostKVPool:
             raise NotAllocated("page bytes requested for a host page that is not allocated")
         return idx
 
+    def pages_of(self, host_indices: IndexLike) -> list[int]:
+        """The page ids of `host_indices`, in order: whole pages, allocated now (PartialPage, NotAllocated)."""
+        idx = self._page_index(host_indices)
+        if isinstance(host_indices, PageSlots) and host_indices.allocator is self.allocator:
+            return host_indices.pages
+        return (idx[:: self.page_size] // self.page_size).tolist()  # type: ignore[no-any-return]
+
     def get_pages_bytes(self, host_indices: IndexLike, out: np.ndarray | None = None) -> torch.Tensor:
         """`[pages, page_nbytes]` uint8, one row per page in the order given (canonical byte order: planes,
         layers, then the page's tokens). `out`: a flat uint8 buffer of at least that many bytes to gather
@@ -201,10 +229,8 @@ class HostKVPool:
         Llama-3-8B rows, one thread, H200 host): a torch index_select of the strided token view plus a
         permute took 32-41 ms, this 6.7-12.6 ms (3.3-5x). The backup worker calls this
         for every batch of chunks it writes, on a thread that shares the interpreter with the scheduler."""
-        idx = self._page_index(host_indices)
+        pages = self.pages_of(host_indices)
         c, ps = self.config, self.page_size
-        own = isinstance(host_indices, PageSlots) and host_indices.allocator is self.allocator
-        pages = host_indices.pages if own and isinstance(host_indices, PageSlots) else (idx[::ps] // ps).tolist()
         word = {2: torch.int16, 4: torch.int32}[c.element_size]
         view = self.token_view().view(word).numpy()  # (P, L, size, H, D), strided, no copy
         view = view.reshape(c.num_planes, c.num_layers, self.size // ps, ps, *c.token_shape)

@@ -46,8 +46,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import PartialPage
-from ..pools.allocator import PageSlots, as_index_tensor
+from ..pools.host_pool import HostKVPool
+from ..pools.shared_memory import identity
 from .base import StorageBackend, StorageStats
 
 logger = logging.getLogger(__name__)
@@ -144,6 +144,7 @@ class ProcessStorage:
         self._lock = threading.Lock()  # one exchange at a time (the backup worker writes, a load-back reads)
         self._staging: _Staging | None = None
         self._child_has: str | None = None  # the staging path the child has mapped
+        self._child_pool: Any = None  # the shared host pool the child has mapped (its memory file's identity)
         self._proc: subprocess.Popen[bytes] | None = None
         self._conn: Connection | None = None
         self._finalizer: Any = None
@@ -163,7 +164,7 @@ class ProcessStorage:
         finally:
             theirs.close()
         conn = Connection(mine.detach())
-        self._proc, self._conn, self._child_has = proc, conn, None
+        self._proc, self._conn, self._child_has, self._child_pool = proc, conn, None, None
         self._finalizer = weakref.finalize(self, _kill, proc, conn, self._staging)
         try:
             conn.send_bytes(self._factory)
@@ -207,12 +208,17 @@ class ProcessStorage:
         try:
             assert self._conn is not None
             _send(self._conn, (what, *msg))
-            reply = self._receive(what, self.call_timeout_s)
-        except (RemoteStoreError, OSError) as exc:
+        except OSError as exc:
             self._stop()
-            if isinstance(exc, RemoteStoreError):
-                raise
             raise RemoteStoreError(f"the store process is gone ({exc})") from exc
+        return self._reply(what)
+
+    def _reply(self, what: str) -> Any:
+        try:
+            reply = self._receive(what, self.call_timeout_s)
+        except RemoteStoreError:
+            self._stop()
+            raise
         if reply[0] == "raised":
             raise RemoteStoreError(f"the store raised {reply[1]}")
         return reply[1]
@@ -243,35 +249,52 @@ class ProcessStorage:
 
     # ---- the StorageBackend protocol --------------------------------------------------------------
     def batch_set_from_host(self, keys: Sequence[str], host_pool: Any, host_indices: Any) -> list[bool]:
-        """Store the whole pages at `host_indices` of `host_pool` under `keys`: gathered into the staging
-        buffer here (in rounds when they do not fit), written by the child's store."""
+        """Store the whole pages at `host_indices` of `host_pool` under `keys`. A pool made with `shared=True`
+        is read by the child in place (this call sends page ids); any other pool's pages are gathered here
+        into the staging buffer, in rounds when they do not fit."""
         keys = list(keys)
-        ps = host_pool.page_size
-        # the pages as a page list (PageSlots, the backup worker's form) or as slot indices, sliced per round
-        listed: list[int] | None = host_indices.pages if isinstance(host_indices, PageSlots) else None
-        idx = None if listed is not None else as_index_tensor(host_indices, torch.device("cpu"))
-        if idx is not None and idx.numel() % ps:
-            raise PartialPage(f"{idx.numel()} host slots are not whole pages of {ps}")
-        count = len(listed) if listed is not None else idx.numel() // ps  # type: ignore[union-attr]
-        if count != len(keys):
-            raise ValueError(f"{len(keys)} keys for {count} pages")
-        if not keys:
+        if not keys and not len(host_indices):
             return []
+        pages = host_pool.pages_of(host_indices)  # whole pages, allocated: checked before anything is sent
+        if len(pages) != len(keys):
+            raise ValueError(f"{len(keys)} keys for {len(pages)} pages")
+        with self._lock:
+            fd = getattr(host_pool, "share_fd", None)
+            if fd is not None:
+                self._attach(host_pool, fd)
+                return list(self._call("set_pool", keys, pages))
+            return self._set_staged(keys, host_pool, pages)
+
+    def _attach(self, host_pool: Any, fd: int) -> None:
+        """Hand the child the pool's memory file (once per pool and child): it maps the same pages."""
+        ident = identity(fd)
+        if self._child_pool == ident:
+            return
+        if self._conn is None:
+            self._call("stats")  # starts the child again (or raises why not)
+        conn = self._conn
+        assert conn is not None
+        _send(conn, ("attach", host_pool.config, host_pool.size, host_pool.page_size, host_pool.layout))
+        with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+            socket.send_fds(sock, [b"F"], [fd])
+        self._reply("attach")
+        self._child_pool = ident
+
+    def _set_staged(self, keys: list[str], host_pool: Any, pages: list[int]) -> list[bool]:
         c = host_pool.config
         config = _PageConfig(c.num_planes, c.num_layers, str(c.dtype))
         nbytes = host_pool.page_nbytes
-        with self._lock:
-            staging = self._staging_for(nbytes)
-            per_round = staging.nbytes // nbytes
-            out: list[bool] = []
-            for at in range(0, count, per_round):
-                end = min(at + per_round, count)
-                part = host_pool.page_slots(listed[at:end]) if listed is not None else idx[at * ps:end * ps]  # type: ignore[index]
-                host_pool.get_pages_bytes(part, out=staging.array)  # checks the pages, as a store's own gather does
-                path = None if self._child_has == staging.path else staging.path
-                out += self._call("set", keys[at:end], end - at, nbytes, config, ps, path, staging.nbytes)
-                self._child_has = staging.path
-            return out
+        staging = self._staging_for(nbytes)
+        per_round = staging.nbytes // nbytes
+        out: list[bool] = []
+        for at in range(0, len(pages), per_round):
+            part = pages[at:at + per_round]
+            host_pool.get_pages_bytes(host_pool.page_slots(part), out=staging.array)
+            path = None if self._child_has == staging.path else staging.path
+            out += self._call("set", keys[at:at + per_round], len(part), nbytes, config, host_pool.page_size, path,
+                              staging.nbytes)
+            self._child_has = staging.path
+        return out
 
     def _staging_for(self, page_nbytes: int) -> _Staging:
         staging = self._staging
@@ -316,6 +339,7 @@ def _serve(fd: int) -> None:
     _send(conn, ("ready", os.getpid()))
     rows: np.ndarray | None = None
     mapped: mmap.mmap | None = None
+    pool: HostKVPool | None = None
     while True:
         try:
             msg = _recv(conn)
@@ -336,6 +360,21 @@ def _serve(fd: int) -> None:
                     result: Any = list(direct(keys, _StagedPages(config, page_size, staged), slice(0, n)))
                 else:
                     result = list(store.batch_set(keys, list(torch.from_numpy(staged).unbind(0))))
+            elif op == "attach":
+                config, size, page_size, layout = msg[1:]
+                with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+                    _, fds, _, _ = socket.recv_fds(sock, 1, 1)
+                pool = HostKVPool(config, size, page_size, layout, attach_fd=fds[0])
+                result = None
+            elif op == "set_pool":
+                keys, pages = msg[1:]
+                assert pool is not None, "no host pool attached"
+                slots = pool.page_slots(pages)
+                direct = getattr(store, "batch_set_from_host", None)
+                if direct is not None:
+                    result = list(direct(keys, pool, slots))
+                else:
+                    result = list(store.batch_set(keys, list(pool.get_pages_bytes(slots).unbind(0))))
             elif op == "set_pages":
                 result = list(store.batch_set(*msg[1:]))
             elif op == "get":
