@@ -186,6 +186,27 @@ def test_unsupported_server_settings_are_config_errors(fields: dict, match: str)
             build(DecodeKVCacheOffloadManager)
 
 
+def test_kvfsm_store_process_runs_the_store_in_a_child_process() -> None:
+    """kvfsm's own key in the extra config: true builds a shared host pool and a ProcessStorage, which the
+    shutdown ends; anything but a bool is a ConfigError naming the key."""
+    from kvfsm.dataplane.storage import ProcessStorage
+
+    with tempfile.TemporaryDirectory() as store:
+        extra = json.dumps({"file_storage_path": store, "kvfsm_store_process": True})
+        with published(SC, store, hicache_storage_backend_extra_config=extra):
+            mine = build(DecodeKVCacheOffloadManager)
+        storage = mine._storage
+        assert isinstance(storage, ProcessStorage) and storage.pid is not None
+        assert mine.manager.host_pool.share_fd is not None and mine.manager.fx.storage is storage
+        mine.release_host_resources()
+        assert storage.pid is None
+        for bad in ("yes", 1, None):
+            extra = json.dumps({"file_storage_path": store, "kvfsm_store_process": bad})
+            with published(SC, store, hicache_storage_backend_extra_config=extra):
+                with pytest.raises(ConfigError, match="kvfsm_store_process must be true or false"):
+                    build(DecodeKVCacheOffloadManager)
+
+
 def test_bad_stride_env_is_a_config_error() -> None:
     with tempfile.TemporaryDirectory() as store, published(SC, store, stride="eight"):
         with pytest.raises(ConfigError, match="SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE"):

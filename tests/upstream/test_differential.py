@@ -18,6 +18,7 @@ instead of equality. Everything else must match exactly.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -27,6 +28,7 @@ from scenarios import BY_NAME, SCENARIOS, Scenario
 from timing import backups_settled
 
 import kvfsm.integrations.sglang.manager as adapter_module
+from kvfsm.dataplane.storage import ProcessStorage
 from kvfsm.integrations.sglang import DecodeKVCacheOffloadManager, TableView
 
 
@@ -146,6 +148,25 @@ class DeviceTableAdapter(ProbedAdapter):
         assert self.manager.fx.device_table is not None
 
 
+class ProcessStoreAdapter(ProbedAdapter):
+    """ProbedAdapter with `kvfsm_store_process` set: its file store runs in a child process that maps the
+    (shared) host pool, and the backup worker sends it page ids."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        real = adapter_module.read_settings
+        adapter_module.read_settings = lambda *a: dataclasses.replace(real(*a), store_process=True)  # type: ignore[assignment]
+        try:
+            super().__init__(**kwargs)
+        finally:
+            adapter_module.read_settings = real  # type: ignore[assignment]
+        assert isinstance(self._storage, ProcessStorage) and self.manager.host_pool.share_fd is not None
+
+
+# The store in a child process: a sample of the scenarios (each starts a store process per rank), MLA and
+# TP among them
+PROCESS_STORE = ("namespaced", "prefix-matched", "mla", "abort-while-copies-pile-up", "host-pool-full", "tp2")
+
+
 # Where kvfsm differs from upstream on purpose: scenario -> (the difference, a check of kvfsm's behaviour).
 INTENDED: dict[str, str] = {
     "tp2-host-full-on-one-rank": "TP ranks with different host pools are refused at construction (TPMismatch on "
@@ -171,6 +192,14 @@ def test_adapter_matches_upstream(sc: Scenario) -> None:
 @pytest.mark.parametrize("sc", [s for s in SCENARIOS if s.name not in INTENDED], ids=lambda s: s.name)
 def test_adapter_reading_slots_on_the_device_matches_upstream(sc: Scenario) -> None:
     diffs = harness.diff_runs(_run(sc, harness.UpstreamManager), _run(sc, DeviceTableAdapter))
+    assert diffs == [], "\n".join(diffs)
+
+
+@pytest.mark.parametrize("name", PROCESS_STORE)
+def test_adapter_with_its_store_in_a_child_process_matches_upstream(name: str) -> None:
+    """Same keys, frees, releases and stored bytes as upstream, with the pages written by another process."""
+    sc = BY_NAME[name]
+    diffs = harness.diff_runs(_run(sc, harness.UpstreamManager), _run(sc, ProcessStoreAdapter))
     assert diffs == [], "\n".join(diffs)
 
 

@@ -32,12 +32,14 @@ What differs from upstream on purpose (docs/sglang-upstream.md has upstream's si
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterator, Mapping
 from typing import Any, cast
 
 import kvfsm.generated.decode_offload as spec_gen
 from kvfsm.dataplane import CpuCopyEngine, CudaCopyEngine, FileStorage, HostKVPool
+from kvfsm.dataplane.storage import ProcessStorage
 from kvfsm.errors import ConfigError, EventRejected, RetractionRefused
 from kvfsm.runtime import DecodeOffloadManager, OffloadConfig, TPMismatch
 from kvfsm.runtime.manager import Reservation
@@ -145,10 +147,15 @@ class DecodeKVCacheOffloadManager:
         self._pending: list[Reservation] = []
         self._finishing: list[RequestView] = []
         self._pending_ids: set[int] = set()
-        host_pool = HostKVPool(kv, settings.host_slots, settings.page_size, settings.host_layout, pin_memory=on_gpu)
-        storage = FileStorage(settings.file_dir, model_name=settings.model_name, tp_rank=settings.tp_rank,
-                              tp_size=settings.tp_size, is_mla=kv.is_mla, layout=settings.file_layout,
-                              page_dims=(kv.num_planes, kv.num_layers, settings.page_size), dtype=kv.dtype)
+        # with kvfsm_store_process the store runs in a child process, which maps the (shared) host pool
+        host_pool = HostKVPool(kv, settings.host_slots, settings.page_size, settings.host_layout, pin_memory=on_gpu,
+                               shared=settings.store_process)
+        make_store = functools.partial(FileStorage, settings.file_dir, model_name=settings.model_name,
+                                       tp_rank=settings.tp_rank, tp_size=settings.tp_size, is_mla=kv.is_mla,
+                                       layout=settings.file_layout,
+                                       page_dims=(kv.num_planes, kv.num_layers, settings.page_size), dtype=kv.dtype)
+        storage: FileStorage | ProcessStorage = ProcessStorage(make_store) if settings.store_process else make_store()
+        self._storage = storage  # built here, closed here (release_host_resources)
         options: dict[str, Any] = dict(page_size=settings.page_size, offload_stride=settings.stride,
                                        host_layout=settings.host_layout, copy_backend="cuda" if on_gpu else "cpu",
                                        storage_backend="file",
@@ -243,6 +250,7 @@ class DecodeKVCacheOffloadManager:
         self.manager.drain()
         self.manager.release_host_resources()
         self.manager.close()
+        self._storage.close()  # FileStorage's writer threads; ProcessStorage's child
 
     # --- internals -------------------------------------------------------------------------------
     def _reserve(self, req: Any, view: RequestView) -> bool:

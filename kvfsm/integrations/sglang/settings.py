@@ -26,6 +26,9 @@ SOURCE = "kvfsm.integrations.sglang"
 STRIDE_ENV = "SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE"
 FILE_DIR_ENV = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
 DEFAULT_FILE_DIR = "/tmp/hicache"  # HiCacheFile's default
+# kvfsm's own key in the extra config (HiCacheFile reads only its own): true runs the file store in a child
+# process over a shared host pool (kvfsm.dataplane.storage.ProcessStorage)
+STORE_PROCESS_KEY = "kvfsm_store_process"
 # SGLang's --hicache-mem-layout -> kvfsm's host layout and FileStorage page order (docs/page-layout.md)
 LAYOUTS: dict[str, Layout] = {"layer_first": "layer_first", "page_first": "page_first",
                                "page_first_direct": "layer_first"}
@@ -48,6 +51,7 @@ class Settings:
     model_name: str = ""
     tp_rank: int = 0
     tp_size: int = 1
+    store_process: bool = False  # `kvfsm_store_process` of the extra config: the file store in a child process
 
 
 def offload_stride(page_size: int, env: Optional[str] = None) -> int:
@@ -139,9 +143,14 @@ def read_settings(device_tokens: int, bytes_per_token: int, tp_group: Any) -> Se
     if tp_size != world:
         raise config_error("tp_size", f"the published TP size {tp_size} differs from tp_group's world size {world}")
     file_dir = os.environ.get(FILE_DIR_ENV) or extra.get("file_storage_path") or DEFAULT_FILE_DIR
+    store_process = extra.get(STORE_PROCESS_KEY, False)
+    if not isinstance(store_process, bool):
+        raise config_error("hicache_storage_backend_extra_config", f"{STORE_PROCESS_KEY} must be true or false, "
+                                                                   f"got {store_process!r}")
     model = get_serving().served_model_name or ""
     return Settings(page_size=page_size, stride=offload_stride(page_size),
                     host_slots=host_slots(memory, device_tokens, bytes_per_token, page_size),
                     host_layout=LAYOUTS[layout], file_layout=LAYOUTS[layout], storage_backend=backend,
                     storage_extra=extra,
-                    file_dir=str(file_dir), model_name=str(model), tp_rank=tp_rank, tp_size=tp_size)
+                    file_dir=str(file_dir), model_name=str(model), tp_rank=tp_rank, tp_size=tp_size,
+                    store_process=store_process)
