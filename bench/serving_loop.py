@@ -208,7 +208,8 @@ class ServingLoop:
         self.table = ReqToTokenPool(rows, per_req, table_device)
         self.host_table = self.table.host_table.numpy()
         host_slots = int(host_gib * 2**30) // kv.bytes_per_token // page * page
-        self.host_pool = HostKVPool(kv, host_slots, page, layout="page_first", pin_memory=device == "cuda")
+        self.host_pool = HostKVPool(kv, host_slots, page, layout="page_first", pin_memory=device == "cuda",
+                                    shared=store_kind == "process")  # the store process reads it in place
         self.store_dir = store_dir
         storage: Any = None
         if store_kind == "file":

@@ -144,6 +144,60 @@ def test_page_bytes_reject_partial_and_unallocated() -> None:
         h.set_pages_bytes(x, torch.zeros(3, dtype=torch.uint8))
 
 
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("attention", ["mha", "mla"])
+def test_a_shared_pool_is_one_memory_wherever_it_is_mapped(layout: str, attention: str) -> None:
+    """shared=True: the buffer is a zeroed anonymous memory file (no name in /dev/shm); a pool attached from its
+    descriptor (as the store process does) has the same geometry and bytes, sees writes either way, counts
+    every page allocated, and refuses a file smaller than its pool. An ordinary pool shares nothing."""
+    import gc
+    import os
+
+    from kvfsm.dataplane.pools.shared_memory import identity
+
+    cfg = KVCacheConfig(num_layers=2, head_dim=8, kv_heads=2 if attention == "mha" else 1, attention=attention)  # type: ignore[arg-type]
+    pool = HostKVPool(cfg, 6 * 4, 4, layout, pin_memory=False, shared=True)  # type: ignore[arg-type]
+    assert pool.share_fd is not None and os.fstat(pool.share_fd).st_size == pool.nbytes
+    assert not pool.kv_buffer.view(torch.uint8).any() and pool.kv_buffer.shape == pool._shape()
+    assert pool.free_slots == pool.capacity == 24
+    x = pool.alloc(8)
+    assert x is not None
+    fill_random(pool.kv_buffer, 3)
+    twin = HostKVPool(cfg, 24, 4, layout, attach_fd=os.dup(pool.share_fd))  # type: ignore[arg-type]
+    assert twin.share_fd is None and not twin.pinned and twin.free_slots == 0 and twin.size == pool.size
+    assert torch.equal(twin.get_pages_bytes(twin.page_slots(pool.pages_of(x))), pool.get_pages_bytes(x))
+    twin.kv_buffer.view(torch.uint8)[:5] = 42
+    assert (pool.kv_buffer.view(torch.uint8)[:5] == 42).all()
+    assert identity(pool.share_fd) == identity(os.dup(pool.share_fd))
+    other = HostKVPool(cfg, 24, 4, layout, pin_memory=False, shared=True)  # type: ignore[arg-type]
+    assert other.share_fd is not None and identity(other.share_fd) != identity(pool.share_fd)
+    refused = os.dup(pool.share_fd)
+    with pytest.raises(ValueError, match="bytes, not the"):
+        HostKVPool(cfg, 48, 4, layout, attach_fd=refused)  # type: ignore[arg-type]
+    with pytest.raises(OSError):
+        os.fstat(refused)  # the refused attach closed the descriptor it was handed
+    assert HostKVPool(cfg, 24, 4, layout, pin_memory=False).share_fd is None  # type: ignore[arg-type]
+    fds = (pool.share_fd, other.share_fd)
+    del pool, twin, other, x
+    gc.collect()
+    for fd in fds:  # a pool's memory file is closed with the last view of its buffer
+        with pytest.raises(OSError):
+            os.fstat(fd)
+
+
+def test_pages_of_names_whole_allocated_pages_in_order() -> None:
+    h = HostKVPool(KVCacheConfig.tiny(), 16, 4)
+    pages = h.alloc_pages(3)
+    assert pages is not None
+    assert h.pages_of(h.page_slots(pages[::-1])) == pages[::-1]
+    assert h.pages_of(h.slots_of(pages[1:])) == pages[1:]
+    with pytest.raises(PartialPage):
+        h.pages_of(h.slots_of(pages)[:6])
+    h.free_pages(pages[:1])
+    with pytest.raises(NotAllocated):
+        h.pages_of(h.page_slots(pages))
+
+
 def test_meminfo_available_is_parsed_from_kib_to_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
     """MemAvailable is in KiB (1024 bytes); no such line, or no readable file, means "unknown" (None)."""
     import io

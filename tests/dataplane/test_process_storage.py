@@ -209,20 +209,6 @@ def test_a_manager_with_storage_process_stores_through_the_child(tmp_path: Path)
 # --- a shared host pool: the child reads the pages in place -------------------------------------------------
 
 
-def test_a_shared_pool_is_one_memory_in_both_processes(tmp_path: Path) -> None:
-    """shared=True: the buffer is an anonymous memory file; a pool attached from its descriptor sees the same
-    bytes (and writes), every page readable there, and nothing of it is named in /dev/shm."""
-    pool, slots = pool_with_pages(3, "page_first", shared=True)
-    assert pool.share_fd is not None
-    twin = HostKVPool(pool.config, pool.size, pool.page_size, pool.layout, attach_fd=os.dup(pool.share_fd))
-    assert twin.share_fd is None and not twin.pinned and twin.free_slots == 0
-    assert torch.equal(twin.get_pages_bytes(twin.page_slots(slots.pages)), pool.get_pages_bytes(slots))
-    twin.kv_buffer.view(torch.uint8)[:7] = 42
-    assert (pool.kv_buffer.view(torch.uint8)[:7] == 42).all()
-    with pytest.raises(ValueError, match="bytes, not the"):
-        HostKVPool(pool.config, pool.size * 2, pool.page_size, pool.layout, attach_fd=os.dup(pool.share_fd))
-
-
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 def test_the_child_stores_a_shared_pools_pages_in_place(tmp_path: Path, layout: str) -> None:
     """Page ids go over the socket, the bytes do not: the child maps the pool once (again after a restart,
