@@ -80,12 +80,16 @@ MODES = ("adapter", "batch", "bare")
 
 
 @contextmanager
-def server_config(page: int, stride: int, host_gb: float, store: str) -> Iterator[None]:
-    """The server config the adapter reads: page size, HiCache file store, a host pool of `host_gb`."""
+def server_config(page: int, stride: int, host_gb: float, store: str, store_process: bool = False) -> Iterator[None]:
+    """The server config the adapter reads: page size, HiCache file store, a host pool of `host_gb`; with
+    `store_process`, kvfsm's `kvfsm_store_process` (the store in a child process over a shared host pool)."""
+    extra: dict[str, Any] = {"file_storage_path": store}
+    if store_process:
+        extra["kvfsm_store_process"] = True
     override = get_context().override_server_args(
         page_size=page, tp_size=1, hicache_storage_backend="file", hicache_io_backend="direct",
         hicache_mem_layout="page_first", hicache_size=host_gb, served_model_name="bench",
-        hicache_storage_backend_extra_config=json.dumps({"file_storage_path": store}))
+        hicache_storage_backend_extra_config=json.dumps(extra))
     override.install()
     get_parallel().override_permanently(tp_rank=0, pp_rank=0, attn_dcp_rank=0)
     old = os.environ.get(harness.STRIDE_ENV)
@@ -198,7 +202,8 @@ class Loop:
         self.allocator = PagedTokenToKVPoolAllocator(tokens, page, torch.bfloat16, dev, self.kv, need_sort=False)
         tree = RadixCache(CacheInitParams(disable=False, req_to_token_pool=self.r2t,
                                           token_to_kv_pool_allocator=self.allocator, page_size=page))
-        with harness.on_device(dev), server_config(page, stride, args.host_gb, store):
+        with harness.on_device(dev), server_config(page, stride, args.host_gb, store,
+                                                   getattr(args, "store_process", False)):
             self.adapter = DecodeKVCacheOffloadManager(req_to_token_pool=self.r2t,
                                                        token_to_kv_pool_allocator=self.allocator,
                                                        tp_group=harness._tp_group_world1(), tree_cache=tree)
@@ -472,6 +477,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--host-gb", type=float, default=8.0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     ap.add_argument("--store-root", default="/dev/shm" if Path("/dev/shm").is_dir() else None)
+    ap.add_argument("--store-process", action="store_true",
+                    help="kvfsm_store_process: the adapter's file store in a child process over a shared host pool")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="16 live, 64/64, 30 iterations: checks the script")
     ap.add_argument("--out", default=None)

@@ -2,11 +2,11 @@
 the same store in a child process (ProcessStorage), and against no store at all.
 
 A backup thread writes one decode iteration's pages per batch, as the backup worker does, as fast as the
-store takes them. Meanwhile the main thread plays the scheduler: fixed units of pure-Python work (dict and
-list operations, what a manager call is made of), each timed. A unit holds the interpreter lock throughout,
-so what stretches it is the lock going to the store's threads (or, where cores are short, the CPU going to
-the store's process). Per mode: the units' median, p99 and max against the same units with no store
-running, in one run; the pages per second each store wrote meanwhile; and the CPU seconds per page spent in
+store takes them. Meanwhile the main thread plays the scheduler: each iteration a busy phase of pure-Python
+work (dict and list operations, what a manager call is made of; `--busy-ms` alone), timed, then a wait for
+the decode step (`--idle-ms`). The busy phase holds the interpreter lock throughout, so what stretches it is
+the lock going to the store's threads (or, where cores are short, the CPU going to the store's process).
+Per mode: the busy phase's median, p99 and max against the same phase with no store running, in one run; the pages per second each store wrote meanwhile; and the CPU seconds per page spent in
 the scheduler's process outside the main thread (the share of the interpreter a store can take). Modes:
 `MODES` below.
 
@@ -41,7 +41,7 @@ from common import target, write_result  # noqa: E402
 from kvfsm.dataplane import FileStorage, HostKVPool, KVCacheConfig  # noqa: E402
 from kvfsm.dataplane.storage import ProcessStorage  # noqa: E402
 
-MODES = {"none": "no store: the units alone",
+MODES = {"none": "no store: the scheduler alone",
          "file": "FileStorage in this process (the default store)",
          "process": "ProcessStorage over a shared host pool: the child reads the pages in place",
          "process-staged": "ProcessStorage over an ordinary pool: pages gathered here into the staging buffer"}
@@ -55,6 +55,12 @@ def unit(n: int) -> int:
         d[i & 255] = d.get(i & 255, 0) + i
         acc.append(i ^ 7)
     return len(acc) + len(d)
+
+
+def _timed(fn: Any, *a: Any) -> float:
+    t = time.perf_counter()
+    fn(*a)
+    return (time.perf_counter() - t) * 1e3
 
 
 def other_threads_cpu_s() -> float:
@@ -79,6 +85,10 @@ def other_threads_cpu_s() -> float:
 
 def run_mode(mode: str, pools: dict[bool, HostKVPool], args: argparse.Namespace, root: Path,
              work: int) -> dict[str, Any]:
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    pin = args.pin and len(cores) > 1
+    if pin:  # what starts now (store threads, the child) inherits the other cores; the main thread keeps one
+        os.sched_setaffinity(0, cores[1:])
     store: Any = None
     if mode == "file":
         store = FileStorage(root / mode, model_name="probe", writers=args.writers)
@@ -103,12 +113,16 @@ def run_mode(mode: str, pools: dict[bool, HostKVPool], args: argparse.Namespace,
     if thread is not None:
         thread.start()
         time.sleep(0.5)  # past the store's start-up (its writer threads, the child's first batch)
+    if pin:
+        os.sched_setaffinity(0, cores[:1])
     w0, t0 = written[0], time.perf_counter()
     times = []
     while time.perf_counter() - t0 < args.seconds:
         a = time.perf_counter()
-        unit(work)
+        unit(work)  # one scheduler iteration's Python: args.busy_ms alone
         times.append((time.perf_counter() - a) * 1e3)
+        if args.idle_ms:
+            time.sleep(args.idle_ms / 1e3)  # the scheduler waits for the decode step
     elapsed = time.perf_counter() - t0
     pages_written = written[0] - w0
     stop.set()
@@ -117,9 +131,11 @@ def run_mode(mode: str, pools: dict[bool, HostKVPool], args: argparse.Namespace,
     cpu = other_threads_cpu_s() - cpu0 + backup_cpu[0]  # the backup thread has ended: its own count
     if store is not None:
         store.close()
+    if pin:
+        os.sched_setaffinity(0, cores)
     shutil.rmtree(root / mode, ignore_errors=True)
     times.sort()
-    return {"mode": mode, "units": len(times), "unit_ms": {
+    return {"mode": mode, "iterations": len(times), "busy_ms": {
                 "median": statistics.median(times), "p99": times[int(0.99 * (len(times) - 1))], "max": times[-1],
                 "mean": statistics.fmean(times)},
             "pages_per_s": pages_written / elapsed, "mb_per_s": pages_written * pool.page_nbytes / elapsed / 1e6,
@@ -133,7 +149,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=64, help="pages per store call (one iteration's chunks)")
     ap.add_argument("--writers", type=int, default=4, help="FileStorage writer threads, in either process")
     ap.add_argument("--seconds", type=float, default=8.0, help="timed seconds per mode")
-    ap.add_argument("--unit-ms", type=float, default=1.0, help="a unit's length alone, calibrated")
+    ap.add_argument("--busy-ms", type=float, default=4.0, help="the scheduler's Python per iteration, alone "
+                                                              "(what kvfsm's batch door costs at 4096 live)")
+    ap.add_argument("--idle-ms", type=float, default=16.0, help="then it waits this long for the decode step "
+                                                               "(0: the thread never waits)")
+    ap.add_argument("--pin", action="store_true", help="the main thread on a core of its own, the store's threads "
+                    "and process on the others: what is left is the interpreter lock, not a shortage of cores")
     ap.add_argument("--store-root", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--quick", action="store_true")
@@ -147,12 +168,10 @@ def main(argv: list[str] | None = None) -> int:
         pool.kv_buffer.view(torch.int16).random_()
         pools[shared] = pool
     work = 1000
-    while True:  # the unit's size: args.unit_ms alone
-        a = time.perf_counter()
-        unit(work)
-        took = (time.perf_counter() - a) * 1e3
-        if took >= args.unit_ms / 2:
-            work = max(1, int(work * args.unit_ms / took))
+    while True:  # the busy phase's size: args.busy_ms alone (median of 5)
+        took = statistics.median(_timed(unit, work) for _ in range(5))
+        if took >= args.busy_ms / 2:
+            work = max(1, int(work * args.busy_ms / took))
             break
         work *= 2
     root = Path(tempfile.mkdtemp(prefix="kvfsm-store-gil-", dir=args.store_root))
@@ -164,16 +183,16 @@ def main(argv: list[str] | None = None) -> int:
     targets = []
     for r in rows:
         if base is not None and r is not base:
-            r["median_vs_none"] = r["unit_ms"]["median"] / base["unit_ms"]["median"]
-            r["p99_vs_none"] = r["unit_ms"]["p99"] / base["unit_ms"]["p99"]
-        print(f"{r['mode']:8s} unit median {r['unit_ms']['median']:.3f} ms p99 {r['unit_ms']['p99']:.3f} "
-              f"max {r['unit_ms']['max']:.3f}; {r['pages_per_s']:.0f} pages/s ({r['mb_per_s']:.0f} MB/s); "
+            r["median_vs_none"] = r["busy_ms"]["median"] / base["busy_ms"]["median"]
+            r["p99_vs_none"] = r["busy_ms"]["p99"] / base["busy_ms"]["p99"]
+        print(f"{r['mode']:14s} busy phase median {r['busy_ms']['median']:.3f} ms p99 {r['busy_ms']['p99']:.3f} "
+              f"max {r['busy_ms']['max']:.3f}; {r['pages_per_s']:.0f} pages/s ({r['mb_per_s']:.0f} MB/s); "
               f"other threads' CPU {r['other_threads_cpu_ms_per_page'] or 0:.3f} ms/page", flush=True)
     print(f"(modes: {MODES})")
     process = next((r for r in rows if r["mode"] == "process"), None)
     if process is not None and base is not None:
-        # what the store in a child process may cost the scheduler's units, next to running none
-        targets.append(target("unit median with the store in a child process / with no store",
+        # what the store in a child process may cost the scheduler's busy phase, next to running none
+        targets.append(target("busy-phase median with the store in a child process / with no store",
                               process["median_vs_none"], 1.1))
     quick = args.quick or not torch.cuda.is_available()
     path = write_result("store_gil_share", {"settings": {**vars(args), "unit_work": work}, "rows": rows,
