@@ -75,9 +75,9 @@ def _tensor_bytes(raw: torch.Tensor) -> bytes:
     return raw.numpy().tobytes()
 
 
-def _forget(records: dict[int, Any], key: int, _ref: object) -> None:
-    """A copied request object is gone: drop its record."""
-    records.pop(key, None)
+def _forget(records: dict[int, Any], ref: weakref.KeyedRef[int, Any]) -> None:
+    """A copied request object is gone (`ref.key` was its id): drop its record."""
+    records.pop(ref.key, None)
 
 
 def _rebuild_region(data: bytes) -> _Region:
@@ -220,7 +220,7 @@ class _Pickler(pickle.Pickler):
                 code = _CODE[id(obj.__code__)] = (obj.__code__, marshal.dumps(obj.__code__))
             cells = None if obj.__closure__ is None else tuple(c.cell_contents for c in obj.__closure__)
             return (_rebuild_function, (code[1], module, obj.__name__, obj.__defaults__, obj.__kwdefaults__, cells))
-        if t is weakref.ReferenceType:
+        if t is weakref.ReferenceType or t is weakref.KeyedRef:
             return (weakref.ref, (obj(),))  # the callback is re-made by _fix_records
         if t in _LOCKS:
             return (_LOCKS[t], ())
@@ -270,13 +270,14 @@ def clone(w: World) -> World:
 def _fix_records(w: World) -> None:
     """The manager keys its records by id(request): re-key them by the copied request objects."""
     records = w.engine.manager._records
+    forget = functools.partial(_forget, records)
     fixed = {}
     for rec in records.values():
         req = rec.req_ref()
         if req is None:
             continue
         key = id(req)
-        rec.req_ref = weakref.ref(req, functools.partial(_forget, records, key))
+        rec.req_ref = weakref.KeyedRef(req, forget, key)
         fixed[key] = rec
     records.clear()
     records.update(fixed)
