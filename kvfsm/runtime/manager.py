@@ -89,7 +89,7 @@ def _forget(records: dict[int, LiveRecord], ref: weakref.KeyedRef[int, OffloadRe
     path)."""
     rec: Optional[RequestRecord] = records.pop(ref.key, None)  # out of the table: no longer a LiveRecord
     if rec is not None and rec.machine is not None and rec.machine.state in spec_gen.TERMINAL:
-        rec.machine = None
+        rec.machine = rec.chain = None  # and the record <-> last chunk cycle (Chunk)
 
 
 def _unlink_released(chunks: list[Chunk]) -> None:
@@ -99,7 +99,7 @@ def _unlink_released(chunks: list[Chunk]) -> None:
         rec: RequestRecord = chunk.record  # the chunk is done with: its record may give up its machine
         m = rec.machine
         if m is not None and m.state in spec_gen.TERMINAL and rec.req_ref() is None:
-            rec.machine = None
+            rec.machine = rec.chain = None  # and the record <-> last chunk cycle (Chunk)
 
 
 class Reservation(NamedTuple):
