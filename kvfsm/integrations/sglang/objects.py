@@ -35,7 +35,7 @@ class RequestView:
     __slots__ = ("_ref", "row", "due", "__weakref__")
 
     def __init__(self, req: Any, callback: Any = None) -> None:
-        self._ref = weakref.ref(req, callback)
+        self._ref = weakref.KeyedRef(req, callback, id(req))  # the key: RequestViews' entry, for the callback
         self.row = self.due = -1
 
     @property
@@ -108,36 +108,40 @@ class RequestViews:
     """The identity-stable view of each Req, and the Reqs kvfsm may still release, by table row."""
 
     def __init__(self) -> None:
-        self._views: weakref.WeakKeyDictionary[Any, RequestView] = weakref.WeakKeyDictionary()
+        # id(Req) -> its view. An entry goes with its Req: the view's weakref carries the key and calls one
+        # bound method for all views. (A WeakKeyDictionary kept a second weak reference a Req, 4,090 tracked
+        # objects at 4096 live in the heap census of bench/sglang_adapter_gpu.py, and made one per lookup.)
+        self._views: dict[int, RequestView] = {}
         self._pinned: dict[int, Any] = {}  # row -> the Req that holds it (strong: kvfsm may release it later)
         # id(Req) -> its view, for Reqs pinned on a live lifecycle with no chunk due before `view.due`:
         # the adapter answers their offload calls with no other lookup. An entry goes with its Req (the
         # view's weakref callback), and the adapter drops it on every other call about that Req.
         self.quiet: dict[int, RequestView] = {}
-        self._keys: dict[int, int] = {}  # id(view's weakref) -> id(Req), for `_collected`
         self._on_collected = self._collected  # one bound method for every view's weakref
 
     def view(self, req: Any) -> RequestView:
         """The view of `req` (made on first sight); a Req without `kv` is refused with InvalidRequest."""
-        try:
-            return self._views[req]
-        except KeyError:
-            pass
-        except TypeError:
-            raise InvalidRequest(f"{type(req).__name__} objects are not weak-referenceable SGLang Reqs") from None
+        view = self._views.get(id(req))
+        if view is not None and view._ref() is req:  # a live Req's id is its own: the check is for safety only
+            return view
         if not hasattr(req, "kv") or not hasattr(req.kv, "req_pool_idx"):
             raise InvalidRequest(f"{type(req).__name__} object {getattr(req, 'rid', '?')!r} has no `kv` "
                                  f"(SGLang 0.5.23's ReqKvInfo): not an SGLang Req")
-        view = self._views[req] = RequestView(req, self._on_collected)
-        self._keys[id(view._ref)] = id(req)
+        try:
+            view = RequestView(req, self._on_collected)
+        except TypeError:
+            raise InvalidRequest(f"{type(req).__name__} objects are not weak-referenceable SGLang Reqs") from None
+        self._views[id(req)] = view
         return view
 
-    def _collected(self, ref: Any) -> None:
-        """A Req is gone: its quiet entry goes with it (one callback for all views, and an int -> int map the
-        collector never walks, instead of a closure per view)."""
-        key = self._keys.pop(id(ref), None)
-        if key is not None:
-            self.quiet.pop(key, None)
+    def _collected(self, ref: weakref.KeyedRef[int, Any]) -> None:
+        """A Req is gone: its view and quiet entry go with it (one callback for all views, the key on the
+        weak reference, instead of a closure per view)."""
+        key = ref.key
+        view = self._views.get(key)
+        if view is not None and view._ref is ref:
+            del self._views[key]
+        self.quiet.pop(key, None)
 
     def pin(self, req: Any) -> None:
         """Keep `req` alive while it holds its row (called whenever it reaches kvfsm with a row)."""
