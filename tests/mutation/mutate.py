@@ -765,7 +765,8 @@ down is in functions and methods.
 
 - mutated (`MUTATE` in tests/mutation/mutate.py): `kvfsm/runtime/`, `kvfsm/dataplane/pools/`,
   `kvfsm/dataplane/copy/base.py` (copy planning), `kvfsm/dataplane/storage/` without Mooncake (its tests need
-  a Mooncake master), `kvfsm/dataplane/hashing.py` and `generated/decode_offload.py` (named
+  a Mooncake master) and without `process.py` (half of it runs in the store's child process, out of mutmut's
+  sight; tests/dataplane/test_process_storage.py tests it by failure injection), `kvfsm/dataplane/hashing.py` and `generated/decode_offload.py` (named
   `kvfsm/generated/decode_offload.py` below); no `__init__.py`. The text of raised errors, log lines,
   warnings and reprs is not mutated (`NOT_BEHAVIOUR`): it is wording, and its mutants would bury the ones
   that matter; that an error is raised, and its type, still is;

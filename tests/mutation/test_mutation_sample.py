@@ -64,6 +64,7 @@ def test_refresh_brings_every_workspace_file_from_its_source() -> None:
     assert mutate.mutated("kvfsm/dataplane/copy/base.py") and mutate.mutated("kvfsm/generated/decode_offload.py")
     assert not mutate.mutated("kvfsm/dataplane/copy/cuda.py") and not mutate.mutated("kvfsm/runtime/__init__.py")
     assert not mutate.mutated("kvfsm/dataplane/storage/mooncake/store.py")
+    assert not mutate.mutated("kvfsm/dataplane/storage/process.py") and mutate.mutated("kvfsm/dataplane/storage/file.py")
 
 
 def test_the_main_report_keeps_the_other_scopes_sections(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
