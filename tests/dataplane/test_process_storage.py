@@ -83,10 +83,12 @@ def test_pages_stored_by_the_child_read_back_byte_exact_in_process(tmp_path: Pat
         finally:
             small.close()
         staging = Path(store._staging.path)  # type: ignore[union-attr]
-        assert staging.exists()
+        assert not staging.exists()  # mapped by both processes, its name removed: a crash leaves no file
     finally:
         store.close()
-    assert store.pid is None and not staging.exists()  # the child ended, its staging file is gone
+    assert store.pid is None
+    with pytest.raises(RemoteStoreError, match="closed"):  # a closed store is not started again
+        store.batch_exists(keys)
 
 
 def test_bad_calls_are_refused_before_anything_is_sent(tmp_path: Path) -> None:

@@ -80,7 +80,8 @@ class _StagedPages:
 
 
 class _Staging:
-    """A file on tmpfs mapped by both processes; grown by replacing it (the child maps the new path)."""
+    """A file on tmpfs mapped by both processes, its name removed once the child has mapped it (so a crash
+    leaves nothing behind after that); replaced by a new one to grow it, or for a child started again."""
 
     def __init__(self, nbytes: int) -> None:
         fd, self.path = tempfile.mkstemp(prefix="kvfsm-store-staging-", dir=_SHM_DIR)
@@ -91,12 +92,15 @@ class _Staging:
             os.close(fd)
         self.nbytes = nbytes
         self.array = np.frombuffer(self._map, dtype=np.uint8)
+        self.named = True
 
     def unlink(self) -> None:
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        if self.named:
+            self.named = False
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
 
 
 def _send(conn: Connection, obj: Any) -> None:
@@ -149,6 +153,7 @@ class ProcessStorage:
         self._conn: Connection | None = None
         self._finalizer: Any = None
         self._started_at = -float("inf")
+        self._closed = False
         self.restarts = 0
         self._start()  # a factory that fails, fails here, where the store is configured
 
@@ -195,19 +200,27 @@ class ProcessStorage:
             code = self._proc.poll() if self._proc is not None else None
             raise RemoteStoreError(f"the store process ended during {what} (exit code {code})") from exc
 
-    def _call(self, what: str, *msg: Any) -> Any:
-        """One exchange with the child, started again first if it died; the child's answer, or its error as
-        RemoteStoreError (a hung or dead child is stopped, so the next call starts a fresh one)."""
+    def _ensure_started(self) -> Connection:
+        """The connection to a live child: one started again if it died (at most once per
+        `restart_interval_s`), none after `close()`."""
         if self._conn is None:
+            if self._closed:
+                raise RemoteStoreError("the store process was closed")
             if time.monotonic() - self._started_at < self.restart_interval_s:
                 raise RemoteStoreError("the store process is down (started again at most once per "
                                        f"{self.restart_interval_s:g} s)")
             self.restarts += 1
             logger.warning("starting the store process again (restart %d)", self.restarts)
             self._start()
+        assert self._conn is not None
+        return self._conn
+
+    def _call(self, what: str, *msg: Any) -> Any:
+        """One exchange with the child, started again first if it died; the child's answer, or its error as
+        RemoteStoreError (a hung or dead child is stopped, so the next call starts a fresh one)."""
+        conn = self._ensure_started()
         try:
-            assert self._conn is not None
-            _send(self._conn, (what, *msg))
+            _send(conn, (what, *msg))
         except OSError as exc:
             self._stop()
             raise RemoteStoreError(f"the store process is gone ({exc})") from exc
@@ -224,8 +237,10 @@ class ProcessStorage:
         return reply[1]
 
     def close(self) -> None:
-        """Close the child's store and end the child (after the write in progress); idempotent."""
+        """Close the child's store and end the child (after the write in progress); idempotent. A closed
+        store answers every later call with RemoteStoreError."""
         with self._lock:
+            self._closed = True
             if self._conn is not None:
                 try:
                     _send(self._conn, ("close",))
@@ -268,12 +283,9 @@ class ProcessStorage:
     def _attach(self, host_pool: Any, fd: int) -> None:
         """Hand the child the pool's memory file (once per pool and child): it maps the same pages."""
         ident = identity(fd)
+        conn = self._ensure_started()  # a fresh child has mapped no pool
         if self._child_pool == ident:
             return
-        if self._conn is None:
-            self._call("stats")  # starts the child again (or raises why not)
-        conn = self._conn
-        assert conn is not None
         _send(conn, ("attach", host_pool.config, host_pool.size, host_pool.page_size, host_pool.layout))
         with socket.socket(fileno=os.dup(conn.fileno())) as sock:
             socket.send_fds(sock, [b"F"], [fd])
@@ -284,21 +296,27 @@ class ProcessStorage:
         c = host_pool.config
         config = _PageConfig(c.num_planes, c.num_layers, str(c.dtype))
         nbytes = host_pool.page_nbytes
+        self._ensure_started()  # before the staging file is chosen: a fresh child has mapped none
         staging = self._staging_for(nbytes)
         per_round = staging.nbytes // nbytes
         out: list[bool] = []
         for at in range(0, len(pages), per_round):
             part = pages[at:at + per_round]
             host_pool.get_pages_bytes(host_pool.page_slots(part), out=staging.array)
+            self._ensure_started()
+            if self._child_has != staging.path and not staging.named:
+                raise RemoteStoreError("the store process was started again during this write")
             path = None if self._child_has == staging.path else staging.path
             out += self._call("set", keys[at:at + per_round], len(part), nbytes, config, host_pool.page_size, path,
                               staging.nbytes)
             self._child_has = staging.path
+            staging.unlink()  # both processes have it mapped: the name is no longer needed
         return out
 
     def _staging_for(self, page_nbytes: int) -> _Staging:
         staging = self._staging
-        if staging is None or staging.nbytes < page_nbytes:
+        # a new file to grow it, or for a child that has not mapped this one now that its name is gone
+        if staging is None or staging.nbytes < page_nbytes or (not staging.named and self._child_has != staging.path):
             if staging is not None:
                 staging.unlink()
             staging = self._staging = _Staging(max(self.staging_bytes, page_nbytes))
