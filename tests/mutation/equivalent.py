@@ -344,7 +344,8 @@ EQUIVALENT: list[tuple[str, str, str]] = [
                               r"self\.kv_buffer = torch\.empty\(self\._shape\(\), dtype=config\.dtype, (pin_memory=None|)\))",
      "not told apart on a CPU-only host, where pinning needs CUDA: these tests ask for no pinning (None or False) and "
      "get an unpinned pool either way (pinned memory is for a GPU run of tests/gpu/)"),
-    ("xǁHostKVPoolǁfor_device_pool", r"- return cls\(cfg, num_slots, page_size, layout, pin_memory\)\n\+ return cls\(cfg, num_slots, page_size, layout, (None|)\)",
+    ("xǁHostKVPoolǁfor_device_pool", r"- return cls\(cfg, num_slots, page_size, layout, pin_memory, shared=shared\)\n"
+                                     r"\+ return cls\(cfg, num_slots, page_size, layout, (None, |)shared=shared\)",
      "not told apart on a CPU-only host: pin_memory's default None means pinned only with CUDA"),
     ("xǁHostKVPoolǁ__init__", r"- self\.allocator = TokenSlotAllocator\(self\.size, self\.page_size, \"cpu\", reserve_padding_page=False\)\n"
                               r"\+ self\.allocator = TokenSlotAllocator\(self\.size, self\.page_size, (\"cpu\", reserve_padding_page=None|reserve_padding_page=False)\)",

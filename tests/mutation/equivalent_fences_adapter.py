@@ -142,7 +142,8 @@ NEEDS_GPU_PASS: list[tuple[str, str, str]] = [
     (_ADAPTER_INIT, "|".join(_lines(_BACKEND, _BACKEND.replace('"cuda" if', f'"{new}" if'))
                              for new in ("XXcudaXX", "CUDA")),
      "the name is chosen only for a CUDA pool, where pydantic refuses it (copy_backend is a Literal)"),
-    (_ADAPTER_INIT, r"- host_pool = HostKVPool\((.*), pin_memory=on_gpu\)\n\+ host_pool = HostKVPool\(\1, (pin_memory=None|)\)",
+    (_ADAPTER_INIT, r"- host_pool = HostKVPool\((.*), pin_memory=on_gpu,\n(\+ host_pool = HostKVPool\(\1, pin_memory=None,|"
+                    r"- shared=settings\.store_process\)\n\+ host_pool = HostKVPool\(\1, shared=settings\.store_process\))",
      "HostKVPool pins by default when CUDA is available: on a host without CUDA both are unpinned; on a CUDA "
      "host the adapter of a CPU pool would pin its host pool"),
 ]
