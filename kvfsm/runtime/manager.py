@@ -261,8 +261,10 @@ class DecodeOffloadManager:
 
     def due_at(self, row: int) -> int:
         """The committed length at which the live lifecycle holding `row` has its next whole stride, or -1
-        (none known: look at the request). A hint for a caller's early exit, never what is copied."""
-        return int(self._due_at[row])
+        (none known: look at the request). A hint for a caller's early exit, never what is copied. A row outside
+        the table, which a request's own field may name, has none: -1, not an IndexError (nor, for a negative
+        row, another row's hint)."""
+        return int(self._due_at[row]) if 0 <= row < self._rows else -1
 
     def offload_batch(self, reqs: Sequence[OffloadRequest], req_pool_indices: Optional[IntArray] = None,
                       kv_committed_lens: Optional[IntArray] = None) -> int:

@@ -142,6 +142,16 @@ def test_a_reservation_holds_host_pages_and_nothing_else_until_submitted() -> No
     assert len(e.copies.pending) == 1 and [c.record.rid for c in e.manager.fx.copy_fifo] == ["r0", "r1", "r2"]
 
 
+def test_a_row_outside_the_table_has_no_due_point() -> None:
+    """due_at is a hint read from a request's own row field: a row the table does not have (past its end, or
+    negative) is "none known", never an IndexError or the hint of the row a negative index wraps to."""
+    e, reqs = _three_with_a_chunk_due()
+    assert e.manager.offload_batch(reqs) == 3
+    hints = [e.manager.due_at(r.req_pool_idx) for r in reqs]
+    assert all(h > 0 for h in hints)
+    assert [e.manager.due_at(row) for row in (4, 5, 1 << 40, -1, -2, -4, -5)] == [-1] * 7
+
+
 def test_a_stale_reservation_gives_its_pages_back() -> None:
     e = SimEngine(page_size=2, host_slots=32, device_slots=96, rows=4)
     a, b = e.admit("a", 5), e.admit("b", 5)
