@@ -8,10 +8,12 @@ decode iteration from 43 to 81 ms on the H200 host; writing nothing took the 409
 3.6 ms, bench/results/serving_loop_probes-h200.json). With one writer the store falls behind, and the chunks
 parked behind it are half of what the collector walks (docs/performance.md).
 
-Here the store lives in its own interpreter. The caller's share of a write is one gather of the pages
-into a shared staging buffer (numpy copies, which release the lock) and one small message; the child
-writes them with as many threads as the store needs. The child's store sees the pages through the host
-pool interface it already takes (`config`, `page_size`, `get_pages_bytes`), read in place from the buffer.
+Here the store lives in its own interpreter. Over a shared host pool (`HostKVPool(shared=True)`, which
+`storage_process=True` builds) the caller's share of a write is one small message of page ids and keys: the
+child maps the same memory and reads the pages in place. Any other pool's pages are first gathered into a
+shared staging buffer (numpy copies, which release the lock). Either way the child's store sees the pages
+through the host pool interface it already takes (`config`, `page_size`, `get_pages_bytes`) and writes them
+with as many threads as it needs.
 
 What it guarantees, as a `StorageBackend`:
 - a page is reported stored only when the child's store said so;
@@ -346,6 +348,15 @@ class ProcessStorage:
 
 
 # ---- the child ----------------------------------------------------------------------------------------
+def _store_pages(store: Any, keys: list[str], pool: Any, indices: Any) -> list[bool]:
+    """The pages at `indices` of `pool` (the attached pool, or the staged pages) into the child's store: read
+    in place by a store that takes a host pool, else as one tensor a page."""
+    direct = getattr(store, "batch_set_from_host", None)
+    if direct is not None:
+        return list(direct(keys, pool, indices))
+    return list(store.batch_set(keys, list(pool.get_pages_bytes(indices).unbind(0))))
+
+
 def _serve(fd: int) -> None:
     """The store process: build the store, then answer one message at a time until end-of-file or close."""
     conn = Connection(fd)
@@ -372,12 +383,8 @@ def _serve(fd: int) -> None:
                         mapped = mmap.mmap(f.fileno(), size)
                     rows = np.frombuffer(mapped, dtype=np.uint8)
                 assert rows is not None, "no staging buffer mapped"
-                staged = rows[: n * nbytes].reshape(n, nbytes)
-                direct = getattr(store, "batch_set_from_host", None)
-                if direct is not None:
-                    result: Any = list(direct(keys, _StagedPages(config, page_size, staged), slice(0, n)))
-                else:
-                    result = list(store.batch_set(keys, list(torch.from_numpy(staged).unbind(0))))
+                staged = _StagedPages(config, page_size, rows[: n * nbytes].reshape(n, nbytes))
+                result: Any = _store_pages(store, keys, staged, slice(0, n))
             elif op == "attach":
                 config, size, page_size, layout = msg[1:]
                 with socket.socket(fileno=os.dup(conn.fileno())) as sock:
@@ -387,12 +394,7 @@ def _serve(fd: int) -> None:
             elif op == "set_pool":
                 keys, pages = msg[1:]
                 assert pool is not None, "no host pool attached"
-                slots = pool.page_slots(pages)
-                direct = getattr(store, "batch_set_from_host", None)
-                if direct is not None:
-                    result = list(direct(keys, pool, slots))
-                else:
-                    result = list(store.batch_set(keys, list(pool.get_pages_bytes(slots).unbind(0))))
+                result = _store_pages(store, keys, pool, pool.page_slots(pages))
             elif op == "set_pages":
                 result = list(store.batch_set(*msg[1:]))
             elif op == "get":
