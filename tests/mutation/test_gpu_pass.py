@@ -5,6 +5,7 @@ holds (the pass itself runs on a GPU machine: tests/mutation/gpu_pass.py run).""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import zlib
@@ -66,3 +67,18 @@ def test_a_kill_in_a_pass_stopped_before_its_clean_run_is_provisional() -> None:
     assert "provisionally" in mutate.gpu_verdict("m.x_f", change, stopped)
     assert mutate.gpu_verdict("m.x_f", change, finished) == "killed on the GPU by `tests/gpu/test_x.py::test_y`"
     assert mutate.gpu_verdict("m.x_g", change, finished) == "not yet run on a GPU"
+
+
+def test_the_test_that_killed_a_mutant_before_runs_first_and_alone(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hinted mutant dies at its earlier pass's test without the suites; an unhinted one runs the suites, and a
+    failure's section comes back with it (the unmutated run's record keeps it)."""
+    (tmp_path / "test_kills.py").write_text("def test_dies():\n    assert 1 == 2, 'told apart'\n")
+    (tmp_path / "test_suite.py").write_text("def test_lives():\n    pass\n")
+    monkeypatch.setattr(gpu_pass, "SUITES", [([], ["test_suite.py"])])
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+    hinted = gpu_pass._run_tests(tmp_path, env, "test_kills.py::test_dies")
+    assert hinted["rc"] == 1 and hinted["first_failure"] == "test_kills.py::test_dies"
+    assert len(hinted["summary"]) == 1 and "told apart" in hinted["failures"]
+    plain = gpu_pass._run_tests(tmp_path, env)
+    assert plain["rc"] == 0 and len(plain["summary"]) == 1 and "1 passed" in plain["summary"][0]

@@ -1,0 +1,49 @@
+#!/bin/bash
+# The scheduler-floor verdict on the device machine, in one call (docs/performance.md): the serving loop at 4096
+# live with the store in process and in its own process, the SGLang adapter as SGLang's scheduler calls it beside
+# offload_batch and the bare floor (with and without the child store), the submit at full model size, and the
+# GPU tests of the child store. Needs kvfsm's runtime wheels in .whl/ and the sglang site in .device/
+# (`make device-sglang-site`), both carried. Every step has its own time limit; each result JSON and log is
+# packed into $OUT/verdict.tgz as soon as its step ends, so a call stopped at its limit keeps what finished.
+#
+#   bash bench/h200_verdict.sh [step ...]      # steps: see STEPS below; none given runs them all
+set -u
+: "${OUT:?set OUT to the folder whose files come back}"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 2
+rm -rf /tmp/sg && mkdir -p /tmp/sg && tar -xJf .device/sglang-site.tar.xz -C /tmp/sg || exit 2
+export PYTHONPATH="/tmp/site:/tmp/sg:$PWD" PYTHONUNBUFFERED=1
+W=$OUT/verdict && mkdir -p "$W"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$W/machine.txt" 2>&1
+nproc >> "$W/machine.txt"
+
+step() {  # name, seconds, command...
+    local name=$1 limit=$2; shift 2
+    local t0=$SECONDS
+    timeout "$limit" "$@" > "$W/$name.log" 2>&1
+    local rc=$?
+    echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$W/steps.txt"
+    tail -4 "$W/$name.log"
+    tar -czf "$OUT/verdict.tgz" -C "$W" .
+}
+
+STEPS=${*:-"serving adapter process_tests adapter_process submit launch gil"}
+for s in $STEPS; do
+    case $s in
+    serving) step serving_loop 200 python3 bench/serving_loop.py --live 4096 --pages 64/64 16/16 --tables cuda \
+        --storage file process --no-baseline --out "$W/serving_loop_4096-h200.json" ;;
+    serving32) step serving_loop_32 150 python3 bench/serving_loop.py --live 512 --layers 32 --host-gib 16 \
+        --tables cuda --no-baseline --out "$W/serving_loop_32layers-h200.json" ;;
+    adapter) step sglang_adapter 170 python3 bench/sglang_adapter_gpu.py --out "$W/sglang_adapter_gpu-h200.json" ;;
+    adapter_process) step sglang_adapter_process 110 python3 bench/sglang_adapter_gpu.py --live 4096 --store-process \
+        --out "$W/sglang_adapter_gpu-store-process-h200.json" ;;
+    submit) step submit_cost 60 python3 bench/submit_cost.py --launcher off on --out "$W/submit_cost-h200.json" ;;
+    launch) step launch_probe 40 python3 bench/probes/launch_probe.py --out "$W/launch_probe-h200.json" ;;
+    gil) step store_gil_share 60 python3 bench/probes/store_gil_share.py --pin --out "$W/store_gil_share-h200.json" ;;
+    process_tests) step process_storage_tests 90 python3 -m pytest -q -p no:cacheprovider -p no:anyio -o addopts= \
+        tests/dataplane/test_process_storage.py tests/dataplane/test_host_pool.py ;;
+    gpu_tests) step gpu_tests 400 python3 -m pytest -q -p no:cacheprovider -p no:randomly -p no:anyio -o addopts= \
+        --tb=short -m gpu tests/dataplane/test_layer_pool.py tests/dataplane/test_copy_engine.py \
+        tests/engine/test_demo.py tests/upstream/test_adapter_gpu.py tests/gpu tests/dataplane ;;
+    *) echo "unknown step $s" >&2; exit 2 ;;
+    esac
+done
