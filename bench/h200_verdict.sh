@@ -15,6 +15,8 @@ export PYTHONPATH="/tmp/site:/tmp/sg:$PWD" PYTHONUNBUFFERED=1
 W=$OUT/verdict && mkdir -p "$W"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$W/machine.txt" 2>&1
 nproc >> "$W/machine.txt"
+TAG=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -oiE 'h100|h200' | tr A-Z a-z)
+TAG=${TAG:-gpu}  # the results are named for the card that gave them
 
 step() {  # name, seconds, command...
     local name=$1 limit=$2; shift 2
@@ -30,15 +32,15 @@ STEPS=${*:-"serving adapter process_tests adapter_process submit launch gil"}
 for s in $STEPS; do
     case $s in
     serving) step serving_loop 200 python3 bench/serving_loop.py --live 4096 --pages 64/64 16/16 --tables cuda \
-        --storage file process --no-baseline --out "$W/serving_loop_4096-h200.json" ;;
+        --storage file process --no-baseline --out "$W/serving_loop_4096-$TAG.json" ;;
     serving32) step serving_loop_32 150 python3 bench/serving_loop.py --live 512 --layers 32 --host-gib 16 \
-        --tables cuda --no-baseline --out "$W/serving_loop_32layers-h200.json" ;;
-    adapter) step sglang_adapter 170 python3 bench/sglang_adapter_gpu.py --out "$W/sglang_adapter_gpu-h200.json" ;;
+        --tables cuda --no-baseline --out "$W/serving_loop_32layers-$TAG.json" ;;
+    adapter) step sglang_adapter 170 python3 bench/sglang_adapter_gpu.py --out "$W/sglang_adapter_gpu-$TAG.json" ;;
     adapter_process) step sglang_adapter_process 110 python3 bench/sglang_adapter_gpu.py --live 4096 --store-process \
-        --out "$W/sglang_adapter_gpu-store-process-h200.json" ;;
-    submit) step submit_cost 60 python3 bench/submit_cost.py --launcher off on --out "$W/submit_cost-h200.json" ;;
-    launch) step launch_probe 40 python3 bench/probes/launch_probe.py --out "$W/launch_probe-h200.json" ;;
-    gil) step store_gil_share 60 python3 bench/probes/store_gil_share.py --pin --out "$W/store_gil_share-h200.json" ;;
+        --out "$W/sglang_adapter_gpu-store-process-$TAG.json" ;;
+    submit) step submit_cost 60 python3 bench/submit_cost.py --launcher off on --out "$W/submit_cost-$TAG.json" ;;
+    launch) step launch_probe 40 python3 bench/probes/launch_probe.py --out "$W/launch_probe-$TAG.json" ;;
+    gil) step store_gil_share 60 python3 bench/probes/store_gil_share.py --pin --out "$W/store_gil_share-$TAG.json" ;;
     process_tests) step process_storage_tests 90 python3 -m pytest -q -p no:cacheprovider -p no:anyio -o addopts= \
         tests/dataplane/test_process_storage.py tests/dataplane/test_host_pool.py ;;
     gpu_tests) step gpu_tests 400 python3 -m pytest -q -p no:cacheprovider -p no:randomly -p no:anyio -o addopts= \
