@@ -3,6 +3,7 @@ GPU tests on a GPU machine (docs/mutation.md, "GPU pass").
 
     python tests/mutation/gpu_pass.py list                        # the mutants this pass runs, and why
     python tests/mutation/gpu_pass.py run --out DIR [--jobs 8]    # on the GPU machine: every mutant, then the log
+                                                                  # (there: tests/mutation/run_on_device.sh)
     python tests/mutation/gpu_pass.py report                      # docs/mutation.md's GPU section, from gpu_pass.json
 
 The CPU run (mutate.py) marks a survivor as told apart only on a CUDA host when its reason in
