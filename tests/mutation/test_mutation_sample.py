@@ -1,6 +1,6 @@
 """The CI step of mutation testing (docs/mutation.md): a fixed, seeded sample of the mutants `make mutate`
-runs (about two minutes on 2 cores), every one of them, must be killed at no lower a rate than the committed
-full run killed the same mutants. No time box: the same mutants are checked on a slow or busy machine as on an
+runs (about a minute and a half on 2 cores), every one of them, must be killed at no lower a rate than the
+committed full run killed the same mutants. No time box: the same mutants are checked on a slow or busy machine as on an
 idle one; a hang guard on progress (tests/timing.py) stops a run that stopped moving, and mutmut stops a mutant
 that spins.
 
