@@ -11,8 +11,6 @@ SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 ONE_AT_A_TIME := $(shell command -v flock >/dev/null 2>&1 && echo flock pyproject.toml)
 APT_INSTALL = $(ONE_AT_A_TIME) $(SUDO) env DEBIAN_FRONTEND=noninteractive sh -c \
 	'apt-get update -qq >/dev/null && apt-get install -y -qq $(1) >/dev/null'
-# pip installs with --no-compile: a module is compiled when first imported, and only those imported are (torch's
-# install took 24 s here with pip's compile of every module, 7 s without; set-up builds three venvs)
 # the main suite on every core, a module at a time, in the order tests/conftest.py puts them (the long first)
 TEST_WORKERS ?= auto
 PYTEST_PARALLEL = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
@@ -24,16 +22,16 @@ venv: $(STAMP)
 # torch is pinned to the CPU build first so the range in pyproject.toml installs nothing bigger.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --no-compile --upgrade pip
-	$(BIN)/python -m pip install -q --no-compile torch==2.13.0
-	$(ONE_AT_A_TIME) $(BIN)/python -m pip install -q --no-compile -e '.[dev,bench]'
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(ONE_AT_A_TIME) $(BIN)/python -m pip install -q -e '.[dev,bench]'
 	touch $(STAMP)
 
 # Every test also runs the optional integrations for real: a Mooncake master (needs Debian's libibverbs1)
 # and transformers' continuous batching.
 $(TEST_STAMP): $(STAMP)
 	dpkg -s libibverbs1 >/dev/null 2>&1 || $(call APT_INSTALL,libibverbs1)
-	$(ONE_AT_A_TIME) $(BIN)/python -m pip install -q --no-compile -e '.[dev,bench,mooncake,transformers,mutation]'
+	$(ONE_AT_A_TIME) $(BIN)/python -m pip install -q -e '.[dev,bench,mooncake,transformers,mutation]'
 	touch $(TEST_STAMP)
 
 test-deps: $(TEST_STAMP)
@@ -79,7 +77,7 @@ bench: $(STAMP)
 MUTATE_CHILDREN ?= 2
 
 mutate: $(STAMP)
-	$(BIN)/python -m pip install -q --no-compile -e '.[dev,bench,mutation]'
+	$(BIN)/python -m pip install -q -e '.[dev,bench,mutation]'
 	$(BIN)/python tests/mutation/mutate.py run --max-children $(MUTATE_CHILDREN)
 
 clean:
@@ -104,10 +102,10 @@ upstream-venv: $(UPSTREAM_STAMP)
 $(UPSTREAM_STAMP): pyproject.toml tests/upstream/requirements.txt
 	dpkg -s g++ ninja-build libssl-dev >/dev/null 2>&1 || $(call APT_INSTALL,g++ ninja-build libssl-dev)
 	test -x $(UPSTREAM_BIN)/python || $(PY) -m venv $(UPSTREAM_VENV)
-	$(UPSTREAM_BIN)/python -m pip install -q --no-compile --upgrade pip
-	$(UPSTREAM_BIN)/python -m pip install -q --no-compile torch==2.13.0
-	$(UPSTREAM_BIN)/python -m pip install -q --no-compile --no-deps -r tests/upstream/requirements.txt
-	$(ONE_AT_A_TIME) $(UPSTREAM_BIN)/python -m pip install -q --no-compile -e '.[dev]'
+	$(UPSTREAM_BIN)/python -m pip install -q --upgrade pip
+	$(UPSTREAM_BIN)/python -m pip install -q torch==2.13.0
+	$(UPSTREAM_BIN)/python -m pip install -q --no-deps -r tests/upstream/requirements.txt
+	$(ONE_AT_A_TIME) $(UPSTREAM_BIN)/python -m pip install -q -e '.[dev]'
 	$(UPSTREAM_BIN)/python tests/upstream/harness.py --warm
 	touch $(UPSTREAM_STAMP)
 
@@ -144,10 +142,10 @@ vllm-venv: $(VLLM_STAMP)
 
 $(VLLM_STAMP): pyproject.toml tests/upstream_vllm/requirements.txt
 	test -x $(VLLM_BIN)/python || $(PY) -m venv $(VLLM_VENV)
-	$(VLLM_BIN)/python -m pip install -q --no-compile --upgrade pip
-	$(VLLM_BIN)/python -m pip install -q --no-compile torch==2.13.0
-	$(VLLM_BIN)/python -m pip install -q --no-compile --no-deps -r tests/upstream_vllm/requirements.txt
-	$(ONE_AT_A_TIME) $(VLLM_BIN)/python -m pip install -q --no-compile -e '.[dev]'
+	$(VLLM_BIN)/python -m pip install -q --upgrade pip
+	$(VLLM_BIN)/python -m pip install -q torch==2.13.0
+	$(VLLM_BIN)/python -m pip install -q --no-deps -r tests/upstream_vllm/requirements.txt
+	$(ONE_AT_A_TIME) $(VLLM_BIN)/python -m pip install -q -e '.[dev]'
 	touch $(VLLM_STAMP)
 
 # kvfsm's tests against vLLM's manager; then vLLM 0.34.0's own tests against kvfsm's manager (the CPU manager's,
