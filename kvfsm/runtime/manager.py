@@ -427,7 +427,7 @@ class DecodeOffloadManager:
                 # and every full collection would walk two lists per waiting chunk. What it saves: the heap a
                 # full collection walks at 4096 live, 16/16, over SGLang's pools, 144,949 -> 99,156 objects (a
                 # CPU probe, docs/performance.md); on the H200 that heap was 352k objects and its full
-                # collections took 97-161 ms (bench/results/sglang_adapter_gpu-h200.json).
+                # collections took 97-161 ms (bench/results/sglang_adapter_gpu-2026-12-03-h200.json).
                 chunks.append(Chunk(rec, start, start + n, tuple(token_slice(req, start, start + n)), handle, device,
                                     host, offset, end, tuple(pages[offset // ps:end // ps])))
                 offset = end

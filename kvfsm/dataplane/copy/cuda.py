@@ -94,8 +94,9 @@ class AutoPolicy:
       pipeline took 1.9 ms of host time per submit (bench/results/serving_loop-h200-before-policy.json),
       the direct kernel 0.4-0.7 ms (1024 live there; 4096 live in serving_loop-h200.json). At full model
       size (2048 tokens of Llama-3-8B at 32 layers, 256 MiB) the pipeline's submit took 2.5-4.3 ms of host
-      time and the kernel's 0.44-0.71 ms (bench/results/submit_cost-h200.json): the kernel's 3-4
-      points of link efficiency are about 0.2 ms of copy time that nothing waits for, off the scheduler.
+      time and the kernel's 0.44-0.71 ms (bench/results/submit_cost-2026-12-03-h200.json; through this
+      policy, 0.30-0.42 ms in submit_cost-h200.json): the kernel's 3-4 points of link efficiency are about
+      0.2 ms of copy time that nothing waits for, off the scheduler.
       Offload takes the pipeline only from 2 GiB per copy, over 40 ms of link time, twice a decode step:
       there the link, not the scheduler, bounds how fast offload keeps up, and its last points count.
     - no_triton_min_copy_bytes: without Triton the alternative is the torch path (host scatter on the CPU,
