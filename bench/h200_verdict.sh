@@ -7,6 +7,9 @@
 # packed into $OUT/verdict.tgz as soon as its step ends, so a call stopped at its limit keeps what finished.
 #
 #   bash bench/h200_verdict.sh [step ...]      # steps: see STEPS below; none given runs them all
+#
+# All steps together need more than one call's 10 minutes (on 2026-12-05 the serving loop took 129 s, the
+# adapter's 12 configurations over 170 s): split them, `serving adapter` in one call and the rest in the next.
 set -u
 : "${OUT:?set OUT to the folder whose files come back}"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 2
@@ -35,11 +38,11 @@ for s in $STEPS; do
         --storage file process --no-baseline --out "$W/serving_loop_4096-$TAG.json" ;;
     serving32) step serving_loop_32 150 python3 bench/serving_loop.py --live 512 --layers 32 --host-gib 16 \
         --tables cuda --no-baseline --out "$W/serving_loop_32layers-$TAG.json" ;;
-    adapter) step sglang_adapter 170 python3 bench/sglang_adapter_gpu.py --out "$W/sglang_adapter_gpu-$TAG.json" ;;
-    adapter_process) step sglang_adapter_process 110 python3 bench/sglang_adapter_gpu.py --live 4096 --store-process \
+    adapter) step sglang_adapter 330 python3 bench/sglang_adapter_gpu.py --out "$W/sglang_adapter_gpu-$TAG.json" ;;
+    adapter_process) step sglang_adapter_process 200 python3 bench/sglang_adapter_gpu.py --live 4096 --store-process \
         --out "$W/sglang_adapter_gpu-store-process-$TAG.json" ;;
     submit) step submit_cost 60 python3 bench/submit_cost.py --launcher off on --out "$W/submit_cost-$TAG.json" ;;
-    launch) step launch_probe 40 python3 bench/probes/launch_probe.py --out "$W/launch_probe-$TAG.json" ;;
+    launch) step launch_probe 120 python3 bench/probes/launch_probe.py --out "$W/launch_probe-$TAG.json" ;;
     gil) step store_gil_share 60 python3 bench/probes/store_gil_share.py --pin --out "$W/store_gil_share-$TAG.json" ;;
     process_tests) step process_storage_tests 90 python3 -m pytest -q -p no:cacheprovider -p no:anyio -o addopts= \
         tests/dataplane/test_process_storage.py tests/dataplane/test_host_pool.py ;;
