@@ -1758,3 +1758,30 @@ def test_release_host_resources_unregisters_the_pool_from_a_store_that_registere
     assert calls == [(e.host_pool, False)] and e.host_pool.released
     e.manager.release_host_resources()
     assert calls == [(e.host_pool, False)]
+
+
+def test_an_explicit_pin_choice_of_the_host_pool_is_kept_where_cuda_exists(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`for_device_pool(pin_memory=False)` stays unpinned on a CUDA host: only `None` means "pin when CUDA is
+    there". Here CUDA is made to look present, so a pool that dropped the caller's False would try to pin (which a
+    CPU-only build refuses) or report itself pinned. (Found by the GPU mutation pass: only a CUDA host told the
+    dropped argument apart.)"""
+    from kvfsm.dataplane.pools.config import KVCacheConfig
+    from kvfsm.dataplane.pools.device_pool import DeviceKVPool
+    from kvfsm.dataplane.pools.host_pool import HostKVPool
+
+    dev = DeviceKVPool.create(KVCacheConfig.tiny(), 16)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    pool = HostKVPool.for_device_pool(dev, page_size=4, pin_memory=False)
+    assert pool.pinned is False and not pool.kv_buffer.is_pinned()
+
+
+def test_page_slots_come_on_the_device_asked_for() -> None:
+    """`as_index_tensor` moves an allocator's page slots (built on the CPU) to the device it is given; the meta
+    device stands in for CUDA on a CPU host. (Found by the GPU mutation pass.)"""
+    from kvfsm.dataplane.pools.allocator import TokenSlotAllocator, as_index_tensor
+
+    a = TokenSlotAllocator(32, 4)
+    slots = a.page_slots(a.alloc_pages(2))
+    moved = as_index_tensor(slots, torch.device("meta"))
+    assert moved.device.type == "meta" and moved.shape == (8,) and moved.dtype == torch.int64
+    assert as_index_tensor(slots, torch.device("cpu")) is slots.slots
