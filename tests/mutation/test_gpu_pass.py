@@ -80,5 +80,7 @@ def test_the_test_that_killed_a_mutant_before_runs_first_and_alone(tmp_path: Pat
     hinted = gpu_pass._run_tests(tmp_path, env, "test_kills.py::test_dies")
     assert hinted["rc"] == 1 and hinted["first_failure"] == "test_kills.py::test_dies"
     assert len(hinted["summary"]) == 1 and "told apart" in hinted["failures"]
+    gone = gpu_pass._run_tests(tmp_path, env, "test_renamed.py::test_dies")  # not a kill: the suites decide
+    assert gone["rc"] == 0 and len(gone["summary"]) == 2
     plain = gpu_pass._run_tests(tmp_path, env)
     assert plain["rc"] == 0 and len(plain["summary"]) == 1 and "1 passed" in plain["summary"][0]
