@@ -809,7 +809,8 @@ down is in functions and methods.
 - `tests/mutation/equivalent.py` (with `equivalent_*.py`, one per group of modules): the equivalent survivors
   and why;
 - `tests/mutation/test_kills.py` and `test_kills_*.py`: the tests added to kill survivors;
-- `tests/mutation/gpu_pass.py` and `gpu_pass.json`: the GPU pass and its last verdicts;
+- `tests/mutation/gpu_pass.py` and `gpu_pass.json`: the GPU pass and its last verdicts (on the device machine,
+  `tests/mutation/run_on_device.sh`; a mutant first runs the test that killed it in the last pass);
 - `tests/mutation/survivors.json`: this run's survivors, machine-readable (function, change, status);
 - `tests/mutation/test_mutation_sample.py`: the CI step (`make test` runs it), 40 mutants picked with a fixed
   seed, every one checked (about a minute and a half on 2 cores; no time box, a hang guard on progress),
