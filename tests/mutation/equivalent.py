@@ -34,6 +34,11 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ("xǁTraceWriterǁ__init__", r"- self\._file: Optional\[IO\[str\]\] = self\.path\.open\(\"w\", buffering=1 << 16\)\n"
                                r"\+ self\._file: Optional\[IO\[str\]\] = self\.path\.open\(\"w\", (buffering=2 << 16|buffering=1 << 17|)\)",
      "the size of the trace file's write buffer: when lines reach the disk, not what they say (close() flushes)"),
+    ("x_as_index_tensor", r'- return indices\.slots if device\.type == "cpu" else indices\.slots\.to\(device=device\)\n'
+                          r'\+ return indices\.slots if device\.type == "(CPU|XXcpuXX)" else indices\.slots\.to\(device=device\)',
+     "a compare no device type matches sends the CPU through .to(device=device) too, and Tensor.to onto the device "
+     "and dtype a tensor already has returns that tensor itself (a PageSlots' slots are int64 on the CPU); every "
+     "other device took .to already (the GPU pass ran both: they survived it)"),
     ("x_as_index_tensor", r'- return indices\.slots if device\.type == "cpu" else indices\.slots\.to\(device=device\)\n\+ .*',
      "not told apart on a CPU-only host: a PageSlots is built on the CPU, and moving it to the CPU (or not) is the "
      "same tensor; which device it goes to on a CUDA host only a GPU run of tests/gpu/ can see"),
