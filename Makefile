@@ -19,23 +19,11 @@ PYTEST_PARALLEL = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 venv: $(STAMP)
 
-# torch's CPU build is installed once, into build/, and each venv reads it through a .pth file, so that pip in each
-# sees torch 2.13.0 installed and the range in pyproject.toml installs nothing bigger. Three installs of torch,
-# each unpacking and compiling it, cost about 17 s of CPU apiece here; pip never writes to this folder from a
-# venv (a package outside its environment is not uninstalled), so the venvs' parallel builds cannot race on it.
-TORCH_SITE := build/torch-2.13.0
-TORCH_STAMP := $(TORCH_SITE)/.installed
-$(TORCH_STAMP):
-	rm -rf $(TORCH_SITE)
-	$(PY) -m pip install -q --target $(TORCH_SITE) torch==2.13.0
-	touch $@
-# $(1): the venv's python; writes the .pth file into its site-packages
-SHARE_TORCH = echo $(CURDIR)/$(TORCH_SITE) > "$$($(1) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/kvfsm-torch.pth"
-
-$(STAMP): pyproject.toml $(TORCH_STAMP)
+# torch is pinned to the CPU build first so the range in pyproject.toml installs nothing bigger.
+$(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(call SHARE_TORCH,$(BIN)/python)
+	$(BIN)/python -m pip install -q torch==2.13.0
 	$(ONE_AT_A_TIME) $(BIN)/python -m pip install -q -e '.[dev,bench]'
 	touch $(STAMP)
 
@@ -111,11 +99,11 @@ VLLM_STAMP := $(VLLM_VENV)/.kvfsm-vllm-installed
 
 upstream-venv: $(UPSTREAM_STAMP)
 
-$(UPSTREAM_STAMP): pyproject.toml tests/upstream/requirements.txt $(TORCH_STAMP)
+$(UPSTREAM_STAMP): pyproject.toml tests/upstream/requirements.txt
 	dpkg -s g++ ninja-build libssl-dev >/dev/null 2>&1 || $(call APT_INSTALL,g++ ninja-build libssl-dev)
 	test -x $(UPSTREAM_BIN)/python || $(PY) -m venv $(UPSTREAM_VENV)
 	$(UPSTREAM_BIN)/python -m pip install -q --upgrade pip
-	$(call SHARE_TORCH,$(UPSTREAM_BIN)/python)
+	$(UPSTREAM_BIN)/python -m pip install -q torch==2.13.0
 	$(UPSTREAM_BIN)/python -m pip install -q --no-deps -r tests/upstream/requirements.txt
 	$(ONE_AT_A_TIME) $(UPSTREAM_BIN)/python -m pip install -q -e '.[dev]'
 	$(UPSTREAM_BIN)/python tests/upstream/harness.py --warm
@@ -152,10 +140,10 @@ device-sglang-site: $(UPSTREAM_STAMP)
 
 vllm-venv: $(VLLM_STAMP)
 
-$(VLLM_STAMP): pyproject.toml tests/upstream_vllm/requirements.txt $(TORCH_STAMP)
+$(VLLM_STAMP): pyproject.toml tests/upstream_vllm/requirements.txt
 	test -x $(VLLM_BIN)/python || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_BIN)/python -m pip install -q --upgrade pip
-	$(call SHARE_TORCH,$(VLLM_BIN)/python)
+	$(VLLM_BIN)/python -m pip install -q torch==2.13.0
 	$(VLLM_BIN)/python -m pip install -q --no-deps -r tests/upstream_vllm/requirements.txt
 	$(ONE_AT_A_TIME) $(VLLM_BIN)/python -m pip install -q -e '.[dev]'
 	touch $(VLLM_STAMP)
