@@ -12,9 +12,7 @@
 # adapter's 12 configurations over 170 s): split them, `serving adapter` in one call and the rest in the next.
 set -u
 : "${OUT:?set OUT to the folder whose files come back}"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 2
-rm -rf /tmp/sg && mkdir -p /tmp/sg && tar -xJf .device/sglang-site.tar.xz -C /tmp/sg || exit 2
-export PYTHONPATH="/tmp/site:/tmp/sg:$PWD" PYTHONUNBUFFERED=1
+. tests/upstream/device_env.sh || exit 2
 W=$OUT/verdict && mkdir -p "$W"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$W/machine.txt" 2>&1
 nproc >> "$W/machine.txt"
@@ -47,8 +45,7 @@ for s in $STEPS; do
     process_tests) step process_storage_tests 90 python3 -m pytest -q -p no:cacheprovider -p no:anyio -o addopts= \
         tests/dataplane/test_process_storage.py tests/dataplane/test_host_pool.py ;;
     gpu_tests) step gpu_tests 400 python3 -m pytest -q -p no:cacheprovider -p no:randomly -p no:anyio -o addopts= \
-        --tb=short -m gpu tests/dataplane/test_layer_pool.py tests/dataplane/test_copy_engine.py \
-        tests/engine/test_demo.py tests/upstream/test_adapter_gpu.py tests/gpu tests/dataplane ;;
+        --tb=short -m gpu tests/dataplane tests/engine/test_demo.py tests/upstream/test_adapter_gpu.py tests/gpu ;;
     *) echo "unknown step $s" >&2; exit 2 ;;
     esac
 done

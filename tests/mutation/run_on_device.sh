@@ -5,7 +5,5 @@
 # `gpu_pass.py run` (--jobs, --limit, --previous).
 set -e
 : "${OUT:?set OUT to the folder whose files come back}"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-rm -rf /tmp/sg && mkdir -p /tmp/sg && tar -xJf .device/sglang-site.tar.xz -C /tmp/sg
-export PYTHONPATH="/tmp/site:/tmp/sg:$PWD" PYTHONUNBUFFERED=1
+. tests/upstream/device_env.sh
 exec python3 tests/mutation/gpu_pass.py run --out "$OUT" "$@"
