@@ -1,0 +1,139 @@
+"""Where the SGLang adapter's extra scheduler-thread time goes, against kvfsm's own batch path, in one run.
+
+bench/sglang_adapter_gpu.py's loop, once per mode (`adapter`, `batch`), with the phases that both doors share
+timed per iteration: reserving chunks (the adapter's per-request `_reserve`; inside the batch path's
+`offload_batch`), submitting them (`submit_reserved` / `_submit`), finishing requests, `_enter` (the adapter's
+first sight of a Req) and the progress check. The adapter's "door" is what its offload loop spends outside
+those phases: the early exits of requests with no chunk due.
+
+The no-chunk-due call is then timed twice: right after the loop, as the bench does, and again after the
+manager drained its copies and backups. A gap between the two is the backup worker's share of the GIL, not
+the call's own cost.
+
+    python3 bench/probes/door_phases.py [--device cuda] [--live 4096] [--pages 64 16] [--out FILE]
+Writes bench/results/quick/door_phases-quick-<machine>.json (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(BENCH))
+
+import sglang_adapter_gpu as bench  # noqa: E402
+from common import write_result  # noqa: E402
+
+# (object attribute holding it, method) per mode: the phases timed inside the iteration's manager calls
+PHASES = {
+    "adapter": [("adapter", "_reserve"), ("adapter", "_enter"), ("adapter", "finalize_release_on_finish"),
+                ("adapter", "_flush"), ("manager", "submit_reserved"), ("manager", "check_progress")],
+    "batch": [("manager", "offload_batch"), ("manager", "_submit"), ("manager", "finalize"),
+              ("manager", "check_progress")],
+}
+
+
+def run_mode(mode: str, live: int, page: int, device: str, warmup: int, iterations: int) -> dict[str, Any]:
+    store = tempfile.mkdtemp(prefix=f"kvfsm-door-{mode}-")
+    try:
+        loop = bench.probe_loop(mode, live, page, device, store)
+        timed = [False]
+        per_iter: list[dict[str, float]] = []
+        current: dict[str, float] = defaultdict(float)
+        depth = [0]
+        for owner, name in PHASES[mode]:
+            _wrap(getattr(loop, owner), name, current, timed, depth)
+        calls = loop.calls
+
+        def measured(ended: list[Any]) -> tuple[float, float, int]:
+            check, offload, chunks = calls(ended)
+            if timed[0]:
+                row = dict(current)
+                row["check_ms"], row["offload_ms"] = check * 1e3, offload * 1e3
+                per_iter.append(row)
+            current.clear()
+            return check, offload, chunks
+
+        loop.calls = measured  # type: ignore[method-assign]
+        bench.run_marked(loop, warmup, iterations, timed)
+        out: dict[str, Any] = {"mode": mode, "live": live, "page": page, "iterations": len(per_iter)}
+        keys = sorted({k for r in per_iter for k in r})
+        out["phases_ms"] = {k: {"median": statistics.median(r.get(k, 0.0) for r in per_iter),
+                                "mean": statistics.fmean(r.get(k, 0.0) for r in per_iter)} for k in keys}
+        if mode == "adapter":
+            # the calls' time outside every timed phase: the early exits (plus the loop's own overhead)
+            door = [r["offload_ms"] + r["check_ms"] - r.get("outermost", 0.0) for r in per_iter]
+            out["door_ms"] = {"median": statistics.median(door), "mean": statistics.fmean(door)}
+            out["quiet_call_ns_after_loop"] = loop._quiet_call_ns()
+            out["threads_after_loop"] = [t.name for t in threading.enumerate()]
+            loop.adapter._flush()
+            loop.manager.drain()
+            time.sleep(0.2)
+            out["quiet_call_ns_drained"] = loop._quiet_call_ns()
+            out["call_floor_ns"] = loop._call_floor_ms() * 1e6 / max(1, len(loop.live))
+        loop.close()
+        return out
+    finally:
+        shutil.rmtree(store, ignore_errors=True)
+
+
+def _wrap(obj: Any, name: str, into: dict[str, float], timed: list[bool], depth: list[int]) -> None:
+    """Replace `obj.name` by a wrapper that adds its time to `into[name]` while `timed` holds, and to
+    `into["outermost"]` when no other timed phase encloses it (phases nest: a finish may flush)."""
+    call: Callable[..., Any] = getattr(obj, name)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not timed[0]:
+            return call(*args, **kwargs)
+        depth[0] += 1
+        t0 = time.perf_counter()
+        try:
+            return call(*args, **kwargs)
+        finally:
+            ms = (time.perf_counter() - t0) * 1e3
+            depth[0] -= 1
+            into[name] += ms
+            if depth[0] == 0:
+                into["outermost"] += ms
+
+    setattr(obj, name, wrapper)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--live", type=int, nargs="+", default=[4096])
+    ap.add_argument("--pages", type=int, nargs="+", default=[64, 16])
+    ap.add_argument("--iterations", type=int, default=100)
+    ap.add_argument("--warmup", type=int, default=60)
+    ap.add_argument("--device", default="cuda" if bench.torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    rows = []
+    for live in args.live:
+        for page in args.pages:
+            for mode in ("adapter", "batch"):
+                row = run_mode(mode, live, page, args.device, args.warmup, args.iterations)
+                rows.append(row)
+                phases = ", ".join(f"{k} {v['median']:.3f}/{v['mean']:.3f}" for k, v in row["phases_ms"].items())
+                extra = ""
+                if mode == "adapter":
+                    extra = (f"; door {row['door_ms']['median']:.3f}/{row['door_ms']['mean']:.3f} ms; quiet call "
+                             f"{row['quiet_call_ns_after_loop'] or 0:.0f} ns after the loop, "
+                             f"{row['quiet_call_ns_drained'] or 0:.0f} ns drained; floor {row['call_floor_ns']:.0f} ns")
+                print(f"{mode:8s} live={live} page={page}: (median/mean ms) {phases}{extra}", flush=True)
+    print("wrote", write_result("door_phases", {"settings": vars(args), "rows": rows}, args.out, quick=True))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
