@@ -369,7 +369,7 @@ class Loop:
         quiet = getattr(self.adapter._views, "quiet", None)  # None: an adapter without the early exit
         if quiet is None:
             return None
-        reqs = [r for r in self.live if id(r) in quiet and r.kv.kv_committed_len < quiet[id(r)].due]
+        reqs = [r for r in self.live if r in quiet and r.kv.kv_committed_len < quiet[r].due]
         if not reqs:
             return None
         call = self.adapter.offload_kv_cache

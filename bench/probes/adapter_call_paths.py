@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         offload, finalize = adapter.offload_kv_cache, adapter.finalize_release_on_finish
 
         def path(req: Any) -> str:
-            view = quiet.get(id(req))
+            view = quiet.get(req)
             if view is None:
                 return "full"
             return "quiet" if req.kv.kv_committed_len < view.due else "due"

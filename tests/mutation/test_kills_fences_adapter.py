@@ -184,7 +184,7 @@ class FakeTablePool:
         req.kv.req_pool_idx = None
 
 
-def test_a_collected_req_takes_its_quiet_entry_along_and_raises_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_collected_req_takes_its_view_along_and_raises_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     import gc
     import sys
 
@@ -194,15 +194,32 @@ def test_a_collected_req_takes_its_quiet_entry_along_and_raises_nothing(monkeypa
     monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
     views = RequestViews()
     a, b, c = FakeReq("a", 1), FakeReq("b", 2), FakeReq("c", 3)
-    for req in (a, b):
-        views.quiet[id(req)] = views.view(req)
-    views.view(c)  # never quiet
+    views.view(a), views.view(b), views.view(c)
     del a
     gc.collect()
-    assert list(views.quiet) == [id(b)]  # a's entry went with it, b's stays
+    assert list(views._views) == [id(b), id(c)]  # a's view went with it
     del c
     gc.collect()
-    assert list(views.quiet) == [id(b)] and unraisable == [] and list(views._views) == [id(b)]
+    assert list(views._views) == [id(b)] and unraisable == []
+
+
+def test_quiet_holds_pinned_reqs_only() -> None:
+    """A quiet entry keeps its Req alive no longer than its pin does: unpinning the row, or pinning another Req
+    on it, drops the entry (the early exit then takes the full path)."""
+    from kvfsm.integrations.sglang import RequestViews
+
+    views = RequestViews()
+    a, b, c = FakeReq("a", 1), FakeReq("b", 2), FakeReq("c", 3)
+    for req in (a, b):
+        views.pin(req)
+        views.quiet[req] = views.view(req)
+    views.pin(a)  # pinned again on its own row: its entry stays
+    assert list(views.quiet) == [a, b]
+    c.kv.req_pool_idx = 1
+    views.pin(c)  # c takes a's row
+    assert list(views.quiet) == [b] and views.holder(1) is c
+    assert views.unpin(2) is b and not views.quiet
+    assert views.unpin(2) is None
 
 
 def test_pin_keeps_only_reqs_on_a_real_row() -> None:

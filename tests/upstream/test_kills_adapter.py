@@ -267,7 +267,7 @@ def test_a_row_the_engine_reused_without_a_drain_waits_for_the_old_lifecycle_the
         for _ in range(10):
             run.decode(c_spec)  # a chunk due: the call admits c to kvfsm
         assert run.mgr.offload_kv_cache(c) is False  # the row is still a's lifecycle's: nothing of c's is due
-        assert id(a) not in run.mgr._views.quiet  # a's early exit went with its row
+        assert a not in run.mgr._views.quiet  # a's early exit went with its row
         assert run.mgr._views.holder(row) is a and run.mgr.manager.machine_of(a_view) is not None
         run.mgr.deferred.complete_all()
         run.mgr.check_offload_progress()
@@ -338,7 +338,7 @@ def test_a_request_that_finished_with_its_chunk_is_not_noted_quiet() -> None:
         run.finish(a_spec)
         assert run.mgr.offload_kv_cache(a) is True and run.mgr.offload_kv_cache(b) is True
         run.mgr.check_offload_progress()
-        assert id(a) not in run.mgr._views.quiet and id(b) in run.mgr._views.quiet
+        assert a not in run.mgr._views.quiet and b in run.mgr._views.quiet
         run.settle()
         run.mgr.check_offload_progress()
         assert a.kv.req_pool_idx is None  # released at the ack
@@ -403,7 +403,7 @@ def test_a_quiet_request_readmitted_on_another_row_takes_the_full_path() -> None
         run.settle()
         run.mgr.check_offload_progress()
         run.decode(spec)
-        assert run.mgr.offload_kv_cache(a) is False and id(a) in run.mgr._views.quiet
+        assert run.mgr.offload_kv_cache(a) is False and a in run.mgr._views.quiet
         old = a.kv.req_pool_idx
         _engine_release(run, a)
         run.r2t.free_slots.remove(old)  # readmitted on another row
@@ -518,13 +518,50 @@ def test_a_quiet_request_whose_committed_length_is_no_integer_is_refused_naming_
         spec = SC.requests[0]
         req = run.reqs[spec.rid]
         run.decode(spec)
-        assert run.mgr.offload_kv_cache(req) is False and id(req) in run.mgr._views.quiet
+        assert run.mgr.offload_kv_cache(req) is False and req in run.mgr._views.quiet
         good, req.kv.kv_committed_len = req.kv.kv_committed_len, None
         with pytest.raises(RequestFieldInvalid, match="kv_committed_len") as refused:
             run.mgr.offload_kv_cache(req)
         assert isinstance(refused.value.__cause__, TypeError)
         req.kv.kv_committed_len = good
-        assert run.mgr.offload_kv_cache(req) is False and id(req) in run.mgr._views.quiet
+        assert run.mgr.offload_kv_cache(req) is False and req in run.mgr._views.quiet
         for s in SC.requests:
             run.mgr.finalize_release_on_finish(run.reqs[s.rid])
         run.probe.close(run.mgr)
+
+
+def test_a_quiet_request_whose_kv_record_was_replaced_is_read_afresh_within_two_checks() -> None:
+    """The early exit reads the `ReqKvInfo` a Req held when it was noted quiet. SGLang 0.5.23 replaces a Req's
+    record only outside decode; were a decoding Req given a new record (here a copy, which SGLang then
+    advances), its entry still expires two progress checks after the chunk falls due at a token an iteration,
+    and the chunk is taken from the new record: at most two iterations later than with the record kept."""
+    import dataclasses
+
+    def first_chunk_at(replace: bool) -> int:
+        with tempfile.TemporaryDirectory() as store, harness.published(SC, 0, store):
+            run = _started(ProbedAdapter, store)
+            spec = SC.requests[0]
+            req = run.reqs[spec.rid]
+            run.decode(spec)
+            assert run.mgr.offload_kv_cache(req) is False and req in run.mgr._views.quiet
+            if replace:
+                req.kv = dataclasses.replace(req.kv)
+            accepted = -1
+            for t in range(12):
+                run.mgr.check_offload_progress()
+                run.decode(spec)
+                if run.mgr.offload_kv_cache(req):
+                    accepted = t
+                    break
+            run.mgr.check_offload_progress()  # submits the chunk, and notes the request quiet again
+            assert run.mgr.manager.metrics.chunks == 1
+            assert run.mgr._views.quiet[req].kv is req.kv  # noted on the record the Req holds now
+            for s in SC.requests:
+                run.mgr.finalize_release_on_finish(run.reqs[s.rid])
+            run.mgr.check_offload_progress()
+            run.probe.close(run.mgr)
+            return accepted
+
+    kept = first_chunk_at(replace=False)
+    assert kept >= 0
+    assert kept < first_chunk_at(replace=True) <= kept + 2

@@ -30,9 +30,12 @@ class RequestView:
     """One SGLang `Req` as kvfsm's `OffloadRequest`: `req_pool_idx`, `kv_committed_len`, `kv_allocated_len`
     and `prefix_len` (= `cache_protected_len`) read through `req.kv`; `lock` read and written on the Req."""
 
-    # row, due: while the view is in `RequestViews.quiet`, the row its live lifecycle holds and the committed
-    # length before which it has no chunk due (the adapter's constant-time early exit)
-    __slots__ = ("_ref", "row", "due", "__weakref__")
+    # While the view is in `RequestViews.quiet` (the adapter's constant-time early exit, set by its `_note_quiet`):
+    # the row its live lifecycle holds, the committed length before which it has no chunk due, the Req's
+    # `ReqKvInfo` then, and the progress check after which the entry is read afresh from the Req
+    __slots__ = ("_ref", "row", "due", "kv", "until", "__weakref__")
+    kv: Any
+    until: int
 
     def __init__(self, req: Any, callback: Any = None) -> None:
         self._ref = weakref.KeyedRef(req, callback, id(req))  # the key: RequestViews' entry, for the callback
@@ -113,10 +116,12 @@ class RequestViews:
         # objects at 4096 live in the heap census of bench/sglang_adapter_gpu.py, and made one per lookup.)
         self._views: dict[int, RequestView] = {}
         self._pinned: dict[int, Any] = {}  # row -> the Req that holds it (strong: kvfsm may release it later)
-        # id(Req) -> its view, for Reqs pinned on a live lifecycle with no chunk due before `view.due`:
-        # the adapter answers their offload calls with no other lookup. An entry goes with its Req (the
-        # view's weakref callback), and the adapter drops it on every other call about that Req.
-        self.quiet: dict[int, RequestView] = {}
+        # Req -> its view, for Reqs pinned on a live lifecycle with no chunk due before `view.due`: the adapter
+        # answers their offload calls with this one lookup. Keyed by the Req itself, whose hash is its identity
+        # (SGLang's Req defines no __eq__ or __hash__), so the lookup needs no `id()` call. The reference adds
+        # no lifetime: an entry lives only while its Req is pinned (`pin` and `unpin` drop it when the row
+        # changes hands), and the adapter drops it on every other call about that Req.
+        self.quiet: dict[Any, RequestView] = {}
         self._on_collected = self._collected  # one bound method for every view's weakref
 
     def view(self, req: Any) -> RequestView:
@@ -135,19 +140,22 @@ class RequestViews:
         return view
 
     def _collected(self, ref: weakref.KeyedRef[int, Any]) -> None:
-        """A Req is gone: its view and quiet entry go with it (one callback for all views, the key on the
-        weak reference, instead of a closure per view)."""
+        """A Req is gone: its view goes with it (one callback for all views, the key on the weak reference,
+        instead of a closure per view). A collected Req has no quiet entry: those are pinned."""
         key = ref.key
         view = self._views.get(key)
         if view is not None and view._ref is ref:
             del self._views[key]
-        self.quiet.pop(key, None)
 
     def pin(self, req: Any) -> None:
         """Keep `req` alive while it holds its row (called whenever it reaches kvfsm with a row)."""
         row = req.kv.req_pool_idx
         if row is not None and row != -1:
-            self._pinned[int(row)] = req
+            held = self._pinned.get(int(row))
+            if held is not req:
+                if held is not None:
+                    self.quiet.pop(held, None)  # quiet holds pinned Reqs only
+                self._pinned[int(row)] = req
 
     def holder(self, row: int) -> Any:
         """The Req last seen holding `row` (None when none was)."""
@@ -157,7 +165,10 @@ class RequestViews:
         return list(self._pinned.values())
 
     def unpin(self, row: int) -> Any:
-        return self._pinned.pop(row, None)
+        req = self._pinned.pop(row, None)
+        if req is not None:
+            self.quiet.pop(req, None)  # quiet holds pinned Reqs only
+        return req
 
 
 class PrefixCacheView:
