@@ -26,7 +26,7 @@ What differs from upstream on purpose (docs/sglang-upstream.md has upstream's si
   taken in call order), but its copy and its lifecycle's `offload` transition wait: the chunks of an
   iteration go to kvfsm's batch path as one batch (`DecodeOffloadManager.submit_reserved`: one slot
   gather, one copy, one batch event) at the next progress check, or sooner when a call needs them
-  submitted (see `_flush`). A call for a request with no chunk due costs a dict lookup and two compares.
+  submitted (see `_flush`). A call for a request with no chunk due costs a dict lookup and three compares.
   Upstream submits one copy per call.
 """
 
@@ -189,8 +189,9 @@ class DecodeKVCacheOffloadManager:
         is in `quiet` only while its Req is pinned on its live lifecycle's row and has not been seen by any
         other call since (`_note_quiet`). It reads the `ReqKvInfo` the Req held then instead of `req.kv`, which
         costs a lookup in the Req's instance dict (SGLang's Req sets 151 attributes, past CPython's shared-key
-        limit), and keys `quiet` by the Req instead of `id(req)`: 289 -> 140 ns a call over the serving loop's
-        Reqs on the development machine (bench/probes/door_phases.py, `quiet_exit`). SGLang 0.5.23 replaces a
+        limit), and keys `quiet` by the Req instead of `id(req)`, with no weak reference to call: 270 -> 138 ns a
+        call over the serving loop's Reqs, 4096 live (bench/probes/door_phases.py, `quiet_call_ns_drained`,
+        medians of three runs each on the 2-core development machine). SGLang 0.5.23 replaces a
         Req's `kv` only at admission, at a retraction (which empties `quiet`) and at a streaming session's end;
         were it replaced while the Req decodes, the entry still expires by `view.until`, and past the early exit
         everything is read afresh from the Req."""
