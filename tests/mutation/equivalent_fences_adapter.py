@@ -123,6 +123,16 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      "SGLang still runs is alive (its batch holds the Req), so a collected one finished; each finishing view was "
      "finalized in the `finally` just above, and ending a lifecycle sets its row's due hint to -1 "
      "(DecodeOffloadManager._end), so _note_quiet notes nothing for it"),
+    (_ADAPTER_INIT, r"- self\._checks = 0 (#.*)\n\+ self\._checks = 1 \1",
+     "the clock's origin: _note_quiet sets a view's `until` from `_checks` and the early exit compares it with "
+     "`_checks`; both move together"),
+    ("xǁDecodeKVCacheOffloadManagerǁ_flush", r"- view = cast\(RequestView, r\.req\)(.*)\n\+ view = cast\(None, r\.req\)\1",
+     "typing.cast returns its second argument unchanged: the type is for the checker"),
+    ("xǁRequestViewsǁ_collected", _lines("if view is not None and view._ref is ref:",
+                                         "if view is not None or view._ref is ref:"),
+     "a view's entry goes only here, when its Req is collected, and CPython runs a weak reference's callback "
+     "before the Req's memory (and so its id) can be reused: the entry under the key is this view, never None "
+     "and never another's"),
     ("xǁDecodeKVCacheOffloadManagerǁ_note_quiet", r"- if due >= 0:\n\+ if due (> 0|>= 1):",
      "due_at is -1 (none known) or a committed length where a whole stride ends (prefill + offloaded + stride, "
      "at least one page): never 0"),

@@ -565,3 +565,30 @@ def test_a_quiet_request_whose_kv_record_was_replaced_is_read_afresh_within_two_
     kept = first_chunk_at(replace=False)
     assert kept >= 0
     assert kept < first_chunk_at(replace=True) <= kept + 2
+
+
+def test_an_offload_call_after_the_finalize_of_a_pending_request_is_refused_as_the_full_path_refuses_it() -> None:
+    """A request finalized while its chunk was pending: the finalize submits the chunk (which notes the request
+    quiet again), then ends its lifecycle. A later offload call is not answered by the early exit: it takes the
+    full path, which finds the lifecycle ended (the spec's EventRejected), and nothing changes."""
+    from kvfsm.errors import EventRejected
+
+    with tempfile.TemporaryDirectory() as store, harness.published(SC, 0, store):
+        run = _started(ProbedAdapter, store)
+        spec = SC.requests[0]
+        req = run.reqs[spec.rid]
+        for _ in range(9):
+            run.decode(spec)
+        assert run.mgr.offload_kv_cache(req) is True  # pending until the next progress check
+        run.mgr.finalize_release_on_finish(req)
+        assert req not in run.mgr._views.quiet
+        chunks = run.mgr.manager.metrics.chunks
+        with pytest.raises(EventRejected):
+            run.mgr.offload_kv_cache(req)
+        assert run.mgr.manager.metrics.chunks == chunks
+        run.mgr.check_offload_progress()
+        run.settle()
+        for s in SC.requests[1:]:
+            run.mgr.finalize_release_on_finish(run.reqs[s.rid])
+        run.mgr.check_offload_progress()
+        run.probe.close(run.mgr)

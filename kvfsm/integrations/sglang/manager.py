@@ -222,9 +222,9 @@ class DecodeKVCacheOffloadManager:
 
     def finalize_release_on_finish(self, req: Any) -> None:
         """The request finished: release it now, or when its last copy is acknowledged."""
-        self._quiet.pop(req, None)
         if id(req) in self._pending_ids:
-            self._flush()
+            self._flush()  # which notes the Req quiet again
+        self._quiet.pop(req, None)  # a call after this one takes the full path, which finds the lifecycle ended
         self.manager.finalize(self._enter(req))
 
     def drain_before_retraction(self) -> None:
@@ -284,7 +284,7 @@ class DecodeKVCacheOffloadManager:
             due = self.manager.due_at(row)
             if due >= 0:
                 view.row, view.due, view.kv = row, due, kv
-                view.until = self._checks + max(0, due - kv.kv_committed_len) + 2
+                view.until = self._checks + due - kv.kv_committed_len + 2  # read only while committed < due
                 self._quiet[req] = view
 
     def _flush(self) -> None:
