@@ -29,7 +29,7 @@ step() {  # name, seconds, command...
     tar -czf "$OUT/verdict.tgz" -C "$W" .
 }
 
-STEPS=${*:-"serving adapter process_tests adapter_process submit launch gil"}
+STEPS=${*:-"serving adapter process_tests adapter_process phases submit launch gil"}
 for s in $STEPS; do
     case $s in
     serving) step serving_loop 200 python3 bench/serving_loop.py --live 4096 --pages 64/64 16/16 --tables cuda \
@@ -39,6 +39,8 @@ for s in $STEPS; do
     adapter) step sglang_adapter 330 python3 bench/sglang_adapter_gpu.py --out "$W/sglang_adapter_gpu-$TAG.json" ;;
     adapter_process) step sglang_adapter_process 200 python3 bench/sglang_adapter_gpu.py --live 4096 --store-process \
         --out "$W/sglang_adapter_gpu-store-process-$TAG.json" ;;
+    phases) step door_phases 150 python3 bench/probes/door_phases.py --live 4096 --pages 64 16 \
+        --out "$W/door_phases-$TAG.json" ;;
     submit) step submit_cost 60 python3 bench/submit_cost.py --launcher off on --out "$W/submit_cost-$TAG.json" ;;
     launch) step launch_probe 120 python3 bench/probes/launch_probe.py --out "$W/launch_probe-$TAG.json" ;;
     gil) step store_gil_share 60 python3 bench/probes/store_gil_share.py --pin --out "$W/store_gil_share-$TAG.json" ;;
