@@ -11,7 +11,8 @@ manager drained its copies and backups. A gap between the two is the backup work
 the call's own cost.
 
     python3 bench/probes/door_phases.py [--device cuda] [--live 4096] [--pages 64 16] [--out FILE]
-Writes bench/results/quick/door_phases-quick-<machine>.json (or --out).
+Writes bench/results/door_phases-<gpu>.json on a GPU, bench/results/quick/door_phases-quick-cpu.json on a CPU
+(or --out).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ BENCH = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(BENCH))
 
 import sglang_adapter_gpu as bench  # noqa: E402
-from common import write_result  # noqa: E402
+from common import target, write_result  # noqa: E402
 
 # (object attribute holding it, method) per mode: the phases timed inside the iteration's manager calls
 PHASES = {
@@ -115,6 +116,19 @@ def _wrap(obj: Any, name: str, into: dict[str, float], timed: list[bool], depth:
     setattr(obj, name, wrapper)
 
 
+def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The adapter's target against the batch path in the same run (median of offload calls + progress check)."""
+    out = []
+    for a in rows:
+        b = next((r for r in rows if r["mode"] == "batch" and (r["live"], r["page"]) == (a["live"], a["page"])), None)
+        if a["mode"] == "adapter" and b is not None:
+            def total(r: dict[str, Any]) -> float:
+                return float(r["phases_ms"]["offload_ms"]["median"] + r["phases_ms"]["check_ms"]["median"])
+            out.append(target(f"adapter / batch, median calls + check, {a['live']} live {a['page']}/{a['page']}",
+                              total(a) / total(b), 1.3))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--live", type=int, nargs="+", default=[4096])
@@ -137,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
                              f"{row['quiet_call_ns_after_loop'] or 0:.0f} ns after the loop, "
                              f"{row['quiet_call_ns_drained'] or 0:.0f} ns drained; floor {row['call_floor_ns']:.0f} ns")
                 print(f"{mode:8s} live={live} page={page}: (median/mean ms) {phases}{extra}", flush=True)
-    print("wrote", write_result("door_phases", {"settings": vars(args), "rows": rows}, args.out, quick=True))
+    print("wrote", write_result("door_phases", {"settings": vars(args), "rows": rows, "targets": targets(rows)}, args.out,
+                                quick=args.device == "cpu"))  # on a CPU it checks the probe, not the numbers
     return 0
 
 
