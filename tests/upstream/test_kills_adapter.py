@@ -4,9 +4,10 @@ tests/mutation/test_kills_fences_adapter.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -29,6 +30,17 @@ def _started(cls: type, store: str) -> Any:
         run.admit(spec)
     return run
 
+
+@contextlib.contextmanager
+def _first_request_decoded(tokens: int) -> Iterator[tuple[Any, ReqSpec, Any]]:
+    """A started run whose first request has decoded `tokens` tokens, with no manager call yet."""
+    with tempfile.TemporaryDirectory() as store, harness.published(SC, 0, store):
+        run = _started(ProbedAdapter, store)
+        spec = SC.requests[0]
+        req = run.reqs[spec.rid]
+        for _ in range(tokens):
+            run.decode(spec)
+        yield run, spec, req
 
 def _kvfsm_functions_entered(call: Callable[[], Any]) -> tuple[Any, list[str]]:
     """`call()`'s result, and the name of every Python function of kvfsm's package it entered, in order
@@ -75,12 +87,7 @@ def test_a_second_call_before_the_batch_was_submitted_takes_the_next_chunk() -> 
     """A request called again before its pending chunk was submitted (the next stride already due): the call
     submits the pending batch first, then takes the next chunk (never the pending one again). The copies in flight read as upstream's
     ongoing_offload: serial -> tokens."""
-    with tempfile.TemporaryDirectory() as store, harness.published(SC, 0, store):
-        run = _started(ProbedAdapter, store)
-        spec = SC.requests[0]
-        req = run.reqs[spec.rid]
-        for _ in range(9):
-            run.decode(spec)
+    with _first_request_decoded(9) as (run, spec, req):
         assert run.mgr.offload_kv_cache(req) is True
         assert len(run.mgr.ongoing_offload) == 1 and not run.mgr.manager.fx.copy_fifo  # pending, not submitted
         for _ in range(8):
@@ -513,11 +520,7 @@ def test_a_quiet_request_whose_committed_length_is_no_integer_is_refused_naming_
     Nothing changed: with the length restored, the call answers from the early exit as before."""
     from kvfsm.errors import RequestFieldInvalid
 
-    with tempfile.TemporaryDirectory() as store, harness.published(SC, 0, store):
-        run = _started(ProbedAdapter, store)
-        spec = SC.requests[0]
-        req = run.reqs[spec.rid]
-        run.decode(spec)
+    with _first_request_decoded(1) as (run, _, req):
         assert run.mgr.offload_kv_cache(req) is False and req in run.mgr._views.quiet
         good, req.kv.kv_committed_len = req.kv.kv_committed_len, None
         with pytest.raises(RequestFieldInvalid, match="kv_committed_len") as refused:
@@ -538,11 +541,7 @@ def test_a_quiet_request_whose_kv_record_was_replaced_is_read_afresh_within_two_
     import dataclasses
 
     def first_chunk_at(replace: bool) -> int:
-        with tempfile.TemporaryDirectory() as store, harness.published(SC, 0, store):
-            run = _started(ProbedAdapter, store)
-            spec = SC.requests[0]
-            req = run.reqs[spec.rid]
-            run.decode(spec)
+        with _first_request_decoded(1) as (run, spec, req):
             assert run.mgr.offload_kv_cache(req) is False and req in run.mgr._views.quiet
             if replace:
                 req.kv = dataclasses.replace(req.kv)
@@ -573,12 +572,7 @@ def test_an_offload_call_after_the_finalize_of_a_pending_request_is_refused_as_t
     full path, which finds the lifecycle ended (the spec's EventRejected), and nothing changes."""
     from kvfsm.errors import EventRejected
 
-    with tempfile.TemporaryDirectory() as store, harness.published(SC, 0, store):
-        run = _started(ProbedAdapter, store)
-        spec = SC.requests[0]
-        req = run.reqs[spec.rid]
-        for _ in range(9):
-            run.decode(spec)
+    with _first_request_decoded(9) as (run, spec, req):
         assert run.mgr.offload_kv_cache(req) is True  # pending until the next progress check
         run.mgr.finalize_release_on_finish(req)
         assert req not in run.mgr._views.quiet
