@@ -586,3 +586,32 @@ def test_an_offload_call_after_the_finalize_of_a_pending_request_is_refused_as_t
             run.mgr.finalize_release_on_finish(run.reqs[s.rid])
         run.mgr.check_offload_progress()
         run.probe.close(run.mgr)
+
+
+@pytest.mark.parametrize("row", [-5, 10**6, 2**63])
+def test_a_req_naming_no_row_of_the_table_is_refused_and_not_kept_alive(row: int) -> None:
+    """A Req whose req_pool_idx names no row of SGLang's table is refused with InvalidRequest, and the adapter
+    keeps no reference to it: nothing is pinned, and the Req is collected once SGLang drops it."""
+    import gc
+    import weakref
+
+    from kvfsm.errors import InvalidRequest
+
+    with tempfile.TemporaryDirectory() as store, harness.published(SC, 0, store):
+        run = _started(ProbedAdapter, store)
+        spec = SC.requests[0]
+        req = run.reqs.pop(spec.rid)
+        own_row = req.kv.req_pool_idx
+        req.kv.req_pool_idx = row
+        with pytest.raises(InvalidRequest):
+            run.mgr.offload_kv_cache(req)
+        assert row not in run.mgr._views._pinned and req not in run.mgr._views.quiet
+        gone = weakref.ref(req)
+        run.r2t.free_slots.append(own_row)  # SGLang's own release of the row it took at admission
+        del req
+        gc.collect()
+        assert gone() is None
+        for s in SC.requests[1:]:
+            run.mgr.finalize_release_on_finish(run.reqs[s.rid])
+        run.mgr.check_offload_progress()
+        run.probe.close(run.mgr)

@@ -313,15 +313,15 @@ class DecodeKVCacheOffloadManager:
 
     def _enter(self, req: Any) -> Any:
         """The request's view, with the Req pinned by its row while kvfsm may release it (unless another
-        live Req claims that row: kvfsm then refuses this one with RowInUse, and the pin stays). First,
+        live Req claims that row: kvfsm then refuses this one with RowInUse, and the pin stays). A Req naming
+        no row of the table is not pinned: kvfsm refuses it, and a pin would keep it alive for good. First,
         lifecycles SGLang ended itself (see `_end_released_by_engine`) are ended in kvfsm too."""
         if self._retraction_allowed:
             self._sweep()
         view = self._views.view(req)
         self._end_released_by_engine(req, view)
         row = req.kv.req_pool_idx
-        if row is not None and row != -1:
-            row = int(row)
+        if type(row) is int and 0 <= row < self.manager.req_to_token.rows:  # kvfsm admits a Req on no other row
             holder = self._views.holder(row)
             if holder is not None and holder is not req and holder.kv.req_pool_idx != row:
                 self._end_released_by_engine(holder)  # unpins it when it ends
