@@ -105,6 +105,9 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ("xǁDecodeKVCacheOffloadManagerǁ_note_quiet", r"- if type\(row\) is int and row >= 0 and (.*)\n"
                                                   r"\+ if type\(row\) is int and row (> 0|>= 1) and \1",
      "row 0 is SGLang's padding row, never a request's (TableView.is_allocated): no request is ever on it"),
+    ("xǁDecodeKVCacheOffloadManagerǁ_enter", r"- if type\(row\) is int and 0 <= row (.*)\n"
+                                            r"\+ if type\(row\) is int and (0 < row|1 <= row) \1",
+     "row 0 is SGLang's padding row, never a request's (TableView.is_allocated): no request is ever on it"),
     ("xǁDecodeKVCacheOffloadManagerǁ_end_released_by_engine",
      _lines("view = self._views.view(req) if view is None else view",
             "view = self._views.view(req) if (view is None) or True else view"),

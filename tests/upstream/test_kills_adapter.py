@@ -588,8 +588,8 @@ def test_an_offload_call_after_the_finalize_of_a_pending_request_is_refused_as_t
         run.probe.close(run.mgr)
 
 
-@pytest.mark.parametrize("row", [-5, 10**6, 2**63])
-def test_a_req_naming_no_row_of_the_table_is_refused_and_not_kept_alive(row: int) -> None:
+@pytest.mark.parametrize("past_end", [-5, 0, 10**6, 2**63], ids=["negative", "the-end", "far", "2**63"])
+def test_a_req_naming_no_row_of_the_table_is_refused_and_not_kept_alive(past_end: int) -> None:
     """A Req whose req_pool_idx names no row of SGLang's table is refused with InvalidRequest, and the adapter
     keeps no reference to it: nothing is pinned, and the Req is collected once SGLang drops it."""
     import gc
@@ -602,6 +602,8 @@ def test_a_req_naming_no_row_of_the_table_is_refused_and_not_kept_alive(row: int
         spec = SC.requests[0]
         req = run.reqs.pop(spec.rid)
         own_row = req.kv.req_pool_idx
+        rows = int(run.r2t.req_to_token.shape[0])
+        row = past_end if past_end < 0 else rows + past_end  # a negative row, or one at or past the table's end
         req.kv.req_pool_idx = row
         with pytest.raises(InvalidRequest):
             run.mgr.offload_kv_cache(req)
