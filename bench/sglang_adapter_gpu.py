@@ -398,12 +398,16 @@ class Loop:
         self.adapter.release_host_resources()
 
 
+SHM = "/dev/shm" if Path("/dev/shm").is_dir() else None  # where the verdict's store lives (no disk under it)
+
+
 def probe_loop(mode: str, live: int, page: int, device: str, store: str) -> Loop:
     """The loop for the development probes (bench/probes/): on a CPU, one narrow head and no decode step (what
-    they count is the calls' own work); on a GPU, Llama-3-8B rows and the 20 ms step, as the verdict runs."""
+    they count is the calls' own work); on a GPU, the verdict's workload: Llama-3-8B rows, the 20 ms step and
+    its 8 GB host pool (put `store` under SHM, as the verdict does)."""
     cpu = device == "cpu"
     args = argparse.Namespace(seed=0, device=device, kv_heads=1 if cpu else 8, head_dim=8 if cpu else 128, layers=2,
-                              host_gb=0.5, step_ms=0.0 if cpu else 20.0, store_root=None)
+                              host_gb=0.5 if cpu else 8.0, step_ms=0.0 if cpu else 20.0, store_root=None)
     return Loop(mode, live, page, page, args, store)
 
 
@@ -476,7 +480,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--step-ms", type=float, default=20.0)
     ap.add_argument("--host-gb", type=float, default=8.0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
-    ap.add_argument("--store-root", default="/dev/shm" if Path("/dev/shm").is_dir() else None)
+    ap.add_argument("--store-root", default=SHM)
     ap.add_argument("--store-process", action="store_true",
                     help="kvfsm_store_process: the adapter's file store in a child process over a shared host pool")
     ap.add_argument("--seed", type=int, default=0)

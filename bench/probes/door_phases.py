@@ -45,15 +45,9 @@ PHASES = {
 
 
 def run_mode(mode: str, live: int, page: int, device: str, warmup: int, iterations: int) -> dict[str, Any]:
-    if device == "cuda":  # the verdict's workload (bench/sglang_adapter_gpu.py's defaults)
-        opts = argparse.Namespace(seed=0, device=device, kv_heads=8, head_dim=128, layers=2, host_gb=8.0, step_ms=20.0,
-                                  store_root="/dev/shm" if Path("/dev/shm").is_dir() else None)
-    else:  # a CPU probe's: one narrow head, no decode step (what it counts is the calls' own work)
-        opts = argparse.Namespace(seed=0, device=device, kv_heads=1, head_dim=8, layers=2, host_gb=0.5, step_ms=0.0,
-                                  store_root=None)
-    store = tempfile.mkdtemp(prefix=f"kvfsm-door-{mode}-", dir=opts.store_root)
+    store = tempfile.mkdtemp(prefix=f"kvfsm-door-{mode}-", dir=bench.SHM if device == "cuda" else None)
     try:
-        loop = bench.Loop(mode, live, page, page, opts, store)
+        loop = bench.probe_loop(mode, live, page, device, store)
         timed = [False]
         per_iter: list[dict[str, float]] = []
         current: dict[str, float] = defaultdict(float)

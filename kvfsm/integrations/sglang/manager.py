@@ -189,12 +189,12 @@ class DecodeKVCacheOffloadManager:
         is in `quiet` only while its Req is pinned on its live lifecycle's row and has not been seen by any
         other call since (`_note_quiet`). It reads the `ReqKvInfo` the Req held then instead of `req.kv`, which
         costs a lookup in the Req's instance dict (SGLang's Req sets 151 attributes, past CPython's shared-key
-        limit), and keys `quiet` by the Req instead of `id(req)`, with no weak reference to call: 270 -> 138 ns a
-        call over the serving loop's Reqs, 4096 live (bench/probes/door_phases.py, `quiet_call_ns_drained`,
-        medians of three runs each on the 2-core development machine). SGLang 0.5.23 replaces a
-        Req's `kv` only at admission, at a retraction (which empties `quiet`) and at a streaming session's end;
-        were it replaced while the Req decodes, the entry still expires by `view.until`, and past the early exit
-        everything is read afresh from the Req."""
+        limit), and keys `quiet` by the Req instead of `id(req)`, with no weak reference to call: 1,391 -> 203 ns a
+        call over the serving loop's Reqs at 4096 live on the H100 host, 270 -> 138 ns on the 2-core development
+        machine (bench/probes/door_phases.py, `quiet_call_ns_drained`; bench/results/door_phases*-h100.json).
+        SGLang 0.5.23 replaces a Req's `kv` only at admission, at a retraction (which empties `quiet`) and at a
+        streaming session's end; were it replaced while the Req decodes, the entry still expires by `view.until`,
+        and past the early exit everything is read afresh from the Req."""
         view = self._quiet.get(req)
         if view is not None:
             kv = view.kv
