@@ -41,12 +41,12 @@ demo: $(STAMP)
 
 # Every test: ruff and mypy (lint), the documentation site's build (docs), the spec checks (static-checks); the
 # suite on every core (test-suite); the differential tests against the real SGLang 0.5.23 and vLLM 0.34.0, each in
-# its own venv (test-upstream, below). The venvs are built first, side by side; then the three run side by side
-# too, so that the cores the short ones leave idle (mypy is one process; SGLang's differential runs on one core
-# for two minutes while vLLM's parts end in one) take the suite's work. -O prints each one's output whole.
+# its own venv (test-upstream, below). Each starts as soon as its own venv exists: the suite, the longest, runs
+# while SGLang's and vLLM's venvs are still being installed (pip waits on the disk as much as on a core), and the
+# cores the short ones leave idle (mypy is one process; SGLang's differential runs on one core for two minutes
+# while vLLM's parts end in one) take the suite's work. -O prints each one's output whole.
 test:
-	$(MAKE) -j3 -O test-deps upstream-venv vllm-venv
-	$(MAKE) -j3 -O static-checks test-suite test-upstream
+	$(MAKE) -j4 -O static-checks test-suite test-upstream
 
 .PHONY: static-checks test-suite
 static-checks: $(STAMP)
