@@ -36,22 +36,25 @@ def test_page_bytes_given_on_the_gpu_are_written_to_the_host_pool() -> None:
     assert torch.equal(host.get_pages_bytes(slots), data.cpu())
 
 
-def test_a_table_write_is_queued_behind_the_busy_stream_not_waited_for(spin) -> None:  # noqa: F811
+@pytest.mark.parametrize("n", [16, 1 << 17], ids=["a-row-of-slots", "1-MiB-of-slots"])
+def test_a_table_write_is_queued_behind_the_busy_stream_not_waited_for(spin, n: int) -> None:  # noqa: F811
     """The write's upload goes from pinned memory without blocking: after it returns, the stream is still
     busy with the work queued before it. The busy period is half a second of GPU time against microseconds
     of host work; a write that waited for the stream would return only after it. (The stream's state, not a
-    clock, decides: `set_sync_debug_mode` does not report a copy from pageable memory, which waits too.)"""
-    table = ReqToTokenPool(4, 64, "cuda")
+    clock, decides: `set_sync_debug_mode` does not report a copy from pageable memory, which waits too once
+    it is larger than the driver's staging buffer: the 1 MiB write; a small one is staged and returned from.)"""
+    table = ReqToTokenPool(4, 2 * n, "cuda")
     row = table.alloc()
     assert row is not None
-    slots = torch.arange(100, 116, dtype=torch.int64)
-    table.write(row, 0, slots[:4])  # pins and uploads once: the driver's first calls may wait
+    slots = torch.arange(100, 100 + 2 * n, dtype=torch.int64)
+    for _ in range(2):  # pins and uploads: the driver's first calls may wait, and the pinned blocks are cached
+        table.write(row, 0, slots[:n])
     torch.cuda.synchronize()
     spin(500)
     busy = torch.cuda.Event()
     busy.record()
-    table.write(row, 4, slots[4:])
+    table.write(row, n, slots[n:])
     assert not busy.query(), "the table write waited for the stream's earlier work"
     torch.cuda.synchronize()
-    assert torch.equal(table.req_to_token[row, :16].cpu(), slots)
-    assert torch.equal(table.read_host(row, 0, 16), slots)
+    assert torch.equal(table.req_to_token[row, :2 * n].cpu(), slots)
+    assert torch.equal(table.read_host(row, 0, 2 * n), slots)

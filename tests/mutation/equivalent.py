@@ -35,8 +35,9 @@ EQUIVALENT: list[tuple[str, str, str]] = [
                                r"\+ self\._file: Optional\[IO\[str\]\] = self\.path\.open\(\"w\", (buffering=2 << 16|buffering=1 << 17|)\)",
      "the size of the trace file's write buffer: when lines reach the disk, not what they say (close() flushes)"),
     ("x_as_index_tensor", r'- return indices\.slots if device\.type == "cpu" else indices\.slots\.to\(device=device\)\n'
-                          r'\+ return indices\.slots if device\.type == "(CPU|XXcpuXX)" else indices\.slots\.to\(device=device\)',
-     "a compare no device type matches sends the CPU through .to(device=device) too, and Tensor.to onto the device "
+                          r'\+ return indices\.slots if (device\.type == "(CPU|XXcpuXX)"|\(device\.type == "cpu"\) and False) '
+                          r'else indices\.slots\.to\(device=device\)',
+     "a compare no device type matches (or one made false) sends the CPU through .to(device=device) too, and Tensor.to onto the device "
      "and dtype a tensor already has returns that tensor itself (a PageSlots' slots are int64 on the CPU); every "
      "other device took .to already (the GPU pass ran both: they survived it)"),
     ("x_as_index_tensor", r'- return indices\.slots if device\.type == "cpu" else indices\.slots\.to\(device=device\)\n\+ .*',
@@ -81,6 +82,12 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      "more_host_chunks is tested first; after it fails, 'or' differs from 'and' only where backups and parked are "
      "both 0, which the inflight and draining invariant (parked + backups >= 1) rules out"),
     # --- copy planning -----------------------------------------------------------------------------------
+    ("x_plan_copy", r'- dev_idx = as_index_tensor\(device_indices, device_pool\.device if device_pool\.device\.type == "cpu" or on_device\n'
+                    r'\+ dev_idx = as_index_tensor\(device_indices, device_pool\.device if device_pool\.device\.type == "(CPU|XXcpuXX)" or on_device',
+     "the compare picks the pool's device over the CPU only for a pool on the CPU, where the two are one device "
+     "(torch.device('cpu') has no index to differ by); with no device type matching it, a CPU pool's indices go to "
+     "the CPU all the same, and every other pool's took the CPU (or, already on the device, stayed) either way (the "
+     "GPU pass ran both: they survived it)"),
     ("x_plan_copy", r"- (on_device = isinstance|if on_device and device_pool|dev_idx = as_index_tensor\(device_indices, device_pool\.device if).*\n\+ .*",
      "not told apart on a CPU-only host: every pool and index tensor is on the CPU, so on_device is False and the "
      "device chosen for the indices is the CPU whatever these tests say (a GPU run of tests/gpu/ sees the rest)"),

@@ -50,7 +50,9 @@ PYTEST = ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:random
 # (pytest arguments, test files): the tests marked `gpu`, then the files whose CPU tests take CUDA branches
 # when a device is present (pinned host pools, a CUDA request table, the kill tests of the CPU run).
 # The files that killed the most mutants of earlier passes come first: a mutant dies at its first failure (-x).
-SUITES = [(["-m", "gpu"], ["tests/dataplane/test_layer_pool.py", "tests/dataplane/test_copy_engine.py",
+SUITES = [(["-m", "gpu"], ["tests/gpu/test_cross_device_inputs_gpu.py", "tests/gpu/test_device_placement_gpu.py",
+                           "tests/upstream/test_adapter_devices_gpu.py", "tests/dataplane/test_layer_pool.py",
+                           "tests/dataplane/test_copy_engine.py",
                            "tests/engine/test_demo.py", "tests/upstream/test_adapter_gpu.py", "tests/gpu",
                            "tests/dataplane/test_cuda_pipeline.py", "tests/runtime/test_config_errors.py",
                            "tests/runtime/test_tp_demo.py", "tests/stateful/test_production_mutants.py",
@@ -213,12 +215,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         for rec in previous["mutants"]:
             if not (void and rec.get("first_failure") == void):
                 known[f"{rec['function']}\n{rec['change']}"] = rec
-    # kept: a kill that names its test, and a survival whose pass's unmutated run passed (a stopped pass's
-    # survivor may predate the test that kills it)
+    # kept: a kill that names its test. A survival always runs again: tests written since may kill it (a kept
+    # survival once outlived the GPU tests written for it, which then never ran against it)
     keep = [known[m.key] for m in mutants if m.key in known and not known[m.key].get("provisional") and
-            (known[m.key].get("first_failure") or known[m.key]["status"] == "survived" and
-             (previous.get("clean") or {}).get("rc") == 0)]
-    mutants.sort(key=lambda m: m.key in known)  # never run first; then the kills whose test went unrecorded
+            known[m.key].get("first_failure")]
+    # never run first; then the earlier survivors (a full run of every suite each: the longest jobs start first, so a
+    # pass stopped at its limit has the verdicts the tests written since were for); then the kills to confirm
+    mutants.sort(key=lambda m: (m.key in known, m.key in known and known[m.key]["status"] != "survived"))
     mutants = [m for m in mutants if not (m.key in known and known[m.key] in keep)]
     work = Path(tempfile.mkdtemp(prefix="gpu-pass-"))
     log = open(out / "mutation_gpu-h200.log", "w", buffering=1)
