@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from copy_spy import Copy, CopySpy
 
 from kvfsm.dataplane import DoubleFree, NeverAllocated, NotAllocated, OutOfRange, ReqToTokenPool
 
@@ -46,3 +47,16 @@ def test_write_and_read_slots() -> None:
         p.write(r, 6, torch.tensor([1, 2, 3]))
     with pytest.raises(NotAllocated):
         p.read(1 - r, 0, 1)
+
+
+def test_a_cpu_table_write_is_one_host_copy_and_pins_nothing() -> None:
+    """The CPU twin of the pinned upload (tests/gpu/test_device_placement_gpu.py): on a CPU table the host mirror
+    is the table, so a write is one copy from the caller's memory, and nothing is page-locked (that is for
+    uploads, and the host's scarce kind)."""
+    table = ReqToTokenPool(2, 16)
+    row = table.alloc()
+    assert row is not None
+    with CopySpy() as spy:
+        table.write(row, 0, torch.arange(100, 104))
+    assert spy.copies == [Copy("cpu", False, "cpu", False)]
+    assert table.read(row, 0, 4).tolist() == [100, 101, 102, 103]

@@ -2,15 +2,17 @@
 
 Each test here pins down a difference that only a CUDA host shows, found by the GPU mutation pass
 (docs/mutation.md, "GPU pass"): a pointer table left on the host (a kernel reads it over the bus and still gets
-the right rows), a page write given GPU bytes, and a request-table write through pageable memory or a blocking
-copy (both wait for the stream, and neither is a synchronisation that `set_sync_debug_mode` reports). Their CPU
-twins: tests/dataplane/test_layer_pool.py, test_host_pool.py and test_req_to_token.py.
+the right rows), a page write given GPU bytes, and a request-table write through a blocking copy (it waits for the
+stream, and that is no synchronisation that `set_sync_debug_mode` reports) or from pageable memory (which the
+driver may wait on: the test checks the upload's source). Their CPU twins: tests/dataplane/test_layer_pool.py,
+test_host_pool.py and test_req_to_token.py.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from copy_spy import Copy, CopySpy
 
 from test_serving_path_gpu import spin  # noqa: F401  (tests/gpu is on sys.path; spin is a fixture)
 
@@ -36,25 +38,37 @@ def test_page_bytes_given_on_the_gpu_are_written_to_the_host_pool() -> None:
     assert torch.equal(host.get_pages_bytes(slots), data.cpu())
 
 
-@pytest.mark.parametrize("n", [16, 1 << 17], ids=["a-row-of-slots", "1-MiB-of-slots"])
-def test_a_table_write_is_queued_behind_the_busy_stream_not_waited_for(spin, n: int) -> None:  # noqa: F811
-    """The write's upload goes from pinned memory without blocking: after it returns, the stream is still
-    busy with the work queued before it. The busy period is half a second of GPU time against microseconds
-    of host work; a write that waited for the stream would return only after it. (The stream's state, not a
-    clock, decides: `set_sync_debug_mode` does not report a copy from pageable memory, which waits too once
-    it is larger than the driver's staging buffer: the 1 MiB write; a small one is staged and returned from.)"""
-    table = ReqToTokenPool(4, 2 * n, "cuda")
+def test_a_table_write_is_queued_behind_the_busy_stream_not_waited_for(spin) -> None:  # noqa: F811
+    """The write's upload goes without blocking: after it returns, the stream is still busy with the work
+    queued before it. The busy period is half a second of GPU time against microseconds of host work; a write
+    that waited for the stream would return only after it. (The stream's state, not a clock, decides.)"""
+    table = ReqToTokenPool(4, 64, "cuda")
     row = table.alloc()
     assert row is not None
-    slots = torch.arange(100, 100 + 2 * n, dtype=torch.int64)
-    for _ in range(2):  # pins and uploads: the driver's first calls may wait, and the pinned blocks are cached
-        table.write(row, 0, slots[:n])
+    slots = torch.arange(100, 116, dtype=torch.int64)
+    table.write(row, 0, slots[:4])  # pins and uploads once: the driver's first calls may wait
     torch.cuda.synchronize()
     spin(500)
     busy = torch.cuda.Event()
     busy.record()
-    table.write(row, n, slots[n:])
+    table.write(row, 4, slots[4:])
     assert not busy.query(), "the table write waited for the stream's earlier work"
     torch.cuda.synchronize()
-    assert torch.equal(table.req_to_token[row, :2 * n].cpu(), slots)
-    assert torch.equal(table.read_host(row, 0, 2 * n), slots)
+    assert torch.equal(table.req_to_token[row, :16].cpu(), slots)
+    assert torch.equal(table.read_host(row, 0, 16), slots)
+
+
+@pytest.mark.parametrize("given", ["tensor", "list"])
+def test_a_table_write_uploads_from_pinned_memory(given: str) -> None:
+    """The upload's source is page-locked and the copy non-blocking, whatever the caller passed: the driver may
+    wait for the stream before a copy from pageable memory (tests/copy_spy.py), which no clock or sync check sees
+    reliably. The host mirror's own write stays on the host."""
+    table = ReqToTokenPool(4, 64, "cuda")
+    row = table.alloc()
+    assert row is not None
+    slots = torch.arange(100, 116, dtype=torch.int64)
+    with CopySpy() as spy:
+        table.write(row, 0, slots if given == "tensor" else slots.tolist())
+    assert [c for c in spy.copies if c.dst == "cuda"] == [Copy("cpu", True, "cuda", True)], spy.copies
+    torch.cuda.synchronize()
+    assert torch.equal(table.req_to_token[row, :16].cpu(), slots)

@@ -83,7 +83,7 @@ DESELECT = ["tests/runtime/test_config_errors.py::test_a_manager_built_from_a_mo
     f"tests/runtime/test_batch_events.py::test_batch_equals_loop_of_single_events[{seed}]" for seed in range(60, 330)] + [
     "tests/runtime/test_batch_events.py::test_every_transition_in_a_batch_equals_the_loop"]
 # Files the subset imports besides its test files (copied as they are).
-SUPPORT = ["tests/conftest.py", "tests/catalog_faults.py", "tests/timing.py", "tests/dataplane/__init__.py",
+SUPPORT = ["tests/conftest.py", "tests/catalog_faults.py", "tests/timing.py", "tests/copy_spy.py", "tests/dataplane/__init__.py",
            "tests/dataplane/conftest.py", "tests/dataplane/helpers.py", "tests/dataplane/stream_sim.py"]
 # Hypothesis runs derandomized in the workspace, so a mutant's verdict does not depend on luck.
 CONFTEST_ADDENDUM = '''
@@ -527,6 +527,8 @@ def gpu_section(gpu: dict | None, needs_cuda: list[tuple[str, str]], by_scope: d
                                       else f"failed `{clean.get('first_failure')}` (its first failure; every test "
                                       "before it passed), so a kill by that test decides nothing and its mutant runs "
                                       "again, while a kill by a test before it stands"),
+              *([f"- stopped: {gpu['stopped']}; the mutants it had not decided run first in the next pass"]
+                if gpu.get("stopped") else []),
               *(["- the kills carried from an earlier pass, whose unmutated run never finished, are provisional"]
                 if any(r.get("provisional") for r in gpu.get("mutants", [])) else []),
               f"- mutants: {len(needs_cuda)}"
