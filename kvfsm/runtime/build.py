@@ -28,7 +28,7 @@ from kvfsm.dataplane import (
     StorageBackend,
     available_host_memory,
 )
-from kvfsm.dataplane.storage import ProcessStorage
+from kvfsm.dataplane.storage.process import CHILD_FILE_WRITERS, ProcessStorage
 from kvfsm.errors import ConfigError
 from kvfsm.runtime.config import OffloadConfig
 
@@ -157,8 +157,11 @@ def storage_factory(config: OffloadConfig, device_pool: DeviceKVPool, tp_rank: i
         if "storage_dir" not in config.model_fields_set:
             logger.warning("storage_dir is not set: FileStorage writes pages to %s (the default, relative to the "
                            "working directory)", config.storage_dir.absolute())
+        # in a child process the writers take none of the scheduler's interpreter time (CHILD_FILE_WRITERS);
+        # storage_extra's own `writers` wins
+        options = {"writers": CHILD_FILE_WRITERS, **config.storage_extra} if config.storage_process else config.storage_extra
         make = functools.partial(FileStorage, config.storage_dir, model_name=config.model_name, tp_rank=tp_rank,
-                                 tp_size=tp_size, is_mla=is_mla, **config.storage_extra)
+                                 tp_size=tp_size, is_mla=is_mla, **options)
         if config.storage_process:
             return functools.partial(ProcessStorage, make)
         return make

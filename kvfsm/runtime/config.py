@@ -72,7 +72,8 @@ class OffloadConfig(BaseModel):
         "master_server_addr, metadata_server, ...), checked against it."))
     storage_process: bool = Field(False, description=(
         "Run the file store in a child process (ProcessStorage): its page writes then take no interpreter time "
-        "from the scheduler thread, however many writers keep up with decoding. The host pool the manager builds "
+        "from the scheduler thread, however many writers keep up with decoding (4 there unless storage_extra "
+        "sets `writers`). The host pool the manager builds "
         "is then shared with that process, which reads the pages in place. Needs storage_backend='file'."))
     model_name: str = Field("model", min_length=1)
     backup_queue_size: int = Field(64, ge=1, description="Backups queued or running at once; beyond it chunks park.")

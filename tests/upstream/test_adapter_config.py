@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,6 +27,8 @@ import harness
 from scenarios import BY_NAME, ReqSpec, Scenario
 from test_differential import ProbedAdapter, _run
 
+from kvfsm.dataplane import FileStorage
+from kvfsm.dataplane.storage.process import CHILD_FILE_WRITERS
 from kvfsm.errors import ConfigError, InvalidRequest
 from kvfsm.integrations.sglang import DecodeKVCacheOffloadManager, RequestViews
 
@@ -198,6 +201,13 @@ def test_kvfsm_store_process_runs_the_store_in_a_child_process() -> None:
         storage = mine._storage
         assert isinstance(storage, ProcessStorage) and storage.pid is not None
         assert mine.manager.host_pool.share_fd is not None and mine.manager.fx.storage is storage
+        # the child's FileStorage runs CHILD_FILE_WRITERS writers (in-process the adapter keeps one: they would
+        # take the scheduler's interpreter lock)
+        assert pickle.loads(storage._factory).keywords["writers"] == CHILD_FILE_WRITERS > 1
+        with published(SC, store):
+            plain = build(DecodeKVCacheOffloadManager)
+        assert isinstance(plain._storage, FileStorage) and plain._storage.writers == 1
+        plain.release_host_resources()
         mine.release_host_resources()
         assert storage.pid is None
         for bad in ("yes", 1, None):

@@ -39,7 +39,7 @@ from typing import Any, cast
 
 import kvfsm.generated.decode_offload as spec_gen
 from kvfsm.dataplane import CpuCopyEngine, CudaCopyEngine, FileStorage, HostKVPool
-from kvfsm.dataplane.storage import ProcessStorage
+from kvfsm.dataplane.storage.process import CHILD_FILE_WRITERS, ProcessStorage
 from kvfsm.errors import ConfigError, EventRejected, RetractionRefused
 from kvfsm.runtime import DecodeOffloadManager, OffloadConfig, TPMismatch
 from kvfsm.runtime.manager import Reservation
@@ -151,9 +151,11 @@ class DecodeKVCacheOffloadManager:
         # with kvfsm_store_process the store runs in a child process, which maps the (shared) host pool
         host_pool = HostKVPool(kv, settings.host_slots, settings.page_size, settings.host_layout, pin_memory=on_gpu,
                                shared=settings.store_process)
+        # in the child the store's writers take none of the scheduler's interpreter time (CHILD_FILE_WRITERS)
+        writers = CHILD_FILE_WRITERS if settings.store_process else 1
         make_store = functools.partial(FileStorage, settings.file_dir, model_name=settings.model_name,
                                        tp_rank=settings.tp_rank, tp_size=settings.tp_size, is_mla=kv.is_mla,
-                                       layout=settings.file_layout,
+                                       layout=settings.file_layout, writers=writers,
                                        page_dims=(kv.num_planes, kv.num_layers, settings.page_size), dtype=kv.dtype)
         storage: FileStorage | ProcessStorage = ProcessStorage(make_store) if settings.store_process else make_store()
         self._storage = storage  # built here, closed here (release_host_resources)
