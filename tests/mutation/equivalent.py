@@ -216,8 +216,9 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      "torch.tensor of Python ints is int64 already"),
     ("xǁProgressConsensusǁagree", r"- t = torch\.tensor\(counts, dtype=torch\.int64, device=self\.device\)\n"
                                   r"\+ t = torch\.tensor\(counts, dtype=torch\.int64, (device=None|)\)",
-     "not told apart on a CPU-only host: self.device is the CPU unless the group's backend is NCCL, which needs a "
-     "GPU (a GPU run of tests/gpu/ sees the difference)"),
+     "left to the GPU run of the pass: the CPU run that found them predates their kill test in tests/mutation/"
+     "test_kills_runtime.py, which stands `meta` in for an NCCL rank's GPU and fails on both on any host (run by "
+     "hand here); the GPU pass runs that file, and the next CPU run records them killed"),
     ("xǁProgressConsensusǁcheck_same", _lines("if self.world <= 1:", "if self.world < 1:"),
      "with one rank agree() returns its arguments, so the two calls give back the values and their negations "
      "and the answer is True, as the early return says"),

@@ -61,9 +61,6 @@ SUITES = [(["-m", "gpu"], ["tests/gpu/test_cross_device_inputs_gpu.py", "tests/g
                 # ProgressConsensus reduces only in a group of two or more ranks; these tests stand in a collective
                 # that checks the device its counts arrive on (NCCL's is the rank's GPU), on one GPU or none
                 "tests/mutation/test_kills_runtime.py"])]
-# Mutants whose only tests run a collective of a rank per GPU (NCCL): on a machine of fewer GPUs those tests skip,
-# so a run there would call them survivors; they are recorded as not run, with the reason
-NEEDS_RANKS = {"kvfsm.runtime.tp.xǁProgressConsensusǁagree": "needs two GPUs (tests/runtime/test_tp_demo.py runs NCCL on two)"}
 MUTANT_TIMEOUT_S = 420  # a mutant whose tests hang past this is killed (as mutmut counts a timeout)
 
 
@@ -206,9 +203,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     mutants = selected()
     if args.limit:
         mutants = mutants[:args.limit]
-    unrunnable = [{"function": m.function, "change": m.change, "status": "not run", "why": NEEDS_RANKS[m.function]}
-                  for m in mutants if m.function in NEEDS_RANKS and torch.cuda.device_count() < 2]
-    mutants = [m for m in mutants if not (m.function in NEEDS_RANKS and torch.cuda.device_count() < 2)]
     known: dict[str, dict] = {}
     previous: dict = {}
     hints: dict[str, str] = {}  # the test that killed a mutant in the earlier pass: it runs first this time
@@ -234,7 +228,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     results: dict = {"machine": {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
                                  "python": sys.version.split()[0]},
                      "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "tests": [" ".join(PYTEST[1:] + e + f) for e, f in SUITES],
-                     "clean": None, "mutants": list(keep) + unrunnable}
+                     "clean": None, "mutants": list(keep)}
 
     def env_for(tree: Path) -> dict[str, str]:
         env = dict(os.environ)
