@@ -55,10 +55,12 @@ from .base import StorageBackend, StorageStats
 logger = logging.getLogger(__name__)
 
 # The file store's writer threads when it runs in a child process. In the scheduler's process each writer takes
-# the scheduler's interpreter lock, so FileStorage defaults to one; in the child they take only the child's. One
-# writer stored about 650 MB/s on the H200 host, short of the 1.3 GB/s that 4096 live requests decode at stride
-# 16, and four kept up there (FileStorage._write).
+# the scheduler's interpreter lock, so FileStorage defaults to one; in the child they take only the child's.
+# On the H200 host one writer stored about 650 MB/s, short of the 1.3 GB/s that 4096 live requests decode
+# (FileStorage._write); a child with four kept up at 64/64, one with one did not (docs/performance.md, "The
+# child's writers"). At 16/16, 256 files an iteration, four fell behind too.
 CHILD_FILE_WRITERS = 4
+
 _SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None  # tmpfs where there is one: the staging never hits a disk
 
 
