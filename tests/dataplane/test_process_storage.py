@@ -24,7 +24,6 @@ from kvfsm.dataplane import FileStorage, page_hashes
 from kvfsm.dataplane.pools.config import KVCacheConfig
 from kvfsm.dataplane.pools.host_pool import HostKVPool
 from kvfsm.dataplane.storage import FaultyStorage, ProcessStorage, RemoteStoreError
-from kvfsm.dataplane.storage.process import CHILD_FILE_WRITERS
 
 gpu = pytest.mark.gpu
 
@@ -196,13 +195,6 @@ def test_a_manager_with_storage_process_stores_through_the_child(tmp_path: Path)
 
     config = OffloadConfig(page_size=8, storage_dir=tmp_path, storage_process=True, storage_extra={"writers": 2})
     device_pool = DeviceKVPool(KVCacheConfig(num_layers=3, head_dim=8, kv_heads=2), 64, torch.device("cpu"))  # type: ignore[arg-type]
-    # the child's writers: storage_extra's own, else CHILD_FILE_WRITERS; in process FileStorage's one
-    for extra, writers in (({"writers": 2}, 2), ({}, CHILD_FILE_WRITERS)):
-        child = storage_factory(config.model_copy(update={"storage_extra": extra}), device_pool, 0, 1)
-        assert isinstance(child, functools.partial) and child.args[0].keywords["writers"] == writers
-    in_process = storage_factory(config.model_copy(update={"storage_process": False, "storage_extra": {}}),
-                                 device_pool, 0, 1)
-    assert isinstance(in_process, functools.partial) and "writers" not in in_process.keywords
     make = storage_factory(config, device_pool, tp_rank=0, tp_size=1)
     assert make is not None
     store = make()

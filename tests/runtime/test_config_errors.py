@@ -8,6 +8,7 @@ and storage_backend="mooncake", which the config refused although the docs name 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import pickle
@@ -27,6 +28,7 @@ from pydantic import ValidationError
 from timing import TimedOut, tree_cpu, wait_for
 
 from kvfsm.dataplane import CpuCopyEngine, DeviceKVPool, HostKVPool, KVCacheConfig, ReqToTokenPool, TokenSlotAllocator
+from kvfsm.dataplane.storage.process import CHILD_FILE_WRITERS
 from kvfsm.errors import ConfigError
 from kvfsm.runtime import DecodeOffloadManager, OffloadConfig, SimplePrefixCache
 
@@ -236,6 +238,22 @@ def test_storage_process_needs_the_file_backend(backend: str) -> None:
     with pytest.raises(ConfigError) as exc:
         OffloadConfig(storage_backend=backend, storage_extra=extra, storage_process=True)
     assert exc.value.field == "storage_process" and repr(backend) in exc.value.reason
+
+
+@pytest.mark.parametrize("process, extra, writers", [(True, {}, CHILD_FILE_WRITERS), (True, {"writers": 2}, 2),
+                                                     (False, {}, None), (False, {"writers": 3}, 3)])
+def test_the_child_file_store_runs_its_writers_unless_storage_extra_sets_them(
+        tmp_path: Path, process: bool, extra: dict[str, int], writers: int | None) -> None:
+    """In a child process the file store's writers take none of the scheduler's interpreter time, so it gets
+    CHILD_FILE_WRITERS; in process FileStorage keeps its own default (one); `storage_extra`'s count wins in both."""
+    from kvfsm.runtime.build import storage_factory
+
+    config = OffloadConfig(page_size=8, storage_dir=tmp_path, storage_process=process, storage_extra=extra)
+    device_pool = DeviceKVPool(KVCacheConfig(num_layers=3, head_dim=8, kv_heads=2), 64, torch.device("cpu"))  # type: ignore[arg-type]
+    make = storage_factory(config, device_pool, tp_rank=0, tp_size=1)
+    assert isinstance(make, functools.partial)
+    store = make.args[0] if process else make  # the child's factory, inside ProcessStorage's
+    assert isinstance(store, functools.partial) and store.keywords.get("writers") == writers
 
 
 # --- KVFSM_* variables ------------------------------------------------------------------------------------
