@@ -1,8 +1,8 @@
 """A dispatch mode that records every tensor copy: its source's device and memory, its destination's device.
 
 Whether an upload from pageable host memory waits for the stream is the driver's choice (CUDA's API
-synchronisation notes: a pageable copy "may synchronize with the stream"; on the H200 a 1 MiB one did not), and
-`set_sync_debug_mode` reports neither kind. So a test that promises an upload never waits checks what the driver
+synchronisation notes: a pageable copy "may synchronize with the stream"; in the H200 GPU mutation pass a busy-stream
+test of a 1 MiB write did not fail against an unpinned upload), and `set_sync_debug_mode` reports neither kind. So a test that promises an upload never waits checks what the driver
 is given: a pinned source and a non-blocking copy."""
 
 from __future__ import annotations
