@@ -1,8 +1,8 @@
 #!/bin/bash
-# The scheduler-floor verdict on the device machine, in one call (docs/performance.md): the serving loop at 4096
-# live with the store in process and in its own process, the SGLang adapter as SGLang's scheduler calls it beside
-# offload_batch and the bare floor (with and without the child store), the submit at full model size, and the
-# GPU tests of the child store. Needs kvfsm's runtime wheels in .whl/ and the sglang site in .device/
+# The scheduler-floor verdict on the device machine (docs/performance.md): the serving loop at 4096 live with the
+# store in process, in its own process and sharded over four, the SGLang adapter as SGLang's scheduler calls it
+# beside offload_batch and the bare floor (store in process, in one child, in four), the submit at full model
+# size, and the GPU tests of the child store. Needs kvfsm's runtime wheels in .whl/ and the sglang site in .device/
 # (`make device-sglang-site`), both carried. Every step has its own time limit; each result JSON and log is
 # packed into $OUT/verdict.tgz as soon as its step ends, so a call stopped at its limit keeps what finished.
 #
@@ -29,7 +29,7 @@ step() {  # name, seconds, command...
     tar -czf "$OUT/verdict.tgz" -C "$W" .
 }
 
-STEPS=${*:-"serving adapter process_tests adapter_process phases submit launch gil"}
+STEPS=${*:-"serving adapter process_tests adapter_process adapter_sharded sharded phases submit launch gil"}
 for s in $STEPS; do
     case $s in
     serving) step serving_loop 200 python3 bench/serving_loop.py --live 4096 --pages 64/64 16/16 --tables cuda \
@@ -39,6 +39,10 @@ for s in $STEPS; do
     adapter) step sglang_adapter 330 python3 bench/sglang_adapter_gpu.py --out "$W/sglang_adapter_gpu-$TAG.json" ;;
     adapter_process) step sglang_adapter_process 200 python3 bench/sglang_adapter_gpu.py --live 4096 --store-process \
         --out "$W/sglang_adapter_gpu-store-process-$TAG.json" ;;
+    adapter_sharded) step sglang_adapter_sharded 330 python3 bench/sglang_adapter_gpu.py --live 4096 --pages 16/16 64/64 \
+        --store-process 4 --out "$W/sglang_adapter_gpu-sharded-$TAG.json" ;;
+    sharded) step serving_loop_sharded 220 python3 bench/serving_loop.py --live 4096 --pages 16/16 64/64 --tables cuda \
+        --storage sharded process --store-processes 4 --no-baseline --out "$W/serving_loop_sharded-$TAG.json" ;;
     phases) step door_phases 150 python3 bench/probes/door_phases.py --live 4096 --pages 64 16 \
         --out "$W/door_phases-$TAG.json" ;;
     submit) step submit_cost 60 python3 bench/submit_cost.py --launcher off on --out "$W/submit_cost-$TAG.json" ;;

@@ -56,7 +56,7 @@ from kvfsm.dataplane import (  # noqa: E402
 )
 from kvfsm.dataplane.copy.staging import PinnedIndexStaging  # noqa: E402
 from kvfsm.dataplane.pools.device_pool import DeviceKVPool  # noqa: E402
-from kvfsm.dataplane.storage import FileStorage, ProcessStorage  # noqa: E402
+from kvfsm.dataplane.storage import FileStorage, ProcessStorage, ShardedStorage  # noqa: E402
 from kvfsm.runtime import DecodeOffloadManager, OffloadConfig, SimplePrefixCache  # noqa: E402
 
 PROMPT = (32, 256)  # prompt lengths, uniform (--prompt)
@@ -194,7 +194,7 @@ class ServingLoop:
     def __init__(self, algo: str, live: int, page: int, stride: int, layers: int, table_device: str,
                  device: str, step_ms: float, store_dir: Path, host_gib: float, seed: int,
                  prompt: tuple[int, int] = PROMPT, output: tuple[int, int] = OUTPUT, store_kind: str = "file",
-                 store_writers: int = 4) -> None:
+                 store_writers: int = 4, store_processes: int = 4) -> None:
         self.algo, self.live_target, self.page, self.stride = algo, live, page, stride
         self.prompt, self.output = prompt, output
         self.rng = random.Random(seed)
@@ -209,13 +209,16 @@ class ServingLoop:
         self.host_table = self.table.host_table.numpy()
         host_slots = int(host_gib * 2**30) // kv.bytes_per_token // page * page
         self.host_pool = HostKVPool(kv, host_slots, page, layout="page_first", pin_memory=device == "cuda",
-                                    shared=store_kind == "process")  # the store process reads it in place
+                                    shared=store_kind in ("process", "sharded"))  # store processes read it in place
         self.store_dir = store_dir
         storage: Any = None
         if store_kind == "file":
             storage = FileStorage(store_dir, model_name="bench", writers=store_writers)
         elif store_kind == "process":  # the same store in a child process (ProcessStorage)
             storage = ProcessStorage(functools.partial(FileStorage, store_dir, model_name="bench", writers=store_writers))
+        elif store_kind == "sharded":  # the same store in `store_processes` children, the keys sharded (ShardedStorage)
+            storage = ShardedStorage.of(functools.partial(ProcessStorage, functools.partial(
+                FileStorage, store_dir, model_name="bench", writers=store_writers)), store_processes)
         self.storage = storage
         if device == "cuda":
             from kvfsm.dataplane import CudaCopyEngine
@@ -480,7 +483,7 @@ class ServingLoop:
                "device_slots_leaked": self.allocator.capacity - self.allocator.free_slots,
                "host_slots_leaked": self.host_pool.capacity - self.host_pool.free_slots}
         self.manager.close()
-        if isinstance(self.storage, ProcessStorage):  # passed in, so not the manager's to close
+        if isinstance(self.storage, (ProcessStorage, ShardedStorage)):  # passed in, so not the manager's to close
             self.storage.close()
         return out
 
@@ -493,7 +496,7 @@ def run_config(algo: str, live: int, page: int, stride: int, table: str, args: a
     try:
         loop = ServingLoop(algo, live, page, stride, args.layers, table, args.device, args.step_ms, store,
                            args.host_gib, args.seed, tuple(args.prompt), tuple(args.output), storage,
-                           args.store_writers)
+                           args.store_writers, args.store_processes)
         loop.freeze_gc = not args.no_gc_freeze
         res = {"live": live, "page": page, "stride": stride, "table": table, "layers": args.layers,
                "storage": storage if algo != "bare" else None, "matmuls_per_step": loop.step.matmuls}
@@ -552,12 +555,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--fenced", action="store_true", help="also run kvfsm with fenced_release (kvfsm-fenced)")
     ap.add_argument("--no-floor", action="store_true", help="skip bench/bare_offload.py's floor")
-    ap.add_argument("--storage", nargs="+", default=["file"], choices=["file", "process", "none"],
-                    help="kvfsm runs once with each (the seed baseline with the first). process: the file store in a child process (ProcessStorage); none: a probe without storage "
+    ap.add_argument("--storage", nargs="+", default=["file"], choices=["file", "process", "sharded", "none"],
+                    help="kvfsm runs once with each (the seed baseline with the first). process: the file store in a child process (ProcessStorage); "
+                         "sharded: in --store-processes children, the keys sharded (ShardedStorage); none: a probe without storage "
                          "writes (every backup fails at once, freeing its pages)")
     ap.add_argument("--no-gc-freeze", action="store_true", help="leave start-up objects to the collector")
     ap.add_argument("--store-writers", type=int, default=4,
                     help="FileStorage writer threads (the recorded H200 run used 4; the library default is 1)")
+    ap.add_argument("--store-processes", type=int, default=4, help="store processes of --storage sharded")
     ap.add_argument("--switch-interval-ms", type=float, default=None, help="sys.setswitchinterval (a probe)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: results under bench/results/quick/")
     ap.add_argument("--out", default=None)

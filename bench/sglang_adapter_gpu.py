@@ -80,12 +80,13 @@ MODES = ("adapter", "batch", "bare")
 
 
 @contextmanager
-def server_config(page: int, stride: int, host_gb: float, store: str, store_process: bool = False) -> Iterator[None]:
+def server_config(page: int, stride: int, host_gb: float, store: str, store_process: int = 0) -> Iterator[None]:
     """The server config the adapter reads: page size, HiCache file store, a host pool of `host_gb`; with
-    `store_process`, kvfsm's `kvfsm_store_process` (the store in a child process over a shared host pool)."""
+    `store_process` n >= 1, kvfsm's `kvfsm_store_process` (the store in n child processes over a shared host pool,
+    the writes sharded by key)."""
     extra: dict[str, Any] = {"file_storage_path": store}
     if store_process:
-        extra["kvfsm_store_process"] = True
+        extra["kvfsm_store_process"] = True if store_process == 1 else store_process
     override = get_context().override_server_args(
         page_size=page, tp_size=1, hicache_storage_backend="file", hicache_io_backend="direct",
         hicache_mem_layout="page_first", hicache_size=host_gb, served_model_name="bench",
@@ -203,7 +204,7 @@ class Loop:
         tree = RadixCache(CacheInitParams(disable=False, req_to_token_pool=self.r2t,
                                           token_to_kv_pool_allocator=self.allocator, page_size=page))
         with harness.on_device(dev), server_config(page, stride, args.host_gb, store,
-                                                   getattr(args, "store_process", False)):
+                                                   getattr(args, "store_process", 0)):
             self.adapter = DecodeKVCacheOffloadManager(req_to_token_pool=self.r2t,
                                                        token_to_kv_pool_allocator=self.allocator,
                                                        tp_group=harness._tp_group_world1(), tree_cache=tree)
@@ -481,8 +482,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--host-gb", type=float, default=8.0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     ap.add_argument("--store-root", default=SHM)
-    ap.add_argument("--store-process", action="store_true",
-                    help="kvfsm_store_process: the adapter's file store in a child process over a shared host pool")
+    ap.add_argument("--store-process", type=int, nargs="?", const=1, default=0, metavar="N",
+                    help="kvfsm_store_process: the adapter's file store in a child process over a shared host pool "
+                         "(N of them: the writes sharded by key)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="16 live, 64/64, 30 iterations: checks the script")
     ap.add_argument("--out", default=None)

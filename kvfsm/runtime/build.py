@@ -29,6 +29,7 @@ from kvfsm.dataplane import (
     available_host_memory,
 )
 from kvfsm.dataplane.storage.process import CHILD_FILE_WRITERS, ProcessStorage
+from kvfsm.dataplane.storage.sharded import ShardedStorage
 from kvfsm.errors import ConfigError
 from kvfsm.runtime.config import OffloadConfig
 
@@ -162,6 +163,8 @@ def storage_factory(config: OffloadConfig, device_pool: DeviceKVPool, tp_rank: i
         options = {"writers": CHILD_FILE_WRITERS, **config.storage_extra} if config.storage_process else config.storage_extra
         make = functools.partial(FileStorage, config.storage_dir, model_name=config.model_name, tp_rank=tp_rank,
                                  tp_size=tp_size, is_mla=is_mla, **options)
+        if config.storage_process and config.storage_processes > 1:
+            return functools.partial(ShardedStorage.of, functools.partial(ProcessStorage, make), config.storage_processes)
         if config.storage_process:
             return functools.partial(ProcessStorage, make)
         return make

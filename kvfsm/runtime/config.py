@@ -75,6 +75,10 @@ class OffloadConfig(BaseModel):
         "from the scheduler thread, however many writers keep up with decoding (4 there unless storage_extra "
         "sets `writers`). The host pool the manager builds "
         "is then shared with that process, which reads the pages in place. Needs storage_backend='file'."))
+    storage_processes: int = Field(1, ge=1, description=(
+        "With storage_process: how many child processes share the file store's writes, each key always in the "
+        "same one (ShardedStorage). One keeps up at 64-token pages; 16-token pages write four times the files "
+        "for the same bytes, and a file's cost is Python on its process's one interpreter."))
     model_name: str = Field("model", min_length=1)
     backup_queue_size: int = Field(64, ge=1, description="Backups queued or running at once; beyond it chunks park.")
     stored_index_pages: int = Field(1 << 20, ge=0, description=(
@@ -126,6 +130,9 @@ class OffloadConfig(BaseModel):
         if self.storage_process and self.storage_backend != "file":
             raise ConfigError("storage_process", f"runs the file store in a child process; storage_backend is "
                                                  f"{self.storage_backend!r}, not 'file'")
+        if self.storage_processes > 1 and not self.storage_process:
+            raise ConfigError("storage_processes", f"{self.storage_processes} store processes need "
+                                                   "storage_process=True")
         if self.offload_stride > 0 and self.offload_stride % self.page_size:
             # The seed rounds, and configs written for it (and the verifier's bounds) rely on it: rounding
             # stays, but never silently.

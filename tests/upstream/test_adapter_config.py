@@ -210,11 +210,36 @@ def test_kvfsm_store_process_runs_the_store_in_a_child_process() -> None:
         plain.release_host_resources()
         mine.release_host_resources()
         assert storage.pid is None
-        for bad in ("yes", 1, None):
+        for bad in ("yes", 0, -2, 1.5, "2", None):
             extra = json.dumps({"file_storage_path": store, "kvfsm_store_process": bad})
             with published(SC, store, hicache_storage_backend_extra_config=extra):
-                with pytest.raises(ConfigError, match="kvfsm_store_process must be true or false"):
+                with pytest.raises(ConfigError, match="kvfsm_store_process must be true or false, or a whole number"):
                     build(DecodeKVCacheOffloadManager)
+
+
+def test_a_number_of_store_processes_shares_the_writes_by_key() -> None:
+    """`"kvfsm_store_process": 2`: two child processes, each a ProcessStorage of the same file store over the
+    shared host pool, behind one ShardedStorage; 1 is one child, as true is; the shutdown ends both."""
+    from kvfsm.dataplane.storage import ProcessStorage, ShardedStorage
+
+    with tempfile.TemporaryDirectory() as store:
+        extra = json.dumps({"file_storage_path": store, "kvfsm_store_process": 2})
+        with published(SC, store, hicache_storage_backend_extra_config=extra):
+            mine = build(DecodeKVCacheOffloadManager)
+        storage = mine._storage
+        assert isinstance(storage, ShardedStorage) and mine.manager.fx.storage is storage
+        shards = storage.shards
+        assert len(shards) == 2 and all(isinstance(s, ProcessStorage) for s in shards)
+        pids = [s.pid for s in shards]  # type: ignore[union-attr]
+        assert None not in pids and len(set(pids)) == 2
+        assert mine.manager.host_pool.share_fd is not None
+        mine.release_host_resources()
+        assert [s.pid for s in shards] == [None, None]  # type: ignore[union-attr]
+        extra = json.dumps({"file_storage_path": store, "kvfsm_store_process": 1})
+        with published(SC, store, hicache_storage_backend_extra_config=extra):
+            one = build(DecodeKVCacheOffloadManager)
+        assert isinstance(one._storage, ProcessStorage)
+        one.release_host_resources()
 
 
 def test_bad_stride_env_is_a_config_error() -> None:

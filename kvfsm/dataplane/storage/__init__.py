@@ -6,6 +6,8 @@
 - `memory`: `MemoryStorage`, a dict, for tests and demos.
 - `process`: `ProcessStorage`, any of these run in a child process, so that its writes take no
   interpreter time from the scheduler thread.
+- `sharded`: `ShardedStorage`, one store spread over several by key, called at once (several store
+  processes, where one cannot keep up).
 - `faulty`: `FaultyStorage`, fault injection around any backend, for tests.
 - `mooncake`: `MooncakeStorage`, a shared distributed store (`pip install 'kvfsm[mooncake]'`; imported
   from `kvfsm.dataplane.storage.mooncake`, not here, so that this package never needs the extra).
@@ -18,5 +20,6 @@ from .faulty import FaultyStorage
 from .file import FileStorage
 from .memory import MemoryStorage
 from .process import ProcessStorage, RemoteStoreError
+from .sharded import ShardedStorage
 
-__all__ = ["FaultyStorage", "FileStorage", "MemoryStorage", "ProcessStorage", "RemoteStoreError", "StorageBackend", "StorageStats", "storage_key_suffix"]
+__all__ = ["FaultyStorage", "FileStorage", "MemoryStorage", "ProcessStorage", "RemoteStoreError", "ShardedStorage", "StorageBackend", "StorageStats", "storage_key_suffix"]

@@ -40,6 +40,7 @@ from typing import Any, cast
 import kvfsm.generated.decode_offload as spec_gen
 from kvfsm.dataplane import CpuCopyEngine, CudaCopyEngine, FileStorage, HostKVPool
 from kvfsm.dataplane.storage.process import CHILD_FILE_WRITERS, ProcessStorage
+from kvfsm.dataplane.storage.sharded import ShardedStorage
 from kvfsm.errors import ConfigError, EventRejected, RetractionRefused
 from kvfsm.runtime import DecodeOffloadManager, OffloadConfig, TPMismatch
 from kvfsm.runtime.manager import Reservation
@@ -157,7 +158,11 @@ class DecodeKVCacheOffloadManager:
                                        tp_rank=settings.tp_rank, tp_size=settings.tp_size, is_mla=kv.is_mla,
                                        layout=settings.file_layout, writers=writers,
                                        page_dims=(kv.num_planes, kv.num_layers, settings.page_size), dtype=kv.dtype)
-        storage: FileStorage | ProcessStorage = ProcessStorage(make_store) if settings.store_process else make_store()
+        storage: FileStorage | ProcessStorage | ShardedStorage
+        if settings.store_process and settings.store_processes > 1:
+            storage = ShardedStorage.of(functools.partial(ProcessStorage, make_store), settings.store_processes)
+        else:
+            storage = ProcessStorage(make_store) if settings.store_process else make_store()
         self._storage = storage  # built here, closed here (release_host_resources)
         options: dict[str, Any] = dict(page_size=settings.page_size, offload_stride=settings.stride,
                                        host_layout=settings.host_layout, copy_backend="cuda" if on_gpu else "cpu",
@@ -259,7 +264,7 @@ class DecodeKVCacheOffloadManager:
         self.manager.drain()
         self.manager.release_host_resources()
         self.manager.close()
-        self._storage.close()  # FileStorage's writer threads; ProcessStorage's child
+        self._storage.close()  # FileStorage's writer threads; ProcessStorage's child (ShardedStorage: each one's)
 
     # --- internals -------------------------------------------------------------------------------
     def _reserve(self, req: Any, view: RequestView) -> bool:

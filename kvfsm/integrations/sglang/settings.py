@@ -27,7 +27,8 @@ STRIDE_ENV = "SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE"
 FILE_DIR_ENV = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
 DEFAULT_FILE_DIR = "/tmp/hicache"  # HiCacheFile's default
 # kvfsm's own key in the extra config (HiCacheFile reads only its own): true runs the file store in a child
-# process over a shared host pool (kvfsm.dataplane.storage.ProcessStorage)
+# process over a shared host pool (kvfsm.dataplane.storage.ProcessStorage); a number n, in n of them, each key
+# always in the same one (kvfsm.dataplane.storage.ShardedStorage)
 STORE_PROCESS_KEY = "kvfsm_store_process"
 # SGLang's --hicache-mem-layout -> kvfsm's host layout and FileStorage page order (docs/page-layout.md)
 LAYOUTS: dict[str, Layout] = {"layer_first": "layer_first", "page_first": "page_first",
@@ -52,6 +53,7 @@ class Settings:
     tp_rank: int = 0
     tp_size: int = 1
     store_process: bool = False  # `kvfsm_store_process` of the extra config: the file store in a child process
+    store_processes: int = 1  # how many, when `kvfsm_store_process` is a number: the writes sharded by key
 
 
 def offload_stride(page_size: int, env: Optional[str] = None) -> int:
@@ -144,13 +146,19 @@ def read_settings(device_tokens: int, bytes_per_token: int, tp_group: Any) -> Se
         raise config_error("tp_size", f"the published TP size {tp_size} differs from tp_group's world size {world}")
     file_dir = os.environ.get(FILE_DIR_ENV) or extra.get("file_storage_path") or DEFAULT_FILE_DIR
     store_process = extra.get(STORE_PROCESS_KEY, False)
-    if not isinstance(store_process, bool):
+    # true: one store process; a whole number n >= 1: n of them, sharing the writes by key (ShardedStorage)
+    if isinstance(store_process, bool):
+        processes = 1
+    elif isinstance(store_process, int) and store_process >= 1:
+        store_process, processes = True, store_process
+    else:
         raise config_error("hicache_storage_backend_extra_config", f"{STORE_PROCESS_KEY} must be true or false, "
-                                                                   f"got {store_process!r}")
+                                                                   f"or a whole number of processes >= 1, got "
+                                                                   f"{store_process!r}")
     model = get_serving().served_model_name or ""
     return Settings(page_size=page_size, stride=offload_stride(page_size),
                     host_slots=host_slots(memory, device_tokens, bytes_per_token, page_size),
                     host_layout=LAYOUTS[layout], file_layout=LAYOUTS[layout], storage_backend=backend,
                     storage_extra=extra,
                     file_dir=str(file_dir), model_name=str(model), tp_rank=tp_rank, tp_size=tp_size,
-                    store_process=store_process)
+                    store_process=store_process, store_processes=processes)
