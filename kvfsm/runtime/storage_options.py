@@ -59,8 +59,9 @@ def _accepts(hint: Any, value: Any) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
     if hint is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
-    # a parameterized generic (list[int]) is a type to isinstance() on Python 3.10, which then refuses it
-    return isinstance(value, hint) if isinstance(hint, type) and typing.get_origin(hint) is None else True
+    # a parameterized generic (tuple[int, int, int]) is left to the constructor: isinstance() refuses it as its
+    # second argument (and Python 3.10 calls it a type, so it is named here, the same on every version)
+    return isinstance(value, hint) if isinstance(hint, type) and not isinstance(hint, types.GenericAlias) else True
 
 
 def _name(hint: Any) -> str:

@@ -431,13 +431,18 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      "set_pages_bytes views the bytes into [pages, planes, layers, ...] whatever their first split"),
 ]
 
-# the survivors of the run of 2026-12-01 (commit 1307cb9), one file per group of modules
+# One file per group of modules: the survivors of the run of 2026-12-01 (commit 1307cb9: dataplane, runtime,
+# storage), of the run at 6ea51a2 (fenced: the fenced release's code; generated: the machine's observer
+# arguments), and of the run of 2026-12-05 (config, manager, shared_pool, store_hash: FileStorage's reads and the
+# hashing)
+from equivalent_config import EQUIVALENT as _CONFIG  # noqa: E402
 from equivalent_dataplane import EQUIVALENT as _DATAPLANE  # noqa: E402
-
-# the survivors of the run at 6ea51a2 (the fenced release's code, and the generated machine's observer arguments)
 from equivalent_fenced import EQUIVALENT as _FENCED  # noqa: E402
 from equivalent_generated import EQUIVALENT as _GENERATED  # noqa: E402
+from equivalent_manager import EQUIVALENT as _MANAGER  # noqa: E402
 from equivalent_runtime import EQUIVALENT as _RUNTIME  # noqa: E402
+from equivalent_shared_pool import EQUIVALENT as _SHARED_POOL  # noqa: E402
 from equivalent_storage import EQUIVALENT as _STORAGE  # noqa: E402
+from equivalent_store_hash import EQUIVALENT as _STORE_HASH  # noqa: E402
 
-EQUIVALENT += _STORAGE + _DATAPLANE + _RUNTIME + _FENCED + _GENERATED
+EQUIVALENT += _STORAGE + _DATAPLANE + _RUNTIME + _FENCED + _GENERATED + _MANAGER + _STORE_HASH + _CONFIG + _SHARED_POOL

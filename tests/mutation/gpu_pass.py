@@ -56,11 +56,13 @@ SUITES = [(["-m", "gpu"], ["tests/gpu/test_cross_device_inputs_gpu.py", "tests/g
                            "tests/engine/test_demo.py", "tests/upstream/test_adapter_gpu.py", "tests/gpu",
                            "tests/dataplane/test_cuda_pipeline.py", "tests/runtime/test_config_errors.py",
                            "tests/runtime/test_tp_demo.py", "tests/stateful/test_production_mutants.py",
-                           "tests/stateful/test_production_matrix.py"]),
+                           "tests/stateful/test_production_matrix.py", "tests/dataplane/test_process_storage.py"]),
           ([], ["tests/dataplane/test_host_pool.py", "tests/runtime/test_offload_batch.py", "tests/mutation/test_kills.py",
                 # ProgressConsensus reduces only in a group of two or more ranks; these tests stand in a collective
                 # that checks the device its counts arrive on (NCCL's is the rank's GPU), on one GPU or none
-                "tests/mutation/test_kills_runtime.py"])]
+                "tests/mutation/test_kills_runtime.py",
+                # the shared pool's pinning: its CUDA branch and the page locks a dropped pool gives back
+                "tests/mutation/test_kills_shared_pool.py"])]
 MUTANT_TIMEOUT_S = 420  # a mutant whose tests hang past this is killed (as mutmut counts a timeout)
 
 
