@@ -29,7 +29,7 @@ step() {  # name, seconds, command...
     tar -czf "$OUT/verdict.tgz" -C "$W" .
 }
 
-STEPS=${*:-"serving adapter process_tests adapter_process adapter_sharded sharded phases submit launch gil"}
+STEPS=${*:-"serving adapter process_tests adapter_process adapter_sharded sharded phases submit launch gil gil_sharded"}
 for s in $STEPS; do
     case $s in
     serving) step serving_loop 200 python3 bench/serving_loop.py --live 4096 --pages 64/64 16/16 --tables cuda \
@@ -48,6 +48,10 @@ for s in $STEPS; do
     submit) step submit_cost 60 python3 bench/submit_cost.py --launcher off on --out "$W/submit_cost-$TAG.json" ;;
     launch) step launch_probe 120 python3 bench/probes/launch_probe.py --out "$W/launch_probe-$TAG.json" ;;
     gil) step store_gil_share 60 python3 bench/probes/store_gil_share.py --pin --out "$W/store_gil_share-$TAG.json" ;;
+    gil_sharded) for busy in 16 5; do  # the adapter's and the batch path's scheduler Python at 4096 live, 16/16
+        step store_gil_share_sharded_busy$busy 90 python3 bench/probes/store_gil_share.py --pin --page 16 --batch 256 \
+            --busy-ms $busy --idle-ms $((27 - busy)) --modes none process sharded --hashed-keys --seconds 6 \
+            --out "$W/store_gil_share_sharded_busy$busy-$TAG.json"; done ;;
     process_tests) step process_storage_tests 90 python3 -m pytest -q -p no:cacheprovider -p no:anyio -o addopts= \
         tests/dataplane/test_process_storage.py tests/dataplane/test_host_pool.py ;;
     gpu_tests) step gpu_tests 400 python3 -m pytest -q -p no:cacheprovider -p no:randomly -p no:anyio -o addopts= \

@@ -8,7 +8,8 @@ the decode step (`--idle-ms`). The busy phase holds the interpreter lock through
 the lock going to the store's threads (or, where cores are short, the CPU going to the store's process).
 Per mode: the busy phase's median, p99 and max against the same phase with no store running, in one run; the pages per second each store wrote meanwhile; and the CPU seconds per page spent in
 the scheduler's process outside the main thread (the share of the interpreter a store can take). Modes:
-`MODES` below.
+`MODES` below. `--hashed-keys` makes the backup thread hash each batch's token ids into its keys, as the
+backup worker does, so that what a store keeps up with includes the hashing's share of the interpreter.
 
     python3 bench/probes/store_gil_share.py [--layers 2] [--page 64] [--batch 64] [--writers 4] [--seconds 8]
 Writes bench/results/quick/store_gil_share-quick-<machine>.json on a CPU host, bench/results/store_gil_share-
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import random
 import secrets
 import shutil
 import statistics
@@ -39,12 +41,14 @@ sys.path.insert(1, str(BENCH.parent))
 from common import target, write_result  # noqa: E402
 
 from kvfsm.dataplane import FileStorage, HostKVPool, KVCacheConfig  # noqa: E402
-from kvfsm.dataplane.storage import ProcessStorage  # noqa: E402
+from kvfsm.dataplane.hashing import page_hashes  # noqa: E402
+from kvfsm.dataplane.storage import ProcessStorage, ShardedStorage  # noqa: E402
 
 MODES = {"none": "no store: the scheduler alone",
          "file": "FileStorage in this process (the default store)",
          "process": "ProcessStorage over a shared host pool: the child reads the pages in place",
-         "process-staged": "ProcessStorage over an ordinary pool: pages gathered here into the staging buffer"}
+         "process-staged": "ProcessStorage over an ordinary pool: pages gathered here into the staging buffer",
+         "sharded": "ShardedStorage of --processes ProcessStorage children over the shared pool, the keys sharded"}
 
 
 def unit(n: int) -> int:
@@ -94,7 +98,10 @@ def run_mode(mode: str, pools: dict[bool, HostKVPool], args: argparse.Namespace,
         store = FileStorage(root / mode, model_name="probe", writers=args.writers)
     elif mode.startswith("process"):
         store = ProcessStorage(functools.partial(FileStorage, root / mode, model_name="probe", writers=args.writers))
-    pool = pools[mode == "process"]  # the shared pool only where the child reads it in place
+    elif mode == "sharded":
+        store = ShardedStorage.of(functools.partial(ProcessStorage, functools.partial(
+            FileStorage, root / mode, model_name="probe", writers=args.writers)), args.processes)
+    pool = pools[mode in ("process", "sharded")]  # the shared pool only where the children read it in place
     stop = threading.Event()
     written = [0]
     backup_cpu = [0.0]
@@ -102,8 +109,14 @@ def run_mode(mode: str, pools: dict[bool, HostKVPool], args: argparse.Namespace,
     def backups() -> None:
         c0 = time.thread_time()
         slots = pool.page_slots(list(range(args.batch)))
+        rng = random.Random(0)
+        tokens = [rng.randrange(1 << 17) for _ in range(args.batch * args.page)]
         while not stop.is_set():
-            keys = [secrets.token_hex(32) for _ in range(args.batch)]  # new keys: every page is a real write
+            if args.hashed_keys:  # as the backup worker does: the pages' chained hashes of their token ids (a
+                # fresh prior each batch: new keys, so every page is a real write)
+                keys = page_hashes(tokens, args.page, secrets.token_hex(32))
+            else:
+                keys = [secrets.token_hex(32) for _ in range(args.batch)]  # new keys: every page is a real write
             ok = store.batch_set_from_host(keys, pool, slots)
             written[0] += sum(ok)
         backup_cpu[0] = time.thread_time() - c0
@@ -157,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
                     "and process on the others: what is left is the interpreter lock, not a shortage of cores")
     ap.add_argument("--store-root", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--processes", type=int, default=4, help="children of the sharded mode")
+    ap.add_argument("--hashed-keys", action="store_true", help="the backup thread hashes each batch's token ids "
+                    "into its keys (page_hashes), as the backup worker does, instead of drawing random keys")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
