@@ -227,3 +227,98 @@ def test_an_idle_call_returns_at_once() -> None:
     assert store.batch_set([], []) == [] and store.batch_exists([]) == 0 and store.batch_get([]) == []
     assert [s.finished for s in shards] == [0, 0]
     store.close()
+
+
+class BarrierStore(MemoryStorage):
+    """A store whose writes wait until every shard's write has started, and note the thread each ran on."""
+
+    def __init__(self, barrier: threading.Barrier, threads: list[str]) -> None:
+        super().__init__()
+        self.barrier, self.threads = barrier, threads
+
+    def batch_set(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[bool]:
+        self.threads.append(threading.current_thread().name)
+        self.barrier.wait()  # raises BrokenBarrierError after its timeout if not every shard runs at once
+        return super().batch_set(keys, pages)
+
+
+def test_every_shards_part_runs_at_once_on_a_named_thread() -> None:
+    """40 shards, more than a default thread pool gives on any machine: all 40 parts of one call run at the same
+    time (each waits for the others), on threads named `kvfsm-shard...`, which an operator's thread dump shows."""
+    n = 40
+    threads: list[str] = []
+    barrier = threading.Barrier(n, timeout=60)
+    store = ShardedStorage([BarrierStore(barrier, threads) for _ in range(n)])
+    keys = page_hashes(list(range(4 * 400)), 4)
+    assert {shard_of(k, n) for k in keys} == set(range(n))
+    assert store.batch_set(keys, pages(len(keys))) == [True] * len(keys)
+    assert len(threads) == n and all(name.startswith("kvfsm-shard") for name in threads)
+    store.close()
+
+
+class HostRecordingStore(MemoryStorage):
+    """A store that gathers host pages itself, noting the pages it was given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.given: list[list[int]] = []
+
+    def batch_set_from_host(self, keys: Sequence[str], host_pool: HostKVPool, host_indices: object) -> list[bool]:
+        pages_given = host_pool.pages_of(host_indices)  # type: ignore[arg-type]
+        self.given.append(pages_given)
+        return self.batch_set(keys, list(host_pool.get_pages_bytes(host_indices).unbind(0)))  # type: ignore[arg-type]
+
+
+def test_a_shard_that_gathers_host_pages_itself_is_given_its_pages_not_their_bytes() -> None:
+    """A store process over a shared pool reads pages in place: ShardedStorage hands each such shard the host
+    pages of its own keys (no copy in the scheduler's process), and every page lands under its key."""
+    pool, slots = shared_pool(12)
+    shards = [HostRecordingStore(), HostRecordingStore()]
+    store = ShardedStorage(shards)
+    keys = page_hashes(list(range(12 * 8)), 8)
+    assert store.batch_set_from_host(keys, pool, slots) == [True] * 12
+    for i, shard in enumerate(shards):
+        assert shard.given == [[p for k, p in zip(keys, slots.pages) if shard_of(k, 2) == i]]  # type: ignore[attr-defined]
+    want = pool.get_pages_bytes(slots)
+    assert all(g is not None and torch.equal(g, w) for g, w in zip(store.batch_get(keys), want))
+    store.close()
+
+
+def test_close_waits_for_a_call_in_progress_before_closing_the_shards() -> None:
+    """close() from another thread while a write runs: the shards are closed only after that write returned."""
+    events: list[str] = []
+    release = threading.Event()
+    both_started = threading.Barrier(3, timeout=60)  # the two shards' parts and the test
+
+    class Slow(RecordingStore):
+        def batch_set(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[bool]:
+            both_started.wait()
+            assert release.wait(60), "the test never released the write"
+            events.append("write done")
+            return MemoryStorage.batch_set(self, keys, pages)
+
+        def close(self) -> None:
+            events.append("closed")
+
+    store = ShardedStorage([Slow(), Slow()])
+    keys = page_hashes(list(range(4 * 40)), 4)
+    writer = threading.Thread(target=store.batch_set, args=(keys, pages(len(keys))))
+    writer.start()
+    both_started.wait()  # the write is in progress in both shards
+    closer = threading.Thread(target=store.close)
+    closer.start()
+    closer.join(0.2)
+    assert closer.is_alive() and events == []  # close waits for the write in progress
+    release.set()
+    writer.join(60)
+    closer.join(60)
+    assert not closer.is_alive() and events == ["write done", "write done", "closed", "closed"]
+
+
+def test_one_shard_is_a_sharded_store_too() -> None:
+    """`ShardedStorage.of(make, 1)`: one shard holding every key (the count a config may give)."""
+    store = ShardedStorage.of(MemoryStorage, 1)
+    keys = page_hashes(list(range(16)), 4)
+    assert len(store.shards) == 1 and store.batch_set(keys, pages(4)) == [True] * 4
+    assert store.shards[0].batch_exists(keys) == 4
+    store.close()

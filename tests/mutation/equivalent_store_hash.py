@@ -1,4 +1,4 @@
-"""Equivalent survivors of `make mutate` in storage/file.py and hashing.py, and why (merged into equivalent.EQUIVALENT)."""
+"""Equivalent survivors of `make mutate` in storage/file.py, storage/sharded.py and hashing.py, and why (merged into equivalent.EQUIVALENT)."""
 
 from __future__ import annotations
 
@@ -55,4 +55,10 @@ EQUIVALENT: list[tuple[str, str, str]] = [
      "are given at construction (the only caller, OffloadEffects, passes a list) and dropped only after the "
      "hashes are set (a PageRun built with tokens=None, outside TokenIds, fails either way, only the exception "
      "type differs)"),
+]
+
+EQUIVALENT += [
+    # --- ShardedStorage ------------------------------------------------------------------------------------
+    ("xǁShardedStorageǁ__init__", _lines("self._closed = False", "self._closed = None"),
+     "_closed is only tested for truth (_run, close) and set to True by close: None and False are both false"),
 ]

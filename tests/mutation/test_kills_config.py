@@ -149,3 +149,15 @@ def test_storage_process_shares_the_built_host_pool_with_the_store_process(tmp_p
     plain = build_components(in_process, device_pool=DeviceKVPool.create(KV, 32))
     close_storage(plain.storage)
     assert plain.host_pool.share_fd is None
+
+
+def test_an_option_hint_richer_than_a_class_is_left_to_the_constructor() -> None:
+    """A hint that is neither a class nor a union of them (a typing generic, a Literal) is not checked here, on
+    any Python: isinstance() would refuse it as its second argument, so a config naming such an option must reach
+    the backend's constructor, which checks it."""
+    import typing
+
+    from kvfsm.runtime.storage_options import _accepts
+
+    assert _accepts(typing.Sequence[int], [1, 2]) and _accepts(typing.Literal["a", "b"], "c")
+    assert _accepts(tuple[int, int, int], [2, 4, 8]) and not _accepts(str, 5)
