@@ -10,8 +10,8 @@ The CPU run (mutate.py) marks a survivor as told apart only on a CUDA host when 
 tests/mutation/equivalent*.py says the difference needs a CUDA device to show (a tensor that stays on the CPU
 either way, pinning that needs CUDA; `mutate.NEEDS_CUDA`). That is a statement about where the tests ran, not
 about the mutant, so such a survivor is never counted equivalent: it runs here, against every test marked `gpu`.
-A pass's `gpu_pass.json` (written under --out) is copied to tests/mutation/gpu_pass.json, and the device log to
-bench/results/mutation_gpu-h200.log, before `report`. mutmut itself cannot run them: it forks its test process for each mutant, and a
+A pass's `gpu_pass.json` (written under --out) is copied to tests/mutation/gpu_pass.json, and its device log,
+`mutation_gpu-<gpu>.log` (h100, h200: the card that ran it), to bench/results/, before `report`. mutmut itself cannot run them: it forks its test process for each mutant, and a
 process that has initialised CUDA cannot fork a child that uses it. So each mutant is applied to a copy of the
 tree from its recorded change (function and `-`/`+` lines, tests/mutation/survivors.json) and its tests run in
 a fresh process; the unmutated tree runs first, and a pass whose clean run fails reports nothing.
@@ -216,6 +216,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         void = (previous.get("clean") or {}).get("first_failure")
         for rec in previous["mutants"]:
             if not (void and rec.get("first_failure") == void):
+                rec.setdefault("gpu", previous["machine"]["gpu"])  # a verdict says which card gave it
                 known[f"{rec['function']}\n{rec['change']}"] = rec
     # kept: a kill that names its test. A survival always runs again: tests written since may kill it (a kept
     # survival once outlived the GPU tests written for it, which then never ran against it)
@@ -226,8 +227,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     mutants.sort(key=lambda m: (m.key in known, m.key in known and known[m.key]["status"] != "survived"))
     mutants = [m for m in mutants if not (m.key in known and known[m.key] in keep)]
     work = Path(tempfile.mkdtemp(prefix="gpu-pass-"))
-    log = open(out / "mutation_gpu-h200.log", "w", buffering=1)
-    results: dict = {"machine": {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+    gpu = torch.cuda.get_device_name(0)
+    log = open(out / f"mutation_gpu-{gpu_tag(gpu)}.log", "w", buffering=1)
+    results: dict = {"machine": {"gpu": gpu, "torch": torch.__version__,
                                  "python": sys.version.split()[0]},
                      "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "tests": [" ".join(PYTEST[1:] + e + f) for e, f in SUITES],
                      "clean": None, "mutants": list(keep)}
@@ -245,7 +247,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     def one(i: int, m: Mutant | None) -> dict:
         tree = work / (f"m{i}" if m is not None else "clean")
         _copy_tree(tree)
-        rec: dict = {"function": m.function, "change": m.change} if m else {}
+        rec: dict = {"function": m.function, "change": m.change, "gpu": gpu} if m else {}
         if m is not None:
             try:
                 apply(m, tree)
@@ -285,6 +287,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     (out / "gpu_pass.json").write_text(json.dumps(results, indent=1) + "\n")
     shutil.rmtree(work, ignore_errors=True)
     return 0 if results["clean"].get("rc") == 0 else 1
+
+
+def gpu_tag(name: str) -> str:
+    """A card's short name for a file name: "NVIDIA H100 80GB HBM3" -> "h100"."""
+    hit = re.search(r"\b([A-Z]+\d{2,4}[A-Z]?)\b", name)
+    return (hit.group(1) if hit else re.sub(r"\W+", "-", name)).lower()
 
 
 def cmd_list(args: argparse.Namespace) -> int:

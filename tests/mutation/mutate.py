@@ -19,6 +19,7 @@ tests/mutation/test_mutation_sample.py holds a seeded sample of mutants to.
 from __future__ import annotations
 
 import argparse
+import collections
 import filecmp
 import fnmatch
 import importlib
@@ -522,8 +523,12 @@ def gpu_section(gpu: dict | None, needs_cuda: list[tuple[str, str]], by_scope: d
         return lines
     m = gpu.get("machine", {})
     clean = gpu.get("clean") or {}
-    lines += [f"- machine: {m.get('gpu', '?')}, torch {m.get('torch', '?')}, Python {m.get('python', '?')}; "
+    cards = collections.Counter(r.get("gpu", m.get("gpu", "?")) for r in gpu.get("mutants", []))
+    logs = sorted(p.name for p in (ROOT / "bench/results").glob("mutation_gpu-*.log"))
+    lines += [f"- the last pass: {m.get('gpu', '?')}, torch {m.get('torch', '?')}, Python {m.get('python', '?')}; "
               f"started {gpu.get('utc', '?')}",
+              "- verdicts by card (a pass keeps the named kills of the earlier ones): "
+              + ", ".join(f"{card} {n}" for card, n in sorted(cards.items())),
               "- unmutated tree: " + ("passed" if clean.get("rc") == 0 else
                                       "not finished (the pass was stopped), so its kills are provisional" if not clean
                                       else f"failed `{clean.get('first_failure')}` (its first failure; every test "
@@ -539,8 +544,9 @@ def gpu_section(gpu: dict | None, needs_cuda: list[tuple[str, str]], by_scope: d
               + f"; killed {count['killed']} ({named} with the failing test named); "
               f"survived {count['survived']}; not yet run or not decided {count['not run']}; not run here {count['other']}"
               + (" (ProgressConsensus: an NCCL reduction needs a rank per GPU)" if count["other"] else ""),
-              "- the device log: `bench/results/mutation_gpu-h200.log`" if (ROOT / "bench/results/mutation_gpu-h200.log").exists()
-              else "- the device log of the first, cut-off pass was not kept; the next pass writes `bench/results/mutation_gpu-h200.log`",
+              "- the device logs, one a card, each of the mutants its pass ran: "
+              + ", ".join(f"`bench/results/{name}`" for name in logs) if logs
+              else "- no device log was kept; the next pass writes `bench/results/mutation_gpu-<gpu>.log`",
               ""]
     survived = [(f, c) for (f, c), v in zip(needs_cuda, verdicts) if v.startswith("**survived")]
     if survived:
