@@ -11,7 +11,8 @@ tests/mutation/equivalent*.py says the difference needs a CUDA device to show (a
 either way, pinning that needs CUDA; `mutate.NEEDS_CUDA`). That is a statement about where the tests ran, not
 about the mutant, so such a survivor is never counted equivalent: it runs here, against every test marked `gpu`.
 A pass's `gpu_pass.json` (written under --out) is copied to tests/mutation/gpu_pass.json, and its device log,
-`mutation_gpu-<gpu>.log` (h100, h200: the card that ran it), to bench/results/, before `report`. mutmut itself cannot run them: it forks its test process for each mutant, and a
+`mutation_gpu-<gpu>.log` (h100, h200: the card that ran it), is added to the end of that card's log in
+bench/results/ (a pass with --previous logs only the mutants it ran), before `report`. mutmut itself cannot run them: it forks its test process for each mutant, and a
 process that has initialised CUDA cannot fork a child that uses it. So each mutant is applied to a copy of the
 tree from its recorded change (function and `-`/`+` lines, tests/mutation/survivors.json) and its tests run in
 a fresh process; the unmutated tree runs first, and a pass whose clean run fails reports nothing.

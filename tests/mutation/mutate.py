@@ -31,6 +31,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -823,9 +824,10 @@ down is in functions and methods.
   `tests/mutation/run_on_device.sh`; a mutant first runs the test that killed it in the last pass);
 - `tests/mutation/survivors.json`: this run's survivors, machine-readable (function, change, status);
 - `tests/mutation/test_mutation_sample.py`: the CI step (`make test` runs it), 40 mutants picked with a fixed
-  seed, every one checked (about a minute and a half on 2 cores; no time box, a hang guard on progress),
-  failing when fewer of them are killed than this run killed of the same mutants (a mutant not listed in
-  survivors.json counts as killed by this run). It skips mutmut's clean run and forced-fail run: the stats
+  seed from those survivors.json does not list, every one checked (about 100 s alone on 2 cores, of which
+  mutmut's stats pass is 45 s; no time box, a hang guard on progress), failing when fewer of them are killed
+  than this run killed of the same mutants (a mutant not listed in survivors.json counts as killed by this
+  run; a listed one could only raise the sample's rate, so none is drawn). It skips mutmut's clean run and forced-fail run: the stats
   pass has already run every test unmutated, and a broken mutation can only fail the sample.
 """
 
@@ -939,21 +941,45 @@ def committed() -> tuple[dict, set[tuple[str, str]]]:
     return data["summary"], {(s["function"], s["change"]) for s in data["survivors"]}
 
 
+def draw(names: list[str], n: int, seed: int, passed_over: Callable[[str], bool]) -> tuple[list[str], int]:
+    """The sample: the first `n` names of a seeded shuffle that `passed_over` does not exclude (sorted), and how
+    many it excluded on the way. The test is asked only of names the shuffle reaches."""
+    order = sorted(names)  # the draw depends on the names and the seed, not on the order they came in
+    random.Random(seed).shuffle(order)
+    pick, left_out = [], 0
+    for name in order:
+        if len(pick) == n:
+            break
+        if passed_over(name):
+            left_out += 1
+        else:
+            pick.append(name)
+    return sorted(pick), left_out
+
+
 def cmd_sample(args: argparse.Namespace) -> int:
     """Generate every mutant, run a seeded sample of them (all of it, or what `--budget` seconds allow); print
     the kill rate, and the kill rate the committed full run had on the same mutants (those it lists as
     survivors survived it, the rest were killed), so the two are compared mutant for mutant, not as two
-    samples of a rate."""
+    samples of a rate.
+
+    The sample is drawn from the mutants the committed run does not list as survivors: one it lists can only
+    raise the sample's rate (it counts as survived on both sides, or as a new kill), so it could never fail the
+    check, and it is the dearest kind to run (a survivor runs every test that reaches it, where a kill stops at
+    the first failure)."""
     global WORK
     WORK = WORK.with_name(WORK.name + "-sample")
     layout()
     t0 = time.monotonic()
     rc = generate(args.max_children)
-    names = sorted(m.name for m in results())
-    if not names:
+    every = {m.name: m for m in results()}
+    if not every:
         print(f"no mutants generated (mutmut exit {rc})")
         return 2
-    pick = sorted(random.Random(args.seed).sample(names, min(args.n, len(names))))
+    summary, survived_before = committed()
+    survivor_functions = {f for f, _ in survived_before}
+    pick, left_out = draw(list(every), args.n, args.seed, lambda name: every[name].function in survivor_functions
+                          and (every[name].function, _norm(diff_of(every[name]))) in survived_before)
     crashes = 0
     while True:
         left = None if args.budget is None else max(30.0, args.budget - (time.monotonic() - t0))
@@ -970,7 +996,6 @@ def cmd_sample(args: argparse.Namespace) -> int:
     done = {m.name: m for m in results() if m.name in set(pick)}
     checked = [m for m in done.values() if m.status not in ("not checked", "skipped")]
     killed = sum(m.status in KILLED for m in checked)
-    summary, survived_before = committed()
     keys = {m.name: (m.function, _norm(diff_of(m))) for m in checked}
     before = sum(keys[m.name] not in survived_before for m in checked)
     new_survivors = [m.name for m in checked if m.status not in KILLED and keys[m.name] not in survived_before]
@@ -978,7 +1003,8 @@ def cmd_sample(args: argparse.Namespace) -> int:
            "kill_rate": round(killed / len(checked), 4) if checked else None,
            "committed_kill_rate_on_sample": round(before / len(checked), 4) if checked else None,
            "committed_kill_rate": summary["kill_rate"], "seconds": round(time.monotonic() - t0),
-           "new_survivors": new_survivors, "mutmut_exit": rc, "stats_pass_crashes": crashes}
+           "new_survivors": new_survivors, "committed_survivors_passed_over": left_out, "mutmut_exit": rc,
+           "stats_pass_crashes": crashes}
     print("\n" + json.dumps(out))  # on a line of its own: mutmut's spinner ends its lines with \r only
     (WORK / "sample.json").write_text(json.dumps(out))
     return 0
