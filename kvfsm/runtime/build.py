@@ -28,8 +28,7 @@ from kvfsm.dataplane import (
     StorageBackend,
     available_host_memory,
 )
-from kvfsm.dataplane.storage.process import CHILD_FILE_WRITERS, ProcessStorage
-from kvfsm.dataplane.storage.sharded import ShardedStorage
+from kvfsm.dataplane.storage.process import CHILD_FILE_WRITERS, in_processes
 from kvfsm.errors import ConfigError
 from kvfsm.runtime.config import OffloadConfig
 
@@ -163,10 +162,8 @@ def storage_factory(config: OffloadConfig, device_pool: DeviceKVPool, tp_rank: i
         options = {"writers": CHILD_FILE_WRITERS, **config.storage_extra} if config.storage_process else config.storage_extra
         make = functools.partial(FileStorage, config.storage_dir, model_name=config.model_name, tp_rank=tp_rank,
                                  tp_size=tp_size, is_mla=is_mla, **options)
-        if config.storage_process and config.storage_processes > 1:
-            return functools.partial(ShardedStorage.of, functools.partial(ProcessStorage, make), config.storage_processes)
         if config.storage_process:
-            return functools.partial(ProcessStorage, make)
+            return functools.partial(in_processes, make, config.storage_processes)
         return make
     if config.storage_backend == "mooncake":
         from kvfsm.dataplane.storage.mooncake import MooncakeStorage, MooncakeUnavailable, import_store_class

@@ -23,6 +23,7 @@ from kvfsm.dataplane import CopyEngine, CopyHandle, HostKVPool, PageRun, ReqToTo
 from kvfsm.dataplane.fences import SlotFence
 from kvfsm.dataplane.pools.device_pool import DeviceKVPool
 from kvfsm.dataplane.storage import StorageBackend
+from kvfsm.dataplane.storage.base import store_host_pages
 from kvfsm.errors import LifecycleError
 from kvfsm.generated.decode_offload import DecodeOffloadEffectsEach, DecodeOffloadMachine
 from kvfsm.runtime.backup import BackupJob, BackupWorker
@@ -246,12 +247,8 @@ class OffloadEffects(DecodeOffloadEffectsEach):
         if storage is None:
             ok = [False] * len(keys)
         else:
-            slots = host_pool.page_slots([p for chunk in chunks for p in chunk.host_pages])
-            direct = getattr(storage, "batch_set_from_host", None)  # the store gathers the pages itself
-            if direct is not None:
-                ok = list(direct(keys, host_pool, slots))
-            else:
-                ok = list(storage.batch_set(keys, list(host_pool.get_pages_bytes(slots).unbind(0))))
+            ok = store_host_pages(storage, keys, host_pool,
+                                  host_pool.page_slots([p for chunk in chunks for p in chunk.host_pages]))
             if len(ok) != len(keys):
                 raise ValueError(f"storage answered {len(ok)} results for {len(keys)} pages")
         out, at = [], 0

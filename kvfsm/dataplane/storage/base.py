@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -32,6 +32,17 @@ class StorageBackend(Protocol):
     def batch_exists(self, keys: Sequence[str]) -> int:
         """How many leading keys are stored (stops at the first missing one)."""
         ...
+
+
+def store_host_pages(store: StorageBackend, keys: Sequence[str], host_pool: Any, slots: Any) -> list[bool]:
+    """The pages at `slots` of `host_pool` into `store`, one success flag a key: a store that gathers pages
+    itself (`batch_set_from_host`) is given the slots, any other the pages' bytes, one tensor a page. The
+    backup worker, a store process and each shard of a sharded store all write through here. `host_pool` is a
+    `HostKVPool`, or in a store process the pages staged for it (what `get_pages_bytes` reads)."""
+    direct = getattr(store, "batch_set_from_host", None)
+    if direct is not None:
+        return list(direct(keys, host_pool, slots))
+    return list(store.batch_set(keys, list(host_pool.get_pages_bytes(slots).unbind(0))))
 
 
 def _check_batch(keys: Sequence[str], pages: Sequence[torch.Tensor]) -> None:

@@ -29,6 +29,7 @@ pickle (a class, or a `functools.partial` of one).
 
 from __future__ import annotations
 
+import functools
 import logging
 import mmap
 import os
@@ -43,14 +44,17 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from ..pools.host_pool import HostKVPool
 from ..pools.shared_memory import identity
-from .base import StorageBackend, StorageStats
+from .base import StorageBackend, StorageStats, store_host_pages
+
+if TYPE_CHECKING:
+    from .sharded import ShardedStorage
 
 logger = logging.getLogger(__name__)
 
@@ -355,15 +359,6 @@ class ProcessStorage:
 
 
 # ---- the child ----------------------------------------------------------------------------------------
-def _store_pages(store: Any, keys: list[str], pool: Any, indices: Any) -> list[bool]:
-    """The pages at `indices` of `pool` (the attached pool, or the staged pages) into the child's store: read
-    in place by a store that takes a host pool, else as one tensor a page."""
-    direct = getattr(store, "batch_set_from_host", None)
-    if direct is not None:
-        return list(direct(keys, pool, indices))
-    return list(store.batch_set(keys, list(pool.get_pages_bytes(indices).unbind(0))))
-
-
 def _serve(fd: int) -> None:
     """The store process: build the store, then answer one message at a time until end-of-file or close."""
     conn = Connection(fd)
@@ -391,7 +386,7 @@ def _serve(fd: int) -> None:
                     rows = np.frombuffer(mapped, dtype=np.uint8)
                 assert rows is not None, "no staging buffer mapped"
                 staged = _StagedPages(config, page_size, rows[: n * nbytes].reshape(n, nbytes))
-                result: Any = _store_pages(store, keys, staged, slice(0, n))
+                result: Any = store_host_pages(store, keys, staged, slice(0, n))
             elif op == "attach":
                 config, size, page_size, layout = msg[1:]
                 with socket.socket(fileno=os.dup(conn.fileno())) as sock:
@@ -401,7 +396,7 @@ def _serve(fd: int) -> None:
             elif op == "set_pool":
                 keys, pages = msg[1:]
                 assert pool is not None, "no host pool attached"
-                result = _store_pages(store, keys, pool, pool.page_slots(pages))
+                result = store_host_pages(store, keys, pool, pool.page_slots(pages))
             elif op == "set_pages":
                 result = list(store.batch_set(*msg[1:]))
             elif op == "get":
@@ -426,3 +421,13 @@ def _serve(fd: int) -> None:
 
 
 __all__ = ["CHILD_FILE_WRITERS", "ProcessStorage", "RemoteStoreError"]
+
+
+def in_processes(make: Callable[[], StorageBackend], processes: int = 1) -> ProcessStorage | ShardedStorage:
+    """`make`'s store in a child process, or for `processes` > 1 in that many, each key always in the same one
+    (`ShardedStorage` of `ProcessStorage`s). `make` is picklable: each child builds its own store from it."""
+    from .sharded import ShardedStorage  # sharded.py needs nothing of this module; the import stays one-way
+
+    if processes > 1:
+        return ShardedStorage.of(functools.partial(ProcessStorage, make), processes)
+    return ProcessStorage(make)

@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from .base import StorageBackend, StorageStats
+from .base import StorageBackend, StorageStats, store_host_pages
 
 T = TypeVar("T")
 
@@ -120,11 +120,7 @@ class ShardedStorage:
             raise ValueError(f"{len(keys)} keys for {len(pages)} pages")
 
         def part(store: StorageBackend, at: list[int]) -> list[bool]:
-            mine, slots = [keys[i] for i in at], host_pool.page_slots([pages[i] for i in at])
-            direct = getattr(store, "batch_set_from_host", None)
-            if direct is not None:
-                return list(direct(mine, host_pool, slots))
-            return list(store.batch_set(mine, list(host_pool.get_pages_bytes(slots).unbind(0))))
+            return store_host_pages(store, [keys[i] for i in at], host_pool, host_pool.page_slots([pages[i] for i in at]))
 
         return self._per_key(keys, part)
 

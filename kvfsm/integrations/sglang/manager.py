@@ -39,8 +39,7 @@ from typing import Any, cast
 
 import kvfsm.generated.decode_offload as spec_gen
 from kvfsm.dataplane import CpuCopyEngine, CudaCopyEngine, FileStorage, HostKVPool
-from kvfsm.dataplane.storage.process import CHILD_FILE_WRITERS, ProcessStorage
-from kvfsm.dataplane.storage.sharded import ShardedStorage
+from kvfsm.dataplane.storage.process import CHILD_FILE_WRITERS, in_processes
 from kvfsm.errors import ConfigError, EventRejected, RetractionRefused
 from kvfsm.runtime import DecodeOffloadManager, OffloadConfig, TPMismatch
 from kvfsm.runtime.manager import Reservation
@@ -158,12 +157,8 @@ class DecodeKVCacheOffloadManager:
                                        tp_rank=settings.tp_rank, tp_size=settings.tp_size, is_mla=kv.is_mla,
                                        layout=settings.file_layout, writers=writers,
                                        page_dims=(kv.num_planes, kv.num_layers, settings.page_size), dtype=kv.dtype)
-        storage: FileStorage | ProcessStorage | ShardedStorage
-        if settings.store_process and settings.store_processes > 1:
-            storage = ShardedStorage.of(functools.partial(ProcessStorage, make_store), settings.store_processes)
-        else:
-            storage = ProcessStorage(make_store) if settings.store_process else make_store()
-        self._storage = storage  # built here, closed here (release_host_resources)
+        # built here, closed here (release_host_resources)
+        self._storage = in_processes(make_store, settings.store_processes) if settings.store_process else make_store()
         options: dict[str, Any] = dict(page_size=settings.page_size, offload_stride=settings.stride,
                                        host_layout=settings.host_layout, copy_backend="cuda" if on_gpu else "cpu",
                                        storage_backend="file",
@@ -174,7 +169,7 @@ class DecodeKVCacheOffloadManager:
             OffloadConfig(**options), device_pool=device_pool,
             allocator=AllocatorView(token_to_kv_pool_allocator, device_pool.size),  # type: ignore[arg-type]
             req_to_token=TableView(req_to_token_pool, self._views),  # type: ignore[arg-type]
-            prefix_cache=PrefixCacheView(tree_cache), host_pool=host_pool, storage=storage,
+            prefix_cache=PrefixCacheView(tree_cache), host_pool=host_pool, storage=self._storage,
             # one copy per scheduler iteration: offload_kv_cache's chunks are submitted as one batch (_flush)
             copy_engine=CudaCopyEngine(device_pool.device) if on_gpu else CpuCopyEngine(),
             tp_group=tp_group if consensus.world > 1 else None, tp_rank=settings.tp_rank, tp_size=settings.tp_size)
