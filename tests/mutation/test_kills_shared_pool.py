@@ -74,6 +74,59 @@ def test_dropped_pinned_shared_pools_give_their_page_locks_back(monkeypatch: pyt
     assert errors == []
 
 
+class RecordingCudaRuntime:
+    """Stands in for `torch.cuda.cudart()` on a host without CUDA: records each call and what it was given."""
+
+    def __init__(self, register_rc: int = 0) -> None:
+        self.register_rc = register_rc
+        self.calls: list[tuple[str, tuple[object, ...]]] = []
+        self.open_at_unregister: list[bool] = []  # whether the memory file was still open when unregistered
+        self.fd = -1
+
+    def cudaHostRegister(self, *args: object) -> int:  # noqa: N802  the CUDA runtime's name
+        self.calls.append(("register", args))
+        return self.register_rc
+
+    def cudaHostUnregister(self, *args: object) -> int:  # noqa: N802
+        self.calls.append(("unregister", args))
+        try:
+            os.fstat(self.fd)
+            self.open_at_unregister.append(True)
+        except OSError:
+            self.open_at_unregister.append(False)
+        return 0
+
+
+def test_a_pinned_shared_buffer_registers_its_mapping_and_unregisters_it_when_the_last_view_goes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU twin of the test above, through a recording CUDA runtime: cudaHostRegister is given the mapping's
+    address, its whole size and the portable and mapped flags (1 | 2); when the last view is collected,
+    cudaHostUnregister is given the same address while the memory file is still open, and the finalizer raises
+    nothing. A non-zero return from cudaHostRegister is an error that names the call and its code."""
+    runtime = RecordingCudaRuntime()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: runtime)
+    errors: list[object] = []
+    monkeypatch.setattr(sys, "unraisablehook", errors.append)
+    buf, runtime.fd = shared_buffer(8192, True)
+    ptr = buf.data_ptr()
+    assert runtime.calls == [("register", (ptr, 8192, 3))]
+    view = buf[4096:]
+    del buf
+    gc.collect()
+    assert len(runtime.calls) == 1  # a view still holds the mapping
+    del view
+    gc.collect()
+    assert runtime.calls[1:] == [("unregister", (ptr,))] and runtime.open_at_unregister == [True]
+    assert errors == []
+    refused = RecordingCudaRuntime(register_rc=1)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: refused)
+    before = open_descriptors()
+    with pytest.raises(RuntimeError, match=r"cudaHostRegister of the shared host pool \(8192 bytes\) failed: error 1"):
+        shared_buffer(8192, True)
+    gc.collect()
+    assert open_descriptors() == before  # the refused buffer's memory file is closed
+
+
 def test_a_pool_attached_from_a_descriptor_says_it_is_not_pinned() -> None:
     """An attached pool maps memory it did not pin: `pinned` is the bool False, as every pool's `pinned` is a bool
     (what a caller compares or reports, not a None)."""
