@@ -524,11 +524,13 @@ def gpu_section(gpu: dict | None, needs_cuda: list[tuple[str, str]], by_scope: d
         return lines
     m = gpu.get("machine", {})
     clean = gpu.get("clean") or {}
-    cards = collections.Counter(r.get("gpu", m.get("gpu", "?")) for r in gpu.get("mutants", []))
+    wanted = {(f, _norm(c)) for f, c in needs_cuda}  # a verdict on a mutant the CPU now kills is not counted
+    cards = collections.Counter(r.get("gpu", m.get("gpu", "?")) for r in gpu.get("mutants", [])
+                                if (r["function"], r["change"]) in wanted)
     logs = sorted(p.name for p in (ROOT / "bench/results").glob("mutation_gpu-*.log"))
     lines += [f"- the last pass: {m.get('gpu', '?')}, torch {m.get('torch', '?')}, Python {m.get('python', '?')}; "
               f"started {gpu.get('utc', '?')}",
-              "- verdicts by card (a pass keeps the named kills of the earlier ones): "
+              "- verdicts by card, on this section's mutants (a pass keeps the named kills of the earlier ones): "
               + ", ".join(f"{card} {n}" for card, n in sorted(cards.items())),
               "- unmutated tree: " + ("passed" if clean.get("rc") == 0 else
                                       "not finished (the pass was stopped), so its kills are provisional" if not clean
