@@ -49,14 +49,18 @@ def test_a_shared_pool_shows_as_the_kvfsm_host_pool_memory_file() -> None:
 
 def test_asking_for_a_pinned_shared_pool_gives_pinned_memory_or_an_error_naming_cuda() -> None:
     """pin_memory=True with shared=True never quietly gives pageable memory that claims to be pinned: on a CUDA
-    host the memory file is page-locked, on a host without CUDA the error says CUDA is what is missing."""
+    host the memory file is page-locked, on a host without CUDA the error is the RuntimeError an unshared pinned
+    pool gets, and says CUDA is what is missing."""
     cfg = KVCacheConfig.tiny()
     if torch.cuda.is_available():
         pool = HostKVPool(cfg, 16, 4, pin_memory=True, shared=True)
         assert pool.pinned is True and pool.kv_buffer.is_pinned()
     else:
-        with pytest.raises(Exception, match="CUDA"):
-            HostKVPool(cfg, 16, 4, pin_memory=True, shared=True)
+        before = open_descriptors()
+        for shared in (True, False):  # one error type, shared or not, and no memory file left open
+            with pytest.raises(RuntimeError, match="CUDA"):
+                HostKVPool(cfg, 16, 4, pin_memory=True, shared=shared)
+        assert open_descriptors() == before
 
 
 @pytest.mark.gpu
@@ -125,6 +129,22 @@ def test_a_pinned_shared_buffer_registers_its_mapping_and_unregisters_it_when_th
         shared_buffer(8192, True)
     gc.collect()
     assert open_descriptors() == before  # the refused buffer's memory file is closed
+
+
+def test_a_pinned_shared_pool_page_locks_its_whole_memory_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HostKVPool(pin_memory=True, shared=True) on a CUDA host registers the memory file it maps, all of it, and
+    says it is pinned: checked on the CPU with CUDA reported available and the recording runtime above."""
+    runtime = RecordingCudaRuntime()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: runtime)
+    pool = HostKVPool(KVCacheConfig.tiny(), 16, 4, pin_memory=True, shared=True)
+    assert pool.pinned is True and pool.share_fd is not None
+    nbytes = pool.kv_buffer.numel() * pool.kv_buffer.element_size()
+    ptr = pool.kv_buffer.data_ptr()
+    assert runtime.calls == [("register", (ptr, nbytes, 3))]
+    del pool
+    gc.collect()  # while the recording runtime is in place: the finalizer unregisters through it
+    assert runtime.calls[1:] == [("unregister", (ptr,))]
 
 
 def test_a_pool_attached_from_a_descriptor_says_it_is_not_pinned() -> None:

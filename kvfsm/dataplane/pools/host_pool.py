@@ -87,6 +87,9 @@ class HostKVPool:
             pin_memory = torch.cuda.is_available()
         self.pinned = bool(pin_memory)
         if shared:
+            if self.pinned and not torch.cuda.is_available():  # the same type torch raises for an unshared pool
+                raise RuntimeError("pin_memory=True with shared=True needs CUDA: the shared pool is page-locked with "
+                                   "cudaHostRegister, and CUDA is not available")
             buf, self.share_fd = shared_buffer(requested, self.pinned)
             self.kv_buffer = buf.view(config.dtype).view(self._shape())
         else:
