@@ -358,6 +358,16 @@ class ProcessStorage:
             return self._call("stats")  # type: ignore[no-any-return]
 
 
+def in_processes(make: Callable[[], StorageBackend], processes: int = 1) -> ProcessStorage | ShardedStorage:
+    """`make`'s store in a child process, or for `processes` > 1 in that many, each key always in the same one
+    (`ShardedStorage` of `ProcessStorage`s). `make` is picklable: each child builds its own store from it."""
+    from .sharded import ShardedStorage  # sharded.py needs nothing of this module; the import stays one-way
+
+    if processes > 1:
+        return ShardedStorage.of(functools.partial(ProcessStorage, make), processes)
+    return ProcessStorage(make)
+
+
 # ---- the child ----------------------------------------------------------------------------------------
 def _serve(fd: int) -> None:
     """The store process: build the store, then answer one message at a time until end-of-file or close."""
@@ -420,14 +430,6 @@ def _serve(fd: int) -> None:
     conn.close()
 
 
-__all__ = ["CHILD_FILE_WRITERS", "ProcessStorage", "RemoteStoreError"]
 
+__all__ = ["CHILD_FILE_WRITERS", "ProcessStorage", "RemoteStoreError", "in_processes"]
 
-def in_processes(make: Callable[[], StorageBackend], processes: int = 1) -> ProcessStorage | ShardedStorage:
-    """`make`'s store in a child process, or for `processes` > 1 in that many, each key always in the same one
-    (`ShardedStorage` of `ProcessStorage`s). `make` is picklable: each child builds its own store from it."""
-    from .sharded import ShardedStorage  # sharded.py needs nothing of this module; the import stays one-way
-
-    if processes > 1:
-        return ShardedStorage.of(functools.partial(ProcessStorage, make), processes)
-    return ProcessStorage(make)
