@@ -84,3 +84,17 @@ def test_the_test_that_killed_a_mutant_before_runs_first_and_alone(tmp_path: Pat
     assert gone["rc"] == 0 and len(gone["summary"]) == 2
     plain = gpu_pass._run_tests(tmp_path, env)
     assert plain["rc"] == 0 and len(plain["summary"]) == 1 and "1 passed" in plain["summary"][0]
+
+
+@pytest.mark.parametrize("name, tag", [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"),
+                                       ("NVIDIA A100-SXM4-80GB", "a100"), ("Tesla V100-SXM2-16GB", "v100"),
+                                       ("Some Card", "some-card")])
+def test_each_card_logs_under_its_short_name(name: str, tag: str) -> None:
+    """A pass's log is named by the card that ran it (mutation_gpu-<tag>.log), so a pass on another card never
+    overwrites the log of the mutants an earlier card decided."""
+    assert gpu_pass.gpu_tag(name) == tag
+
+
+def test_each_verdict_in_the_record_names_its_card() -> None:
+    record = json.loads(gpu_pass.RESULTS.read_text())
+    assert record["mutants"] and all(r.get("gpu", "").startswith("NVIDIA ") for r in record["mutants"])
