@@ -980,8 +980,12 @@ def cmd_sample(args: argparse.Namespace) -> int:
         return 2
     summary, survived_before = committed()
     survivor_functions = {f for f, _ in survived_before}
-    pick, left_out = draw(list(every), args.n, args.seed, lambda name: every[name].function in survivor_functions
-                          and (every[name].function, _norm(diff_of(every[name]))) in survived_before)
+
+    def committed_survivor(name: str) -> bool:  # the diff is read only for a function with a listed survivor
+        m = every[name]
+        return m.function in survivor_functions and (m.function, _norm(diff_of(m))) in survived_before
+
+    pick, left_out = draw(list(every), args.n, args.seed, committed_survivor)
     crashes = 0
     while True:
         left = None if args.budget is None else max(30.0, args.budget - (time.monotonic() - t0))

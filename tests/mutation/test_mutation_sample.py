@@ -17,6 +17,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -24,6 +25,16 @@ from timing import run_watched
 
 HERE = Path(__file__).resolve().parent
 N, SEED = 40, 18  # 40 of the ~8,200 mutants
+
+
+def _mutate() -> ModuleType:
+    """tests/mutation/mutate.py, imported without leaving its folder on sys.path."""
+    sys.path.insert(0, str(HERE))
+    try:
+        import mutate
+    finally:
+        sys.path.remove(str(HERE))
+    return mutate
 
 
 def test_sampled_mutants_are_killed_as_in_the_committed_run() -> None:
@@ -49,11 +60,7 @@ def test_refresh_brings_every_workspace_file_from_its_source() -> None:
     """`mutate.py refresh` compares each file layout() copies with its source: the generated machines come
     from generated/ (the wheel's layout, one source per workspace path), and only MUTATE's files are mutated
     (a changed file that is not is also copied into mutmut's tree, which mutmut fills only once)."""
-    sys.path.insert(0, str(HERE))
-    try:
-        import mutate
-    finally:
-        sys.path.remove(str(HERE))
+    mutate = _mutate()
     pairs = mutate.workspace_files()
     paths = [rel for _, rel in pairs]
     assert len(paths) == len(set(paths))
@@ -71,11 +78,7 @@ def test_refresh_brings_every_workspace_file_from_its_source() -> None:
 def test_the_main_report_keeps_the_other_scopes_sections(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The main run writes the whole of docs/mutation.md; every other scope's section (between its markers, which
     `mutate.py --scope NAME` writes) comes through it unchanged, and the main scope's constants stay its own."""
-    sys.path.insert(0, str(HERE))
-    try:
-        import mutate
-    finally:
-        sys.path.remove(str(HERE))
+    mutate = _mutate()
     report = tmp_path / "mutation.md"
     monkeypatch.setattr(mutate, "REPORT", report)
     start, end = mutate.SCOPES["fences-adapter"].markers
@@ -96,11 +99,7 @@ def test_the_main_report_keeps_the_other_scopes_sections(tmp_path: Path, monkeyp
 def test_the_draw_passes_over_committed_survivors_and_keeps_its_size_and_seed() -> None:
     """The sample is the first N of a seeded shuffle that are not committed survivors: the same draw for the same
     names and seed, N names whenever N are left, none of them excluded, and the excluded counted."""
-    sys.path.insert(0, str(HERE))
-    try:
-        import mutate
-    finally:
-        sys.path.remove(str(HERE))
+    mutate = _mutate()
     names = [f"m{i}" for i in range(200)]
     survivors = {f"m{i}" for i in range(0, 200, 3)}
     asked: list[str] = []
