@@ -337,10 +337,12 @@ class OffloadEffects(DecodeOffloadEffectsEach):
         if m.copies and not m.fences:
             self.metrics.deferred_releases += 1
 
-    def request_slots(self, rec: RequestRecord) -> torch.Tensor:
+    def request_slots(self, rec: RequestRecord) -> torch.Tensor | np.ndarray:
         """Device slots of the request's own pages: those covering [prefix_len, ceil_page(committed)) plus the
         over-allocation [ceil_page(committed), allocated), each once. The matched prefix's pages [0,
-        prefix_len) are the prefix cache's (SGLang 0.5.23 frees [cache_protected_len, kv_allocated_len))."""
+        prefix_len) are the prefix cache's (SGLang 0.5.23 frees [cache_protected_len, kv_allocated_len)).
+        From the table's host mirror they are an int64 array, read and freed with no torch call
+        (`as_index_array`); without a mirror, a tensor on the table's device."""
         req, ps = rec.req, self.page_size
         if rec.end_lengths is not None:
             committed, allocated = rec.end_lengths
@@ -353,7 +355,8 @@ class OffloadEffects(DecodeOffloadEffectsEach):
         if self._table is None:  # no host mirror: computed on the table's device, never read here
             return self.device_table.whole_pages(rec.row, rec.prefix_len, end)  # type: ignore[union-attr]
         starts = self._table[rec.row, rec.prefix_len:end:ps]  # the request table's host mirror: never a GPU read
-        return torch.from_numpy(np.add.outer(starts - starts % ps, self._offsets_np).reshape(-1))
+        slots: np.ndarray = np.add.outer(starts - starts % ps, self._offsets_np).reshape(-1)
+        return slots
 
     def record_engine_release(self, m: DecodeOffloadMachine, arg: Any) -> None:
         rec = m.ctx

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -17,6 +18,7 @@ from kvfsm.dataplane import (
     SlotError,
     TokenSlotAllocator,
 )
+from kvfsm.dataplane.pools.allocator import as_index_array
 
 
 def snap(a: TokenSlotAllocator) -> tuple[list[int], list[bool], int]:
@@ -247,3 +249,29 @@ def test_counts_and_page_methods_do_not_collide() -> None:
     assert pages is not None and a.free_page_count == 5 and a.free_slots == 20
     a.free_pages(pages)
     assert a.free_page_count == 7
+
+
+def test_an_int64_array_is_taken_as_it_is_and_any_other_index_is_checked() -> None:
+    """as_index_array: an int64 array (what a release reads from the table's host mirror) flattened, no copy;
+    anything else through as_index_tensor's checks. free gives the same answers either way."""
+    a = TokenSlotAllocator(64, page_size=4)
+    x = a.alloc(8)
+    assert x is not None
+    arr = x.numpy().copy()
+    assert np.shares_memory(as_index_array(arr), arr) and as_index_array(arr.reshape(2, 4)).shape == (8,)
+    assert as_index_array(arr.astype(np.int32)).dtype == np.int64 and as_index_array([3, 1]).tolist() == [3, 1]
+    with pytest.raises(OutOfRange):
+        as_index_array(arr.astype(np.float64))
+    assert_rejected(a, OutOfRange, arr.astype(np.float64))
+    assert_rejected(a, OutOfRange, np.arange(60, 68, dtype=np.int64))
+    assert_rejected(a, PartialPage, arr[:6])
+    assert_rejected(a, NeverAllocated, np.arange(40, 44, dtype=np.int64))
+    a.free(arr.reshape(2, 4))
+    assert a.free_slots == a.capacity
+    assert_rejected(a, DoubleFree, arr)
+    y = a.alloc(4)
+    assert y is not None
+    assert a.is_allocated(y.numpy()).all() and not a.is_allocated(arr[4:]).any()
+    a.undo_alloc(y.numpy())
+    assert a.free_slots == a.capacity
+    a.check_conservation()

@@ -200,7 +200,7 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ("xǁThreadBackupWorkerǁwait_idle", _lines("time.sleep(0.001)", "time.sleep(1.001)"),
      "the poll interval: wait_idle returns the same answer, later"),
     # --- second pass: numpy and torch defaults ------------------------------------------------
-    ("xǁDecodeOffloadManagerǁ(__init__|_copy_slots|_device_slots)|xǁOffloadEffectsǁrequest_slots|x_as_index_tensor|"
+    ("xǁDecodeOffloadManagerǁ(__init__|_copy_slots|_device_slots)|xǁOffloadEffectsǁrequest_slots|x_as_index_tensor|x_as_index_array|"
      "xǁTokenSlotAllocatorǁ(_validate_free|pages_of)|x__token_bytes", r"- (.*)\.reshape\(-1(.*)\n\+ \1\.reshape\(-2\2",
      "every one of these is a numpy array, and numpy (the pinned 2.x) reads any negative size in reshape as the "
      "one to infer: reshape(-2) is reshape(-1) (torch would raise; none of these is a tensor)"),

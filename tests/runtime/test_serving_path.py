@@ -9,6 +9,7 @@
   waits for one.
 - The hot path leaves no reference cycles for the garbage collector, and the stored-page index keeps
   nothing the collector tracks however large it grows.
+- A request's release reads and frees its slots from the table's host mirror with no torch call.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from tests.runtime.test_offload_batch import run_workload
 
@@ -228,3 +230,35 @@ def test_stored_index_keeps_the_age_of_a_hash_stored_again() -> None:
     assert len(empty) == 0
     with pytest.raises(ValueError):
         StoredPageIndex(limit=-1)
+
+
+class _TorchCalls(TorchFunctionMode):
+    """Records every torch function and tensor method called inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        self.names.append(getattr(func, "__qualname__", repr(func)))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_release_from_the_host_mirror_makes_no_torch_call() -> None:
+    """The slots come from the mirror as an int64 array and the allocator frees that array as it is
+    (as_index_array); a tensor in between cost three torch calls (bench/probes/release_path_probe.py)."""
+    e = SimEngine(page_size=2, stride=4, device_slots=64, host_slots=32)
+    r = e.admit("a", 4)
+    for _ in range(3):
+        e.decode(r)
+    e.settle()  # no copy in flight: finalize releases at once
+    free_before, releases_before = e.allocator.free_slots, e.manager.metrics.releases
+    with _TorchCalls() as calls:
+        e.manager.finalize(r)
+    assert e.manager.metrics.releases == releases_before + 1 and e.allocator.free_slots > free_before
+    assert calls.names == []
+    x = e.allocator.alloc(4)
+    assert x is not None
+    with _TorchCalls() as calls:  # the spy sees a free given a tensor
+        e.allocator.free(x)
+    assert "TensorBase.reshape" in calls.names

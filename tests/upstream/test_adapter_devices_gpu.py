@@ -62,7 +62,8 @@ def test_the_host_pool_is_pinned_and_the_engine_bound_for_the_pools_device(devic
 
 def test_slots_freed_from_the_cpu_go_back_to_sglangs_cuda_allocator() -> None:
     """kvfsm reads a request's slots from the table's host mirror, so `AllocatorView.free` hands SGLang's CUDA
-    allocator CPU slots: they must arrive as its own device's pages, usable by the next allocation."""
+    allocator CPU slots (an int64 array from a CPU table's mirror, or a CPU tensor): they must arrive as its own
+    device's pages, usable by the next allocation."""
     from kvfsm.integrations.sglang.objects import AllocatorView
 
     sc = GPU_SCENARIOS[0]
@@ -70,11 +71,12 @@ def test_slots_freed_from_the_cpu_go_back_to_sglangs_cuda_allocator() -> None:
         _, kv, allocator = harness.build_pools(sc)
     ps = int(allocator.page_size)
     before = allocator.available_size()
-    slots = allocator.alloc(4 * ps)
-    assert slots is not None
     view = AllocatorView(allocator, int(kv.size))
-    view.free(slots.cpu())
-    assert allocator.available_size() == before
+    for host_form in (lambda t: t.cpu().numpy(), lambda t: t.cpu()):
+        slots = allocator.alloc(4 * ps)
+        assert slots is not None
+        view.free(host_form(slots))
+        assert allocator.available_size() == before
     free = allocator.free_pages if len(allocator.release_pages) == 0 else allocator.release_pages
     assert free.device == slots.device
     again = allocator.alloc(allocator.available_size())  # every page, the freed ones merged back in

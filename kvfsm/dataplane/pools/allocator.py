@@ -95,6 +95,15 @@ def as_index_tensor(indices: IndexLike, device: torch.device) -> torch.Tensor:
     return t.to(device=device, dtype=torch.int64)
 
 
+def as_index_array(indices: IndexLike) -> np.ndarray:
+    """A flat int64 array on the host, checked as `as_index_tensor` checks it; an int64 array is taken as it
+    is, with no torch call. A release reads the request's slots from the table's host mirror as an array, and
+    freeing it through a tensor cost three torch calls and a tracked object more (bench/probes/release_path_probe.py)."""
+    if isinstance(indices, np.ndarray) and indices.dtype == np.int64:
+        return indices.reshape(-1)
+    return as_index_tensor(indices, torch.device("cpu")).numpy()
+
+
 class TokenSlotAllocator:
     """Allocates page-aligned token slots of a pool with `num_slots` slots.
 
@@ -165,7 +174,7 @@ class TokenSlotAllocator:
 
     def is_allocated(self, indices: IndexLike) -> torch.Tensor:
         """Per-slot bool: is the page holding each slot allocated right now (for invariant checks)."""
-        idx = as_index_tensor(indices, torch.device("cpu")).numpy()
+        idx = as_index_array(indices)
         if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= self.num_slots):
             raise OutOfRange(f"slot index outside [0, {self.num_slots})")
         return torch.from_numpy(self._allocated_np[idx // self.page_size])
@@ -347,7 +356,7 @@ class TokenSlotAllocator:
         if not pages:
             return
         if not self.owns_page_list(pages):
-            self._validate_free(torch.from_numpy(self.slots_of(pages)))
+            self._validate_free(self.slots_of(pages))
             raise AssertionError("unreachable: the exact check accepted a batch the page check rejected")
         mask = self._allocated_bytes
         for p in pages:
@@ -357,7 +366,7 @@ class TokenSlotAllocator:
     def free(self, indices: IndexLike, fence: SlotFence | None = None) -> None:
         """Free exactly the pages covered by `indices` (whole pages, each once), or raise and change nothing;
         with a `fence`, as free_pages."""
-        pages = self._validate_free(as_index_tensor(indices, torch.device("cpu")))
+        pages = self._validate_free(as_index_array(indices))
         mask = self._allocated_bytes
         for p in pages:
             mask[p] = 0
@@ -366,9 +375,9 @@ class TokenSlotAllocator:
     def undo_alloc(self, indices: IndexLike) -> None:
         """Give back slots exactly as the alloc calls that returned them (in that order) found the pool:
         the pages go back to the front of the free list. For rolling back a call that cannot complete."""
-        idx = as_index_tensor(indices, torch.device("cpu"))
+        idx = as_index_array(indices)
         self._validate_free(idx)  # whole allocated pages, each once
-        pages = (idx.numpy()[:: self.page_size] // self.page_size).tolist()
+        pages = (idx[:: self.page_size] // self.page_size).tolist()
         mask = self._allocated_bytes
         for p in pages:
             mask[p] = 0
@@ -396,9 +405,8 @@ class TokenSlotAllocator:
         pages = self.pages_of(idx)
         return pages if pages is not None and all(map(self._allocated_bytes.__getitem__, pages)) else None
 
-    def _validate_free(self, idx: torch.Tensor) -> list[int]:
-        """The pages a free of `idx` would return, or raise the exact error."""
-        arr = idx.numpy()
+    def _validate_free(self, arr: np.ndarray) -> list[int]:
+        """The pages a free of `arr` (int64, flat) would return, or raise the exact error."""
         pages = self.owned_pages(arr)
         if pages is not None:
             return pages

@@ -20,6 +20,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from kvfsm.dataplane.fences import SlotFence
@@ -237,7 +238,7 @@ class AllocatorView:
         self.page_size = int(allocator.page_size)
         self.num_slots = int(num_slots)
 
-    def free(self, slots: torch.Tensor, fence: Optional[SlotFence] = None) -> None:
+    def free(self, slots: torch.Tensor | np.ndarray, fence: Optional[SlotFence] = None) -> None:
         """kvfsm frees a request's own pages, [cache_protected_len, allocated), whole and in slot order
         (`OffloadEffects.request_slots`): SGLang's `free_segment` contract (a page-aligned segment whose
         every `page_size`-th slot names a page), the call upstream's `free_kv_row` ends in. Unlike `free`
@@ -245,9 +246,10 @@ class AllocatorView:
         still read the slots), the current stream waits on it first."""
         if fence is not None and not fence.passed():
             fence.wait()
-        if len(slots):
-            slots = slots.to(device=self.allocator.device, dtype=torch.int64)
-            self.allocator.free_segment(slots, start_pos=0)  # start_pos is only checked to be page-aligned
+        if len(slots):  # an array when SGLang's table is on the CPU (read from it as kvfsm's host mirror)
+            t = torch.from_numpy(slots) if isinstance(slots, np.ndarray) else slots
+            self.allocator.free_segment(t.to(device=self.allocator.device, dtype=torch.int64),
+                                         start_pos=0)  # start_pos is only checked to be page-aligned  # start_pos is only checked to be page-aligned
 
     def owns_page_list(self, pages: Sequence[int]) -> bool:
         return False
