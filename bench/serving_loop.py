@@ -30,10 +30,12 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import hashlib
 import random
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -564,6 +566,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="FileStorage writer threads (the recorded H200 run used 4; the library default is 1)")
     ap.add_argument("--store-processes", type=int, default=4, help="store processes of --storage sharded")
     ap.add_argument("--switch-interval-ms", type=float, default=None, help="sys.setswitchinterval (a probe)")
+    ap.add_argument("--contender", action="store_true",
+                    help="a probe: a thread hashes pages in pure Python without pause beside the loop, so each call "
+                         "of a phase that lets go of the interpreter lock waits up to a switch interval for it back")
     ap.add_argument("--quick", action="store_true", help="a smoke run: results under bench/results/quick/")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -571,6 +576,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         args.tables = ["cpu"]
     if args.switch_interval_ms is not None:
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
+    if args.contender:
+        threading.Thread(target=_contend, name="contender", daemon=True).start()
     quick = args.quick or args.device == "cpu"  # a CPU run is a smoke test of the script, never a figure
     tag = args.device if quick else None
     rows: list[dict[str, Any]] = []
@@ -599,6 +606,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     for t in payload["targets"]:
         print(t)
     return 0
+
+
+def _contend() -> None:
+    """The --contender thread: chained sha256 over 128-byte pages, as a backup worker hashes, forever. Hashing
+    that little never lets go of the interpreter lock, so the thread holds it until the switch interval forces
+    it to: a phase's time beside it, less its time without it, over the interval, counts the phase's releases."""
+    last, page = bytes(32), bytes(128)
+    while True:
+        last = hashlib.sha256(last + page).digest()
 
 
 def _line(r: dict[str, Any]) -> str:
