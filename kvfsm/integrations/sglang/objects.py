@@ -246,10 +246,11 @@ class AllocatorView:
         still read the slots), the current stream waits on it first."""
         if fence is not None and not fence.passed():
             fence.wait()
-        if len(slots):  # an array when SGLang's table is on the CPU (read from it as kvfsm's host mirror)
-            t = torch.from_numpy(slots) if isinstance(slots, np.ndarray) else slots
-            self.allocator.free_segment(t.to(device=self.allocator.device, dtype=torch.int64),
-                                         start_pos=0)  # start_pos is only checked to be page-aligned  # start_pos is only checked to be page-aligned
+        if len(slots):
+            if isinstance(slots, np.ndarray):  # SGLang's table on the CPU, read as kvfsm's host mirror
+                slots = torch.from_numpy(slots)
+            slots = slots.to(device=self.allocator.device, dtype=torch.int64)
+            self.allocator.free_segment(slots, start_pos=0)  # start_pos is only checked to be page-aligned
 
     def owns_page_list(self, pages: Sequence[int]) -> bool:
         return False
