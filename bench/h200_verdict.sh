@@ -29,7 +29,7 @@ step() {  # name, seconds, command...
     tar -czf "$OUT/verdict.tgz" -C "$W" .
 }
 
-STEPS=${*:-"serving adapter process_tests adapter_process adapter_sharded sharded phases submit launch gil gil_sharded"}
+STEPS=${*:-"serving adapter process_tests adapter_process adapter_sharded sharded phases submit launch gil gil_sharded lock"}
 for s in $STEPS; do
     case $s in
     serving) step serving_loop 200 python3 bench/serving_loop.py --live 4096 --pages 64/64 16/16 --tables cuda \
@@ -52,6 +52,13 @@ for s in $STEPS; do
         step store_gil_share_sharded_busy$busy 90 python3 bench/probes/store_gil_share.py --pin --page 16 --batch 256 \
             --busy-ms $busy --idle-ms $((27 - busy)) --modes none process sharded --hashed-keys --seconds 6 \
             --out "$W/store_gil_share_sharded_busy$busy-$TAG.json"; done ;;
+    lock) # where the scheduler's thread lets go of the interpreter lock: each phase quiet, then beside a thread
+        # running Python with a 0.5 ms switch interval (docs/performance.md, "The interpreter lock ...")
+        step serving_loop_lock_quiet 200 python3 bench/serving_loop.py --live 4096 --pages 64/64 16/16 --tables cuda \
+            --storage sharded --store-processes 4 --no-baseline --out "$W/serving_loop_lock_quiet-$TAG.json"
+        step serving_loop_lock_contender 230 python3 bench/serving_loop.py --live 4096 --pages 64/64 16/16 \
+            --tables cuda --storage sharded --store-processes 4 --no-baseline --contender --switch-interval-ms 0.5 \
+            --iterations 100 --warmup 40 --out "$W/serving_loop_lock_contender-$TAG.json" ;;
     process_tests) step process_storage_tests 90 python3 -m pytest -q -p no:cacheprovider -p no:anyio -o addopts= \
         tests/dataplane/test_process_storage.py tests/dataplane/test_host_pool.py ;;
     gpu_tests) step gpu_tests 400 python3 -m pytest -q -p no:cacheprovider -p no:randomly -p no:anyio -o addopts= \
