@@ -3,7 +3,7 @@
 # the suite must bear without failing (on the 2-core CI machine, two of them; about 20 minutes). The burners
 # are killed at the end, however the run ends; prints make's exit status and the wall time.
 #
-#   tests/load_check.sh [BURNERS] [DIR]      # defaults: 2 burners, a clone in /tmp/kvfsm-load-check
+#   tests/load_check.sh [BURNERS] [DIR]      # defaults: 2 burners, a clone in /tmp/kvfsm-load-check; 0: idle
 #
 # The clone has no venvs, so the time includes the set-up, as CI's does; the log is DIR.log.
 set -uo pipefail
