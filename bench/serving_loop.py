@@ -513,10 +513,11 @@ def run_config(algo: str, live: int, page: int, stride: int, table: str, args: a
         shutil.rmtree(store, ignore_errors=True)
 
 
-def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def targets(rows: list[dict[str, Any]], probe: Optional[str] = None) -> list[dict[str, Any]]:
     """The verdict's targets, each `{name, value, limit, met}`: at the largest live count, kvfsm's median
     against the same run's bare floor (1.5x at page/stride 64/64, 2x at 16/16), and for every kvfsm row
-    p99 within 2x its own median and max within 10 ms with GC on; kvfsm's garbage after teardown."""
+    p99 within 2x its own median and max within 10 ms with GC on; kvfsm's garbage after teardown. A probe run
+    (`probe` says what it changed) is not the verdict's regime: each name says so."""
     out = []
     top = max((r["live"] for r in rows), default=0)
     for r in rows:
@@ -534,7 +535,17 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         out.append(target(f"p99 / median, {at}", t["p99"] / t["median"] if t["median"] else None, 2.0))
         out.append(target(f"max ms (GC on), {at}", t["max"], 10.0))
         out.append(target(f"kvfsm objects found by a full collection, {at}", r["teardown"]["garbage_of_kvfsm"], 0))
+    if probe:
+        for t in out:
+            t["name"] = f"probe run ({probe}), not the verdict: {t['name']}"
     return out
+
+
+def probe_of(args: argparse.Namespace) -> Optional[str]:
+    """What a probe option changed about the loop, or None for a verdict run."""
+    parts = (["a thread running Python beside the loop"] if args.contender else []) + (
+        [f"switch interval {args.switch_interval_ms} ms"] if args.switch_interval_ms is not None else [])
+    return ", ".join(parts) or None
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -587,7 +598,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         rows.append(row)
         print(_line(row), flush=True)
         payload.update(settings={k: v for k, v in vars(args).items() if k != "out"}, rows=rows,
-                       targets=targets(rows))
+                       verdict=probe_of(args) is None, targets=targets(rows, probe_of(args)))
         write_result("serving_loop", payload, args.out, quick=quick, tag=tag)
 
     for live in args.live:

@@ -34,4 +34,12 @@ def test_serving_loop_runs_and_reports_every_figure(tmp_path: Path) -> None:
     assert all(set(t) == {"name", "value", "limit", "met"} for t in doc["targets"])
     assert any(n.startswith("median / bare floor median, 48 live 16/16") for n in names), names
     assert any(n.startswith("p99 / median") for n in names) and any(n.startswith("max ms") for n in names)
+    assert doc["verdict"] is True
     assert not list(tmp_path.glob("kvfsm-serving-*"))  # each run's store is removed
+    # the same rows from a probe run (a Python thread beside the loop, a shorter switch interval): every
+    # target's name says it is not the verdict's regime
+    probe = serving_loop.probe_of(serving_loop.argparse.Namespace(contender=True, switch_interval_ms=0.5))
+    assert probe == "a thread running Python beside the loop, switch interval 0.5 ms"
+    assert serving_loop.probe_of(serving_loop.argparse.Namespace(contender=False, switch_interval_ms=None)) is None
+    probed = serving_loop.targets(doc["rows"], probe)
+    assert [t["name"] for t in probed] == [f"probe run ({probe}), not the verdict: {n}" for n in names]
