@@ -9,7 +9,9 @@
   waits for one.
 - The hot path leaves no reference cycles for the garbage collector, and the stored-page index keeps
   nothing the collector tracks however large it grows.
-- A request's release reads and frees its slots from the table's host mirror with no torch call.
+- A request's release reads and frees its slots from the table's host mirror with no torch call, and the
+  batch path's torch calls do not grow with its chunks: each torch call lets go of the interpreter lock
+  (docs/performance.md, "The interpreter lock on the scheduler's thread").
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from tests.runtime.test_offload_batch import run_workload
+from tests.runtime.test_offload_batch import batch_arrays, run_workload
 
 from kvfsm.dataplane import HostKVPool, KVCacheConfig, OutOfRange, ReqToTokenPool
 from kvfsm.dataplane.copy.base import plan_copy
@@ -262,3 +264,34 @@ def test_a_release_from_the_host_mirror_makes_no_torch_call() -> None:
     with _TorchCalls() as calls:  # the spy sees a free given a tensor
         e.allocator.free(x)
     assert "TensorBase.reshape" in calls.names
+
+
+def test_the_batch_path_makes_a_fixed_number_of_torch_calls_whatever_its_chunks() -> None:
+    """Unchecked (as served): offload_batch's torch calls are the copy engine's submit, as many for 4 chunks as
+    for 16, and the progress check that lands and backs up those chunks makes none. (Checked mode's ledger
+    reads each chunk's slots: that mode is for finding bugs, not for serving.)"""
+    calls = {}
+    for live in (4, 16):
+        e = SimEngine(page_size=2, stride=2, device_slots=4096, host_slots=2048, rows=64, backup_queue=64,
+                      checked=False)
+        for i in range(live):
+            e.admit(f"r{i}", 4)
+        offload, check, chunks = [], [], 0
+        for _ in range(4):
+            for r in list(e.live):
+                e.decode(r)
+            reqs, rows, committed = batch_arrays(e)
+            with _TorchCalls() as c:
+                chunks += e.manager.offload_batch(reqs, rows, committed)
+            offload.append(len(c.names))
+            e.copies.complete_all()
+            while e.worker.pending:
+                e.worker.run(0)
+            with _TorchCalls() as c:
+                e.manager.check_progress()
+            check.append(len(c.names))
+        m = e.manager.metrics  # two strides each, stored but for the last check's, whose backups were just queued
+        assert chunks == 2 * live and m.stored_pages + m.backups_in_flight == chunks and m.stored_pages >= live
+        calls[live] = (max(offload), check)
+    assert calls[4] == calls[16] and calls[16][1] == [0, 0, 0, 0], calls
+    assert 0 < calls[16][0] <= 2, calls  # the CPU copy engine's submit
