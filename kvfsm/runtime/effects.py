@@ -132,6 +132,10 @@ class Chunk(PageRun):
         """The chunk's page hashes ([] until `hash_chunk` linked it into its request's chain)."""
         return super().hashes if self.page_size else []
 
+    def digests(self) -> tuple[str, ...]:
+        """`hashes` as the tuple the run keeps, not a new list."""
+        return self._hashed() if self.page_size else ()
+
     @property
     def device_indices(self) -> torch.Tensor:
         """Device slots the copy reads (on the device pool's device)."""
@@ -270,16 +274,21 @@ class OffloadEffects(DecodeOffloadEffectsEach):
         self.mark_stored_each([(m, chunk)])
 
     def mark_stored_each(self, items: Items) -> None:
-        put, ps = self.stored.put, self.page_size
-        pages = 0
+        # one put_many for the batch's pages, not a put a page (what it saves: StoredPageIndex.put_many)
+        ps = self.page_size
+        hashes: list[str] = []
+        owners: list[str] = []
+        positions: list[int] = []
         for _, chunk in items:
             rec = chunk.record
-            hashes = chunk.hashes
-            for i, h in enumerate(hashes):
-                put(h, rec.key, chunk.start + i * ps)
-            rec.stored_pages += len(hashes)
-            pages += len(hashes)
-        self.metrics.stored_pages += pages
+            digests = chunk.digests()
+            n = len(digests)
+            hashes += digests
+            owners += [rec.key] * n
+            positions += range(chunk.start, chunk.start + n * ps, ps)
+            rec.stored_pages += n
+        self.stored.put_many(hashes, owners, positions)
+        self.metrics.stored_pages += len(hashes)
 
     def count_backup_failure(self, m: DecodeOffloadMachine, chunk: Chunk) -> None:
         self.count_backup_failure_each([(m, chunk)])

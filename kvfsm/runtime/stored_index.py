@@ -10,7 +10,7 @@ Storing a hash again updates its value and keeps its age, as an OrderedDict woul
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -60,6 +60,44 @@ class StoredPageIndex(Mapping[str, tuple[str, int]]):
         slot = seq % self._hash.size
         self._owner[slot] = owner
         self._pos[slot] = position
+
+    def put_many(self, hashes: Sequence[str], owners: Sequence[str], positions: Sequence[int]) -> None:
+        """`put(h, o, p)` for each triple, in order, with the ring's writes made as three numpy assignments
+        rather than three scalar ones a page. What it saves, with the index full at a million pages: 1.3-1.4
+        -> 0.9 us a page on this repository's CPU (bench/probes/stored_index_probe.py); the dict's lookup,
+        drop and insert are what is left. A batch longer than the ring goes put by put, since its drops
+        would read slots written by the same batch."""
+        n = len(hashes)
+        if not self.limit or not n:
+            return
+        while self._next - self._first + n > self._hash.size < self.limit:
+            self._grow()  # as put would grow, ahead of time: the capacity is all that differs
+        size = self._hash.size
+        if n > size:
+            for h, o, p in zip(hashes, owners, positions):
+                self.put(h, o, p)
+            return
+        slot_of, hash_ring = self._slot, self._hash
+        first, nxt = self._first, self._next
+        # the hashes this batch may drop, oldest first, read in one call (at the limit, every new page drops one)
+        droppable = hash_ring.take(np.arange(first, first + n) % size).tolist() if nxt - first + n > size else []
+        writes: dict[int, tuple[str, str, int]] = {}  # slot -> (hash, owner, position): the last write wins
+        for h, o, p in zip(hashes, owners, positions):
+            seq = slot_of.get(h)
+            if seq is None:
+                if nxt - first == size:  # full at the limit: drop the oldest, whose slot the new entry takes
+                    del slot_of[droppable[first - self._first]]
+                    first += 1
+                seq = nxt
+                nxt += 1
+                slot_of[h] = seq
+            writes[seq % size] = (h, o, p)
+        self._first, self._next = first, nxt
+        slots = np.fromiter(writes, dtype=np.int64, count=len(writes))
+        new_hashes, new_owners, new_positions = zip(*writes.values())
+        hash_ring[slots] = new_hashes
+        self._owner[slots] = new_owners
+        self._pos[slots] = new_positions
 
     def _drop_oldest(self) -> None:
         slot = self._first % self._hash.size
