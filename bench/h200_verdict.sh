@@ -32,7 +32,7 @@ step() {  # name, seconds, command...
 STEPS=${*:-"serving adapter process_tests adapter_process adapter_sharded sharded phases submit launch gil gil_sharded lock"}
 for s in $STEPS; do
     case $s in
-    serving) step serving_loop 200 python3 bench/serving_loop.py --live 4096 --pages 64/64 16/16 --tables cuda \
+    serving) step serving_loop 280 python3 bench/serving_loop.py --live 4096 --pages 64/64 16/16 --tables cuda \
         --storage file process --no-baseline --out "$W/serving_loop_4096-$TAG.json" ;;
     serving32) step serving_loop_32 150 python3 bench/serving_loop.py --live 512 --layers 32 --host-gib 16 \
         --tables cuda --no-baseline --out "$W/serving_loop_32layers-$TAG.json" ;;
@@ -41,7 +41,7 @@ for s in $STEPS; do
         --out "$W/sglang_adapter_gpu-store-process-$TAG.json" ;;
     adapter_sharded) step sglang_adapter_sharded 330 python3 bench/sglang_adapter_gpu.py --live 4096 --pages 16/16 64/64 \
         --store-process 4 --out "$W/sglang_adapter_gpu-sharded-$TAG.json" ;;
-    sharded) step serving_loop_sharded 220 python3 bench/serving_loop.py --live 4096 --pages 16/16 64/64 --tables cuda \
+    sharded) step serving_loop_sharded 300 python3 bench/serving_loop.py --live 4096 --pages 16/16 64/64 --tables cuda \
         --storage sharded process --store-processes 4 --no-baseline --out "$W/serving_loop_sharded-$TAG.json" ;;
     phases) step door_phases 150 python3 bench/probes/door_phases.py --live 4096 --pages 64 16 \
         --out "$W/door_phases-$TAG.json" ;;
@@ -55,9 +55,9 @@ for s in $STEPS; do
     lock) # where the scheduler's thread lets go of the interpreter lock: each phase quiet, then beside a thread
         # running Python with a 0.5 ms switch interval (docs/performance.md, "The interpreter lock ...")
         step serving_loop_lock_quiet 200 python3 bench/serving_loop.py --live 4096 --pages 64/64 16/16 --tables cuda \
-            --storage sharded --store-processes 4 --no-baseline --out "$W/serving_loop_lock_quiet-$TAG.json"
+            --storage sharded --store-processes 4 --no-baseline --floors bare --out "$W/serving_loop_lock_quiet-$TAG.json"
         step serving_loop_lock_contender 230 python3 bench/serving_loop.py --live 4096 --pages 64/64 16/16 \
-            --tables cuda --storage sharded --store-processes 4 --no-baseline --contender --switch-interval-ms 0.5 \
+            --tables cuda --storage sharded --store-processes 4 --no-baseline --floors bare --contender --switch-interval-ms 0.5 \
             --iterations 100 --warmup 40 --out "$W/serving_loop_lock_contender-$TAG.json" ;;
     process_tests) step process_storage_tests 90 python3 -m pytest -q -p no:cacheprovider -p no:anyio -o addopts= \
         tests/dataplane/test_process_storage.py tests/dataplane/test_host_pool.py ;;

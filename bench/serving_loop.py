@@ -18,7 +18,10 @@ them, fewer than 32 so that thousands of requests fit the device), the backup th
 The stored-page index starts full (`--prefill-index`, the default limit), as in a long-running server.
 In the same run, the seed's per-request algorithm (bench/seed_baseline.py) runs the same loop on the
 same kind of pools and engine, and so does the floor of any manager (bench/bare_offload.py: selection,
-one copy, host frees, nothing else): the targets report kvfsm's time against both as ratios.
+one copy, host frees, nothing else): the targets report kvfsm's time against both as ratios. Beside them runs
+the floor of a manager that also backs up (bench/bare_backup.py: the same plus hashing, the store and the
+stored-page index, with the first `--storage`): its ratio to the copy-only floor is reported as a limit probe,
+the part of each target's budget that backing up alone takes.
 
 `--device cpu` runs the same loop with a threaded CPU copy engine and a sleeping step: a smoke test
 of this script (tests/bench/), never a figure. `--quick` results go to bench/results/quick/ unless
@@ -44,6 +47,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bare_backup import BareBackupOffload  # noqa: E402
 from bare_offload import BareOffload  # noqa: E402
 from common import target, write_result  # noqa: E402
 from seed_baseline import SeedAlgorithmOffload  # noqa: E402
@@ -187,7 +191,7 @@ def stats(xs: list[float]) -> dict[str, float]:
 
 
 class ServingLoop:
-    """The decode loop around one offload algorithm ("kvfsm", "kvfsm-fenced", "seed" or "bare").
+    """The decode loop around one offload algorithm ("kvfsm", "kvfsm-fenced", "seed", "bare" or "bare-backup").
 
     "kvfsm-fenced" is kvfsm with `fenced_release`: a request that finishes under a copy gives its slots back at
     once, and the engine takes them with `alloc_pages_fenced`, its compute stream waiting on their fences
@@ -247,8 +251,9 @@ class ServingLoop:
                                                 allocator=self.allocator, req_to_token=self.table,
                                                 host_pool=self.host_pool, copy_engine=engine, storage=storage)
         else:
-            self.manager = BareOffload(page_size=page, stride=stride, device_pool=self.pool, allocator=self.allocator,
-                                       req_to_token=self.table, host_pool=self.host_pool, copy_engine=engine)
+            floor: dict[str, Any] = dict(page_size=page, stride=stride, device_pool=self.pool, allocator=self.allocator,
+                                         req_to_token=self.table, host_pool=self.host_pool, copy_engine=engine)
+            self.manager = BareBackupOffload(storage=storage, **floor) if algo == "bare-backup" else BareOffload(**floor)
         self.step = DecodeStep(self.pool, step_ms, max(live, prompt[1]))
         self.freeze_gc = True
         self.submit_s = 0.0  # time inside the copy engine's submit_d2h (part of the manager's calls)
@@ -332,9 +337,10 @@ class ServingLoop:
     def run(self, warmup: int, iterations: int, prefill_index: int) -> dict[str, Any]:
         while len(self.live) < self.live_target and self.admit():
             pass
-        if self.kvfsm and prefill_index:  # a long-running server's index: full
-            put = self.manager.fx.stored.put
-            for i in range(min(prefill_index, self.manager.fx.stored.limit)):
+        index = self.manager.fx.stored if self.kvfsm else getattr(self.manager, "stored", None)
+        if index is not None and prefill_index:  # a long-running server's index: full
+            put = index.put
+            for i in range(min(prefill_index, index.limit)):
                 put(f"{i:064x}", "earlier#0", 0)
         if self.freeze_gc:  # what servers do after start-up (vLLM, SGLang): the heap so far is never walked again
             gc.collect()
@@ -454,6 +460,8 @@ class ServingLoop:
             out["fenced_pages_free_at_end"] = self.allocator.fenced_page_count
             out["stored_index"] = {"entries": len(self.manager.fx.stored),
                                    "dict_gc_tracked": gc.is_tracked(self.manager.fx.stored._slot)}
+        elif self.algo == "bare-backup":
+            out["metrics"] = {"stored_pages": self.manager.stored_pages}
         return out
 
     def teardown(self) -> dict[str, Any]:
@@ -532,6 +540,11 @@ def targets(rows: list[dict[str, Any]], probe: Optional[str] = None) -> list[dic
         limit = {(64, 64): 1.5, (16, 16): 2.0}.get((r["page"], r["stride"]))
         if floor is not None and limit is not None and r["live"] == top and floor["total"]["median"]:
             out.append(target(f"median / bare floor median, {at}", t["median"] / floor["total"]["median"], limit))
+            backup = next((b for b in rows if b["algo"] == "bare-backup" and b.get("storage") == r.get("storage")
+                           and (b["live"], b["page"], b["stride"]) == (r["live"], r["page"], r["stride"])), None)
+            if backup is not None:  # the limit probe: what backing up alone takes of the same budget
+                out.append(target(f"limit probe, not a target of kvfsm's: the backup floor's median / bare floor "
+                                  f"median, {at}", backup["total"]["median"] / floor["total"]["median"], limit))
         out.append(target(f"p99 / median, {at}", t["p99"] / t["median"] if t["median"] else None, 2.0))
         out.append(target(f"max ms (GC on), {at}", t["max"], 10.0))
         out.append(target(f"kvfsm objects found by a full collection, {at}", r["teardown"]["garbage_of_kvfsm"], 0))
@@ -567,7 +580,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--output", type=int, nargs=2, default=list(OUTPUT), metavar=("MIN", "MAX"))
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--fenced", action="store_true", help="also run kvfsm with fenced_release (kvfsm-fenced)")
-    ap.add_argument("--no-floor", action="store_true", help="skip bench/bare_offload.py's floor")
+    ap.add_argument("--no-floor", action="store_true", help="skip the floors (--floors)")
+    ap.add_argument("--floors", nargs="+", default=["bare", "backup"], choices=["bare", "backup"],
+                    help="bare: bench/bare_offload.py (copies, no store: the targets' floor); backup: "
+                         "bench/bare_backup.py (the same plus hashing, storing and indexing, with the first --storage)")
     ap.add_argument("--storage", nargs="+", default=["file"], choices=["file", "process", "sharded", "none"],
                     help="kvfsm runs once with each (the seed baseline with the first). process: the file store in a child process (ProcessStorage); "
                          "sharded: in --store-processes children, the keys sharded (ShardedStorage); none: a probe without storage "
@@ -612,7 +628,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             if not args.no_baseline:
                 add(run_config("seed", live, page, stride, args.tables[0], args))
             if not args.no_floor:
-                add(run_config("bare", live, page, stride, args.tables[0], args))
+                for floor in args.floors:
+                    add(run_config("bare" if floor == "bare" else "bare-backup", live, page, stride, args.tables[0],
+                                   args))
     print(f"wrote {write_result('serving_loop', payload, args.out, quick=quick, tag=tag)}")
     for t in payload["targets"]:
         print(t)

@@ -21,9 +21,9 @@ def test_serving_loop_runs_and_reports_every_figure(tmp_path: Path) -> None:
                               "--warmup", "30", "--step-ms", "1", "--host-gib", "0.125", "--prefill-index", "5000", "--output", "8", "40",
                               "--store-root", str(tmp_path), "--quick", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
-    kvfsm, seed, bare = doc["rows"]
-    assert (kvfsm["algo"], seed["algo"], bare["algo"]) == ("kvfsm", "seed", "bare")
-    for row in (kvfsm, seed, bare):
+    kvfsm, seed, bare, backup = doc["rows"]
+    assert (kvfsm["algo"], seed["algo"], bare["algo"], backup["algo"]) == ("kvfsm", "seed", "bare", "bare-backup")
+    for row in (kvfsm, seed, bare, backup):
         assert row["iterations_timed"] == 40 and row["chunks_per_iteration"]["mean"] > 0
         assert row["bytes_offloaded_per_step"] > 0
         assert row["teardown"]["device_slots_leaked"] == 0 and row["teardown"]["host_slots_leaked"] == 0
@@ -33,6 +33,9 @@ def test_serving_loop_runs_and_reports_every_figure(tmp_path: Path) -> None:
     names = [t["name"] for t in doc["targets"]]
     assert all(set(t) == {"name", "value", "limit", "met"} for t in doc["targets"])
     assert any(n.startswith("median / bare floor median, 48 live 16/16") for n in names), names
+    assert backup["metrics"]["stored_pages"] > 0
+    limit = next(t for t in doc["targets"] if t["name"].startswith("limit probe"))
+    assert limit["value"] == backup["total"]["median"] / bare["total"]["median"] and limit["limit"] == 2.0
     assert any(n.startswith("p99 / median") for n in names) and any(n.startswith("max ms") for n in names)
     assert doc["verdict"] is True
     assert not list(tmp_path.glob("kvfsm-serving-*"))  # each run's store is removed
