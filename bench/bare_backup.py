@@ -111,15 +111,10 @@ class BareBackupOffload(BareOffload):
         return store_host_pages(self.storage, keys, self.host_pool, self.host_pool.page_slots(batch.pages))
 
     def check_progress(self) -> None:
-        """Landed copies go to the backup thread (one job a batch); stored batches free their host pages and
-        enter the index; finished requests are released once their copies landed, as the floor does."""
-        queued: deque[Any] = self.inflight  # (serial, handle, pages, batch)
-        jobs = []
-        while queued and queued[0][1].done():
-            jobs.append(BackupJob(queued.popleft()[3], self._write))
-        if jobs:
-            self.worker.submit_many(jobs)
-            self.worker.flush()
+        """Stored batches free their host pages and enter the index; landed copies go to the backup thread (one
+        job a batch); finished requests are released once their copies landed, as the floor does. The backup
+        thread is woken last, as kvfsm's progress check wakes it: woken sooner, its hashing would take the
+        interpreter lock from the rest of the check."""
         done = self.worker.completed()
         if done:
             ps = self.page_size
@@ -135,9 +130,16 @@ class BareBackupOffload(BareOffload):
                         positions += range(start, start + k * ps, ps)
                     self.stored.put_many(batch.keys, owners, positions)
                     self.stored_pages += len(batch.keys)
+        queued: deque[Any] = self.inflight  # (serial, handle, pages, batch)
+        jobs = []
+        while queued and queued[0][1].done():
+            jobs.append(BackupJob(queued.popleft()[3], self._write))
+        if jobs:
+            self.worker.submit_many(jobs)
         landed = queued[0][0] - 1 if queued else self.serial
         while self.finished and self.finished[0][0] <= landed:
             self._release(self.finished.popleft()[1])
+        self.worker.flush()
 
     def _release(self, req: Any) -> None:
         self.chained[req.req_pool_idx] = False

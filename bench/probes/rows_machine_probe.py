@@ -14,6 +14,11 @@ the requests' machines (the machine objects alone; the runtime keeps more per re
 
     python bench/probes/rows_machine_probe.py          # bench/results/quick/rows_machine_probe-<machine>.json
     python bench/probes/rows_machine_probe.py --quick  # a smoke run (few cycles), marked quick
+    python bench/probes/rows_machine_probe.py --serving-only  # only the serving regime (below)
+
+The serving regime (`serving` in the JSON): a table of 5,128 rows (the serving loop's at 4096 live), each event
+fired over the 64 or 256 rows whose chunk is due in an iteration (page 64 or 16), a fresh random set each cycle.
+What a lifecycle run by the rows machine would spend an iteration in the machine alone, effects aside.
 
 Both write under bench/results/quick/ (git-ignored): CPU figures from a shared development machine, kept
 out of the recorded results.
@@ -131,11 +136,55 @@ def doors(n: int, times: int) -> dict[str, tuple[float, dict[str, Callable[[], N
             "loop": (per_loop, {e: loop(e) for e in CYCLE})}
 
 
+def serving_events(table_rows: int, live: int, batch: int, cycles: int, seed: int = 0) -> dict[str, Any]:
+    """The serving loop's regime: a table of `table_rows` requests (4096 live with the loop's spare rows), each
+    event fired over the `batch` rows whose chunk is due (64 an iteration at page 64, 256 at page 16), a fresh
+    random set each cycle; through the rows machine and through `_each` over machine objects. Median us, gc off."""
+    fx = NoOpEffects()
+    table = DecodeOffloadRows(fx, table_rows)  # type: ignore[arg-type]
+    table.create(np.arange(table_rows))
+    machines = [DecodeOffloadMachine(fx, ctx=None) for _ in range(table_rows)]  # type: ignore[arg-type]
+    rng = np.random.default_rng(seed)
+    picks = [np.sort(rng.choice(live, batch, replace=False)) for _ in range(cycles + 20)]
+    args = [None] * batch
+    fire: dict[str, dict[str, Callable[[np.ndarray], None]]] = {
+        "rows": {e: getattr(table, e) for e in CYCLE},
+        "each": {e: (lambda ev: lambda idx: ev([machines[i] for i in idx.tolist()], args))(
+            getattr(DecodeOffloadMachine, f"{e}_each")) for e in CYCLE}}
+    out: dict[str, Any] = {"table_rows": table_rows, "live": live, "batch": batch, "cycles": cycles}
+    for door, events in fire.items():
+        samples: dict[str, list[int]] = {e: [] for e in CYCLE}
+        gc.collect()
+        gc.disable()
+        try:
+            for k, idx in enumerate(picks):
+                for e in CYCLE:
+                    t0 = time.perf_counter_ns()
+                    events[e](idx)
+                    if k >= 20:  # the first cycles warm the caches
+                        samples[e].append(time.perf_counter_ns() - t0)
+        finally:
+            gc.enable()
+        out[door] = {f"{e}_us": round(statistics.median(v) / 1e3, 1) for e, v in samples.items()}
+        out[door]["cycle_us"] = round(sum(out[door][f"{e}_us"] for e in CYCLE), 1)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a few cycles: checks the script, not the numbers")
     ap.add_argument("--out", default=None, help="where the JSON goes (default: bench/results/quick/)")
+    ap.add_argument("--serving-only", action="store_true",
+                    help="only the serving regime (`serving` in the JSON): 4096 live, events over 64 and 256 rows")
     a = ap.parse_args()
+    serving = [serving_events(5128, 4096, batch, 20 if a.quick else 2000) for batch in (64, 256)]
+    for row in serving:
+        print(f"serving regime, events over {row['batch']} of {row['live']} live rows: rows machine "
+              f"{row['rows']['cycle_us']} us a cycle, _each {row['each']['cycle_us']} us")
+    if a.serving_only:
+        out = a.out or (QUICK / f"rows_machine_probe-serving{'-quick' if a.quick else ''}-{machine_tag()}.json")
+        print(f"wrote {write_result('rows_machine_probe', {'cycle': list(CYCLE), 'serving': serving}, out=out, quick=a.quick)}")
+        return
     rows_out: list[dict[str, Any]] = []
     for times in (1, 2):
         for n in SIZES:
@@ -163,7 +212,7 @@ def main() -> None:
                                  "loop_over_rows": round(by["loop"][f"{e}_us"] / by["rows"][f"{e}_us"], 1)})
     out = a.out or (QUICK / f"rows_machine_probe{'-quick' if a.quick else ''}-{machine_tag()}.json")
     path = write_result("rows_machine_probe", {"sizes": list(SIZES), "cycle": list(CYCLE), "rows": rows_out,
-                                               "speedups": speedups}, out=out, quick=a.quick)
+                                               "speedups": speedups, "serving": serving}, out=out, quick=a.quick)
     print(f"wrote {path}")
 
 
