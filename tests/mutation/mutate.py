@@ -66,7 +66,7 @@ NOT_BEHAVIOUR = [r"^\s*raise \w+(\.\w+)*\(", r"\blogger\.(debug|info|warning|err
 TESTS = [
     "tests/dataplane/test_allocator.py", "tests/dataplane/test_host_pool.py", "tests/dataplane/test_req_to_token.py",
     "tests/dataplane/test_hashing.py", "tests/dataplane/test_storage.py", "tests/dataplane/test_copy_engine.py",
-    "tests/runtime/test_scenarios.py", "tests/runtime/test_backup_worker.py",
+    "tests/runtime/test_scenarios.py", "tests/runtime/test_backup_worker.py", "tests/runtime/test_stored_index.py",
     "tests/runtime/test_offload_batch.py", "tests/runtime/test_config_errors.py",
     "tests/runtime/test_first_use_traps.py", "tests/reference/test_differential.py",
     "tests/dataplane/test_layer_pool.py", "tests/runtime/test_device_table.py",
