@@ -64,9 +64,9 @@ class StoredPageIndex(Mapping[str, tuple[str, int]]):
     def put_many(self, hashes: Sequence[str], owners: Sequence[str], positions: Sequence[int]) -> None:
         """`put(h, o, p)` for each triple, in order, with the ring's writes made as three numpy assignments
         rather than three scalar ones a page. What it saves, with the index full at a million pages: about a
-        third of a page's cost on this repository's CPU, 1.4-2.1 -> 1.0-1.3 us (bench/probes/stored_index_probe.py,
-        bench/results/stored_index_probe-cpu.json); the dict's lookup, drop and insert are what is left. A batch longer than the ring goes put by put, since its drops
-        would read slots written by the same batch."""
+        third of a page's cost on this repository's CPU, 1.3-2.1 -> 0.9-1.3 us (bench/probes/stored_index_probe.py,
+        bench/results/stored_index_probe-cpu.json); the dict's lookup, drop and insert are what is left. A batch
+        longer than the ring goes put by put, since its drops would read slots written by the same batch."""
         n = len(hashes)
         if not self.limit or not n:
             return
