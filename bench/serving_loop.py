@@ -554,10 +554,14 @@ def targets(rows: list[dict[str, Any]], probe: Optional[str] = None) -> list[dic
     return out
 
 
+PREFILL_FULL = 1 << 20  # the stored-page index's default limit: a long-running server's index is full
+
+
 def probe_of(args: argparse.Namespace) -> Optional[str]:
     """What a probe option changed about the loop, or None for a verdict run."""
     parts = (["a thread running Python beside the loop"] if args.contender else []) + (
-        [f"switch interval {args.switch_interval_ms} ms"] if args.switch_interval_ms is not None else [])
+        [f"switch interval {args.switch_interval_ms} ms"] if args.switch_interval_ms is not None else []) + (
+        ["the stored-page index starts empty (a new server's first minutes)"] if args.prefill_index == 0 else [])
     return ", ".join(parts) or None
 
 
@@ -572,7 +576,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--layers", type=int, default=2, help="Llama-3-8B rows, this many layers (32 in the model)")
     ap.add_argument("--step-ms", type=float, default=20.0)
     ap.add_argument("--host-gib", type=float, default=8.0)
-    ap.add_argument("--prefill-index", type=int, default=1 << 20)
+    ap.add_argument("--prefill-index", type=int, default=PREFILL_FULL,
+                    help="pages stored in the index before the loop; 0 is a probe: the index's growth, which a "
+                         "long-running server has behind it, falls inside the timed iterations")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     ap.add_argument("--store-root", default="/dev/shm" if Path("/dev/shm").is_dir() else None)
     ap.add_argument("--seed", type=int, default=0)

@@ -41,8 +41,13 @@ def test_serving_loop_runs_and_reports_every_figure(tmp_path: Path) -> None:
     assert not list(tmp_path.glob("kvfsm-serving-*"))  # each run's store is removed
     # the same rows from a probe run (a Python thread beside the loop, a shorter switch interval): every
     # target's name says it is not the verdict's regime
-    probe = serving_loop.probe_of(serving_loop.argparse.Namespace(contender=True, switch_interval_ms=0.5))
+    probe = serving_loop.probe_of(serving_loop.argparse.Namespace(contender=True, switch_interval_ms=0.5,
+                                                                  prefill_index=serving_loop.PREFILL_FULL))
     assert probe == "a thread running Python beside the loop, switch interval 0.5 ms"
-    assert serving_loop.probe_of(serving_loop.argparse.Namespace(contender=False, switch_interval_ms=None)) is None
+    assert serving_loop.probe_of(serving_loop.argparse.Namespace(contender=False, switch_interval_ms=None,
+                                                                 prefill_index=serving_loop.PREFILL_FULL)) is None
+    fresh = serving_loop.probe_of(serving_loop.argparse.Namespace(contender=False, switch_interval_ms=None,
+                                                                  prefill_index=0))
+    assert fresh == "the stored-page index starts empty (a new server's first minutes)"
     probed = serving_loop.targets(doc["rows"], probe)
     assert [t["name"] for t in probed] == [f"probe run ({probe}), not the verdict: {n}" for n in names]
