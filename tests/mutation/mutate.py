@@ -13,7 +13,10 @@ configuration), and mutmut writes its mutated copy under build/mutation/mutants/
 A survivor of the full run is either killed by a test added to tests/mutation/test_kills.py (`rerun` then
 runs the survivors again) or listed, with the reason it is equivalent, in tests/mutation/equivalent.py; the
 report marks the rest unexplained. The report's survivors (tests/mutation/survivors.json) are what
-tests/mutation/test_mutation_sample.py holds a seeded sample of mutants to.
+tests/mutation/test_mutation_sample.py holds a seeded sample of mutants to. Each run, rerun and refresh also
+writes tests/mutation/verdicts.json.xz (every mutant's exit code, every function's hash): a checkout without the
+workspace (a fresh clone, a new session) runs `refresh` from it, and mutmut keeps the verdicts of the functions
+whose hash did not change.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import filecmp
 import fnmatch
 import importlib
 import json
+import lzma
 import os
 import random
 import re
@@ -129,6 +133,12 @@ class Scope:
     def survivors(self) -> Path:
         here = Path(__file__).resolve().parent
         return here / ("survivors.json" if self.name == "main" else f"survivors_{self.name.replace('-', '_')}.json")
+
+    @property
+    def verdicts(self) -> Path:
+        """The record of every mutant's verdict and every function's hash (`save_verdicts`), committed beside
+        the survivors, from which `refresh` rebuilds a workspace that a fresh checkout does not have."""
+        return self.survivors.with_name(self.survivors.stem.replace("survivors", "verdicts") + ".json.xz")
 
     @property
     def markers(self) -> tuple[str, str]:
@@ -396,6 +406,36 @@ def restore_exit_codes(before: dict[Path, dict[str, int | None]], keep: set[str]
         meta.write_text(json.dumps(data))
 
 
+def save_verdicts(path: Path | None = None) -> Path:
+    """Write the workspace's verdicts to the committed record (SCOPE.verdicts): per mutated file, mutmut's meta
+    data (each mutant's exit code, each function's hash), xz-compressed JSON keyed by the file's path."""
+    metas = {str(meta.relative_to(WORK / "mutants")): json.loads(meta.read_text())
+             for meta in sorted((WORK / "mutants").rglob("*.py.meta"))}
+    record = {rel: {k: data.get(k, {}) for k in ("exit_code_by_key", "hash_by_function_name")}
+              for rel, data in metas.items()}
+    path = path or SCOPE.verdicts
+    path.write_bytes(lzma.compress(json.dumps(record, sort_keys=True).encode()))
+    return path
+
+
+def restore_verdicts(path: Path | None = None) -> int:
+    """Lay out a workspace and put the committed verdicts where mutmut keeps them, before it generates any
+    mutant. mutmut then does what it does after a change in a workspace it made: a file's mutants are made anew
+    from today's source, and a mutant keeps its recorded exit code only where its function's hash is the
+    recorded one (mutmut's create_mutants_for_file); the mutants of changed or new functions are left unchecked,
+    for `run_unchecked`. Returns how many verdicts the record held."""
+    record = json.loads(lzma.decompress((path or SCOPE.verdicts).read_bytes()))
+    layout()
+    held = 0
+    for rel, data in record.items():
+        meta = WORK / "mutants" / rel
+        meta.parent.mkdir(parents=True, exist_ok=True)
+        meta.write_text(json.dumps({**data, "type_check_error_by_key": {}, "durations_by_key": {},
+                                    "estimated_durations_by_key": {}}))
+        held += sum(code is not None for code in data["exit_code_by_key"].values())
+    return held
+
+
 def diff_of(m: Mutant) -> str:
     """The mutant's change, as the `-`/`+` lines of mutmut's diff."""
     cwd = os.getcwd()
@@ -562,6 +602,18 @@ def gpu_section(gpu: dict | None, needs_cuda: list[tuple[str, str]], by_scope: d
     return lines
 
 
+def _later_pass(r: dict) -> str:
+    """The report's words for one pass after the full run (`run.json`'s reruns), with its wall time."""
+    took = f"{r['seconds'] / 60:.1f} min"
+    if r.get("restored"):
+        return ("; then, in a workspace rebuilt from tests/mutation/verdicts.json.xz, the mutants of the functions "
+                f"changed since (`mutate.py refresh`): {took}")
+    if "changed" in r:
+        return (f"; then, after a change to {sum(1 for c in r['changed'] if mutated(c))} mutated files, the mutants "
+                f"of the functions it changed (`mutate.py refresh`): {took}")
+    return f"; then {r['survivors']} survivors run again against the tests added to kill them: {took}"
+
+
 def write_report(mutants: list[Mutant], seconds: float, run: dict | None) -> dict:
     if SCOPE.name != "main":
         return write_scope_section(mutants, seconds, run)
@@ -609,11 +661,7 @@ def write_report(mutants: list[Mutant], seconds: float, run: dict | None) -> dic
         *([f"- not checked: {len(unchecked)} (the run was stopped before them; tests/mutation/survivors.json lists "
            "them as `not checked`, so the CI sample never counts one of them against this run)"] if unchecked else []),
         f"- wall time: {seconds / 60:.1f} min for the run on {os.cpu_count()} cores, {max_children} mutants at a time"
-        + "".join((f"; then, after a change to {sum(1 for c in r['changed'] if mutated(c))} mutated files, the "
-                   f"mutants of the functions it changed (`mutate.py refresh`): {r['seconds'] / 60:.1f} min")
-                  if "changed" in r else (f"; then {r['survivors']} survivors run again against the tests added to "
-                                          f"kill them: {r['seconds'] / 60:.1f} min")
-                  for r in (run or {}).get("reruns", [])),
+        + "".join(_later_pass(r) for r in (run or {}).get("reruns", [])),
         "",
         f"<!-- mutation-summary: {json.dumps(summary, sort_keys=True)} -->",
         "",
@@ -713,7 +761,7 @@ def write_scope_section(mutants: list[Mutant], seconds: float, run: dict | None)
         f"{len(kinds['needs_gpu_pass'])}; unexplained {len(kinds['unexplained'])}",
         *([f"- not checked: {len(unchecked)} (the run was stopped before them)"] if unchecked else []),
         f"- wall time: {seconds / 60:.1f} min for the run on {os.cpu_count()} cores, {max_children} mutants at a time"
-        + "".join((f"; then, after a change, the mutants of the functions it changed: {r['seconds'] / 60:.1f} min")
+        + "".join(f"; then, after a change, the mutants of the functions it changed: {r['seconds'] / 60:.1f} min"
                   if "changed" in r else (f"; then {r['survivors']} survivors run again against the tests added to "
                                           f"kill them: {r['seconds'] / 60:.1f} min")
                   for r in (run or {}).get("reruns", [])),
@@ -817,8 +865,12 @@ down is in functions and methods.
 
 - `tests/mutation/mutate.py`: lays out the workspace, runs mutmut and writes this page (`run`), runs the
   last run's survivors again after tests were added to kill them (`rerun`), after a source change runs the
-  mutants of the functions it changed, keeping every other verdict (`refresh`), rewrites this page (`report`)
-  and runs the CI sample (`sample`);
+  mutants of the functions it changed, keeping every other verdict (`refresh`; in a checkout without the
+  workspace it first rebuilds it from `tests/mutation/verdicts.json.xz`), rewrites this page (`report`) and
+  runs the CI sample (`sample`);
+- `tests/mutation/verdicts.json.xz`: every mutant's verdict and every mutated function's hash from the last run
+  (written by `run`, `rerun` and `refresh`), so that a later change costs the mutants of the functions it
+  changed, not a full run;
 - `tests/mutation/equivalent.py` (with `equivalent_*.py`, one per group of modules): the equivalent survivors
   and why;
 - `tests/mutation/test_kills.py` and `test_kills_*.py`: the tests added to kill survivors;
@@ -843,6 +895,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     seconds = time.monotonic() - t0
     (WORK / "run.json").write_text(json.dumps({"seconds": seconds, "rc": rc, "max_children": args.max_children}))
     summary = write_report(results(), seconds, {"seconds": seconds})
+    save_verdicts()
     print(json.dumps(summary))
     return 0 if rc == 0 else rc
 
@@ -870,6 +923,7 @@ def cmd_rerun(args: argparse.Namespace) -> int:
     run.setdefault("reruns", []).append({"survivors": len(survivors), "seconds": time.monotonic() - t0, "rc": rc})
     (WORK / "run.json").write_text(json.dumps(run))
     print(json.dumps(write_report(results(), run["seconds"], run)))
+    save_verdicts()
     return 0 if rc == 0 else rc
 
 
@@ -902,7 +956,14 @@ def cmd_refresh(args: argparse.Namespace) -> int:
     whose code changed, and keeps the others. A file it does not mutate is copied into its mutated tree as
     well (mutmut copies those only once)."""
     if not (WORK / "mutants").exists():
-        raise SystemExit("no run to refresh: run `mutate.py run` first")
+        if not SCOPE.verdicts.exists():
+            raise SystemExit("no run to refresh: run `mutate.py run` first")
+        print(f"refresh: no workspace; {restore_verdicts()} verdicts restored from {SCOPE.verdicts.name}", flush=True)
+        seconds = json.loads(SURVIVORS.read_text())["summary"].get("seconds", 0)
+        (WORK / "run.json").write_text(json.dumps({"seconds": seconds}))
+        restored = True
+    else:
+        restored = False
     changed: list[str] = []
     for src, rel in workspace_files():
         dst = WORK / rel
@@ -925,9 +986,11 @@ def cmd_refresh(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     rc = run_unchecked(args.max_children, args.budget)
     run = json.loads((WORK / "run.json").read_text()) if (WORK / "run.json").exists() else {"seconds": 0}
-    run.setdefault("reruns", []).append({"changed": changed, "seconds": time.monotonic() - t0, "rc": rc})  # in order
+    entry = {"changed": changed, "seconds": time.monotonic() - t0, "rc": rc, **({"restored": True} if restored else {})}
+    run.setdefault("reruns", []).append(entry)  # in order
     (WORK / "run.json").write_text(json.dumps(run))
     print(json.dumps(write_report(results(), run["seconds"], run)))
+    save_verdicts()
     return 0 if rc == 0 else rc
 
 
