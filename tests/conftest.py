@@ -35,26 +35,27 @@ def pytest_configure(config: pytest.Config) -> None:
         settings.load_profile(profile)
 
 
-# Seconds each took in the suite on the 2-core CI machine, idle, 2 workers (2026-12-05; the mutation sample runs
-# two mutmut children of its own); every module not listed takes under 15 s and keeps its place after these. The
-# figures only order the start, a stale one costs time, not a result.
+# Seconds each took in the suite on the 2-core CI machine, idle, 2 workers (pytest --durations=0, 2026-12-06, a
+# day the machine ran the suite about 1.7x slower than on 2026-12-05; the mutation sample runs two mutmut children
+# of its own); every module not listed takes under 25 s that day and keeps its place after these. The figures
+# only order the start, a stale one costs time, not a result.
 LONG_MODULES = {
-    "tests/mutation/test_mutation_sample.py": 161,
-    "tests/verify/test_reduction_soundness.py": 123,
-    "tests/stateful/test_production_matrix.py": 106,
-    "tests/stateful/test_mutants.py": 59,
-    "tests/packaging/test_installed_wheel.py": 55,
-    "tests/stateful/test_manager_machine.py": 44,
-    "tests/bench/test_bench_quick.py": 41,
-    "tests/verify/test_ci_bound.py": 38,
-    "tests/mooncake/test_mooncake_store.py": 32,
-    "tests/runtime/test_batch_events.py": 29,
-    "tests/verify/test_explorer.py": 28,
-    "tests/dataplane/test_process_storage.py": 23,
-    "tests/stateful/test_production_mutants.py": 22,
-    "tests/hostile/test_atheris.py": 22,
-    "tests/integrations/test_transformers_swap.py": 18,
-    "tests/verify/test_parallel_jobs.py": 15,
+    "tests/mutation/test_mutation_sample.py": 296,
+    "tests/verify/test_reduction_soundness.py": 233,
+    "tests/stateful/test_production_matrix.py": 150,
+    "tests/stateful/test_mutants.py": 98,
+    "tests/bench/test_bench_quick.py": 92,
+    "tests/stateful/test_manager_machine.py": 78,
+    "tests/packaging/test_installed_wheel.py": 76,
+    "tests/verify/test_ci_bound.py": 63,
+    "tests/verify/test_explorer.py": 54,
+    "tests/runtime/test_batch_events.py": 53,
+    "tests/integrations/test_transformers_swap.py": 51,
+    "tests/dataplane/test_process_storage.py": 45,
+    "tests/hostile/test_atheris.py": 43,
+    "tests/stateful/test_production_mutants.py": 39,
+    "tests/mooncake/test_mooncake_store.py": 36,
+    "tests/verify/test_parallel_jobs.py": 27,
 }
 
 
