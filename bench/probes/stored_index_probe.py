@@ -11,7 +11,8 @@ result is the median over calls, in ns a page.
 `--grow` fills a fresh index instead, a call at a time, and gives per band of entries (1,024-2,047, 2,048-4,095, ...) the
 slowest call and the median one: the slowest is what a serving loop pays, on the scheduler thread, where its index
 grows past a power of two.
-Writes bench/results/quick/stored_index_probe-<machine>.json (or --out): a probe, never a verdict.
+Writes bench/results/quick/stored_index_probe-<machine>.json (stored_index_grow_probe-<machine>.json with --grow; or
+--out): a probe, never a verdict.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def _hashes(start: int, n: int) -> list[str]:
 
 def grow_rows(limit: int, pages: int) -> list[dict]:
     """A fresh index filled to `limit` by calls of `pages` fresh pages: per band of entries [2**k, 2**(k+1)), the
-    slowest call and the median one, in ms (the slowest is the call that grew the ring, where it grows)."""
+    slowest call and the median one, in ms (the slowest is a call in which the index's ring or its dict grew)."""
     index = StoredPageIndex(limit)
     bands: dict[int, list[float]] = {}
     for fresh in range(0, limit, pages):
