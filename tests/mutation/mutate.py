@@ -411,8 +411,10 @@ def save_verdicts(path: Path | None = None) -> Path:
     data (each mutant's exit code, each function's hash), xz-compressed JSON keyed by the file's path."""
     metas = {str(meta.relative_to(WORK / "mutants")): json.loads(meta.read_text())
              for meta in sorted((WORK / "mutants").rglob("*.py.meta"))}
-    record = {rel: {k: data.get(k, {}) for k in ("exit_code_by_key", "hash_by_function_name")}
-              for rel, data in metas.items()}
+    files = {rel: {k: data.get(k, {}) for k in ("exit_code_by_key", "hash_by_function_name")}
+             for rel, data in metas.items()}
+    run = json.loads((WORK / "run.json").read_text()) if (WORK / "run.json").exists() else {}
+    record = {"files": files, "run": run}  # run.json too: the report's wall time and later passes
     path = path or SCOPE.verdicts
     path.write_bytes(lzma.compress(json.dumps(record, sort_keys=True).encode()))
     return path
@@ -423,11 +425,13 @@ def restore_verdicts(path: Path | None = None) -> int:
     mutant. mutmut then does what it does after a change in a workspace it made: a file's mutants are made anew
     from today's source, and a mutant keeps its recorded exit code only where its function's hash is the
     recorded one (mutmut's create_mutants_for_file); the mutants of changed or new functions are left unchecked,
-    for `run_unchecked`. Returns how many verdicts the record held."""
+    for `run_unchecked`. As in a refresh of the workspace itself, a change to the tests alone resets no verdict
+    (the CI sample runs its mutants afresh). Returns how many verdicts the record held."""
     record = json.loads(lzma.decompress((path or SCOPE.verdicts).read_bytes()))
     layout()
     held = 0
-    for rel, data in record.items():
+    (WORK / "run.json").write_text(json.dumps(record["run"]))
+    for rel, data in record["files"].items():
         meta = WORK / "mutants" / rel
         meta.parent.mkdir(parents=True, exist_ok=True)
         meta.write_text(json.dumps({**data, "type_check_error_by_key": {}, "durations_by_key": {},
@@ -959,8 +963,6 @@ def cmd_refresh(args: argparse.Namespace) -> int:
         if not SCOPE.verdicts.exists():
             raise SystemExit("no run to refresh: run `mutate.py run` first")
         print(f"refresh: no workspace; {restore_verdicts()} verdicts restored from {SCOPE.verdicts.name}", flush=True)
-        seconds = json.loads(SURVIVORS.read_text())["summary"].get("seconds", 0)
-        (WORK / "run.json").write_text(json.dumps({"seconds": seconds}))
         restored = True
     else:
         restored = False

@@ -33,9 +33,12 @@ def test_a_record_puts_every_verdict_and_hash_back(tmp_path: Path, monkeypatch: 
     for rel, data in metas.items():
         (work / "mutants" / rel).parent.mkdir(parents=True, exist_ok=True)
         (work / "mutants" / rel).write_text(json.dumps(data))
+    run = {"seconds": 5659, "max_children": 2, "reruns": [{"survivors": 7, "seconds": 60, "rc": 0}]}
+    (work / "run.json").write_text(json.dumps(run))
     record = mutate.save_verdicts(tmp_path / "verdicts.json.xz")
     saved = json.loads(lzma.decompress(record.read_bytes()))
-    assert set(saved) == set(metas) and all(set(v) == {"exit_code_by_key", "hash_by_function_name"} for v in saved.values())
+    assert set(saved["files"]) == set(metas) and saved["run"] == run
+    assert all(set(v) == {"exit_code_by_key", "hash_by_function_name"} for v in saved["files"].values())
 
     laid_out = []
     monkeypatch.setattr(mutate, "layout", lambda: (mutate.shutil.rmtree(work), work.mkdir(), laid_out.append(1)))
@@ -46,6 +49,7 @@ def test_a_record_puts_every_verdict_and_hash_back(tmp_path: Path, monkeypatch: 
         assert back["exit_code_by_key"] == data["exit_code_by_key"]
         assert back["hash_by_function_name"] == data["hash_by_function_name"]
         assert back["durations_by_key"] == {}  # not recorded: only the run of a mutant needs its duration
+    assert json.loads((work / "run.json").read_text()) == run  # the report's wall time and later passes
 
 
 def test_each_scope_keeps_its_record_beside_its_survivors() -> None:
