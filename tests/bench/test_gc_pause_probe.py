@@ -4,18 +4,10 @@ is left frozen, and the thresholds are untouched."""
 from __future__ import annotations
 
 import gc
-import sys
-from pathlib import Path
-
-PROBES = Path(__file__).resolve().parents[2] / "bench" / "probes"
 
 
-def test_measure_builds_what_it_reports_and_leaves_the_collector_as_it_was() -> None:
-    sys.path.insert(0, str(PROBES))
-    try:
-        import gc_pause_probe as probe
-    finally:
-        sys.path.remove(str(PROBES))
+def test_measure_builds_what_it_reports_and_leaves_the_collector_as_it_was(import_probe) -> None:
+    probe = import_probe("gc_pause_probe")
     thresholds = gc.get_threshold()
     row = probe.measure(requests=20, objects=500, repeats=2, prompt=(4, 4), output=(6, 6))
     assert (row["requests"], row["manager_objects"], row["token_ids_in_lists"]) == (20, 500, 20 * (4 + 6))

@@ -3,18 +3,9 @@ and the cycle's figure is the sum of its events."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
-PROBES = Path(__file__).resolve().parents[2] / "bench" / "probes"
-
-
-def test_serving_events_times_every_event_through_both_doors() -> None:
-    sys.path.insert(0, str(PROBES))
-    try:
-        import rows_machine_probe as probe
-    finally:
-        sys.path.remove(str(PROBES))
+def test_serving_events_times_every_event_through_both_doors(import_probe) -> None:
+    probe = import_probe("rows_machine_probe")
     row = probe.serving_events(table_rows=40, live=32, batch=8, cycles=5)
     assert (row["table_rows"], row["live"], row["batch"], row["cycles"]) == (40, 32, 8, 5)
     for door in ("rows", "each"):

@@ -3,18 +3,9 @@ two from 1,024, each with its calls counted and its slowest call no faster than 
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
-PROBES = Path(__file__).resolve().parents[2] / "bench" / "probes"
-
-
-def test_grow_covers_every_band_up_to_the_limit() -> None:
-    sys.path.insert(0, str(PROBES))
-    try:
-        import stored_index_probe as probe
-    finally:
-        sys.path.remove(str(PROBES))
+def test_grow_covers_every_band_up_to_the_limit(import_probe) -> None:
+    probe = import_probe("stored_index_probe")
     rows = probe.grow_rows(limit=8192, pages=64)
     assert [r["entries_from"] for r in rows] == [1024, 2048, 4096]
     assert [r["calls"] for r in rows] == [16, 32, 64]  # 64 pages a call: a band of 2**k entries takes 2**k / 64
