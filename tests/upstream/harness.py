@@ -623,6 +623,27 @@ def _tp_worker(rank: int, sc: Scenario, manager_cls: type, workdir: str) -> None
         dist.destroy_process_group()
 
 
+def _start_forkserver() -> None:
+    """The TP ranks fork from a server that has imported this harness, sglang and torch once (about 12 s of CPU
+    on the 2-core CI machine, which spawn paid for every rank of every TP run), and nothing is forked from the
+    multi-threaded pytest process. Python 3.11's forkserver ignores the sys.path it is given, so the server
+    finds this module through PYTHONPATH, set for its start alone."""
+    import multiprocessing
+    import multiprocessing.forkserver
+
+    multiprocessing.set_forkserver_preload([__name__])
+    before = os.environ.get("PYTHONPATH")
+    here = Path(__file__).parent
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(here), str(here.parent)] + ([before] if before else []))
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
+
+
 def run_scenario(sc: Scenario | str, manager_cls: type = UpstreamManager) -> list[RunResult]:
     """Run one scenario; one result per TP rank."""
     if isinstance(sc, str):
@@ -633,7 +654,9 @@ def run_scenario(sc: Scenario | str, manager_cls: type = UpstreamManager) -> lis
             return [_run_rank(sc, manager_cls, 0, _tp_group_world1(), f"{workdir}/l3")]
         import torch.multiprocessing as mp
 
-        mp.spawn(_tp_worker, args=(sc, manager_cls, workdir), nprocs=sc.tp, join=True)
+        _start_forkserver()
+        mp.start_processes(_tp_worker, args=(sc, manager_cls, workdir), nprocs=sc.tp, join=True,
+                           start_method="forkserver")
         out = []
         for rank in range(sc.tp):
             with open(f"{workdir}/rank{rank}.pkl", "rb") as f:
