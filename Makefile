@@ -151,7 +151,8 @@ $(VLLM_STAMP): pyproject.toml tests/upstream_vllm/requirements.txt
 # kvfsm's tests against vLLM's manager; then vLLM 0.34.0's own tests against kvfsm's manager (the CPU manager's,
 # the offload factories', the OffloadingConnector's scheduler, events, metrics and config tests: vLLM's files
 # unchanged in tests/upstream_vllm/upstream/, kvfsm's patches beside them, assembled into build/); then those that
-# build kvfsm's manager again, in checked mode (docs/vllm.md).
+# build kvfsm's manager again, in checked mode (docs/vllm.md). One torch thread each, as tests/conftest.py gives the
+# suites under tests/: the processes of `make test` already fill every core.
 VLLM_OWN_TESTS := build/vllm-own-tests
 VLLM_CHECKED_TESTS := tests/v1/kv_connector/unit/offloading_connector/test_scheduler.py \
 	tests/v1/kv_connector/unit/offloading_connector/test_events.py tests/v1/kv_offload/test_factory.py \
@@ -160,8 +161,8 @@ test-vllm: $(VLLM_STAMP)
 	KVFSM_REQUIRE_VLLM=1 $(VLLM_BIN)/python -m pytest -q -p no:cacheprovider tests/upstream_vllm
 	rm -rf $(VLLM_OWN_TESTS) && mkdir -p $(VLLM_OWN_TESTS)
 	$(VLLM_BIN)/python tests/upstream_vllm/upstream/assemble.py $(VLLM_OWN_TESTS)
-	cd $(VLLM_OWN_TESTS) && $(CURDIR)/$(VLLM_BIN)/python -m pytest -q -p no:cacheprovider -rs tests
-	cd $(VLLM_OWN_TESTS) && KVFSM_VLLM_CHECKED=1 $(CURDIR)/$(VLLM_BIN)/python -m pytest -q -p no:cacheprovider -rsx \
+	cd $(VLLM_OWN_TESTS) && OMP_NUM_THREADS=1 $(CURDIR)/$(VLLM_BIN)/python -m pytest -q -p no:cacheprovider -rs tests
+	cd $(VLLM_OWN_TESTS) && KVFSM_VLLM_CHECKED=1 OMP_NUM_THREADS=1 $(CURDIR)/$(VLLM_BIN)/python -m pytest -q -p no:cacheprovider -rsx \
 		$(VLLM_CHECKED_TESTS)
 
 # The compatibility matrix (README "Tested versions"): a fresh venv per row, oldest and newest Python, torch,

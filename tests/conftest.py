@@ -13,8 +13,15 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
+# One torch thread per process. The suite already fills every core with its own processes (xdist workers, and
+# sglang's and vLLM's suites beside them in `make test`); torch's OpenMP pool adds a thread per core to each
+# process, and its threads spin while they wait for work, taking the cores from the other processes: with the
+# pool, `kvfsm bench --quick` beside the stateful fuzz took 80 s on the 2-core CI machine, without it 25 s.
+# Set before torch is imported, so it holds for this process and every process the tests start.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 from hypothesis import HealthCheck, settings
 
 settings.register_profile("ci", max_examples=200, deadline=None, derandomize=False,
