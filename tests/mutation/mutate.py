@@ -25,6 +25,7 @@ import argparse
 import collections
 import filecmp
 import fnmatch
+import hashlib
 import importlib
 import json
 import lzma
@@ -43,6 +44,9 @@ ROOT = Path(__file__).resolve().parents[2]
 WORK = ROOT / "build" / "mutation"  # the full run's workspace (the CI sample uses build/mutation-sample/)
 REPORT = ROOT / "docs" / "mutation.md"
 SURVIVORS = Path(__file__).resolve().parent / "survivors.json"  # the full run's survivors, machine-readable
+# mutmut's stats (which test calls which mutated function) for the CI sample's workspace, with the digest of the
+# workspace they were collected in (sample_stats, below)
+SAMPLE_STATS = Path(__file__).resolve().parent / "sample_stats.json.xz"
 PY = sys.executable
 
 # What is mutated: the runtime, the data plane's pools, copy planning, storage (not Mooncake) and hashing,
@@ -313,10 +317,14 @@ mm.create_mutants(int(sys.argv[1]))
 """
 
 
-# The CI sample's `mutmut run`, without mutmut's clean run and forced-fail run (about 35 s of the sample's 125-160
-# s here). Neither can let a mutant pass for killed: the stats pass before them runs every test of the subset
-# unmutated and stops mutmut on a failure, and a mutation that stopped taking effect lets the sampled mutants
-# survive, which fails the sample. The full run (`run`, `rerun`, `refresh`) keeps both.
+# The CI sample's `mutmut run`, without mutmut's clean run and forced-fail run (together about 35 s of the sample's
+# 125-160 s here; the clean run of the sampled mutants' tests alone took 60 s on 2026-12-06, a slow day). Neither
+# can let a mutant pass for killed. The clean run guards against a workspace whose tests fail unmutated, which
+# would count every mutant killed: mutmut's stats pass runs every test of the subset unmutated and stops mutmut on
+# a failure, and committed stats (SAMPLE_STATS) are used only in a workspace and environment with the digest of
+# the one whose stats pass succeeded (the workspace runs hypothesis derandomized). A mutation that stopped taking
+# effect lets the sampled mutants survive, which fails the sample. The full run (`run`, `rerun`, `refresh`) keeps
+# both.
 SAMPLE_RUN = """
 import sys
 import mutmut.__main__ as mm
@@ -882,11 +890,16 @@ down is in functions and methods.
   `tests/mutation/run_on_device.sh`; a mutant first runs the test that killed it in the last pass);
 - `tests/mutation/survivors.json`: this run's survivors, machine-readable (function, change, status);
 - `tests/mutation/test_mutation_sample.py`: the CI step (`make test` runs it), 40 mutants picked with a fixed
-  seed from those survivors.json does not list, every one checked (about 100 s alone on 2 cores, of which
-  mutmut's stats pass is 45 s; no time box, a hang guard on progress), failing when fewer of them are killed
-  than this run killed of the same mutants (a mutant not listed in survivors.json counts as killed by this
-  run; a listed one could only raise the sample's rate, so none is drawn). It skips mutmut's clean run and forced-fail run: the stats
-  pass has already run every test unmutated, and a broken mutation can only fail the sample.
+  seed from those survivors.json does not list, every one checked (no time box, a hang guard on progress),
+  failing when fewer of them are killed than this run killed of the same mutants (a mutant not listed in
+  survivors.json counts as killed by this run; a listed one could only raise the sample's rate, so none is
+  drawn). It skips mutmut's clean run (the stats pass, or the one whose stats it uses, ran every test
+  unmutated) and forced-fail run (a broken mutation can only fail the sample);
+- `tests/mutation/sample_stats.json.xz`: mutmut's stats (which test calls which function) for the sample's
+  workspace, with the digest of the workspace and of the packages it ran on (`mutate.py sample --save-stats`
+  writes it, after a stats pass that ran every test of the subset unmutated). The sample uses them only where
+  the digest is the same, and skips mutmut's stats pass (about 100 s on the 2-core CI machine on a slow day);
+  elsewhere mutmut collects them.
 """
 
 
@@ -1024,6 +1037,55 @@ def draw(names: list[str], n: int, seed: int, passed_over: Callable[[str], bool]
     return sorted(pick), left_out
 
 
+# the packages whose versions a workspace's digest holds: mutmut, and what the test subset runs on
+DIGEST_PACKAGES = ("mutmut", "pytest", "hypothesis", "torch", "numpy", "pydantic")
+
+
+def workspace_digest() -> str:
+    """What mutmut's stats, and the tests' passing unmutated, depend on: every file of the sample's workspace (the
+    package, the generated machines and specs, the test subset with its support files and conftest), mutmut's
+    configuration, Python's version and DIGEST_PACKAGES'. Equal digests, equal stats: the workspace runs
+    hypothesis derandomized."""
+    from importlib.metadata import version
+
+    h = hashlib.sha256()
+    for src, rel in sorted(workspace_files(), key=lambda pair: pair[1]):
+        h.update(f"{rel}\0{len(src.read_bytes())}\0".encode() + src.read_bytes())
+    h.update(((ROOT / "tests" / "conftest.py").read_text() + CONFTEST_ADDENDUM).encode())
+    h.update(mutmut_config(TESTS).encode())
+    h.update(f"python {sys.version_info[0]}.{sys.version_info[1]}".encode())
+    h.update(" ".join(f"{name} {version(name)}" for name in DIGEST_PACKAGES).encode())
+    return h.hexdigest()
+
+
+def committed_stats() -> tuple[str | None, dict | None]:
+    """(digest, mutmut's stats) of the committed SAMPLE_STATS, or (None, None) when there is none."""
+    if not SAMPLE_STATS.exists():
+        return None, None
+    record = json.loads(lzma.decompress(SAMPLE_STATS.read_bytes()))
+    return record["digest"], record["stats"]
+
+
+def sample_stats(digest: str) -> str:
+    """Give the sample's workspace the committed stats when they were collected in a workspace like this one, and
+    say where its stats come from: "committed", or "collected" (mutmut's stats pass runs every test of the
+    subset in one traced process: about 100 s of the sample's 256 s on the CI machine on 2026-12-06, a slow day).
+    Stale stats are never used: a test that newly calls a function would not run against its mutants, and no
+    stats pass would have shown the workspace's tests passing unmutated."""
+    committed_digest, stats = committed_stats()
+    if committed_digest != digest or stats is None:
+        return "collected"
+    (WORK / "mutants").mkdir(parents=True, exist_ok=True)
+    (WORK / "mutants" / "mutmut-stats.json").write_text(json.dumps(stats))
+    return "committed"
+
+
+def save_sample_stats(digest: str) -> None:
+    stats = json.loads((WORK / "mutants" / "mutmut-stats.json").read_text())
+    record = {"digest": digest, "stats": stats}
+    SAMPLE_STATS.write_bytes(lzma.compress(json.dumps(record, sort_keys=True).encode()))
+
+
 def cmd_sample(args: argparse.Namespace) -> int:
     """Generate every mutant, run a seeded sample of them (all of it, or what `--budget` seconds allow); print
     the kill rate, and the kill rate the committed full run had on the same mutants (those it lists as
@@ -1039,6 +1101,9 @@ def cmd_sample(args: argparse.Namespace) -> int:
     layout()
     t0 = time.monotonic()
     rc = generate(args.max_children)
+    digest = workspace_digest()
+    stats = "collected" if args.save_stats else sample_stats(digest)
+    print(f"mutmut's stats: {stats}", flush=True)
     every = {m.name: m for m in results()}
     if not every:
         print(f"no mutants generated (mutmut exit {rc})")
@@ -1075,7 +1140,9 @@ def cmd_sample(args: argparse.Namespace) -> int:
            "committed_kill_rate_on_sample": round(before / len(checked), 4) if checked else None,
            "committed_kill_rate": summary["kill_rate"], "seconds": round(time.monotonic() - t0),
            "new_survivors": new_survivors, "committed_survivors_passed_over": left_out, "mutmut_exit": rc,
-           "stats_pass_crashes": crashes}
+           "stats_pass_crashes": crashes, "stats": stats}
+    if args.save_stats and rc == 0:
+        save_sample_stats(digest)
     print("\n" + json.dumps(out))  # on a line of its own: mutmut's spinner ends its lines with \r only
     (WORK / "sample.json").write_text(json.dumps(out))
     return 0
@@ -1103,6 +1170,8 @@ def main() -> int:
     sample.add_argument("--budget", type=float, default=None, help="stop after this many seconds (default: run "
                                                                    "the whole sample)")
     sample.add_argument("--max-children", type=int, default=2)
+    sample.add_argument("--save-stats", action="store_true", help=f"collect mutmut's stats afresh and commit them "
+                        f"as {SAMPLE_STATS.name}, for the samples of an unchanged workspace")
     args = ap.parse_args()
     use_scope(args.scope)
     return {"run": cmd_run, "report": cmd_report, "rerun": cmd_rerun, "refresh": cmd_refresh,

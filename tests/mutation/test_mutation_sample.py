@@ -1,7 +1,9 @@
 """The CI step of mutation testing (docs/mutation.md): a fixed, seeded sample of the mutants `make mutate`
-runs (100-190 s alone on 2 cores: 181-193 s on 2026-12-06, a slow day, for 40 or 20 mutants alike, since the
-mutants' generation and mutmut's stats pass take most of it), every one of them, must be killed at no lower a rate than the
-committed full run killed the same mutants. The sample is drawn from the mutants the committed run killed or
+runs, every one of them, must be killed at no lower a rate than the committed full run killed the same mutants.
+Its time is mostly fixed costs: the mutants' generation (about 32 s on 2026-12-06, a slow day) and mutmut's stats
+pass (about 100 s), which learns which tests call which function. The stats of an unchanged workspace are committed
+(tests/mutation/sample_stats.json.xz), so CI runs no stats pass; test_the_committed_stats_are_this_workspaces
+says when a change needs them collected again. The sample is drawn from the mutants the committed run killed or
 has not seen: one it lists as a survivor can only raise the rate, so running it could never fail this test. No time box: the same mutants are checked on a slow or busy machine as on an
 idle one; a hang guard on progress (tests/timing.py) stops a run that stopped moving, and mutmut stops a mutant
 that spins.
@@ -115,3 +117,16 @@ def test_the_draw_passes_over_committed_survivors_and_keeps_its_size_and_seed() 
     assert (pick, left_out) == mutate.draw(list(reversed(names)), 40, SEED, lambda n: n in survivors)
     assert mutate.draw(names, 40, SEED + 1, lambda n: n in survivors)[0] != pick
     assert mutate.draw(names[:50], 40, SEED, lambda n: n in survivors)[0] == sorted(set(names[:50]) - survivors)
+
+
+def test_the_committed_stats_are_this_workspaces() -> None:
+    """The sample uses the committed stats only in a workspace with their digest (the package, the generated
+    machines, the test subset, mutmut's configuration and version); after a change to any of them, the sample
+    runs mutmut's stats pass, which costs about 100 s of CI time and loses nothing. This keeps CI from paying it."""
+    mutate = _mutate()
+    digest, stats = mutate.committed_stats()
+    assert digest == mutate.workspace_digest(), (
+        "tests/mutation/sample_stats.json.xz was collected in another workspace: the package, the mutation test subset "
+        "or mutmut's configuration changed since. Collect them again (about 3 minutes): "
+        f"`.venv/bin/python tests/mutation/mutate.py sample --save-stats --n {N} --seed {SEED}`")
+    assert stats is not None and len(stats["tests_by_mangled_function_name"]) > 100
