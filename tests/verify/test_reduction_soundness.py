@@ -6,10 +6,13 @@ partial-order reduction by sleep sets, each checked against the search without i
 - on small bounds every combination of reductions reaches the same states, each at the same depth, with
   the same coverage (and, for the ones that keep the states, the same key set as no reduction at all);
 - every fault of the catalog (tests/catalog_faults.py) is found by the reduced search with the same
-  violation and the same shortest-trace length as by the search without any reduction; b14 (TP
-  consensus) by neither: the explorer runs one rank.
+  violation and the same shortest-trace length as by the search without any reduction; the faults out of the
+  explorer's scope (b14, TP consensus: the explorer runs one rank; ...) by neither.
 
-KVFSM_FUZZ=deep samples more states and explores bigger bounds.
+KVFSM_FUZZ=deep samples more states and explores bigger bounds; it also runs, on every small bound, the searches
+without symmetry (CI: on the first), each reduction alone, and the search without reductions for the faults out
+of scope (CI: the reduced search alone). CI's share was cut so that `make test` fits its budget on the 2-core CI
+machine: the module took 233 s there on 2026-12-06.
 """
 
 from __future__ import annotations
@@ -82,7 +85,7 @@ def test_equal_keys_have_equal_successors() -> None:
     rng = random.Random(5)
     first: dict[tuple, tuple] = {}
     pairs = 0
-    for _ in range(500 if DEEP else 60):
+    for _ in range(500 if DEEP else 30):
         w, trace = World(cfg), ()
         for _ in range(rng.randrange(6, 24)):
             ev = rng.choice(enabled(w))
@@ -103,7 +106,7 @@ def test_equal_keys_have_equal_successors() -> None:
                 apply(y, theirs[cid])
                 assert canonical_key(x) == canonical_key(y), f"{cid} after {trace} and after {seen}"
             pairs += 1
-    assert pairs > 20, pairs
+    assert pairs > 10, pairs
 
 
 def test_key_tells_apart_worlds_whose_readmission_differs() -> None:
@@ -140,6 +143,8 @@ def test_reductions_reach_the_same_states_at_the_same_depths(cfg: ExplorerConfig
         assert red.keys == sym.keys, kw  # every key, each first reached at the same depth
         assert red.coverage == sym.coverage and red.depth == sym.depth
         assert red.edges <= sym.edges
+    if not DEEP and cfg != SMALL[0]:
+        return  # the searches without symmetry: 60-70% of each bound's time, so CI runs them on the first alone
     por = explore(cfg, keep_keys=True, symmetry=False, por=True, orbits=False)
     plain = explore(cfg, keep_keys=True, **NONE)
     assert por.keys == plain.keys and por.coverage == plain.coverage == sym.coverage
@@ -192,10 +197,15 @@ def test_reduced_search_finds_every_catalog_fault(name: str, monkeypatch: pytest
     if not hook:
         fault(monkeypatch)
     faults = fault if hook else None
-    red, plain = explore(cfg, faults=faults, **REDUCED), explore(cfg, faults=faults, **NONE)
+    red = explore(cfg, faults=faults, **REDUCED)
     if name in OUT_OF_SCOPE:
-        assert red.violation is None and plain.violation is None, OUT_OF_SCOPE[name]
+        # that the search without reductions misses it too (the blind spot is the explorer's, not a reduction's)
+        # is the deep profile's: the eleven unreduced searches, one per fault, cost about 27 s of CI's CPU
+        assert red.violation is None, OUT_OF_SCOPE[name]
+        if DEEP:
+            assert explore(cfg, faults=faults, **NONE).violation is None, OUT_OF_SCOPE[name]
         return
+    plain = explore(cfg, faults=faults, **NONE)
     assert plain.violation is not None, f"{name} survived the unreduced search of {cfg.describe()}"
     assert red.violation is not None, f"{name} survived the reduced search ({red.states} states)"
     assert (red.violation.name, len(red.violation.events)) == (plain.violation.name, len(plain.violation.events))
