@@ -4,7 +4,7 @@
     .venv/bin/python tests/mutation/mutate.py report                   # rewrite docs/mutation.md from the last run
     .venv/bin/python tests/mutation/mutate.py rerun                    # the last run's survivors, after adding tests
     .venv/bin/python tests/mutation/mutate.py refresh                  # after a change: the changed functions' mutants
-    .venv/bin/python tests/mutation/mutate.py sample [--n 40 --seed 18 --budget S]     # the CI sample
+    .venv/bin/python tests/mutation/mutate.py sample [--n 20 --seed 18 --budget S]     # the CI sample
     .venv/bin/python tests/mutation/mutate.py --scope fences-adapter run               # another scope (SCOPES)
 
 mutmut never touches the checkout: this script lays out a workspace in build/mutation/ (the mutated files,
@@ -889,7 +889,7 @@ down is in functions and methods.
 - `tests/mutation/gpu_pass.py` and `gpu_pass.json`: the GPU pass and its last verdicts (on the device machine,
   `tests/mutation/run_on_device.sh`; a mutant first runs the test that killed it in the last pass);
 - `tests/mutation/survivors.json`: this run's survivors, machine-readable (function, change, status);
-- `tests/mutation/test_mutation_sample.py`: the CI step (`make test` runs it), 40 mutants picked with a fixed
+- `tests/mutation/test_mutation_sample.py`: the CI step (`make test` runs it), 20 mutants picked with a fixed
   seed from those survivors.json does not list, every one checked (no time box, a hang guard on progress),
   failing when fewer of them are killed than this run killed of the same mutants (a mutant not listed in
   survivors.json counts as killed by this run; a listed one could only raise the sample's rate, so none is
@@ -1165,7 +1165,7 @@ def main() -> int:
     refresh.add_argument("--max-children", type=int, default=2)
     refresh.add_argument("--budget", type=float, default=None, help="stop after this many seconds")
     sample = sub.add_parser("sample", help="a seeded sample")
-    sample.add_argument("--n", type=int, default=40)
+    sample.add_argument("--n", type=int, default=20)
     sample.add_argument("--seed", type=int, default=18)
     sample.add_argument("--budget", type=float, default=None, help="stop after this many seconds (default: run "
                                                                    "the whole sample)")

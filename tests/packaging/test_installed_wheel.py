@@ -49,8 +49,9 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dic
     (wheel,) = (base / "dist").glob("kvfsm-*.whl")
     venv.create(base / "venv", with_pip=True)
     bin_dir = base / "venv" / "bin"
-    _run([str(bin_dir / "python"), "-m", "pip", "install", "-q", TORCH_PIN], base, env)
-    _run([str(bin_dir / "python"), "-m", "pip", "install", "-q", str(wheel)], base, env)
+    # --no-compile: as `make test` installs (the Makefile says why); the venv compiles what it imports, at import
+    _run([str(bin_dir / "python"), "-m", "pip", "install", "-q", "--no-compile", TORCH_PIN], base, env)
+    _run([str(bin_dir / "python"), "-m", "pip", "install", "-q", "--no-compile", str(wheel)], base, env)
     user = base / "user"
     (user / "generated").mkdir(parents=True)
     (user / "generated" / "__init__.py").write_text("USERS_OWN = True\n")
