@@ -1141,8 +1141,8 @@ def cmd_sample(args: argparse.Namespace) -> int:
            "committed_kill_rate": summary["kill_rate"], "seconds": round(time.monotonic() - t0),
            "new_survivors": new_survivors, "committed_survivors_passed_over": left_out, "mutmut_exit": rc,
            "stats_pass_crashes": crashes, "stats": stats}
-    if args.save_stats and rc == 0:
-        save_sample_stats(digest)
+    if args.save_stats and rc == 0 and checked and out["kill_rate"] >= out["committed_kill_rate_on_sample"]:
+        save_sample_stats(digest)  # only from a sample that passed: its stats pass ran every test unmutated
     print("\n" + json.dumps(out))  # on a line of its own: mutmut's spinner ends its lines with \r only
     (WORK / "sample.json").write_text(json.dumps(out))
     return 0
