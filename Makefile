@@ -5,9 +5,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvfsm-installed
 TEST_STAMP := $(VENV)/.kvfsm-test-installed
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
-# `make test` builds SGLang's and vLLM's venvs side by side (a core each) while the suite runs. The steps that touch
-# what the venvs share, apt's database and the checkout's kvfsm.egg-info that an editable install writes, run one at
-# a time under a lock on pyproject.toml.
+# `make test` builds the main venv and sglang's side by side (a core each). The steps that touch what the two
+# share, apt's database and the checkout's kvfsm.egg-info that an editable install writes, run one at a time
+# under a lock on pyproject.toml.
 ONE_AT_A_TIME := $(shell command -v flock >/dev/null 2>&1 && echo flock pyproject.toml)
 APT_INSTALL = $(ONE_AT_A_TIME) $(SUDO) env DEBIAN_FRONTEND=noninteractive sh -c \
 	'apt-get update -qq >/dev/null && apt-get install -y -qq $(1) >/dev/null'
@@ -47,13 +47,11 @@ demo: $(STAMP)
 
 # Every test: ruff and mypy (lint), the documentation site's build (docs), the spec checks (static-checks); the
 # suite on every core (test-suite); the differential tests against the real SGLang 0.5.23 and vLLM 0.34.0, each in
-# its own venv (test-upstream, below). The suite's venv comes first, alone: the suite is the longest, and the rest
-# start beside it, SGLang's and vLLM's venvs installed while it runs (pip waits on the disk as much as on a core;
-# built side by side with the suite's venv, they held the suite back about 70 s on the 2-core CI machine), and the
-# cores the short ones leave idle (mypy is one process; SGLang's differential runs on one core while vLLM's parts
-# end in one) take the suite's work. -O prints each one's output whole.
+# its own venv (test-upstream, below). Each starts as soon as its own venv exists: the suite, the longest, runs
+# while SGLang's and vLLM's venvs are still being installed (pip waits on the disk as much as on a core), and the
+# cores the short ones leave idle (mypy is one process; SGLang's differential runs on one core for two minutes
+# while vLLM's parts end in one) take the suite's work. -O prints each one's output whole.
 test:
-	$(MAKE) test-deps
 	$(MAKE) -j4 -O static-checks test-suite test-upstream
 
 .PHONY: static-checks test-suite
