@@ -1050,7 +1050,8 @@ def workspace_digest() -> str:
 
     h = hashlib.sha256()
     for src, rel in sorted(workspace_files(), key=lambda pair: pair[1]):
-        h.update(f"{rel}\0{len(src.read_bytes())}\0".encode() + src.read_bytes())
+        data = src.read_bytes()
+        h.update(f"{rel}\0{len(data)}\0".encode() + data)
     h.update(((ROOT / "tests" / "conftest.py").read_text() + CONFTEST_ADDENDUM).encode())
     h.update(mutmut_config(TESTS).encode())
     h.update(f"python {sys.version_info[0]}.{sys.version_info[1]}".encode())

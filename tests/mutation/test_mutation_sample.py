@@ -121,12 +121,13 @@ def test_the_draw_passes_over_committed_survivors_and_keeps_its_size_and_seed() 
 
 def test_the_committed_stats_are_this_workspaces() -> None:
     """The sample uses the committed stats only in a workspace with their digest (the package, the generated
-    machines, the test subset, mutmut's configuration and version); after a change to any of them, the sample
-    runs mutmut's stats pass, which costs about 100 s of CI time and loses nothing. This keeps CI from paying it."""
+    machines, the test subset, mutmut's configuration, the versions of Python, mutmut and what the tests run on);
+    after a change to any of them, the sample runs mutmut's stats pass, which costs about 100 s of CI time and loses
+    nothing. This keeps CI from paying it."""
     mutate = _mutate()
     digest, stats = mutate.committed_stats()
     assert digest == mutate.workspace_digest(), (
-        "tests/mutation/sample_stats.json.xz was collected in another workspace: the package, the mutation test subset "
-        "or mutmut's configuration changed since. Collect them again (about 3 minutes): "
+        "tests/mutation/sample_stats.json.xz was collected in another workspace: the package, the mutation test subset, "
+        "mutmut's configuration or a package's version changed since. Collect them again (about 4 minutes): "
         f"`.venv/bin/python tests/mutation/mutate.py sample --save-stats --n {N} --seed {SEED}`")
     assert stats is not None and len(stats["tests_by_mangled_function_name"]) > 100

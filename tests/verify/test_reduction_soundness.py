@@ -11,7 +11,7 @@ partial-order reduction by sleep sets, each checked against the search without i
 
 KVFSM_FUZZ=deep samples more states and explores bigger bounds; it also runs, on every small bound, the searches
 without symmetry (CI: on the first), each reduction alone, and the search without reductions for the faults out
-of scope (CI: the reduced search alone). CI's share was cut so that `make test` fits its budget on the 2-core CI
+of scope (CI: the reduced search alone). CI's share was cut to bring `make test` nearer its budget on the 2-core CI
 machine: the module took 233 s there on 2026-12-06.
 """
 
