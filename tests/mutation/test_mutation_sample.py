@@ -1,9 +1,10 @@
 """The CI step of mutation testing (docs/mutation.md): a fixed, seeded sample of the mutants `make mutate`
 runs, every one of them, must be killed at no lower a rate than the committed full run killed the same mutants.
-Its time is mostly fixed costs: the mutants' generation (about 32 s on 2026-12-06, a slow day) and mutmut's stats
-pass (about 100 s), which learns which tests call which function. The stats of an unchanged workspace are committed
-(tests/mutation/sample_stats.json.xz), so CI runs no stats pass; test_the_committed_stats_are_this_workspaces
-says when a change needs them collected again. The sample is drawn from the mutants the committed run killed or
+Its fixed costs are the mutants' generation (about 64 s of the sample's 129 s on 2026-12-06, a slow day) and
+mutmut's stats pass (about 100 s), which learns which tests call which function. The stats of an unchanged workspace
+are committed (tests/mutation/sample_stats.json.xz), so CI runs no stats pass, and test_the_committed_stats_are_this_workspaces
+says when a change needs them collected again; the generated mutants are kept per workspace digest outside the
+checkout (mutate.MUTANTS_CACHE), so a fresh clone of a workspace this machine has sampled before restores them. The sample is drawn from the mutants the committed run killed or
 has not seen: one it lists as a survivor can only raise the rate, so running it could never fail this test. No time box: the same mutants are checked on a slow or busy machine as on an
 idle one; a hang guard on progress (tests/timing.py) stops a run that stopped moving, and mutmut stops a mutant
 that spins.
