@@ -1116,7 +1116,7 @@ def generate_cached(max_children: int, digest: str) -> tuple[int, str]:
     rc = generate(max_children)
     if rc == 0:
         MUTANTS_CACHE.mkdir(parents=True, exist_ok=True)
-        for old in MUTANTS_CACHE.glob("*.tar"):  # one workspace's mutants at a time: about 30 MB
+        for old in MUTANTS_CACHE.glob("*.tar"):  # one workspace's mutants at a time: about 21 MB
             old.unlink(missing_ok=True)
         part = cached.with_suffix(f".{os.getpid()}.part")
         with tarfile.open(part, "w") as tar:
