@@ -12,9 +12,8 @@ ONE_AT_A_TIME := $(shell command -v flock >/dev/null 2>&1 && echo flock pyprojec
 APT_INSTALL = $(ONE_AT_A_TIME) $(SUDO) env DEBIAN_FRONTEND=noninteractive sh -c \
 	'apt-get update -qq >/dev/null && apt-get install -y -qq $(1) >/dev/null'
 # the main suite on every core, a module at a time, in the order tests/conftest.py puts them (the long first), with one
-# worker more than the cores: its processes also wait on the disk (store files, subprocesses starting), and the extra
-# worker's tests take those waits. A fresh clone's `make test` on the 2-core CI machine: 745 s with 2 workers, 720 s
-# with 3 (one run each, 2026-12-06).
+# worker more than the cores, which keeps the cores busier: a fresh clone's `make test` on the 2-core CI machine took
+# 745 s with 2 workers (182% of two cores) and 720 s with 3 (189%), one run each on 2026-12-06.
 TEST_WORKERS ?= $(shell echo $$(( $$(nproc 2>/dev/null || echo 1) + 1 )))
 PYTEST_PARALLEL = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 # pip compiles nothing at install; a module is compiled when it is first imported, and its bytecode kept then, so
