@@ -11,10 +11,10 @@ SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 ONE_AT_A_TIME := $(shell command -v flock >/dev/null 2>&1 && echo flock pyproject.toml)
 APT_INSTALL = $(ONE_AT_A_TIME) $(SUDO) env DEBIAN_FRONTEND=noninteractive sh -c \
 	'apt-get update -qq >/dev/null && apt-get install -y -qq $(1) >/dev/null'
-# the main suite on every core, a module at a time, in the order tests/conftest.py puts them (the long first), with one
-# worker more than the cores, which keeps the cores busier: a fresh clone's `make test` on the 2-core CI machine took
-# 745 s with 2 workers (182% of two cores) and 720 s with 3 (189%), one run each on 2026-12-06.
-TEST_WORKERS ?= $(shell echo $$(( $$(nproc 2>/dev/null || echo 1) + 1 )))
+# the main suite on every core, a module at a time, in the order tests/conftest.py puts them (the long first). One worker
+# more than the cores was tried on the 2-core CI machine: a fresh clone's `make test` took 720 and 750 s with 3 workers,
+# 745 s with 2 (2026-12-06), within the spread of runs, so not kept.
+TEST_WORKERS ?= auto
 PYTEST_PARALLEL = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 # pip compiles nothing at install; a module is compiled when it is first imported, and its bytecode kept then, so
 # PYTHONDONTWRITEBYTECODE is lifted for everything this Makefile runs. Compiling all of torch at install took 35 s
