@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import filecmp
 import fnmatch
 import hashlib
@@ -1115,13 +1116,18 @@ def generate_cached(max_children: int, digest: str) -> tuple[int, str]:
         shutil.rmtree(WORK / "mutants", ignore_errors=True)
     rc = generate(max_children)
     if rc == 0:
-        MUTANTS_CACHE.mkdir(parents=True, exist_ok=True)
-        for old in MUTANTS_CACHE.glob("*.tar"):  # one workspace's mutants at a time: about 21 MB
-            old.unlink(missing_ok=True)
         part = cached.with_suffix(f".{os.getpid()}.part")
-        with tarfile.open(part, "w") as tar:
-            tar.add(package, arcname="kvfsm")
-        part.replace(cached)
+        try:  # a cache that cannot be written (a full disk, a read-only home) costs the next sample its generation only
+            MUTANTS_CACHE.mkdir(parents=True, exist_ok=True)
+            for old in MUTANTS_CACHE.glob("*.tar"):  # one workspace's mutants at a time: about 21 MB
+                old.unlink(missing_ok=True)
+            with tarfile.open(part, "w") as tar:
+                tar.add(package, arcname="kvfsm")
+            part.replace(cached)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                part.unlink(missing_ok=True)
+            print(f"the generated mutants were not cached ({exc!r})", flush=True)
     return rc, "generated"
 
 
