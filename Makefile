@@ -22,14 +22,13 @@ PYTEST_PARALLEL = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 # and vLLM are mostly modules the tests never import.
 PIP_INSTALL = -m pip install -q --no-compile
 unexport PYTHONDONTWRITEBYTECODE
-# pip installs torch alone: it takes this machine's CPU build from the disk and keeps to its constraint file, where uv
-# does neither. uv installs everything else, from its cache once it has seen a package. What it saves, measured on the
-# 2-core CI machine: SGLang's 100-odd requirements install in 6 s the first time and 1 s from the cache, where pip took
-# most of that venv's 142 s (106 s of CPU); the main venv with its test extras takes 25 s, where pip took 62 s. uv
-# compiles no bytecode either, as PIP_INSTALL's --no-compile.
-# torch alone: from the disk alone where this machine keeps the CPU build (pip's find-links), which spares pip reading
-# the index's page of every torch release (12 -> 7 s a venv), else from the index; its dependencies come with the
-# venv's other packages, through uv
+# pip installs torch alone (PIP_TORCH): it takes this machine's CPU build from the disk and keeps to its constraint
+# file, where uv does neither. It looks on the disk alone first (pip's find-links), which spares it reading the index's
+# page of every torch release (12 -> 7 s a venv), and falls back to the index; torch's dependencies come with the venv's
+# other packages. uv installs those and everything else (UV_INSTALL), from its cache once it has seen a package, and
+# compiles no bytecode either, as PIP_INSTALL's --no-compile. What it saves, measured on the 2-core CI machine: SGLang's
+# 100-odd requirements install in 6 s the first time and 1 s from the cache, where pip took most of that venv's 142 s
+# (106 s of CPU); the main venv with its test extras takes 25 s, where pip took 62 s.
 PIP_TORCH = $(1) $(PIP_INSTALL) --no-index --no-deps torch==2.13.0 2>/dev/null || $(1) $(PIP_INSTALL) torch==2.13.0
 UV_VENV := build/uv
 UV := $(UV_VENV)/bin/uv
