@@ -1593,7 +1593,22 @@ class ProductionMachine(tm.ManagerMachine):
         deferred_ones = [lr for lr in self.retracted if self._deferred(lr)]
         lr = self._pick(deferred_ones or self.retracted, i)
         deferred = bool(deferred_ones)
-        if self._admit_lreq(lr):
+        admitted = self._admit_lreq(lr)
+        if deferred and not admitted:
+            # A deferred release holds its pages, so the pool is usually full when such a request returns
+            # (re-admission then succeeded about once in a hundred tries, and whole runs of the matrix never
+            # reached it). The scheduler makes room as SGLang's does, keeping lr's own copy in flight: the
+            # other copies land, a progress check frees what they held, and live requests no copy reads are
+            # retracted (their pages free at once).
+            self._land_all_but(lr)
+            self._progress()
+            while True:
+                deferred = self._deferred(lr)  # still, as lr comes back (a copy thread may have landed it)
+                admitted = self._admit_lreq(lr)
+                if admitted or (idle := self._idle_live()) is None:
+                    break
+                self._end_lreq(idle, "retract")
+        if admitted:
             self.retracted.remove(lr)
             self._count("readmitted_while_release_deferred" if deferred else "readmitted")
 
@@ -1628,6 +1643,19 @@ class ProductionMachine(tm.ManagerMachine):
                 q.req_pool_idx = None
             if not self._admit_lreq(lr):
                 self.ended.append(lr)  # no room: stays a released object, ends again as a duplicate
+
+    def _land_all_but(self, lr: LReq) -> None:
+        """Land every pending copy on every rank except those reading lr's current lifecycle."""
+        for rank, q in zip(self.ranks, lr.reqs):
+            keep = {id(c.handle) for c in rank.shadow.unlanded() if c.life.req is q}
+            for handle in rank.copies_pending():
+                if id(handle) not in keep:
+                    rank.complete(handle)
+
+    def _idle_live(self) -> Optional[LReq]:
+        """A live request no copy reads (retracting it frees its pages at once), or None."""
+        reading = {id(c.life.req) for c in self.ranks[0].shadow.unlanded()}
+        return next((lr for lr in self.live if id(lr.reqs[0]) not in reading), None)
 
     def _deferred(self, lr: LReq) -> bool:
         life = self.ranks[0].shadow.current(lr.reqs[0])

@@ -192,6 +192,9 @@ def test_production_config(cfg: Config, monkeypatch: pytest.MonkeyPatch, tmp_pat
         wanted.append("store_calls_multi_chunk")
     if cfg.fenced:
         wanted += ["fenced_releases", "reused_fenced_slots"] + (["fenced_free_under_copy"] if cfg.copy != "cuda" else [])
+    # Rare situations that test_zz_matrix_exercised asserts over the whole matrix: the configurations that reach
+    # them most often chase them with the same extra rounds, and a miss here fails nothing by itself.
+    chased = ["readmitted_while_release_deferred"] if (cfg.copy, cfg.worker, cfg.fenced) == ("deferred", "stepped", False) else []
     missing = wanted
     try:
         for k in range(1 + TOP_UPS):
@@ -200,7 +203,7 @@ def test_production_config(cfg: Config, monkeypatch: pytest.MonkeyPatch, tmp_pat
                        round_seed(request.config, the_settings, k))
             ev = tm.EVENTS.get(bucket, {})
             missing = [what for what in wanted if ev.get(what, 0) <= 0]
-            if not missing:
+            if not missing and all(ev.get(what, 0) > 0 for what in chased):
                 break
     finally:
         tm.TIMES[bucket] = time.perf_counter() - t0
