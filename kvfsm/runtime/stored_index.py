@@ -33,13 +33,15 @@ class StoredPageIndex(Mapping[str, tuple[str, int]]):
         self._pos = np.zeros(capacity, dtype=np.int64)
 
     def _grow(self) -> None:
-        """Double the ring (up to the limit), oldest entry first at slot first % new capacity."""
-        old, n = self._hash.size, self._next - self._first
-        order = [(self._first + i) % old for i in range(n)] if old else []
-        h, o, p = self._hash[order], self._owner[order], self._pos[order]
+        """Double the ring (up to the limit): each entry moves from slot seq % old to seq % new capacity, in
+        three numpy gathers and scatters. What it saves: the Python loop that computed the slots cost a serving
+        loop whose fresh index filled past 512 Ki pages a 273 ms call on this repository's CPU
+        (bench/probes/stored_index_probe.py --grow, bench/results/stored_index_grow_probe-cpu.json)."""
+        old = self._hash.size
+        seqs = np.arange(self._first, self._next, dtype=np.int64)
+        h, o, p = self._hash[seqs % old], self._owner[seqs % old], self._pos[seqs % old]
         self._alloc(min(self.limit, max(2 * old, 1)))
-        cap = self._hash.size
-        at = [(self._first + i) % cap for i in range(n)]
+        at = seqs % self._hash.size
         self._hash[at], self._owner[at], self._pos[at] = h, o, p
 
     def put(self, page_hash: str, owner: str, position: int) -> None:
