@@ -1,10 +1,11 @@
 """The CI step of mutation testing (docs/mutation.md): a fixed, seeded sample of the mutants `make mutate`
 runs, every one of them, must be killed at no lower a rate than the committed full run killed the same mutants.
-Its fixed costs are the mutants' generation (about 64 s of the sample's 129 s on 2026-12-06, a slow day) and
-mutmut's stats pass (about 100 s), which learns which tests call which function. The stats of an unchanged workspace
-are committed (tests/mutation/sample_stats.json.xz), so CI runs no stats pass, and test_the_committed_stats_are_this_workspaces
-says when a change needs them collected again; the generated mutants are kept per workspace digest outside the
-checkout (mutate.MUTANTS_CACHE), so a fresh clone of a workspace this machine has sampled before restores them. The sample is drawn from the mutants the committed run killed or
+Its fixed costs are the mutants' generation and mutmut's stats pass (about 100 s), which learns which tests call
+which function. The stats of an unchanged workspace are committed (tests/mutation/sample_stats.json.xz) with the draw
+they were collected with, so CI runs no stats pass and generates only the files of the drawn mutants, and
+test_the_committed_stats_are_this_workspaces says when a change needs them collected again; the generated mutants are
+kept per workspace digest outside the checkout (mutate.MUTANTS_CACHE), so a fresh clone of a workspace this machine
+has sampled before restores them. The sample is drawn from the mutants the committed run killed or
 has not seen: one it lists as a survivor can only raise the rate, so running it could never fail this test. No time box: the same mutants are checked on a slow or busy machine as on an
 idle one; a hang guard on progress (tests/timing.py) stops a run that stopped moving, and mutmut stops a mutant
 that spins.
@@ -133,6 +134,41 @@ def test_the_committed_stats_are_this_workspaces() -> None:
         "mutmut's configuration or a package's version changed since. Collect them again (about 4 minutes): "
         f"`.venv/bin/python tests/mutation/mutate.py sample --save-stats --n {N} --seed {SEED}`")
     assert stats is not None and len(stats["tests_by_mangled_function_name"]) > 100
+    drawn = mutate.recorded_draw(digest, N, SEED)
+    assert drawn is not None and len(drawn[0]) == N, (
+        "tests/mutation/sample_stats.json.xz holds no draw of this sample against the committed survivors, so the "
+        f"sample generates every mutant to draw: `.venv/bin/python tests/mutation/mutate.py sample --save-stats --n {N} "
+        f"--seed {SEED}` records it")
+
+
+def test_a_recorded_draw_serves_only_its_workspace_size_seed_and_survivors(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The picks a --save-stats run drew are reused, and only their files mutated, where a draw again would give
+    them: the same digest, n, seed and committed survivors; a record without a draw is no draw."""
+    import lzma
+
+    mutate = _mutate()
+    monkeypatch.setattr(mutate, "SAMPLE_STATS", tmp_path / "stats.json.xz")
+    monkeypatch.setattr(mutate, "SURVIVORS", tmp_path / "survivors.json")
+    mutate.SURVIVORS.write_text('{"survivors": []}')
+    picks = ["kvfsm.runtime.manager.xǁDecodeOffloadManagerǁcheck_progress__mutmut_32",
+             "kvfsm.generated.decode_offload.x_violated_invariants__mutmut_85"]
+    draw_of = {"n": 2, "seed": 7, "survivors": mutate.survivors_digest(), "picks": picks, "passed_over": 3}
+    mutate.SAMPLE_STATS.write_bytes(lzma.compress(json.dumps({"digest": "d", "stats": {}, "draw": draw_of}).encode()))
+    assert mutate.recorded_draw("d", 2, 7) == (picks, 3)
+    assert mutate.recorded_draw("e", 2, 7) is None and mutate.recorded_draw("d", 3, 7) is None
+    assert mutate.recorded_draw("d", 2, 8) is None
+    mutate.SURVIVORS.write_text('{"survivors": [1]}')
+    assert mutate.recorded_draw("d", 2, 7) is None
+    mutate.SAMPLE_STATS.write_bytes(lzma.compress(json.dumps({"digest": "d", "stats": {}}).encode()))
+    assert mutate.recorded_draw("d", 2, 7) is None
+    assert mutate.files_of(picks) == ["kvfsm/generated/decode_offload.py", "kvfsm/runtime/manager.py"]
+    assert all(mutate.mutated(f) for f in mutate.files_of(picks))
+    with pytest.raises(ValueError, match="not a mutant name"):
+        mutate.files_of(["kvfsm.runtime.manager"])
+    narrowed = mutate.mutmut_config(mutate.TESTS, only=mutate.files_of(picks)).splitlines()
+    differ = [line for line, full in zip(narrowed, mutate.mutmut_config(mutate.TESTS).splitlines()) if line != full]
+    assert differ == ['only_mutate = ["kvfsm/generated/decode_offload.py", "kvfsm/runtime/manager.py"]']
 
 
 def _with_fake_generation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
