@@ -73,6 +73,10 @@ def write_result(name: str, payload: dict[str, Any], out: str | Path | None = No
     return path
 
 
-def target(name: str, value: float | None, limit: float) -> dict[str, Any]:
-    """One entry of a verdict JSON's `targets` list: the figure, its limit and whether it is met."""
-    return {"name": name, "value": value, "limit": limit, "met": value is not None and value <= limit}
+def target(name: str, value: float | None, limit: float, *, at_least: bool = False) -> dict[str, Any]:
+    """One entry of a verdict JSON's `targets` list: the figure, its limit and whether it is met. A limit is a
+    ceiling (met when value <= limit), or with `at_least` a floor, and then the name ends in "(at least)"."""
+    if at_least and not name.endswith("(at least)"):
+        raise ValueError(f"a floor's name ends in '(at least)': {name!r}")
+    met = value is not None and (value >= limit if at_least else value <= limit)
+    return {"name": name, "value": value, "limit": limit, "met": met}

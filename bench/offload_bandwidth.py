@@ -55,7 +55,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
 
-from common import result_path  # noqa: E402
+from common import result_path, target  # noqa: E402
 
 from kvfsm.dataplane import (  # noqa: E402
     HAVE_TRITON,
@@ -470,6 +470,22 @@ def run_case(
     return case
 
 
+def targets(cases: list[dict]) -> list[dict]:
+    """The verdict: per case and direction, the best verified kernel's median bandwidth over the contiguous
+    copy's (TARGET_OFFLOAD, TARGET_LOADBACK); None where no kernel verified."""
+    out = []
+    for c in cases:
+        for direction in ("offload", "loadback"):
+            d = c.get(direction)
+            if not d or "target" not in d:
+                continue
+            best = d.get("triton")
+            out.append(target(f"{direction} bandwidth / the contiguous copy's, median, page {c['page_size']} "
+                              f"{c['layout']} (at least)", best["ratio_median"] if best else None, d["target"],
+                              at_least=True))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true",
@@ -538,7 +554,7 @@ def main() -> int:
             "reps": reps,
             "ratios_use": "median kernel time vs best contiguous-copy time of the same run",
             "engine_default_configs": {lay: cfg_name(default_config(lay)) for lay in layouts},
-            "targets": {"offload": TARGET_OFFLOAD, "loadback": TARGET_LOADBACK},
+            "targets": targets(cases),
             "ceilings": ceil,
             "cases": cases,
             "all_verified": verified,

@@ -137,12 +137,11 @@ def test_the_store_writers_are_the_scripts_and_the_librarys() -> None:
 def test_the_targets_are_the_runs() -> None:
     m = CLAIMS.match(r"\(median ([\d.]+) ms at (\d+) live and (\d+/\d+), p99 ([\d.]+) ms, max ([\d.]+) ms; ([\d.]+) ms at "
                      r"(\d+/\d+)\)")
-    targets = {}
+    targets: dict[str, set] = {}
     for t in SERVING["targets"]:
-        for key in t:
-            if "_le_" in key:
-                targets.setdefault(key.split("_le_")[0], set()).add(
-                    (float(key.split("_le_")[1].removesuffix("ms").replace("_", ".")), t["live"], f"{t['page']}/{t['stride']}"))
+        got = re.fullmatch(r"(median|p99|max) ms, (\d+) live (\d+/\d+), table \w+", t["name"])
+        if got:
+            targets.setdefault(got.group(1), set()).add((float(t["limit"]), int(got.group(2)), got.group(3)))
     live = int(m.group(2))
     assert (float(m.group(1)), live, m.group(3)) in targets["median"]
     assert (float(m.group(4)), live, m.group(3)) in targets["p99"]
