@@ -1596,10 +1596,10 @@ class ProductionMachine(tm.ManagerMachine):
         admitted = self._admit_lreq(lr)
         if deferred and not admitted:
             # A deferred release holds its pages, so the pool is usually full when such a request returns
-            # (re-admission then succeeded about once in a hundred tries, and whole runs of the matrix never
-            # reached it). The scheduler makes room as SGLang's does, keeping lr's own copy in flight: the
-            # other copies land, a progress check frees what they held, and live requests no copy reads are
-            # retracted (their pages free at once).
+            # (re-admission then succeeded in 1 of 114 and 8 of 132 tries in two instrumented runs, and whole
+            # runs of the matrix never reached it). The scheduler makes room as SGLang's does, keeping lr's own
+            # copy in flight: the other copies land, a progress check frees what they held, and live requests
+            # no copy reads are retracted (their pages free at once).
             self._land_all_but(lr)
             self._progress()
             while True:
