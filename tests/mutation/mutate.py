@@ -1171,10 +1171,11 @@ def files_of(mutants: list[str]) -> list[str]:
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
-    """Generate every mutant, run a seeded sample of them (all of it, or what `--budget` seconds allow); print
-    the kill rate, and the kill rate the committed full run had on the same mutants (those it lists as
-    survivors survived it, the rest were killed), so the two are compared mutant for mutant, not as two
-    samples of a rate.
+    """Draw a seeded sample of the mutants and run it (all of it, or what `--budget` seconds allow); print the
+    kill rate, and the kill rate the committed full run had on the same mutants (those it lists as survivors
+    survived it, the rest were killed), so the two are compared mutant for mutant, not as two samples of a rate.
+    Drawing needs every mutant generated, unless the committed record holds this workspace's draw
+    (`recorded_draw`): then only the files of its picks are mutated. `--save-stats` always draws afresh.
 
     The sample is drawn from the mutants the committed run does not list as survivors: one it lists can only
     raise the sample's rate (it counts as survived on both sides, or as a new kill), so it could never fail the
@@ -1194,12 +1195,13 @@ def cmd_sample(args: argparse.Namespace) -> int:
         files = files_of(recorded[0])
         (WORK / "pyproject.toml").write_text(mutmut_config(TESTS, only=files))
         # cached apart from a full generation, and per set of files (a tree holds the mutants of its files only)
-        rc, mutants = generate_cached(args.max_children, digest + "-" + hashlib.sha256("\n".join(files).encode()).hexdigest()[:16])
+        of_files = hashlib.sha256("\n".join(files).encode()).hexdigest()[:16]
+        rc, mutants = generate_cached(args.max_children, f"{digest}-{of_files}")
     else:
         rc, mutants = generate_cached(args.max_children, digest)
     stats = "collected" if args.save_stats else sample_stats(digest)
-    print(f"mutants: {mutants}{' (the recorded draw' + chr(39) + 's files)' if recorded else ''}; mutmut's stats: {stats}",
-          flush=True)
+    which = " (the recorded draw's files)" if recorded is not None else ""
+    print(f"mutants: {mutants}{which}; mutmut's stats: {stats}", flush=True)
     every = {m.name: m for m in results()}
     if not every:
         print(f"no mutants generated (mutmut exit {rc})")
