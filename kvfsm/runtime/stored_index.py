@@ -39,7 +39,8 @@ class StoredPageIndex(Mapping[str, tuple[str, int]]):
         (bench/probes/stored_index_probe.py --grow, bench/results/stored_index_grow_probe-cpu.json)."""
         old = self._hash.size
         seqs = np.arange(self._first, self._next, dtype=np.int64)
-        h, o, p = self._hash[seqs % old], self._owner[seqs % old], self._pos[seqs % old]
+        was = seqs % old
+        h, o, p = self._hash[was], self._owner[was], self._pos[was]
         self._alloc(min(self.limit, max(2 * old, 1)))
         at = seqs % self._hash.size
         self._hash[at], self._owner[at], self._pos[at] = h, o, p

@@ -1067,12 +1067,17 @@ def workspace_digest() -> str:
     return h.hexdigest()
 
 
+def committed_record() -> dict | None:
+    """The committed SAMPLE_STATS (digest, stats and, since it was first kept, the draw), or None."""
+    if not SAMPLE_STATS.exists():
+        return None
+    return json.loads(lzma.decompress(SAMPLE_STATS.read_bytes()))
+
+
 def committed_stats() -> tuple[str | None, dict | None]:
     """(digest, mutmut's stats) of the committed SAMPLE_STATS, or (None, None) when there is none."""
-    if not SAMPLE_STATS.exists():
-        return None, None
-    record = json.loads(lzma.decompress(SAMPLE_STATS.read_bytes()))
-    return record["digest"], record["stats"]
+    record = committed_record()
+    return (None, None) if record is None else (record["digest"], record["stats"])
 
 
 def sample_stats(digest: str) -> str:
@@ -1150,11 +1155,9 @@ def recorded_draw(digest: str, n: int, seed: int) -> tuple[list[str], int] | Non
     this digest, against these committed survivors; else None. Generation is a function of what the digest
     covers and the draw of the names, the seed and the survivors, so these are the picks that generating every
     mutant and drawing again would give."""
-    if not SAMPLE_STATS.exists():
-        return None
-    record = json.loads(lzma.decompress(SAMPLE_STATS.read_bytes()))
-    d = record.get("draw")
-    if record["digest"] != digest or not d or (d["n"], d["seed"], d["survivors"]) != (n, seed, survivors_digest()):
+    record = committed_record()
+    d = record and record.get("draw")
+    if record is None or record["digest"] != digest or not d or (d["n"], d["seed"], d["survivors"]) != (n, seed, survivors_digest()):
         return None
     return list(d["picks"]), int(d["passed_over"])
 
