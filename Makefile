@@ -72,7 +72,9 @@ test:
 	$(MAKE) -j4 -O static-checks test-suite test-upstream
 
 .PHONY: static-checks test-suite
-static-checks: $(STAMP)
+# static-checks waits for the test venv, not only the demo's: that venv's install re-installs kvfsm in editable mode,
+# and a `kvfsm` run while it does found no .venv/bin/kvfsm (a clean clone's `make test` failed so).
+static-checks: $(TEST_STAMP)
 	$(MAKE) lint
 	$(MAKE) docs
 	for spec in spec/*.yaml; do $(BIN)/kvfsm gen $$spec --check || exit 1; done
