@@ -29,7 +29,7 @@ step() {  # name, seconds, command...
     tar -czf "$OUT/verdict.tgz" -C "$W" .
 }
 
-STEPS=${*:-"serving adapter process_tests adapter_process adapter_sharded sharded phases submit launch gil gil_sharded lock"}
+STEPS=${*:-"serving adapter adapter_compact process_tests adapter_process adapter_sharded sharded phases submit launch gil gil_sharded lock"}
 for s in $STEPS; do
     case $s in
     serving) step serving_loop 280 python3 bench/serving_loop.py --live 4096 --pages 64/64 16/16 --tables cuda \
@@ -37,6 +37,9 @@ for s in $STEPS; do
     serving32) step serving_loop_32 150 python3 bench/serving_loop.py --live 512 --layers 32 --host-gib 16 \
         --tables cuda --no-baseline --out "$W/serving_loop_32layers-$TAG.json" ;;
     adapter) step sglang_adapter 330 python3 bench/sglang_adapter_gpu.py --out "$W/sglang_adapter_gpu-$TAG.json" ;;
+    adapter_compact) # the calls back to back before the wait, the order of the runs before 2026-12-07 (ORDERS)
+        step sglang_adapter_compact 200 python3 bench/sglang_adapter_gpu.py --live 4096 --order compact \
+        --out "$W/sglang_adapter_gpu-compact-$TAG.json" ;;
     adapter_process) step sglang_adapter_process 200 python3 bench/sglang_adapter_gpu.py --live 4096 --store-process \
         --out "$W/sglang_adapter_gpu-store-process-$TAG.json" ;;
     adapter_sharded) step sglang_adapter_sharded 330 python3 bench/sglang_adapter_gpu.py --live 4096 --pages 16/16 64/64 \

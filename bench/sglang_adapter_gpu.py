@@ -13,14 +13,15 @@ Three managers run the same serving workload over SGLang 0.5.23's `ReqToTokenPoo
   pages freed on completion, finished requests released once their copies landed. No lifecycle, checks,
   hashes or storage.
 
-Each iteration, as an overlap scheduler runs it: the engine gives every live request a slot for the token
-being decoded (a new page from SGLang's allocator at a page boundary, written to `req_to_token` on the GPU)
-and queues the decode step's matmuls on the compute stream (`--step-ms`, calibrated); while the GPU runs it,
-the scheduler thread makes the manager calls, timed, under `torch.cuda.set_sync_debug_mode("error")` (a
-call that waited for the GPU would end the run); then finished requests leave, new ones are admitted in
-their place (random prompt and output lengths, so due points are spread as in serving), and the engine
-waits for the previous step. The garbage collector stays on (start-up objects frozen, as servers do); its
-pauses inside the timed calls are recorded.
+Each iteration, as SGLang's decode event loop runs it (`--order sglang`, the default): the scheduler thread makes
+the progress check; the engine gives every live request a slot for the token being decoded (a new page from
+SGLang's allocator at a page boundary, written to `req_to_token` on the GPU) and queues the decode step's
+matmuls on the compute stream (`--step-ms`, calibrated); it waits for the previous step's results; then the
+scheduler thread makes the offload and finish calls for them. Finished requests leave and new ones are admitted
+in their place (random prompt and output lengths, so due points are spread as in serving). The check and the
+calls are timed, under `torch.cuda.set_sync_debug_mode("error")` (a call that waited for the GPU would end the
+run). `--order compact` makes the calls back to back before the wait (ORDERS). The garbage collector stays on
+(start-up objects frozen, as servers do); its pauses inside the timed calls are recorded.
 
 Every run's JSON carries `targets`, each `{name, value, limit, met}`. `--quick` checks the script (CPU
 allowed: a sleeping step, CPU pools), never a figure; its results go to bench/results/quick/.
@@ -77,6 +78,14 @@ from kvfsm.runtime.device_table import DeviceTableSlots  # noqa: E402
 
 PROMPT, OUTPUT = (32, 256), (64, 512)  # uniform lengths, as bench/serving_loop.py
 MODES = ("adapter", "batch", "bare")
+# Where each iteration's calls sit around the engine's wait for the decode step. `sglang`: as SGLang 0.5.23's decode
+# event loops (disaggregation/decode.py, event_loop_normal_disagg_decode and _overlap_): the progress check first
+# (process_decode_queue), then the batch is launched, then the scheduler waits for a step's results and makes the
+# offload and finish calls (process_batch_result); every door in that order. `compact`: the calls back to back, then
+# the wait, the adapter checking first and the batch door and the floor last (the order of the runs before
+# 2026-12-07): the backup worker the adapter's check wakes then runs beside its offload calls, the batch door's
+# beside the wait.
+ORDERS = ("sglang", "compact")
 
 
 @contextmanager
@@ -190,6 +199,7 @@ class Loop:
 
     def __init__(self, mode: str, live: int, page: int, stride: int, args: argparse.Namespace, store: str) -> None:
         self.mode, self.live_target, self.page = mode, live, page
+        self.order = getattr(args, "order", "sglang")  # ORDERS
         self.rng = random.Random(args.seed)
         dev = args.device
         self.cuda = dev == "cuda"
@@ -250,44 +260,70 @@ class Loop:
                 req.kv.kv_allocated_len = pos + slots.numel()
 
     # --- the manager calls (timed) --------------------------------------------------------------------
-    def calls(self, ended: list[Req]) -> tuple[float, float, int]:
-        """The iteration's manager calls; returns (seconds in the progress check, seconds in the offload and
-        finish calls, chunks accepted)."""
+    def check(self) -> None:
+        """The iteration's progress check, where SGLang makes it: first, in `process_decode_queue`."""
+        if self.mode == "adapter":
+            self.adapter.check_offload_progress()
+        elif self.mode == "batch":
+            self.manager.check_progress()
+        else:
+            assert self.bare is not None
+            self.bare.check_progress()
+
+    def offload(self, ended: list[Req], batch_args: Optional[tuple[Any, ...]] = None) -> int:
+        """The offload and finish calls for the batch whose results just came back (SGLang's
+        `process_batch_result`); returns the chunks accepted. `batch_args`: `_batch_args(ended)`, built before
+        the timing starts (the batch door and the floor)."""
         live, mode = self.live, self.mode
         if mode == "adapter":
             mgr = self.adapter
-            t0 = time.perf_counter()
-            mgr.check_offload_progress()
-            t1 = time.perf_counter()
             chunks = 0
             for req in live:
                 ok = mgr.offload_kv_cache(req)
                 chunks += ok
                 if not ok and req.finished_reason is not None:
                     mgr.finalize_release_on_finish(req)
-            return t1 - t0, time.perf_counter() - t1, chunks
-        rows = np.fromiter((r.kv.req_pool_idx for r in live), dtype=np.int64, count=len(live))
-        committed = np.fromiter((r.kv.kv_committed_len for r in live), dtype=np.int64, count=len(live))
+            return chunks
+        rows, committed, views, done = batch_args if batch_args is not None else self._batch_args(ended)
         if mode == "batch":
-            view = self.adapter._views.view
-            views = [view(r) for r in live]  # the engine's batch as kvfsm's requests: SGLang would pass its own
-            done = [view(r) for r in ended]
             m = self.manager
-            t0 = time.perf_counter()
             chunks = m.offload_batch(views, rows, committed)
             for v in done:
                 m.finalize(v)
-            t1 = time.perf_counter()
-            m.check_progress()
-            return time.perf_counter() - t1, t1 - t0, chunks
+            return chunks
         bare = self.bare
         assert bare is not None
-        t0 = time.perf_counter()
         chunks = bare.offload_batch(live, rows, committed)
         for req in ended:
             bare.finalize(req)
+        return chunks
+
+    def _batch_args(self, ended: list[Req]) -> tuple[Any, ...]:
+        """What an engine hands a batch API, built outside the timed calls: the batch's rows and committed lengths
+        (SGLang keeps them as tensors), and, for kvfsm's batch door, the Reqs as kvfsm's requests."""
+        live = self.live
+        rows = np.fromiter((r.kv.req_pool_idx for r in live), dtype=np.int64, count=len(live))
+        committed = np.fromiter((r.kv.kv_committed_len for r in live), dtype=np.int64, count=len(live))
+        if self.mode != "batch":
+            return rows, committed, [], []
+        view = self.adapter._views.view
+        return rows, committed, [view(r) for r in live], [view(r) for r in ended]
+
+    def calls(self, ended: list[Req]) -> tuple[float, float, int]:
+        """The iteration's manager calls back to back (the `compact` order): the adapter checks first, as SGLang
+        does; the batch door and the floor offload first and check last. Returns (seconds in the progress
+        check, seconds in the offload and finish calls, chunks accepted)."""
+        if self.mode == "adapter":
+            t0 = time.perf_counter()
+            self.check()
+            t1 = time.perf_counter()
+            chunks = self.offload(ended)
+            return t1 - t0, time.perf_counter() - t1, chunks
+        args = self._batch_args(ended)
+        t0 = time.perf_counter()
+        chunks = self.offload(ended, args)
         t1 = time.perf_counter()
-        bare.check_progress()
+        self.check()
         return time.perf_counter() - t1, t1 - t0, chunks
 
     def run(self, warmup: int, iterations: int) -> dict[str, Any]:
@@ -298,37 +334,56 @@ class Loop:
         per_iter: list[dict[str, float]] = []
         prev = None
         with GcPauses() as gcp:
-            for it in range(warmup + iterations):
-                self.grow()
-                ev = self.step.enqueue()
-                for req in self.live:  # the step computes this token's KV; the next token is sampled
-                    req.kv.kv_committed_len += 1
-                    req.output_ids.append(self.rng.randrange(128_000))
-                ended = [r for r in self.live if len(r.output_ids) >= r.sampling_params.max_new_tokens]
-                for req in ended:
-                    req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
+
+            def timed(fn: Callable[..., Any], *args: Any) -> tuple[float, Any, float, Optional[int]]:
+                """fn(*args) as the scheduler makes it: (seconds, result, ms of collections inside, GC-tracked
+                objects it left allocated (gen0's count; None where a collection reset it))."""
                 n_gc = len(gcp.pauses)
                 if self.cuda:
                     torch.cuda.set_sync_debug_mode("error")
                 young = gc.get_count()[0]
                 try:
-                    check, offload, chunks = self.calls(ended)
+                    t0 = time.perf_counter()
+                    got = fn(*args)
+                    took = time.perf_counter() - t0
                 finally:
                     if self.cuda:
                         torch.cuda.set_sync_debug_mode(0)
-                # GC-tracked objects the calls left allocated (gen0's count), read where no collection reset it
                 tracked = gc.get_count()[0] - young if len(gcp.pauses) == n_gc else None
+                return took, got, sum(ms for _, ms in gcp.pauses[n_gc:]), tracked
+
+            for it in range(warmup + iterations):
+                if self.order == "sglang":  # process_decode_queue: the progress check, before the batch runs
+                    check, _, gc_check, tracked_check = timed(self.check)
+                self.grow()
+                ev = self.step.enqueue()
+                if self.order == "sglang":  # process_batch_result: the engine waits for the last step's results
+                    if prev is not None or not self.cuda:
+                        self.step.wait(prev)
+                for req in self.live:  # the step computed this token's KV; the next token is sampled
+                    req.kv.kv_committed_len += 1
+                    req.output_ids.append(self.rng.randrange(128_000))
+                ended = [r for r in self.live if len(r.output_ids) >= r.sampling_params.max_new_tokens]
+                for req in ended:
+                    req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
+                if self.order == "sglang":
+                    args = None if self.mode == "adapter" else self._batch_args(ended)
+                    offload, chunks, gc_offload, tracked = timed(self.offload, ended, args)
+                    gc_ms = gc_check + gc_offload
+                    tracked = None if tracked is None or tracked_check is None else tracked + tracked_check
+                else:
+                    _, (check, offload, chunks), gc_ms, tracked = timed(self.calls, ended)
                 if it >= warmup:
                     per_iter.append({"total_ms": (check + offload) * 1e3, "check_ms": check * 1e3,
                                      "offload_ms": offload * 1e3, "chunks": chunks, "tracked": tracked,
-                                     "gc_ms": sum(ms for _, ms in gcp.pauses[n_gc:])})
+                                     "gc_ms": gc_ms})
                 if ended:
                     gone = set(map(id, ended))
                     self.live = [r for r in self.live if id(r) not in gone]
                 del ended
                 while len(self.live) < self.live_target and self.admit():
                     pass
-                if prev is not None or not self.cuda:
+                if self.order == "compact" and (prev is not None or not self.cuda):
                     self.step.wait(prev)
                 prev = ev
         heap = census()
@@ -405,10 +460,12 @@ SHM = "/dev/shm" if Path("/dev/shm").is_dir() else None  # where the verdict's s
 def probe_loop(mode: str, live: int, page: int, device: str, store: str) -> Loop:
     """The loop for the development probes (bench/probes/): on a CPU, one narrow head and no decode step (what
     they count is the calls' own work); on a GPU, the verdict's workload: Llama-3-8B rows, the 20 ms step and
-    its 8 GB host pool (put `store` under SHM, as the verdict does)."""
+    its 8 GB host pool (put `store` under SHM, as the verdict does). In the `compact` order, whose one `calls` per
+    iteration the probes wrap."""
     cpu = device == "cpu"
     args = argparse.Namespace(seed=0, device=device, kv_heads=1 if cpu else 8, head_dim=8 if cpu else 128, layers=2,
-                              host_gb=0.5 if cpu else 8.0, step_ms=0.0 if cpu else 20.0, store_root=None)
+                              host_gb=0.5 if cpu else 8.0, step_ms=0.0 if cpu else 20.0, store_root=None,
+                              order="compact")
     return Loop(mode, live, page, page, args, store)
 
 
@@ -485,6 +542,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--store-process", type=int, nargs="?", const=1, default=0, metavar="N",
                     help="kvfsm_store_process: the adapter's file store in a child process over a shared host pool "
                          "(N of them: the writes sharded by key)")
+    ap.add_argument("--order", default="sglang", choices=ORDERS,
+                    help="where the calls sit around the wait for the decode step (ORDERS: sglang's event loop, or "
+                         "compact, the order of the runs before 2026-12-07)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="16 live, 64/64, 30 iterations: checks the script")
     ap.add_argument("--out", default=None)
