@@ -457,35 +457,42 @@ class Loop:
 SHM = "/dev/shm" if Path("/dev/shm").is_dir() else None  # where the verdict's store lives (no disk under it)
 
 
-def probe_loop(mode: str, live: int, page: int, device: str, store: str) -> Loop:
+def probe_loop(mode: str, live: int, page: int, device: str, store: str, order: str = "sglang") -> Loop:
     """The loop for the development probes (bench/probes/): on a CPU, one narrow head and no decode step (what
     they count is the calls' own work); on a GPU, the verdict's workload: Llama-3-8B rows, the 20 ms step and
-    its 8 GB host pool (put `store` under SHM, as the verdict does). In the `compact` order, whose one `calls` per
-    iteration the probes wrap."""
+    its 8 GB host pool (put `store` under SHM, as the verdict does). `order`: ORDERS."""
     cpu = device == "cpu"
     args = argparse.Namespace(seed=0, device=device, kv_heads=1 if cpu else 8, head_dim=8 if cpu else 128, layers=2,
                               host_gb=0.5 if cpu else 8.0, step_ms=0.0 if cpu else 20.0, store_root=None,
-                              order="compact")
+                              order=order)
     return Loop(mode, live, page, page, args, store)
 
 
 def run_marked(loop: Loop, warmup: int, iterations: int, timed: list[bool],
                on_timed: Optional[Callable[[], None]] = None) -> None:
     """`loop.run(warmup, iterations)` with `timed[0]` true only inside the manager calls of the timed iterations
-    (never in set-up, warm-up or teardown); `on_timed` runs as each timed iteration's calls begin."""
-    calls, seen = loop.calls, [0]
+    (never in set-up, warm-up or teardown); `on_timed` runs as each timed iteration's calls begin (its progress
+    check, which every order makes once an iteration)."""
+    check, offload, seen = loop.check, loop.offload, [0]
 
-    def marked(ended: list[Req]) -> tuple[float, float, int]:
+    def marked_check() -> None:
         seen[0] += 1
         timed[0] = seen[0] > warmup
         if timed[0] and on_timed is not None:
             on_timed()
         try:
-            return calls(ended)
+            check()
         finally:
             timed[0] = False
 
-    loop.calls = marked  # type: ignore[method-assign]
+    def marked_offload(ended: list[Req], batch_args: Optional[tuple[Any, ...]] = None) -> int:
+        timed[0] = seen[0] > warmup if loop.order == "sglang" or loop.mode == "adapter" else seen[0] >= warmup
+        try:
+            return offload(ended, batch_args)
+        finally:
+            timed[0] = False
+
+    loop.check, loop.offload = marked_check, marked_offload  # type: ignore[method-assign]
     loop.run(warmup, iterations)
 
 

@@ -41,16 +41,23 @@ def main() -> int:
     try:
         loop = bench.Loop(args.mode, args.live, args.page, args.page, opts, store)
         prof = cProfile.Profile()
-        calls = loop.calls
+        check, offload = loop.check, loop.offload
 
-        def profiled(ended):  # type: ignore[no-untyped-def]
+        def profiled_check() -> None:
             prof.enable()
             try:
-                return calls(ended)
+                check()
             finally:
                 prof.disable()
 
-        loop.calls = profiled  # type: ignore[method-assign]
+        def profiled_offload(ended, batch_args=None):  # type: ignore[no-untyped-def]
+            prof.enable()
+            try:
+                return offload(ended, batch_args)
+            finally:
+                prof.disable()
+
+        loop.check, loop.offload = profiled_check, profiled_offload  # type: ignore[method-assign]
         out = loop.run(args.warmup, args.iterations)
         loop.close()
     finally:

@@ -10,7 +10,7 @@ The no-chunk-due call is then timed twice: right after the loop, as the bench do
 manager drained its copies and backups. A gap between the two is the backup worker's share of the GIL, not
 the call's own cost.
 
-    python3 bench/probes/door_phases.py [--device cuda] [--live 4096] [--pages 64 16] [--out FILE]
+    python3 bench/probes/door_phases.py [--device cuda] [--live 4096] [--pages 64 16] [--order sglang] [--out FILE]
 Writes bench/results/door_phases-<gpu>.json on a GPU, bench/results/quick/door_phases-quick-cpu.json on a CPU
 (or --out).
 """
@@ -44,28 +44,41 @@ PHASES = {
 }
 
 
-def run_mode(mode: str, live: int, page: int, device: str, warmup: int, iterations: int) -> dict[str, Any]:
+def run_mode(mode: str, live: int, page: int, device: str, warmup: int, iterations: int,
+             order: str = "sglang") -> dict[str, Any]:
     store = tempfile.mkdtemp(prefix=f"kvfsm-door-{mode}-", dir=bench.SHM if device == "cuda" else None)
     try:
-        loop = bench.probe_loop(mode, live, page, device, store)
+        loop = bench.probe_loop(mode, live, page, device, store, order)
         timed = [False]
         per_iter: list[dict[str, float]] = []
         current: dict[str, float] = defaultdict(float)
         depth = [0]
         for owner, name in PHASES[mode]:
             _wrap(getattr(loop, owner), name, current, timed, depth)
-        calls = loop.calls
+        check, offload = loop.check, loop.offload
+        parts = [0]
 
-        def measured(ended: list[Any]) -> tuple[float, float, int]:
-            check, offload, chunks = calls(ended)
+        def part(name: str, seconds: float) -> None:  # an iteration's row closes with its second part
             if timed[0]:
-                row = dict(current)
-                row["check_ms"], row["offload_ms"] = check * 1e3, offload * 1e3
-                per_iter.append(row)
-            current.clear()
-            return check, offload, chunks
+                current[name] += seconds * 1e3
+            parts[0] += 1
+            if parts[0] % 2 == 0:
+                if timed[0]:
+                    per_iter.append(dict(current))
+                current.clear()
 
-        loop.calls = measured  # type: ignore[method-assign]
+        def measured_check() -> None:
+            t0 = time.perf_counter()
+            check()
+            part("check_ms", time.perf_counter() - t0)
+
+        def measured_offload(ended: list[Any], batch_args: Any = None) -> int:
+            t0 = time.perf_counter()
+            chunks = offload(ended, batch_args)
+            part("offload_ms", time.perf_counter() - t0)
+            return chunks
+
+        loop.check, loop.offload = measured_check, measured_offload  # type: ignore[method-assign]
         bench.run_marked(loop, warmup, iterations, timed)
         out: dict[str, Any] = {"mode": mode, "live": live, "page": page, "iterations": len(per_iter)}
         keys = sorted({k for r in per_iter for k in r})
@@ -130,13 +143,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iterations", type=int, default=100)
     ap.add_argument("--warmup", type=int, default=60)
     ap.add_argument("--device", default="cuda" if bench.torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--order", default="sglang", choices=bench.ORDERS)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     rows = []
     for live in args.live:
         for page in args.pages:
             for mode in ("adapter", "batch"):
-                row = run_mode(mode, live, page, args.device, args.warmup, args.iterations)
+                row = run_mode(mode, live, page, args.device, args.warmup, args.iterations, args.order)
                 rows.append(row)
                 phases = ", ".join(f"{k} {v['median']:.3f}/{v['mean']:.3f}" for k, v in row["phases_ms"].items())
                 extra = ""
