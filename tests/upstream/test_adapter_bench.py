@@ -15,15 +15,18 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import sglang_adapter_gpu as bench  # noqa: E402
 
+# the old order's floor takes the batch door's branch of `Loop.calls`: one of the two is enough there
+MODES = {"sglang": list(bench.MODES), "compact": ["adapter", "batch"]}
+
 
 @pytest.mark.parametrize("order", bench.ORDERS)
 def test_the_adapter_bench_runs_every_door_in_each_order(order: str, tmp_path: Path) -> None:
     out = tmp_path / "adapter.json"
-    assert bench.main(["--quick", "--device", "cpu", "--order", order, "--store-root", str(tmp_path),
-                       "--out", str(out)]) == 0
+    assert bench.main(["--quick", "--device", "cpu", "--order", order, "--modes", *MODES[order],
+                       "--store-root", str(tmp_path), "--out", str(out)]) == 0
     got = json.loads(out.read_text())
     assert got["settings"]["order"] == order
-    assert [r["mode"] for r in got["rows"]] == list(bench.MODES)
+    assert [r["mode"] for r in got["rows"]] == MODES[order]
     for row in got["rows"]:
         assert row["iterations"] == 30 and row["chunks_per_iteration"] > 0, row["mode"]
         assert row["total_ms"]["median"] > 0
