@@ -66,36 +66,33 @@ test-deps: $(TEST_STAMP)
 demo: $(STAMP)
 	$(BIN)/kvfsm demo
 
-# Every test: ruff and mypy (test-lint), the documentation site's build and the spec checks (static-checks); the
+# Every test: ruff and mypy (lint), the documentation site's build and the spec checks (static-checks); the
 # suite on every core (test-suite); the differential tests against the real SGLang 0.5.23 and vLLM 0.34.0, each in
 # its own venv (test-upstream, below). Each starts as soon as its own venv exists: the suite, the longest, runs
 # while SGLang's and vLLM's venvs are still being installed (pip waits on the disk as much as on a core), and the
 # cores the short ones leave idle (mypy is one process; SGLang's differential runs on one core for two minutes
 # while vLLM's parts end in one) take the suite's work. -O prints each one's output whole.
 test:
-	$(MAKE) -j4 -O static-checks test-lint test-suite test-upstream
+	$(MAKE) -j4 -O static-checks lint test-suite test-upstream
 
-.PHONY: static-checks test-lint test-suite
+.PHONY: static-checks test-suite
 # the docs and the spec checks need the demo's venv alone, so they run while the test venv's extras install
 static-checks: $(STAMP)
 	$(MAKE) docs
 	for spec in spec/*.yaml; do $(BIN)/kvfsm gen $$spec --check || exit 1; done
 	$(BIN)/kvfsm schema --check
 
-# mypy reads the optional integrations' engines that the test venv installs (transformers)
-test-lint: $(TEST_STAMP)
-	$(MAKE) lint
-
 test-suite: $(TEST_STAMP)
 	KVFSM_REQUIRE_MOONCAKE=1 KVFSM_REQUIRE_TRANSFORMERS=1 KVFSM_REQUIRE_MUTMUT=1 $(BIN)/python -m pytest -q $(PYTEST_PARALLEL)
 
-# ruff over the project's Python and mypy over kvfsm/ and generated/, as pyproject.toml configures them. mypy keeps its
+# ruff over the project's Python and mypy over kvfsm/ and generated/, as pyproject.toml configures them, in the test venv
+# (mypy reads the optional integrations' engines it installs: transformers). mypy keeps its
 # cache outside the checkout, so a fresh clone checks only what differs from the last check on this machine: a module
 # whose size or content hash differs from its cached entry is checked again (mypy's own test; a type error added in a
 # second clone is still found). What it saves: 33 s of CPU cold, under 2 s from the cache, on the 2-core CI machine.
 MYPY_CACHE_DIR ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/kvfsm/mypy
 export MYPY_CACHE_DIR
-lint: $(STAMP)
+lint: $(TEST_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
