@@ -37,7 +37,7 @@ for s in $STEPS; do
     serving32) step serving_loop_32 150 python3 bench/serving_loop.py --live 512 --layers 32 --host-gib 16 \
         --tables cuda --no-baseline --out "$W/serving_loop_32layers-$TAG.json" ;;
     adapter) step sglang_adapter 330 python3 bench/sglang_adapter_gpu.py --out "$W/sglang_adapter_gpu-$TAG.json" ;;
-    adapter_compact) # the calls back to back before the wait, the order of the runs before 2026-12-07 (ORDERS)
+    adapter_compact) # the calls back to back before the wait, the order of every run before the first in SGLang's order (ORDERS)
         step sglang_adapter_compact 200 python3 bench/sglang_adapter_gpu.py --live 4096 --order compact \
         --out "$W/sglang_adapter_gpu-compact-$TAG.json" ;;
     adapter_process) step sglang_adapter_process 200 python3 bench/sglang_adapter_gpu.py --live 4096 --store-process \

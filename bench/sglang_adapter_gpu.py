@@ -82,9 +82,9 @@ MODES = ("adapter", "batch", "bare")
 # event loops (disaggregation/decode.py, event_loop_normal_disagg_decode and _overlap_): the progress check first
 # (process_decode_queue), then the batch is launched, then the scheduler waits for a step's results and makes the
 # offload and finish calls (process_batch_result); every door in that order. `compact`: the calls back to back, then
-# the wait, the adapter checking first and the batch door and the floor last (the order of the runs before
-# 2026-12-07): the backup worker the adapter's check wakes then runs beside its offload calls, the batch door's
-# beside the wait.
+# the wait, the adapter checking first and the batch door and the floor last (every run before the first in
+# SGLang's order, 2026-12-06): the backup worker the adapter's check wakes then runs beside its offload calls, the
+# batch door's beside the wait.
 ORDERS = ("sglang", "compact")
 
 
@@ -551,7 +551,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "(N of them: the writes sharded by key)")
     ap.add_argument("--order", default="sglang", choices=ORDERS,
                     help="where the calls sit around the wait for the decode step (ORDERS: sglang's event loop, or "
-                         "compact, the order of the runs before 2026-12-07)")
+                         "compact, the order of every run before the first in SGLang's order)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="16 live, 64/64, 30 iterations: checks the script")
     ap.add_argument("--out", default=None)
