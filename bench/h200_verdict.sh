@@ -9,7 +9,9 @@
 #   bash bench/h200_verdict.sh [step ...]      # steps: see STEPS below; none given runs them all
 #
 # All steps together need more than one call's 10 minutes (on 2026-12-05 the serving loop took 129 s, the
-# adapter's 12 configurations over 170 s): split them, `serving adapter` in one call and the rest in the next.
+# adapter's 12 configurations over 170 s; on an H100 host on 2026-12-06 they took 298 s, and `adapter_compact`
+# did not finish its 16/16 configuration in 202 s): split them, `serving adapter` in one call and the rest in the
+# next, and give `adapter_compact` and `phases` a call of their own.
 set -u
 : "${OUT:?set OUT to the folder whose files come back}"
 . tests/upstream/device_env.sh || exit 2
@@ -38,7 +40,7 @@ for s in $STEPS; do
         --tables cuda --no-baseline --out "$W/serving_loop_32layers-$TAG.json" ;;
     adapter) step sglang_adapter 330 python3 bench/sglang_adapter_gpu.py --out "$W/sglang_adapter_gpu-$TAG.json" ;;
     adapter_compact) # the calls back to back before the wait, the order of every run before the first in SGLang's order (ORDERS)
-        step sglang_adapter_compact 200 python3 bench/sglang_adapter_gpu.py --live 4096 --order compact \
+        step sglang_adapter_compact 300 python3 bench/sglang_adapter_gpu.py --live 4096 --order compact \
         --out "$W/sglang_adapter_gpu-compact-$TAG.json" ;;
     adapter_process) step sglang_adapter_process 200 python3 bench/sglang_adapter_gpu.py --live 4096 --store-process \
         --out "$W/sglang_adapter_gpu-store-process-$TAG.json" ;;
