@@ -23,7 +23,8 @@ calls are timed, under `torch.cuda.set_sync_debug_mode("error")` (a call that wa
 run). `--order compact` makes the calls back to back before the wait (ORDERS). The garbage collector stays on
 (start-up objects frozen, as servers do); its pauses inside the timed calls are recorded.
 
-Every run's JSON carries `targets`, each `{name, value, limit, met}`. `--quick` checks the script (CPU
+Every run's JSON carries `targets`, each `{name, value, limit, met}`. `--repeats N` runs each configuration's
+modes N times, in alternating order, and the targets read the runs' medians (`combined`). `--quick` checks the script (CPU
 allowed: a sleeping step, CPU pools), never a figure; its results go to bench/results/quick/.
 
     tests/upstream/run_on_device.sh sets up the device; then: python3 bench/sglang_adapter_gpu.py [--quick]
@@ -513,18 +514,32 @@ def run_one(mode: str, live: int, page: int, stride: int, args: argparse.Namespa
         shutil.rmtree(store, ignore_errors=True)
 
 
+def combined(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """One mode's per-iteration times over its repeated runs of a configuration: the median of the runs' medians,
+    means and p99s, and the largest max (one run's figures as they are)."""
+    if len(runs) == 1:
+        return dict(runs[0]["total_ms"])
+    t = [r["total_ms"] for r in runs]
+    return {"median": statistics.median(x["median"] for x in t), "mean": statistics.median(x["mean"] for x in t),
+            "p99": statistics.median(x["p99"] for x in t), "max": max(x["max"] for x in t)}
+
+
 def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per (live, page): the adapter against kvfsm's own batch path in the same run, and both against the
-    floor (reported, the serving loop's verdict holds the floor targets)."""
+    floor (reported, the serving loop's verdict holds the floor targets). With `--repeats`, over each mode's
+    runs of the configuration (`combined`)."""
     out = []
+    groups: dict[tuple[int, int, int, str], list[dict[str, Any]]] = {}  # (live, page, stride, mode) -> its runs
     for r in rows:
-        if r["mode"] != "adapter":
+        groups.setdefault((r["live"], r["page"], r["stride"], r["mode"]), []).append(r)
+    for (live, page, stride, mode), adapter in groups.items():
+        if mode != "adapter":
             continue
-        at = f"{r['live']} live {r['page']}/{r['stride']}"
-        batch = next((b for b in rows if b["mode"] == "batch" and (b["live"], b["page"]) == (r["live"], r["page"])), None)
-        t = r["total_ms"]
-        if batch is not None:
-            b = batch["total_ms"]
+        batch = groups.get((live, page, stride, "batch"))
+        at = f"{live} live {page}/{stride}" + (f", {len(adapter)} runs" if len(adapter) > 1 else "")
+        t = combined(adapter)
+        if batch:
+            b = combined(batch)
             out.append(target(f"adapter median / batch median, {at}", t["median"] / b["median"], 1.3))
             out.append(target(f"adapter mean / batch mean, {at}", t["mean"] / b["mean"], 1.3))
         out.append(target(f"adapter p99 / its median, {at}", t["p99"] / t["median"], 2.0))
@@ -552,6 +567,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--order", default="sglang", choices=ORDERS,
                     help="where the calls sit around the wait for the decode step (ORDERS: sglang's event loop, or "
                          "compact, the order of every run before the first in SGLang's order)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs of each configuration's modes, in alternating order (adapter, batch, bare, then the "
+                         "reverse): runs on one host differ by about 30%%, and the targets then read the runs' medians")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="16 live, 64/64, 30 iterations: checks the script")
     ap.add_argument("--out", default=None)
@@ -565,8 +583,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     for live in args.live:
         for pair in args.pages:
             page, stride = (int(x) for x in pair.split("/"))
-            for mode in args.modes:
+            for mode, repeat in [(m, k) for k in range(args.repeats)
+                                 for m in (args.modes if k % 2 == 0 else args.modes[::-1])]:
                 row = run_one(mode, live, page, stride, args)
+                row["repeat"] = repeat
                 rows.append(row)
                 t = row["total_ms"]
                 print(f"{mode:8s} live={live} {page}/{stride}: median {t['median']:.3f} ms mean {t['mean']:.3f} "
