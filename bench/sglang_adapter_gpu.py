@@ -24,8 +24,8 @@ run). `--order compact` makes the calls back to back before the wait (ORDERS). T
 (start-up objects frozen, as servers do); its pauses inside the timed calls are recorded.
 
 Every run's JSON carries `targets`, each `{name, value, limit, met}`. `--repeats N` runs each configuration's
-modes N times, in alternating order, and the targets read the runs' medians (`combined`). `--quick` checks the script (CPU
-allowed: a sleeping step, CPU pools), never a figure; its results go to bench/results/quick/.
+modes N times, in alternating order, and the targets read the runs' medians (`combined`). `--quick` checks the
+script (CPU allowed: a sleeping step, CPU pools), never a figure; its results go to bench/results/quick/.
 
     tests/upstream/run_on_device.sh sets up the device; then: python3 bench/sglang_adapter_gpu.py [--quick]
 """
