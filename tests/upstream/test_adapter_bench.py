@@ -1,6 +1,7 @@
 """`bench/sglang_adapter_gpu.py` runs, on CPU pools, in both call orders: every door makes its calls, the run's
-JSON carries the order and a `targets` entry per adapter target, and each door accepted chunks. A check of the
-script, never of a figure (the figures come from the GPU host, docs/performance.md)."""
+JSON carries the order and a `targets` entry per adapter target, and each door accepted chunks; over repeated
+runs the targets read the runs' medians. A check of the script, never of a figure (the figures come from the GPU
+host, docs/performance.md)."""
 
 from __future__ import annotations
 
