@@ -13,11 +13,10 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH.parent / "tests" / "integrations"))
 from cb_helpers import require_transformers  # noqa: E402
 
-require_transformers()
-
 
 @pytest.fixture(scope="module")
 def bench() -> Any:
+    require_transformers()  # here, not at import: every test worker imports this module to collect it
     sys.path.insert(0, str(BENCH))
     try:
         import transformers_offload as module

@@ -82,7 +82,8 @@ def _machines(fx: Recorder, names: tuple[str, ...], observer: Any = None) -> lis
     return ms
 
 
-ORDERS = {e: batch_action_order(load_spec(packaged_spec()), e) for e in gen.EVENTS}
+_SPEC = load_spec(packaged_spec())  # once: every worker imports this module at collection
+ORDERS = {e: batch_action_order(_SPEC, e) for e in gen.EVENTS}
 
 
 @pytest.mark.parametrize("event", gen.EVENTS)
