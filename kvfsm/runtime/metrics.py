@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 
 
 @dataclass
@@ -23,4 +23,10 @@ class OffloadMetrics:
     backups_in_flight: int = 0
 
     def as_dict(self) -> dict[str, int]:
-        return asdict(self)
+        # the fields by name, not dataclasses.asdict, which deep-copies each value: the counters are ints, and
+        # asdict took 6 of the 160 s a profiled run of tests/stateful/test_production_matrix.py spent (it reads
+        # every rank's metrics after every step); this takes a fourteenth of its time (2.1 against 28 us)
+        return {name: getattr(self, name) for name in _FIELDS}
+
+
+_FIELDS = tuple(f.name for f in fields(OffloadMetrics))
