@@ -7,6 +7,7 @@ points into ../shared."""
 from __future__ import annotations
 
 import ast
+import functools
 import os
 import re
 from pathlib import Path
@@ -61,8 +62,14 @@ def _as_list(v) -> list:
     return v if isinstance(v, list) else [v]
 
 
+@functools.cache
+def _spec_yaml(spec: str) -> tuple:
+    """A shipped spec's YAML with its line map, read once (0.15 s a read; the entries ask 51 times)."""
+    return load_yaml(ROOT / "spec" / f"{spec}.yaml")
+
+
 def _spec_line(kind: str, name: str, state: str | None, spec: str) -> int | None:
-    data, lines, _ = load_yaml(ROOT / "spec" / f"{spec}.yaml")
+    data, lines, _ = _spec_yaml(spec)
     if kind == "invariant":
         hits = [i for i, inv in enumerate(data.get("invariants", [])) if inv["name"] == name]
         return lines.line(("invariants", hits[0])) if hits else None
