@@ -46,7 +46,9 @@ def pytest_configure(config: pytest.Config) -> None:
 # Seconds each took in the suite on the 2-core CI machine, idle, 2 workers (pytest --durations=0, 2026-12-06, a
 # day the machine ran the suite about 1.7x slower than on 2026-12-05; the mutation sample runs two mutmut children
 # of its own, and its figure is estimated from 132 s alone for its 20 mutants with committed stats); every module
-# not listed takes under 25 s that day and keeps its place after these. The figures only order the start, a stale one costs time, not a result.
+# not listed takes under 25 s that day and keeps its place after these (test_batch_events.py, 52 s then, and
+# test_transformers_swap.py, 31 s, since take 4 and 16 s of CPU). The figures only order the start, a stale one costs
+# time, not a result.
 LONG_MODULES = {
     "tests/mutation/test_mutation_sample.py": 180,
     "tests/stateful/test_mutants.py": 114,
@@ -54,14 +56,12 @@ LONG_MODULES = {
     "tests/stateful/test_production_matrix.py": 77,
     "tests/verify/test_ci_bound.py": 68,
     "tests/packaging/test_installed_wheel.py": 55,
-    "tests/runtime/test_batch_events.py": 52,
     "tests/stateful/test_manager_machine.py": 47,
     "tests/stateful/test_production_mutants.py": 47,
     "tests/hostile/test_atheris.py": 46,
     "tests/verify/test_explorer.py": 44,
     "tests/dataplane/test_process_storage.py": 43,
     "tests/mooncake/test_mooncake_store.py": 38,
-    "tests/integrations/test_transformers_swap.py": 31,
     "tests/bench/test_bench_quick.py": 30,
     "tests/verify/test_parallel_jobs.py": 26,
 }
