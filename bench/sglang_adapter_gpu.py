@@ -517,8 +517,6 @@ def run_one(mode: str, live: int, page: int, stride: int, args: argparse.Namespa
 def combined(runs: list[dict[str, Any]]) -> dict[str, float]:
     """One mode's per-iteration times over its repeated runs of a configuration: the median of the runs' medians,
     means and p99s, and the largest max (one run's figures as they are)."""
-    if len(runs) == 1:
-        return dict(runs[0]["total_ms"])
     t = [r["total_ms"] for r in runs]
     return {"median": statistics.median(x["median"] for x in t), "mean": statistics.median(x["mean"] for x in t),
             "p99": statistics.median(x["p99"] for x in t), "max": max(x["max"] for x in t)}

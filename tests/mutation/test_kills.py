@@ -707,7 +707,7 @@ def test_violated_invariants_names_exactly_what_the_spec_says_is_broken() -> Non
     check names the state's invariant and each spec invariant that fails there, in the spec's order."""
     from kvfsm.spec import expr as ex
 
-    spec = load_spec(packaged_spec())
+    spec = _SPEC
     for state in spec.states:
         for copies, parked, backups in itertools.product(range(-1, 3), repeat=3):
             m = DecodeOffloadMachine(Recorder(), ctx=None)
