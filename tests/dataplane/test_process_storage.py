@@ -23,7 +23,7 @@ from timing import run_watched, wait_for
 from kvfsm.dataplane import FileStorage, page_hashes
 from kvfsm.dataplane.pools.config import KVCacheConfig
 from kvfsm.dataplane.pools.host_pool import HostKVPool
-from kvfsm.dataplane.storage import FaultyStorage, ProcessStorage, RemoteStoreError
+from kvfsm.dataplane.storage import FaultyStorage, ProcessStorage, RemoteStoreError, fork_server
 
 gpu = pytest.mark.gpu
 
@@ -169,22 +169,65 @@ def test_the_child_ends_with_its_parent(tmp_path: Path) -> None:
         import functools, os, sys
         from kvfsm.dataplane import FileStorage
         from kvfsm.dataplane.storage import ProcessStorage
+        from kvfsm.dataplane.storage import fork_server
         store = ProcessStorage(functools.partial(FileStorage, {str(tmp_path)!r}))
-        print(store.pid, flush=True)
+        print(store.pid, fork_server._server.proc.pid if fork_server._server else "", flush=True)
         os._exit(0)
     """)
     proc = run_watched([sys.executable, "-c", script], "a parent that starts a store process and exits")
     assert proc.returncode == 0, proc.stderr
-    child = int(proc.stdout.split()[-1])
+    children = [int(pid) for pid in proc.stdout.splitlines()[-1].split()]  # the store process, its fork server
+    assert len(children) == (2 if fork_server.SUPPORTED else 1)
 
-    def gone() -> bool:
+    def gone(child: int) -> bool:
         try:
             os.kill(child, 0)
         except ProcessLookupError:
             return True
         return subprocess.run(["ps", "-o", "stat=", "-p", str(child)], capture_output=True, text=True).stdout.startswith("Z")
 
-    wait_for(gone, f"the store process {child} to end after its parent", 10.0)
+    for child in children:
+        wait_for(lambda: gone(child), f"process {child} to end after its parent", 10.0)
+
+
+def _parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.mark.skipif(not fork_server.SUPPORTED, reason="the fork server needs Linux pidfds")
+def test_store_processes_are_forked_by_one_server_and_a_dead_server_is_replaced(tmp_path: Path) -> None:
+    """Every store process of this process comes from its fork server (whose imports are paid once); a server
+    that died is started again at the next store process, and with the server off a store process is its own
+    interpreter, started by this process."""
+    pool, slots = pool_with_pages(2)
+    keys = page_hashes(list(range(16)), 8)
+    make = functools.partial(FileStorage, str(tmp_path), model_name="m")
+    a, b = ProcessStorage(make), ProcessStorage(make)
+    try:
+        server = fork_server._server
+        assert server is not None and a.pid is not None and b.pid is not None
+        assert _parent_of(a.pid) == _parent_of(b.pid) == server.proc.pid != os.getpid()
+        assert a.batch_set_from_host(keys, pool, slots) == [True, True] and b.batch_exists(keys) == 2
+    finally:
+        a.close(), b.close()
+    server.proc.kill()
+    server.proc.wait()
+    c = ProcessStorage(make)
+    try:
+        assert fork_server._server is not None and fork_server._server is not server
+        assert c.pid is not None and _parent_of(c.pid) == fork_server._server.proc.pid
+        assert c.batch_exists(keys) == 2
+    finally:
+        c.close()
+    fork_server.AVAILABLE = False
+    try:
+        d = ProcessStorage(make)
+        try:
+            assert d.pid is not None and _parent_of(d.pid) == os.getpid() and d.batch_exists(keys) == 2
+        finally:
+            d.close()
+    finally:
+        fork_server.AVAILABLE = fork_server.SUPPORTED
 
 
 def test_a_manager_with_storage_process_stores_through_the_child(tmp_path: Path) -> None:

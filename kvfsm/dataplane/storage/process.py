@@ -22,9 +22,13 @@ What it guarantees, as a `StorageBackend`:
   once per `restart_interval_s`;
 - the child ends when its parent does (it reads end-of-file) or at `close()`.
 
-The child is a fresh interpreter (`python -c`), not a multiprocessing spawn: a spawn re-runs the parent's
-`__main__`, which an engine's launcher need not guard. The store is built there by `factory`, which must
-pickle (a class, or a `functools.partial` of one).
+The child is forked by this process's fork server (`fork_server.py`), a fresh interpreter that has imported
+torch and the data plane once, so a child starts in about 10 ms where a fresh interpreter of its own takes
+1.6 s of wall time and 2.1 s of CPU (bench/probes/fork_server_probe.py, the 2-core development machine): a
+restart after a crash, or each shard of a sharded store. Without the server (no pidfds) the child is a fresh
+interpreter (`python -c`). Never a multiprocessing spawn or forkserver: those re-run the parent's `__main__`
+in the child, which an engine's launcher need not guard. The store is built in the child by `factory`, which
+must pickle (a class, or a `functools.partial` of one).
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ import torch
 from ..pools.host_pool import HostKVPool
 from ..pools.shared_memory import identity
 from .base import StorageBackend, StorageStats, store_host_pages
+from .fork_server import ForkedProcess, child_env, start_store_process
 
 if TYPE_CHECKING:
     from .sharded import ShardedStorage
@@ -66,6 +71,9 @@ logger = logging.getLogger(__name__)
 CHILD_FILE_WRITERS = 4
 
 _SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None  # tmpfs where there is one: the staging never hits a disk
+
+
+_Process = subprocess.Popen[bytes] | ForkedProcess  # a store process: forked by the fork server, or its own interpreter
 
 
 class RemoteStoreError(RuntimeError):
@@ -127,7 +135,7 @@ def _recv(conn: Connection) -> Any:
     return pickle.loads(conn.recv_bytes())
 
 
-def _kill(proc: subprocess.Popen[bytes], conn: Connection, staging: _Staging | None) -> None:
+def _kill(proc: _Process, conn: Connection, staging: _Staging | None) -> None:
     """Stop a store process and remove its staging file (also what runs when a ProcessStorage is collected)."""
     conn.close()
     if proc.poll() is None:
@@ -162,7 +170,7 @@ class ProcessStorage:
         self._staging: _Staging | None = None
         self._child_has: str | None = None  # the staging path the child has mapped
         self._child_pool: Any = None  # the shared host pool the child has mapped (its memory file's identity)
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._proc: _Process | None = None
         self._conn: Connection | None = None
         self._finalizer: Any = None
         self._started_at = -float("inf")
@@ -174,11 +182,13 @@ class ProcessStorage:
     def _start(self) -> None:
         self._started_at = time.monotonic()
         mine, theirs = socket.socketpair()
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if isinstance(p, str) and p))
-        code = f"from {__name__} import _serve; _serve({theirs.fileno()})"
         try:
-            proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(theirs.fileno(),), env=env,
-                                    stdin=subprocess.DEVNULL)
+            # forked by this process's fork server (fork_server.py: its imports paid once), else its own interpreter
+            proc: _Process | None = start_store_process(theirs.fileno(), self.start_timeout_s)
+            if proc is None:
+                code = f"from {__name__} import _serve; _serve({theirs.fileno()})"
+                proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(theirs.fileno(),), env=child_env(),
+                                        stdin=subprocess.DEVNULL)
         finally:
             theirs.close()
         conn = Connection(mine.detach())
@@ -211,7 +221,8 @@ class ProcessStorage:
             return _recv(conn)  # type: ignore[no-any-return]
         except (EOFError, OSError) as exc:
             code = self._proc.poll() if self._proc is not None else None
-            raise RemoteStoreError(f"the store process ended during {what} (exit code {code})") from exc
+            how = f" (exit code {code})" if isinstance(self._proc, subprocess.Popen) else ""  # a fork's goes to its server
+            raise RemoteStoreError(f"the store process ended during {what}{how}") from exc
 
     def _ensure_started(self) -> Connection:
         """The connection to a live child: one started again if it died (at most once per
