@@ -60,7 +60,6 @@ LONG_MODULES = {
     "tests/stateful/test_production_mutants.py": 47,
     "tests/hostile/test_atheris.py": 46,
     "tests/verify/test_explorer.py": 44,
-    "tests/dataplane/test_process_storage.py": 43,
     "tests/mooncake/test_mooncake_store.py": 38,
     "tests/bench/test_bench_quick.py": 30,
     "tests/verify/test_parallel_jobs.py": 26,

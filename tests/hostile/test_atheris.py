@@ -39,7 +39,7 @@ def test_atheris_finds_no_input_that_escapes_the_typed_errors(target: str, tmp_p
     runs = 20_000 if DEEP else RUNS[target]
     proc = run_watched([sys.executable, str(HERE / "atheris_fuzz.py"), target, f"-runs={runs}", "-max_len=4096",
                         f"-artifact_prefix={crashes}/", str(corpus)], f"atheris on the {target} reader",
-                       cwd=ROOT)
+                       cwd=ROOT, env=dict(os.environ, KVFSM_ATHERIS_WORK=str(tmp_path / "work")))
     found = sorted(p.name for p in crashes.iterdir())
     assert proc.returncode == 0 and not found, (
         f"atheris found an input the {target} reader does not answer with a typed error: {found}\n"

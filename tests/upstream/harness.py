@@ -16,6 +16,7 @@ end of each step (`Probe.settle`), so the record is deterministic.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import os
@@ -281,6 +282,7 @@ def _tp_group_world1():
     global _WORLD1_DIR
     if not dist.is_initialized():
         _WORLD1_DIR = tempfile.mkdtemp(prefix="kvfsm-gloo-")
+        atexit.register(shutil.rmtree, _WORLD1_DIR, True)  # the group's file store lives as long as the process
         dist.init_process_group("gloo", init_method=f"file://{_WORLD1_DIR}/pg", rank=0, world_size=1)
     return dist.group.WORLD
 
