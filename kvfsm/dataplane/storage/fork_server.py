@@ -180,6 +180,8 @@ def _serve_forks(fd: int) -> None:
     from .process import _serve  # torch, numpy and the data plane: what every store process imports first
 
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the store processes
+    # a Ctrl-C at the engine's terminal reaches the server too: it ends with its parent instead (end-of-file)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctl = socket.socket(fileno=fd)
     while True:
         try:
@@ -193,7 +195,8 @@ def _serve_forks(fd: int) -> None:
         pid = os.fork()
         if pid == 0:  # the store process
             ctl.close()
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # what a store process started on its own has
+            signal.signal(signal.SIGINT, signal.default_int_handler)
             status = 1
             try:
                 _serve(fds[0])
