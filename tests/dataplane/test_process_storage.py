@@ -148,6 +148,35 @@ def test_a_dead_child_fails_the_call_and_is_started_again(tmp_path: Path) -> Non
         store.close()
 
 
+def test_a_dead_child_is_seen_in_a_process_with_many_open_files(tmp_path: Path) -> None:
+    """An engine may hold more than select()'s 1024 file descriptors: a store process's end is still seen (the
+    fork server's pidfds are waited on with poll()), the call fails as it should and the next one restarts it."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"this process may open only {hard} files")
+    if soft != resource.RLIM_INFINITY and soft < 1200:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1200, hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    pool, slots = pool_with_pages(2)
+    keys = page_hashes(list(range(16)), 8)
+    try:
+        store = ProcessStorage(functools.partial(FileStorage, str(tmp_path), model_name="m"), restart_interval_s=0)
+        try:
+            assert store.pid is not None
+            os.kill(store.pid, signal.SIGKILL)
+            with pytest.raises(RemoteStoreError, match="ended during set|is gone"):
+                store.batch_set_from_host(keys, pool, slots)
+            assert store.batch_set_from_host(keys, pool, slots) == [True, True] and store.restarts == 1
+        finally:
+            store.close()
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def test_a_hung_child_is_stopped_and_the_call_fails(tmp_path: Path) -> None:
     pool, slots = pool_with_pages(1)
     store = ProcessStorage(functools.partial(SleepingStore, str(tmp_path)))

@@ -58,8 +58,15 @@ class ForkedProcess:
         self.returncode: Optional[int] = None
         self._close = weakref.finalize(self, os.close, pidfd)
 
+    def _exited(self, timeout: Optional[float]) -> bool:
+        """Whether the process has exited, waiting at most `timeout` seconds (None: until it has). poll(), not
+        select(): an engine may hold more than select's 1024 file descriptors."""
+        waiter = select.poll()
+        waiter.register(self._pidfd, select.POLLIN)
+        return bool(waiter.poll(None if timeout is None else max(0, int(timeout * 1000))))
+
     def poll(self) -> Optional[int]:
-        if self.returncode is None and select.select([self._pidfd], [], [], 0)[0]:
+        if self.returncode is None and self._exited(0):
             self._ended()
         return self.returncode
 
@@ -72,7 +79,7 @@ class ForkedProcess:
 
     def wait(self, timeout: Optional[float] = None) -> int:
         if self.returncode is None:
-            if not select.select([self._pidfd], [], [], timeout)[0]:
+            if not self._exited(timeout):
                 raise subprocess.TimeoutExpired(f"store process {self.pid}", timeout or 0.0)
             self._ended()
         assert self.returncode is not None
