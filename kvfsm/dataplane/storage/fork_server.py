@@ -110,7 +110,7 @@ class _Server:
                                          stdin=subprocess.DEVNULL)
         finally:
             theirs.close()
-        self.sock, self.owner = mine, os.getpid()
+        self.sock = mine
 
     def fork(self, fd: int, timeout_s: float) -> ForkedProcess:
         """A store process serving connection `fd`; OSError (socket.timeout included) when the server fails."""
@@ -122,13 +122,12 @@ class _Server:
         return ForkedProcess(int(msg), fds[0])
 
     def stop(self) -> None:
-        self.sock.close()  # the server reads end-of-file and exits
-        if self.owner == os.getpid():
-            try:
-                self.proc.wait(5.0)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        self.sock.close()  # the server reads end-of-file and exits (a fork of this process dropped its copy)
+        try:
+            self.proc.wait(5.0)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 _lock = threading.Lock()
