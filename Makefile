@@ -22,14 +22,21 @@ PYTEST_PARALLEL = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 # and vLLM are mostly modules the tests never import.
 PIP_INSTALL = -m pip install -q --no-compile
 unexport PYTHONDONTWRITEBYTECODE
-# pip installs torch alone (PIP_TORCH): it takes this machine's CPU build from the disk and keeps to its constraint
-# file, where uv does neither. It looks on the disk alone first (pip's find-links), which spares it reading the index's
-# page of every torch release (12 -> 7 s a venv), and falls back to the index; torch's dependencies come with the venv's
-# other packages. uv installs those and everything else (UV_INSTALL), from its cache once it has seen a package, and
-# compiles no bytecode either, as PIP_INSTALL's --no-compile. What it saves, measured on the 2-core CI machine: SGLang's
-# 100-odd requirements install in 6 s the first time and 1 s from the cache, where pip took most of that venv's 142 s
-# (106 s of CPU); the main venv with its test extras takes 25 s, where pip took 62 s.
-PIP_TORCH = $(1) $(PIP_INSTALL) --no-index --no-deps torch==2.13.0 2>/dev/null || $(1) $(PIP_INSTALL) torch==2.13.0
+# uv installs every venv's packages (UV_INSTALL), from its cache once it has seen a package, and compiles no bytecode
+# either, as PIP_INSTALL's --no-compile. What it saves, measured on the 2-core CI machine: SGLang's 100-odd
+# requirements install in 6 s the first time and 1 s from the cache, where pip took most of that venv's 142 s (106 s
+# of CPU); the main venv with its test extras takes 25 s, where pip took 62 s.
+# uv also makes the venvs (NEW_VENV; seeded with pip, which the fallback below needs): 0.5 s a venv, where
+# `python -m venv` took 14 s of wall time and 6.4 s of CPU, most of it ensurepip.
+# torch goes in alone first (PIP_TORCH): the pinned CPU build from the machine's own wheels (pip's find-links, which
+# uv does not read by itself, so they are handed to it), 0.4 s a venv from uv's cache where pip took 21-25 s and 11 s
+# of CPU. Where no local wheel matches, pip installs it from the index under the machine's constraint file. torch's
+# dependencies come with the venv's other packages.
+TORCH_PIN := torch==2.13.0
+FIND_LINKS = $${PIP_FIND_LINKS:-$$($(PY) -m pip config get global.find-links 2>/dev/null)}
+PIP_TORCH = links="$(FIND_LINKS)"; { [ -n "$$links" ] && $(UV_INSTALL) $(1) --no-index --no-deps \
+	$$(printf -- '--find-links %s ' $$links) $(TORCH_PIN) 2>/dev/null; } || $(1) $(PIP_INSTALL) $(TORCH_PIN)
+NEW_VENV = test -x $(1)/bin/python || $(UV) venv -q --seed --python $(PY) $(1)
 UV_VENV := build/uv
 UV := $(UV_VENV)/bin/uv
 UV_INSTALL = $(UV) pip install -q --python
@@ -40,15 +47,14 @@ venv: $(STAMP)
 
 # torch is pinned to the CPU build first so the range in pyproject.toml installs nothing bigger.
 $(STAMP): pyproject.toml | $(UV)
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(call NEW_VENV,$(VENV))
 	$(call PIP_TORCH,$(BIN)/python)
 	$(ONE_AT_A_TIME) $(UV_INSTALL) $(BIN)/python -e '.[dev,bench]'
 	touch $(STAMP)
 
-# the installer of every venv's packages but torch (PIP_INSTALL, above)
+# the maker of the venvs and installer of their packages (above), in a folder of its own (no venv: 2.8 s, not 8.7)
 $(UV):
-	test -x $(UV_VENV)/bin/python || $(PY) -m venv $(UV_VENV)
-	$(UV_VENV)/bin/python $(PIP_INSTALL) 'uv>=0.4'
+	$(PY) $(PIP_INSTALL) --root-user-action=ignore --target $(UV_VENV) 'uv>=0.4'
 
 # Every test also runs the optional integrations for real: a Mooncake master (needs Debian's libibverbs1)
 # and transformers' continuous batching.
@@ -134,7 +140,7 @@ upstream-venv: $(UPSTREAM_STAMP)
 
 $(UPSTREAM_STAMP): pyproject.toml tests/upstream/requirements.txt | $(UV)
 	dpkg -s g++ ninja-build libssl-dev >/dev/null 2>&1 || $(call APT_INSTALL,g++ ninja-build libssl-dev)
-	test -x $(UPSTREAM_BIN)/python || $(PY) -m venv $(UPSTREAM_VENV)
+	$(call NEW_VENV,$(UPSTREAM_VENV))
 	$(call PIP_TORCH,$(UPSTREAM_BIN)/python)
 	$(UV_INSTALL) $(UPSTREAM_BIN)/python --no-deps -r tests/upstream/requirements.txt
 	$(ONE_AT_A_TIME) $(UV_INSTALL) $(UPSTREAM_BIN)/python -e '.[dev]'
@@ -173,7 +179,7 @@ device-sglang-site: $(UPSTREAM_STAMP)
 vllm-venv: $(VLLM_STAMP)
 
 $(VLLM_STAMP): pyproject.toml tests/upstream_vllm/requirements.txt | $(UV)
-	test -x $(VLLM_BIN)/python || $(PY) -m venv $(VLLM_VENV)
+	$(call NEW_VENV,$(VLLM_VENV))
 	$(call PIP_TORCH,$(VLLM_BIN)/python)
 	$(UV_INSTALL) $(VLLM_BIN)/python --no-deps -r tests/upstream_vllm/requirements.txt
 	$(ONE_AT_A_TIME) $(UV_INSTALL) $(VLLM_BIN)/python -e '.[dev]'

@@ -30,6 +30,14 @@ _NOT_SOURCE = shutil.ignore_patterns(".git", ".venv*", ".device", ".whl", "build
                                      ".hypothesis", ".pytest_cache", "results", "tests")
 
 
+def _find_links(env: dict[str, str]) -> list[str]:
+    """pip's find-links (where this machine keeps its CPU torch), which uv does not read by itself."""
+    links = env.get("PIP_FIND_LINKS") or subprocess.run(
+        [sys.executable, "-m", "pip", "config", "get", "global.find-links"], capture_output=True, text=True,
+        env=env).stdout
+    return links.split()
+
+
 def _run(cmd: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
     """The command must exit 0; a hang guard on its progress (tests/timing.py), not a fixed timeout."""
     proc = run_watched([str(c) for c in cmd], " ".join(map(str, cmd)), cwd=cwd, env=env)
@@ -51,14 +59,17 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dic
     bin_dir = base / "venv" / "bin"
     # --no-compile: as `make test` installs (the Makefile says why); the venv compiles what it imports, at import
     if UV.exists():
-        # As `make test` sets up its venvs: pip installs torch alone, from the disk where the build lies there
-        # (PIP_TORCH), and uv the wheel with its declared dependencies. What it saves against pip alone into a
-        # venv with its own pip: this module took 46 s of CPU that way and 35 s this way on the 2-core CI machine.
+        # As `make test` sets up its venvs (Makefile: NEW_VENV, PIP_TORCH): uv makes the venv and installs torch
+        # alone, from the machine's own wheels where they hold the pinned build (else pip, from the index), then
+        # the wheel with its declared dependencies. What it saves against pip alone into a venv with its own pip:
+        # this module took 46 s of CPU that way, 35 s with pip installing torch, on the 2-core CI machine.
         _run([UV, "venv", "-q", "--python", sys.executable, base / "venv"], base, env)
-        pip_torch = [sys.executable, "-m", "pip", "--python", bin_dir / "python", "install", "-q", "--no-compile"]
-        if run_watched([str(c) for c in pip_torch + ["--no-index", "--no-deps", TORCH_PIN]], "pip install torch",
-                       cwd=base, env=env).returncode:
-            _run(pip_torch + [TORCH_PIN], base, env)
+        links = _find_links(env)
+        uv_torch = [UV, "pip", "install", "-q", "--python", bin_dir / "python", "--no-index", "--no-deps"]
+        if not links or run_watched([str(c) for c in uv_torch + [f"--find-links={x}" for x in links] + [TORCH_PIN]],
+                                    "uv pip install torch", cwd=base, env=env).returncode:
+            _run([sys.executable, "-m", "pip", "--python", bin_dir / "python", "install", "-q", "--no-compile",
+                  TORCH_PIN], base, env)
         _run([UV, "pip", "install", "-q", "--python", bin_dir / "python", wheel], base, env)
     else:
         venv.create(base / "venv", with_pip=True)

@@ -1,6 +1,8 @@
 """The three things sglang 0.5.23 reaches for on the decode offload path that exist only as CUDA builds.
 
-`install()` puts all three in place, and only these; tests/upstream/conftest.py says why each is needed.
+`install()` puts all three in place, and only these; tests/upstream/conftest.py says why each is needed. It also
+routes SGLang's JIT builds through a machine-wide cache of built modules (`jit_cache`), which changes what is
+built into nothing.
 It must run before sglang is imported (the torchvision finder) and is idempotent, so the harness calls it
 again in every spawned TP rank.
 """
@@ -11,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from . import torchvision_stub
+from . import jit_cache, torchvision_stub
 
 _done = False
 
@@ -42,7 +44,8 @@ def install() -> None:
     global _done
     if _done:
         return
-    # The native page hash is a JIT C++ extension; keep its build beside the venv, not in ~/.cache.
+    # The native page hash is a JIT C++ extension: built beside the venv, the module then kept in a
+    # machine-wide cache by its sources and flags (jit_cache), so a fresh clone's venv builds nothing.
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
     torchvision_stub.install(_missing_cuda_kernels())
     import sglang.srt.mem_cache.memory_pool_host as legacy_host
@@ -54,4 +57,5 @@ def install() -> None:
     # On CPU these modules import no transfer kernel at all; the name is looked up at call time.
     for module in (mha_host, mla_host, legacy_host):
         module.transfer_kv_direct = transfer_kv_direct
+    jit_cache.install()
     _done = True
