@@ -68,6 +68,7 @@ def cached(load: Callable[..., Any]) -> Callable[..., Any]:
         os.replace(partial, entry)  # whole or absent: a concurrent reader never loads a partial copy
         return module
 
+    load_cached.original = load  # type: ignore[attr-defined]
     return load_cached
 
 
