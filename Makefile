@@ -26,10 +26,10 @@ unexport PYTHONDONTWRITEBYTECODE
 # either, as PIP_INSTALL's --no-compile. What it saves, measured on the 2-core CI machine: SGLang's 100-odd
 # requirements install in 6 s the first time and 1 s from the cache, where pip took most of that venv's 142 s (106 s
 # of CPU); the main venv with its test extras takes 25 s, where pip took 62 s.
-# uv also makes the venvs (NEW_VENV; seeded with pip, which the fallback below needs): 0.5 s a venv, where
+# uv also makes the venvs (NEW_VENV; seeded with pip, which the fallback below needs): 0.6 s a venv, where
 # `python -m venv` took 14 s of wall time and 6.4 s of CPU, most of it ensurepip.
 # torch goes in alone first (PIP_TORCH): the pinned CPU build from the machine's own wheels (pip's find-links, which
-# uv does not read by itself, so they are handed to it), 0.4 s a venv from uv's cache where pip took 21-25 s and 11 s
+# uv does not read by itself, so they are handed to it), about 1 s a venv from uv's cache where pip took 21-25 s and 11 s
 # of CPU. Where no local wheel matches, pip installs it from the index under the machine's constraint file. torch's
 # dependencies come with the venv's other packages.
 TORCH_PIN := torch==2.13.0

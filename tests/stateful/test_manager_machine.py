@@ -14,7 +14,7 @@ After every step the invariants below are checked against the pools themselves (
 at teardown every request is ended, everything drained, the pools must be full and every page in storage
 is read back and compared with the KV of the request that wrote it.
 
-Step budget: the `ci` profile runs >= 30,000 rule steps in total (about 25 s on the 2-core CI machine, `make
+Step budget: the `ci` profile runs >= 30,000 rule steps in total (about 28 s on the 2-core CI machine, `make
 test`'s budget), `deep` (KVFSM_FUZZ=deep) >= 1,000,000;
 `test_zz_step_budget` asserts the count at the end of the module.
 """

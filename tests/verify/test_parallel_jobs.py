@@ -13,9 +13,9 @@ from kvfsm.cli import app
 from kvfsm.verify.explorer import ExplorerConfig, explore
 
 
-# Two requests contending for the host pool, and one request re-admitted against it (the CI bound's
-# `readmit-host-full`: 321 states, where the two-request re-admission bound has 1,004 and cost 21 s of the suite on
-# the 2-core CI machine, searched once alone and once by workers, for no path the workers take that this does not).
+# Two symmetric requests contending for the host pool, and one request re-admitted against it (the CI bound's
+# `readmit-host-full`, 321 states). A two-request re-admission bound (1,004 states) cost 21 s of the suite's CPU on
+# the 2-core CI machine, searched once alone and once by workers; the reduction soundness tests search it.
 @pytest.mark.parametrize("cfg", [ExplorerConfig(requests=2, host_slots=2, decodes=2),
                                  ExplorerConfig(requests=1, decodes=3, host_slots=2, readmits=1)],
                          ids=["2req-host2", "1req-readmit-host-full"])

@@ -1,8 +1,8 @@
 """The three things sglang 0.5.23 reaches for on the decode offload path that exist only as CUDA builds.
 
 `install()` puts all three in place, and only these; tests/upstream/conftest.py says why each is needed. It also
-routes SGLang's JIT builds through a machine-wide cache of built modules (`jit_cache`), which changes what is
-built into nothing.
+routes SGLang's JIT builds through a machine-wide cache of built modules (`jit_cache`), so a venv whose build is
+cached builds nothing.
 It must run before sglang is imported (the torchvision finder) and is idempotent, so the harness calls it
 again in every spawned TP rank.
 """
