@@ -76,6 +76,5 @@ def install() -> None:
     """Route SGLang's extension loads through the cache (its callers import the loader at call time)."""
     import sglang.srt.utils.cpp_extension_loader as loader
 
-    if not getattr(loader.load_extension_with_recovery, "kvfsm_cached", False):
+    if not hasattr(loader.load_extension_with_recovery, "original"):  # not wrapped yet (install is idempotent)
         loader.load_extension_with_recovery = cached(loader.load_extension_with_recovery)
-        loader.load_extension_with_recovery.kvfsm_cached = True  # type: ignore[attr-defined]
