@@ -226,6 +226,23 @@ class DecodeOffloadManager:
         except TypeError as exc:
             raise_if_length_invalid(req, exc)
             raise
+        return self._reserve_chunk(rec, req, n)
+
+    def reserve_due(self, req: OffloadRequest, row: int, available: int) -> Optional[Reservation]:
+        """`reserve_offload(req)` for a caller that has just read the request's row and `available`, its
+        offloadable length (`min(len(prompt) + len(outputs) - 1, committed)`), from the engine's own objects:
+        the same answer and the same host pages, without reading them again through `req`. The lifecycle
+        must still be req's current, offloadable one on `row` (a dict lookup and three compares); otherwise
+        this is `reserve_offload(req)`. What it saves: an SGLang adapter's due call read the Req through its
+        view's properties eight times (bench/probes/adapter_call_paths.py, `due`)."""
+        rec = self._records.get(id(req))
+        if rec is None or rec.row != row or rec.req_ref() is not req or rec.machine.state not in _OFFLOADABLE:
+            return self.reserve_offload(req)
+        return self._reserve_chunk(rec, req, self._chunk_of(rec, available))
+
+    def _reserve_chunk(self, rec: LiveRecord, req: OffloadRequest, n: int) -> Optional[Reservation]:
+        """Host pages for the live lifecycle's next chunk of `n` tokens (none due: its next due point), or
+        the spec's `host_full`."""
         if n <= 0:
             self._due_at[rec.row] = rec.prefill_len + rec.inc_len + self.stride
             return None
@@ -381,13 +398,16 @@ class DecodeOffloadManager:
 
     def _chunk_tokens(self, req: OffloadRequest, rec: LiveRecord) -> int:
         """Tokens of the next chunk: whole strides of committed KV past what was offloaded."""
-        start = rec.prefill_len + rec.inc_len
         # The last sampled token has no KV yet; never offload past what is committed.
         # operator.index: a length that is no integer (a float) fails here, before anything is taken
-        available = min(len(req.origin_input_ids) + len(req.output_ids) - 1, operator.index(req.kv_committed_len))
-        n = (available - start) // self.stride * self.stride
-        # Never more than the whole host pool: a larger backlog (host-full retries, re-admission) would
-        # otherwise fail to allocate forever, even with the pool empty; the rest follows in later chunks.
+        return self._chunk_of(rec, min(len(req.origin_input_ids) + len(req.output_ids) - 1,
+                                       operator.index(req.kv_committed_len)))
+
+    def _chunk_of(self, rec: LiveRecord, available: int) -> int:
+        """Whole strides of the first `available` tokens past what `rec` offloaded, at most the host pool:
+        a larger backlog (host-full retries, re-admission) would otherwise fail to allocate forever, even
+        with the pool empty; the rest follows in later chunks."""
+        n = (available - rec.prefill_len - rec.inc_len) // self.stride * self.stride
         return min(n, self._max_chunk)
 
     def _submit(self, due: list[tuple[LiveRecord, OffloadRequest, int]], pages: Optional[list[int]] = None) -> int:

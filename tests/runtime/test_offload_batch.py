@@ -45,10 +45,17 @@ def snapshot(engine: SimEngine) -> tuple[Any, ...]:
             engine.allocator.snapshot()[0].tolist(), len(engine.copies.pending))
 
 
-def run_workload(batched: bool, seed: int, steps: int = 60, engine: SimEngine | None = None, reserved: bool = False,
+def reserve_due(engine: SimEngine, req: SimRequest) -> Any:
+    """`reserve_due` as the SGLang adapter calls it: the row and offloadable length read from the request."""
+    available = min(len(req.origin_input_ids) + len(req.output_ids) - 1, req.kv_committed_len)
+    return engine.manager.reserve_due(req, req.req_pool_idx, available)  # type: ignore[arg-type]
+
+
+def run_workload(batched: bool, seed: int, steps: int = 60, engine: SimEngine | None = None, reserved: str = "",
                  **engine_kw: Any) -> list[dict[str, Any]]:
     """A random workload (every ending, retraction under memory pressure) to teardown; on `engine` if given.
-    `reserved`: each step's offloads as `reserve_offload` per request, then one `submit_reserved`."""
+    `reserved`: each step's offloads as `reserve_offload` ("offload") or `reserve_due` ("due") per request,
+    then one `submit_reserved`."""
     rng = random.Random(seed)
     e = engine if engine is not None else SimEngine(**engine_kw)
     log = []
@@ -65,7 +72,8 @@ def run_workload(batched: bool, seed: int, steps: int = 60, engine: SimEngine | 
             n = e.manager.offload_batch(reqs, rows, committed)
             del reqs  # records live as long as their request objects: hold none the loop would not
         elif reserved:
-            reservations = [r for r in map(e.manager.reserve_offload, list(e.live)) if r is not None]
+            reserve = e.manager.reserve_offload if reserved == "offload" else lambda r: reserve_due(e, r)
+            reservations = [r for r in map(reserve, list(e.live)) if r is not None]
             n = e.manager.submit_reserved(reservations)
             del reservations
         else:
@@ -105,13 +113,15 @@ def test_batch_equals_loop(seed: int, page_size: int, stride: int, host_slots: i
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("page_size,stride,host_slots", [(1, 0, 12), (2, 0, 16), (2, 4, 8), (4, 0, 64)])
-def test_reserved_then_submitted_equals_loop(seed: int, page_size: int, stride: int, host_slots: int) -> None:
-    """reserve_offload per request (host pages in call order, host_full at once) then one submit_reserved
-    per step: the transitions, chunks, pages and keys of the loop of offload() calls (the SGLang adapter's
-    path)."""
+@pytest.mark.parametrize("reserve", ["offload", "due"])
+def test_reserved_then_submitted_equals_loop(seed: int, page_size: int, stride: int, host_slots: int,
+                                              reserve: str) -> None:
+    """reserve_offload (or reserve_due, with the row and length read from the request) per request (host
+    pages in call order, host_full at once) then one submit_reserved per step: the transitions, chunks, pages
+    and keys of the loop of offload() calls (the SGLang adapter's path)."""
     kw = dict(page_size=page_size, stride=stride, host_slots=host_slots, device_slots=96, rows=5, max_context=48)
     loop = run_workload(False, seed, **kw)
-    reserved = run_workload(False, seed, reserved=True, **kw)
+    reserved = run_workload(False, seed, reserved=reserve, **kw)
     for step, (a, b) in enumerate(zip(loop, reserved)):
         assert a == b, f"step {step}: loop and reserved diverge"
     assert sum(o["submitted"] for o in reserved) > 0
@@ -164,6 +174,38 @@ def test_a_stale_reservation_gives_its_pages_back() -> None:
     assert e.manager.submit_reserved([ra, rb]) == 0
     assert e.host_pool.free_slots == free - 4  # only a's own offload() holds pages
     assert [c.record.rid for c in e.manager.fx.copy_fifo] == ["a"]
+
+
+def test_reserve_due_is_reserve_offload_when_the_caller_holds_no_current_lifecycle() -> None:
+    """reserve_due trusts the caller's row and length only for the request's current, offloadable lifecycle on
+    that row; otherwise it is reserve_offload: a row the lifecycle does not hold, an ended lifecycle (the spec's
+    EventRejected), a request never admitted (admitted now)."""
+    e, (a, b, c) = _three_with_a_chunk_due()
+    free = e.host_pool.free_slots
+    available = min(len(a.origin_input_ids) + len(a.output_ids) - 1, a.kv_committed_len)
+    got, want = e.manager.reserve_due(a, b.req_pool_idx, available), e.manager.reserve_offload(a)  # a's row wins
+    assert got is not None and want is not None
+    assert (got.record, got.tokens, got.inc_len, len(got.pages)) == (want.record, want.tokens, want.inc_len, 2)
+    assert e.host_pool.free_slots == free - 8  # each call took a's chunk, as reserve_offload would
+    e.end(b, "abort")
+    with pytest.raises(EventRejected):
+        e.manager.reserve_due(b, 0, 1 << 20)
+    new = e.admit("new", 5)
+    for _ in range(3):
+        e.decode(new)
+    got = e.manager.reserve_due(new, new.req_pool_idx, 1 << 20)  # never seen: admitted, its chunk read from it
+    assert got is not None and got.tokens == 4 and e.manager.machine_of(new) is not None
+
+
+def test_reserve_due_takes_the_length_it_is_given() -> None:
+    """The caller's `available` decides the chunk (whole strides past the offloaded prefix): one stride short
+    of it, nothing is due and the next due point is recorded."""
+    e, (a, _, _) = _three_with_a_chunk_due()
+    start = e.manager.machine_of(a).ctx.prefill_len
+    assert e.manager.reserve_due(a, a.req_pool_idx, start + 1) is None
+    assert e.manager.due_at(a.req_pool_idx) == start + e.manager.stride
+    got = e.manager.reserve_due(a, a.req_pool_idx, start + 2 * e.manager.stride)
+    assert got is not None and got.tokens == 2 * e.manager.stride
 
 
 def test_a_batch_whose_copy_is_refused_changes_nothing_and_stays_due() -> None:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import operator
 from collections.abc import Iterator, Mapping
 from typing import Any, cast
 
@@ -43,7 +44,7 @@ from kvfsm.dataplane.storage.process import CHILD_FILE_WRITERS, in_processes
 from kvfsm.errors import ConfigError, EventRejected, RetractionRefused
 from kvfsm.runtime import DecodeOffloadManager, OffloadConfig, TPMismatch
 from kvfsm.runtime.manager import Reservation
-from kvfsm.runtime.protocols import raise_if_length_invalid
+from kvfsm.runtime.protocols import raise_if_field_missing, raise_if_length_invalid
 from kvfsm.runtime.tp import ProgressConsensus
 
 from .objects import AllocatorView, PrefixCacheView, RequestView, RequestViews, TableView
@@ -207,8 +208,18 @@ class DecodeKVCacheOffloadManager:
                 raise_if_length_invalid(view, exc)
                 raise
             del self._quiet[req]  # re-entered once its chunk is submitted, or by the full path
-            if req.kv.req_pool_idx == view.row:  # due (read afresh through the view), on the row it was noted on
-                return self._reserve(req, view)
+            kv, row = req.kv, view.row
+            if kv.req_pool_idx == row:  # due (read afresh from the Req), on the row it was noted on
+                try:  # the manager's _chunk_tokens, read from the Req itself rather than through its view
+                    available = min(len(req.origin_input_ids) + len(req.output_ids) - 1,
+                                    operator.index(kv.kv_committed_len))
+                except AttributeError as exc:
+                    raise_if_field_missing(view, exc)
+                    raise
+                except TypeError as exc:
+                    raise_if_length_invalid(view, exc)
+                    raise
+                return self._accept(req, view, self.manager.reserve_due(view, row, available))
         if id(req) in self._pending_ids:  # called again before its chunk was submitted
             self._flush()
         return self._reserve(req, self._enter(req))
@@ -264,7 +275,10 @@ class DecodeKVCacheOffloadManager:
     # --- internals -------------------------------------------------------------------------------
     def _reserve(self, req: Any, view: RequestView) -> bool:
         """kvfsm's `reserve_offload` for the request: its chunk joins the pending batch, or it has none due."""
-        reservation = self.manager.reserve_offload(view)
+        return self._accept(req, view, self.manager.reserve_offload(view))
+
+    def _accept(self, req: Any, view: RequestView, reservation: Reservation | None) -> bool:
+        """A reservation joins the pending batch; with none, the request exits early until its next due point."""
         if reservation is None:
             if not req.finished():
                 self._note_quiet(req, view)
