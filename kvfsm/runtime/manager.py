@@ -332,11 +332,11 @@ class DecodeOffloadManager:
                 seen.add(key)
                 rec = records.get(key)
                 if rec is None or rec.row != row or rec.req_ref() is not req or rec.machine.state not in _OFFLOADABLE:
-                    self._check_offloadable(req)
+                    row = self._check_offloadable(req)
                     other = new_rows.setdefault(row, req)  # admitted below: its row must not be another's
                     if other is not req:
                         raise RowInUse(describe(req), row, f"{describe(other)} (admitted by this call)")
-                    todo.append((None, req, 0))
+                    todo.append((None, req, row))  # no record yet: the row it was checked on
                     admit = True
                 else:
                     todo.append((rec, req, chunk_tokens(req, rec)))
@@ -347,9 +347,9 @@ class DecodeOffloadManager:
             raise_if_length_invalid(req, exc)
             raise
         if admit:
-            for k, (rec, req, _) in enumerate(todo):
-                if rec is None:
-                    rec = self._admit(req)
+            for k, (rec, req, row) in enumerate(todo):
+                if rec is None:  # checked above; the rows this loop admits are distinct (new_rows)
+                    rec = self._admit(req, row)
                     todo[k] = (rec, req, chunk_tokens(req, rec))
         looked = cast("list[tuple[LiveRecord, OffloadRequest, int]]", todo)  # every entry has its record now
         due = [item for item in looked if item[2] > 0]
@@ -370,8 +370,7 @@ class DecodeOffloadManager:
         rec = self._records.get(id(req))
         # Fast path (every decode step): the request's current, live lifecycle.
         if rec is None or rec.row != row or rec.req_ref() is not req or rec.machine.state not in _OFFLOADABLE:
-            self._check_offloadable(req)
-            rec = self._admit(req)
+            rec = self._admit(req, self._check_offloadable(req))
         return rec
 
     def _reject_if_ended(self, req: OffloadRequest) -> None:
@@ -382,7 +381,7 @@ class DecodeOffloadManager:
         if rec is not None and rec.req_ref() is req and rec.machine.state not in _OFFLOADABLE:
             rec.machine.offload(None)
 
-    def _check_offloadable(self, req: OffloadRequest) -> None:
+    def _check_offloadable(self, req: OffloadRequest) -> int:
         """The slow path of an offload (the request has no live lifecycle on the row it names): raise,
         changing nothing, unless `req` can be admitted. A lifecycle that ended gets the spec's typed error;
         a live one whose request now names another row is refused (InvalidRequest): a request keeps its row
@@ -394,7 +393,7 @@ class DecodeOffloadManager:
             raise InvalidRequest(f"request {describe(req)} names table row {req.req_pool_idx!r} but its live "
                                  f"lifecycle {rec.key} holds row {rec.row}: a live request keeps its row until it "
                                  f"ends (retract it, then re-admit it under the new row)")
-        self._check_admissible(req)
+        return self._check_admissible(req)
 
     def _chunk_tokens(self, req: OffloadRequest, rec: LiveRecord) -> int:
         """Tokens of the next chunk: whole strides of committed KV past what was offloaded."""
@@ -759,8 +758,11 @@ class DecodeOffloadManager:
                                  f"of {ps} within its {len(req.origin_input_ids)}-token prompt")
         return row
 
-    def _admit(self, req: OffloadRequest) -> LiveRecord:
-        row = self._check_admissible(req)
+    def _admit(self, req: OffloadRequest, row: Optional[int] = None) -> LiveRecord:
+        """A new lifecycle for `req`. `row`: what `_check_admissible(req)` returned just before, with nothing
+        changed since (the check is not made twice); None: it is made here."""
+        if row is None:
+            row = self._check_admissible(req)
         key = id(req)
         try:
             ref = weakref.KeyedRef(req, self._on_request_gone, key)
