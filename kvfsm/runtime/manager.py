@@ -447,8 +447,14 @@ class DecodeOffloadManager:
                 # full collection walks at 4096 live, 16/16, over SGLang's pools, 144,949 -> 99,156 objects (a
                 # CPU probe, docs/performance.md); on the H200 that heap was 352k objects and its full
                 # collections took 97-161 ms (bench/results/sglang_adapter_gpu-2026-12-03-h200.json).
+                # A chunk of one host page (every chunk when the stride is a page) keeps it as a range, which
+                # the collector never tracks: a tuple is tracked until a collection passes it, so each one
+                # counts towards the next young collection (tracked objects an iteration that offload_batch
+                # leaves: bench/probes/tracked_per_call.py).
+                first = offset // ps
+                host_run = range(pages[first], pages[first] + 1) if n == ps else tuple(pages[first:end // ps])
                 chunks.append(Chunk(rec, start, start + n, tuple(token_slice(req, start, start + n)), handle, device,
-                                    host, offset, end, tuple(pages[offset // ps:end // ps])))
+                                    host, offset, end, host_run))
                 offset = end
             DecodeOffloadMachine.offload_each([rec.machine for rec, _, _ in due], chunks)
         except BaseException:
