@@ -232,9 +232,11 @@ class DecodeOffloadManager:
         """`reserve_offload(req)` for a caller that has just read the request's row and `available`, its
         offloadable length (`min(len(prompt) + len(outputs) - 1, committed)`), from the engine's own objects:
         the same answer and the same host pages, without reading them again through `req`. The lifecycle
-        must still be req's current, offloadable one on `row` (a dict lookup and three compares); otherwise
+        must still be req's current, offloadable one on `row` (a dict lookup and four checks); otherwise
         this is `reserve_offload(req)`. What it saves: an SGLang adapter's due call read the Req through its
-        view's properties eight times (bench/probes/adapter_call_paths.py, `due`)."""
+        view's properties eight times (bench/probes/adapter_call_paths.py, `due`). A length that is no integer
+        is a TypeError, before anything is taken."""
+        available = operator.index(available)
         rec = self._records.get(id(req))
         if rec is None or rec.row != row or rec.req_ref() is not req or rec.machine.state not in _OFFLOADABLE:
             return self.reserve_offload(req)

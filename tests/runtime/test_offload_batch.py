@@ -206,6 +206,10 @@ def test_reserve_due_takes_the_length_it_is_given() -> None:
     assert e.manager.due_at(a.req_pool_idx) == start + e.manager.stride
     got = e.manager.reserve_due(a, a.req_pool_idx, start + 2 * e.manager.stride)
     assert got is not None and got.tokens == 2 * e.manager.stride
+    free = e.host_pool.free_slots
+    with pytest.raises(TypeError):
+        e.manager.reserve_due(a, a.req_pool_idx, float(start + 4 * e.manager.stride))  # type: ignore[arg-type]
+    assert e.host_pool.free_slots == free  # nothing taken
 
 
 def test_a_batch_whose_copy_is_refused_changes_nothing_and_stays_due() -> None:
