@@ -226,7 +226,7 @@ def _parent_of(pid: int) -> int:
 @pytest.mark.skipif(not fork_server.SUPPORTED, reason="the fork server needs Linux pidfds")
 def test_store_processes_are_forked_by_one_server_and_a_dead_server_is_replaced(tmp_path: Path) -> None:
     """Every store process of this process comes from its fork server (whose imports are paid once), which a
-    SIGINT does not end; a server that died is started again at the next store process, and with the server off
+    SIGINT or a request without a descriptor does not end; a server that died is started again at the next store process, and with the server off
     a store process is its own interpreter, started by this process."""
     pool, slots = pool_with_pages(2)
     keys = page_hashes(list(range(16)), 8)
@@ -240,6 +240,7 @@ def test_store_processes_are_forked_by_one_server_and_a_dead_server_is_replaced(
     finally:
         a.close(), b.close()
     os.kill(server.proc.pid, signal.SIGINT)  # a Ctrl-C at the terminal: the server ends with its parent, not here
+    server.sock.send(b"F")  # a request without a descriptor is skipped, not taken for the parent's end
     e = ProcessStorage(make)
     try:
         assert fork_server._server is server and e.batch_exists(keys) == 2
