@@ -61,8 +61,13 @@ MUTATE = ["kvfsm/runtime/*.py", "kvfsm/dataplane/pools/*.py", "kvfsm/dataplane/c
 # test calls what cannot see it (every mutant of that half reads "no tests"), and every test of the other half
 # starts a child (about a second each, per mutant). tests/dataplane/test_process_storage.py tests it by
 # failure injection instead: a store that raises, a child killed, hung or unable to build its store, a parent
-# that dies; the pool it maps (pools/shared_memory.py) stays in scope.
-DO_NOT_MUTATE = ["kvfsm/dataplane/storage/mooncake/*", "kvfsm/dataplane/storage/process.py", "*/__init__.py"]
+# that dies; the pool it maps (pools/shared_memory.py) stays in scope. The store processes' fork server
+# (storage/fork_server.py) is left out for the same two reasons: its server loop runs in its own interpreter,
+# which imports the unmutated module (every mutant of it survives whatever the tests do), and each test of its
+# parent's side starts that interpreter; test_process_storage.py tests both sides (one server for every store
+# process, a server killed or sent a request without a descriptor, the server off).
+DO_NOT_MUTATE = ["kvfsm/dataplane/storage/mooncake/*", "kvfsm/dataplane/storage/process.py",
+                 "kvfsm/dataplane/storage/fork_server.py", "*/__init__.py"]
 
 # Lines whose statements are not mutated: what they change is wording for people, not behaviour (the text of
 # a raised error or a log line, a repr). The tests pin down that the error is raised, its type, and where a
@@ -866,8 +871,8 @@ down is in functions and methods.
 
 - mutated (`MUTATE` in tests/mutation/mutate.py): `kvfsm/runtime/`, `kvfsm/dataplane/pools/`,
   `kvfsm/dataplane/copy/base.py` (copy planning), `kvfsm/dataplane/storage/` without Mooncake (its tests need
-  a Mooncake master) and without `process.py` (half of it runs in the store's child process, out of mutmut's
-  sight; tests/dataplane/test_process_storage.py tests it by failure injection), `kvfsm/dataplane/hashing.py` and `generated/decode_offload.py` (named
+  a Mooncake master) and without `process.py` and `fork_server.py` (half of each runs in a child process, out of
+  mutmut's sight; tests/dataplane/test_process_storage.py tests them by failure injection), `kvfsm/dataplane/hashing.py` and `generated/decode_offload.py` (named
   `kvfsm/generated/decode_offload.py` below); no `__init__.py`. The text of raised errors, log lines,
   warnings and reprs is not mutated (`NOT_BEHAVIOUR`): it is wording, and its mutants would bury the ones
   that matter; that an error is raised, and its type, still is;
