@@ -225,9 +225,9 @@ def _parent_of(pid: int) -> int:
 
 @pytest.mark.skipif(not fork_server.SUPPORTED, reason="the fork server needs Linux pidfds")
 def test_store_processes_are_forked_by_one_server_and_a_dead_server_is_replaced(tmp_path: Path) -> None:
-    """Every store process of this process comes from its fork server (whose imports are paid once), which a
-    SIGINT or a request without a descriptor does not end; a server that died is started again at the next store process, and with the server off
-    a store process is its own interpreter, started by this process."""
+    """Every store process of this process comes from its fork server (whose imports are paid once), which
+    neither a SIGINT nor a request without a descriptor ends; a server that died is started again at the next
+    store process, and with the server off a store process is its own interpreter, started by this process."""
     pool, slots = pool_with_pages(2)
     keys = page_hashes(list(range(16)), 8)
     make = functools.partial(FileStorage, str(tmp_path), model_name="m")
