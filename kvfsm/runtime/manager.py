@@ -41,6 +41,7 @@ from kvfsm.runtime.protocols import (
     check_request_fields,
     check_request_lengths,
     describe,
+    offloadable_tokens,
     raise_if_field_missing,
     raise_if_length_invalid,
     request_namespace_seed,
@@ -230,7 +231,7 @@ class DecodeOffloadManager:
 
     def reserve_due(self, req: OffloadRequest, row: int, available: int) -> Optional[Reservation]:
         """`reserve_offload(req)` for a caller that has just read the request's row and `available`, its
-        offloadable length (`min(len(prompt) + len(outputs) - 1, committed)`), from the engine's own objects:
+        offloadable length (`protocols.offloadable_tokens`), from the engine's own objects:
         the same answer and the same host pages, without reading them again through `req`. The lifecycle
         must still be req's current, offloadable one on `row` (a dict lookup and four checks); otherwise
         this is `reserve_offload(req)`. What it saves: an SGLang adapter's due call read the Req through its
@@ -399,10 +400,7 @@ class DecodeOffloadManager:
 
     def _chunk_tokens(self, req: OffloadRequest, rec: LiveRecord) -> int:
         """Tokens of the next chunk: whole strides of committed KV past what was offloaded."""
-        # The last sampled token has no KV yet; never offload past what is committed.
-        # operator.index: a length that is no integer (a float) fails here, before anything is taken
-        return self._chunk_of(rec, min(len(req.origin_input_ids) + len(req.output_ids) - 1,
-                                       operator.index(req.kv_committed_len)))
+        return self._chunk_of(rec, offloadable_tokens(req.origin_input_ids, req.output_ids, req.kv_committed_len))
 
     def _chunk_of(self, rec: LiveRecord, available: int) -> int:
         """Whole strides of the first `available` tokens past what `rec` offloaded, at most the host pool:

@@ -93,6 +93,13 @@ def check_request_lengths(req: Any) -> None:
             raise RequestFieldInvalid(describe(req), name, value) from None
 
 
+def offloadable_tokens(prompt: Sequence[int], outputs: Sequence[int], committed: Any) -> int:
+    """How many of a request's tokens have KV that may be offloaded: never the last sampled token (it has no KV
+    yet) and never past the committed length. operator.index: a length that is no integer (a float) is a
+    TypeError here, before anything is taken."""
+    return min(len(prompt) + len(outputs) - 1, operator.index(committed))
+
+
 def raise_if_length_invalid(req: Any, exc: TypeError) -> None:
     """For a TypeError raised while comparing `req`'s lengths: RequestFieldInvalid (from it) when one is not
     an integer; otherwise return, and the caller re-raises `exc`. The hot paths compare first and check only

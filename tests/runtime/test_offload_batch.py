@@ -17,6 +17,7 @@ import torch
 
 import kvfsm.generated.decode_offload as spec_gen
 from kvfsm.errors import EventRejected
+from kvfsm.runtime.protocols import offloadable_tokens
 from kvfsm.verify.engine import SimEngine, SimRequest
 
 
@@ -47,7 +48,7 @@ def snapshot(engine: SimEngine) -> tuple[Any, ...]:
 
 def reserve_due(engine: SimEngine, req: SimRequest) -> Any:
     """`reserve_due` as the SGLang adapter calls it: the row and offloadable length read from the request."""
-    available = min(len(req.origin_input_ids) + len(req.output_ids) - 1, req.kv_committed_len)
+    available = offloadable_tokens(req.origin_input_ids, req.output_ids, req.kv_committed_len)
     return engine.manager.reserve_due(req, req.req_pool_idx, available)  # type: ignore[arg-type]
 
 
@@ -182,7 +183,7 @@ def test_reserve_due_is_reserve_offload_when_the_caller_holds_no_current_lifecyc
     EventRejected), a request never admitted (admitted now)."""
     e, (a, b, c) = _three_with_a_chunk_due()
     free = e.host_pool.free_slots
-    available = min(len(a.origin_input_ids) + len(a.output_ids) - 1, a.kv_committed_len)
+    available = offloadable_tokens(a.origin_input_ids, a.output_ids, a.kv_committed_len)
     got, want = e.manager.reserve_due(a, b.req_pool_idx, available), e.manager.reserve_offload(a)  # a's row wins
     assert got is not None and want is not None
     assert (got.record, got.tokens, got.inc_len, len(got.pages)) == (want.record, want.tokens, want.inc_len, 2)

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import operator
 from collections.abc import Iterator, Mapping
 from typing import Any, cast
 
@@ -44,7 +43,7 @@ from kvfsm.dataplane.storage.process import CHILD_FILE_WRITERS, in_processes
 from kvfsm.errors import ConfigError, EventRejected, RetractionRefused
 from kvfsm.runtime import DecodeOffloadManager, OffloadConfig, TPMismatch
 from kvfsm.runtime.manager import Reservation
-from kvfsm.runtime.protocols import raise_if_field_missing, raise_if_length_invalid
+from kvfsm.runtime.protocols import offloadable_tokens, raise_if_field_missing, raise_if_length_invalid
 from kvfsm.runtime.tp import ProgressConsensus
 
 from .objects import AllocatorView, PrefixCacheView, RequestView, RequestViews, TableView
@@ -210,9 +209,8 @@ class DecodeKVCacheOffloadManager:
             del self._quiet[req]  # re-entered once its chunk is submitted, or by the full path
             kv, row = req.kv, view.row
             if kv.req_pool_idx == row:  # due (read afresh from the Req), on the row it was noted on
-                try:  # the manager's _chunk_tokens, read from the Req itself rather than through its view
-                    available = min(len(req.origin_input_ids) + len(req.output_ids) - 1,
-                                    operator.index(kv.kv_committed_len))
+                try:  # read from the Req itself rather than through its view
+                    available = offloadable_tokens(req.origin_input_ids, req.output_ids, kv.kv_committed_len)
                 except AttributeError as exc:
                     raise_if_field_missing(view, exc)
                     raise
