@@ -18,13 +18,17 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 import numpy as np
 import torch
 
 from kvfsm.dataplane.fences import SlotFence
 from kvfsm.errors import InvalidRequest
+
+
+def _collected() -> NoReturn:
+    raise InvalidRequest("the SGLang Req of this kvfsm request view was garbage collected")
 
 
 class RequestView:
@@ -47,25 +51,37 @@ class RequestView:
         """The SGLang Req (a view outlives its Req only inside kvfsm's bookkeeping, never in a call)."""
         req = self._ref()
         if req is None:
-            raise InvalidRequest("the SGLang Req of this kvfsm request view was garbage collected")
+            _collected()
         return req
 
     # --- OffloadRequest ---
+    # The four fields an offload reads for every request it looks at dereference the Req themselves rather
+    # than through `req`: one Python call a read instead of two, 260 -> 176 ns on the 2-core development
+    # machine, and a batch of 257 chunks reads them about 2,800 times (bench/probes/door_phases.py).
     @property
     def rid(self) -> str:
         return self.req.rid
 
     @property
     def origin_input_ids(self) -> Sequence[int]:
-        return self.req.origin_input_ids
+        req = self._ref()
+        if req is None:
+            _collected()
+        return req.origin_input_ids
 
     @property
     def output_ids(self) -> Sequence[int]:
-        return self.req.output_ids
+        req = self._ref()
+        if req is None:
+            _collected()
+        return req.output_ids
 
     @property
     def req_pool_idx(self) -> Optional[int]:
-        row = self.req.kv.req_pool_idx
+        req = self._ref()
+        if req is None:
+            _collected()
+        row = req.kv.req_pool_idx
         return None if row is None else int(row)
 
     @req_pool_idx.setter
@@ -74,7 +90,10 @@ class RequestView:
 
     @property
     def kv_committed_len(self) -> int:
-        return self.req.kv.kv_committed_len
+        req = self._ref()
+        if req is None:
+            _collected()
+        return req.kv.kv_committed_len
 
     @property
     def kv_allocated_len(self) -> int:
