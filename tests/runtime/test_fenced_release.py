@@ -8,6 +8,7 @@ the wait really corrupts the copy), checked and unchecked.
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import pytest
@@ -259,3 +260,58 @@ def test_an_engine_release_under_a_copy_its_stream_never_waited_on_is_refused() 
     with pytest.raises(LifecycleError, match="never made to wait"):
         e.manager.released_by_engine(a)
     assert _state(e, a) == "offloading"
+
+
+def _scanned(fifo: Any, rec: Any) -> list[Any]:
+    """The handles of `rec`'s copies in flight by a walk of the whole FIFO, each once, in FIFO order."""
+    return list({id(c.handle): c.handle for c in fifo if c.record is rec}.values())
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_copy_fifo_index_answers_what_a_walk_of_the_fifo_would_through_submits_acks_and_releases(seed: int) -> None:
+    """`copies_reading` indexes the FIFO once per state of it (its first and last chunk): through offload calls
+    alone and in batches (one handle for several requests), acknowledgements one copy at a time, and fenced
+    releases, which read their fence from it, it answers what walking the FIFO answers."""
+    rng = random.Random(seed)
+    e = _engine(fenced=True, checked=seed % 2 == 0, page_size=2, stride=2, device_slots=96, host_slots=64, rows=6,
+                max_context=48)
+    fx = e.manager.fx
+    asked = fenced = 0
+    for step in range(60):
+        while len(e.live) < 5 and rng.random() < 0.7:
+            if e.admit(f"r{step}-{len(e.live)}", rng.choice([2, 4])) is None:
+                break
+        for req in list(e.live):
+            e.decode(req)
+        picked = [r for r in e.live if rng.random() < 0.6]
+        if rng.random() < 0.5:
+            e.manager.offload_batch(picked)
+        else:
+            for req in picked:
+                e.manager.offload(req)
+        for _ in range(rng.randrange(3)):
+            e.copies.complete_next()
+        if rng.random() < 0.5:
+            e.manager.check_progress()
+        for rec in e.manager.live_records():
+            assert fx.copies_reading(rec) == _scanned(fx.copy_fifo, rec), f"step {step}, {rec.key}"
+            asked += 1
+        ending = [r for r in e.live if rng.random() < 0.15 or len(r.origin_input_ids) + len(r.output_ids) > 40]
+        for req in ending:
+            rec = next((r for r in e.manager.live_records() if r.req_ref() is req), None)
+            want = [] if rec is None else _scanned(fx.copy_fifo, rec)
+            before = set(e.allocator._page_fence)
+            e.end(req)
+            if want:  # ended under its copies: released at once, fenced by them
+                assert rec is not None
+                assert spec_gen.STATES[rec.machine.state] == "fenced"
+                landing = [h for h in want if not h.done()]  # a fence of landed copies has passed: pages plain
+                fences = [f for p, f in e.allocator._page_fence.items() if p not in before]  # the pages it freed
+                assert bool(fences) == bool(landing)
+                assert all({id(h) for h in landing} <= {id(h) for h in f._handles} for f in fences)
+                fenced += bool(landing)
+    assert asked > 100 and fenced
+    for req in list(e.live):
+        e.end(req)
+    e.settle()
+    e.check_teardown()
