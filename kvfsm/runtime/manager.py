@@ -312,7 +312,9 @@ class DecodeOffloadManager:
                 hints = None
             if hints is None and rows.size:
                 raise ValueError(f"req_pool_indices must be rows in [0, {self._rows}) or -1")
-            picked = np.flatnonzero(committed >= hints) if rows.size else ()  # a few: iterated as is
+            # a few, as ints: a list of them indexes `reqs` in 9 us where the array's own numpy scalars took 28
+            # (278 of 4096, the 2-core development machine)
+            picked = np.flatnonzero(committed >= hints).tolist() if rows.size else ()
         # Check every picked request before anything changes, then admit, then submit. The steady state
         # (every picked request live in an offloadable state) needs one pass.
         todo: list[tuple[Optional[LiveRecord], OffloadRequest, int]] = []
