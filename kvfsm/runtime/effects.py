@@ -382,8 +382,8 @@ class OffloadEffects(DecodeOffloadEffectsEach):
             logger.debug("request %s released by the engine (table row %d): nothing freed here", rec.key, rec.row)
 
     def copies_reading(self, rec: RequestRecord) -> list[CopyHandle]:
-        """The handles of the copies in flight that read `rec`'s device slots, in submission order, each once:
-        what its fenced release is fenced by.
+        """The handles of the copies in flight that read `rec`'s device slots, in submission order (one per
+        offload call, which copies at most one chunk of a request): what its fenced release is fenced by.
 
         The FIFO is indexed once (each offload call's handle, with the records its chunks copy) and the index
         serves every release until the FIFO changes: the requests that finish in a scheduler iteration

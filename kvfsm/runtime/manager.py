@@ -258,15 +258,20 @@ class DecodeOffloadManager:
     def submit_reserved(self, reservations: Sequence[Reservation]) -> int:
         """One copy and one batch `offload` event for reservations made by `reserve_offload`, in their order;
         returns the chunks submitted. A reservation whose lifecycle moved on since (ended, or offloaded
-        through another call) gives its host pages back and is dropped. If the copy cannot be submitted
-        (the copy engine raised), every reserved page goes back, no machine changes, and the error
-        propagates: the chunks are due again at the next call."""
+        through another call) gives its host pages back and is dropped, and so does a second reservation of
+        one lifecycle in the batch (a caller that reserved twice before submitting: both name the same
+        tokens, which one chunk copies). If the copy cannot be submitted (the copy engine raised), every
+        reserved page goes back, no machine changes, and the error propagates: the chunks are due again at
+        the next call."""
         if not reservations:
             return 0
         due, pages, stale = [], [], []
+        seen: set[int] = set()
         for r in reservations:
             rec = r.record
-            if rec.machine is not None and rec.machine.state in _OFFLOADABLE and rec.inc_len == r.inc_len:
+            if (rec.machine is not None and rec.machine.state in _OFFLOADABLE and rec.inc_len == r.inc_len
+                    and id(rec) not in seen):
+                seen.add(id(rec))
                 due.append((rec, r.req, r.tokens))
                 pages += r.pages
             else:

@@ -213,6 +213,30 @@ def test_reserve_due_takes_the_length_it_is_given() -> None:
     assert e.host_pool.free_slots == free  # nothing taken
 
 
+def test_a_lifecycle_reserved_twice_before_its_submit_is_copied_once_and_its_second_pages_go_back() -> None:
+    """A caller that reserves a request's chunk twice before submitting (against the contract) gets two
+    reservations of the same tokens; the batch copies them once, as one `offload` would, and the second
+    reservation's host pages go back."""
+    e, (a, b, _) = _three_with_a_chunk_due()
+    free = e.host_pool.free_slots
+    first, second, other = (e.manager.reserve_offload(a), e.manager.reserve_offload(a),
+                            e.manager.reserve_offload(b))
+    assert first is not None and second is not None and other is not None
+    assert (second.tokens, second.inc_len) == (first.tokens, first.inc_len) and second.pages != first.pages
+    assert e.manager.submit_reserved([first, second, other]) == 2
+    chunks = [(c.record.rid, c.start, c.end, tuple(c.host_pages)) for c in e.manager.fx.copy_fifo]
+    start = e.manager.machine_of(a).ctx.prefill_len
+    assert chunks == [(a.rid, start, start + first.tokens, tuple(first.pages)),
+                      (b.rid, *chunks[1][1:3], tuple(other.pages))]
+    assert e.manager.machine_of(a).copies == 1
+    assert e.host_pool.free_slots == free - (len(first.pages) + len(other.pages)) * e.page_size
+    e.settle()
+    for req in list(e.live):
+        e.end(req)
+    e.settle()
+    e.check_teardown()  # the second reservation's page was not kept, nor freed twice
+
+
 def test_a_batch_whose_copy_is_refused_changes_nothing_and_stays_due() -> None:
     e, reqs = _three_with_a_chunk_due()
     before = snapshot(e)
