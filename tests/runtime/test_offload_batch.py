@@ -251,8 +251,36 @@ def test_a_batch_whose_copy_is_refused_changes_nothing_and_stays_due() -> None:
         e.manager.submit_reserved(got)
     assert snapshot(e) == before
     e.manager.fx.copy_engine.submit_d2h = submit
+    with pytest.raises(ValueError, match="submitted already"):  # its pages went back: a retry must reserve again
+        e.manager.submit_reserved(got)
+    assert snapshot(e) == before
     again = [e.manager.reserve_offload(r) for r in reqs]
     assert e.manager.submit_reserved(again) == 3
+
+
+def test_a_reservation_is_submitted_once() -> None:
+    """Once submitted, a reservation's pages are its chunk's: submitting it again, or twice in one batch, is
+    refused before anything changes (giving its pages back would free a chunk's host pages under its copy)."""
+    e, (a, b, c) = _three_with_a_chunk_due()
+    ra, rb = e.manager.reserve_offload(a), e.manager.reserve_offload(b)
+    assert ra is not None and rb is not None
+    before = snapshot(e)
+    with pytest.raises(ValueError, match=f"reservation {rb.serial} of .* submitted already"):
+        e.manager.submit_reserved([ra, rb, rb])
+    assert snapshot(e) == before
+    assert e.manager.submit_reserved([ra, rb]) == 2
+    free, fifo = e.host_pool.free_slots, len(e.manager.fx.copy_fifo)
+    rc = e.manager.reserve_offload(c)
+    assert rc is not None
+    with pytest.raises(ValueError, match=f"reservation {ra.serial} of .* submitted already"):
+        e.manager.submit_reserved([rc, ra])
+    assert e.host_pool.free_slots == free - len(rc.pages) * e.page_size  # ra's pages still its chunk's
+    assert len(e.manager.fx.copy_fifo) == fifo and e.manager.submit_reserved([rc]) == 1
+    e.settle()
+    for req in list(e.live):
+        e.end(req)
+    e.settle()
+    e.check_teardown()
 
 
 def test_chunks_of_one_call_share_one_copy_and_land_bit_exact() -> None:
