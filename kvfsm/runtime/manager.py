@@ -12,6 +12,7 @@ so that a reader can check that both make the same transitions.)
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import operator
 import weakref
@@ -103,6 +104,9 @@ def _unlink_released(chunks: list[Chunk]) -> None:
             rec.machine = rec.chain = None  # and the record <-> last chunk cycle (Chunk)
 
 
+_reservation_serials = itertools.count(1)
+
+
 class Reservation(NamedTuple):
     """A chunk whose host pages are taken and whose copy waits for `submit_reserved` (reserve_offload)."""
 
@@ -111,7 +115,7 @@ class Reservation(NamedTuple):
     tokens: int
     pages: list[int]
     inc_len: int  # the record's inc_len when reserved: a lifecycle that moved on since is not submitted
-    serial: int  # the manager's count of reservations: each is submitted once (its pages are then a chunk's)
+    serial: int  # unique in the process: each is submitted once, to the manager that made it
 
 
 class TPMismatch(LifecycleError):
@@ -169,10 +173,10 @@ class DecodeOffloadManager:
         # row). Admission refuses a row whose record still holds it for another request object (RowInUse).
         self._row_holder: list[Optional[RequestRecord]] = [None] * req_to_token.rows
         self._serial = 0
-        # Serials of the reservations made and not yet submitted: a submitted one's pages belong to its chunk
-        # (or went back to the pool), so a second submit of it is refused before anything changes.
+        # Serials of the reservations made here and not yet submitted: a submitted one's pages belong to its
+        # chunk (or went back to the pool), so a second submit of it is refused before anything changes, as is
+        # another manager's (serials are counted for the process).
         self._reserved: set[int] = set()
-        self._reservations = 0
         self._max_chunk = self.fx.host_pool.capacity // self.stride * self.stride
         # Per table row: the committed length at which the live, offloadable lifecycle holding it has its
         # next whole stride (next chunk start + stride), or -1 (look at the request itself). A hint
@@ -258,9 +262,9 @@ class DecodeOffloadManager:
         if pages is None:
             _host_full([(rec, req, n)])
             return None
-        self._reservations += 1
-        self._reserved.add(self._reservations)
-        return Reservation(rec, req, n, pages, rec.inc_len, self._reservations)
+        serial = next(_reservation_serials)
+        self._reserved.add(serial)
+        return Reservation(rec, req, n, pages, rec.inc_len, serial)
 
     def submit_reserved(self, reservations: Sequence[Reservation]) -> int:
         """One copy and one batch `offload` event for reservations made by `reserve_offload`, in their order;
@@ -269,10 +273,10 @@ class DecodeOffloadManager:
         one lifecycle in the batch (a caller that reserved twice before submitting: both name the same
         tokens, which one chunk copies). If the copy cannot be submitted (the copy engine raised), every
         reserved page goes back, no machine changes, and the error propagates: the chunks are due again at
-        the next call, through new reservations. A reservation is submitted once, whatever came of it: one
-        submitted before, or twice in the batch, is refused (ValueError) before anything changes, since its
-        pages are a chunk's or the pool's again (a retry of a refused batch with the same list would have
-        copied into pages the pool hands out to others)."""
+        the next call, through new reservations. A reservation is submitted once, to the manager that made
+        it, whatever came of it: one submitted before, twice in the batch, or another manager's is refused
+        (ValueError) before anything changes, since its pages are a chunk's or the pool's again (a retry of a
+        refused batch with the same list would have copied into pages the pool hands out to others)."""
         if not reservations:
             return 0
         reserved, batch = self._reserved, {r.serial for r in reservations}
@@ -280,8 +284,8 @@ class DecodeOffloadManager:
             again = next(r for k, r in enumerate(reservations)
                          if r.serial not in reserved or any(o.serial == r.serial for o in reservations[:k]))
             raise ValueError(f"reservation {again.serial} of {again.record.key} was submitted already (its pages are a "
-                             "chunk's or the pool's again): reserve again")
-        reserved -= batch
+                             "chunk's or the pool's again) or is another manager's: reserve again")
+        reserved -= batch  # each is submitted now, whatever comes of it
         due, pages, stale = [], [], []
         seen: set[int] = set()
         for r in reservations:

@@ -213,6 +213,19 @@ def test_reserve_due_takes_the_length_it_is_given() -> None:
     assert e.host_pool.free_slots == free  # nothing taken
 
 
+def test_another_managers_reservation_is_refused() -> None:
+    """Two managers whose counts of reservations would agree: each refuses the other's, nothing changed."""
+    e1, (a1, _, _) = _three_with_a_chunk_due()
+    e2, (a2, _, _) = _three_with_a_chunk_due()
+    r1, r2 = e1.manager.reserve_offload(a1), e2.manager.reserve_offload(a2)
+    assert r1 is not None and r2 is not None and r1.serial != r2.serial
+    before = snapshot(e2)
+    with pytest.raises(ValueError, match="another manager's"):
+        e2.manager.submit_reserved([r2, r1])
+    assert snapshot(e2) == before
+    assert e2.manager.submit_reserved([r2]) == 1 and e1.manager.submit_reserved([r1]) == 1
+
+
 def test_a_lifecycle_reserved_twice_before_its_submit_is_copied_once_and_its_second_pages_go_back() -> None:
     """A caller that reserves a request's chunk twice before submitting (against the contract) gets two
     reservations of the same tokens; the batch copies them once, as one `offload` would, and the second
