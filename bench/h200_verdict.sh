@@ -50,6 +50,11 @@ for s in $STEPS; do
         --storage sharded process --store-processes 4 --no-baseline --out "$W/serving_loop_sharded-$TAG.json" ;;
     phases) step door_phases 150 python3 bench/probes/door_phases.py --live 4096 --pages 64 16 \
         --out "$W/door_phases-$TAG.json" ;;
+    ab) # a change measured against the tree before it, alternating (bench/ab_trees.py): AB_BASE names that tree
+        # (`git archive REV kvfsm generated spec | tar -x -C DIR`, carried), AB_ARGS the adapter bench's arguments
+        step ab_trees 540 python3 bench/ab_trees.py --base "${AB_BASE:?set AB_BASE to the tree before the change}" \
+            --pairs 2 --timeout 130 --out "$W/ab_trees-$TAG.json" -- bench/sglang_adapter_gpu.py \
+            ${AB_ARGS:---live 4096 --pages 16/16 --iterations 200 --warmup 60} ;;
     submit) step submit_cost 60 python3 bench/submit_cost.py --launcher off on --out "$W/submit_cost-$TAG.json" ;;
     launch) step launch_probe 120 python3 bench/probes/launch_probe.py --out "$W/launch_probe-$TAG.json" ;;
     gil) step store_gil_share 60 python3 bench/probes/store_gil_share.py --pin --out "$W/store_gil_share-$TAG.json" ;;
