@@ -14,9 +14,9 @@ that name their configuration (`mode` or `algo`, `live`, `page`, `storage`, ...)
 stopped by `--timeout` keeps the rows its JSON already holds.
 
     python bench/ab_trees.py --base DIR [--pairs 2] [--timeout 300] [--out FILE] -- BENCH.py [ARGS ...]
-Writes bench/results/ab_trees-<machine>.json (or --out): every run's rows, and per configuration the after /
-before ratio of the medians and of the means, pair by pair. Its `targets` are the bench's own, from the
-last run of the checkout.
+Writes bench/results/ab_trees-<machine>.json (or --out; bench/results/quick/ when the bench's runs were quick):
+every run's rows, and per configuration the after / before ratio of the medians and of the means, pair by
+pair. Its `targets` are the bench's own, from the last run of the checkout.
 """
 
 from __future__ import annotations
@@ -100,7 +100,8 @@ def run_once(tree: str, base: Path, bench: list[str], timeout: float) -> dict[st
             rc, tail = None, (str(exc.stdout or "") + str(exc.stderr or ""))[-2000:]
         doc = json.loads(out.read_text()) if out.exists() else {}
     rows = [{"config": config(r), **t} for r in doc.get("rows", []) if (t := totals(r)) is not None]
-    return {"tree": tree, "rc": rc, "rows": rows, "targets": doc.get("targets", []), "output_tail": tail}
+    return {"tree": tree, "rc": rc, "quick": bool(doc.get("quick")), "rows": rows, "targets": doc.get("targets", []),
+            "output_tail": tail}
 
 
 def compare(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -153,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     path = write_result("ab_trees", {"settings": {"base": str(args.base), "pairs": args.pairs, "timeout": args.timeout,
                                                   "bench": bench}, "kvfsm_imported_from": imported,
                                      "runs": runs, "compared": compared,
-                                     "targets": last_after["targets"]}, args.out)
+                                     "targets": last_after["targets"]}, args.out,
+                        quick=any(r["quick"] for r in runs))  # a quick bench's runs never overwrite a recorded result
     print("wrote", path)
     return 0
 

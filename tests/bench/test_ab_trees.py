@@ -21,8 +21,8 @@ args = ap.parse_args()
 value = getattr(kvfsm, "AB_TOTAL", 1.0)  # the fake tree before says 2.0; the real kvfsm has no such name
 rows = [{{"mode": "adapter", "live": 8, "total_ms": {{"median": value, "mean": 3 * value}}}},
         {{"mode": "floor", "live": 8, "total_ms": {{"median": 1.0, "mean": 1.0}}}}]
-json.dump({{"rows": rows, "targets": [{{"name": "t", "value": value, "limit": 1.5, "met": value <= 1.5}}]}},
-          open(args.out, "w"))
+json.dump({{"rows": rows, "quick": {quick}, "targets": [{{"name": "t", "value": value, "limit": 1.5,
+           "met": value <= 1.5}}]}}, open(args.out, "w"))
 '''
 
 
@@ -36,12 +36,12 @@ def ab_trees():
         sys.path.remove(str(BENCH))
 
 
-def _trees(tmp_path: Path, prelude: str = "") -> tuple[Path, Path]:
+def _trees(tmp_path: Path, prelude: str = "", quick: bool = False) -> tuple[Path, Path]:
     base = tmp_path / "before"
     (base / "kvfsm").mkdir(parents=True)
     (base / "kvfsm" / "__init__.py").write_text("AB_TOTAL = 2.0\n")
     bench = tmp_path / "fake_bench.py"
-    bench.write_text(FAKE.format(prelude=prelude))
+    bench.write_text(FAKE.format(prelude=prelude, quick=quick))
     return base, bench
 
 
@@ -65,3 +65,12 @@ def test_a_bench_that_puts_the_checkout_first_is_refused_before_any_run(ab_trees
     with pytest.raises(SystemExit, match="imports kvfsm from .* on the tree before"):
         ab_trees.main(["--base", str(base), "--out", str(tmp_path / "ab.json"), "--", str(bench)])
     assert not (tmp_path / "ab.json").exists()
+
+
+def test_quick_runs_are_written_as_quick(ab_trees, tmp_path: Path, monkeypatch) -> None:
+    """A quick bench's comparison goes where quick results go, never over a recorded one."""
+    base, bench = _trees(tmp_path, quick=True)
+    written = {}
+    monkeypatch.setattr(ab_trees, "write_result", lambda name, doc, out, quick=False: written.update(quick=quick))
+    assert ab_trees.main(["--base", str(base), "--pairs", "1", "--", str(bench)]) == 0
+    assert written == {"quick": True}
