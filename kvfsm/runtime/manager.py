@@ -279,16 +279,14 @@ class DecodeOffloadManager:
         refused batch with the same list would have copied into pages the pool hands out to others)."""
         if not reservations:
             return 0
-        reserved, batch = self._reserved, {r.serial for r in reservations}
-        if len(batch) != len(reservations) or not batch <= reserved:
-            again = next(r for k, r in enumerate(reservations)
-                         if r.serial not in reserved or any(o.serial == r.serial for o in reservations[:k]))
-            raise ValueError(f"reservation {again.serial} of {again.record.key} was submitted already (its pages are a "
-                             "chunk's or the pool's again) or is another manager's: reserve again")
-        reserved -= batch  # each is submitted now, whatever comes of it
+        reserved, serials = self._reserved, set()
         due, pages, stale = [], [], []
         seen: set[int] = set()
-        for r in reservations:
+        for r in reservations:  # nothing changes before the loop has accepted every reservation
+            if r.serial not in reserved or r.serial in serials:
+                raise ValueError(f"reservation {r.serial} of {r.record.key} was submitted already (its pages are a "
+                                 "chunk's or the pool's again) or is another manager's: reserve again")
+            serials.add(r.serial)
             rec = r.record
             if (rec.machine is not None and rec.machine.state in _OFFLOADABLE and rec.inc_len == r.inc_len
                     and id(rec) not in seen):
@@ -297,6 +295,7 @@ class DecodeOffloadManager:
                 pages += r.pages
             else:
                 stale += r.pages
+        reserved -= serials  # each is submitted now, whatever comes of it
         if stale:
             self.fx.host_pool.undo_alloc(self.fx.host_pool.slots_of(stale))
         submitted = self._submit(due, pages) if due else 0
