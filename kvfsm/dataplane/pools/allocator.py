@@ -221,8 +221,8 @@ class TokenSlotAllocator:
         free = self._free_pages
         if type(k) is int and k == 1 and free:
             # One page: every chunk whose stride is a page, which the SGLang adapter reserves call by call. No
-            # list is built and scanned: 1.70 -> 0.36 us a call (timeit, the 2-core development machine), 256 of
-            # them an iteration at 4096 live, 16/16 (bench/probes/adapter_profile.py).
+            # list is built and scanned: 1.66-1.69 -> 0.36-0.37 us a call on the 2-core development machine
+            # (bench/probes/per_call_trims.py), 256 of them an iteration at 4096 live, 16/16.
             p = free.popleft()
             if self._allocated_bytes[p]:
                 free.appendleft(p)  # nothing changed

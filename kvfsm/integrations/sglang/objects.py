@@ -56,8 +56,9 @@ class RequestView:
 
     # --- OffloadRequest ---
     # The four fields an offload reads for every request it looks at dereference the Req themselves rather
-    # than through `req`: one Python call a read instead of two, 260 -> 176 ns on the 2-core development
-    # machine, and a batch of 257 chunks reads them about 2,800 times (bench/probes/door_phases.py).
+    # than through `req`: one Python call a read instead of two, 277-279 -> 201-204 ns on the 2-core
+    # development machine (bench/probes/per_call_trims.py), and `offload_batch` at 4096 live, 16/16, reads them
+    # about 2,400 times an iteration (bench/probes/adapter_profile.py's call counts).
     @property
     def rid(self) -> str:
         return self.req.rid
