@@ -42,10 +42,16 @@ PHASES = {
     "batch": [("manager", "offload_batch"), ("manager", "_submit"), ("manager", "finalize"),
               ("manager", "check_progress")],
 }
+# --detail: the steps inside those phases, for both doors (owner paths from the loop; keyed "owner.method"): where a
+# submit, an admission and a release spend their time on a GPU host, whose table has no host mirror
+DETAIL = [("manager", "_copy_slots"), ("manager.fx.copy_engine", "submit_d2h"), ("manager.fx", "start_copy_each"),
+          ("manager", "_admit"), ("manager", "_check_admissible"), ("manager.fx", "request_slots"),
+          ("manager.fx.allocator", "free"), ("manager.fx.req_to_token", "free"), ("manager.fx.prefix_cache", "unlock"),
+          ("manager.fx", "copies_reading"), ("manager.fx.worker", "submit_many"), ("manager.fx", "flush")]
 
 
 def run_mode(mode: str, live: int, page: int, device: str, warmup: int, iterations: int,
-             order: str = "sglang") -> dict[str, Any]:
+             order: str = "sglang", detail: bool = False) -> dict[str, Any]:
     store = tempfile.mkdtemp(prefix=f"kvfsm-door-{mode}-", dir=bench.SHM if device == "cuda" else None)
     try:
         loop = bench.probe_loop(mode, live, page, device, store, order)
@@ -55,6 +61,12 @@ def run_mode(mode: str, live: int, page: int, device: str, warmup: int, iteratio
         depth = [0]
         for owner, name in PHASES[mode]:
             _wrap(getattr(loop, owner), name, current, timed, depth)
+        inner = [0]  # the detail steps nest inside the phases: their own depth, so `outermost` stays the phases'
+        for owner, name in DETAIL if detail else ():
+            obj = loop
+            for attr in owner.split("."):
+                obj = getattr(obj, attr)
+            _wrap(obj, name, current, timed, inner, key=f"{owner.rsplit('.', 1)[-1]}.{name}")
         check, offload = loop.check, loop.offload
         parts = [0]
 
@@ -101,10 +113,12 @@ def run_mode(mode: str, live: int, page: int, device: str, warmup: int, iteratio
         shutil.rmtree(store, ignore_errors=True)
 
 
-def _wrap(obj: Any, name: str, into: dict[str, float], timed: list[bool], depth: list[int]) -> None:
-    """Replace `obj.name` by a wrapper that adds its time to `into[name]` while `timed` holds, and to
+def _wrap(obj: Any, name: str, into: dict[str, float], timed: list[bool], depth: list[int],
+          key: str | None = None) -> None:
+    """Replace `obj.name` by a wrapper that adds its time to `into[key or name]` while `timed` holds, and to
     `into["outermost"]` when no other timed phase encloses it (phases nest: a finish may flush)."""
     call: Callable[..., Any] = getattr(obj, name)
+    key = key or name
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if not timed[0]:
@@ -116,8 +130,8 @@ def _wrap(obj: Any, name: str, into: dict[str, float], timed: list[bool], depth:
         finally:
             ms = (time.perf_counter() - t0) * 1e3
             depth[0] -= 1
-            into[name] += ms
-            if depth[0] == 0:
+            into[key] += ms
+            if depth[0] == 0 and key == name:
                 into["outermost"] += ms
 
     setattr(obj, name, wrapper)
@@ -144,13 +158,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=60)
     ap.add_argument("--device", default="cuda" if bench.torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     ap.add_argument("--order", default="sglang", choices=bench.ORDERS)
+    ap.add_argument("--detail", action="store_true", help="also time the steps inside the phases (DETAIL)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     rows = []
     for live in args.live:
         for page in args.pages:
             for mode in ("adapter", "batch"):
-                row = run_mode(mode, live, page, args.device, args.warmup, args.iterations, args.order)
+                row = run_mode(mode, live, page, args.device, args.warmup, args.iterations, args.order, args.detail)
                 rows.append(row)
                 phases = ", ".join(f"{k} {v['median']:.3f}/{v['mean']:.3f}" for k, v in row["phases_ms"].items())
                 extra = ""

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from kvfsm.dataplane.copy.staging import PinnedIndexStaging
+
 
 class DeviceTableSlots:
     """Reads of a `[rows, width]` integer slot table on its own device; nothing here waits for the GPU.
@@ -31,6 +33,10 @@ class DeviceTableSlots:
         self.page_size = int(page_size)
         self._flat = table.view(-1)
         self._page_offsets = torch.arange(self.page_size, dtype=torch.int64, device=self.device)
+        # The gather positions of `spans` go up through one pinned buffer, each region reused once its upload
+        # passed: `tensor.pin_memory()` per submit was a pinned allocation a call, 87 us of the scheduler's thread
+        # on the H100 host of 2026-12-07 (bench/probes/adapter_profile.py --mode batch, `pin_memory`'s own time)
+        self._staging = PinnedIndexStaging(1 << 14) if self.device.type == "cuda" else None
 
     def span(self, row: int, start: int, end: int) -> torch.Tensor:
         """Slots of positions [start, end) of `row` (a copy: the table's row may be rewritten later)."""
@@ -44,14 +50,19 @@ class DeviceTableSlots:
         lens = np.asarray(lengths, dtype=np.int64)
         flat = np.repeat(np.asarray(firsts, dtype=np.int64) - (np.cumsum(lens) - lens), lens) + np.arange(
             int(lens.sum()), dtype=np.int64)
-        positions = torch.from_numpy(flat)
-        if self.device.type == "cuda":
-            positions = positions.pin_memory().to(self.device, non_blocking=True)  # pageable would sync
+        if self._staging is not None:  # an upload from pageable memory would wait for the stream
+            positions = self._staging.upload(flat, self.device, torch.cuda.current_stream(self.device))
+        else:
+            positions = torch.from_numpy(flat)
         return self._flat.index_select(0, positions).to(torch.int64)
 
     def whole_pages(self, row: int, start: int, end: int) -> torch.Tensor:
         """Every slot of the pages that positions [start, end) of `row` start on (start a page boundary):
         each page's first slot, rounded down to its page, plus 0..page_size-1 (the paged layout)."""
         ps = self.page_size
-        starts = self.table[row, start:end:ps].to(torch.int64)
-        return ((starts - starts % ps).unsqueeze(1) + self._page_offsets).reshape(-1)
+        # Two GPU ops, the page ids in the table's dtype and one add that widens them: each small op costs the
+        # scheduler's thread 15-20 us on a GPU host, and a release made four here (a widening copy, a remainder,
+        # a subtraction, an add) before SGLang's free made two more (bench/probes/door_phases.py --detail,
+        # `fx.request_slots`: 78 us a release at 4096 live on the H100 host of 2026-12-07)
+        pages = self.table[row, start:end:ps] // ps
+        return torch.add(self._page_offsets, pages.unsqueeze(1), alpha=ps).reshape(-1)

@@ -36,6 +36,22 @@ def test_spans_and_whole_pages_read_the_table() -> None:
         DeviceTableSlots(torch.zeros(4), 4)
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_whole_pages_are_every_slot_of_each_page_a_span_starts_on(dtype: torch.dtype, page_size: int) -> None:
+    """Each page named by a first slot (rounded down to its page, as an unaligned slot is) gives its page_size
+    slots, in order, as int64, for spans that end mid-page, on a page, or past the row (clamped to it)."""
+    width = 5 * page_size + 3
+    table = torch.randint(0, 1 << 20, (3, width), generator=torch.Generator().manual_seed(page_size), dtype=dtype)
+    slots = DeviceTableSlots(table, page_size)
+    for row, start in itertools.product(range(3), range(0, width, page_size)):
+        for end in (start, start + 1, start + page_size, start + 2 * page_size + 1, width + page_size):
+            want = [first // page_size * page_size + k for first in table[row, start:end:page_size].tolist()
+                    for k in range(page_size)]
+            got = slots.whole_pages(row, start, end)
+            assert got.dtype == torch.int64 and got.tolist() == want, (row, start, end)
+
+
 class _Mirrorless:
     """A request table as an engine with a GPU-only table presents it: no host mirror."""
 

@@ -257,6 +257,7 @@ class AllocatorView:
         self.allocator = allocator
         self.page_size = int(allocator.page_size)
         self.num_slots = int(num_slots)
+        self._device = torch.device(allocator.device)
 
     def free(self, slots: torch.Tensor | np.ndarray, fence: Optional[SlotFence] = None) -> None:
         """kvfsm frees a request's own pages, [cache_protected_len, allocated), whole and in slot order
@@ -269,7 +270,9 @@ class AllocatorView:
         if len(slots):
             if isinstance(slots, np.ndarray):  # SGLang's table on the CPU, read as kvfsm's host mirror
                 slots = torch.from_numpy(slots)
-            slots = slots.to(device=self.allocator.device, dtype=torch.int64)
+            # kvfsm's reads give int64 on the pool's device (the table's, checked at construction): no call then
+            if slots.dtype != torch.int64 or slots.device.type != self._device.type:
+                slots = slots.to(device=self._device, dtype=torch.int64)
             self.allocator.free_segment(slots, start_pos=0)  # start_pos is only checked to be page-aligned
 
     def owns_page_list(self, pages: Sequence[int]) -> bool:
