@@ -42,6 +42,11 @@ PHASES = {
     "batch": [("manager", "offload_batch"), ("manager", "_submit"), ("manager", "finalize"),
               ("manager", "check_progress")],
 }
+# `bare_door`: the floor (`bare`) with SGLang's per-request loop in front of it, calling a method that does nothing
+# (bench._NoOp), timed as its own phase: what the call pattern alone costs in the iteration itself, with the engine's
+# heap and caches as the adapter meets them (the bench's `sglang_call_floor_ms` times the same loop warm, 20 passes
+# over, after the run)
+PHASES["bare_door"] = [("bare", "offload_batch"), ("bare", "finalize"), ("bare", "check_progress")]
 # --detail: the steps inside those phases, for both doors (owner paths from the loop; keyed "owner.method"): where a
 # submit, an admission and a release spend their time on a GPU host, whose table has no host mirror
 DETAIL = [("manager", "_copy_slots"), ("manager.fx.copy_engine", "submit_d2h"), ("manager.fx", "start_copy_each"),
@@ -54,7 +59,7 @@ def run_mode(mode: str, live: int, page: int, device: str, warmup: int, iteratio
              order: str = "sglang", detail: bool = False) -> dict[str, Any]:
     store = tempfile.mkdtemp(prefix=f"kvfsm-door-{mode}-", dir=bench.SHM if device == "cuda" else None)
     try:
-        loop = bench.probe_loop(mode, live, page, device, store, order)
+        loop = bench.probe_loop("bare" if mode == "bare_door" else mode, live, page, device, store, order)
         timed = [False]
         per_iter: list[dict[str, float]] = []
         current: dict[str, float] = defaultdict(float)
@@ -67,6 +72,8 @@ def run_mode(mode: str, live: int, page: int, device: str, warmup: int, iteratio
             for attr in owner.split("."):
                 obj = getattr(obj, attr)
             _wrap(obj, name, current, timed, inner, key=f"{owner.rsplit('.', 1)[-1]}.{name}")
+        if mode == "bare_door":
+            _door_in_front(loop, current, timed)
         check, offload = loop.check, loop.offload
         parts = [0]
 
@@ -111,6 +118,26 @@ def run_mode(mode: str, live: int, page: int, device: str, warmup: int, iteratio
         return out
     finally:
         shutil.rmtree(store, ignore_errors=True)
+
+
+def _door_in_front(loop: Any, into: dict[str, float], timed: list[bool]) -> None:
+    """Make `loop`'s offload phase start with SGLang's loop over its live requests (the adapter mode's loop in
+    bench/sglang_adapter_gpu.py, `Loop.offload`) around a callee that does nothing, timed into `noop_door`."""
+    offload, callee = loop.offload, bench._NoOp().offload_kv_cache
+
+    def door_then_offload(ended: list[Any], batch_args: Any = None) -> int:
+        t0 = time.perf_counter()
+        chunks = 0
+        for req in loop.live:
+            ok = callee(req)
+            chunks += ok
+            if not ok and req.finished_reason is not None:
+                pass
+        if timed[0]:
+            into["noop_door"] += (time.perf_counter() - t0) * 1e3
+        return chunks + offload(ended, batch_args)
+
+    loop.offload = door_then_offload
 
 
 def _wrap(obj: Any, name: str, into: dict[str, float], timed: list[bool], depth: list[int],
@@ -158,13 +185,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=60)
     ap.add_argument("--device", default="cuda" if bench.torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     ap.add_argument("--order", default="sglang", choices=bench.ORDERS)
+    ap.add_argument("--modes", nargs="+", default=["adapter", "batch"], choices=list(PHASES))
     ap.add_argument("--detail", action="store_true", help="also time the steps inside the phases (DETAIL)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     rows = []
     for live in args.live:
         for page in args.pages:
-            for mode in ("adapter", "batch"):
+            for mode in args.modes:
                 row = run_mode(mode, live, page, args.device, args.warmup, args.iterations, args.order, args.detail)
                 rows.append(row)
                 phases = ", ".join(f"{k} {v['median']:.3f}/{v['mean']:.3f}" for k, v in row["phases_ms"].items())
