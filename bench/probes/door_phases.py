@@ -174,6 +174,14 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 return float(r["phases_ms"]["offload_ms"]["median"] + r["phases_ms"]["check_ms"]["median"])
             out.append(target(f"adapter / batch, median calls + check, {a['live']} live {a['page']}/{a['page']}",
                               total(a) / total(b), 1.3))
+            floor = next((r for r in rows if r["mode"] == "bare_door" and (r["live"], r["page"]) == (a["live"], a["page"])),
+                         None)
+            if floor is not None:
+                # The limit probe: a drop-in through SGLang's door does at least the batch door's work plus the loop
+                # around a callee that does nothing, as measured in the iteration itself
+                door = floor["phases_ms"]["noop_door"]["median"]
+                out.append(target(f"limit probe: (batch + no-op door) / batch, median, {a['live']} live {a['page']}/{a['page']}",
+                                  (total(b) + door) / total(b), 1.3))
     return out
 
 
