@@ -56,6 +56,13 @@ class DeviceTableSlots:
             positions = torch.from_numpy(flat)
         return self._flat.index_select(0, positions).to(torch.int64)
 
+    def page_ids(self, row: int, start: int, end: int) -> torch.Tensor:
+        """The ids of the pages that positions [start, end) of `row` start on (start a page boundary): each
+        page's first slot // page_size, int64, in one GPU op (the division writes the widened result)."""
+        firsts = self.table[row, start:end:self.page_size]
+        out = torch.empty(firsts.shape[0], dtype=torch.int64, device=self.device)
+        return torch.div(firsts, self.page_size, rounding_mode="floor", out=out)
+
     def whole_pages(self, row: int, start: int, end: int) -> torch.Tensor:
         """Every slot of the pages that positions [start, end) of `row` start on (start a page boundary):
         each page's first slot, rounded down to its page, plus 0..page_size-1 (the paged layout)."""

@@ -180,6 +180,10 @@ class OffloadEffects(DecodeOffloadEffectsEach):
         table = req_to_token.host_table
         self._table = None if table is None else table.numpy()  # a view of the host mirror
         self.device_table: Optional[DeviceTableSlots] = None  # set by the manager when there is no mirror
+        # An engine allocator that frees whole pages by id as its slot free would (`frees_page_ids`: SGLang's paged
+        # allocator, through the adapter's AllocatorView): without a mirror, a release then hands it the page ids
+        # and never expands them into slots for the allocator to divide back
+        self._frees_page_ids = bool(getattr(allocator, "frees_page_ids", False))
         self._bytes_per_token = host_pool.config.bytes_per_token
         self._failures_logged_at = -FAILURE_LOG_INTERVAL_S  # time.monotonic() of the last failure WARNING
         self._failures_unlogged = 0  # failures since then
@@ -355,20 +359,26 @@ class OffloadEffects(DecodeOffloadEffectsEach):
         prefix_len) are the prefix cache's (SGLang 0.5.23 frees [cache_protected_len, kv_allocated_len)).
         From the table's host mirror they are an int64 array, read and freed with no torch call
         (`as_index_array`); without a mirror, a tensor on the table's device."""
-        req, ps = rec.req, self.page_size
-        if rec.end_lengths is not None:
-            committed, allocated = rec.end_lengths
-        else:
-            assert req is not None  # held until release, which reads these lengths
-            committed, allocated = req.kv_committed_len, req.kv_allocated_len
+        ps = self.page_size
         # pages at positions [prefix_len, ceil_page(committed)) and [ceil_page(committed), allocated):
         # together every page start in [prefix_len, ceil_page(max(committed, allocated)))
-        end = -(-max(allocated, committed) // ps) * ps
+        end = self._request_end(rec)
         if self._table is None:  # no host mirror: computed on the table's device, never read here
             return self.device_table.whole_pages(rec.row, rec.prefix_len, end)  # type: ignore[union-attr]
         starts = self._table[rec.row, rec.prefix_len:end:ps]  # the request table's host mirror: never a GPU read
         slots: np.ndarray = np.add.outer(starts - starts % ps, self._offsets_np).reshape(-1)
         return slots
+
+    def _request_end(self, rec: RequestRecord) -> int:
+        """The end of the request's own pages: ceil_page(max(committed, allocated)), with the lengths it ended
+        with (or, live, its current ones)."""
+        if rec.end_lengths is not None:
+            committed, allocated = rec.end_lengths
+        else:
+            assert rec.req is not None  # held until release, which reads these lengths
+            committed, allocated = rec.req.kv_committed_len, rec.req.kv_allocated_len
+        ps = self.page_size
+        return -(-max(allocated, committed) // ps) * ps
 
     def record_engine_release(self, m: DecodeOffloadMachine, arg: Any) -> None:
         rec = m.ctx
@@ -439,14 +449,28 @@ class OffloadEffects(DecodeOffloadEffectsEach):
         tagged with the fence of the copies that still read them."""
         req = rec.req
         assert req is not None  # held until this release
-        slots = self.request_slots(rec)
-        if self.ledger is not None:
-            self.ledger.release_device(rec.key, "release" if fence is None else "release_fenced", slots.tolist(), fence)
-        if len(slots):  # none when the matched prefix is all the request holds
-            if fence is None:
-                self.allocator.free(slots)
-            else:
-                self.allocator.free(slots, fence=fence)
+        if self._frees_page_ids and self.device_table is not None:
+            # The pages by id, one GPU op, where their slots took two and the allocator's division of them a third
+            # (each 15-20 us of the scheduler's thread on a GPU host: bench/probes/door_phases.py --detail)
+            pages = self.device_table.page_ids(rec.row, rec.prefix_len, self._request_end(rec))
+            if self.ledger is not None:  # checked mode reads a device table's values (it syncs)
+                ids = pages.cpu()
+                self.ledger.release_device(rec.key, "release" if fence is None else "release_fenced",
+                                           (ids[:, None] * self.page_size + self._offsets).reshape(-1).tolist(), fence)
+            if len(pages):
+                self.allocator.free_page_ids(pages, fence)  # type: ignore[attr-defined]
+            slots_freed = len(pages) * self.page_size
+        else:
+            slots = self.request_slots(rec)
+            if self.ledger is not None:
+                self.ledger.release_device(rec.key, "release" if fence is None else "release_fenced", slots.tolist(),
+                                           fence)
+            if len(slots):  # none when the matched prefix is all the request holds
+                if fence is None:
+                    self.allocator.free(slots)
+                else:
+                    self.allocator.free(slots, fence=fence)
+            slots_freed = len(slots)
         self.req_to_token.free(rec.row)
         lock, rec.lock = rec.lock, None
         if self.ledger is not None:
@@ -460,4 +484,4 @@ class OffloadEffects(DecodeOffloadEffectsEach):
         self.metrics.releases += 1
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("request %s released%s: %d device slots, table row %d, prefix %d unlocked", rec.key,
-                         "" if fence is None else f" fenced by {len(fence)} copies", len(slots), rec.row, rec.prefix_len)
+                         "" if fence is None else f" fenced by {len(fence)} copies", slots_freed, rec.row, rec.prefix_len)

@@ -38,9 +38,9 @@ def test_spans_and_whole_pages_read_the_table() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("page_size", [1, 4, 16])
-def test_whole_pages_are_every_slot_of_each_page_a_span_starts_on(dtype: torch.dtype, page_size: int) -> None:
+def test_whole_pages_and_page_ids_are_the_pages_a_span_starts_on(dtype: torch.dtype, page_size: int) -> None:
     """Each page named by a first slot (rounded down to its page, as an unaligned slot is) gives its page_size
-    slots, in order, as int64, for spans that end mid-page, on a page, or past the row (clamped to it)."""
+    slots, in order, as int64, and its id, for spans that end mid-page, on a page, or past the row (clamped)."""
     width = 5 * page_size + 3
     table = torch.randint(0, 1 << 20, (3, width), generator=torch.Generator().manual_seed(page_size), dtype=dtype)
     slots = DeviceTableSlots(table, page_size)
@@ -50,6 +50,8 @@ def test_whole_pages_are_every_slot_of_each_page_a_span_starts_on(dtype: torch.d
                     for k in range(page_size)]
             got = slots.whole_pages(row, start, end)
             assert got.dtype == torch.int64 and got.tolist() == want, (row, start, end)
+            ids = slots.page_ids(row, start, end)  # the same pages by id
+            assert ids.dtype == torch.int64 and ids.tolist() == [w // page_size for w in want[::page_size]], (row, start, end)
 
 
 class _Mirrorless:

@@ -258,6 +258,11 @@ class AllocatorView:
         self.page_size = int(allocator.page_size)
         self.num_slots = int(num_slots)
         self._device = torch.device(allocator.device)
+        # Whether a free by page id is exactly this allocator's `free_segment`: SGLang's paged allocator's own,
+        # which is `free_page_ids(slots[::page_size] // page_size)` once its debug checks are off (a subclass that
+        # lays pages out otherwise, as page_interleave does, keeps its own `free_segment` and the slot path)
+        self.frees_page_ids = _paged_free_segment() is getattr(type(allocator), "free_segment", None) and not getattr(
+            allocator, "debug_mode", True)
 
     def free(self, slots: torch.Tensor | np.ndarray, fence: Optional[SlotFence] = None) -> None:
         """kvfsm frees a request's own pages, [cache_protected_len, allocated), whole and in slot order
@@ -275,5 +280,23 @@ class AllocatorView:
                 slots = slots.to(device=self._device, dtype=torch.int64)
             self.allocator.free_segment(slots, start_pos=0)  # start_pos is only checked to be page-aligned
 
+    def free_page_ids(self, pages: torch.Tensor, fence: Optional[SlotFence] = None) -> None:
+        """Free whole pages by id (int64, on the pool's device, each once): what `free` of their slots does
+        when `frees_page_ids` holds, without the slots. kvfsm computes the ids from each page's first slot
+        (`DeviceTableSlots.page_ids`), as SGLang's `free_segment` would from the slots."""
+        if fence is not None and not fence.passed():
+            fence.wait()
+        if len(pages):
+            self.allocator.free_page_ids(pages)
+
     def owns_page_list(self, pages: Sequence[int]) -> bool:
         return False
+
+
+def _paged_free_segment() -> Any:
+    """SGLang's `PagedTokenToKVPoolAllocator.free_segment`, or None where SGLang has no such allocator."""
+    try:
+        from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    except ImportError:
+        return None
+    return PagedTokenToKVPoolAllocator.free_segment

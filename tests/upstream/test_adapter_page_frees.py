@@ -1,0 +1,54 @@
+"""A release on a table with no host mirror hands SGLang's paged allocator page ids (`AllocatorView.free_page_ids`)
+instead of slots: the same pages come back as `free_segment` of their slots gives back, and only where that is
+what the allocator's `free_segment` does. Whole lifecycles through this path are compared with upstream in
+tests/upstream/test_differential.py (`test_adapter_reading_slots_on_the_device_matches_upstream`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import harness
+from scenarios import SCENARIOS
+
+from kvfsm.integrations.sglang.objects import AllocatorView
+
+
+def _paged() -> tuple[Any, Any]:
+    sc = next(s for s in SCENARIOS if s.page_size > 1 and s.pool == "mha")
+    _, kv, allocator = harness.build_pools(sc)
+    return kv, allocator
+
+
+def _free_pages(allocator: Any) -> list[int]:
+    staged = allocator.release_pages
+    return sorted(allocator.free_pages.tolist() + ([] if staged is None else staged.tolist()))
+
+
+def test_page_ids_free_what_free_segment_of_their_slots_frees() -> None:
+    (kv, by_slots), (_, by_ids) = _paged(), _paged()
+    ps = int(by_slots.page_size)
+    view = AllocatorView(by_ids, int(kv.size))
+    assert view.frees_page_ids
+    for n in (1, 3, 7):
+        slots, again = by_slots.alloc(n * ps), by_ids.alloc(n * ps)
+        assert slots is not None and again is not None and torch.equal(slots, again)
+        by_slots.free_segment(slots, start_pos=0)
+        view.free_page_ids(again[::ps] // ps)
+        assert _free_pages(by_ids) == _free_pages(by_slots)
+        assert by_ids.free_pages.dtype == by_slots.free_pages.dtype == torch.int64
+
+
+def test_only_the_paged_allocators_own_free_segment_takes_page_ids() -> None:
+    kv, allocator = _paged()
+    allocator.debug_mode = True  # SGLANG_DEBUG_MEMORY_POOL: free_segment's own checks must run
+    assert not AllocatorView(allocator, int(kv.size)).frees_page_ids
+
+    class Interleaved(type(allocator)):  # type: ignore[misc]
+        def free_segment(self, free_index: torch.Tensor, *, start_pos: int) -> None:  # another page layout
+            raise AssertionError("not called")
+
+    _, other = _paged()
+    other.__class__ = Interleaved
+    assert not AllocatorView(other, int(kv.size)).frees_page_ids
