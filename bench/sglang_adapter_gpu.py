@@ -167,7 +167,9 @@ class Bare:
             req = self.finished.popleft()[1]
             row = req.kv.req_pool_idx
             end = -(-req.kv.kv_allocated_len // self.page) * self.page
-            self.allocator.free_segment(self.table.whole_pages(row, 0, end), start_pos=0)
+            # the pages by id, as kvfsm's release on this allocator frees them (AllocatorView.free_page_ids): the floor
+            # takes the cheapest free there is
+            self.allocator.free_page_ids(self.table.page_ids(row, 0, end))
             self.r2t.free(req)
             self.start[row], self.due[row] = -1, 0
 
