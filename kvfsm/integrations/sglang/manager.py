@@ -21,7 +21,8 @@ What differs from upstream on purpose (docs/sglang-upstream.md has upstream's si
 - On a GPU server nothing of the manager's waits for the GPU: slots are read from SGLang's `req_to_token`
   on the device (kvfsm.runtime.device_table) and copied by kvfsm's CudaCopyEngine on its own stream
   (upstream reads the same table on the device), and frees go through SGLang's `free_segment`, which
-  needs no `torch.unique` (objects.AllocatorView).
+  needs no `torch.unique`, or on its paged allocator the page ids straight to the `free_page_ids` that
+  `free_segment` calls (objects.AllocatorView).
 - `offload_kv_cache(req)` answers at once, as upstream's does (True: a chunk was due and host pages hold it,
   taken in call order), but its copy and its lifecycle's `offload` transition wait: the chunks of an
   iteration go to kvfsm's batch path as one batch (`DecodeOffloadManager.submit_reserved`: one slot
