@@ -15,8 +15,6 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kvfsm.dataplane.copy.staging import PinnedIndexStaging
-
 
 class DeviceTableSlots:
     """Reads of a `[rows, width]` integer slot table on its own device; nothing here waits for the GPU.
@@ -33,10 +31,6 @@ class DeviceTableSlots:
         self.page_size = int(page_size)
         self._flat = table.view(-1)
         self._page_offsets = torch.arange(self.page_size, dtype=torch.int64, device=self.device)
-        # The gather positions of `spans` go up through one pinned buffer, each region reused once its upload
-        # passed: `tensor.pin_memory()` per submit was a pinned allocation a call, 87 us of the scheduler's thread
-        # on the H100 host of 2026-12-07 (bench/probes/adapter_profile.py --mode batch, `pin_memory`'s own time)
-        self._staging = PinnedIndexStaging(1 << 14) if self.device.type == "cuda" else None
 
     def span(self, row: int, start: int, end: int) -> torch.Tensor:
         """Slots of positions [start, end) of `row` (a copy: the table's row may be rewritten later)."""
@@ -50,10 +44,9 @@ class DeviceTableSlots:
         lens = np.asarray(lengths, dtype=np.int64)
         flat = np.repeat(np.asarray(firsts, dtype=np.int64) - (np.cumsum(lens) - lens), lens) + np.arange(
             int(lens.sum()), dtype=np.int64)
-        if self._staging is not None:  # an upload from pageable memory would wait for the stream
-            positions = self._staging.upload(flat, self.device, torch.cuda.current_stream(self.device))
-        else:
-            positions = torch.from_numpy(flat)
+        positions = torch.from_numpy(flat)
+        if self.device.type == "cuda":
+            positions = positions.pin_memory().to(self.device, non_blocking=True)  # pageable would sync
         return self._flat.index_select(0, positions).to(torch.int64)
 
     def page_ids(self, row: int, start: int, end: int) -> torch.Tensor:

@@ -257,7 +257,6 @@ class AllocatorView:
         self.allocator = allocator
         self.page_size = int(allocator.page_size)
         self.num_slots = int(num_slots)
-        self._device = torch.device(allocator.device)
         # Whether a free by page id is exactly this allocator's `free_segment`: SGLang's paged allocator's own,
         # which is `free_page_ids(slots[::page_size] // page_size)` once its debug checks are off (a subclass that
         # lays pages out otherwise, as page_interleave does, keeps its own `free_segment` and the slot path)
@@ -275,9 +274,7 @@ class AllocatorView:
         if len(slots):
             if isinstance(slots, np.ndarray):  # SGLang's table on the CPU, read as kvfsm's host mirror
                 slots = torch.from_numpy(slots)
-            # kvfsm's reads give int64 on the pool's device (the table's, checked at construction): no call then
-            if slots.dtype != torch.int64 or slots.device.type != self._device.type:
-                slots = slots.to(device=self._device, dtype=torch.int64)
+            slots = slots.to(device=self.allocator.device, dtype=torch.int64)
             self.allocator.free_segment(slots, start_pos=0)  # start_pos is only checked to be page-aligned
 
     def free_page_ids(self, pages: torch.Tensor, fence: Optional[SlotFence] = None) -> None:
