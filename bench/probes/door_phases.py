@@ -51,7 +51,8 @@ PHASES["bare_door"] = [("bare", "offload_batch"), ("bare", "finalize"), ("bare",
 # submit, an admission and a release spend their time on a GPU host, whose table has no host mirror
 DETAIL = [("manager", "_copy_slots"), ("manager.fx.copy_engine", "submit_d2h"), ("manager.fx", "start_copy_each"),
           ("manager", "_admit"), ("manager", "_check_admissible"), ("manager.fx", "request_slots"),
-          ("manager.fx.allocator", "free"), ("manager.fx.req_to_token", "free"), ("manager.fx.prefix_cache", "unlock"),
+          ("manager.fx.allocator", "free"), ("manager.fx.allocator", "free_page_ids"),
+          ("manager.fx.device_table", "page_ids"), ("manager.fx.req_to_token", "free"), ("manager.fx.prefix_cache", "unlock"),
           ("manager.fx", "copies_reading"), ("manager.fx.worker", "submit_many"), ("manager.fx", "flush")]
 
 
@@ -70,8 +71,9 @@ def run_mode(mode: str, live: int, page: int, device: str, warmup: int, iteratio
         for owner, name in DETAIL if detail else ():
             obj = loop
             for attr in owner.split("."):
-                obj = getattr(obj, attr)
-            _wrap(obj, name, current, timed, inner, key=f"{owner.rsplit('.', 1)[-1]}.{name}")
+                obj = getattr(obj, attr, None)
+            if obj is not None and hasattr(obj, name):  # a table with a host mirror has no device_table
+                _wrap(obj, name, current, timed, inner, key=f"{owner.rsplit('.', 1)[-1]}.{name}")
         if mode == "bare_door":
             _door_in_front(loop, current, timed)
         check, offload = loop.check, loop.offload
