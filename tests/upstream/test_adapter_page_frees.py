@@ -5,8 +5,10 @@ tests/upstream/test_differential.py (`test_adapter_reading_slots_on_the_device_m
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import torch
 
 import harness
@@ -52,3 +54,16 @@ def test_only_the_paged_allocators_own_free_segment_takes_page_ids() -> None:
     _, other = _paged()
     other.__class__ = Interleaved
     assert not AllocatorView(other, int(kv.size)).frees_page_ids
+
+
+def test_without_sglangs_paged_allocator_nothing_takes_page_ids(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An SGLang whose paged allocator cannot be imported gives no allocator the page-id path, not even one
+    with no `free_segment` of its own."""
+    import kvfsm.integrations.sglang.objects as objects
+
+    monkeypatch.setattr(objects, "_paged_free_segment", lambda: None)
+    bare = SimpleNamespace(page_size=16, debug_mode=False)
+    assert not AllocatorView(bare, 64).frees_page_ids
+    kv, allocator = _paged()
+    assert not AllocatorView(allocator, int(kv.size)).frees_page_ids
+

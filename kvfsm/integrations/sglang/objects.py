@@ -260,8 +260,9 @@ class AllocatorView:
         # Whether a free by page id is exactly this allocator's `free_segment`: SGLang's paged allocator's own,
         # which is `free_page_ids(slots[::page_size] // page_size)` once its debug checks are off (a subclass that
         # lays pages out otherwise, as page_interleave does, keeps its own `free_segment` and the slot path)
-        self.frees_page_ids = _paged_free_segment() is getattr(type(allocator), "free_segment", None) and not getattr(
-            allocator, "debug_mode", True)
+        paged = _paged_free_segment()
+        self.frees_page_ids = (paged is not None and getattr(type(allocator), "free_segment", None) is paged
+                               and not getattr(allocator, "debug_mode", True))
 
     def free(self, slots: torch.Tensor | np.ndarray, fence: Optional[SlotFence] = None) -> None:
         """kvfsm frees a request's own pages, [cache_protected_len, allocated), whole and in slot order
