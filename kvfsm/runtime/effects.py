@@ -449,22 +449,22 @@ class OffloadEffects(DecodeOffloadEffectsEach):
         tagged with the fence of the copies that still read them."""
         req = rec.req
         assert req is not None  # held until this release
-        if self._frees_page_ids and self.device_table is not None:
-            # The pages by id, one GPU op, where their slots took two and the allocator's division of them a third
-            # (each 15-20 us of the scheduler's thread on a GPU host: bench/probes/door_phases.py --detail)
-            pages = self.device_table.page_ids(rec.row, rec.prefix_len, self._request_end(rec))
-            if self.ledger is not None:  # checked mode reads a device table's values (it syncs)
-                ids = pages.cpu()
-                self.ledger.release_device(rec.key, "release" if fence is None else "release_fenced",
-                                           (ids[:, None] * self.page_size + self._offsets).reshape(-1).tolist(), fence)
+        # Without a mirror, on an allocator that frees by page id: the pages by id, one GPU op, where their slots
+        # took two and the allocator's division of them a third (each 15-20 us of the scheduler's thread on a GPU
+        # host: bench/probes/door_phases.py --detail). The slots are then read only by checked mode (it syncs).
+        by_id = self.device_table if self._frees_page_ids else None
+        slots = None
+        if self.ledger is not None:
+            slots = self.request_slots(rec)
+            self.ledger.release_device(rec.key, "release" if fence is None else "release_fenced", slots.tolist(), fence)
+        if by_id is not None:
+            pages = by_id.page_ids(rec.row, rec.prefix_len, self._request_end(rec))
             if len(pages):
                 self.allocator.free_page_ids(pages, fence)  # type: ignore[attr-defined]
             slots_freed = len(pages) * self.page_size
         else:
-            slots = self.request_slots(rec)
-            if self.ledger is not None:
-                self.ledger.release_device(rec.key, "release" if fence is None else "release_fenced", slots.tolist(),
-                                           fence)
+            if slots is None:
+                slots = self.request_slots(rec)
             if len(slots):  # none when the matched prefix is all the request holds
                 if fence is None:
                     self.allocator.free(slots)
