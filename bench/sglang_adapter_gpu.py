@@ -17,7 +17,9 @@ Each iteration, as SGLang's decode event loop runs it (`--order sglang`, the def
 the progress check; the engine gives every live request a slot for the token being decoded (a new page from
 SGLang's allocator at a page boundary, written to `req_to_token` on the GPU) and queues the decode step's
 matmuls on the compute stream (`--step-ms`, calibrated); it waits for the previous step's results; then the
-scheduler thread makes the offload and finish calls for them. Finished requests leave and new ones are admitted
+scheduler thread makes the offload and finish calls for them, inside the allocator's free group as SGLang's
+`process_batch_result_decode` makes them (a free there goes back at the group's end; opening and closing the
+group is SGLang's, untimed). Finished requests leave and new ones are admitted
 in their place (random prompt and output lengths, so due points are spread as in serving). The check and the
 calls are timed, under `torch.cuda.set_sync_debug_mode("error")` (a call that waited for the GPU would end the
 run). `--order compact` makes the calls back to back before the wait (ORDERS). The garbage collector stays on
@@ -319,15 +321,32 @@ class Loop:
         if self.mode == "adapter":
             t0 = time.perf_counter()
             self.check()
-            t1 = time.perf_counter()
-            chunks = self.offload(ended)
-            return t1 - t0, time.perf_counter() - t1, chunks
+            took_check = time.perf_counter() - t0
+            with self.free_group():
+                t1 = time.perf_counter()
+                chunks = self.offload(ended)
+                took_offload = time.perf_counter() - t1
+            return took_check, took_offload, chunks
         args = self._batch_args(ended)
-        t0 = time.perf_counter()
-        chunks = self.offload(ended, args)
+        with self.free_group():
+            t0 = time.perf_counter()
+            chunks = self.offload(ended, args)
+            took_offload = time.perf_counter() - t0
         t1 = time.perf_counter()
         self.check()
-        return time.perf_counter() - t1, t1 - t0, chunks
+        return time.perf_counter() - t1, took_offload, chunks
+
+    @contextmanager
+    def free_group(self) -> Iterator[None]:
+        """The allocator's free group, which SGLang's `process_batch_result_decode` opens around the offload and
+        finish calls: a free made inside it goes back to the allocator at its end, all of them in one
+        concatenation. Opening and closing it is SGLang's own work, the same in every mode, so it stays
+        outside the timed calls."""
+        self.allocator.free_group_begin()
+        try:
+            yield
+        finally:
+            self.allocator.free_group_end()
 
     def run(self, warmup: int, iterations: int) -> dict[str, Any]:
         while len(self.live) < self.live_target and self.admit():
@@ -371,7 +390,8 @@ class Loop:
                     req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
                 if self.order == "sglang":
                     args = None if self.mode == "adapter" else self._batch_args(ended)
-                    offload, chunks, gc_offload, tracked = timed(self.offload, ended, args)
+                    with self.free_group():
+                        offload, chunks, gc_offload, tracked = timed(self.offload, ended, args)
                     gc_ms = gc_check + gc_offload
                     tracked = None if tracked is None or tracked_check is None else tracked + tracked_check
                 else:

@@ -4,8 +4,8 @@ Runs in `.venv-sglang` (`make upstream-venv`), over SGLang's own objects built b
 (tests/upstream/harness.py: its CUDA-only stand-ins, `ReqToTokenPool`, `MHATokenToKVPool`, paged allocator,
 `RadixCache`, `HiCacheFile` in a temp dir). Each iteration is one decode step for every live request (the
 KV write and token append are the harness's and not timed), then the calls SGLang's scheduler makes, timed:
-`offload_kv_cache(req)` per request (`finalize_release_on_finish` at the end) and one
-`check_offload_progress()`. Both managers' backups run on their own threads; before each progress check the
+`offload_kv_cache(req)` per request (`finalize_release_on_finish` at the end), inside the allocator's free group
+as SGLang's result processing makes them, and one `check_offload_progress()`. Both managers' backups run on their own threads; before each progress check the
 run waits for them to settle (untimed), so every iteration's check has the same work on both sides.
 
 What it measures is Python bookkeeping plus the CPU copy into host memory, on both sides alike (upstream's
@@ -67,6 +67,7 @@ def _run(sc: Scenario, cls: type) -> dict[str, Any]:
                 if t == spec.start + spec.decode:
                     run.finish(spec)
             spent = 0.0
+            run.allocator.free_group_begin()  # as SGLang's process_batch_result_decode makes these calls
             for spec in live:
                 req = run.reqs[spec.rid]
                 t0 = time.perf_counter()
@@ -75,6 +76,7 @@ def _run(sc: Scenario, cls: type) -> dict[str, Any]:
                     run.mgr.finalize_release_on_finish(req)
                 spent += time.perf_counter() - t0
                 offloads += bool(ok)
+            run.allocator.free_group_end()
             if live:
                 offload_us.append(spent * 1e6)
         run.settle()

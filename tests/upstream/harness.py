@@ -7,6 +7,12 @@ manager reads, constructs `manager_cls(req_to_token_pool=, token_to_kv_pool_allo
 tree_cache=)`, and plays the scenario step by step (docs/sglang-upstream.md, "Where the scheduler calls
 it"). The class is a parameter so that kvfsm's drop-in adapter runs the very same script.
 
+A step runs as SGLang's decode iteration does: the progress check, the batch's new slots (`prepare_for_decode`),
+then the offload and release calls for its results inside the allocator's free group
+(`process_batch_result_decode` opens one around them, so a free made there goes back to the allocator at the
+group's end). `free_group=False` plays every step without the group, each free taking effect at once, as a
+caller outside result processing frees.
+
 Each step records what a differential test compares: which requests' offloads were accepted, which rows
 were released, the device slots returned to the allocator (instrumented below the tree, so any release
 path is seen), host slots taken and returned, the storage keys that appeared and their bytes. Backups run
@@ -332,8 +338,10 @@ def build_pools(sc: Scenario):
 # ------------------------------------------------------------------------------------------------ runner
 
 class _Run:
-    def __init__(self, sc: Scenario, manager_cls: type, rank: int, tp_group, store_dir: str) -> None:
+    def __init__(self, sc: Scenario, manager_cls: type, rank: int, tp_group, store_dir: str,
+                 free_group: bool = True) -> None:
         self.sc, self.rank, self.store_dir = sc, rank, store_dir
+        self.free_group = free_group
         self.r2t, self.kv, self.allocator = build_pools(sc)
         self.tree = RadixCache(CacheInitParams(disable=False, req_to_token_pool=self.r2t,
                                                token_to_kv_pool_allocator=self.allocator, page_size=sc.page_size,
@@ -371,8 +379,9 @@ class _Run:
             free = a.free
 
             def _free(free_index):
-                with observing():
-                    self._freed(free_index.tolist())
+                if a.free_group is None:  # in a free group the slots go back at its end, through here again
+                    with observing():
+                        self._freed(free_index.tolist())
                 return free(free_index)
 
             a.free = _free
@@ -518,13 +527,21 @@ class _Run:
             req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
 
     def decode_and_offload(self, spec: ReqSpec, t: int) -> None:
-        """Step t of `spec`'s decode, then the manager calls of SGLang's result processing: its offload, and
-        for a request that finished with this step its release when no chunk was submitted."""
+        """Step t of `spec`'s decode, then the manager calls of SGLang's result processing for it."""
+        self.decode_step(spec, t)
+        self.result_calls(spec, t)
+
+    def decode_step(self, spec: ReqSpec, t: int) -> None:
+        """Step t of `spec`'s decode: its token's slot and KV, and its finish when this is its last step."""
         self.decode(spec)
+        if t == spec.start + spec.decode:
+            self.finish(spec)
+
+    def result_calls(self, spec: ReqSpec, t: int) -> None:
+        """The manager calls of SGLang's result processing for `spec` at step t: its offload, and for a request
+        that finished with this step its release when no chunk was submitted."""
         req = self.reqs[spec.rid]
         finished = t == spec.start + spec.decode
-        if finished:
-            self.finish(spec)
         with manager_call():
             ok = self.mgr.offload_kv_cache(req)
             if finished and not ok:
@@ -583,8 +600,18 @@ class _Run:
                     self.cur.retract = "ok"
                 except RuntimeError as e:
                     self.cur.retract = f"refused: {e}"
-            for spec in sc.requests:
-                if spec.start < t <= spec.start + spec.decode:
+            batch = [spec for spec in sc.requests if spec.start < t <= spec.start + spec.decode]
+            if self.free_group:
+                for spec in batch:
+                    self.decode_step(spec, t)
+                self.allocator.free_group_begin()
+                try:
+                    for spec in batch:
+                        self.result_calls(spec, t)
+                finally:
+                    self.allocator.free_group_end()
+            else:
+                for spec in batch:
                     self.decode_and_offload(spec, t)
             self.end_step(live_rows, steps)
         self.cur = Step(sc.steps)
@@ -609,16 +636,16 @@ class _Run:
         return result
 
 
-def _run_rank(sc: Scenario, manager_cls: type, rank: int, tp_group, store_dir: str) -> RunResult:
+def _run_rank(sc: Scenario, manager_cls: type, rank: int, tp_group, store_dir: str, free_group: bool) -> RunResult:
     with published(sc, rank, store_dir):
-        run = _Run(sc, manager_cls, rank, tp_group, store_dir)
+        run = _Run(sc, manager_cls, rank, tp_group, store_dir, free_group)
         return run.run(f"{manager_cls.__module__}.{manager_cls.__qualname__}")
 
 
-def _tp_worker(rank: int, sc: Scenario, manager_cls: type, workdir: str) -> None:
+def _tp_worker(rank: int, sc: Scenario, manager_cls: type, workdir: str, free_group: bool) -> None:
     dist.init_process_group("gloo", init_method=f"file://{workdir}/pg", rank=rank, world_size=sc.tp)
     try:
-        result = _run_rank(sc, manager_cls, rank, dist.group.WORLD, f"{workdir}/l3")
+        result = _run_rank(sc, manager_cls, rank, dist.group.WORLD, f"{workdir}/l3", free_group)
         with open(f"{workdir}/rank{rank}.pkl", "wb") as f:
             pickle.dump(result, f)
     finally:
@@ -646,18 +673,19 @@ def _start_forkserver() -> None:
             os.environ["PYTHONPATH"] = before
 
 
-def run_scenario(sc: Scenario | str, manager_cls: type = UpstreamManager) -> list[RunResult]:
-    """Run one scenario; one result per TP rank."""
+def run_scenario(sc: Scenario | str, manager_cls: type = UpstreamManager, *, free_group: bool = True) -> list[RunResult]:
+    """Run one scenario; one result per TP rank. `free_group`: each step's result calls inside the allocator's
+    free group, as SGLang's decode result processing makes them (see the module's docstring)."""
     if isinstance(sc, str):
         sc = BY_NAME[sc]
     workdir = tempfile.mkdtemp(prefix=f"kvfsm-{sc.name}-")
     try:
         if sc.tp == 1:
-            return [_run_rank(sc, manager_cls, 0, _tp_group_world1(), f"{workdir}/l3")]
+            return [_run_rank(sc, manager_cls, 0, _tp_group_world1(), f"{workdir}/l3", free_group)]
         import torch.multiprocessing as mp
 
         _start_forkserver()
-        mp.start_processes(_tp_worker, args=(sc, manager_cls, workdir), nprocs=sc.tp, join=True,
+        mp.start_processes(_tp_worker, args=(sc, manager_cls, workdir, free_group), nprocs=sc.tp, join=True,
                            start_method="forkserver")
         out = []
         for rank in range(sc.tp):

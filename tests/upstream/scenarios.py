@@ -156,8 +156,10 @@ def _scenarios() -> list[Scenario]:
         tags=frozenset({"abort"}),
     ))
     out.append(Scenario(
-        name="host-pool-full", page_size=ps, device_tokens=64, host_ratio=0.25,
-        # 16 host slots + padding page; four requests with 8-token chunks outrun it while backups lag.
+        name="host-pool-full", page_size=ps, device_tokens=80, host_ratio=0.2,
+        # 16 host slots + padding page; three requests with 8-token chunks outrun it while backups lag. The
+        # device pool holds all three at their last step (3 x 24 tokens): in SGLang's order the finished
+        # requests' pages return only at the end of that step's free group, after the step's new slots.
         requests=tuple(ReqSpec(f"r{i}", _prompt(4, base=100 * i + 1), decode=17) for i in range(3)),
         stride=8,
         skip_progress=frozenset({9, 10}),

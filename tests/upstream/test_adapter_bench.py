@@ -21,8 +21,16 @@ MODES = {"sglang": list(bench.MODES), "compact": ["adapter", "batch"]}
 
 
 @pytest.mark.parametrize("order", bench.ORDERS)
-def test_the_adapter_bench_runs_every_door_in_each_order(order: str, tmp_path: Path) -> None:
+def test_the_adapter_bench_runs_every_door_in_each_order(order: str, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "adapter.json"
+    offload, grouped = bench.Loop.offload, []
+
+    def offload_in_group(self: bench.Loop, *args: object) -> int:  # as SGLang's result processing makes them
+        grouped.append(self.allocator.free_group is not None)
+        return offload(self, *args)
+
+    monkeypatch.setattr(bench.Loop, "offload", offload_in_group)
     assert bench.main(["--quick", "--device", "cpu", "--order", order, "--modes", *MODES[order],
                        "--store-root", str(tmp_path), "--out", str(out)]) == 0
     got = json.loads(out.read_text())
@@ -35,6 +43,7 @@ def test_the_adapter_bench_runs_every_door_in_each_order(order: str, tmp_path: P
         "adapter median / batch median", "adapter mean / batch mean", "adapter p99 / its median",
         "adapter max ms (GC on)"}
     assert all(set(t) == {"name", "value", "limit", "met"} for t in got["targets"])
+    assert grouped and all(grouped)  # every iteration's offload and finish calls inside the free group
 
 
 def _row(mode: str, median: float, mean: float, p99: float, peak: float) -> dict:

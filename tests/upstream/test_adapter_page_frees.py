@@ -67,3 +67,27 @@ def test_without_sglangs_paged_allocator_nothing_takes_page_ids(monkeypatch: pyt
     kv, allocator = _paged()
     assert not AllocatorView(allocator, int(kv.size)).frees_page_ids
 
+
+
+@pytest.mark.parametrize("path", ["page_ids", "slots"])
+def test_a_free_inside_sglangs_free_group_comes_back_at_its_end(path: str) -> None:
+    """SGLang makes the offload manager's calls inside the allocator's free group (`process_batch_result_decode`):
+    kvfsm's frees, by page id or by slots, go through the group, so their pages come back at its end, as
+    SGLang's own frees in that group do, and a tensor reused after the call frees nothing else."""
+    kv, allocator = _paged()
+    ps = int(allocator.page_size)
+    view = AllocatorView(allocator, int(kv.size))
+    slots = allocator.alloc(3 * ps)
+    assert slots is not None
+    pages, before = (slots[::ps] // ps).tolist(), _free_pages(allocator)
+    allocator.free_group_begin()
+    if path == "page_ids":
+        ids = slots[::ps] // ps
+        view.free_page_ids(ids)
+        ids.fill_(0)  # the caller's tensor, reused before the group ends
+    else:
+        view.free(slots)
+        slots.fill_(0)
+    assert _free_pages(allocator) == before  # nothing back before the group's end
+    allocator.free_group_end()
+    assert _free_pages(allocator) == sorted(before + pages)

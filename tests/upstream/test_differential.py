@@ -176,10 +176,10 @@ INTENDED: dict[str, str] = {
 }
 
 
-def _run(sc: Scenario, cls: type, _cache: dict = {}) -> list[harness.RunResult]:  # noqa: B006 (one run each)
-    key = (sc.name, cls)
+def _run(sc: Scenario, cls: type, free_group: bool = True, _cache: dict = {}) -> list[harness.RunResult]:  # noqa: B006 (one run each)
+    key = (sc.name, cls, free_group)
     if key not in _cache:
-        _cache[key] = harness.run_scenario(sc, cls)
+        _cache[key] = harness.run_scenario(sc, cls, free_group=free_group)
     return _cache[key]
 
 
@@ -192,6 +192,21 @@ def test_adapter_matches_upstream(sc: Scenario) -> None:
 @pytest.mark.parametrize("sc", [s for s in SCENARIOS if s.name not in INTENDED], ids=lambda s: s.name)
 def test_adapter_reading_slots_on_the_device_matches_upstream(sc: Scenario) -> None:
     diffs = harness.diff_runs(_run(sc, harness.UpstreamManager), _run(sc, DeviceTableAdapter))
+    assert diffs == [], "\n".join(diffs)
+
+
+# Frees that take effect at once (no free group open, as outside SGLang's result processing): a sample with
+# releases on both of kvfsm's free paths (page ids, and page size 1's slots), a prefix, an abort, a full host pool
+# and TP
+AT_ONCE = ("plain-p4-s8", "plain-p1-s3", "prefix-matched", "prefix-matched-p1", "abort-mid-offload", "host-pool-full",
+           "spec-decode-overalloc-p1", "tp2")
+
+
+@pytest.mark.parametrize("name", AT_ONCE)
+@pytest.mark.parametrize("cls", [ProbedAdapter, DeviceTableAdapter], ids=["host-mirror", "device-table"])
+def test_adapter_freeing_outside_a_free_group_matches_upstream(name: str, cls: type) -> None:
+    sc = BY_NAME[name]
+    diffs = harness.diff_runs(_run(sc, harness.UpstreamManager, False), _run(sc, cls, False))
     assert diffs == [], "\n".join(diffs)
 
 
