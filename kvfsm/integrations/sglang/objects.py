@@ -245,7 +245,9 @@ class TableView:
 class AllocatorView:
     """SGLang's token-to-KV allocator as kvfsm's device allocator: `page_size`, `num_slots` and `free`.
 
-    `free(slots)` hands the slots to SGLang's `allocator.free_segment` (see there).
+    `free(slots)` hands the slots to SGLang's `allocator.free_segment` (see there). Inside the allocator's free
+    group, which SGLang's decode result processing opens around the manager's calls, both frees go back at the
+    group's end, as SGLang's own do.
     `owns_page_list` answers False, so a copy's device slots are range-checked slot by slot (SGLang's
     allocator keeps no per-page mask to ask)."""
 
