@@ -39,6 +39,9 @@ for s in $STEPS; do
     serving32) step serving_loop_32 150 python3 bench/serving_loop.py --live 512 --layers 32 --host-gib 16 \
         --tables cuda --no-baseline --out "$W/serving_loop_32layers-$TAG.json" ;;
     adapter) step sglang_adapter 330 python3 bench/sglang_adapter_gpu.py --out "$W/sglang_adapter_gpu-$TAG.json" ;;
+    adapter4096) # the adapter's targets at 4096 live alone (64/64 and 16/16), when a call has room for no more
+        step sglang_adapter_4096 200 python3 bench/sglang_adapter_gpu.py --live 4096 \
+        --out "$W/sglang_adapter_gpu-4096-$TAG.json" ;;
     adapter_compact) # the calls back to back before the wait, the order of every run before the first in SGLang's order (ORDERS)
         step sglang_adapter_compact 300 python3 bench/sglang_adapter_gpu.py --live 4096 --order compact \
         --out "$W/sglang_adapter_gpu-compact-$TAG.json" ;;
@@ -72,6 +75,9 @@ for s in $STEPS; do
             --iterations 100 --warmup 40 --out "$W/serving_loop_lock_contender-$TAG.json" ;;
     process_tests) step process_storage_tests 90 python3 -m pytest -q -p no:cacheprovider -p no:anyio -o addopts= \
         tests/dataplane/test_process_storage.py tests/dataplane/test_host_pool.py ;;
+    gpu_tests_sglang) # the SGLang adapter's GPU tests and the sync-debug tests alone
+        step gpu_tests_sglang 150 python3 -m pytest -q -p no:cacheprovider -p no:randomly -p no:anyio -o addopts= \
+        --tb=short -m gpu tests/upstream/test_adapter_gpu.py tests/upstream/test_adapter_devices_gpu.py tests/gpu ;;
     gpu_tests) step gpu_tests 400 python3 -m pytest -q -p no:cacheprovider -p no:randomly -p no:anyio -o addopts= \
         --tb=short -m gpu tests/dataplane tests/engine/test_demo.py tests/upstream/test_adapter_gpu.py tests/gpu ;;
     *) echo "unknown step $s" >&2; exit 2 ;;
