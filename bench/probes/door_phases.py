@@ -1,8 +1,8 @@
 """Where the SGLang adapter's extra scheduler-thread time goes, against kvfsm's own batch path, in one run.
 
 bench/sglang_adapter_gpu.py's loop, once per mode (`adapter`, `batch`), with the phases that both doors share
-timed per iteration: reserving chunks (the adapter's per-request `_reserve`; inside the batch path's
-`offload_batch`), submitting them (`submit_reserved` / `_submit`), finishing requests, `_enter` (the adapter's
+timed per iteration: reserving chunks (the adapter's per-request `_reserve`, or `reserve_due` and `_accept` for a
+request whose chunk fell due; inside the batch path's `offload_batch`), submitting them (`submit_reserved` / `_submit`), finishing requests, `_enter` (the adapter's
 first sight of a Req) and the progress check. The adapter's "door" is what its offload loop spends outside
 those phases: the early exits of requests with no chunk due.
 
@@ -37,8 +37,10 @@ from common import target, write_result  # noqa: E402
 
 # (object attribute holding it, method) per mode: the phases timed inside the iteration's manager calls
 PHASES = {
-    "adapter": [("adapter", "_reserve"), ("adapter", "_enter"), ("adapter", "finalize_release_on_finish"),
-                ("adapter", "_flush"), ("manager", "submit_reserved"), ("manager", "check_progress")],
+    # reserve_due and _accept: a due call's reservation past the early exit, so that the door is the quiet calls
+    "adapter": [("adapter", "_reserve"), ("manager", "reserve_due"), ("adapter", "_accept"), ("adapter", "_enter"),
+                ("adapter", "finalize_release_on_finish"), ("adapter", "_flush"), ("manager", "submit_reserved"),
+                ("manager", "check_progress")],
     "batch": [("manager", "offload_batch"), ("manager", "_submit"), ("manager", "finalize"),
               ("manager", "check_progress")],
 }

@@ -27,7 +27,7 @@ def test_the_probe_times_each_mode_its_steps_and_the_no_op_door(tmp_path: Path) 
     rows = {r["mode"]: r for r in got["rows"]}
     assert list(rows) == ["adapter", "batch", "bare_door"]
     phases = {mode: set(r["phases_ms"]) for mode, r in rows.items()}
-    assert {"_flush", "submit_reserved", "check_progress", "copy_engine.submit_d2h"} <= phases["adapter"]
+    assert {"_flush", "submit_reserved", "check_progress", "copy_engine.submit_d2h", "reserve_due", "_accept"} <= phases["adapter"]
     assert {"offload_batch", "_submit", "manager._copy_slots", "copy_engine.submit_d2h"} <= phases["batch"]
     assert {"noop_door", "offload_batch", "check_progress"} <= phases["bare_door"]
     assert "_submit" not in phases["bare_door"]  # the floor: none of kvfsm's manager calls
