@@ -100,6 +100,7 @@ MYPY_CACHE_DIR ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/kvfsm/mypy
 export MYPY_CACHE_DIR
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
 # The documentation site (mkdocs.yml: docs/ with the Material theme) into build/site/, every warning an error: a

@@ -69,8 +69,13 @@ def tree_env(tree: str, base: Path) -> dict[str, str]:
 
 def kvfsm_from(tree: str, base: Path, bench: list[str]) -> str:
     """The folder of the kvfsm package the bench imports on `tree` ('' when it imports none)."""
-    done = subprocess.run([sys.executable, "-c", WHICH_KVFSM, bench[0]], env=tree_env(tree, base),
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", WHICH_KVFSM, bench[0]],
+        env=tree_env(tree, base),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     found = [line for line in done.stdout.splitlines() if line.startswith("KVFSM_FROM=")]
     return found[-1].split("=", 1)[1] if found else ""
 
@@ -80,9 +85,11 @@ def check_trees(base: Path, bench: list[str]) -> dict[str, str]:
     want = str((base / "kvfsm").resolve())
     got = {tree: kvfsm_from(tree, base, bench) for tree in ("before", "after")}
     if got["before"] != want or got["after"] in ("", want):
-        raise SystemExit(f"{bench[0]} imports kvfsm from {got['before'] or 'nowhere'} on the tree before and from "
-                         f"{got['after'] or 'nowhere'} on the checkout, where {want} and another are needed: "
-                         "it must import kvfsm at its top and leave PYTHONPATH ahead of the checkout")
+        raise SystemExit(
+            f"{bench[0]} imports kvfsm from {got['before'] or 'nowhere'} on the tree before and from "
+            f"{got['after'] or 'nowhere'} on the checkout, where {want} and another are needed: "
+            "it must import kvfsm at its top and leave PYTHONPATH ahead of the checkout"
+        )
     return got
 
 
@@ -92,16 +99,23 @@ def run_once(tree: str, base: Path, bench: list[str], timeout: float) -> dict[st
     with tempfile.TemporaryDirectory(prefix="kvfsm-ab-") as tmp:
         out = Path(tmp) / "run.json"
         try:
-            done = subprocess.run([sys.executable, *bench, "--out", str(out)], env=env, timeout=timeout,
-                                  capture_output=True, text=True)
+            done = subprocess.run(
+                [sys.executable, *bench, "--out", str(out)], env=env, timeout=timeout, capture_output=True, text=True
+            )
             rc: int | None = done.returncode
             tail = (done.stdout + done.stderr)[-2000:]
         except subprocess.TimeoutExpired as exc:
             rc, tail = None, (str(exc.stdout or "") + str(exc.stderr or ""))[-2000:]
         doc = json.loads(out.read_text()) if out.exists() else {}
     rows = [{"config": config(r), **t} for r in doc.get("rows", []) if (t := totals(r)) is not None]
-    return {"tree": tree, "rc": rc, "quick": bool(doc.get("quick")), "rows": rows, "targets": doc.get("targets", []),
-            "output_tail": tail}
+    return {
+        "tree": tree,
+        "rc": rc,
+        "quick": bool(doc.get("quick")),
+        "rows": rows,
+        "targets": doc.get("targets", []),
+        "output_tail": tail,
+    }
 
 
 def compare(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -118,8 +132,16 @@ def compare(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if rb and ra:  # a bench's repeats of one configuration: their mean
                 mb, ma = (statistics.fmean(x["median"] for x in rows) for rows in (rb, ra))
                 eb, ea = (statistics.fmean(x["mean"] for x in rows) for rows in (rb, ra))
-                pairs.append({"before_median": mb, "after_median": ma, "median_ratio": ma / mb,
-                              "before_mean": eb, "after_mean": ea, "mean_ratio": ea / eb})
+                pairs.append(
+                    {
+                        "before_median": mb,
+                        "after_median": ma,
+                        "median_ratio": ma / mb,
+                        "before_mean": eb,
+                        "after_mean": ea,
+                        "mean_ratio": ea / eb,
+                    }
+                )
         out.append({"config": name, "pairs": pairs})
     return out
 
@@ -135,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds a run may take")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(args_in[:cut])
-    bench = args_in[cut + 1:]
+    bench = args_in[cut + 1 :]
     if not (args.base / "kvfsm" / "__init__.py").is_file():
         raise SystemExit(f"--base {args.base}: no kvfsm/ package there")
     if not bench:
@@ -151,11 +173,18 @@ def main(argv: list[str] | None = None) -> int:
         ratios = ", ".join(f"{p['median_ratio']:.3f}" for p in c["pairs"])
         print(f"{c['config']}: after / before medians {ratios or '(no pair)'}")
     last_after = [r for r in runs if r["tree"] == "after"][-1]
-    path = write_result("ab_trees", {"settings": {"base": str(args.base), "pairs": args.pairs, "timeout": args.timeout,
-                                                  "bench": bench}, "kvfsm_imported_from": imported,
-                                     "runs": runs, "compared": compared,
-                                     "targets": last_after["targets"]}, args.out,
-                        quick=any(r["quick"] for r in runs))  # a quick bench's runs never overwrite a recorded result
+    path = write_result(
+        "ab_trees",
+        {
+            "settings": {"base": str(args.base), "pairs": args.pairs, "timeout": args.timeout, "bench": bench},
+            "kvfsm_imported_from": imported,
+            "runs": runs,
+            "compared": compared,
+            "targets": last_after["targets"],
+        },
+        args.out,
+        quick=any(r["quick"] for r in runs),
+    )  # a quick bench's runs never overwrite a recorded result
     print("wrote", path)
     return 0
 

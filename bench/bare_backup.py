@@ -75,7 +75,7 @@ class BareBackupOffload(BareOffload):
                 firsts += range(base, base + n, ps)
                 prompt = None
                 if not self.chained[row]:
-                    prompt = list(req.origin_input_ids[:len(req.origin_input_ids) // ps * ps])
+                    prompt = list(req.origin_input_ids[: len(req.origin_input_ids) // ps * ps])
                     self.chained[row] = True
                 chunks.append((row, req.rid, start, prompt, token_slice(req, start, start + n)))
                 start += n

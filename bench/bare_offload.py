@@ -23,8 +23,17 @@ from kvfsm.dataplane.pools.device_pool import DeviceKVPool
 class BareOffload:
     """Selection, one copy per iteration, host frees on completion; deferred release of finished rows."""
 
-    def __init__(self, *, page_size: int, stride: int, device_pool: DeviceKVPool, allocator: TokenSlotAllocator,
-                 req_to_token: ReqToTokenPool, host_pool: HostKVPool, copy_engine: CopyEngine) -> None:
+    def __init__(
+        self,
+        *,
+        page_size: int,
+        stride: int,
+        device_pool: DeviceKVPool,
+        allocator: TokenSlotAllocator,
+        req_to_token: ReqToTokenPool,
+        host_pool: HostKVPool,
+        copy_engine: CopyEngine,
+    ) -> None:
         self.page_size, self.stride = page_size, stride
         self.device_pool, self.allocator, self.table = device_pool, allocator, req_to_token
         self.host_pool, self.copy_engine = host_pool, copy_engine

@@ -59,8 +59,11 @@ def cpu_seconds(argv: list[str], runs: int) -> list[float]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=7, help="counted runs per command (default 7; the median is reported)")
-    ap.add_argument("--record", action="store_true",
-                    help="write bench/results/cli_startup-cpu.json (committed) instead of bench/results/quick/")
+    ap.add_argument(
+        "--record",
+        action="store_true",
+        help="write bench/results/cli_startup-cpu.json (committed) instead of bench/results/quick/",
+    )
     ap.add_argument("--out", type=Path, default=None, help="write the JSON here instead")
     args = ap.parse_args(argv)
     if args.runs < 1:
@@ -81,21 +84,36 @@ def main(argv: list[str] | None = None) -> int:
         for name, cmd in commands.items():
             samples[name] += cpu_seconds(cmd, 1)
     for name, xs in samples.items():
-        rows.append({"command": name, "median_cpu_s": round(statistics.median(xs), 4),
-                     "min_cpu_s": round(min(xs), 4), "max_cpu_s": round(max(xs), 4),
-                     "samples_cpu_s": [round(x, 4) for x in xs]})
+        rows.append(
+            {
+                "command": name,
+                "median_cpu_s": round(statistics.median(xs), 4),
+                "min_cpu_s": round(min(xs), 4),
+                "max_cpu_s": round(max(xs), 4),
+                "samples_cpu_s": [round(x, 4) for x in xs],
+            }
+        )
         print(f"{name:45s} median {statistics.median(xs):.3f} s CPU (min {min(xs):.3f}, max {max(xs):.3f})")
     medians = {r["command"]: r["median_cpu_s"] for r in rows}
     targets = [target(f"{name}: median CPU s", medians[name], limit) for name, limit in LIMITS.items()]
     for t in targets:
         print(f"target {t['name']} <= {t['limit']}: {t['value']:.3f} {'met' if t['met'] else 'NOT met'}")
-    path = write_result("cli_startup", {
-        "what": "CPU seconds (user + sys of the child) per command, a fresh process each run, median of the runs",
-        "runs": args.runs, "kvfsm": kvfsm, "cwd": str(ROOT),
-        "load_average_at_start": [round(x, 2) for x in load_start],
-        "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
-        "commands": rows, "targets": targets,
-    }, args.out, quick=not args.record, tag="cpu")
+    path = write_result(
+        "cli_startup",
+        {
+            "what": "CPU seconds (user + sys of the child) per command, a fresh process each run, median of the runs",
+            "runs": args.runs,
+            "kvfsm": kvfsm,
+            "cwd": str(ROOT),
+            "load_average_at_start": [round(x, 2) for x in load_start],
+            "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
+            "commands": rows,
+            "targets": targets,
+        },
+        args.out,
+        quick=not args.record,
+        tag="cpu",
+    )
     print(f"wrote {path}")
     return 0
 

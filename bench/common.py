@@ -22,15 +22,22 @@ RESULTS = Path(__file__).resolve().parent / "results"
 # Which threads a cProfile table covers. From Python 3.12 cProfile runs on sys.monitoring, whose events fire in
 # every thread: a profile taken around the scheduler's calls then also holds what the backup worker and the
 # store's threads ran meanwhile (hashing, file writes), which is not the scheduler thread's time.
-PROFILED_THREADS = ("every thread (Python >= 3.12: cProfile runs on sys.monitoring)" if sys.version_info >= (3, 12)
-                    else "the profiling thread only")
+PROFILED_THREADS = (
+    "every thread (Python >= 3.12: cProfile runs on sys.monitoring)"
+    if sys.version_info >= (3, 12)
+    else "the profiling thread only"
+)
 QUICK = RESULTS / "quick"  # git-ignored: quick runs and their plots
 
 
 def machine() -> dict[str, Any]:
     """Identify the machine a result came from (CPU model, cores, GPU when present)."""
-    info: dict[str, Any] = {"hostname": socket.gethostname(), "platform": platform.platform(),
-                            "python": platform.python_version(), "cpu_count": os.cpu_count()}
+    info: dict[str, Any] = {
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+    }
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -40,6 +47,7 @@ def machine() -> dict[str, Any]:
         pass
     try:
         import torch
+
         info["torch"] = torch.__version__
         if torch.cuda.is_available():
             info["gpu"] = torch.cuda.get_device_name(0)
@@ -62,13 +70,19 @@ def result_path(name: str, tag: str | None = None, *, quick: bool = False, out: 
     return QUICK / f"{name}-quick-{tag}.json" if quick else RESULTS / f"{name}-{tag}.json"
 
 
-def write_result(name: str, payload: dict[str, Any], out: str | Path | None = None, *, quick: bool = False,
-                 tag: str | None = None) -> Path:
+def write_result(
+    name: str, payload: dict[str, Any], out: str | Path | None = None, *, quick: bool = False, tag: str | None = None
+) -> Path:
     """Write `payload` plus machine info, a UTC timestamp and the quick flag as JSON; return the path."""
     path = result_path(name, tag, quick=quick, out=out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"benchmark": name, "machine": machine(), "quick": bool(quick),
-           "utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), **payload}
+    doc = {
+        "benchmark": name,
+        "machine": machine(),
+        "quick": bool(quick),
+        "utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        **payload,
+    }
     path.write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n")
     return path
 

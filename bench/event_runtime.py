@@ -21,16 +21,35 @@ from kvfsm.spec import load_spec  # noqa: E402
 class NullEffects:
     """Actions that do nothing: we time the lifecycle, not the data plane."""
 
-    def seed_hash_chain(self, m, arg): pass
-    def start_copy(self, m, arg): pass
-    def count_host_full(self, m, arg): pass
-    def hash_chunk(self, m, arg): pass
-    def submit_backup(self, m, arg): pass
-    def park_chunk(self, m, arg): pass
-    def mark_stored(self, m, arg): pass
-    def count_backup_failure(self, m, arg): pass
-    def free_host_chunk(self, m, arg): pass
-    def release_request(self, m, arg): pass
+    def seed_hash_chain(self, m, arg):
+        pass
+
+    def start_copy(self, m, arg):
+        pass
+
+    def count_host_full(self, m, arg):
+        pass
+
+    def hash_chunk(self, m, arg):
+        pass
+
+    def submit_backup(self, m, arg):
+        pass
+
+    def park_chunk(self, m, arg):
+        pass
+
+    def mark_stored(self, m, arg):
+        pass
+
+    def count_backup_failure(self, m, arg):
+        pass
+
+    def free_host_chunk(self, m, arg):
+        pass
+
+    def release_request(self, m, arg):
+        pass
 
 
 # A decode-like cycle that returns to `allocated`: two chunks in flight, one backup fails, a full host pool.
@@ -58,17 +77,26 @@ def construction(factory, n: int) -> float:
 
 def targets(result: dict) -> list[dict]:
     """The verdict: the generated machine's cost an event and to construct, and its speed-up over the reference."""
-    return [target("generated machine, us an event", result["generated_us_per_event"], 0.3),
-            target("generated machine's speed-up over the transitions reference (at least)",
-                   result["speedup_vs_reference"], 25, at_least=True),
-            target("generated machine, us to construct", result["generated_construct_us"], 2.0)]
+    return [
+        target("generated machine, us an event", result["generated_us_per_event"], 0.3),
+        target(
+            "generated machine's speed-up over the transitions reference (at least)",
+            result["speedup_vs_reference"],
+            25,
+            at_least=True,
+        ),
+        target("generated machine, us to construct", result["generated_construct_us"], 2.0),
+    ]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--cycles", type=int, default=200_000)
-    ap.add_argument("--quick", action="store_true",
-                    help="a smoke run (checks the script, not the numbers): results under bench/results/quick/")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run (checks the script, not the numbers): results under bench/results/quick/",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     spec = load_spec("spec/decode_offload.yaml")

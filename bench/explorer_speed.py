@@ -69,10 +69,20 @@ def run(cfg: ExplorerConfig, sparse: bool = True, **kw: Any) -> dict[str, Any]:
     finally:
         cloning.SPARSE_OBJECT_ARRAYS = True
     assert res.complete and res.violation is None, (cfg.describe(), res.violation)
-    return {"states": res.states, "edges": res.edges, "depth": res.depth, "wall_s": round(wall, 2),
-            "cpu_s": round(cpu, 2), "states_per_cpu_s": round(res.states / cpu, 1) if cpu else None,
-            "pruned": res.pruned, "mirrored": res.mirrored, "reexpanded": res.reexpanded, "copies": res.copies,
-            "snapshots": res.snapshots, "coverage": len(res.coverage)}
+    return {
+        "states": res.states,
+        "edges": res.edges,
+        "depth": res.depth,
+        "wall_s": round(wall, 2),
+        "cpu_s": round(cpu, 2),
+        "states_per_cpu_s": round(res.states / cpu, 1) if cpu else None,
+        "pruned": res.pruned,
+        "mirrored": res.mirrored,
+        "reexpanded": res.reexpanded,
+        "copies": res.copies,
+        "snapshots": res.snapshots,
+        "coverage": len(res.coverage),
+    }
 
 
 def ladder(bounds: dict[str, ExplorerConfig], repeat: int) -> list[dict[str, Any]]:
@@ -82,8 +92,11 @@ def ladder(bounds: dict[str, ExplorerConfig], repeat: int) -> list[dict[str, Any
         for step, kw, sparse in LADDER:
             for name, cfg in bounds.items():
                 got = run(cfg, sparse, **kw)
-                print(f"  round {r + 1} {step:10s} {name:20s} {got['states']:7d} states {got['edges']:8d} events "
-                      f"{got['cpu_s']:7.1f} s CPU {got['wall_s']:7.1f} s wall", flush=True)
+                print(
+                    f"  round {r + 1} {step:10s} {name:20s} {got['states']:7d} states {got['edges']:8d} events "
+                    f"{got['cpu_s']:7.1f} s CPU {got['wall_s']:7.1f} s wall",
+                    flush=True,
+                )
                 key = (step, name)
                 if key not in best or got["cpu_s"] < best[key]["cpu_s"]:
                     best[key] = got
@@ -95,12 +108,16 @@ def ladder(bounds: dict[str, ExplorerConfig], repeat: int) -> list[dict[str, Any
         out.append({"step": step, "explore": kw, "sparse_object_arrays": sparse, "bounds": per, "total": total})
     for before, after in zip(out, out[1:]):
         b, a = before["total"], after["total"]
-        after["vs_previous"] = {"states_factor": round(b["states"] / a["states"], 3),
-                                "edges_factor": round(b["edges"] / a["edges"], 3),
-                                "cpu_speedup": round(b["cpu_s"] / a["cpu_s"], 3)}
+        after["vs_previous"] = {
+            "states_factor": round(b["states"] / a["states"], 3),
+            "edges_factor": round(b["edges"] / a["edges"], 3),
+            "cpu_speedup": round(b["cpu_s"] / a["cpu_s"], 3),
+        }
     first, last = out[0]["total"], out[-1]["total"]
-    out[-1]["vs_first"] = {"edges_factor": round(first["edges"] / last["edges"], 3),
-                           "cpu_speedup": round(first["cpu_s"] / last["cpu_s"], 3)}
+    out[-1]["vs_first"] = {
+        "edges_factor": round(first["edges"] / last["edges"], 3),
+        "cpu_speedup": round(first["cpu_s"] / last["cpu_s"], 3),
+    }
     return out
 
 
@@ -108,11 +125,17 @@ def symmetry(bounds: dict[str, ExplorerConfig]) -> dict[str, Any]:
     """Request symmetry's factor: the same search (+snapshot, nothing else) with it off and on."""
     out = {}
     for name, cfg in bounds.items():
-        on, off = run(cfg, mode="copy", por=False, orbits=False), run(cfg, mode="copy", por=False, orbits=False,
-                                                                       symmetry=False)
-        out[name] = {"on": on, "off": off, "states_factor": round(off["states"] / on["states"], 3),
-                     "edges_factor": round(off["edges"] / on["edges"], 3),
-                     "cpu_speedup": round(off["cpu_s"] / on["cpu_s"], 3)}
+        on, off = (
+            run(cfg, mode="copy", por=False, orbits=False),
+            run(cfg, mode="copy", por=False, orbits=False, symmetry=False),
+        )
+        out[name] = {
+            "on": on,
+            "off": off,
+            "states_factor": round(off["states"] / on["states"], 3),
+            "edges_factor": round(off["edges"] / on["edges"], 3),
+            "cpu_speedup": round(off["cpu_s"] / on["cpu_s"], 3),
+        }
         print(f"  symmetry {name:20s} off {off['states']} states, on {on['states']}", flush=True)
     return out
 
@@ -132,8 +155,10 @@ def named(bound: Bound) -> dict[str, Any]:
     parts = {}
     for p in bound.parts:
         parts[p.name] = run(p.config)
-        print(f"  {bound.name} {p.name:22s} {parts[p.name]['states']:7d} states {parts[p.name]['wall_s']:7.1f} s wall",
-              flush=True)
+        print(
+            f"  {bound.name} {p.name:22s} {parts[p.name]['states']:7d} states {parts[p.name]['wall_s']:7.1f} s wall",
+            flush=True,
+        )
     total = {k: round(sum(v[k] for v in parts.values()), 2) for k in ("states", "edges", "wall_s", "cpu_s")}
     return {"command": bound.command, "parts": parts, "total": total}
 
@@ -146,8 +171,11 @@ def machine_slug() -> str:
 
 def main(argv: Optional[list[str]] = None) -> Path:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="small bounds, one round: checks the script, not the "
-                                                         "numbers (results under bench/results/quick/)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="small bounds, one round: checks the script, not the numbers (results under bench/results/quick/)",
+    )
     ap.add_argument("--repeat", type=int, default=2, help="rounds of the ladder (the fastest run is kept)")
     ap.add_argument("--jobs", type=int, nargs="+", default=[1, 2], help="worker counts to compare")
     ap.add_argument("--no-default", action="store_true", help="skip the default bound (minutes)")
@@ -155,10 +183,14 @@ def main(argv: Optional[list[str]] = None) -> Path:
     args = ap.parse_args(argv)
     bounds = ladder_bounds(args.quick)
     print(f"technique ladder on {', '.join(bounds)}", flush=True)
-    doc: dict[str, Any] = {"benchmark": "explorer_speed", "machine": machine(), "quick": bool(args.quick),
-                           "utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                           "load_average_at_start": list(os.getloadavg()),
-                           "ladder_bounds": {n: c.describe() for n, c in bounds.items()}}
+    doc: dict[str, Any] = {
+        "benchmark": "explorer_speed",
+        "machine": machine(),
+        "quick": bool(args.quick),
+        "utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "load_average_at_start": list(os.getloadavg()),
+        "ladder_bounds": {n: c.describe() for n, c in bounds.items()},
+    }
     doc["ladder"] = ladder(bounds, 1 if args.quick else args.repeat)
     print("request symmetry", flush=True)
     doc["symmetry"] = symmetry({n: c for n, c in bounds.items() if c.requests > 1})

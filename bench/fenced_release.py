@@ -43,27 +43,45 @@ from kvfsm.runtime import DecodeOffloadManager, OffloadConfig, SimplePrefixCache
 PAGE = 4
 
 
-def _pools(cfg: TinyModelConfig, slots: int, rows: int, device: str) -> tuple[DeviceKVPool, TokenSlotAllocator,
-                                                                              ReqToTokenPool, SimplePrefixCache]:
+def _pools(
+    cfg: TinyModelConfig, slots: int, rows: int, device: str
+) -> tuple[DeviceKVPool, TokenSlotAllocator, ReqToTokenPool, SimplePrefixCache]:
     allocator = TokenSlotAllocator(slots, PAGE, device)
-    return (DeviceKVPool.create(cfg.kv_config(), slots, device), allocator, ReqToTokenPool(rows, 512, device),
-            SimplePrefixCache(allocator))
+    return (
+        DeviceKVPool.create(cfg.kv_config(), slots, device),
+        allocator,
+        ReqToTokenPool(rows, 512, device),
+        SimplePrefixCache(allocator),
+    )
 
 
-def serve(model: TinyDecoder, cfg: TinyModelConfig, mode: str, requests: int, batch: int, slots: int,
-          device: str) -> dict[str, Any]:
+def serve(
+    model: TinyDecoder, cfg: TinyModelConfig, mode: str, requests: int, batch: int, slots: int, device: str
+) -> dict[str, Any]:
     """One run of the workload: mode "none" (no manager), "deferred" or "fenced"."""
     pool, allocator, table, protected = _pools(cfg, slots, batch, device)
     manager: Optional[DecodeOffloadManager] = None
     if mode != "none":
-        config = OffloadConfig(page_size=PAGE, offload_stride=2 * PAGE, storage_backend="none",
-                               fenced_release=mode == "fenced", backup_queue_size=8)
-        manager = DecodeOffloadManager(config, device_pool=pool, allocator=allocator, req_to_token=table,
-                                       prefix_cache=protected, host_pool=HostKVPool(cfg.kv_config(), slots // 2, PAGE,
-                                                                                    pin_memory=device == "cuda"),
-                                       copy_engine=make_copy_engine(device), backup_worker=ThreadBackupWorker(8))
-    engine = DecodeEngine(model, pool, allocator, table, protected, batch, manager, speculative=2,
-                          fenced=mode == "fenced")
+        config = OffloadConfig(
+            page_size=PAGE,
+            offload_stride=2 * PAGE,
+            storage_backend="none",
+            fenced_release=mode == "fenced",
+            backup_queue_size=8,
+        )
+        manager = DecodeOffloadManager(
+            config,
+            device_pool=pool,
+            allocator=allocator,
+            req_to_token=table,
+            prefix_cache=protected,
+            host_pool=HostKVPool(cfg.kv_config(), slots // 2, PAGE, pin_memory=device == "cuda"),
+            copy_engine=make_copy_engine(device),
+            backup_worker=ThreadBackupWorker(8),
+        )
+    engine = DecodeEngine(
+        model, pool, allocator, table, protected, batch, manager, speculative=2, fenced=mode == "fenced"
+    )
     workload = make_workload(requests, 7, cfg.vocab)
     if device == "cuda":
         torch.cuda.synchronize()
@@ -73,17 +91,29 @@ def serve(model: TinyDecoder, cfg: TinyModelConfig, mode: str, requests: int, ba
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
     out: dict[str, Any] = {
-        "mode": mode, "seconds": seconds, "steps": stats.steps, "tokens": stats.tokens,
-        "tokens_per_s": stats.tokens / seconds, "admissions": stats.admissions,
-        "admissions_per_step": stats.admissions / stats.steps, "mean_batch": stats.batch_sum / stats.steps,
-        "retractions": stats.retractions, "finished": stats.finished, "aborted": stats.aborted,
+        "mode": mode,
+        "seconds": seconds,
+        "steps": stats.steps,
+        "tokens": stats.tokens,
+        "tokens_per_s": stats.tokens / seconds,
+        "admissions": stats.admissions,
+        "admissions_per_step": stats.admissions / stats.steps,
+        "mean_batch": stats.batch_sum / stats.steps,
+        "retractions": stats.retractions,
+        "finished": stats.finished,
+        "aborted": stats.aborted,
         "leak_free": allocator.free_slots == allocator.capacity and table.free_rows == table.rows,
     }
     if manager is not None:
         m = manager.metrics
         # ends under a copy: what the two modes treat differently (deferred: state finished; fenced: fenced)
-        out.update(releases=m.releases, fenced_releases=m.fenced_releases, deferred_releases=m.deferred_releases,
-                   offloaded_tokens=m.offloaded_tokens, fenced_pages_left=allocator.fenced_page_count)
+        out.update(
+            releases=m.releases,
+            fenced_releases=m.fenced_releases,
+            deferred_releases=m.deferred_releases,
+            offloaded_tokens=m.offloaded_tokens,
+            fenced_pages_left=allocator.fenced_page_count,
+        )
         manager.close()
     out["_outputs"] = stats.outputs
     return out
@@ -118,18 +148,31 @@ def main(argv: Optional[list[str]] = None) -> int:
         r.pop("_outputs", None)
     d, f = rows
     result = {
-        "config": {"device": device, "requests": args.requests, "batch": args.batch, "slots": args.slots,
-                   "page": PAGE, "stride": 2 * PAGE, "repeats": args.repeats},
-        "no_offload": base, "deferred": d, "fenced": f,
-        "ratios": {"tokens_per_s_fenced_over_deferred": f["tokens_per_s"] / d["tokens_per_s"],
-                   "steps_fenced_over_deferred": f["steps"] / d["steps"],
-                   "admissions_per_step_fenced_over_deferred": f["admissions_per_step"] / d["admissions_per_step"],
-                   "retractions_fenced_minus_deferred": f["retractions"] - d["retractions"]},
+        "config": {
+            "device": device,
+            "requests": args.requests,
+            "batch": args.batch,
+            "slots": args.slots,
+            "page": PAGE,
+            "stride": 2 * PAGE,
+            "repeats": args.repeats,
+        },
+        "no_offload": base,
+        "deferred": d,
+        "fenced": f,
+        "ratios": {
+            "tokens_per_s_fenced_over_deferred": f["tokens_per_s"] / d["tokens_per_s"],
+            "steps_fenced_over_deferred": f["steps"] / d["steps"],
+            "admissions_per_step_fenced_over_deferred": f["admissions_per_step"] / d["admissions_per_step"],
+            "retractions_fenced_minus_deferred": f["retractions"] - d["retractions"],
+        },
     }
     for r in rows:
-        print(f"{r['mode']:9s} steps {r['steps']:5d}  tokens/s {r['tokens_per_s']:8.1f}  admissions/step "
-              f"{r['admissions_per_step']:.3f}  mean batch {r['mean_batch']:.2f}  retractions {r['retractions']:4d}  "
-              f"identical {r['outputs_identical']}")
+        print(
+            f"{r['mode']:9s} steps {r['steps']:5d}  tokens/s {r['tokens_per_s']:8.1f}  admissions/step "
+            f"{r['admissions_per_step']:.3f}  mean batch {r['mean_batch']:.2f}  retractions {r['retractions']:4d}  "
+            f"identical {r['outputs_identical']}"
+        )
     path = write_result("fenced_release", result, out=args.out, quick=args.quick)
     print(f"wrote {path}")
     return 0 if all(r["outputs_identical"] and r["leak_free"] for r in rows) else 1

@@ -67,8 +67,11 @@ def main() -> int:
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--core", type=int, default=None, help="pin to this CPU core (default: the first allowed)")
-    ap.add_argument("--quick", action="store_true",
-                    help="a smoke run (checks the script, not the numbers): results under bench/results/quick/")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run (checks the script, not the numbers): results under bench/results/quick/",
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 

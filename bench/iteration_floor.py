@@ -114,10 +114,16 @@ def run(live: int, iterations: int, page: int, stride: int, step_s: float, step_
         times.append(time.perf_counter() - t0)
         chunks_per.append(len(due))
     times, chunks_per = times[2:], chunks_per[2:]  # the first iterations fill the pipeline
-    return {"live_requests": live, "page_size": page, "stride": stride, "step_wait": step_wait,
-            "iterations": len(times), "chunks_per_iteration_mean": sum(chunks_per) / len(chunks_per),
-            "floor_us_per_iteration_mean": statistics.fmean(times) * 1e6,
-            "floor_us_per_iteration_median": statistics.median(times) * 1e6}
+    return {
+        "live_requests": live,
+        "page_size": page,
+        "stride": stride,
+        "step_wait": step_wait,
+        "iterations": len(times),
+        "chunks_per_iteration_mean": sum(chunks_per) / len(chunks_per),
+        "floor_us_per_iteration_mean": statistics.fmean(times) * 1e6,
+        "floor_us_per_iteration_median": statistics.median(times) * 1e6,
+    }
 
 
 def main() -> None:

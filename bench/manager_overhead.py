@@ -99,8 +99,17 @@ class StepCopyEngine(CpuCopyEngine):
         self.pending.clear()
 
 
-def run(live: int, iterations: int, page: int, stride: int, context: int, mode: str, step_s: float,
-        copy_model: str = "step", step_wait: str = "sleep") -> dict:
+def run(
+    live: int,
+    iterations: int,
+    page: int,
+    stride: int,
+    context: int,
+    mode: str,
+    step_s: float,
+    copy_model: str = "step",
+    step_wait: str = "sleep",
+) -> dict:
     kv = KVCacheConfig(num_layers=1, kv_heads=1, head_dim=8, attention="mha", dtype=torch.float16)
     slots = (live + 1) * context
     device_pool = DeviceKVPool.create(kv, slots)
@@ -110,9 +119,17 @@ def run(live: int, iterations: int, page: int, stride: int, context: int, mode: 
     config = OffloadConfig(page_size=page, offload_stride=stride, storage_backend="none", backup_queue_size=4 * live)
     worker = ThreadBackupWorker(4 * live)
     engine = StepCopyEngine() if copy_model == "step" else TimedCopyEngine()
-    manager = DecodeOffloadManager(config, device_pool=device_pool, allocator=allocator, req_to_token=table,
-                                   prefix_cache=SimplePrefixCache(), host_pool=host, copy_engine=engine,
-                                   storage=MemoryStorage(), backup_worker=worker)
+    manager = DecodeOffloadManager(
+        config,
+        device_pool=device_pool,
+        allocator=allocator,
+        req_to_token=table,
+        prefix_cache=SimplePrefixCache(),
+        host_pool=host,
+        copy_engine=engine,
+        storage=MemoryStorage(),
+        backup_worker=worker,
+    )
     # Requests at every phase of the stride, so each iteration has live/stride chunks due (steady state):
     # a 128-token prompt (whole pages) and 1..stride tokens already decoded.
     reqs = []
@@ -174,53 +191,98 @@ def run(live: int, iterations: int, page: int, stride: int, context: int, mode: 
     order = sorted(per_iter)
     median = order[len(order) // 2]
     mean = sum(per_iter) / len(per_iter)
-    return {"mode": mode, "copy_model": copy_model, "step_wait": step_wait, "live_requests": live, "iterations": iterations, "page_size": page, "stride": stride,
-            "chunks_per_iteration_mean": sum(chunks) / len(chunks), "step_ms": step_s * 1e3,
-            "manager_us_per_iteration_mean": mean * 1e6,
-            "manager_us_per_iteration_median": median * 1e6,
-            "manager_us_per_iteration_p90": order[int(len(order) * 0.9)] * 1e6,
-            "manager_us_per_request": mean * 1e6 / live,
-            "share_of_20ms_step": mean / 0.020,
-            "admission_us_per_request": admit * 1e6 / live,
-            "gc_ms_after_run": gc_s * 1e3,
-            "backup_overrun_ms_mean": sum(backup_overrun) / len(backup_overrun) * 1e3,
-            "stored_pages": manager.metrics.stored_pages}
+    return {
+        "mode": mode,
+        "copy_model": copy_model,
+        "step_wait": step_wait,
+        "live_requests": live,
+        "iterations": iterations,
+        "page_size": page,
+        "stride": stride,
+        "chunks_per_iteration_mean": sum(chunks) / len(chunks),
+        "step_ms": step_s * 1e3,
+        "manager_us_per_iteration_mean": mean * 1e6,
+        "manager_us_per_iteration_median": median * 1e6,
+        "manager_us_per_iteration_p90": order[int(len(order) * 0.9)] * 1e6,
+        "manager_us_per_request": mean * 1e6 / live,
+        "share_of_20ms_step": mean / 0.020,
+        "admission_us_per_request": admit * 1e6 / live,
+        "gc_ms_after_run": gc_s * 1e3,
+        "backup_overrun_ms_mean": sum(backup_overrun) / len(backup_overrun) * 1e3,
+        "stored_pages": manager.metrics.stored_pages,
+    }
 
 
 def verdict_rows(rows: list[dict], copy_model: str, step_wait: str) -> list[dict]:
     """The rows the verdict reads: the batch path at 4096 live, with the first copy model and step wait."""
-    return [r for r in rows if r["live_requests"] == 4096 and r["mode"] == "batch"
-            and r["copy_model"] == copy_model and r["step_wait"] == step_wait]
+    return [
+        r
+        for r in rows
+        if r["live_requests"] == 4096
+        and r["mode"] == "batch"
+        and r["copy_model"] == copy_model
+        and r["step_wait"] == step_wait
+    ]
 
 
 def targets(at_4096: list[dict]) -> list[dict]:
     """The verdict: 400 us an iteration at 4096 live, 2% of a 20 ms decode step, per page/stride."""
-    return [target(f"batch us an iteration, 4096 live {r['page_size']}/{r['stride']}, {r['copy_model']} copies, "
-                   f"{r['step_wait']} step", r["manager_us_per_iteration_mean"], 400) for r in at_4096]
+    return [
+        target(
+            f"batch us an iteration, 4096 live {r['page_size']}/{r['stride']}, {r['copy_model']} copies, "
+            f"{r['step_wait']} step",
+            r["manager_us_per_iteration_mean"],
+            400,
+        )
+        for r in at_4096
+    ]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--live", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--iterations", type=int, default=65, help="timed iterations after the admitting one")
-    ap.add_argument("--configs", nargs="+", default=["64/64", "16/64", "16/16"],
-                    help="page/stride pairs (stride = page is the seed's default)")
+    ap.add_argument(
+        "--configs",
+        nargs="+",
+        default=["64/64", "16/64", "16/16"],
+        help="page/stride pairs (stride = page is the seed's default)",
+    )
     ap.add_argument("--step-ms", type=float, default=20.0)
-    ap.add_argument("--torch-threads", type=int, default=1,
-                    help="intra-op threads: the CPU copy engine stands in for a GPU copy, and its OpenMP "
-                         "workers would otherwise spin on the scheduler's cores after every copy")
-    ap.add_argument("--copy-models", nargs="+", choices=["step", "inline"], default=["step", "inline"],
-                    help="how byte moving is kept out of the timed region (see the module doc); the verdict "
-                         "uses the first")
+    ap.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="intra-op threads: the CPU copy engine stands in for a GPU copy, and its OpenMP "
+        "workers would otherwise spin on the scheduler's cores after every copy",
+    )
+    ap.add_argument(
+        "--copy-models",
+        nargs="+",
+        choices=["step", "inline"],
+        default=["step", "inline"],
+        help="how byte moving is kept out of the timed region (see the module doc); the verdict uses the first",
+    )
     ap.add_argument("--modes", nargs="+", choices=["batch", "loop"], default=["batch", "loop"])
-    ap.add_argument("--step-waits", nargs="+", choices=["sleep", "spin"], default=["sleep"],
-                    help="how the engine thread waits out the simulated step: sleep (off the CPU; the verdict "
-                         "uses the first) or spin (busy-waiting, as a default CUDA synchronize does)")
-    ap.add_argument("--no-floor", action="store_true",
-                    help="skip bench/iteration_floor.py's bare iteration (otherwise measured in this run, per "
-                         "page/stride, live count and step wait, and each row reports its ratio to it)")
-    ap.add_argument("--quick", action="store_true",
-                    help="a smoke run (checks the script, not the numbers): results under bench/results/quick/")
+    ap.add_argument(
+        "--step-waits",
+        nargs="+",
+        choices=["sleep", "spin"],
+        default=["sleep"],
+        help="how the engine thread waits out the simulated step: sleep (off the CPU; the verdict "
+        "uses the first) or spin (busy-waiting, as a default CUDA synchronize does)",
+    )
+    ap.add_argument(
+        "--no-floor",
+        action="store_true",
+        help="skip bench/iteration_floor.py's bare iteration (otherwise measured in this run, per "
+        "page/stride, live count and step wait, and each row reports its ratio to it)",
+    )
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run (checks the script, not the numbers): results under bench/results/quick/",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.torch_threads)
@@ -228,14 +290,30 @@ def main() -> None:
     for cfg in args.configs:
         page, stride = (int(x) for x in cfg.split("/"))
         for n in args.live:
-            floors = {} if args.no_floor else {
-                wait: run_floor(n, args.iterations + 2, page, stride, args.step_ms / 1e3, wait)["floor_us_per_iteration_mean"]
-                for wait in args.step_waits}
+            floors = (
+                {}
+                if args.no_floor
+                else {
+                    wait: run_floor(n, args.iterations + 2, page, stride, args.step_ms / 1e3, wait)[
+                        "floor_us_per_iteration_mean"
+                    ]
+                    for wait in args.step_waits
+                }
+            )
             for copy_model in args.copy_models:
                 for mode in args.modes:
                     for wait in args.step_waits:
-                        row = run(n, args.iterations + 1, page, stride, context=256, mode=mode,
-                                  step_s=args.step_ms / 1e3, copy_model=copy_model, step_wait=wait)
+                        row = run(
+                            n,
+                            args.iterations + 1,
+                            page,
+                            stride,
+                            context=256,
+                            mode=mode,
+                            step_s=args.step_ms / 1e3,
+                            copy_model=copy_model,
+                            step_wait=wait,
+                        )
                         if floors:
                             row["floor_us_per_iteration_mean"] = floors[wait]
                             row["over_floor"] = row["manager_us_per_iteration_mean"] / floors[wait]
@@ -244,10 +322,19 @@ def main() -> None:
     at_4096 = verdict_rows(rows, args.copy_models[0], args.step_waits[0])
     verdict_targets = targets(at_4096)
     verdict = {f"{r['page_size']}/{r['stride']}": t["met"] for r, t in zip(at_4096, verdict_targets)}
-    path = write_result("manager_overhead", {"runs": rows, "targets": verdict_targets, "torch_threads": args.torch_threads,
-                                             "verdict_copy_model": args.copy_models[0],
-                                             "verdict_step_wait": args.step_waits[0],
-                                             "batch_meets_target_at_4096": verdict}, args.out, quick=args.quick)
+    path = write_result(
+        "manager_overhead",
+        {
+            "runs": rows,
+            "targets": verdict_targets,
+            "torch_threads": args.torch_threads,
+            "verdict_copy_model": args.copy_models[0],
+            "verdict_step_wait": args.step_waits[0],
+            "batch_meets_target_at_4096": verdict,
+        },
+        args.out,
+        quick=args.quick,
+    )
     print(f"meets target (batch, 4096 live, {args.copy_models[0]} copies) by page/stride: {verdict}\n-> {path}")
 
 

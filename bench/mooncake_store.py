@@ -57,8 +57,13 @@ def start_master(log: Path) -> tuple[subprocess.Popen, str, str]:
     if binary is None:
         sys.exit("mooncake_master not found: pip install 'kvfsm[mooncake]'")
     rpc, http, metrics = free_port(), free_port(), free_port()
-    proc = subprocess.Popen(master_command(binary, rpc, http, metrics), stdout=log.open("wb"), stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        master_command(binary, rpc, http, metrics),
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 20
     for port in (rpc, http):
         while True:
@@ -109,8 +114,17 @@ def bench_size(s: MooncakeStorage, page_nbytes: int, pages: int, reps: int) -> d
         client.batch_remove(mk, True)
         client.batch_remove([o for k in host_keys + mgr_keys for o in s.key_of(k)], True)
 
-    t: dict[str, list[float]] = {k: [] for k in ("raw_put", "kvfsm_put", "raw_get", "kvfsm_get", "kvfsm_put_from_host",
-                                                  "kvfsm_put_via_get_pages_bytes")}
+    t: dict[str, list[float]] = {
+        k: []
+        for k in (
+            "raw_put",
+            "kvfsm_put",
+            "raw_get",
+            "kvfsm_get",
+            "kvfsm_put_from_host",
+            "kvfsm_put_via_get_pages_bytes",
+        )
+    }
     for rep in range(reps + 2):  # two warm-up rounds, not recorded
         clear()
         order = ("raw", "kvfsm") if rep % 2 == 0 else ("kvfsm", "raw")
@@ -164,7 +178,12 @@ def bench_size(s: MooncakeStorage, page_nbytes: int, pages: int, reps: int) -> d
         if not v:
             continue
         med = statistics.median(v)
-        out[k] = {"median_ms": med * 1e3, "min_ms": min(v) * 1e3, "pages_per_s": pages / med, "GB_per_s": nbytes / med / 1e9}
+        out[k] = {
+            "median_ms": med * 1e3,
+            "min_ms": min(v) * 1e3,
+            "pages_per_s": pages / med,
+            "GB_per_s": nbytes / med / 1e9,
+        }
     for op in ("put", "get"):
         # Paired: each repetition times raw and kvfsm back to back (order alternating), so the median of the
         # per-repetition ratios cancels the drift of a shared machine; medians and minima for reference.
@@ -193,8 +212,11 @@ def python_overhead(page_nbytes: int, pages: int, reps: int = 200) -> dict:
     rows = list(torch.zeros((pages, page_nbytes), dtype=torch.uint8).unbind(0))
     keys = [f"{i:064x}" for i in range(pages)]
     out = {}
-    for name, fn in (("batch_set", lambda: s.batch_set(keys, rows)), ("batch_get", lambda: s.batch_get(keys)),
-                     ("bounded_call_only", lambda: s._call(lambda: None))):
+    for name, fn in (
+        ("batch_set", lambda: s.batch_set(keys, rows)),
+        ("batch_get", lambda: s.batch_get(keys)),
+        ("bounded_call_only", lambda: s._call(lambda: None)),
+    ):
         fn()
         ts = []
         for _ in range(reps):
@@ -223,17 +245,28 @@ def main() -> None:
     logdir = Path(tempfile.mkdtemp(prefix="kvfsm-mooncake-bench-"))
     proc, master, metadata = start_master(logdir / "master.log")
     try:
-        s = MooncakeStorage(master, metadata, model_name="bench/model", global_segment_size=args.segment_mib << 20,
-                            local_buffer_size=64 << 20, read_pool_bytes=512 << 20, op_timeout_s=60)
+        s = MooncakeStorage(
+            master,
+            metadata,
+            model_name="bench/model",
+            global_segment_size=args.segment_mib << 20,
+            local_buffer_size=64 << 20,
+            read_pool_bytes=512 << 20,
+            op_timeout_s=60,
+        )
         try:
             runs = []
             for nbytes, pages in cases:
                 r = bench_size(s, nbytes, pages, args.reps)
                 r["kvfsm_without_io"] = python_overhead(nbytes, pages)
                 runs.append(r)
-                print(f"page {nbytes >> 10} KiB x {pages}: "
-                      + "  ".join(f"{k} {r[k]['GB_per_s']:.2f} GB/s" for k in r if isinstance(r[k], dict) and "GB_per_s" in r[k])
-                      + f"  overhead put {r['put_overhead']:+.1%} get {r['get_overhead']:+.1%}")
+                print(
+                    f"page {nbytes >> 10} KiB x {pages}: "
+                    + "  ".join(
+                        f"{k} {r[k]['GB_per_s']:.2f} GB/s" for k in r if isinstance(r[k], dict) and "GB_per_s" in r[k]
+                    )
+                    + f"  overhead put {r['put_overhead']:+.1%} get {r['get_overhead']:+.1%}"
+                )
         finally:
             s.close()
     finally:
@@ -243,18 +276,27 @@ def main() -> None:
         except subprocess.TimeoutExpired:
             os.kill(proc.pid, signal.SIGKILL)
     worst = max(max(r["put_overhead"], r["get_overhead"]) for r in runs)
-    payload = {"setup": {"transport": "tcp over loopback (127.0.0.1)", "master": "mooncake_master, HTTP metadata",
-                         "client": f"one MooncakeDistributedStore, segment {args.segment_mib:d} MiB",
-                         "mooncake": _mooncake_version(), "nice": os.nice(0),
-                         "loadavg_1m_before_after": [load_before[0], os.getloadavg()[0]]},
-               "runs": runs, "target": {"overhead_max": TARGET_OVERHEAD}, "worst_overhead": worst,
-               "meets_target": worst <= TARGET_OVERHEAD}
+    payload = {
+        "setup": {
+            "transport": "tcp over loopback (127.0.0.1)",
+            "master": "mooncake_master, HTTP metadata",
+            "client": f"one MooncakeDistributedStore, segment {args.segment_mib:d} MiB",
+            "mooncake": _mooncake_version(),
+            "nice": os.nice(0),
+            "loadavg_1m_before_after": [load_before[0], os.getloadavg()[0]],
+        },
+        "runs": runs,
+        "target": {"overhead_max": TARGET_OVERHEAD},
+        "worst_overhead": worst,
+        "meets_target": worst <= TARGET_OVERHEAD,
+    }
     path = write_result("mooncake_store", payload, args.out)
     print(f"worst overhead {worst:+.1%} (target <= {TARGET_OVERHEAD:.0%}) -> {path}")
 
 
 def _mooncake_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
+
     for dist in ("mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine"):
         try:
             return f"{dist} {version(dist)}"

@@ -84,17 +84,61 @@ ENGINES: list[tuple[str, dict[str, Any], bool]] = [
     ("dma_nohead", {"backend": "dma", "dma_head_bytes": 0}, True),
     ("dma_head128", {"backend": "dma", "dma_head_bytes": 128 * MiB}, True),
     ("dma_batchorder", {"backend": "dma", "host_order": False}, True),
-    ("dma_d32x1_h64x2", {"backend": "dma", "dma_d2h_chunk_bytes": 32 * MiB, "dma_d2h_streams": 1,
-                         "dma_h2d_chunk_bytes": 64 * MiB, "dma_h2d_streams": 2}, True),
-    ("dma_d64x2_h256x4", {"backend": "dma", "dma_d2h_chunk_bytes": 64 * MiB, "dma_d2h_streams": 2,
-                          "dma_h2d_chunk_bytes": 256 * MiB, "dma_h2d_streams": 4}, True),
-    ("dma_d256x4_h64x4", {"backend": "dma", "dma_d2h_chunk_bytes": 256 * MiB, "dma_d2h_streams": 4,
-                          "dma_h2d_chunk_bytes": 64 * MiB, "dma_h2d_streams": 4}, True),
+    (
+        "dma_d32x1_h64x2",
+        {
+            "backend": "dma",
+            "dma_d2h_chunk_bytes": 32 * MiB,
+            "dma_d2h_streams": 1,
+            "dma_h2d_chunk_bytes": 64 * MiB,
+            "dma_h2d_streams": 2,
+        },
+        True,
+    ),
+    (
+        "dma_d64x2_h256x4",
+        {
+            "backend": "dma",
+            "dma_d2h_chunk_bytes": 64 * MiB,
+            "dma_d2h_streams": 2,
+            "dma_h2d_chunk_bytes": 256 * MiB,
+            "dma_h2d_streams": 4,
+        },
+        True,
+    ),
+    (
+        "dma_d256x4_h64x4",
+        {
+            "backend": "dma",
+            "dma_d2h_chunk_bytes": 256 * MiB,
+            "dma_d2h_streams": 4,
+            "dma_h2d_chunk_bytes": 64 * MiB,
+            "dma_h2d_streams": 4,
+        },
+        True,
+    ),
     # Like bench/probes/dma_batch_probe.py's best rows: even 64 MiB chunks, no ramp, no head.
-    ("dma_flat64", {"backend": "dma", "dma_head_bytes": 0, "dma_first_chunk_bytes": 64 * MiB,
-                    "dma_chunk_bytes": 64 * MiB, "dma_h2d_last_chunk_bytes": 64 * MiB}, True),
-    ("dma_flat64_head", {"backend": "dma", "dma_first_chunk_bytes": 64 * MiB, "dma_chunk_bytes": 64 * MiB,
-                         "dma_h2d_last_chunk_bytes": 64 * MiB}, True),
+    (
+        "dma_flat64",
+        {
+            "backend": "dma",
+            "dma_head_bytes": 0,
+            "dma_first_chunk_bytes": 64 * MiB,
+            "dma_chunk_bytes": 64 * MiB,
+            "dma_h2d_last_chunk_bytes": 64 * MiB,
+        },
+        True,
+    ),
+    (
+        "dma_flat64_head",
+        {
+            "backend": "dma",
+            "dma_first_chunk_bytes": 64 * MiB,
+            "dma_chunk_bytes": 64 * MiB,
+            "dma_h2d_last_chunk_bytes": 64 * MiB,
+        },
+        True,
+    ),
     ("hybrid_0.3", {"backend": "hybrid", "hybrid_fraction": 0.3}, False),
     ("hybrid_0.5", {"backend": "hybrid", "hybrid_fraction": 0.5}, False),
     ("hybrid_0.7", {"backend": "hybrid", "hybrid_fraction": 0.7}, False),
@@ -109,7 +153,7 @@ def slug(s: str) -> str:
 
 
 def parse_configs(spec: str) -> list[KernelConfig]:
-    """"4x4,16x8:lf" -> tokens x warps, ':lf' = layer_fastest."""
+    """ "4x4,16x8:lf" -> tokens x warps, ':lf' = layer_fastest."""
     out = []
     for item in spec.split(","):
         item = item.strip()
@@ -216,7 +260,9 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
 
 
-def random_pages(num_pages: int, k: int, page_size: int, exclude: torch.Tensor | None, gen: torch.Generator) -> torch.Tensor:
+def random_pages(
+    num_pages: int, k: int, page_size: int, exclude: torch.Tensor | None, gen: torch.Generator
+) -> torch.Tensor:
     """Slots of k distinct random pages in [1, num_pages) (page 0 is padding), avoiding `exclude` pages."""
     cand = torch.arange(1, num_pages)
     if exclude is not None:
@@ -341,8 +387,11 @@ def run_case(
                 timer.sync()
                 loadback["sweep"].append({"config": cfg_name(c), **stats(nbytes, secs, ceil_h2d), "verified": dev_ok()})
             o, lb = offload["sweep"][-1], loadback["sweep"][-1]
-            print(f"    {layout} ps={page_size} {cfg_name(c):7s} offload {o.get('ratio_median', 0):.3f} "
-                  f"loadback {lb.get('ratio_median', 0):.3f} ok={o['verified'] and lb['verified']}", flush=True)
+            print(
+                f"    {layout} ps={page_size} {cfg_name(c):7s} offload {o.get('ratio_median', 0):.3f} "
+                f"loadback {lb.get('ratio_median', 0):.3f} ok={o['verified'] and lb['verified']}",
+                flush=True,
+            )
         for d, target in ((offload, TARGET_OFFLOAD), (loadback, TARGET_LOADBACK)):
             good = [r for r in d["sweep"] if r["verified"] and "error" not in r]
             best = max(good, key=lambda r: r["GBps_median"]) if good else None
@@ -389,32 +438,47 @@ def run_case(
                         infos.append(getattr(h, "info", {}))
                     ok = host_ok() if direction == "d2h" else dev_ok()
                     ceiling = ceil_d2h if direction == "d2h" else ceil_h2d
-                    d[f"engine_{name}"] = {**stats(nbytes, secs, ceiling), "verified": ok, "chose": chosen[-1],
-                                           "behind_compute": stats(nbytes, behind, ceiling) if behind else None,
-                                           "submit_ms_median": statistics.median(sub) * 1e3,
-                                           "submit_info": _median_info(infos)}
+                    d[f"engine_{name}"] = {
+                        **stats(nbytes, secs, ceiling),
+                        "verified": ok,
+                        "chose": chosen[-1],
+                        "behind_compute": stats(nbytes, behind, ceiling) if behind else None,
+                        "submit_ms_median": statistics.median(sub) * 1e3,
+                        "submit_info": _median_info(infos),
+                    }
                 r = d.get(f"engine_{name}") or {}
                 if "GBps_median" in r:
                     bc = (r.get("behind_compute") or {}).get("ratio_median")
-                    print(f"    {layout} ps={page_size} {direction} engine {name:17s} {r['ratio_median']:.3f} "
-                          f"(behind compute {bc or 0:.3f}; chose {r['chose']}, submit {r['submit_ms_median']:.2f} ms) "
-                          f"ok={r['verified']}", flush=True)
+                    print(
+                        f"    {layout} ps={page_size} {direction} engine {name:17s} {r['ratio_median']:.3f} "
+                        f"(behind compute {bc or 0:.3f}; chose {r['chose']}, submit {r['submit_ms_median']:.2f} ms) "
+                        f"ok={r['verified']}",
+                        flush=True,
+                    )
         for d in (offload, loadback):
             auto = d.get("engine_auto")
             d["ours"] = auto if auto and auto.get("verified") and "error" not in auto else None
             d["meets_target_engine"] = bool(d["ours"] and d["ours"]["ratio_median"] >= d["target"])
-            rows = [(k, r) for k, r in d.items() if k.startswith("engine_") and isinstance(r, dict)
-                    and r.get("verified") and "GBps_median" in r]
+            rows = [
+                (k, r)
+                for k, r in d.items()
+                if k.startswith("engine_") and isinstance(r, dict) and r.get("verified") and "GBps_median" in r
+            ]
             if rows:
                 k, r = max(rows, key=lambda kr: kr[1]["GBps_median"])
-                d["best_engine"] = {"engine": k.removeprefix("engine_"), "ratio_median": r["ratio_median"],
-                                    "meets_target": r["ratio_median"] >= d["target"]}
+                d["best_engine"] = {
+                    "engine": k.removeprefix("engine_"),
+                    "ratio_median": r["ratio_median"],
+                    "meets_target": r["ratio_median"] >= d["target"],
+                }
                 bcs = [(k, r["behind_compute"]) for k, r in rows if r.get("behind_compute")]
                 if bcs:
                     k, r = max(bcs, key=lambda kr: kr[1]["GBps_median"])
-                    d["best_engine_behind_compute"] = {"engine": k.removeprefix("engine_"),
-                                                       "ratio_median": r["ratio_median"],
-                                                       "meets_target": r["ratio_median"] >= d["target"]}
+                    d["best_engine_behind_compute"] = {
+                        "engine": k.removeprefix("engine_"),
+                        "ratio_median": r["ratio_median"],
+                        "meets_target": r["ratio_median"] >= d["target"],
+                    }
             ours_bc = (d["ours"] or {}).get("behind_compute")
             d["meets_target_behind_compute"] = bool(ours_bc and ours_bc["ratio_median"] >= d["target"])
     if not cuda:
@@ -434,8 +498,11 @@ def run_case(
 
     secs = timer(gather_to_pinned, reps)
     timer.sync()
-    offload["torch_gather_pinned"] = {**stats(nbytes, secs, ceil_d2h), "verified": same_bits(expected, pinned),
-                                      "note": "data left contiguous in pinned staging, not in the host slots"}
+    offload["torch_gather_pinned"] = {
+        **stats(nbytes, secs, ceil_d2h),
+        "verified": same_bits(expected, pinned),
+        "note": "data left contiguous in pinned staging, not in the host slots",
+    }
     poison_dst()
 
     def pinned_to_scatter() -> None:
@@ -443,8 +510,11 @@ def run_case(
 
     secs = timer(pinned_to_scatter, reps)
     timer.sync()
-    loadback["torch_pinned_scatter"] = {**stats(nbytes, secs, ceil_h2d), "verified": dev_ok(),
-                                        "note": "source already contiguous in pinned staging (host gather not timed)"}
+    loadback["torch_pinned_scatter"] = {
+        **stats(nbytes, secs, ceil_h2d),
+        "verified": dev_ok(),
+        "note": "source already contiguous in pinned staging (host gather not timed)",
+    }
     pinned = None  # the staging freed before the next rows (the closures above hold the name, so not `del`)
 
     # -- torch fallback engine end to end (includes the CPU-side scatter / gather) ------------------
@@ -480,27 +550,45 @@ def targets(cases: list[dict]) -> list[dict]:
             if not d or "target" not in d:
                 continue
             best = d.get("triton")
-            out.append(target(f"{direction} bandwidth / the contiguous copy's, median, page {c['page_size']} "
-                              f"{c['layout']} (at least)", best["ratio_median"] if best else None, d["target"],
-                              at_least=True))
+            out.append(
+                target(
+                    f"{direction} bandwidth / the contiguous copy's, median, page {c['page_size']} "
+                    f"{c['layout']} (at least)",
+                    best["ratio_median"] if best else None,
+                    d["target"],
+                    at_least=True,
+                )
+            )
     return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--smoke", action="store_true",
-                    help="tiny sizes on CPU (checks the script, not the numbers; results under bench/results/quick/)")
-    ap.add_argument("--quick", action="store_true",
-                    help="a smoke run of the GPU path (small --gib): results under bench/results/quick/")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny sizes on CPU (checks the script, not the numbers; results under bench/results/quick/)",
+    )
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run of the GPU path (small --gib): results under bench/results/quick/",
+    )
     ap.add_argument("--gib", type=float, default=1.0, help="GiB per batch (default 1)")
     ap.add_argument("--page-sizes", default="1,16,64")
     ap.add_argument("--layouts", default="page_first,layer_first")
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--configs", default="4x4,4x4:lf",
-                    help="Triton launch shapes to sweep: TOKENSxWARPS[:lf] (default: the engine's defaults for "
-                         "the two layouts; a wider sweep in results/offload_bandwidth-h200-sweep.json was within noise)")
-    ap.add_argument("--engines", default=",".join(n for n, _, _ in ENGINES),
-                    help="CudaCopyEngine variants to time end to end (names from ENGINES)")
+    ap.add_argument(
+        "--configs",
+        default="4x4,4x4:lf",
+        help="Triton launch shapes to sweep: TOKENSxWARPS[:lf] (default: the engine's defaults for "
+        "the two layouts; a wider sweep in results/offload_bandwidth-h200-sweep.json was within noise)",
+    )
+    ap.add_argument(
+        "--engines",
+        default=",".join(n for n, _, _ in ENGINES),
+        help="CudaCopyEngine variants to time end to end (names from ENGINES)",
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 
@@ -522,8 +610,11 @@ def main() -> int:
     t_start = time.perf_counter()
 
     ceil = contiguous_ceilings(tokens * cfg.bytes_per_token, device, timer, max(reps, 10) if cuda else reps)
-    print(f"ceilings ({ceil['bytes'] / 2**30:.2f} GiB contiguous, pinned): D2H {ceil['d2h']['GBps_best']:.1f} GB/s, "
-          f"H2D {ceil['h2d']['GBps_best']:.1f} GB/s", flush=True)
+    print(
+        f"ceilings ({ceil['bytes'] / 2**30:.2f} GiB contiguous, pinned): D2H {ceil['d2h']['GBps_best']:.1f} GB/s, "
+        f"H2D {ceil['h2d']['GBps_best']:.1f} GB/s",
+        flush=True,
+    )
 
     dev = DeviceKVPool.create(cfg, 4 * tokens + lcm, device)
     dev.storage.view(torch.uint8).random_(0, 256)  # random bits (compared bitwise, NaN patterns included)
@@ -547,8 +638,13 @@ def main() -> int:
             "complete": final,
             "timestamp": datetime.now(timezone.utc).isoformat(),
             "machine": machine_info(cuda),
-            "kv": {"layers": cfg.num_layers, "kv_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
-                   "dtype": str(cfg.dtype), "bytes_per_token": cfg.bytes_per_token},
+            "kv": {
+                "layers": cfg.num_layers,
+                "kv_heads": cfg.kv_heads,
+                "head_dim": cfg.head_dim,
+                "dtype": str(cfg.dtype),
+                "bytes_per_token": cfg.bytes_per_token,
+            },
             "tokens_per_batch": tokens,
             "bytes_per_batch": tokens * cfg.bytes_per_token,
             "reps": reps,
@@ -585,18 +681,31 @@ def main() -> int:
         host = HostKVPool(cfg, 2 * tokens, lcm, layout, pin_memory=cuda)  # type: ignore[arg-type]
         assert host.alloc(host.size) is not None  # the bench scatters over the whole pool
         for ps in page_sizes:
-            case = run_case(page_size=ps, layout=layout, dev=dev, host=host, tokens=tokens, ceil=ceil,
-                            configs=parse_configs(args.configs), timer=timer, reps=reps, gen=gen,
-                            engines=engines)
+            case = run_case(
+                page_size=ps,
+                layout=layout,
+                dev=dev,
+                host=host,
+                tokens=tokens,
+                ceil=ceil,
+                configs=parse_configs(args.configs),
+                timer=timer,
+                reps=reps,
+                gen=gen,
+                engines=engines,
+            )
             cases.append(case)
             write(False)
             o, lb = case["offload"], case["loadback"]
             ours_o = o.get("ours") or o.get("cpu_engine") or {}
             ours_l = lb.get("ours") or lb.get("cpu_engine") or {}
-            print(f"  {layout:11s} page {ps:3d}: offload {ours_o.get('GBps_median', 0):6.1f} GB/s "
-                  f"({ours_o.get('ratio_median', 0):.3f} of D2H), load-back {ours_l.get('GBps_median', 0):6.1f} GB/s "
-                  f"({ours_l.get('ratio_median', 0):.3f} of H2D); torch gather->pinned "
-                  f"{o['torch_gather_pinned'].get('ratio_median', 0):.3f}", flush=True)
+            print(
+                f"  {layout:11s} page {ps:3d}: offload {ours_o.get('GBps_median', 0):6.1f} GB/s "
+                f"({ours_o.get('ratio_median', 0):.3f} of D2H), load-back {ours_l.get('GBps_median', 0):6.1f} GB/s "
+                f"({ours_l.get('ratio_median', 0):.3f} of H2D); torch gather->pinned "
+                f"{o['torch_gather_pinned'].get('ratio_median', 0):.3f}",
+                flush=True,
+            )
         del host
 
     verified = write(True)
@@ -611,18 +720,25 @@ def main() -> int:
         return f"{r['GBps_median']:5.1f} ({r.get('ratio_median', 0):.3f})"
 
     for c in cases:
-        for dname, d, tkey in (("off", c["offload"], "torch_gather_pinned"), ("load", c["loadback"], "torch_pinned_scatter")):
-            hyb = [r for k, r in d.items() if k.startswith("engine_hybrid") and isinstance(r, dict) and "GBps_median" in r]
+        for dname, d, tkey in (
+            ("off", c["offload"], "torch_gather_pinned"),
+            ("load", c["loadback"], "torch_pinned_scatter"),
+        ):
+            hyb = [
+                r for k, r in d.items() if k.startswith("engine_hybrid") and isinstance(r, dict) and "GBps_median" in r
+            ]
             best_h = max(hyb, key=lambda r: r["GBps_median"]) if hyb else None
             be = d.get("best_engine") or {}
-            print(f"{c['layout']:11s} {c['page_size']:3d} {dname:4s} | {cell(d.get('triton') or d.get('cpu_engine'))} | "
-                  f"{cell(d.get('engine_triton'))} | {cell(d.get('engine_dma'))} | {cell(best_h)} | "
-                  f"{cell(d.get('engine_auto'))} | {cell(d.get(tkey))} | "
-                  f"{be.get('engine', '-')} {be.get('ratio_median', 0):.3f}  auto->{(d.get('engine_auto') or {}).get('chose', '-')}"
-                  f"{'  MEETS' if d.get('meets_target_engine') else ''}  | behind compute: auto "
-                  f"{((d.get('ours') or {}).get('behind_compute') or {}).get('ratio_median', 0):.3f}, best "
-                  f"{(d.get('best_engine_behind_compute') or {}).get('engine', '-')} "
-                  f"{(d.get('best_engine_behind_compute') or {}).get('ratio_median', 0):.3f}")
+            print(
+                f"{c['layout']:11s} {c['page_size']:3d} {dname:4s} | {cell(d.get('triton') or d.get('cpu_engine'))} | "
+                f"{cell(d.get('engine_triton'))} | {cell(d.get('engine_dma'))} | {cell(best_h)} | "
+                f"{cell(d.get('engine_auto'))} | {cell(d.get(tkey))} | "
+                f"{be.get('engine', '-')} {be.get('ratio_median', 0):.3f}  auto->{(d.get('engine_auto') or {}).get('chose', '-')}"
+                f"{'  MEETS' if d.get('meets_target_engine') else ''}  | behind compute: auto "
+                f"{((d.get('ours') or {}).get('behind_compute') or {}).get('ratio_median', 0):.3f}, best "
+                f"{(d.get('best_engine_behind_compute') or {}).get('engine', '-')} "
+                f"{(d.get('best_engine_behind_compute') or {}).get('ratio_median', 0):.3f}"
+            )
     print(f"all verified bit-exact: {verified}; wrote {out}")
     return 0 if verified else 1
 

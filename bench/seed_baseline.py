@@ -27,8 +27,18 @@ from kvfsm.dataplane.pools.device_pool import DeviceKVPool
 class SeedAlgorithmOffload:
     """Per-request offload, per-chunk copies, hashing at completion on the scheduler thread."""
 
-    def __init__(self, *, page_size: int, stride: int, device_pool: DeviceKVPool, allocator: TokenSlotAllocator,
-                 req_to_token: ReqToTokenPool, host_pool: HostKVPool, copy_engine: CopyEngine, storage: Any) -> None:
+    def __init__(
+        self,
+        *,
+        page_size: int,
+        stride: int,
+        device_pool: DeviceKVPool,
+        allocator: TokenSlotAllocator,
+        req_to_token: ReqToTokenPool,
+        host_pool: HostKVPool,
+        copy_engine: CopyEngine,
+        storage: Any,
+    ) -> None:
         self.page_size, self.stride = page_size, stride
         self.device_pool, self.allocator, self.table = device_pool, allocator, req_to_token
         self.host_pool, self.copy_engine, self.storage = host_pool, copy_engine, storage
@@ -44,7 +54,7 @@ class SeedAlgorithmOffload:
     def _hashes(self, tokens: list[int], prior: Optional[str]) -> list[str]:
         out, last = [], prior
         for i in range(0, len(tokens), self.page_size):  # one call per page, as the seed
-            last = page_hash(tokens[i:i + self.page_size], last)
+            last = page_hash(tokens[i : i + self.page_size], last)
             out.append(last)
         return out
 
@@ -68,7 +78,7 @@ class SeedAlgorithmOffload:
         handle = self.copy_engine.submit_d2h(self.device_pool, device, self.host_pool, self.host_pool.page_slots(pages))
         self._acks += 1
         self.writes.append((handle, self._acks))
-        self.ongoing[self._acks] = (req, pages, all_tokens[start:start + n])
+        self.ongoing[self._acks] = (req, pages, all_tokens[start : start + n])
         self.inflight[req.rid] = self.inflight.get(req.rid, 0) + 1
         st[1] += n
         self.offloaded_tokens += n

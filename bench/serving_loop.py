@@ -72,8 +72,18 @@ OUTPUT = (64, 512)  # output lengths, uniform: a request finishes (finalize) whe
 class LoopRequest:
     """What the manager reads of a request (kvfsm.runtime.OffloadRequest), nothing more."""
 
-    __slots__ = ("rid", "origin_input_ids", "output_ids", "req_pool_idx", "kv_committed_len", "kv_allocated_len",
-                 "prefix_len", "target", "done", "__weakref__")
+    __slots__ = (
+        "rid",
+        "origin_input_ids",
+        "output_ids",
+        "req_pool_idx",
+        "kv_committed_len",
+        "kv_allocated_len",
+        "prefix_len",
+        "target",
+        "done",
+        "__weakref__",
+    )
 
     def __init__(self, rid: str, prompt: list[int], target: int) -> None:
         self.rid, self.origin_input_ids, self.output_ids = rid, prompt, []
@@ -153,8 +163,8 @@ class DecodeStep:
         else:
             idx = torch.from_numpy(slots.astype(np.int64))
         for a in range(0, n, self.src.shape[2]):
-            part = idx[a:a + self.src.shape[2]]
-            view.index_copy_(2, part, self.src[:, :, :part.numel()])
+            part = idx[a : a + self.src.shape[2]]
+            view.index_copy_(2, part, self.src[:, :, : part.numel()])
 
     def enqueue(self, slots: np.ndarray) -> Any:
         self.write_rows(slots)
@@ -186,8 +196,12 @@ def stats(xs: list[float]) -> dict[str, float]:
     a = np.asarray(xs, dtype=np.float64)
     if not a.size:
         return {"median": 0.0, "p99": 0.0, "max": 0.0, "mean": 0.0}
-    return {"median": float(np.median(a)), "p99": float(np.percentile(a, 99)), "max": float(a.max()),
-            "mean": float(a.mean())}
+    return {
+        "median": float(np.median(a)),
+        "p99": float(np.percentile(a, 99)),
+        "max": float(a.max()),
+        "mean": float(a.mean()),
+    }
 
 
 class ServingLoop:
@@ -197,10 +211,25 @@ class ServingLoop:
     once, and the engine takes them with `alloc_pages_fenced`, its compute stream waiting on their fences
     (under sync-debug "error" too: a wait_event, never a host wait)."""
 
-    def __init__(self, algo: str, live: int, page: int, stride: int, layers: int, table_device: str,
-                 device: str, step_ms: float, store_dir: Path, host_gib: float, seed: int,
-                 prompt: tuple[int, int] = PROMPT, output: tuple[int, int] = OUTPUT, store_kind: str = "file",
-                 store_writers: int = 4, store_processes: int = 4) -> None:
+    def __init__(
+        self,
+        algo: str,
+        live: int,
+        page: int,
+        stride: int,
+        layers: int,
+        table_device: str,
+        device: str,
+        step_ms: float,
+        store_dir: Path,
+        host_gib: float,
+        seed: int,
+        prompt: tuple[int, int] = PROMPT,
+        output: tuple[int, int] = OUTPUT,
+        store_kind: str = "file",
+        store_writers: int = 4,
+        store_processes: int = 4,
+    ) -> None:
         self.algo, self.live_target, self.page, self.stride = algo, live, page, stride
         self.prompt, self.output = prompt, output
         self.rng = random.Random(seed)
@@ -214,20 +243,33 @@ class ServingLoop:
         self.table = ReqToTokenPool(rows, per_req, table_device)
         self.host_table = self.table.host_table.numpy()
         host_slots = int(host_gib * 2**30) // kv.bytes_per_token // page * page
-        self.host_pool = HostKVPool(kv, host_slots, page, layout="page_first", pin_memory=device == "cuda",
-                                    shared=store_kind in ("process", "sharded"))  # store processes read it in place
+        self.host_pool = HostKVPool(
+            kv,
+            host_slots,
+            page,
+            layout="page_first",
+            pin_memory=device == "cuda",
+            shared=store_kind in ("process", "sharded"),
+        )  # store processes read it in place
         self.store_dir = store_dir
         storage: Any = None
         if store_kind == "file":
             storage = FileStorage(store_dir, model_name="bench", writers=store_writers)
         elif store_kind == "process":  # the same store in a child process (ProcessStorage)
-            storage = ProcessStorage(functools.partial(FileStorage, store_dir, model_name="bench", writers=store_writers))
+            storage = ProcessStorage(
+                functools.partial(FileStorage, store_dir, model_name="bench", writers=store_writers)
+            )
         elif store_kind == "sharded":  # the same store in `store_processes` children, the keys sharded (ShardedStorage)
-            storage = ShardedStorage.of(functools.partial(ProcessStorage, functools.partial(
-                FileStorage, store_dir, model_name="bench", writers=store_writers)), store_processes)
+            storage = ShardedStorage.of(
+                functools.partial(
+                    ProcessStorage, functools.partial(FileStorage, store_dir, model_name="bench", writers=store_writers)
+                ),
+                store_processes,
+            )
         self.storage = storage
         if device == "cuda":
             from kvfsm.dataplane import CudaCopyEngine
+
             engine: Any = CudaCopyEngine(device)
         else:
             engine = ThreadCpuCopyEngine()
@@ -238,22 +280,50 @@ class ServingLoop:
         if self.kvfsm:
             # the backup queue holds a few iterations of chunks (at 4096 live and stride 16, 256 land per
             # iteration: the default 64 would park most of them)
-            config = OffloadConfig(page_size=page, offload_stride=stride, host_layout="page_first",
-                                   storage_dir=store_dir, model_name="bench",
-                                   backup_queue_size=max(64, 4 * live // stride),
-                                   storage_backend="file" if storage is not None else "none",
-                                   fenced_release=self.fenced)
+            config = OffloadConfig(
+                page_size=page,
+                offload_stride=stride,
+                host_layout="page_first",
+                storage_dir=store_dir,
+                model_name="bench",
+                backup_queue_size=max(64, 4 * live // stride),
+                storage_backend="file" if storage is not None else "none",
+                fenced_release=self.fenced,
+            )
             self.manager: Any = DecodeOffloadManager(
-                config, device_pool=self.pool, allocator=self.allocator, req_to_token=self.table,
-                prefix_cache=SimplePrefixCache(), host_pool=self.host_pool, copy_engine=engine, storage=storage)
+                config,
+                device_pool=self.pool,
+                allocator=self.allocator,
+                req_to_token=self.table,
+                prefix_cache=SimplePrefixCache(),
+                host_pool=self.host_pool,
+                copy_engine=engine,
+                storage=storage,
+            )
         elif algo == "seed":
-            self.manager = SeedAlgorithmOffload(page_size=page, stride=stride, device_pool=self.pool,
-                                                allocator=self.allocator, req_to_token=self.table,
-                                                host_pool=self.host_pool, copy_engine=engine, storage=storage)
+            self.manager = SeedAlgorithmOffload(
+                page_size=page,
+                stride=stride,
+                device_pool=self.pool,
+                allocator=self.allocator,
+                req_to_token=self.table,
+                host_pool=self.host_pool,
+                copy_engine=engine,
+                storage=storage,
+            )
         else:
-            floor: dict[str, Any] = dict(page_size=page, stride=stride, device_pool=self.pool, allocator=self.allocator,
-                                         req_to_token=self.table, host_pool=self.host_pool, copy_engine=engine)
-            self.manager = BareBackupOffload(storage=storage, **floor) if algo == "bare-backup" else BareOffload(**floor)
+            floor: dict[str, Any] = dict(
+                page_size=page,
+                stride=stride,
+                device_pool=self.pool,
+                allocator=self.allocator,
+                req_to_token=self.table,
+                host_pool=self.host_pool,
+                copy_engine=engine,
+            )
+            self.manager = (
+                BareBackupOffload(storage=storage, **floor) if algo == "bare-backup" else BareOffload(**floor)
+            )
         self.step = DecodeStep(self.pool, step_ms, max(live, prompt[1]))
         self.freeze_gc = True
         self.submit_s = 0.0  # time inside the copy engine's submit_d2h (part of the manager's calls)
@@ -271,6 +341,7 @@ class ServingLoop:
                 if k.endswith("_ms") and isinstance(v, (int, float)):
                     self.submit_info.setdefault(k, []).append(v)
             return handle
+
         engine.submit_d2h = timed_submit
         self.live: list[LoopRequest] = []
         self.serial = 0
@@ -282,8 +353,11 @@ class ServingLoop:
             return False
         rng = self.rng
         self.serial += 1
-        req = LoopRequest(f"r{self.serial}", [rng.randrange(128_000) for _ in range(rng.randint(*self.prompt))],
-                          rng.randint(*self.output))
+        req = LoopRequest(
+            f"r{self.serial}",
+            [rng.randrange(128_000) for _ in range(rng.randint(*self.prompt))],
+            rng.randint(*self.output),
+        )
         n = len(req.origin_input_ids)
         pages = self._alloc_pages(-(-(n + 1) // self.page))
         if pages is None:
@@ -396,13 +470,21 @@ class ServingLoop:
                     self.step.wait(prev)
                 prev = ev
                 if timed:
-                    per_iter.append({"offload_ms": (t1 - t0) * 1e3, "finalize_ms": (t2 - t1) * 1e3,
-                                     "check_ms": (t3 - t2) * 1e3, "total_ms": (t3 - t0) * 1e3,
-                                     "gc_in_manager_ms": gc_in, "chunks": chunks,
-                                     "engine_submit_ms": (self.submit_s - submit0) * 1e3,
-                                     "host_used_pages": self.host_pool.allocator.num_pages
-                                     - self.host_pool.allocator.free_page_count - 1,
-                                     "copies_in_flight": self._copies_in_flight()})
+                    per_iter.append(
+                        {
+                            "offload_ms": (t1 - t0) * 1e3,
+                            "finalize_ms": (t2 - t1) * 1e3,
+                            "check_ms": (t3 - t2) * 1e3,
+                            "total_ms": (t3 - t0) * 1e3,
+                            "gc_in_manager_ms": gc_in,
+                            "chunks": chunks,
+                            "engine_submit_ms": (self.submit_s - submit0) * 1e3,
+                            "host_used_pages": self.host_pool.allocator.num_pages
+                            - self.host_pool.allocator.free_page_count
+                            - 1,
+                            "copies_in_flight": self._copies_in_flight(),
+                        }
+                    )
             wall = time.perf_counter() - t_start
             tracked = self._tracked_objects()
             offloaded = self._offloaded_tokens() - offloaded0
@@ -433,33 +515,53 @@ class ServingLoop:
         m = self.manager
         return len(m.fx.copy_fifo) if self.kvfsm else len(m.writes if self.algo == "seed" else m.inflight)
 
-    def _summary(self, rows: list[dict[str, float]], gc_pauses: list[tuple[int, float]], offloaded: int,
-                 wall: float, iterations: int) -> dict[str, Any]:
+    def _summary(
+        self,
+        rows: list[dict[str, float]],
+        gc_pauses: list[tuple[int, float]],
+        offloaded: int,
+        wall: float,
+        iterations: int,
+    ) -> dict[str, Any]:
         col = {k: [r[k] for r in rows] for k in rows[0]} if rows else {}
         third = max(1, len(rows) // 3)
         host = col.get("host_used_pages", [0])
         out: dict[str, Any] = {
-            "algo": self.algo, "iterations_timed": iterations, "step_wall_ms_mean": wall * 1e3 / max(1, iterations),
-            **{name: stats(col.get(f"{name}_ms", [])) for name in ("total", "offload", "finalize", "check",
-                                                                      "engine_submit")},
+            "algo": self.algo,
+            "iterations_timed": iterations,
+            "step_wall_ms_mean": wall * 1e3 / max(1, iterations),
+            **{
+                name: stats(col.get(f"{name}_ms", []))
+                for name in ("total", "offload", "finalize", "check", "engine_submit")
+            },
             "chunks_per_iteration": stats(col.get("chunks", [])),
-            "gc": {"pauses": len(gc_pauses), "max_ms": max((ms for _, ms in gc_pauses), default=0.0),
-                   "by_generation": {g: sum(1 for gg, _ in gc_pauses if gg == g) for g in (0, 1, 2)},
-                   "in_manager_max_ms": max(col.get("gc_in_manager_ms", [0.0]))},
+            "gc": {
+                "pauses": len(gc_pauses),
+                "max_ms": max((ms for _, ms in gc_pauses), default=0.0),
+                "by_generation": {g: sum(1 for gg, _ in gc_pauses if gg == g) for g in (0, 1, 2)},
+                "in_manager_max_ms": max(col.get("gc_in_manager_ms", [0.0])),
+            },
             "bytes_offloaded_per_step": offloaded * self.kv.bytes_per_token / max(1, iterations),
-            "host_pool": {"capacity_pages": self.host_pool.allocator.num_pages - 1, "used_max": max(host),
-                          "used_mean_middle_third": float(np.mean(host[third:2 * third] or [0])),
-                          "used_mean_last_third": float(np.mean(host[2 * third:] or [0]))},
+            "host_pool": {
+                "capacity_pages": self.host_pool.allocator.num_pages - 1,
+                "used_max": max(host),
+                "used_mean_middle_third": float(np.mean(host[third : 2 * third] or [0])),
+                "used_mean_last_third": float(np.mean(host[2 * third :] or [0])),
+            },
             "copies_in_flight_max": max(col.get("copies_in_flight", [0])),
         }
         if self.kvfsm:
             m = self.manager.metrics
-            out["metrics"] = {k: getattr(m, k) for k in ("host_full_retries", "parked_chunks", "backup_failures",
-                                                         "stored_pages", "releases")}
+            out["metrics"] = {
+                k: getattr(m, k)
+                for k in ("host_full_retries", "parked_chunks", "backup_failures", "stored_pages", "releases")
+            }
             out["fence_waits"] = self.fence_waits
             out["fenced_pages_free_at_end"] = self.allocator.fenced_page_count
-            out["stored_index"] = {"entries": len(self.manager.fx.stored),
-                                   "dict_gc_tracked": gc.is_tracked(self.manager.fx.stored._slot)}
+            out["stored_index"] = {
+                "entries": len(self.manager.fx.stored),
+                "dict_gc_tracked": gc.is_tracked(self.manager.fx.stored._slot),
+            }
         elif self.algo == "bare-backup":
             out["metrics"] = {"stored_pages": self.manager.stored_pages}
         return out
@@ -489,27 +591,54 @@ class ServingLoop:
         finally:
             gc.set_debug(0)
             gc.garbage.clear()
-        out = {"full_collection_ms": full_ms, "garbage_found": found, "garbage_of_kvfsm": ours,
-               "device_slots_leaked": self.allocator.capacity - self.allocator.free_slots,
-               "host_slots_leaked": self.host_pool.capacity - self.host_pool.free_slots}
+        out = {
+            "full_collection_ms": full_ms,
+            "garbage_found": found,
+            "garbage_of_kvfsm": ours,
+            "device_slots_leaked": self.allocator.capacity - self.allocator.free_slots,
+            "host_slots_leaked": self.host_pool.capacity - self.host_pool.free_slots,
+        }
         self.manager.close()
         if isinstance(self.storage, (ProcessStorage, ShardedStorage)):  # passed in, so not the manager's to close
             self.storage.close()
         return out
 
 
-def run_config(algo: str, live: int, page: int, stride: int, table: str, args: argparse.Namespace,
-               storage: Optional[str] = None) -> dict[str, Any]:
+def run_config(
+    algo: str, live: int, page: int, stride: int, table: str, args: argparse.Namespace, storage: Optional[str] = None
+) -> dict[str, Any]:
     storage = storage or args.storage[0]
     store = Path(tempfile.mkdtemp(prefix=f"kvfsm-serving-{algo}-", dir=args.store_root))
     loop = None
     try:
-        loop = ServingLoop(algo, live, page, stride, args.layers, table, args.device, args.step_ms, store,
-                           args.host_gib, args.seed, tuple(args.prompt), tuple(args.output), storage,
-                           args.store_writers, args.store_processes)
+        loop = ServingLoop(
+            algo,
+            live,
+            page,
+            stride,
+            args.layers,
+            table,
+            args.device,
+            args.step_ms,
+            store,
+            args.host_gib,
+            args.seed,
+            tuple(args.prompt),
+            tuple(args.output),
+            storage,
+            args.store_writers,
+            args.store_processes,
+        )
         loop.freeze_gc = not args.no_gc_freeze
-        res = {"live": live, "page": page, "stride": stride, "table": table, "layers": args.layers,
-               "storage": storage if algo != "bare" else None, "matmuls_per_step": loop.step.matmuls}
+        res = {
+            "live": live,
+            "page": page,
+            "stride": stride,
+            "table": table,
+            "layers": args.layers,
+            "storage": storage if algo != "bare" else None,
+            "matmuls_per_step": loop.step.matmuls,
+        }
         res.update(loop.run(args.warmup, args.iterations, args.prefill_index))
         res["teardown"] = loop.teardown()
         return res
@@ -535,16 +664,35 @@ def targets(rows: list[dict[str, Any]], probe: Optional[str] = None) -> list[dic
         if r.get("storage", "file") != "file":
             at += f", storage {r['storage']}"
         t = r["total"]
-        floor = next((b for b in rows if b["algo"] == "bare" and (b["live"], b["page"], b["stride"])
-                      == (r["live"], r["page"], r["stride"])), None)
+        floor = next(
+            (
+                b
+                for b in rows
+                if b["algo"] == "bare" and (b["live"], b["page"], b["stride"]) == (r["live"], r["page"], r["stride"])
+            ),
+            None,
+        )
         limit = {(64, 64): 1.5, (16, 16): 2.0}.get((r["page"], r["stride"]))
         if floor is not None and limit is not None and r["live"] == top and floor["total"]["median"]:
             out.append(target(f"median / bare floor median, {at}", t["median"] / floor["total"]["median"], limit))
-            backup = next((b for b in rows if b["algo"] == "bare-backup" and b.get("storage") == r.get("storage")
-                           and (b["live"], b["page"], b["stride"]) == (r["live"], r["page"], r["stride"])), None)
+            backup = next(
+                (
+                    b
+                    for b in rows
+                    if b["algo"] == "bare-backup"
+                    and b.get("storage") == r.get("storage")
+                    and (b["live"], b["page"], b["stride"]) == (r["live"], r["page"], r["stride"])
+                ),
+                None,
+            )
             if backup is not None:  # the limit probe: what backing up alone takes of the same budget
-                out.append(target(f"limit probe, not a target of kvfsm's: the backup floor's median / bare floor "
-                                  f"median, {at}", backup["total"]["median"] / floor["total"]["median"], limit))
+                out.append(
+                    target(
+                        f"limit probe, not a target of kvfsm's: the backup floor's median / bare floor median, {at}",
+                        backup["total"]["median"] / floor["total"]["median"],
+                        limit,
+                    )
+                )
         out.append(target(f"p99 / median, {at}", t["p99"] / t["median"] if t["median"] else None, 2.0))
         out.append(target(f"max ms (GC on), {at}", t["max"], 10.0))
         out.append(target(f"kvfsm objects found by a full collection, {at}", r["teardown"]["garbage_of_kvfsm"], 0))
@@ -559,9 +707,11 @@ PREFILL_FULL = 1 << 20  # the stored-page index's default limit: a long-running 
 
 def probe_of(args: argparse.Namespace) -> Optional[str]:
     """What a probe option changed about the loop, or None for a verdict run."""
-    parts = (["a thread running Python beside the loop"] if args.contender else []) + (
-        [f"switch interval {args.switch_interval_ms} ms"] if args.switch_interval_ms is not None else []) + (
-        ["the stored-page index starts empty (a new server's first minutes)"] if args.prefill_index == 0 else [])
+    parts = (
+        (["a thread running Python beside the loop"] if args.contender else [])
+        + ([f"switch interval {args.switch_interval_ms} ms"] if args.switch_interval_ms is not None else [])
+        + (["the stored-page index starts empty (a new server's first minutes)"] if args.prefill_index == 0 else [])
+    )
     return ", ".join(parts) or None
 
 
@@ -569,16 +719,25 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--live", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--pages", nargs="+", default=["64/64", "16/16"], help="page/stride pairs")
-    ap.add_argument("--tables", nargs="+", default=["cuda", "cpu"], choices=["cuda", "cpu"],
-                    help="where kvfsm's request table lives (the seed baseline runs with the first)")
+    ap.add_argument(
+        "--tables",
+        nargs="+",
+        default=["cuda", "cpu"],
+        choices=["cuda", "cpu"],
+        help="where kvfsm's request table lives (the seed baseline runs with the first)",
+    )
     ap.add_argument("--iterations", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=80, help="untimed iterations first (the first chunks are due)")
     ap.add_argument("--layers", type=int, default=2, help="Llama-3-8B rows, this many layers (32 in the model)")
     ap.add_argument("--step-ms", type=float, default=20.0)
     ap.add_argument("--host-gib", type=float, default=8.0)
-    ap.add_argument("--prefill-index", type=int, default=PREFILL_FULL,
-                    help="pages stored in the index before the loop; 0 is a probe: the index's growth, which a "
-                         "long-running server has behind it, falls inside the timed iterations")
+    ap.add_argument(
+        "--prefill-index",
+        type=int,
+        default=PREFILL_FULL,
+        help="pages stored in the index before the loop; 0 is a probe: the index's growth, which a "
+        "long-running server has behind it, falls inside the timed iterations",
+    )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     ap.add_argument("--store-root", default="/dev/shm" if Path("/dev/shm").is_dir() else None)
     ap.add_argument("--seed", type=int, default=0)
@@ -587,21 +746,38 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--fenced", action="store_true", help="also run kvfsm with fenced_release (kvfsm-fenced)")
     ap.add_argument("--no-floor", action="store_true", help="skip the floors (--floors)")
-    ap.add_argument("--floors", nargs="+", default=["bare", "backup"], choices=["bare", "backup"],
-                    help="bare: bench/bare_offload.py (copies, no store: the targets' floor); backup: "
-                         "bench/bare_backup.py (the same plus hashing, storing and indexing, with the first --storage)")
-    ap.add_argument("--storage", nargs="+", default=["file"], choices=["file", "process", "sharded", "none"],
-                    help="kvfsm runs once with each (the seed baseline with the first). process: the file store in a child process (ProcessStorage); "
-                         "sharded: in --store-processes children, the keys sharded (ShardedStorage); none: a probe without storage "
-                         "writes (every backup fails at once, freeing its pages)")
+    ap.add_argument(
+        "--floors",
+        nargs="+",
+        default=["bare", "backup"],
+        choices=["bare", "backup"],
+        help="bare: bench/bare_offload.py (copies, no store: the targets' floor); backup: "
+        "bench/bare_backup.py (the same plus hashing, storing and indexing, with the first --storage)",
+    )
+    ap.add_argument(
+        "--storage",
+        nargs="+",
+        default=["file"],
+        choices=["file", "process", "sharded", "none"],
+        help="kvfsm runs once with each (the seed baseline with the first). process: the file store in a child process (ProcessStorage); "
+        "sharded: in --store-processes children, the keys sharded (ShardedStorage); none: a probe without storage "
+        "writes (every backup fails at once, freeing its pages)",
+    )
     ap.add_argument("--no-gc-freeze", action="store_true", help="leave start-up objects to the collector")
-    ap.add_argument("--store-writers", type=int, default=4,
-                    help="FileStorage writer threads (the recorded H200 run used 4; the library default is 1)")
+    ap.add_argument(
+        "--store-writers",
+        type=int,
+        default=4,
+        help="FileStorage writer threads (the recorded H200 run used 4; the library default is 1)",
+    )
     ap.add_argument("--store-processes", type=int, default=4, help="store processes of --storage sharded")
     ap.add_argument("--switch-interval-ms", type=float, default=None, help="sys.setswitchinterval (a probe)")
-    ap.add_argument("--contender", action="store_true",
-                    help="a probe: a thread hashes pages in pure Python without pause beside the loop, so each call "
-                         "of a phase that lets go of the interpreter lock waits up to a switch interval for it back")
+    ap.add_argument(
+        "--contender",
+        action="store_true",
+        help="a probe: a thread hashes pages in pure Python without pause beside the loop, so each call "
+        "of a phase that lets go of the interpreter lock waits up to a switch interval for it back",
+    )
     ap.add_argument("--quick", action="store_true", help="a smoke run: results under bench/results/quick/")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -619,8 +795,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     def add(row: dict[str, Any]) -> None:  # the file is rewritten after every row: a cut-off run keeps its rows
         rows.append(row)
         print(_line(row), flush=True)
-        payload.update(settings={k: v for k, v in vars(args).items() if k != "out"}, rows=rows,
-                       verdict=probe_of(args) is None, targets=targets(rows, probe_of(args)))
+        payload.update(
+            settings={k: v for k, v in vars(args).items() if k != "out"},
+            rows=rows,
+            verdict=probe_of(args) is None,
+            targets=targets(rows, probe_of(args)),
+        )
         write_result("serving_loop", payload, args.out, quick=quick, tag=tag)
 
     for live in args.live:
@@ -635,8 +815,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                 add(run_config("seed", live, page, stride, args.tables[0], args))
             if not args.no_floor:
                 for floor in args.floors:
-                    add(run_config("bare" if floor == "bare" else "bare-backup", live, page, stride, args.tables[0],
-                                   args))
+                    add(
+                        run_config(
+                            "bare" if floor == "bare" else "bare-backup", live, page, stride, args.tables[0], args
+                        )
+                    )
     print(f"wrote {write_result('serving_loop', payload, args.out, quick=quick, tag=tag)}")
     for t in payload["targets"]:
         print(t)
@@ -654,11 +837,13 @@ def _contend() -> None:
 
 def _line(r: dict[str, Any]) -> str:
     t = r["total"]
-    return (f"{r['algo']:12s} live={r['live']} page/stride={r['page']}/{r['stride']} table={r['table']} "
-            f"storage={r.get('storage')}: "
-            f"manager median {t['median']:.3f} ms p99 {t['p99']:.3f} max {t['max']:.3f}; "
-            f"chunks/it {r['chunks_per_iteration']['mean']:.1f}; gc max {r['gc']['max_ms']:.2f} ms; "
-            f"host used max {r['host_pool']['used_max']}/{r['host_pool']['capacity_pages']}")
+    return (
+        f"{r['algo']:12s} live={r['live']} page/stride={r['page']}/{r['stride']} table={r['table']} "
+        f"storage={r.get('storage')}: "
+        f"manager median {t['median']:.3f} ms p99 {t['p99']:.3f} max {t['max']:.3f}; "
+        f"chunks/it {r['chunks_per_iteration']['mean']:.1f}; gc max {r['gc']['max_ms']:.2f} ms; "
+        f"host used max {r['host_pool']['used_max']}/{r['host_pool']['capacity_pages']}"
+    )
 
 
 if __name__ == "__main__":

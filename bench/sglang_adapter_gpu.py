@@ -100,9 +100,15 @@ def server_config(page: int, stride: int, host_gb: float, store: str, store_proc
     if store_process:
         extra["kvfsm_store_process"] = True if store_process == 1 else store_process
     override = get_context().override_server_args(
-        page_size=page, tp_size=1, hicache_storage_backend="file", hicache_io_backend="direct",
-        hicache_mem_layout="page_first", hicache_size=host_gb, served_model_name="bench",
-        hicache_storage_backend_extra_config=json.dumps(extra))
+        page_size=page,
+        tp_size=1,
+        hicache_storage_backend="file",
+        hicache_io_backend="direct",
+        hicache_mem_layout="page_first",
+        hicache_size=host_gb,
+        served_model_name="bench",
+        hicache_storage_backend_extra_config=json.dumps(extra),
+    )
     override.install()
     get_parallel().override_permanently(tp_rank=0, pp_rank=0, attn_dcp_rank=0)
     old = os.environ.get(harness.STRIDE_ENV)
@@ -212,17 +218,32 @@ class Loop:
         rows = live + live // 4 + 8  # deferred releases hold rows until their copies land
         tokens = rows * per_req
         self.r2t = ReqToTokenPool(size=rows, max_context_len=per_req, device=dev, enable_memory_saver=False)
-        self.kv = MHATokenToKVPool(size=tokens, page_size=page, dtype=torch.bfloat16, head_num=args.kv_heads,
-                                   head_dim=args.head_dim,
-                                   layer_num=args.layers, device=dev, enable_memory_saver=False)
+        self.kv = MHATokenToKVPool(
+            size=tokens,
+            page_size=page,
+            dtype=torch.bfloat16,
+            head_num=args.kv_heads,
+            head_dim=args.head_dim,
+            layer_num=args.layers,
+            device=dev,
+            enable_memory_saver=False,
+        )
         self.allocator = PagedTokenToKVPoolAllocator(tokens, page, torch.bfloat16, dev, self.kv, need_sort=False)
-        tree = RadixCache(CacheInitParams(disable=False, req_to_token_pool=self.r2t,
-                                          token_to_kv_pool_allocator=self.allocator, page_size=page))
-        with harness.on_device(dev), server_config(page, stride, args.host_gb, store,
-                                                   getattr(args, "store_process", 0)):
-            self.adapter = DecodeKVCacheOffloadManager(req_to_token_pool=self.r2t,
-                                                       token_to_kv_pool_allocator=self.allocator,
-                                                       tp_group=harness._tp_group_world1(), tree_cache=tree)
+        tree = RadixCache(
+            CacheInitParams(
+                disable=False, req_to_token_pool=self.r2t, token_to_kv_pool_allocator=self.allocator, page_size=page
+            )
+        )
+        with (
+            harness.on_device(dev),
+            server_config(page, stride, args.host_gb, store, getattr(args, "store_process", 0)),
+        ):
+            self.adapter = DecodeKVCacheOffloadManager(
+                req_to_token_pool=self.r2t,
+                token_to_kv_pool_allocator=self.allocator,
+                tp_group=harness._tp_group_world1(),
+                tree_cache=tree,
+            )
         if not self.cuda:  # --quick on a CPU: the same calls over CPU copies
             self.adapter.manager.fx.copy_engine = CpuCopyEngine()
         self.manager = self.adapter.manager
@@ -397,9 +418,16 @@ class Loop:
                 else:
                     _, (check, offload, chunks), gc_ms, tracked = timed(self.calls, ended)
                 if it >= warmup:
-                    per_iter.append({"total_ms": (check + offload) * 1e3, "check_ms": check * 1e3,
-                                     "offload_ms": offload * 1e3, "chunks": chunks, "tracked": tracked,
-                                     "gc_ms": gc_ms})
+                    per_iter.append(
+                        {
+                            "total_ms": (check + offload) * 1e3,
+                            "check_ms": check * 1e3,
+                            "offload_ms": offload * 1e3,
+                            "chunks": chunks,
+                            "tracked": tracked,
+                            "gc_ms": gc_ms,
+                        }
+                    )
                 if ended:
                     gone = set(map(id, ended))
                     self.live = [r for r in self.live if id(r) not in gone]
@@ -413,17 +441,25 @@ class Loop:
         gc.unfreeze()
         if self.cuda:
             torch.cuda.synchronize()
-        out = {"mode": self.mode, "iterations": len(per_iter), "matmuls_per_step": self.step.matmuls,
-               "total_ms": stats([r["total_ms"] for r in per_iter]),
-               "check_ms": stats([r["check_ms"] for r in per_iter]),
-               "offload_ms": stats([r["offload_ms"] for r in per_iter]),
-               # GC-tracked objects the calls left allocated (net): what brings the next collection on
-               "tracked_per_iteration": statistics.fmean([r["tracked"] for r in per_iter if r["tracked"] is not None]
-                                                         or [0]),
-               "gc_pauses": {"count": len(gcp.pauses), "max_ms": max((ms for _, ms in gcp.pauses), default=0.0),
-                             "full": sum(1 for g, _ in gcp.pauses if g == 2)},
-               "chunks_per_iteration": statistics.fmean(r["chunks"] for r in per_iter),
-               "gc_in_calls_max_ms": max(r["gc_ms"] for r in per_iter)}
+        out = {
+            "mode": self.mode,
+            "iterations": len(per_iter),
+            "matmuls_per_step": self.step.matmuls,
+            "total_ms": stats([r["total_ms"] for r in per_iter]),
+            "check_ms": stats([r["check_ms"] for r in per_iter]),
+            "offload_ms": stats([r["offload_ms"] for r in per_iter]),
+            # GC-tracked objects the calls left allocated (net): what brings the next collection on
+            "tracked_per_iteration": statistics.fmean(
+                [r["tracked"] for r in per_iter if r["tracked"] is not None] or [0]
+            ),
+            "gc_pauses": {
+                "count": len(gcp.pauses),
+                "max_ms": max((ms for _, ms in gcp.pauses), default=0.0),
+                "full": sum(1 for g, _ in gcp.pauses if g == 2),
+            },
+            "chunks_per_iteration": statistics.fmean(r["chunks"] for r in per_iter),
+            "gc_in_calls_max_ms": max(r["gc_ms"] for r in per_iter),
+        }
         out["heap"] = heap
         if self.mode == "adapter":
             out["no_chunk_due_call_ns"] = self._quiet_call_ns()
@@ -485,14 +521,23 @@ def probe_loop(mode: str, live: int, page: int, device: str, store: str, order: 
     they count is the calls' own work); on a GPU, the verdict's workload: Llama-3-8B rows, the 20 ms step and
     its 8 GB host pool (put `store` under SHM, as the verdict does). `order`: ORDERS."""
     cpu = device == "cpu"
-    args = argparse.Namespace(seed=0, device=device, kv_heads=1 if cpu else 8, head_dim=8 if cpu else 128, layers=2,
-                              host_gb=0.5 if cpu else 8.0, step_ms=0.0 if cpu else 20.0, store_root=None,
-                              order=order)
+    args = argparse.Namespace(
+        seed=0,
+        device=device,
+        kv_heads=1 if cpu else 8,
+        head_dim=8 if cpu else 128,
+        layers=2,
+        host_gb=0.5 if cpu else 8.0,
+        step_ms=0.0 if cpu else 20.0,
+        store_root=None,
+        order=order,
+    )
     return Loop(mode, live, page, page, args, store)
 
 
-def run_marked(loop: Loop, warmup: int, iterations: int, timed: list[bool],
-               on_timed: Optional[Callable[[], None]] = None) -> None:
+def run_marked(
+    loop: Loop, warmup: int, iterations: int, timed: list[bool], on_timed: Optional[Callable[[], None]] = None
+) -> None:
     """`loop.run(warmup, iterations)` with `timed[0]` true only inside the manager calls of the timed iterations
     (never in set-up, warm-up or teardown); `on_timed` runs as each timed iteration's calls begin (its progress
     check, which every order makes once an iteration)."""
@@ -540,8 +585,12 @@ def combined(runs: list[dict[str, Any]]) -> dict[str, float]:
     """One mode's per-iteration times over its repeated runs of a configuration: the median of the runs' medians,
     means and p99s, and the largest max (one run's figures as they are)."""
     t = [r["total_ms"] for r in runs]
-    return {"median": statistics.median(x["median"] for x in t), "mean": statistics.median(x["mean"] for x in t),
-            "p99": statistics.median(x["p99"] for x in t), "max": max(x["max"] for x in t)}
+    return {
+        "median": statistics.median(x["median"] for x in t),
+        "mean": statistics.median(x["mean"] for x in t),
+        "p99": statistics.median(x["p99"] for x in t),
+        "max": max(x["max"] for x in t),
+    }
 
 
 def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -581,15 +630,30 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--host-gb", type=float, default=8.0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     ap.add_argument("--store-root", default=SHM)
-    ap.add_argument("--store-process", type=int, nargs="?", const=1, default=0, metavar="N",
-                    help="kvfsm_store_process: the adapter's file store in a child process over a shared host pool "
-                         "(N of them: the writes sharded by key)")
-    ap.add_argument("--order", default="sglang", choices=ORDERS,
-                    help="where the calls sit around the wait for the decode step (ORDERS: sglang's event loop, or "
-                         "compact, the order of every run before the first in SGLang's order)")
-    ap.add_argument("--repeats", type=int, default=1,
-                    help="runs of each configuration's modes, in alternating order (adapter, batch, bare, then the "
-                         "reverse): runs on one host differ by about 30%%, and the targets then read the runs' medians")
+    ap.add_argument(
+        "--store-process",
+        type=int,
+        nargs="?",
+        const=1,
+        default=0,
+        metavar="N",
+        help="kvfsm_store_process: the adapter's file store in a child process over a shared host pool "
+        "(N of them: the writes sharded by key)",
+    )
+    ap.add_argument(
+        "--order",
+        default="sglang",
+        choices=ORDERS,
+        help="where the calls sit around the wait for the decode step (ORDERS: sglang's event loop, or "
+        "compact, the order of every run before the first in SGLang's order)",
+    )
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs of each configuration's modes, in alternating order (adapter, batch, bare, then the "
+        "reverse): runs on one host differ by about 30%%, and the targets then read the runs' medians",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="16 live, 64/64, 30 iterations: checks the script")
     ap.add_argument("--out", default=None)
@@ -603,23 +667,35 @@ def main(argv: Optional[list[str]] = None) -> int:
     for live in args.live:
         for pair in args.pages:
             page, stride = (int(x) for x in pair.split("/"))
-            for mode, repeat in [(m, k) for k in range(args.repeats)
-                                 for m in (args.modes if k % 2 == 0 else args.modes[::-1])]:
+            for mode, repeat in [
+                (m, k) for k in range(args.repeats) for m in (args.modes if k % 2 == 0 else args.modes[::-1])
+            ]:
                 row = run_one(mode, live, page, stride, args)
                 row["repeat"] = repeat
                 rows.append(row)
                 t = row["total_ms"]
-                print(f"{mode:8s} live={live} {page}/{stride}: median {t['median']:.3f} ms mean {t['mean']:.3f} "
-                      f"p99 {t['p99']:.3f} max {t['max']:.3f}; chunks/it {row['chunks_per_iteration']:.1f}; "
-                      f"gc in calls max {row['gc_in_calls_max_ms']:.2f} ms"
-                      + (f"; SGLang's call floor {row['sglang_call_floor_ms']:.3f} ms" if row["mode"] == "adapter"
-                         else "")
-                      + (f"; no-chunk-due call {row['no_chunk_due_call_ns']:.0f} ns" if row.get("no_chunk_due_call_ns")
-                         else ""), flush=True)
-                payload.update(settings={k: v for k, v in vars(args).items() if k != "out"}, rows=rows,
-                               targets=targets(rows))
-                path = write_result("sglang_adapter_gpu", payload, args.out, quick=quick,
-                                    tag=None if not quick else args.device)
+                print(
+                    f"{mode:8s} live={live} {page}/{stride}: median {t['median']:.3f} ms mean {t['mean']:.3f} "
+                    f"p99 {t['p99']:.3f} max {t['max']:.3f}; chunks/it {row['chunks_per_iteration']:.1f}; "
+                    f"gc in calls max {row['gc_in_calls_max_ms']:.2f} ms"
+                    + (
+                        f"; SGLang's call floor {row['sglang_call_floor_ms']:.3f} ms"
+                        if row["mode"] == "adapter"
+                        else ""
+                    )
+                    + (
+                        f"; no-chunk-due call {row['no_chunk_due_call_ns']:.0f} ns"
+                        if row.get("no_chunk_due_call_ns")
+                        else ""
+                    ),
+                    flush=True,
+                )
+                payload.update(
+                    settings={k: v for k, v in vars(args).items() if k != "out"}, rows=rows, targets=targets(rows)
+                )
+                path = write_result(
+                    "sglang_adapter_gpu", payload, args.out, quick=quick, tag=None if not quick else args.device
+                )
     for t in payload.get("targets", []):
         print(t)
     print("wrote", path)

@@ -43,6 +43,7 @@ LIMIT_MS = 0.5
 def use_launcher(on: bool) -> None:
     """The direct kernel's launches through its compiled handle (on) or `kernel[grid]` (off, the default)."""
     from kvfsm.dataplane.copy import triton_kernels as tk
+
     if tk.HAVE_TRITON:
         tk._launch.enabled = on
         tk._launch._compiled.clear()
@@ -53,9 +54,18 @@ def busy(a: torch.Tensor, c: torch.Tensor, n: int) -> None:
         torch.mm(a, a, out=c)
 
 
-def measure(engine: CudaCopyEngine, pool: DeviceKVPool, host: HostKVPool, dev_alloc: TokenSlotAllocator,
-            tokens: int, page: int, index_on: str, repeats: int, mm: tuple[torch.Tensor, torch.Tensor, int],
-            profile: bool) -> dict[str, Any]:
+def measure(
+    engine: CudaCopyEngine,
+    pool: DeviceKVPool,
+    host: HostKVPool,
+    dev_alloc: TokenSlotAllocator,
+    tokens: int,
+    page: int,
+    index_on: str,
+    repeats: int,
+    mm: tuple[torch.Tensor, torch.Tensor, int],
+    profile: bool,
+) -> dict[str, Any]:
     times: list[float] = []
     infos: list[dict[str, Any]] = []
     prof_text: Optional[str] = None
@@ -97,10 +107,15 @@ def measure(engine: CudaCopyEngine, pool: DeviceKVPool, host: HostKVPool, dev_al
         pstats.Stats(*profs, stream=out).sort_stats("tottime").print_stats(30)
         prof_text = out.getvalue()
     keys = sorted({k for i in infos for k in i})
-    return {"tokens": tokens, "page": page, "index_on": index_on, "backend": getattr(handle, "backend", None),
-            "host_ms": {"median": statistics.median(times), "min": min(times), "max": max(times)},
-            "info_median": {k: statistics.median(i[k] for i in infos if k in i) for k in keys},
-            **({"profile": prof_text} if prof_text else {})}
+    return {
+        "tokens": tokens,
+        "page": page,
+        "index_on": index_on,
+        "backend": getattr(handle, "backend", None),
+        "host_ms": {"median": statistics.median(times), "min": min(times), "max": max(times)},
+        "info_median": {k: statistics.median(i[k] for i in infos if k in i) for k in keys},
+        **({"profile": prof_text} if prof_text else {}),
+    }
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -110,8 +125,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--pages", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--backends", nargs="+", default=["auto", "triton", "dma"])
     ap.add_argument("--index-on", nargs="+", default=["cpu", "cuda"], choices=["cpu", "cuda"])
-    ap.add_argument("--launcher", nargs="+", default=["off"], choices=["off", "on"],
-                    help="the direct kernel launched through Triton's JIT (off) or its compiled handle (on)")
+    ap.add_argument(
+        "--launcher",
+        nargs="+",
+        default=["off"],
+        choices=["off", "on"],
+        help="the direct kernel launched through Triton's JIT (off) or its compiled handle (on)",
+    )
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--busy-ms", type=float, default=20.0)
     ap.add_argument("--profile", action="store_true", help="then a profiled pass of each configuration")
@@ -145,28 +165,50 @@ def main(argv: Optional[list[str]] = None) -> int:
             use_launcher(launcher == "on")
             engine = CudaCopyEngine("cuda", backend=backend)
             for index_on in args.index_on:
-                row = measure(engine, pool, host, dev_alloc, args.tokens, page, index_on, args.repeats,
-                              (a, c, n_mm), False) | {"asked_backend": backend, "layers": args.layers,
-                                                      "launcher": launcher}
+                row = measure(
+                    engine, pool, host, dev_alloc, args.tokens, page, index_on, args.repeats, (a, c, n_mm), False
+                ) | {"asked_backend": backend, "layers": args.layers, "launcher": launcher}
                 if args.profile:
-                    row["profile"] = measure(engine, pool, host, dev_alloc, args.tokens, page, index_on, args.repeats,
-                                             (a, c, n_mm), True)["profile"]
+                    row["profile"] = measure(
+                        engine, pool, host, dev_alloc, args.tokens, page, index_on, args.repeats, (a, c, n_mm), True
+                    )["profile"]
                 rows.append(row)
-                print(f"page {page:3d} {backend:7s} ({row['backend']}, launcher {launcher}) indices on {index_on:4s}: "
-                      f"host {row['host_ms']['median']:.3f} ms (min {row['host_ms']['min']:.3f}, max "
-                      f"{row['host_ms']['max']:.3f})  {row['info_median']}", flush=True)
+                print(
+                    f"page {page:3d} {backend:7s} ({row['backend']}, launcher {launcher}) indices on {index_on:4s}: "
+                    f"host {row['host_ms']['median']:.3f} ms (min {row['host_ms']['min']:.3f}, max "
+                    f"{row['host_ms']['max']:.3f})  {row['info_median']}",
+                    flush=True,
+                )
         use_launcher(False)
         del pool, host
         torch.cuda.empty_cache()
-    targets = [{"name": f"submit host ms, {r['tokens']} tokens x {r['layers']} layers, page {r['page']}, "
-                        f"indices on {r['index_on']} (auto: {r['backend']}, launcher {r['launcher']})",
-                "value": r["host_ms"]["median"], "limit": LIMIT_MS, "met": r["host_ms"]["median"] <= LIMIT_MS}
-               for r in rows if r["asked_backend"] == "auto"]
+    targets = [
+        {
+            "name": f"submit host ms, {r['tokens']} tokens x {r['layers']} layers, page {r['page']}, "
+            f"indices on {r['index_on']} (auto: {r['backend']}, launcher {r['launcher']})",
+            "value": r["host_ms"]["median"],
+            "limit": LIMIT_MS,
+            "met": r["host_ms"]["median"] <= LIMIT_MS,
+        }
+        for r in rows
+        if r["asked_backend"] == "auto"
+    ]
     for t in targets:
         print(t)
-    print("wrote", write_result("submit_cost", {"settings": {k: v for k, v in vars(args).items() if k != "out"},
-                                                "busy_matmuls": n_mm, "rows": rows, "targets": targets},
-                                args.out, quick=args.quick))
+    print(
+        "wrote",
+        write_result(
+            "submit_cost",
+            {
+                "settings": {k: v for k, v in vars(args).items() if k != "out"},
+                "busy_matmuls": n_mm,
+                "rows": rows,
+                "targets": targets,
+            },
+            args.out,
+            quick=args.quick,
+        ),
+    )
     return 0
 
 

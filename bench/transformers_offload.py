@@ -58,14 +58,35 @@ def build_model(args: argparse.Namespace, device: str) -> Any:
     torch.manual_seed(0)
     common = dict(max_position_embeddings=4096, bos_token_id=0, eos_token_id=None, pad_token_id=0)
     if args.model == "tiny":  # the tests' model
-        cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, **common)
+        cfg = LlamaConfig(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            **common,
+        )
     elif args.model == "small":  # ~0.14B: 8 layers, 4 KV heads of dim 128 (16 KiB of KV per token in bf16)
-        cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-                          num_attention_heads=8, num_key_value_heads=4, **common)
+        cfg = LlamaConfig(
+            vocab_size=32000,
+            hidden_size=1024,
+            intermediate_size=2816,
+            num_hidden_layers=8,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            **common,
+        )
     else:  # "medium", ~0.9B: 16 layers, 8 KV heads of dim 128 (64 KiB of KV per token in bf16)
-        cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
-                          num_attention_heads=16, num_key_value_heads=8, **common)
+        cfg = LlamaConfig(
+            vocab_size=32000,
+            hidden_size=2048,
+            intermediate_size=5632,
+            num_hidden_layers=16,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            **common,
+        )
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     return LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
 
@@ -146,8 +167,9 @@ class Probe:
                 if st.is_cpu_offloaded and om._cpu_pool is not None:
                     cpu = om._request_id_to_cpu_blocks.get(st.request_id, {})
                     self.restored += 1
-                    self.blocks_in += sum(min(len(ids), len(allocator.block_table.get(st.request_id, [])))
-                                          for ids in cpu.values())
+                    self.blocks_in += sum(
+                        min(len(ids), len(allocator.block_table.get(st.request_id, []))) for ids in cpu.values()
+                    )
             restore_scheduled_requests(batch)
 
         om._offload_to_cpu = _offload_to_cpu
@@ -163,20 +185,33 @@ def run(model: Any, inputs: list[list[int]], args: argparse.Namespace, mode: str
         cb_kwargs["use_async_batching"] = args.async_batching
     if not cuda or not args.cuda_graphs:
         cb_kwargs["use_cuda_graph"] = False
-    cb = ContinuousBatchingConfig(page_size=args.page_size, num_blocks=args.num_blocks,
-                                  max_batch_tokens=args.max_batch_tokens, allow_block_sharing=False,
-                                  cpu_offload_space=engine_space, **cb_kwargs)
+    cb = ContinuousBatchingConfig(
+        page_size=args.page_size,
+        num_blocks=args.num_blocks,
+        max_batch_tokens=args.max_batch_tokens,
+        allow_block_sharing=False,
+        cpu_offload_space=engine_space,
+        **cb_kwargs,
+    )
     manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
     inst = None
     if mode in ("kvfsm", "kvfsm_fenced"):
         engine: Any = "auto"
         if getattr(args, "kvfsm_backend", "auto") != "auto" and cuda:
             from kvfsm.dataplane import CudaCopyEngine
+
             engine = CudaCopyEngine(model.device, backend=args.kvfsm_backend)
         on_compute = getattr(args, "kvfsm_copy_stream", "compute") == "compute"
-        inst = kt.install(manager, kt.SwapConfig(host_bytes=int(args.host_gib * GiB), checked=args.checked,
-                                                 fenced=mode == "kvfsm_fenced", copy_engine=engine,
-                                                 copy_on_compute_stream=on_compute))
+        inst = kt.install(
+            manager,
+            kt.SwapConfig(
+                host_bytes=int(args.host_gib * GiB),
+                checked=args.checked,
+                fenced=mode == "kvfsm_fenced",
+                copy_engine=engine,
+                copy_on_compute_stream=on_compute,
+            ),
+        )
     probe = Probe(sync)
     probe.attach(manager)
     manager.warmup()
@@ -201,9 +236,13 @@ def run(model: Any, inputs: list[list[int]], args: argparse.Namespace, mode: str
         manager.destroy()
     generated = sum(len(v) for v in outputs.values())
     row: dict[str, Any] = {
-        "mode": mode, "sync_timing": sync, "wall_s": round(wall, 4),
-        "generated_tokens": generated, "throughput_tok_s": round(generated / wall, 2),
-        "offload_calls": probe.offload_calls, "restore_calls": probe.restore_calls,
+        "mode": mode,
+        "sync_timing": sync,
+        "wall_s": round(wall, 4),
+        "generated_tokens": generated,
+        "throughput_tok_s": round(generated / wall, 2),
+        "offload_calls": probe.offload_calls,
+        "restore_calls": probe.restore_calls,
         "time_in_offload_s": round(probe.offload_time + probe.restore_time, 5),
         "time_offload_requests_s": round(probe.offload_time, 5),
         "time_restore_s": round(probe.restore_time, 5),
@@ -211,19 +250,36 @@ def run(model: Any, inputs: list[list[int]], args: argparse.Namespace, mode: str
     }
     if inst is not None:
         m = inst.metrics
-        row.update(swapped_out=m.preempts, soft_resets=m.soft_resets, restores=m.restores,
-                   blocks_out=m.blocks_out, blocks_in=m.blocks_in, bytes_d2h=m.bytes_d2h, bytes_h2d=m.bytes_h2d,
-                   host_blocks_peak=m.host_blocks_peak, fenced_releases=m.fenced_releases,
-                   restore_waits=m.restore_waits, leaks=inst.leaks(),
-                   copy_engine=type(inst.managers[0].engine).__name__ if inst.managers else None,
-                   spec_transitions_covered=sorted(inst.coverage))
+        row.update(
+            swapped_out=m.preempts,
+            soft_resets=m.soft_resets,
+            restores=m.restores,
+            blocks_out=m.blocks_out,
+            blocks_in=m.blocks_in,
+            bytes_d2h=m.bytes_d2h,
+            bytes_h2d=m.bytes_h2d,
+            host_blocks_peak=m.host_blocks_peak,
+            fenced_releases=m.fenced_releases,
+            restore_waits=m.restore_waits,
+            leaks=inst.leaks(),
+            copy_engine=type(inst.managers[0].engine).__name__ if inst.managers else None,
+            spec_transitions_covered=sorted(inst.coverage),
+        )
     else:
-        row.update(swapped_out=probe.swapped, soft_resets=probe.soft_resets, restores=probe.restored,
-                   blocks_out=probe.blocks_out, blocks_in=probe.blocks_in,
-                   bytes_d2h=probe.blocks_out * probe.block_bytes, bytes_h2d=probe.blocks_in * probe.block_bytes)
+        row.update(
+            swapped_out=probe.swapped,
+            soft_resets=probe.soft_resets,
+            restores=probe.restored,
+            blocks_out=probe.blocks_out,
+            blocks_in=probe.blocks_in,
+            bytes_d2h=probe.blocks_out * probe.block_bytes,
+            bytes_h2d=probe.blocks_in * probe.block_bytes,
+        )
         if mode == "engine" and not cuda:
-            row["note"] = ("transformers' CPU offloading pins its pool (pin_memory=True), which needs an "
-                           "accelerator: on a CPU-only machine every victim is soft reset")
+            row["note"] = (
+                "transformers' CPU offloading pins its pool (pin_memory=True), which needs an "
+                "accelerator: on a CPU-only machine every victim is soft reset"
+            )
     row["_outputs"] = [outputs[i] for i in ids]
     gc.collect()
     if cuda:
@@ -256,12 +312,21 @@ def warm_repeats(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="tiny model on the CPU, seconds; results under bench/results/quick/")
-    p.add_argument("--model", choices=("tiny", "small", "medium"), default=None,
-                   help="random Llama size (default: small on CUDA, tiny with --quick)")
-    p.add_argument("--cuda-graphs", action="store_true",
-                   help="let the engine capture CUDA graphs (and so batch asynchronously); off by default: capturing "
-                        "a graph per new batch shape dominates runs this short, the same for both modes")
+    p.add_argument(
+        "--quick", action="store_true", help="tiny model on the CPU, seconds; results under bench/results/quick/"
+    )
+    p.add_argument(
+        "--model",
+        choices=("tiny", "small", "medium"),
+        default=None,
+        help="random Llama size (default: small on CUDA, tiny with --quick)",
+    )
+    p.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="let the engine capture CUDA graphs (and so batch asynchronously); off by default: capturing "
+        "a graph per new batch shape dominates runs this short, the same for both modes",
+    )
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present, cpu with --quick)")
     p.add_argument("--requests", type=int, default=None)
     p.add_argument("--new-tokens", type=int, default=None)
@@ -277,21 +342,37 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--checked", action="store_true", help="kvfsm's checked mode (slower: verifies every copy)")
     p.add_argument("--async-batching", dest="async_batching", action="store_true", default=None)
     p.add_argument("--no-async-batching", dest="async_batching", action="store_false")
-    p.add_argument("--kvfsm-backend", default="auto", choices=("auto", "triton", "torch", "dma"),
-                   help="CudaCopyEngine backend of the kvfsm modes (a probe: the default is what users get)")
-    p.add_argument("--kvfsm-copy-stream", default="compute", choices=("compute", "own"),
-                   help="where the kvfsm modes' CUDA engine runs a swap's copy: on the engine's compute stream "
-                        "(SwapConfig.copy_on_compute_stream, the default) or on its own copy stream (a probe)")
+    p.add_argument(
+        "--kvfsm-backend",
+        default="auto",
+        choices=("auto", "triton", "torch", "dma"),
+        help="CudaCopyEngine backend of the kvfsm modes (a probe: the default is what users get)",
+    )
+    p.add_argument(
+        "--kvfsm-copy-stream",
+        default="compute",
+        choices=("compute", "own"),
+        help="where the kvfsm modes' CUDA engine runs a swap's copy: on the engine's compute stream "
+        "(SwapConfig.copy_on_compute_stream, the default) or on its own copy stream (a probe)",
+    )
     p.add_argument("--modes", nargs="+", default=None, help="a subset of engine, kvfsm, kvfsm_fenced (a probe)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
     device = args.device or ("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
     big = not args.quick
-    defaults = dict(model="small" if big else "tiny", requests=64 if big else 16, new_tokens=256 if big else 24,
-                    prompt_min=32 if big else 5, prompt_max=256 if big else 29, page_size=32 if big else 4,
-                    num_blocks=192 if big else 16, max_batch_tokens=1024 if big else 64,
-                    host_gib=4.0 if big else 0.01, repeats=2 if device == "cuda" else 1)
+    defaults = dict(
+        model="small" if big else "tiny",
+        requests=64 if big else 16,
+        new_tokens=256 if big else 24,
+        prompt_min=32 if big else 5,
+        prompt_max=256 if big else 29,
+        page_size=32 if big else 4,
+        num_blocks=192 if big else 16,
+        max_batch_tokens=1024 if big else 64,
+        host_gib=4.0 if big else 0.01,
+        repeats=2 if device == "cuda" else 1,
+    )
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -300,14 +381,35 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     model = build_model(args, device)
     inputs = workload(args, model.config.vocab_size)
-    params = {k: getattr(args, k) for k in ("requests", "new_tokens", "prompt_min", "prompt_max", "page_size",
-                                            "num_blocks", "max_batch_tokens", "host_gib", "repeats", "checked",
-                                            "async_batching", "cuda_graphs", "model", "kvfsm_backend",
-                                            "kvfsm_copy_stream")}
-    params.update(device=device, dtype=str(model.dtype), model_params=sum(p.numel() for p in model.parameters()),
-                  layers=model.config.num_hidden_layers, kv_heads=model.config.num_key_value_heads,
-                  head_dim=model.config.hidden_size // model.config.num_attention_heads,
-                  transformers=transformers.__version__)
+    params = {
+        k: getattr(args, k)
+        for k in (
+            "requests",
+            "new_tokens",
+            "prompt_min",
+            "prompt_max",
+            "page_size",
+            "num_blocks",
+            "max_batch_tokens",
+            "host_gib",
+            "repeats",
+            "checked",
+            "async_batching",
+            "cuda_graphs",
+            "model",
+            "kvfsm_backend",
+            "kvfsm_copy_stream",
+        )
+    }
+    params.update(
+        device=device,
+        dtype=str(model.dtype),
+        model_params=sum(p.numel() for p in model.parameters()),
+        layers=model.config.num_hidden_layers,
+        kv_heads=model.config.num_key_value_heads,
+        head_dim=model.config.hidden_size // model.config.num_attention_heads,
+        transformers=transformers.__version__,
+    )
     name = "transformers_offload"
     modes = args.modes or ["engine", "kvfsm", "kvfsm_fenced"] + (["soft_reset"] if args.soft_reset else [])
     timings = [False] + ([True] if args.sync_timing and device == "cuda" else [])
@@ -318,13 +420,23 @@ def main(argv: Optional[list[str]] = None) -> None:
                 row = run(model, inputs, args, mode, sync)
                 row["repeat"] = rep
                 runs.append(row)
-                write_result(name, {"params": params, "partial": True,
-                                    "runs": [{k: v for k, v in r.items() if k != "_outputs"} for r in runs]},
-                             args.out, quick=args.quick)
-                print(f"{mode:12s} sync={sync!s:5s} rep={rep} wall={row['wall_s']:.2f}s "
-                      f"{row['throughput_tok_s']:.0f} tok/s out={row['swapped_out']} soft={row['soft_resets']} "
-                      f"in={row['restores']} d2h={row['bytes_d2h'] / 2**20:.1f}MiB "
-                      f"offload={row['time_in_offload_s'] * 1e3:.1f}ms", flush=True)
+                write_result(
+                    name,
+                    {
+                        "params": params,
+                        "partial": True,
+                        "runs": [{k: v for k, v in r.items() if k != "_outputs"} for r in runs],
+                    },
+                    args.out,
+                    quick=args.quick,
+                )
+                print(
+                    f"{mode:12s} sync={sync!s:5s} rep={rep} wall={row['wall_s']:.2f}s "
+                    f"{row['throughput_tok_s']:.0f} tok/s out={row['swapped_out']} soft={row['soft_resets']} "
+                    f"in={row['restores']} d2h={row['bytes_d2h'] / 2**20:.1f}MiB "
+                    f"offload={row['time_in_offload_s'] * 1e3:.1f}ms",
+                    flush=True,
+                )
 
     reference = next(r["_outputs"] for r in runs if r["mode"] == "engine")
     for r in runs:
@@ -336,8 +448,20 @@ def main(argv: Optional[list[str]] = None) -> None:
     summary: dict[str, Any] = {"outputs_identical_across_modes": identical}
     for (mode, sync), r in last.items():
         key = f"{mode}{'_synced' if sync else ''}"
-        summary[key] = {k: r[k] for k in ("throughput_tok_s", "wall_s", "swapped_out", "soft_resets", "restores",
-                                          "bytes_d2h", "bytes_h2d", "time_in_offload_s", "outputs_equal_engine")}
+        summary[key] = {
+            k: r[k]
+            for k in (
+                "throughput_tok_s",
+                "wall_s",
+                "swapped_out",
+                "soft_resets",
+                "restores",
+                "bytes_d2h",
+                "bytes_h2d",
+                "time_in_offload_s",
+                "outputs_equal_engine",
+            )
+        }
         if "restore_waits" in r:
             summary[key].update(fenced_releases=r["fenced_releases"], restore_waits=r["restore_waits"])
     if ("engine", False) in last:
@@ -347,7 +471,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                 k = last[(mode, False)]
                 summary[f"{mode}_vs_engine_throughput"] = round(k["throughput_tok_s"] / e["throughput_tok_s"], 4)
                 summary[f"{mode}_vs_engine_time_in_offload"] = (
-                    round(k["time_in_offload_s"] / e["time_in_offload_s"], 4) if e["time_in_offload_s"] else None)
+                    round(k["time_in_offload_s"] / e["time_in_offload_s"], 4) if e["time_in_offload_s"] else None
+                )
     summary.update(warm_repeats(runs))
     path = write_result(name, {"params": params, "summary": summary, "runs": runs}, args.out, quick=args.quick)
     print(f"wrote {path}")

@@ -65,8 +65,16 @@ def workload(live: int, steps: int, seed: int) -> list[list[tuple[Any, ...]]]:
     return plan
 
 
-REPLAYED = ("complete_store", "complete_load", "on_new_request", "lookup", "prepare_load", "prepare_store",
-            "on_request_finished", "on_schedule_end")
+REPLAYED = (
+    "complete_store",
+    "complete_load",
+    "on_new_request",
+    "lookup",
+    "prepare_load",
+    "prepare_store",
+    "on_request_finished",
+    "on_schedule_end",
+)
 
 
 class Recorder:
@@ -84,10 +92,12 @@ class Recorder:
 
         def call(*args: Any) -> Any:
             answer = method(*args)
-            shown = tuple(a.req_id if isinstance(a, ReqContext) else tuple(a) if isinstance(a, list) else a
-                          for a in args)
+            shown = tuple(
+                a.req_id if isinstance(a, ReqContext) else tuple(a) if isinstance(a, list) else a for a in args
+            )
             self.calls.append((name, shown, answer))
             return answer
+
         return call
 
 
@@ -148,8 +158,12 @@ def record_floor(num_chunks: int, plan: list[list[tuple[Any, ...]]]) -> list[Any
     return answers
 
 
-def replay(make: Callable[[], Any], plan: list[list[tuple[Any, ...]]], calls: bool = True,
-           after: Callable[[Any], None] | None = None) -> float:
+def replay(
+    make: Callable[[], Any],
+    plan: list[list[tuple[Any, ...]]],
+    calls: bool = True,
+    after: Callable[[Any], None] | None = None,
+) -> float:
     """Seconds the replay spends, the manager's calls included only with `calls` (the workload's own cost);
     `after` sees the manager once the clock has stopped."""
     m = make()
@@ -228,15 +242,23 @@ def measure(num_chunks: int, live: int, steps: int, repeats: int) -> dict[str, A
     base = statistics.median(workload_runs)
     med = {name: statistics.median(t) - base for name, t in raw.items()}
     calls = steps * live
-    return {"num_chunks": num_chunks, "live_requests": live, "steps": steps, "request_steps": calls,
-            "repeats": repeats, "workload_s": base, "manager_calls": len(answers),
-            "floor_replays_every_answer": True,
-            "seconds": med, "us_per_request_step": {n: 1e6 * s / calls for n, s in med.items()},
-            "ratio_kvfsm_over_vllm": med["kvfsm"] / med["vllm"],
-            "ratio_checked_over_vllm": med["kvfsm_checked"] / med["vllm"],
-            "ratio_kvfsm_over_floor": med["kvfsm"] / med["floor"],
-            "ratio_vllm_over_floor": med["vllm"] / med["floor"],
-            "ratio_checked_over_floor": med["kvfsm_checked"] / med["floor"]}
+    return {
+        "num_chunks": num_chunks,
+        "live_requests": live,
+        "steps": steps,
+        "request_steps": calls,
+        "repeats": repeats,
+        "workload_s": base,
+        "manager_calls": len(answers),
+        "floor_replays_every_answer": True,
+        "seconds": med,
+        "us_per_request_step": {n: 1e6 * s / calls for n, s in med.items()},
+        "ratio_kvfsm_over_vllm": med["kvfsm"] / med["vllm"],
+        "ratio_checked_over_vllm": med["kvfsm_checked"] / med["vllm"],
+        "ratio_kvfsm_over_floor": med["kvfsm"] / med["floor"],
+        "ratio_vllm_over_floor": med["vllm"] / med["floor"],
+        "ratio_checked_over_floor": med["kvfsm_checked"] / med["floor"],
+    }
 
 
 def main() -> None:
@@ -250,21 +272,32 @@ def main() -> None:
     for num_chunks, live in sizes:
         run = measure(num_chunks, live, steps, repeats)
         runs.append(run)
-        print(f"{num_chunks:>7} slots {live:>5} live: floor {run['seconds']['floor']:.3f}s vllm "
-              f"{run['seconds']['vllm']:.3f}s kvfsm {run['seconds']['kvfsm']:.3f}s ratio "
-              f"{run['ratio_kvfsm_over_vllm']:.3f} (checked {run['ratio_checked_over_vllm']:.3f}); over the floor "
-              f"kvfsm {run['ratio_kvfsm_over_floor']:.2f} vllm {run['ratio_vllm_over_floor']:.2f}", flush=True)
+        print(
+            f"{num_chunks:>7} slots {live:>5} live: floor {run['seconds']['floor']:.3f}s vllm "
+            f"{run['seconds']['vllm']:.3f}s kvfsm {run['seconds']['kvfsm']:.3f}s ratio "
+            f"{run['ratio_kvfsm_over_vllm']:.3f} (checked {run['ratio_checked_over_vllm']:.3f}); over the floor "
+            f"kvfsm {run['ratio_kvfsm_over_floor']:.2f} vllm {run['ratio_vllm_over_floor']:.2f}",
+            flush=True,
+        )
     targets = []
     for run in runs:
         label = f"{run['num_chunks']} slots, {run['live_requests']} live"
         targets.append(target(f"kvfsm/vllm time, {label} (required)", run["ratio_kvfsm_over_vllm"], 1.0))
-        targets.append(target(f"kvfsm/vllm time, {label} (goal: 1.5x faster)", run["ratio_kvfsm_over_vllm"],
-                              round(1 / 1.5, 4)))
-    path = write_result("vllm_manager", {"runs": runs, "targets": targets,
-                                         "checked_mode": "reported apart (ratio_checked_over_vllm), never a target",
-                                         "floor": "ReplayFloorManager: vLLM's recorded answers returned in call "
-                                                  "order, no bookkeeping; per run, ratio_*_over_floor, no target"},
-                        out=args.out, quick=args.quick)
+        targets.append(
+            target(f"kvfsm/vllm time, {label} (goal: 1.5x faster)", run["ratio_kvfsm_over_vllm"], round(1 / 1.5, 4))
+        )
+    path = write_result(
+        "vllm_manager",
+        {
+            "runs": runs,
+            "targets": targets,
+            "checked_mode": "reported apart (ratio_checked_over_vllm), never a target",
+            "floor": "ReplayFloorManager: vLLM's recorded answers returned in call "
+            "order, no bookkeeping; per run, ratio_*_over_floor, no target",
+        },
+        out=args.out,
+        quick=args.quick,
+    )
     print(path)
 
 

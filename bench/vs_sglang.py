@@ -40,11 +40,22 @@ from kvfsm.integrations.sglang import DecodeKVCacheOffloadManager  # noqa: E402
 
 
 def _scenario(requests: int, steps: int, page: int, stride: int) -> Scenario:
-    reqs = tuple(ReqSpec(f"r{i}", tuple(range(1000 * i + 1, 1000 * i + 1 + 4 * page + 3)), decode=steps)
-                 for i in range(requests))
+    reqs = tuple(
+        ReqSpec(f"r{i}", tuple(range(1000 * i + 1, 1000 * i + 1 + 4 * page + 3)), decode=steps) for i in range(requests)
+    )
     per_req = 4 * page + steps + 4 * page
-    return Scenario(name="bench", page_size=page, stride=stride, requests=reqs, layers=4, heads=2, head_dim=32,
-                    device_tokens=requests * per_req + 16 * page, host_ratio=1.0, drain_steps=2)
+    return Scenario(
+        name="bench",
+        page_size=page,
+        stride=stride,
+        requests=reqs,
+        layers=4,
+        heads=2,
+        head_dim=32,
+        device_tokens=requests * per_req + 16 * page,
+        host_ratio=1.0,
+        drain_steps=2,
+    )
 
 
 def _run(sc: Scenario, cls: type) -> dict[str, Any]:
@@ -83,14 +94,23 @@ def _run(sc: Scenario, cls: type) -> dict[str, Any]:
         run.mgr.check_offload_progress()
         released = sum(r.kv.req_pool_idx is None for r in run.reqs.values())
         run.probe.close(run.mgr)
-    return {"manager": f"{cls.__module__}.{cls.__qualname__}", "chunks": offloads, "released": released,
-            "offload_calls_us_per_step": _stats(offload_us), "progress_check_us": _stats(progress_us)}
+    return {
+        "manager": f"{cls.__module__}.{cls.__qualname__}",
+        "chunks": offloads,
+        "released": released,
+        "offload_calls_us_per_step": _stats(offload_us),
+        "progress_check_us": _stats(progress_us),
+    }
 
 
 def _stats(xs: list[float]) -> dict[str, float]:
     xs = sorted(xs)
-    return {"mean": statistics.fmean(xs), "p50": xs[len(xs) // 2], "p99": xs[min(len(xs) - 1, int(len(xs) * 0.99))],
-            "n": len(xs)}
+    return {
+        "mean": statistics.fmean(xs),
+        "p50": xs[len(xs) // 2],
+        "p99": xs[min(len(xs) - 1, int(len(xs) * 0.99))],
+        "n": len(xs),
+    }
 
 
 class _Adapter(DecodeKVCacheOffloadManager):
@@ -107,7 +127,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--page", type=int, default=16)
     ap.add_argument("--stride", type=int, default=16)
-    ap.add_argument("--quick", action="store_true", help="4 and 8 requests, 32 steps: checks the script, not the numbers")
+    ap.add_argument(
+        "--quick", action="store_true", help="4 and 8 requests, 32 steps: checks the script, not the numbers"
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.quick:
@@ -124,13 +146,18 @@ def main() -> None:
         ratios[str(n)] = per_iter[1] / per_iter[0]
         for row in pair:
             o, p = row["offload_calls_us_per_step"], row["progress_check_us"]
-            print(f"{n:5d} live  {row['manager']:<80} offload calls/step {o['mean']:9.1f} us (p99 {o['p99']:9.1f})  "
-                  f"progress check {p['mean']:8.1f} us (p99 {p['p99']:8.1f})  chunks {row['chunks']}")
+            print(
+                f"{n:5d} live  {row['manager']:<80} offload calls/step {o['mean']:9.1f} us (p99 {o['p99']:9.1f})  "
+                f"progress check {p['mean']:8.1f} us (p99 {p['p99']:8.1f})  chunks {row['chunks']}"
+            )
         print(f"{n:5d} live  kvfsm / upstream scheduler-thread time per iteration: {ratios[str(n)]:.2f}")
         rows += pair
-    payload = {"config": vars(args) | {"layers": sc.layers, "heads": sc.heads, "head_dim": sc.head_dim,
-                                        "dtype": str(harness.DTYPE)}, "rows": rows,
-               "kvfsm_over_upstream_per_iteration": ratios}
+    payload = {
+        "config": vars(args)
+        | {"layers": sc.layers, "heads": sc.heads, "head_dim": sc.head_dim, "dtype": str(harness.DTYPE)},
+        "rows": rows,
+        "kvfsm_over_upstream_per_iteration": ratios,
+    }
     print("wrote", write_result("vs_sglang", payload, args.out, quick=args.quick))
 
 

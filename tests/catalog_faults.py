@@ -59,24 +59,27 @@ def _wrap_end_events(mp: pytest.MonkeyPatch, fn: Callable) -> None:
     """fn(orig, machine, event, arg) replaces finish/abort/retract of the generated machine."""
     for event in ("finish", "abort", "retract"):
         orig = getattr(DecodeOffloadMachine, event)
-        mp.setattr(DecodeOffloadMachine, event,
-                   lambda self, arg=None, _o=orig, _e=event: fn(_o, self, _e, arg))
+        mp.setattr(DecodeOffloadMachine, event, lambda self, arg=None, _o=orig, _e=event: fn(_o, self, _e, arg))
 
 
 def b1(mp: pytest.MonkeyPatch) -> None:
     """The first offload of a request frees its prefill-aligned device slots (skipping the ledger)."""
+
     def make(orig):
         def start_copy(self, m, chunk):
             orig(self, m, chunk)
             rec = chunk.record
             if chunk.start == rec.prefill_len and rec.prefill_len:
-                self.allocator.free(self.req_to_token.req_to_token[rec.row, :rec.prefill_len].clone())
+                self.allocator.free(self.req_to_token.req_to_token[rec.row, : rec.prefill_len].clone())
+
         return start_copy
+
     _wrap_action(mp, "start_copy", make)
 
 
 def b2(mp: pytest.MonkeyPatch) -> None:
     """finish/abort/retract free the device slots at once, although a copy still reads them."""
+
     def end(orig, m, event, arg):
         was = m.state
         orig(m, arg)
@@ -89,7 +92,9 @@ def b2(mp: pytest.MonkeyPatch) -> None:
             if getattr(m.ctx, "released_early", False) and m.ctx.req is None:
                 return  # the deferred release at the last copy ack: already done
             orig(self, m, arg)
+
         return release_request
+
     _wrap_end_events(mp, end)
     _wrap(mp, OffloadEffects, "release_request", make)
 
@@ -106,41 +111,51 @@ def b3_engine(engine) -> None:
 
 def b3_host(mp: pytest.MonkeyPatch) -> None:
     """A failed backup never returns its chunk's host slots."""
+
     def make(orig):
         def free_host_chunk(self, m, chunk):
             if chunk.job is not None and not chunk.job.ok:
                 return
             orig(self, m, chunk)
+
         return free_host_chunk
+
     _wrap_action(mp, "free_host_chunk", make)
 
 
 def b4(mp: pytest.MonkeyPatch) -> None:
     """Release unlocks the matched prefix twice: the protected size is decremented twice (S #27666)."""
+
     def make(orig):
         def release_request(self, m, arg):
             lock = m.ctx.lock
             orig(self, m, arg)
             self.prefix_cache.unlock(lock)
+
         return release_request
+
     _wrap(mp, OffloadEffects, "release_request", make)
 
 
 def b5(mp: pytest.MonkeyPatch) -> None:
     """Release frees [prefix_len, ceil_page(committed)) only: the speculative over-allocation leaks (S #19518)."""
+
     def make(orig):
         def request_slots(self, rec):
             committed, _ = rec.end_lengths or (rec.req.kv_committed_len, rec.req.kv_allocated_len)
             pages = -(-committed // self.page_size)
-            starts = self.req_to_token.req_to_token[rec.row, rec.prefix_len:pages * self.page_size:self.page_size]
+            starts = self.req_to_token.req_to_token[rec.row, rec.prefix_len : pages * self.page_size : self.page_size]
             starts = starts - starts % self.page_size
             return (starts[:, None] + self._offsets).reshape(-1)
+
         return request_slots
+
     _wrap(mp, OffloadEffects, "request_slots", make)
 
 
 def b6(mp: pytest.MonkeyPatch) -> None:
     """Records keyed by rid: a new request with a reused rid inherits the old one's lifecycle (S #37026)."""
+
     def make_admit(orig):
         def _admit(self, req):
             rec = self._records.get(req.rid)
@@ -150,6 +165,7 @@ def b6(mp: pytest.MonkeyPatch) -> None:
             self._records.pop(id(req), None)
             self._records[req.rid] = rec
             return rec
+
         return _admit
 
     def _end(self, req, event):
@@ -171,16 +187,20 @@ def b6_readmit(mp: pytest.MonkeyPatch) -> None:
 
 def b7(mp: pytest.MonkeyPatch) -> None:
     """Offload progress is recorded before the host allocation, which then fails (S #30031)."""
+
     def make(orig):
         def count_host_full(self, m, arg):
             orig(self, m, arg)
             m.ctx.inc_len += self.page_size
+
         return count_host_full
+
     _wrap(mp, OffloadEffects, "count_host_full", make)
 
 
 def b8(mp: pytest.MonkeyPatch) -> None:
     """Abort while a copy is in flight: the deferred release forgets the device slots and the row (S #21652)."""
+
     def end(orig, m, event, arg):
         if event == "abort" and m.state == gen.OFFLOADING:
             m.ctx.aborted_in_flight = True
@@ -196,13 +216,16 @@ def b8(mp: pytest.MonkeyPatch) -> None:
             if rec.req.req_pool_idx == rec.row:
                 rec.req.req_pool_idx = None
             rec.req = None
+
         return release_request
+
     _wrap_end_events(mp, end)
     _wrap(mp, OffloadEffects, "release_request", make)
 
 
 def b9(mp: pytest.MonkeyPatch) -> None:
     """A second finish/abort/retract after release is not ignored: it releases again."""
+
     def end(orig, m, event, arg):
         if m.state in (gen.DRAINING, gen.RELEASED) and m.ctx.req is not None:
             m.fx.release_request(m, arg)
@@ -213,55 +236,70 @@ def b9(mp: pytest.MonkeyPatch) -> None:
             req = m.ctx.req
             orig(self, m, arg)
             m.ctx.req = req  # keep it, as a release path that does not know it already ran would
+
         return release_request
+
     _wrap_end_events(mp, end)
     _wrap(mp, OffloadEffects, "release_request", make)
 
 
 def b10(mp: pytest.MonkeyPatch) -> None:
     """A failed backup frees its chunk's host slots in the failure path, and the collection frees them again."""
+
     def make(orig):
         def count_backup_failure(self, m, chunk):
             orig(self, m, chunk)
             self.host_pool.free(chunk.host_indices)
+
         return count_backup_failure
+
     _wrap_action(mp, "count_backup_failure", make)
 
 
 def b11(mp: pytest.MonkeyPatch) -> None:
     """Release frees [prefix_len, committed) and [committed, allocated) as two ranges not split at a page boundary (S #38941)."""
+
     def make(orig):
         def request_slots(self, rec):
             ps = self.page_size
             committed, allocated = rec.end_lengths or (rec.req.kv_committed_len, rec.req.kv_allocated_len)
-            positions = (list(range(rec.prefix_len, committed, ps))
-                         + list(range(max(committed, rec.prefix_len), max(allocated, committed), ps)))
+            positions = list(range(rec.prefix_len, committed, ps)) + list(
+                range(max(committed, rec.prefix_len), max(allocated, committed), ps)
+            )
             if not positions:
                 return torch.empty(0, dtype=torch.int64)
             starts = self.req_to_token.req_to_token[rec.row, torch.tensor(positions)]
             starts = starts - starts % ps
             return (starts[:, None] + self._offsets).reshape(-1)
+
         return request_slots
+
     _wrap(mp, OffloadEffects, "request_slots", make)
 
 
 def b12(mp: pytest.MonkeyPatch) -> None:
     """One free batch names a page twice (V #42571): the release batch repeats its last page."""
+
     def make(orig):
         def request_slots(self, rec):
             slots = orig(self, rec)
-            return torch.cat([slots, slots[-self.page_size:]]) if slots.numel() else slots
+            return torch.cat([slots, slots[-self.page_size :]]) if slots.numel() else slots
+
         return request_slots
+
     _wrap(mp, OffloadEffects, "request_slots", make)
 
 
 def b13(mp: pytest.MonkeyPatch) -> None:
     """A failed backup is treated as a success: its pages are reported as stored (D #15079)."""
+
     def make(orig):
         def count_backup_failure(self, m, chunk):
             orig(self, m, chunk)
             self.mark_stored(m, chunk)
+
         return count_backup_failure
+
     _wrap_action(mp, "count_backup_failure", make)
 
 
@@ -272,13 +310,16 @@ def b14(mp: pytest.MonkeyPatch) -> None:
 
 def b15(mp: pytest.MonkeyPatch) -> None:
     """Copies written `dst[idx].copy_(src[idx])`: they write a temporary and move nothing (HF PR #45184)."""
+
     def torch_copy_rows(src5, src_idx, dst5, dst_idx):
         dst5[:, :, dst_idx.to(dst5.device)].copy_(src5[:, :, src_idx.to(src5.device)].to(dst5.device))
+
     mp.setattr(copy_engine, "torch_copy_rows", torch_copy_rows)
 
 
 def b16(mp: pytest.MonkeyPatch) -> None:
     """Release frees [0, allocated), the matched prefix's pages included (SGLang 0.5.23 frees from cache_protected_len)."""
+
     def make(orig):
         def request_slots(self, rec):
             prefix, rec.prefix_len = rec.prefix_len, 0
@@ -286,7 +327,9 @@ def b16(mp: pytest.MonkeyPatch) -> None:
                 return orig(self, rec)
             finally:
                 rec.prefix_len = prefix
+
         return request_slots
+
     _wrap(mp, OffloadEffects, "request_slots", make)
 
 
@@ -303,6 +346,7 @@ def b17_carried(mp: pytest.MonkeyPatch) -> None:
         for p in pages:
             self._held_fence.pop(p, None)
         orig(self, pages, fence)
+
     mp.setattr(TokenSlotAllocator, "_put_free", put_free)
 
 
@@ -332,6 +376,7 @@ def b18(mp: pytest.MonkeyPatch) -> None:
             return fenced(self, k)
         finally:
             inner[0] = False
+
     mp.setattr(TokenSlotAllocator, "alloc_pages", alloc_pages)
     mp.setattr(TokenSlotAllocator, "alloc_pages_fenced", alloc_pages_fenced)
 
@@ -355,23 +400,27 @@ def b18_parked(mp: pytest.MonkeyPatch) -> None:
     def __init__(self: OffloadEffects, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
         orig(self, *args, **kwargs)
         self.parked = _NewestFirst(self.parked)
+
     mp.setattr(OffloadEffects, "__init__", __init__)
 
 
 def b19(mp: pytest.MonkeyPatch) -> None:
     """A backup job catches only the errors a store is expected to raise (OSError, ValueError): a client library's own exception escapes the backup worker."""
+
     def run(self: BackupJob) -> None:
         try:
             self.results = list(self.write(self.payload))
         except (OSError, ValueError) as exc:
             self.error = exc
             self.results = []
+
     mp.setattr(BackupJob, "run", run)
 
 
 def b19_partial(mp: pytest.MonkeyPatch) -> None:
     """The coalescing engine's flush is undone whole when the inner engine refuses a later group: the groups it already submitted are queued again and copied twice."""
     from kvfsm.dataplane.copy.coalescing import CoalescingCopyEngine
+
     orig = CoalescingCopyEngine.flush
 
     def flush(self: CoalescingCopyEngine) -> None:
@@ -383,6 +432,7 @@ def b19_partial(mp: pytest.MonkeyPatch) -> None:
                 h.plan = plan
             self._queue = [h for h, _ in queued]
             raise
+
     mp.setattr(CoalescingCopyEngine, "flush", flush)
 
 
@@ -393,18 +443,21 @@ def b19_batch(mp: pytest.MonkeyPatch) -> None:
     def undo_alloc(self: HostKVPool, indices: object) -> None:
         if sys.exc_info()[1] is None:  # a stale reservation's pages still go back; a refusal's do not
             orig(self, indices)
+
     mp.setattr(HostKVPool, "undo_alloc", undo_alloc)
 
 
 def b20(mp: pytest.MonkeyPatch) -> None:
     """The SGLang adapter's fenced free marks the fence waited without enqueueing the stream wait: the next writer is ordered after nothing."""
     from kvfsm.integrations.sglang.objects import AllocatorView
+
     orig = AllocatorView.free
 
     def free(self: AllocatorView, slots: torch.Tensor, fence: SlotFence | None = None) -> None:
         if fence is not None and not fence.passed():
             fence.mark_waited()
         orig(self, slots)
+
     mp.setattr(AllocatorView, "free", free)
 
 
@@ -438,14 +491,17 @@ def b20_swap_out(mp: pytest.MonkeyPatch) -> None:
 
         def wait(self, stream: object | None = None) -> None:
             self.mark_waited()
+
     mp.setattr(swap_effects, "SlotFence", MarkedOnly)
 
 
 def b20_in_flight(mp: pytest.MonkeyPatch) -> None:
     """fence_copies_in_flight records the copies in flight as fenced without enqueueing a wait on any of them."""
+
     def fence_copies_in_flight(self: DecodeOffloadManager, stream: object = None) -> int:
         self.fx.fenced_handles = {id(c.handle) for c in self.fx.copy_fifo}
         return len(self.fx.fenced_handles)
+
     mp.setattr(DecodeOffloadManager, "fence_copies_in_flight", fence_copies_in_flight)
 
 
@@ -454,6 +510,7 @@ def _weaken(mp: pytest.MonkeyPatch, module: object, name: str, old: str, new: st
     under every name a loaded kvfsm module imported it as."""
     import inspect
     import textwrap
+
     fn = getattr(module, name)
     src = textwrap.dedent(inspect.getsource(fn))
     if src.count(old) != 1:
@@ -468,12 +525,14 @@ def _weaken(mp: pytest.MonkeyPatch, module: object, name: str, old: str, new: st
 def b21(mp: pytest.MonkeyPatch) -> None:
     """The explorer's host-content check skips the last completed copy (`for c in done[:-1]`)."""
     import kvfsm.verify.explorer.checks as checks
+
     _weaken(mp, checks, "check_world", "for c in done:", "for c in done[:-1]:")
 
 
 def b21_first(mp: pytest.MonkeyPatch) -> None:
     """The explorer's host-content check looks only at the first completed copy (`for c in done[:1]`)."""
     import kvfsm.verify.explorer.checks as checks
+
     _weaken(mp, checks, "check_world", "for c in done:", "for c in done[:1]:")
 
 
@@ -488,8 +547,16 @@ def pytest_configure(config: pytest.Config) -> None:
     if not callable(fault) or not name.startswith("b"):
         raise pytest.UsageError(f"KVFSM_CATALOG_FAULT={name!r} names no fault of tests/catalog_faults.py")
     from hypothesis import HealthCheck, Phase, settings
-    settings.register_profile("catalog-fault", parent=settings.default, deadline=None, derandomize=True, database=None,
-                              phases=(Phase.explicit, Phase.generate), suppress_health_check=list(HealthCheck))
+
+    settings.register_profile(
+        "catalog-fault",
+        parent=settings.default,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        phases=(Phase.explicit, Phase.generate),
+        suppress_health_check=list(HealthCheck),
+    )
     settings.load_profile("catalog-fault")
     mp = pytest.MonkeyPatch()
     fault(mp)
@@ -504,5 +571,11 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         return
     crash = getattr(report.longrepr, "reprcrash", None)
     with open(path, "w") as f:
-        json.dump({"nodeid": report.nodeid, "when": report.when,
-                   "message": crash.message if crash is not None else str(report.longrepr)}, f)
+        json.dump(
+            {
+                "nodeid": report.nodeid,
+                "when": report.when,
+                "message": crash.message if crash is not None else str(report.longrepr),
+            },
+            f,
+        )

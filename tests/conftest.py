@@ -25,15 +25,17 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import HealthCheck, settings
 
-settings.register_profile("ci", max_examples=200, deadline=None, derandomize=False,
-                          suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("deep", max_examples=5000, deadline=None,
-                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile(
+    "ci", max_examples=200, deadline=None, derandomize=False, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile("deep", max_examples=5000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("KVFSM_FUZZ", "ci"))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--fuzz", choices=("ci", "deep"), default=None, help="hypothesis profile (default: $KVFSM_FUZZ or ci)")
+    parser.addoption(
+        "--fuzz", choices=("ci", "deep"), default=None, help="hypothesis profile (default: $KVFSM_FUZZ or ci)"
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -103,8 +105,10 @@ def schema_as_committed() -> None:
     from pydantic import StringConstraints, TypeAdapter
 
     if "propertyNames" not in TypeAdapter(dict[Annotated[str, StringConstraints(max_length=1)], int]).json_schema():
-        pytest.skip(f"pydantic {pydantic.VERSION} renders the JSON Schema without propertyNames for constrained "
-                    "mapping keys; spec/kvfsm-spec.schema.json is a newer pydantic's rendering")
+        pytest.skip(
+            f"pydantic {pydantic.VERSION} renders the JSON Schema without propertyNames for constrained "
+            "mapping keys; spec/kvfsm-spec.schema.json is a newer pydantic's rendering"
+        )
 
 
 def deep() -> bool:

@@ -16,9 +16,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 @dataclass(frozen=True)
 class Copy:
-    src: str          # the source's device type
-    pinned: bool      # a host source in page-locked memory
-    dst: str          # the destination's device type
+    src: str  # the source's device type
+    pinned: bool  # a host source in page-locked memory
+    dst: str  # the destination's device type
     non_blocking: bool
 
 
@@ -34,6 +34,7 @@ class CopySpy(TorchDispatchMode):
         if func is torch.ops.aten.copy_.default:
             dst, src = args[0], args[1]
             non_blocking = bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
-            self.copies.append(Copy(src.device.type, src.device.type == "cpu" and src.is_pinned(), dst.device.type,
-                                    non_blocking))
+            self.copies.append(
+                Copy(src.device.type, src.device.type == "cpu" and src.is_pinned(), dst.device.type, non_blocking)
+            )
         return func(*args, **kwargs)

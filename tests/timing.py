@@ -68,9 +68,11 @@ class Speed:
 
     def __str__(self) -> str:
         l1, l5, l15 = self.load
-        return (f"calibration: {LOOP_N:,} loop iterations took {self.wall_s * 1e3:.0f} ms wall "
-                f"({self.cpu_s * 1e3:.0f} ms CPU) here, {REFERENCE_S * 1e3:.0f} ms on the idle reference machine: "
-                f"slowdown x{self.slowdown:.1f}; load average {l1:.2f} {l5:.2f} {l15:.2f} on {self.cpus} CPUs")
+        return (
+            f"calibration: {LOOP_N:,} loop iterations took {self.wall_s * 1e3:.0f} ms wall "
+            f"({self.cpu_s * 1e3:.0f} ms CPU) here, {REFERENCE_S * 1e3:.0f} ms on the idle reference machine: "
+            f"slowdown x{self.slowdown:.1f}; load average {l1:.2f} {l5:.2f} {l15:.2f} on {self.cpus} CPUs"
+        )
 
 
 _last: list[tuple[float, Speed]] = []  # (time.monotonic() of the measurement, the measurement)
@@ -112,8 +114,10 @@ def calibration_cpu(n: int = 1_000_000, runs: int = 3) -> float:
 
 
 def timed_out(what: str, waited_s: float, limit: str, detail: str = "") -> TimedOut:
-    return TimedOut(f"timed out after {waited_s:.1f} s waiting for {what} ({limit}); {measure(0)}"
-                    + (f"\n{detail}" if detail else ""))
+    return TimedOut(
+        f"timed out after {waited_s:.1f} s waiting for {what} ({limit}); {measure(0)}"
+        + (f"\n{detail}" if detail else "")
+    )
 
 
 # ---- progress of processes ----------------------------------------------------------------------------
@@ -156,8 +160,16 @@ def tree_cpu(*pids: int) -> Optional[int]:
 # ---- waiting ------------------------------------------------------------------------------------------
 
 
-def wait_for(cond: Callable[[], Any], what: str, within_s: float, *, progress: Optional[Callable[[], Any]] = None,
-             poll_s: float = 0.05, ceiling_s: float = CEILING_S, detail: Optional[Callable[[], str]] = None) -> Any:
+def wait_for(
+    cond: Callable[[], Any],
+    what: str,
+    within_s: float,
+    *,
+    progress: Optional[Callable[[], Any]] = None,
+    poll_s: float = 0.05,
+    ceiling_s: float = CEILING_S,
+    detail: Optional[Callable[[], str]] = None,
+) -> Any:
     """Poll `cond` until it returns something true, and return that. A hang guard: `within_s` is what the
     wait may take on the reference machine, idle; it fails after `within_s` scaled with no progress (a
     change in what `progress()` returns restarts that clock), or after `ceiling_s` in all, raising TimedOut
@@ -178,8 +190,13 @@ def wait_for(cond: Callable[[], Any], what: str, within_s: float, *, progress: O
             limit = max(limit, within_s * measure(0).slowdown)  # measured again: busier now, longer
         if now - last > limit or now - start > ceiling_s:
             stalled = f"no progress for {now - last:.1f} s, " if progress is not None else ""
-            raise timed_out(what, now - start, f"{stalled}limit {limit:.1f} s = {within_s:g} s on the reference machine "
-                            f"scaled, ceiling {ceiling_s:g} s", detail() if detail is not None else "")
+            raise timed_out(
+                what,
+                now - start,
+                f"{stalled}limit {limit:.1f} s = {within_s:g} s on the reference machine "
+                f"scaled, ceiling {ceiling_s:g} s",
+                detail() if detail is not None else "",
+            )
         time.sleep(poll_s)
 
 
@@ -187,8 +204,9 @@ def backups_settled(worker: Any, what: str = "the backup worker's jobs to finish
     """`ThreadBackupWorker.wait_idle` with this module's hang guard: every job submitted has finished (not yet
     collected). Each job that finishes restarts the clock, so a slow store is waited for and a hung one is not."""
     worker.flush()
-    wait_for(lambda: worker.completed() >= worker.outstanding(), what, within_s, progress=worker.completed,
-             poll_s=0.001)
+    wait_for(
+        lambda: worker.completed() >= worker.outstanding(), what, within_s, progress=worker.completed, poll_s=0.001
+    )
 
 
 def join_all(threads: Sequence[Any], what: str, within_s: float) -> None:
@@ -206,8 +224,12 @@ def join_all(threads: Sequence[Any], what: str, within_s: float) -> None:
         waited = time.monotonic() - start
         limit = max(limit, within_s * measure(0).slowdown)
         if waited >= limit:
-            raise timed_out(what, waited, f"limit {limit:.1f} s = {within_s:g} s on the reference machine scaled",
-                            "still running: " + ", ".join(alive))
+            raise timed_out(
+                what,
+                waited,
+                f"limit {limit:.1f} s = {within_s:g} s on the reference machine scaled",
+                "still running: " + ", ".join(alive),
+            )
 
 
 class Watch:
@@ -233,25 +255,42 @@ class Watch:
         if now - self.last > self.limit:
             self.limit = max(self.limit, self.within_s * measure(0).slowdown)
         if now - self.last > self.limit or now - self.start > self.ceiling_s:
-            raise timed_out(self.what, now - self.start,
-                            f"no output and no CPU time for {now - self.last:.1f} s, limit {self.limit:.1f} s = "
-                            f"{self.within_s:g} s on the reference machine scaled, ceiling {self.ceiling_s:g} s",
-                            detail() if detail is not None else "")
+            raise timed_out(
+                self.what,
+                now - self.start,
+                f"no output and no CPU time for {now - self.last:.1f} s, limit {self.limit:.1f} s = "
+                f"{self.within_s:g} s on the reference machine scaled, ceiling {self.ceiling_s:g} s",
+                detail() if detail is not None else "",
+            )
 
     def remaining(self, most: float = 0.5) -> float:
         """How long the caller may block before the next check()."""
         return max(0.01, min(most, self.limit - (time.monotonic() - self.last)))
 
 
-def run_watched(cmd: Sequence[str], what: str, *, stall_s: float = STALL_S, ceiling_s: float = CEILING_S,
-                cwd: Any = None, env: Optional[dict[str, str]] = None, input: Optional[str] = None
-                ) -> subprocess.CompletedProcess[str]:
+def run_watched(
+    cmd: Sequence[str],
+    what: str,
+    *,
+    stall_s: float = STALL_S,
+    ceiling_s: float = CEILING_S,
+    cwd: Any = None,
+    env: Optional[dict[str, str]] = None,
+    input: Optional[str] = None,
+) -> subprocess.CompletedProcess[str]:
     """subprocess.run(cmd, capture_output=True, text=True) with a hang guard on progress: the process (in a
     session of its own, so that its children go with it) is killed and TimedOut raised, with the output's
     tails, when neither its output nor the CPU time of it and its children moved for `stall_s` scaled, or
     after `ceiling_s`."""
-    proc = subprocess.Popen(list(cmd), cwd=cwd, env=env, stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen(
+        list(cmd),
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     out: dict[int, bytearray] = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}  # type: ignore[union-attr]
     watch = Watch(what, stall_s, proc.pid, ceiling_s=ceiling_s)
     sel = selectors.DefaultSelector()

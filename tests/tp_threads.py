@@ -28,7 +28,10 @@ from timing import scaled
 R = dist.ReduceOp
 
 _BITWISE: dict[Any, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    R.BAND: torch.bitwise_and, R.BOR: torch.bitwise_or, R.BXOR: torch.bitwise_xor}
+    R.BAND: torch.bitwise_and,
+    R.BOR: torch.bitwise_or,
+    R.BXOR: torch.bitwise_xor,
+}
 
 # (op, how a stack of the ranks' tensors reduces along dim 0)
 _REDUCERS: list[tuple[Any, Callable[[torch.Tensor], torch.Tensor]]] = [
@@ -54,9 +57,12 @@ def reduce_stacked(stacked: torch.Tensor, op: Any) -> torch.Tensor:
 
 def reduce_inputs(rank: int) -> dict[str, torch.Tensor]:
     """Rank-specific tensors whose reductions differ for every op (used here and by the gloo ranks)."""
-    return {"int64": torch.tensor([rank + 1, 5 - 2 * rank, -3 * rank, 7 if rank % 2 else -7, 2**12 + rank,
-                                   0b1010 ^ rank], dtype=torch.int64),
-            "float32": torch.tensor([rank + 0.5, -1.25 * rank, 3.0 - rank, 2.0 ** -rank], dtype=torch.float32)}
+    return {
+        "int64": torch.tensor(
+            [rank + 1, 5 - 2 * rank, -3 * rank, 7 if rank % 2 else -7, 2**12 + rank, 0b1010 ^ rank], dtype=torch.int64
+        ),
+        "float32": torch.tensor([rank + 0.5, -1.25 * rank, 3.0 - rank, 2.0**-rank], dtype=torch.float32),
+    }
 
 
 class ThreadGroup:

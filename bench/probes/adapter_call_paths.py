@@ -61,17 +61,21 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(store, ignore_errors=True)
     paths = {}
     for name, times in ns.items():
-        paths[name] = {"calls_per_iteration": round(len(times) / args.iterations, 1),
-                       "median_us": round(statistics.median(times) / 1e3, 3) if times else None,
-                       "mean_us": round(statistics.fmean(times) / 1e3, 3) if times else None}
+        paths[name] = {
+            "calls_per_iteration": round(len(times) / args.iterations, 1),
+            "median_us": round(statistics.median(times) / 1e3, 3) if times else None,
+            "mean_us": round(statistics.fmean(times) / 1e3, 3) if times else None,
+        }
         print(f"{name:9s} {paths[name]}")
     print("wrote", write_result("adapter_call_paths", {"settings": vars(args), "paths": paths}, args.out, quick=True))
     return 0
 
 
-def _timed(call: Callable[[Any], Any], into: dict[str, list[int]], timed: list[bool],
-           path: Callable[[Any], str]) -> Callable[[Any], Any]:
+def _timed(
+    call: Callable[[Any], Any], into: dict[str, list[int]], timed: list[bool], path: Callable[[Any], str]
+) -> Callable[[Any], Any]:
     """`call(req)`, timed alone and counted under the path it is about to take, while `timed` holds."""
+
     def wrapper(req: Any) -> Any:
         if not timed[0]:
             return call(req)
@@ -81,6 +85,7 @@ def _timed(call: Callable[[Any], Any], into: dict[str, list[int]], timed: list[b
             return call(req)
         finally:
             into[name].append(time.perf_counter_ns() - t0)
+
     return wrapper
 
 

@@ -33,8 +33,15 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     opts = argparse.Namespace(
-        device="cuda" if bench.torch.cuda.is_available() else "cpu", layers=2, kv_heads=8, head_dim=128, host_gb=8.0,
-        step_ms=20.0, seed=0, store_root="/dev/shm" if Path("/dev/shm").is_dir() else None)
+        device="cuda" if bench.torch.cuda.is_available() else "cpu",
+        layers=2,
+        kv_heads=8,
+        head_dim=128,
+        host_gb=8.0,
+        step_ms=20.0,
+        seed=0,
+        store_root="/dev/shm" if Path("/dev/shm").is_dir() else None,
+    )
     if opts.device == "cpu":
         opts.kv_heads, opts.head_dim, opts.step_ms, opts.host_gb = 1, 8, 0.0, 1.0
     store = tempfile.mkdtemp(prefix="kvfsm-adapter-profile-", dir=opts.store_root)
@@ -66,9 +73,15 @@ def main() -> int:
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(40)
     print(f"profiled: {PROFILED_THREADS}")
     print(text.getvalue())
-    print("wrote", write_result("adapter_profile", {"settings": vars(args), "figures": out, "profile": text.getvalue(),
-                                                    "profiled_threads": PROFILED_THREADS},
-                                args.out, quick=opts.device == "cpu"))
+    print(
+        "wrote",
+        write_result(
+            "adapter_profile",
+            {"settings": vars(args), "figures": out, "profile": text.getvalue(), "profiled_threads": PROFILED_THREADS},
+            args.out,
+            quick=opts.device == "cpu",
+        ),
+    )
     return 0
 
 

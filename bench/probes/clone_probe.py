@@ -94,6 +94,7 @@ def walk(cfg: ExplorerConfig, length: int, rng: random.Random, end_weight: float
 def _structure(w: World, c: World) -> list[str]:
     """What a faithful copy must keep shared or re-point, by name, where `c` (a copy of `w`) does not."""
     import numpy as np
+
     bad = []
     a = c.engine.allocator
     if a._allocated.data_ptr() != np.frombuffer(a._allocated_bytes, dtype=np.uint8).ctypes.data:
@@ -116,8 +117,13 @@ def _structure(w: World, c: World) -> list[str]:
     return bad
 
 
-def _branch_ok(cfg: ExplorerConfig, prefix: list[tuple], cont: list[tuple], want_key: tuple,
-               method: Callable[[World, list[tuple]], World]) -> tuple[bool, Optional[str], list[str]]:
+def _branch_ok(
+    cfg: ExplorerConfig,
+    prefix: list[tuple],
+    cont: list[tuple],
+    want_key: tuple,
+    method: Callable[[World, list[tuple]], World],
+) -> tuple[bool, Optional[str], list[str]]:
     """Is one branch made by `method` a faithful, independent copy? (ok, why not, what it broke)."""
     original = build(cfg, prefix, check=False)
     key0 = canonical_key(original)
@@ -165,8 +171,9 @@ def _time_ms(fn: Callable[[], Any], reps: int) -> Optional[float]:
     return statistics.mean(times) * 1e3
 
 
-def probe_bound(cfg: ExplorerConfig, depths: list[int], worlds: int, n_cont: int, reps: int,
-                rng: random.Random) -> dict[str, Any]:
+def probe_bound(
+    cfg: ExplorerConfig, depths: list[int], worlds: int, n_cont: int, reps: int, rng: random.Random
+) -> dict[str, Any]:
     """Every method on `worlds` walks' worlds at each depth of one bound: per-depth and overall summaries."""
     samples: list[dict[str, Any]] = []  # one per (walk, depth)
     need = max(depths) + n_cont
@@ -178,32 +185,48 @@ def probe_bound(cfg: ExplorerConfig, depths: list[int], worlds: int, n_cont: int
         for d in depths:
             if d + n_cont > len(events):
                 continue  # the walk went quiet before this depth
-            prefix, cont = events[:d], events[d:d + n_cont]
+            prefix, cont = events[:d], events[d : d + n_cont]
             want = canonical_key(build(cfg, prefix + cont))  # every invariant checked on the way
             row: dict[str, Any] = {"walk": k, "depth": d}
             for name, method in METHODS.items():
                 ok, why, broken = _branch_ok(cfg, prefix, cont, want, method)
                 w = build(cfg, prefix, check=False)
-                row[name] = {"ms": _time_ms(lambda: method(w, prefix), reps), "correct": ok, "why": why,
-                             "broken": broken}
+                row[name] = {
+                    "ms": _time_ms(lambda: method(w, prefix), reps),
+                    "correct": ok,
+                    "why": why,
+                    "broken": broken,
+                }
             samples.append(row)
-            print(f"walk {k} depth {d:2d}: " + "  ".join(
-                f"{n} {r['ms']:.2f} ms {'ok' if r['correct'] else 'WRONG'}" if r["ms"] is not None
-                else f"{n} failed" for n, r in ((n, row[n]) for n in METHODS)), flush=True)
+            print(
+                f"walk {k} depth {d:2d}: "
+                + "  ".join(
+                    f"{n} {r['ms']:.2f} ms {'ok' if r['correct'] else 'WRONG'}"
+                    if r["ms"] is not None
+                    else f"{n} failed"
+                    for n, r in ((n, row[n]) for n in METHODS)
+                ),
+                flush=True,
+            )
 
     def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         out = {}
         for name in METHODS:
             ms = [r[name]["ms"] for r in rows if r[name]["ms"] is not None]
             wrong = [r[name]["why"] for r in rows if not r[name]["correct"]]
-            out[name] = {"mean_ms": round(statistics.mean(ms), 3) if ms else None,
-                         "correct": f"{len(rows) - len(wrong)}/{len(rows)}",
-                         "first_failure": wrong[0] if wrong else None,
-                         "broken": sorted({b for r in rows for b in r[name]["broken"]})}
+            out[name] = {
+                "mean_ms": round(statistics.mean(ms), 3) if ms else None,
+                "correct": f"{len(rows) - len(wrong)}/{len(rows)}",
+                "first_failure": wrong[0] if wrong else None,
+                "broken": sorted({b for r in rows for b in r[name]["broken"]}),
+            }
         return out
 
-    by_depth = {str(d): summary([r for r in samples if r["depth"] == d]) for d in depths
-                if any(r["depth"] == d for r in samples)}
+    by_depth = {
+        str(d): summary([r for r in samples if r["depth"] == d])
+        for d in depths
+        if any(r["depth"] == d for r in samples)
+    }
     overall = summary(samples)
     for d, s in by_depth.items():
         print(f"depth {d:>2s}: " + "  ".join(f"{n} {v['mean_ms']} ms ({v['correct']})" for n, v in s.items()))
@@ -214,9 +237,14 @@ def probe_bound(cfg: ExplorerConfig, depths: list[int], worlds: int, n_cont: int
         for b in v["broken"]:
             print(f"  {n}: {b}")
     # per sample only (ms, correct): the reasons are in the summaries
-    compact = [{"walk": r["walk"], "depth": r["depth"],
-                **{n: [None if r[n]["ms"] is None else round(r[n]["ms"], 3), r[n]["correct"]] for n in METHODS}}
-               for r in samples]
+    compact = [
+        {
+            "walk": r["walk"],
+            "depth": r["depth"],
+            **{n: [None if r[n]["ms"] is None else round(r[n]["ms"], 3), r[n]["correct"]] for n in METHODS},
+        }
+        for r in samples
+    ]
     return {"bound": cfg.describe(), "depths": depths, "overall": overall, "by_depth": by_depth, "samples": compact}
 
 
@@ -225,9 +253,17 @@ def search_modes(cfg: ExplorerConfig) -> dict[str, Any]:
     out = {}
     for mode in ("copy", "replay"):
         res = explore(cfg, mode=mode)
-        out[mode] = {"states": res.states, "edges": res.edges, "depth": res.depth, "complete": res.complete,
-                     "branches": res.copies, "in_place": res.in_place, "validated": res.validated,
-                     "seconds": round(res.seconds, 2), "fallback": res.fallback}
+        out[mode] = {
+            "states": res.states,
+            "edges": res.edges,
+            "depth": res.depth,
+            "complete": res.complete,
+            "branches": res.copies,
+            "in_place": res.in_place,
+            "validated": res.validated,
+            "seconds": round(res.seconds, 2),
+            "fallback": res.fallback,
+        }
         print(f"explore {mode}: {out[mode]}", flush=True)
     return out
 
@@ -239,10 +275,20 @@ LONG = ExplorerConfig(decodes=6, readmits=1, max_context=32)
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--depths", type=int, nargs="+", default=[0, 6, 12, 18],
-                    help="event-prefix lengths to branch at, default bound (its BFS depth is 18)")
-    ap.add_argument("--long-depths", type=int, nargs="+", default=[0, 15, 30, 45, 60],
-                    help="event-prefix lengths to branch at, long-trace bound (none: skip it)")
+    ap.add_argument(
+        "--depths",
+        type=int,
+        nargs="+",
+        default=[0, 6, 12, 18],
+        help="event-prefix lengths to branch at, default bound (its BFS depth is 18)",
+    )
+    ap.add_argument(
+        "--long-depths",
+        type=int,
+        nargs="+",
+        default=[0, 15, 30, 45, 60],
+        help="event-prefix lengths to branch at, long-trace bound (none: skip it)",
+    )
     ap.add_argument("--worlds", type=int, default=8, help="random walks per bound (one world per depth each)")
     ap.add_argument("--cont", type=int, default=8, help="events run on each copy to check it")
     ap.add_argument("--reps", type=int, default=5, help="timed branches per world and method")
@@ -254,8 +300,9 @@ def main() -> None:
     if args.quick:
         args.depths, args.long_depths, args.worlds, args.reps, args.no_explore = [0, 12], [0, 30], 2, 2, True
     rng = random.Random(args.seed)
-    payload: dict[str, Any] = {"config": {"worlds": args.worlds, "cont": args.cont, "reps": args.reps,
-                                          "seed": args.seed, "quick": args.quick}}
+    payload: dict[str, Any] = {
+        "config": {"worlds": args.worlds, "cont": args.cont, "reps": args.reps, "seed": args.seed, "quick": args.quick}
+    }
     print(f"default bound: {DEFAULT.describe()}")
     payload["default_bound"] = probe_bound(DEFAULT, args.depths, args.worlds, args.cont, args.reps, rng)
     if args.long_depths:

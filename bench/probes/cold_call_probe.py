@@ -91,13 +91,13 @@ def primitives(live: int, chunks: int, page: int) -> dict[str, Callable[[], obje
         mv = memoryview(flat)
         out: list[int] = []
         for f in firsts:
-            out += mv[f:f + page:page]
+            out += mv[f : f + page : page]
 
     def memoryview_array() -> None:
         mv = memoryview(table_array)
         out: list[int] = []
         for f in starts:
-            out += mv[f // page:f // page + 1]
+            out += mv[f // page : f // page + 1]
 
     return {
         "np_min_4096": lambda: rows.min(),
@@ -147,13 +147,26 @@ def main() -> None:
             t2 = time.perf_counter()
             cold.append(t1 - t0)
             warm.append(t2 - t1)
-        row = {"primitive": name, "cold_us_median": statistics.median(cold) * 1e6,
-               "warm_us_median": statistics.median(warm) * 1e6}
+        row = {
+            "primitive": name,
+            "cold_us_median": statistics.median(cold) * 1e6,
+            "warm_us_median": statistics.median(warm) * 1e6,
+        }
         row["cold_over_warm"] = row["cold_us_median"] / max(row["warm_us_median"], 1e-3)
         print(f"{name:26s} cold {row['cold_us_median']:8.1f} us   warm {row['warm_us_median']:7.1f} us", flush=True)
         rows.append(row)
-    path = write_result("cold_call_probe", {"step_ms": args.step_ms, "live": args.live, "chunks": args.chunks,
-                                            "page": args.page, "samples": args.samples, "rows": rows}, args.out)
+    path = write_result(
+        "cold_call_probe",
+        {
+            "step_ms": args.step_ms,
+            "live": args.live,
+            "chunks": args.chunks,
+            "page": args.page,
+            "samples": args.samples,
+            "rows": rows,
+        },
+        args.out,
+    )
     print(f"-> {path}")
 
 

@@ -106,16 +106,25 @@ def chunk_runs(runs: list[Run], bytes_per_token: int, chunk_bytes: int) -> list[
 
 # ---- diagnostics of the batch API (no risky calls) -----------------------------------------------
 
-BATCH_SYMBOLS = ("cuMemcpyBatchAsync", "cuMemcpyBatchAsync_v2", "cuMemcpyBatchAsync_ptsz",
-                 "cuMemcpyBatchAsync_v2_ptsz", "cuMemcpy3DBatchAsync", "cuMemcpy3DBatchAsync_v2",
-                 "cuGetProcAddress_v2", "cuMemcpyWithAttributesAsync")
+BATCH_SYMBOLS = (
+    "cuMemcpyBatchAsync",
+    "cuMemcpyBatchAsync_v2",
+    "cuMemcpyBatchAsync_ptsz",
+    "cuMemcpyBatchAsync_v2_ptsz",
+    "cuMemcpy3DBatchAsync",
+    "cuMemcpy3DBatchAsync_v2",
+    "cuGetProcAddress_v2",
+    "cuMemcpyWithAttributesAsync",
+)
 
 
 def driver_diagnostics() -> dict[str, Any]:
     """Driver version, exported symbols and cuGetProcAddress answers, to pin down the ABI without calling it."""
-    d: dict[str, Any] = {"torch_cuda": torch.version.cuda,
-                         "sizeof_CUmemcpyAttributes": ctypes.sizeof(cuda_driver.MemcpyAttributes),
-                         "sizeof_CUmemLocation": ctypes.sizeof(cuda_driver.MemLocation)}
+    d: dict[str, Any] = {
+        "torch_cuda": torch.version.cuda,
+        "sizeof_CUmemcpyAttributes": ctypes.sizeof(cuda_driver.MemcpyAttributes),
+        "sizeof_CUmemLocation": ctypes.sizeof(cuda_driver.MemLocation),
+    }
     lib = ctypes.CDLL("libcuda.so.1")
     ver = ctypes.c_int(0)
     lib.cuDriverGetVersion(ctypes.byref(ver))
@@ -127,8 +136,13 @@ def driver_diagnostics() -> dict[str, Any]:
     d["exported"] = exported
     gpa = getattr(lib, "cuGetProcAddress_v2", None)
     if gpa is not None:
-        gpa.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_uint64,
-                        ctypes.POINTER(ctypes.c_int)]
+        gpa.argtypes = [
+            ctypes.c_char_p,
+            ctypes.POINTER(ctypes.c_void_p),
+            ctypes.c_int,
+            ctypes.c_uint64,
+            ctypes.POINTER(ctypes.c_int),
+        ]
         gpa.restype = ctypes.c_int
         proc: dict[str, Any] = {}
         for v in sorted({12080, 12090, 13000, ver.value}):
@@ -138,9 +152,11 @@ def driver_diagnostics() -> dict[str, Any]:
             same = [n for n, a in exported.items() if a is not None and int(a, 16) == addr]
             proc[str(v)] = {"rc": rc, "status": status.value, "ptr": hex(addr), "same_as_export": same}
         d["cuGetProcAddress(cuMemcpyBatchAsync)"] = proc
-        d["note"] = ("status 0 = found; same_as_export tells which exported symbol cuGetProcAddress hands out "
-                     "for a CUDA version (12080 should be the 9-argument ABI, 13000 the 8-argument _v2); an empty "
-                     "list only means the export is a distinct stub")
+        d["note"] = (
+            "status 0 = found; same_as_export tells which exported symbol cuGetProcAddress hands out "
+            "for a CUDA version (12080 should be the 9-argument ABI, 13000 the 8-argument _v2); an empty "
+            "list only means the export is a distinct stub"
+        )
     try:
         import cuda.bindings as cb  # type: ignore[import-not-found]
 
@@ -170,7 +186,9 @@ def selftest(abi: str) -> dict[str, Any]:
     stream = torch.cuda.Stream()
     gen = torch.Generator().manual_seed(1)
 
-    def trial(n: int, size: int, flags: int = 0, hint: str | None = None, on_stream: int | None = None) -> dict[str, Any]:
+    def trial(
+        n: int, size: int, flags: int = 0, hint: str | None = None, on_stream: int | None = None
+    ) -> dict[str, Any]:
         src = torch.randint(0, 256, (n * size,), dtype=torch.uint8, generator=gen).to(dev)
         host = torch.zeros(4 * n * size, dtype=torch.uint8, pin_memory=True)
         back = torch.zeros_like(src)
@@ -213,10 +231,17 @@ def run_selftests(timeout: float) -> dict[str, Any]:
     for abi in ("v2", "v1"):
         t0 = time.perf_counter()
         try:
-            p = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--selftest-abi", abi],
-                               capture_output=True, text=True, timeout=timeout, cwd=str(ROOT))
+            p = subprocess.run(
+                [sys.executable, str(Path(__file__).resolve()), "--selftest-abi", abi],
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                cwd=str(ROOT),
+            )
             line = next((ln for ln in p.stdout.splitlines() if ln.startswith("SELFTEST ")), None)
-            r: dict[str, Any] = json.loads(line[len("SELFTEST "):]) if line else {"ok": False, "error": "no result line"}
+            r: dict[str, Any] = (
+                json.loads(line[len("SELFTEST ") :]) if line else {"ok": False, "error": "no result line"}
+            )
             r["returncode"] = p.returncode  # negative: killed by that signal (-11 = SIGSEGV: wrong signature?)
             if p.returncode != 0 or not line:
                 r["stderr_tail"] = p.stderr[-3000:]
@@ -225,13 +250,18 @@ def run_selftests(timeout: float) -> dict[str, Any]:
             r = {"ok": False, "error": f"timeout after {timeout} s"}
         r["wall_s"] = round(time.perf_counter() - t0, 2)
         res[abi] = r
-        print(f"  selftest {abi}: ok={r.get('ok')} rc={r.get('returncode')} status={r.get('status', r.get('error'))}",
-              flush=True)
+        print(
+            f"  selftest {abi}: ok={r.get('ok')} rc={r.get('returncode')} status={r.get('status', r.get('error'))}",
+            flush=True,
+        )
         for k in ("plain", "flags_overlap", "location_hints", "many_small", "null_stream"):
             if isinstance(r.get(k), dict):
                 c = r[k]
-                print(f"    {k:15s} d2h rc={c.get('d2h_rc')} ok={c.get('d2h_ok')}  h2d rc={c.get('h2d_rc')} "
-                      f"ok={c.get('h2d_ok')} {c.get('d2h_err') or c.get('h2d_err') or ''}", flush=True)
+                print(
+                    f"    {k:15s} d2h rc={c.get('d2h_rc')} ok={c.get('d2h_ok')}  h2d rc={c.get('h2d_rc')} "
+                    f"ok={c.get('h2d_ok')} {c.get('d2h_err') or c.get('h2d_err') or ''}",
+                    flush=True,
+                )
     return res
 
 
@@ -272,17 +302,20 @@ def row_line(r: dict[str, Any]) -> str:
     ratio = f"{r['ratio_median']:.3f}" if "ratio_median" in r else "  -  "
     sub = f"{r['submit_ms_median']:7.2f}" if "submit_ms_median" in r else "      -"
     tail = r.get("error", "")[:60] if "error" in r else r.get("skipped", "")
-    return (f"{r['section']:9s} {r['direction']:4s} {str(what):>5s} {r['variant']:14s} {r.get('streams', '-')!s:>2s} "
-            f"{r.get('chunk_mib', '-')!s:>4s} | {gb} {ratio} {str(r.get('verified', '-')):5s} {sub} "
-            f"{r.get('driver_calls', '-')!s:>6s} {r.get('copies', '-')!s:>6s} {tail}")
+    return (
+        f"{r['section']:9s} {r['direction']:4s} {str(what):>5s} {r['variant']:14s} {r.get('streams', '-')!s:>2s} "
+        f"{r.get('chunk_mib', '-')!s:>4s} | {gb} {ratio} {str(r.get('verified', '-')):5s} {sub} "
+        f"{r.get('driver_calls', '-')!s:>6s} {r.get('copies', '-')!s:>6s} {tail}"
+    )
 
 
 # ---- sections --------------------------------------------------------------------------------------
 
 
 class Probe:
-    def __init__(self, args: argparse.Namespace, drv: cuda_driver.CudaDriver, out: Path,
-                 result: dict[str, Any]) -> None:
+    def __init__(
+        self, args: argparse.Namespace, drv: cuda_driver.CudaDriver, out: Path, result: dict[str, Any]
+    ) -> None:
         self.args, self.drv, self.out, self.result = args, drv, out, result
         self.device = torch.device(DEVICE)
         self.timer = Timer(True)
@@ -308,11 +341,18 @@ class Probe:
         torch.cuda.synchronize()
         return secs
 
-    def add_stats(self, row: dict[str, Any], nbytes: int, secs: list[float], ceiling: float,
-                  cpu: list[float] | None = None, calls: list[int] | None = None) -> None:
+    def add_stats(
+        self,
+        row: dict[str, Any],
+        nbytes: int,
+        secs: list[float],
+        ceiling: float,
+        cpu: list[float] | None = None,
+        calls: list[int] | None = None,
+    ) -> None:
         row.update(stats(nbytes, secs, ceiling))
         if cpu:
-            row["submit_ms_median"] = statistics.median(cpu[-self.reps:]) * 1e3
+            row["submit_ms_median"] = statistics.median(cpu[-self.reps :]) * 1e3
         if calls:
             row["driver_calls"] = calls[-1]
 
@@ -330,22 +370,34 @@ class Probe:
             host_addr = hb + slots.numpy().astype(np.int64) * size
             dev_off = np.arange(n, dtype=np.int64) * size
             sizes = np.full(n, size, dtype=np.int64)
-            plans = {"d2h": dma.merge_adjacent(host_addr, src.data_ptr() + dev_off, sizes, merge=False),
-                     "h2d": dma.merge_adjacent(back.data_ptr() + dev_off, host_addr, sizes, merge=False)}
+            plans = {
+                "d2h": dma.merge_adjacent(host_addr, src.data_ptr() + dev_off, sizes, merge=False),
+                "h2d": dma.merge_adjacent(back.data_ptr() + dev_off, host_addr, sizes, merge=False),
+            }
             hview = host_buf[: nslots * size].view(nslots, size)
 
             def host_ok() -> bool:
                 return same_bits(hview.to(dev).index_select(0, slots_d), src[: n * size].view(n, size))
 
             variants = [(f"batch_x{s}", s, 0) for s in a.streams]
-            variants += [("batch_overlapflag", 1, cuda_driver.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE), ("per_copy_loop", 1, 0)]
+            variants += [
+                ("batch_overlapflag", 1, cuda_driver.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE),
+                ("per_copy_loop", 1, 0),
+            ]
             for direction in ("d2h", "h2d"):
                 ceiling = ceil[direction]["GBps_best"]
                 if direction == "h2d":  # the host slots must hold src: put it there by a CPU scatter (independent path)
                     hview.index_copy_(0, slots, src[: n * size].view(n, size).cpu())
                 for name, ns, flags in variants:
-                    meta = {"section": "dma", "direction": direction, "copy_bytes": size, "variant": name,
-                            "streams": ns, "copies": n, "bytes": n * size}
+                    meta = {
+                        "section": "dma",
+                        "direction": direction,
+                        "copy_bytes": size,
+                        "variant": name,
+                        "streams": ns,
+                        "copies": n,
+                        "bytes": n * size,
+                    }
                     with case(self.rows, meta) as row:
                         if self.over_budget():
                             row["skipped"] = "time budget"
@@ -379,14 +431,17 @@ class Probe:
                             back.fill_(0xFF)
                         secs = self.timed(fn)
                         self.add_stats(row, n * size, secs, ceiling, cpu, calls)
-                        row["verified"] = host_ok() if direction == "d2h" else same_bits(back[: n * size], src[: n * size])
+                        row["verified"] = (
+                            host_ok() if direction == "d2h" else same_bits(back[: n * size], src[: n * size])
+                        )
                     print("  " + row_line(row), flush=True)
             self.write()
         src = back = None  # freed before the next size (the closures above hold the names, so not `del`)
 
     # -- c: the pipelined path ----------------------------------------------------------------------
-    def pipeline_section(self, dev: DeviceKVPool, host: HostKVPool, tokens: int, ps: int, ceil: dict[str, Any],
-                         gen: torch.Generator) -> None:
+    def pipeline_section(
+        self, dev: DeviceKVPool, host: HostKVPool, tokens: int, ps: int, ceil: dict[str, Any], gen: torch.Generator
+    ) -> None:
         a, drv, device = self.args, self.drv, self.device
         cfg = dev.config
         k = tokens // ps
@@ -433,7 +488,9 @@ class Probe:
         for direction in ("d2h", "h2d"):
             if not HAVE_TRITON:
                 break
-            with case(self.rows, {**base, "section": "baseline", "direction": direction, "variant": "triton_direct"}) as row:
+            with case(
+                self.rows, {**base, "section": "baseline", "direction": direction, "variant": "triton_direct"}
+            ) as row:
                 if direction == "d2h":
                     self.poison.host(host.kv_buffer)
                     secs = self.timed(lambda: rows_copy(dview, src_d, hview, host_d))
@@ -447,8 +504,15 @@ class Probe:
                     row["verified"] = dev_ok()
             print("  " + row_line(row), flush=True)
         for direction in ("d2h", "h2d"):
-            with case(self.rows, {**base, "section": "baseline", "direction": direction,
-                                  "variant": "gather_only" if direction == "d2h" else "scatter_only"}) as row:
+            with case(
+                self.rows,
+                {
+                    **base,
+                    "section": "baseline",
+                    "direction": direction,
+                    "variant": "gather_only" if direction == "d2h" else "scatter_only",
+                },
+            ) as row:
                 if direction == "d2h":
                     secs = self.timed(lambda: rows_copy(dview, src_d, sview, pos))
                     row["verified"] = same_bits(expected, sview)
@@ -479,8 +543,16 @@ class Probe:
                 copies = sum(f.count for _, _, f in plan)
                 for ns in a.streams:
                     for mode in ("split",) if ns == 1 else ("split", "rr"):
-                        meta = {**base, "direction": direction, "variant": f"batch_{mode}", "streams": ns,
-                                "chunk_mib": chunk_mib, "chunks": len(plan), "copies": copies, "plan_ms": plan_ms}
+                        meta = {
+                            **base,
+                            "direction": direction,
+                            "variant": f"batch_{mode}",
+                            "streams": ns,
+                            "chunk_mib": chunk_mib,
+                            "chunks": len(plan),
+                            "copies": copies,
+                            "plan_ms": plan_ms,
+                        }
                         with case(self.rows, meta) as row:
                             if self.over_budget():
                                 row["skipped"] = "time budget"
@@ -569,8 +641,10 @@ def cpu_smoke() -> dict[str, Any]:
         staging = torch.zeros(geo.stage_shape, dtype=cfg.dtype)
         f = dma.flat_plan(geo, dma.host_runs_array(slots), host.kv_buffer.data_ptr(), staging.data_ptr(), "h2d")
         cuda_driver.memmove_batch(f.dst, f.src, f.size)
-        ok = torch.equal(geo.stage_view(staging).view(torch.uint8),
-                         host.token_view().index_select(2, slots).contiguous().view(torch.uint8))
+        ok = torch.equal(
+            geo.stage_view(staging).view(torch.uint8),
+            host.token_view().index_select(2, slots).contiguous().view(torch.uint8),
+        )
         out[str(ps)] = {"copies": f.count, "bytes": f.nbytes, "verified": bool(ok)}
     return out
 
@@ -580,9 +654,17 @@ def cpu_smoke() -> dict[str, Any]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=None, help="JSON output (default bench/results/dma_batch_probe-<gpu>.json; with --quick, under bench/results/quick/)")
-    ap.add_argument("--quick", action="store_true",
-                    help="0.25 GiB, 3 reps, page sizes 1,64, 64 MiB chunks, 1-2 streams, sizes 64K,2M")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="JSON output (default bench/results/dma_batch_probe-<gpu>.json; with --quick, under bench/results/quick/)",
+    )
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="0.25 GiB, 3 reps, page sizes 1,64, 64 MiB chunks, 1-2 streams, sizes 64K,2M",
+    )
     ap.add_argument("--gib", type=float, default=None, help="GiB per batch (default 1)")
     ap.add_argument("--page-sizes", default=None, help="default 1,16,64")
     ap.add_argument("--sizes", default=None, help="pure-DMA copy sizes (default 64K,128K,2M)")
@@ -590,8 +672,12 @@ def main() -> int:
     ap.add_argument("--streams", default=None, help="copy stream counts (default 1,2,4)")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions per case (default 7)")
     ap.add_argument("--layout", default="page_first", choices=["page_first", "layer_first"])
-    ap.add_argument("--batch-abi", default="selftest", choices=["selftest", "v2", "v1", "off"],
-                    help="which cuMemcpyBatchAsync ABI to use: the first whose subprocess self-test passes (default)")
+    ap.add_argument(
+        "--batch-abi",
+        default="selftest",
+        choices=["selftest", "v2", "v1", "off"],
+        help="which cuMemcpyBatchAsync ABI to use: the first whose subprocess self-test passes (default)",
+    )
     ap.add_argument("--skip", default="", help="comma list of sections to skip: dma,pipeline")
     ap.add_argument("--budget-s", type=float, default=200.0, help="skip remaining cases after this many seconds")
     ap.add_argument("--selftest-abi", default=None, help=argparse.SUPPRESS)
@@ -611,9 +697,13 @@ def main() -> int:
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
 
     cuda = torch.cuda.is_available()
-    result: dict[str, Any] = {"benchmark": "dma_batch_probe", "complete": False, "machine": machine_info(cuda),
-                              "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                              "ratios_use": "GB/s median of the case / best GB/s of this run's contiguous pinned copy"}
+    result: dict[str, Any] = {
+        "benchmark": "dma_batch_probe",
+        "complete": False,
+        "machine": machine_info(cuda),
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "ratios_use": "GB/s median of the case / best GB/s of this run's contiguous pinned copy",
+    }
     if not cuda:
         print("CUDA not available: CPU planning smoke only (the measurements need a GPU)")
         result["cpu_smoke"] = cpu_smoke()
@@ -641,9 +731,15 @@ def main() -> int:
         abi = args.batch_abi
     drv = cuda_driver.CudaDriver(batch_abi=abi)
     result["batch"] = {"abi_used": drv.batch_abi, "status": drv.batch_status, "driver_api_version": drv.driver_version}
-    print(f"batched copies: abi={drv.batch_abi} ({drv.batch_status})"
-          + ("  ** NO WORKING BATCH ABI: every 'batch' row below is the per-copy fallback **" if drv.batch_abi is None else ""),
-          flush=True)
+    print(
+        f"batched copies: abi={drv.batch_abi} ({drv.batch_status})"
+        + (
+            "  ** NO WORKING BATCH ABI: every 'batch' row below is the per-copy fallback **"
+            if drv.batch_abi is None
+            else ""
+        ),
+        flush=True,
+    )
 
     cfg = KVCacheConfig.llama3_8b()
     lcm = max(args.page_sizes)
@@ -652,22 +748,36 @@ def main() -> int:
     tokens = int(args.gib * GiB) // cfg.bytes_per_token
     tokens = max(lcm, tokens // lcm * lcm)
     nbytes = tokens * cfg.bytes_per_token
-    result.update(kv={"layers": cfg.num_layers, "kv_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
-                      "dtype": str(cfg.dtype), "bytes_per_token": cfg.bytes_per_token},
-                  tokens_per_batch=tokens, bytes_per_batch=nbytes, reps=args.reps)
+    result.update(
+        kv={
+            "layers": cfg.num_layers,
+            "kv_heads": cfg.kv_heads,
+            "head_dim": cfg.head_dim,
+            "dtype": str(cfg.dtype),
+            "bytes_per_token": cfg.bytes_per_token,
+        },
+        tokens_per_batch=tokens,
+        bytes_per_batch=nbytes,
+        reps=args.reps,
+    )
     timer = Timer(True)
     gen = torch.Generator().manual_seed(0)
     ceil = contiguous_ceilings(nbytes, torch.device(DEVICE), timer, max(args.reps, 10))
     result["ceilings"] = ceil
-    print(f"ceilings ({nbytes / GiB:.2f} GiB contiguous, pinned): D2H {ceil['d2h']['GBps_best']:.1f} GB/s, "
-          f"H2D {ceil['h2d']['GBps_best']:.1f} GB/s", flush=True)
+    print(
+        f"ceilings ({nbytes / GiB:.2f} GiB contiguous, pinned): D2H {ceil['d2h']['GBps_best']:.1f} GB/s, "
+        f"H2D {ceil['h2d']['GBps_best']:.1f} GB/s",
+        flush=True,
+    )
 
     host = HostKVPool(cfg, 2 * tokens, lcm, args.layout, pin_memory=PIN)
     probe = Probe(args, drv, out, result)
     probe.t_start = t_start
     probe.write()
-    hdr = (f"{'section':9s} {'dir':4s} {'ps/S':>5s} {'variant':14s} {'st':>2s} {'chnk':>4s} | {'GB/s':>6s} {'ratio':5s} "
-           f"{'ok':5s} {'sub_ms':>7s} {'calls':>6s} {'copies':>6s}")
+    hdr = (
+        f"{'section':9s} {'dir':4s} {'ps/S':>5s} {'variant':14s} {'st':>2s} {'chnk':>4s} | {'GB/s':>6s} {'ratio':5s} "
+        f"{'ok':5s} {'sub_ms':>7s} {'calls':>6s} {'copies':>6s}"
+    )
     print(hdr, flush=True)
     if "dma" not in skip:
         try:
@@ -684,26 +794,46 @@ def main() -> int:
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc()
                 result.setdefault("errors", []).append(f"pipeline ps={ps}: {e!r}")
-    result["batch"].update(status_end=drv.batch_status, batch_calls=drv.batch_calls, fallback_copies=drv.fallback_copies)
+    result["batch"].update(
+        status_end=drv.batch_status, batch_calls=drv.batch_calls, fallback_copies=drv.fallback_copies
+    )
     probe.write(complete=True)
 
     rows = result["rows"]
-    print(f"\nsummary (ratio = GB/s median / ceiling: D2H {ceil['d2h']['GBps_best']:.1f}, H2D {ceil['h2d']['GBps_best']:.1f}; "
-          f"targets offload 0.97, load-back 0.95; batch abi {drv.batch_abi})")
+    print(
+        f"\nsummary (ratio = GB/s median / ceiling: D2H {ceil['d2h']['GBps_best']:.1f}, H2D {ceil['h2d']['GBps_best']:.1f}; "
+        f"targets offload 0.97, load-back 0.95; batch abi {drv.batch_abi})"
+    )
     print(hdr)
     for r in rows:
         print(row_line(r))
     for direction, target in (("d2h", 0.97), ("h2d", 0.95)):
         for ps in args.page_sizes:
-            good = [r for r in rows if r["section"] == "pipeline" and r["direction"] == direction
-                    and r.get("page_size") == ps and r.get("verified") and "ratio_median" in r]
-            base = [r for r in rows if r["section"] == "baseline" and r["direction"] == direction
-                    and r.get("page_size") == ps and r["variant"] == "triton_direct" and "ratio_median" in r]
+            good = [
+                r
+                for r in rows
+                if r["section"] == "pipeline"
+                and r["direction"] == direction
+                and r.get("page_size") == ps
+                and r.get("verified")
+                and "ratio_median" in r
+            ]
+            base = [
+                r
+                for r in rows
+                if r["section"] == "baseline"
+                and r["direction"] == direction
+                and r.get("page_size") == ps
+                and r["variant"] == "triton_direct"
+                and "ratio_median" in r
+            ]
             if good:
                 b = max(good, key=lambda r: r["ratio_median"])
                 tri = f"{base[0]['ratio_median']:.3f}" if base else "-"
-                print(f"best {direction} ps={ps:3d}: {b['ratio_median']:.3f} ({b['variant']} x{b['streams']}, "
-                      f"{b['chunk_mib']} MiB) vs triton_direct {tri}; target {target}")
+                print(
+                    f"best {direction} ps={ps:3d}: {b['ratio_median']:.3f} ({b['variant']} x{b['streams']}, "
+                    f"{b['chunk_mib']} MiB) vs triton_direct {tri}; target {target}"
+                )
     bad = [r for r in rows if r.get("verified") is False]
     print(f"rows {len(rows)}, not verified/failed {len(bad)}, wall {time.perf_counter() - t_start:.0f} s; wrote {out}")
     return 0 if not bad else 1

@@ -38,11 +38,22 @@ from common import target, write_result  # noqa: E402
 # (object attribute holding it, method) per mode: the phases timed inside the iteration's manager calls
 PHASES = {
     # reserve_due and _accept: a due call's reservation past the early exit, so that the door is the quiet calls
-    "adapter": [("adapter", "_reserve"), ("manager", "reserve_due"), ("adapter", "_accept"), ("adapter", "_enter"),
-                ("adapter", "finalize_release_on_finish"), ("adapter", "_flush"), ("manager", "submit_reserved"),
-                ("manager", "check_progress")],
-    "batch": [("manager", "offload_batch"), ("manager", "_submit"), ("manager", "finalize"),
-              ("manager", "check_progress")],
+    "adapter": [
+        ("adapter", "_reserve"),
+        ("manager", "reserve_due"),
+        ("adapter", "_accept"),
+        ("adapter", "_enter"),
+        ("adapter", "finalize_release_on_finish"),
+        ("adapter", "_flush"),
+        ("manager", "submit_reserved"),
+        ("manager", "check_progress"),
+    ],
+    "batch": [
+        ("manager", "offload_batch"),
+        ("manager", "_submit"),
+        ("manager", "finalize"),
+        ("manager", "check_progress"),
+    ],
 }
 # `bare_door`: the floor (`bare`) with SGLang's per-request loop in front of it, calling a method that does nothing
 # (bench._NoOp), timed as its own phase: what the call pattern alone costs in the iteration itself, with the engine's
@@ -51,15 +62,34 @@ PHASES = {
 PHASES["bare_door"] = [("bare", "offload_batch"), ("bare", "finalize"), ("bare", "check_progress")]
 # --detail: the steps inside those phases, for both doors (owner paths from the loop; keyed "owner.method"): where a
 # submit, an admission and a release spend their time on a GPU host, whose table has no host mirror
-DETAIL = [("manager", "_copy_slots"), ("manager.fx.copy_engine", "submit_d2h"), ("manager.fx", "start_copy_each"),
-          ("manager", "_admit"), ("manager", "_check_admissible"), ("manager.fx", "request_slots"),
-          ("manager.fx.allocator", "free"), ("manager.fx.allocator", "free_page_ids"),
-          ("manager.fx.device_table", "page_ids"), ("manager.fx.req_to_token", "free"), ("manager.fx.prefix_cache", "unlock"),
-          ("manager.fx", "copies_reading"), ("manager.fx.worker", "submit_many"), ("manager.fx", "flush")]
+DETAIL = [
+    ("manager", "_copy_slots"),
+    ("manager.fx.copy_engine", "submit_d2h"),
+    ("manager.fx", "start_copy_each"),
+    ("manager", "_admit"),
+    ("manager", "_check_admissible"),
+    ("manager.fx", "request_slots"),
+    ("manager.fx.allocator", "free"),
+    ("manager.fx.allocator", "free_page_ids"),
+    ("manager.fx.device_table", "page_ids"),
+    ("manager.fx.req_to_token", "free"),
+    ("manager.fx.prefix_cache", "unlock"),
+    ("manager.fx", "copies_reading"),
+    ("manager.fx.worker", "submit_many"),
+    ("manager.fx", "flush"),
+]
 
 
-def run_mode(mode: str, live: int, page: int, device: str, warmup: int, iterations: int,
-             order: str = "sglang", detail: bool = False) -> dict[str, Any]:
+def run_mode(
+    mode: str,
+    live: int,
+    page: int,
+    device: str,
+    warmup: int,
+    iterations: int,
+    order: str = "sglang",
+    detail: bool = False,
+) -> dict[str, Any]:
     store = tempfile.mkdtemp(prefix=f"kvfsm-door-{mode}-", dir=bench.SHM if device == "cuda" else None)
     try:
         loop = bench.probe_loop("bare" if mode == "bare_door" else mode, live, page, device, store, order)
@@ -105,8 +135,13 @@ def run_mode(mode: str, live: int, page: int, device: str, warmup: int, iteratio
         bench.run_marked(loop, warmup, iterations, timed)
         out: dict[str, Any] = {"mode": mode, "live": live, "page": page, "iterations": len(per_iter)}
         keys = sorted({k for r in per_iter for k in r})
-        out["phases_ms"] = {k: {"median": statistics.median(r.get(k, 0.0) for r in per_iter),
-                                "mean": statistics.fmean(r.get(k, 0.0) for r in per_iter)} for k in keys}
+        out["phases_ms"] = {
+            k: {
+                "median": statistics.median(r.get(k, 0.0) for r in per_iter),
+                "mean": statistics.fmean(r.get(k, 0.0) for r in per_iter),
+            }
+            for k in keys
+        }
         if mode == "adapter":
             # the calls' time outside every timed phase: the early exits (plus the loop's own overhead)
             door = [r["offload_ms"] + r["check_ms"] - r.get("outermost", 0.0) for r in per_iter]
@@ -144,8 +179,9 @@ def _door_in_front(loop: Any, into: dict[str, float], timed: list[bool]) -> None
     loop.offload = door_then_offload
 
 
-def _wrap(obj: Any, name: str, into: dict[str, float], timed: list[bool], depth: list[int],
-          key: str | None = None) -> None:
+def _wrap(
+    obj: Any, name: str, into: dict[str, float], timed: list[bool], depth: list[int], key: str | None = None
+) -> None:
     """Replace `obj.name` by a wrapper that adds its time to `into[key or name]` while `timed` holds, and to
     `into["outermost"]` when no other timed phase encloses it (phases nest: a finish may flush)."""
     call: Callable[..., Any] = getattr(obj, name)
@@ -174,18 +210,31 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for a in rows:
         b = next((r for r in rows if r["mode"] == "batch" and (r["live"], r["page"]) == (a["live"], a["page"])), None)
         if a["mode"] == "adapter" and b is not None:
+
             def total(r: dict[str, Any]) -> float:
                 return float(r["phases_ms"]["offload_ms"]["median"] + r["phases_ms"]["check_ms"]["median"])
-            out.append(target(f"adapter / batch, median calls + check, {a['live']} live {a['page']}/{a['page']}",
-                              total(a) / total(b), 1.3))
-            floor = next((r for r in rows if r["mode"] == "bare_door" and (r["live"], r["page"]) == (a["live"], a["page"])),
-                         None)
+
+            out.append(
+                target(
+                    f"adapter / batch, median calls + check, {a['live']} live {a['page']}/{a['page']}",
+                    total(a) / total(b),
+                    1.3,
+                )
+            )
+            floor = next(
+                (r for r in rows if r["mode"] == "bare_door" and (r["live"], r["page"]) == (a["live"], a["page"])), None
+            )
             if floor is not None:
                 # The limit probe: a drop-in through SGLang's door does at least the batch door's work plus the loop
                 # around a callee that does nothing, as measured in the iteration itself
                 door = floor["phases_ms"]["noop_door"]["median"]
-                out.append(target(f"limit probe: (batch + no-op door) / batch, median, {a['live']} live {a['page']}/{a['page']}",
-                                  (total(b) + door) / total(b), 1.3))
+                out.append(
+                    target(
+                        f"limit probe: (batch + no-op door) / batch, median, {a['live']} live {a['page']}/{a['page']}",
+                        (total(b) + door) / total(b),
+                        1.3,
+                    )
+                )
     return out
 
 
@@ -210,12 +259,21 @@ def main(argv: list[str] | None = None) -> int:
                 phases = ", ".join(f"{k} {v['median']:.3f}/{v['mean']:.3f}" for k, v in row["phases_ms"].items())
                 extra = ""
                 if mode == "adapter":
-                    extra = (f"; door {row['door_ms']['median']:.3f}/{row['door_ms']['mean']:.3f} ms; quiet call "
-                             f"{row['quiet_call_ns_after_loop'] or 0:.0f} ns after the loop, "
-                             f"{row['quiet_call_ns_drained'] or 0:.0f} ns drained; floor {row['call_floor_ns']:.0f} ns")
+                    extra = (
+                        f"; door {row['door_ms']['median']:.3f}/{row['door_ms']['mean']:.3f} ms; quiet call "
+                        f"{row['quiet_call_ns_after_loop'] or 0:.0f} ns after the loop, "
+                        f"{row['quiet_call_ns_drained'] or 0:.0f} ns drained; floor {row['call_floor_ns']:.0f} ns"
+                    )
                 print(f"{mode:8s} live={live} page={page}: (median/mean ms) {phases}{extra}", flush=True)
-    print("wrote", write_result("door_phases", {"settings": vars(args), "rows": rows, "targets": targets(rows)}, args.out,
-                                quick=args.device == "cpu"))  # on a CPU it checks the probe, not the numbers
+    print(
+        "wrote",
+        write_result(
+            "door_phases",
+            {"settings": vars(args), "rows": rows, "targets": targets(rows)},
+            args.out,
+            quick=args.device == "cpu",
+        ),
+    )  # on a CPU it checks the probe, not the numbers
     return 0
 
 

@@ -32,9 +32,20 @@ PAGE = 16
 
 def finalize_us(fifo: int, finishes: int) -> list[float]:
     """Each of `finishes` finalize calls timed alone, with `fifo` chunks in flight."""
-    e = SimEngine(page_size=PAGE, stride=PAGE, device_slots=(fifo + 1) * 3 * PAGE, host_slots=(fifo + 1) * PAGE,
-                  rows=fifo + 1, max_context=4 * PAGE, backup_queue=fifo + 1, fenced=True, checked=False,
-                  num_layers=1, kv_heads=1, head_dim=1)
+    e = SimEngine(
+        page_size=PAGE,
+        stride=PAGE,
+        device_slots=(fifo + 1) * 3 * PAGE,
+        host_slots=(fifo + 1) * PAGE,
+        rows=fifo + 1,
+        max_context=4 * PAGE,
+        backup_queue=fifo + 1,
+        fenced=True,
+        checked=False,
+        num_layers=1,
+        kv_heads=1,
+        head_dim=1,
+    )
     reqs = [e.admit(f"r{i}", PAGE) for i in range(fifo)]
     for req in reqs:
         assert req is not None
@@ -73,14 +84,21 @@ def main(argv: list[str] | None = None) -> int:
         runs = [finalize_us(fifo, args.finishes) for _ in range(args.repeats)]
         first = [r[0] for r in runs]
         rest = [us for r in runs for us in r[1:]]
-        row = {"fifo": fifo, "finishes": args.finishes, "repeats": args.repeats,
-               "first_finalize_us_median": statistics.median(first),
-               "later_finalize_us_median": statistics.median(rest)}
+        row = {
+            "fifo": fifo,
+            "finishes": args.finishes,
+            "repeats": args.repeats,
+            "first_finalize_us_median": statistics.median(first),
+            "later_finalize_us_median": statistics.median(rest),
+        }
         rows.append(row)
-        print(f"fifo {fifo:5d}: first finalize {row['first_finalize_us_median']:8.1f} us, "
-              f"later ones {row['later_finalize_us_median']:8.1f} us (medians)")
-    path = write_result("fenced_release_cost", {"settings": vars(args), "rows": rows, "targets": targets(rows)},
-                        args.out, quick=True)
+        print(
+            f"fifo {fifo:5d}: first finalize {row['first_finalize_us_median']:8.1f} us, "
+            f"later ones {row['later_finalize_us_median']:8.1f} us (medians)"
+        )
+    path = write_result(
+        "fenced_release_cost", {"settings": vars(args), "rows": rows, "targets": targets(rows)}, args.out, quick=True
+    )
     print("wrote", path)
     return 0
 

@@ -55,15 +55,20 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[tuple[float, float]]] = {"forked": [], "own_interpreter": []}
     try:
         for i in range(args.starts):
-            for way in (("forked", "own_interpreter") if i % 2 == 0 else ("own_interpreter", "forked")):
+            for way in ("forked", "own_interpreter") if i % 2 == 0 else ("own_interpreter", "forked"):
                 runs[way].append(_start(directory, way == "forked"))
     finally:
         fork_server.AVAILABLE = fork_server.SUPPORTED
         shutil.rmtree(directory, ignore_errors=True)
-    result = {way: {"starts": len(r), "wall_ms_median": round(statistics.median(w for w, _ in r) * 1e3, 1),
-                    "cpu_ms_median": round(statistics.median(c for _, c in r) * 1e3, 1),
-                    "first_wall_ms": round(r[0][0] * 1e3, 1)}
-              for way, r in runs.items()}
+    result = {
+        way: {
+            "starts": len(r),
+            "wall_ms_median": round(statistics.median(w for w, _ in r) * 1e3, 1),
+            "cpu_ms_median": round(statistics.median(c for _, c in r) * 1e3, 1),
+            "first_wall_ms": round(r[0][0] * 1e3, 1),
+        }
+        for way, r in runs.items()
+    }
     result["supported"] = fork_server.SUPPORTED
     for way, r in result.items():
         print(f"{way:16s} {r}")

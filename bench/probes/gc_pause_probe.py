@@ -52,8 +52,9 @@ def full_collection_ms(repeats: int) -> float:
     return round(best * 1e3, 3)
 
 
-def measure(requests: int, objects: int, repeats: int, prompt: tuple[int, int] = (32, 256),
-            output: tuple[int, int] = (64, 512)) -> dict[str, Any]:
+def measure(
+    requests: int, objects: int, repeats: int, prompt: tuple[int, int] = (32, 256), output: tuple[int, int] = (64, 512)
+) -> dict[str, Any]:
     """The full collection's length with the engine's requests, then with the manager's objects beside them,
     then with the manager's objects alone; every earlier object frozen first, as the serving loop freezes its
     start-up objects, and unfrozen at the end (the probe runs in a process of its own)."""
@@ -71,8 +72,14 @@ def measure(requests: int, objects: int, repeats: int, prompt: tuple[int, int] =
         del manager
     finally:
         gc.unfreeze()
-    return {"requests": requests, "token_ids_in_lists": token_ids, "manager_objects": objects,
-            "engine_requests_ms": engine_ms, "both_ms": both_ms, "manager_objects_ms": manager_ms}
+    return {
+        "requests": requests,
+        "token_ids_in_lists": token_ids,
+        "manager_objects": objects,
+        "engine_requests_ms": engine_ms,
+        "both_ms": both_ms,
+        "manager_objects_ms": manager_ms,
+    }
 
 
 def main() -> None:

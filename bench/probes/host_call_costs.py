@@ -85,12 +85,14 @@ def main() -> None:
     res["torch.cuda.stream(s) enter + exit"] = median_us(ctx, n)
     res["torch.as_tensor(list of blocks)"] = median_us(lambda: torch.as_tensor(blocks, dtype=torch.long), n)
     res["engine: ids .to(cuda, non_blocking)"] = median_us(
-        lambda: torch.as_tensor(blocks, dtype=torch.long).to(dev, non_blocking=True), n, sync)
+        lambda: torch.as_tensor(blocks, dtype=torch.long).to(dev, non_blocking=True), n, sync
+    )
     ids = torch.as_tensor(blocks, dtype=torch.long).to(dev)
     res["engine: index_select of the blocks"] = median_us(lambda: flat_view.index_select(0, ids), n, sync)
     gathered = flat_view.index_select(0, ids)
     res["engine: one pinned copy_(non_blocking)"] = median_us(
-        lambda: pinned[:a.blocks].copy_(gathered, non_blocking=True), n, sync)
+        lambda: pinned[: a.blocks].copy_(gathered, non_blocking=True), n, sync
+    )
     res["kvfsm: plan_copy (list + PageSlots)"] = median_us(lambda: plan_copy("d2h", dpool, blocks, hpool, slots), n)
     res["kvfsm: token_view() of the host pool"] = median_us(hpool.token_view, n)
     dv, hv = dpool.token_view(), hpool.token_view()
@@ -98,7 +100,8 @@ def main() -> None:
     rc = dma.row_copies(dv, blocks, hv, pages)
     drv = eng._ops.driver
     res["kvfsm: driver run_batch_buffers (8 x 512 KiB)"] = median_us(
-        lambda: drv.run_batch_buffers(rc.dst, rc.src, rc.size, eng.stream.cuda_stream), n, sync)
+        lambda: drv.run_batch_buffers(rc.dst, rc.src, rc.size, eng.stream.cuda_stream), n, sync
+    )
     res["kvfsm: choose_backend"] = median_us(lambda: eng.choose_backend(plan), n)
     res["kvfsm: submit_d2h (whole)"] = median_us(lambda: eng.submit_d2h(dpool, blocks, hpool, slots), n, sync)
     res["kvfsm: SlotFence.wait(compute)"] = median_us(lambda: fence.wait(compute), n)
@@ -111,7 +114,9 @@ def main() -> None:
     res["kvfsm: host alloc_pages + page_slots + free_pages"] = median_us(host_pages, n)
     for k, v in res.items():
         print(f"{k:50s} {v:8.2f} us")
-    print(f"wrote {write_result('host_call_costs', {'params': {'iters': n, 'blocks': a.blocks}, 'median_us': res}, a.out)}")
+    print(
+        f"wrote {write_result('host_call_costs', {'params': {'iters': n, 'blocks': a.blocks}, 'median_us': res}, a.out)}"
+    )
 
 
 if __name__ == "__main__":

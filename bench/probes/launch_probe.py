@@ -76,8 +76,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not tk._launch.enabled:
         raise SystemExit("this Triton's compiled handle refused the arguments: every launch went through kernel[grid]")
     saved = results["jit"]["median_ms"] - results["compiled"]["median_ms"]
-    path = write_result("launch_probe", {"settings": vars(args), "launch": results, "saved_ms": saved},
-                        args.out, quick=args.quick)
+    path = write_result(
+        "launch_probe", {"settings": vars(args), "launch": results, "saved_ms": saved}, args.out, quick=args.quick
+    )
     print(f"saved {saved:.4f} ms per launch -> {path}")
     return 0
 

@@ -26,10 +26,21 @@ import manager_overhead as bench  # noqa: E402
 from kvfsm.generated.decode_offload import DecodeOffloadMachine  # noqa: E402
 from kvfsm.runtime import effects, manager  # noqa: E402
 
-PHASES = [(manager.DecodeOffloadManager, ("offload_batch", "_submit", "_copy_slots", "check_progress")),
-          (DecodeOffloadMachine, ("offload_each", "copy_done_each", "backup_done_each")),
-          (effects.OffloadEffects, ("start_copy_each", "hash_chunk_each", "submit_backup_each", "mark_stored_each",
-                                    "free_host_chunk_each", "flush"))]
+PHASES = [
+    (manager.DecodeOffloadManager, ("offload_batch", "_submit", "_copy_slots", "check_progress")),
+    (DecodeOffloadMachine, ("offload_each", "copy_done_each", "backup_done_each")),
+    (
+        effects.OffloadEffects,
+        (
+            "start_copy_each",
+            "hash_chunk_each",
+            "submit_backup_each",
+            "mark_stored_each",
+            "free_host_chunk_each",
+            "flush",
+        ),
+    ),
+]
 
 
 def main() -> None:
@@ -53,6 +64,7 @@ def main() -> None:
                 return fn(*a, **k)
             finally:
                 spent[name] += time.perf_counter() - t0
+
         setattr(cls, name, wrapper)
 
     for cls, names in PHASES:
@@ -72,6 +84,7 @@ def main() -> None:
             return outer(self, *a)
         finally:
             profile.disable()
+
     manager.DecodeOffloadManager.offload_batch = profiled
     progress = manager.DecodeOffloadManager.check_progress
 
@@ -83,11 +96,14 @@ def main() -> None:
             return progress(self)
         finally:
             profile.disable()
+
     manager.DecodeOffloadManager.check_progress = profiled_progress
     row = bench.run(args.live, args.iterations + 1, page, stride, context=256, mode="batch", step_s=0.02)
     n = args.iterations
-    print(f"mean us/iteration (profiled run; the benchmark's own figure is lower): "
-          f"{row['manager_us_per_iteration_mean']:.0f}, chunks/iteration {row['chunks_per_iteration_mean']:.0f}")
+    print(
+        f"mean us/iteration (profiled run; the benchmark's own figure is lower): "
+        f"{row['manager_us_per_iteration_mean']:.0f}, chunks/iteration {row['chunks_per_iteration_mean']:.0f}"
+    )
     for name, secs in sorted(spent.items(), key=lambda kv: -kv[1]):
         print(f"  {name:<16} {secs / n * 1e6:9.1f} us/iteration")
     pstats.Stats(profile).sort_stats("tottime").print_stats(25)

@@ -58,8 +58,16 @@ def main(argv: list[str] | None = None) -> int:
             assert torch.equal(pool.get_pages_bytes(slots), index_select_gather(pool, slots.slots))
             before = best_ms(lambda: index_select_gather(pool, slots.slots), args.reps)
             now = best_ms(lambda: pool.get_pages_bytes(slots), args.reps)
-            rows.append({"layout": layout, "page": page, "mib": args.mib, "index_select_ms": before,
-                         "per_page_copy_ms": now, "speedup": before / now})
+            rows.append(
+                {
+                    "layout": layout,
+                    "page": page,
+                    "mib": args.mib,
+                    "index_select_ms": before,
+                    "per_page_copy_ms": now,
+                    "speedup": before / now,
+                }
+            )
             print(rows[-1])
     print(write_result("page_bytes_probe", {"rows": rows}, args.out))
     return 0

@@ -43,8 +43,12 @@ def _contend(stop: threading.Event, hashed: list[int]) -> None:
 
 def _stats(us: list[float]) -> dict[str, float]:
     s = sorted(us)
-    return {"median": statistics.median(s), "p99": s[int(0.99 * (len(s) - 1))], "max": s[-1],
-            "mean": statistics.fmean(s)}
+    return {
+        "median": statistics.median(s),
+        "p99": s[int(0.99 * (len(s) - 1))],
+        "max": s[-1],
+        "mean": statistics.fmean(s),
+    }
 
 
 def run(page: int, pages: int, iters: int, contender: bool) -> dict[str, Any]:
@@ -69,9 +73,13 @@ def run(page: int, pages: int, iters: int, contender: bool) -> dict[str, Any]:
         if worker is not None:
             worker.join()
     wall = time.perf_counter() - t_start
-    return {"contender": "python" if contender else "none", "switch_interval_ms": sys.getswitchinterval() * 1e3,
-            "frees_per_path": iters // 2, "pages_hashed_per_s": hashed[0] / wall,
-            **{f"{path}_us": _stats(us) for path, us in times.items()}}
+    return {
+        "contender": "python" if contender else "none",
+        "switch_interval_ms": sys.getswitchinterval() * 1e3,
+        "frees_per_path": iters // 2,
+        "pages_hashed_per_s": hashed[0] / wall,
+        **{f"{path}_us": _stats(us) for path, us in times.items()},
+    }
 
 
 def main() -> None:
@@ -86,13 +94,24 @@ def main() -> None:
     torch.set_num_threads(1)
     rows = [run(args.page, args.pages, iters, contender) for contender in (False, True)]
     for r in rows:
-        print(f"contender {r['contender']:6s}: tensor mean {r['tensor_us']['mean']:8.1f} us p99 "
-              f"{r['tensor_us']['p99']:8.1f}; array mean {r['array_us']['mean']:8.1f} us p99 {r['array_us']['p99']:8.1f}")
+        print(
+            f"contender {r['contender']:6s}: tensor mean {r['tensor_us']['mean']:8.1f} us p99 "
+            f"{r['tensor_us']['p99']:8.1f}; array mean {r['array_us']['mean']:8.1f} us p99 {r['array_us']['p99']:8.1f}"
+        )
     busy = rows[1]
-    targets = [target("free given an array / given a tensor, mean, beside a thread running Python",
-                      busy["array_us"]["mean"] / busy["tensor_us"]["mean"], 1.0)]
-    path = write_result("release_path_probe", {"settings": vars(args) | {"iters": iters}, "rows": rows,
-                                               "targets": targets}, args.out, quick=args.quick)
+    targets = [
+        target(
+            "free given an array / given a tensor, mean, beside a thread running Python",
+            busy["array_us"]["mean"] / busy["tensor_us"]["mean"],
+            1.0,
+        )
+    ]
+    path = write_result(
+        "release_path_probe",
+        {"settings": vars(args) | {"iters": iters}, "rows": rows, "targets": targets},
+        args.out,
+        quick=args.quick,
+    )
     print(f"wrote {path}")
 
 

@@ -81,8 +81,7 @@ def time_cycles(fire: dict[str, Callable[[], None]], cycles: int) -> tuple[dict[
                 samples[e].append(time.perf_counter_ns() - t0)
     finally:
         gc.enable()
-    return ({e: statistics.median(s) / 1e3 for e, s in samples.items()},
-            {e: min(s) / 1e3 for e, s in samples.items()})
+    return ({e: statistics.median(s) / 1e3 for e, s in samples.items()}, {e: min(s) / 1e3 for e, s in samples.items()})
 
 
 def collections(fire: dict[str, Callable[[], None]], cycles: int) -> dict[str, float]:
@@ -121,6 +120,7 @@ def doors(n: int, times: int) -> dict[str, tuple[float, dict[str, Callable[[], N
         def run() -> None:
             for m in ms_loop:
                 getattr(m, e)(None)
+
         return run
 
     def each(e: str) -> Callable[[], None]:
@@ -131,9 +131,11 @@ def doors(n: int, times: int) -> dict[str, tuple[float, dict[str, Callable[[], N
         event = getattr(rows, e)
         return lambda: event(idx)
 
-    return {"rows": (per_rows, {e: by_rows(e) for e in CYCLE}),
-            "each": (per_each, {e: each(e) for e in CYCLE}),
-            "loop": (per_loop, {e: loop(e) for e in CYCLE})}
+    return {
+        "rows": (per_rows, {e: by_rows(e) for e in CYCLE}),
+        "each": (per_each, {e: each(e) for e in CYCLE}),
+        "loop": (per_loop, {e: loop(e) for e in CYCLE}),
+    }
 
 
 def serving_events(table_rows: int, live: int, batch: int, cycles: int, seed: int = 0) -> dict[str, Any]:
@@ -149,8 +151,13 @@ def serving_events(table_rows: int, live: int, batch: int, cycles: int, seed: in
     args = [None] * batch
     fire: dict[str, dict[str, Callable[[np.ndarray], None]]] = {
         "rows": {e: getattr(table, e) for e in CYCLE},
-        "each": {e: (lambda ev: lambda idx: ev([machines[i] for i in idx.tolist()], args))(
-            getattr(DecodeOffloadMachine, f"{e}_each")) for e in CYCLE}}
+        "each": {
+            e: (lambda ev: lambda idx: ev([machines[i] for i in idx.tolist()], args))(
+                getattr(DecodeOffloadMachine, f"{e}_each")
+            )
+            for e in CYCLE
+        },
+    }
     out: dict[str, Any] = {"table_rows": table_rows, "live": live, "batch": batch, "cycles": cycles}
     for door, events in fire.items():
         samples: dict[str, list[int]] = {e: [] for e in CYCLE}
@@ -174,16 +181,23 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a few cycles: checks the script, not the numbers")
     ap.add_argument("--out", default=None, help="where the JSON goes (default: bench/results/quick/)")
-    ap.add_argument("--serving-only", action="store_true",
-                    help="only the serving regime (`serving` in the JSON): 4096 live, events over 64 and 256 rows")
+    ap.add_argument(
+        "--serving-only",
+        action="store_true",
+        help="only the serving regime (`serving` in the JSON): 4096 live, events over 64 and 256 rows",
+    )
     a = ap.parse_args()
     serving = [serving_events(5128, 4096, batch, 20 if a.quick else 2000) for batch in (64, 256)]
     for row in serving:
-        print(f"serving regime, events over {row['batch']} of {row['live']} live rows: rows machine "
-              f"{row['rows']['cycle_us']} us a cycle, _each {row['each']['cycle_us']} us")
+        print(
+            f"serving regime, events over {row['batch']} of {row['live']} live rows: rows machine "
+            f"{row['rows']['cycle_us']} us a cycle, _each {row['each']['cycle_us']} us"
+        )
     if a.serving_only:
         out = a.out or (QUICK / f"rows_machine_probe-serving{'-quick' if a.quick else ''}-{machine_tag()}.json")
-        print(f"wrote {write_result('rows_machine_probe', {'cycle': list(CYCLE), 'serving': serving}, out=out, quick=a.quick)}")
+        print(
+            f"wrote {write_result('rows_machine_probe', {'cycle': list(CYCLE), 'serving': serving}, out=out, quick=a.quick)}"
+        )
         return
     rows_out: list[dict[str, Any]] = []
     for times in (1, 2):
@@ -193,26 +207,44 @@ def main() -> None:
                 for e in CYCLE:  # warm-up: one cycle
                     fire[e]()
                 timed, fastest = time_cycles(fire, cycles)
-                row = {"live": n, "times_per_batch": times, "door": door, "cycles": cycles,
-                       "tracked_objects_per_request": round(per_request, 3),
-                       **{f"{e}_us": round(v, 1) for e, v in timed.items()},
-                       **{f"{e}_min_us": round(v, 1) for e, v in fastest.items()},
-                       **{f"{e}_ns_per_item": round(v * 1e3 / (n * times), 1) for e, v in timed.items()},
-                       **collections(fire, cycles)}
+                row = {
+                    "live": n,
+                    "times_per_batch": times,
+                    "door": door,
+                    "cycles": cycles,
+                    "tracked_objects_per_request": round(per_request, 3),
+                    **{f"{e}_us": round(v, 1) for e, v in timed.items()},
+                    **{f"{e}_min_us": round(v, 1) for e, v in fastest.items()},
+                    **{f"{e}_ns_per_item": round(v * 1e3 / (n * times), 1) for e, v in timed.items()},
+                    **collections(fire, cycles),
+                }
                 rows_out.append(row)
-                print(f"{n:5d} x{times} {door:5s} " + "  ".join(f"{e} {timed[e]:8.1f} us" for e in CYCLE)
-                      + f"  tracked/request {per_request:.3f}  gen0/cycle {row['gen0_per_cycle']:.2f}")
+                print(
+                    f"{n:5d} x{times} {door:5s} "
+                    + "  ".join(f"{e} {timed[e]:8.1f} us" for e in CYCLE)
+                    + f"  tracked/request {per_request:.3f}  gen0/cycle {row['gen0_per_cycle']:.2f}"
+                )
     speedups = []
     for times in (1, 2):
         for n in SIZES:
             by = {r["door"]: r for r in rows_out if r["live"] == n and r["times_per_batch"] == times}
             for e in CYCLE:
-                speedups.append({"live": n, "times_per_batch": times, "event": e,
-                                 "each_over_rows": round(by["each"][f"{e}_us"] / by["rows"][f"{e}_us"], 1),
-                                 "loop_over_rows": round(by["loop"][f"{e}_us"] / by["rows"][f"{e}_us"], 1)})
+                speedups.append(
+                    {
+                        "live": n,
+                        "times_per_batch": times,
+                        "event": e,
+                        "each_over_rows": round(by["each"][f"{e}_us"] / by["rows"][f"{e}_us"], 1),
+                        "loop_over_rows": round(by["loop"][f"{e}_us"] / by["rows"][f"{e}_us"], 1),
+                    }
+                )
     out = a.out or (QUICK / f"rows_machine_probe{'-quick' if a.quick else ''}-{machine_tag()}.json")
-    path = write_result("rows_machine_probe", {"sizes": list(SIZES), "cycle": list(CYCLE), "rows": rows_out,
-                                               "speedups": speedups, "serving": serving}, out=out, quick=a.quick)
+    path = write_result(
+        "rows_machine_probe",
+        {"sizes": list(SIZES), "cycle": list(CYCLE), "rows": rows_out, "speedups": speedups, "serving": serving},
+        out=out,
+        quick=a.quick,
+    )
     print(f"wrote {path}")
 
 

@@ -80,7 +80,7 @@ def main() -> None:
     if not torch.cuda.is_available() or triton is None:
         raise SystemExit("needs CUDA and Triton")
     words = int(args.gib * (1 << 30)) // 4
-    src = torch.randint(-2**31, 2**31 - 1, (words,), dtype=torch.int32, device="cuda")
+    src = torch.randint(-(2**31), 2**31 - 1, (words,), dtype=torch.int32, device="cuda")
     dst = torch.empty(words, dtype=torch.int32, pin_memory=True)
     nbytes = words * 4
     rows = []
@@ -96,8 +96,11 @@ def main() -> None:
     for run_bytes in (nbytes, 1 << 21, 1 << 16, 1 << 11):
         run = run_bytes // 4
         n_runs = words // run
-        order = torch.randperm(n_runs, device="cuda") if run_bytes < nbytes else torch.zeros(1, dtype=torch.int64,
-                                                                                               device="cuda")
+        order = (
+            torch.randperm(n_runs, device="cuda")
+            if run_bytes < nbytes
+            else torch.zeros(1, dtype=torch.int64, device="cuda")
+        )
         starts = (order * run).to(torch.int64)
         for block, warps in ((512, 4), (1024, 4), (2048, 8), (4096, 8)):
             if run % block:
@@ -120,12 +123,24 @@ def main() -> None:
             torch.cuda.synchronize()
             record("tma_contiguous", ms, bool(torch.equal(dst, src.cpu())), block_rows=br)
     except Exception as exc:  # the probe's answer is then "not available here"
-        rows.append({"case": "tma_contiguous", "error": f"{type(exc).__name__}: {exc}"[:2000],
-                     "trace": traceback.format_exc()[-2000:]})
+        rows.append(
+            {
+                "case": "tma_contiguous",
+                "error": f"{type(exc).__name__}: {exc}"[:2000],
+                "trace": traceback.format_exc()[-2000:],
+            }
+        )
         print("tma_contiguous failed:", type(exc).__name__, str(exc)[:300], flush=True)
-    path = write_result("sm_store_probe", {"bytes": nbytes, "reps": args.reps, "dma_ceiling_GBps": ceiling,
-                                           "rows": [{**r, "ratio": r["GBps"] / ceiling} if "GBps" in r else r
-                                                    for r in rows]}, args.out)
+    path = write_result(
+        "sm_store_probe",
+        {
+            "bytes": nbytes,
+            "reps": args.reps,
+            "dma_ceiling_GBps": ceiling,
+            "rows": [{**r, "ratio": r["GBps"] / ceiling} if "GBps" in r else r for r in rows],
+        },
+        args.out,
+    )
     print(f"-> {path}")
 
 

@@ -44,11 +44,13 @@ from kvfsm.dataplane import FileStorage, HostKVPool, KVCacheConfig  # noqa: E402
 from kvfsm.dataplane.hashing import page_hashes  # noqa: E402
 from kvfsm.dataplane.storage import ProcessStorage, ShardedStorage  # noqa: E402
 
-MODES = {"none": "no store: the scheduler alone",
-         "file": "FileStorage in this process (the default store)",
-         "process": "ProcessStorage over a shared host pool: the child reads the pages in place",
-         "process-staged": "ProcessStorage over an ordinary pool: pages gathered here into the staging buffer",
-         "sharded": "ShardedStorage of --processes ProcessStorage children over the shared pool, the keys sharded"}
+MODES = {
+    "none": "no store: the scheduler alone",
+    "file": "FileStorage in this process (the default store)",
+    "process": "ProcessStorage over a shared host pool: the child reads the pages in place",
+    "process-staged": "ProcessStorage over an ordinary pool: pages gathered here into the staging buffer",
+    "sharded": "ShardedStorage of --processes ProcessStorage children over the shared pool, the keys sharded",
+}
 
 
 def unit(n: int) -> int:
@@ -87,8 +89,9 @@ def other_threads_cpu_s() -> float:
     return total
 
 
-def run_mode(mode: str, pools: dict[bool, HostKVPool], args: argparse.Namespace, root: Path,
-             work: int) -> dict[str, Any]:
+def run_mode(
+    mode: str, pools: dict[bool, HostKVPool], args: argparse.Namespace, root: Path, work: int
+) -> dict[str, Any]:
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     pin = args.pin and len(cores) > 1
     if pin:  # what starts now (store threads, the child) inherits the other cores; the main thread keeps one
@@ -99,8 +102,12 @@ def run_mode(mode: str, pools: dict[bool, HostKVPool], args: argparse.Namespace,
     elif mode.startswith("process"):
         store = ProcessStorage(functools.partial(FileStorage, root / mode, model_name="probe", writers=args.writers))
     elif mode == "sharded":
-        store = ShardedStorage.of(functools.partial(ProcessStorage, functools.partial(
-            FileStorage, root / mode, model_name="probe", writers=args.writers)), args.processes)
+        store = ShardedStorage.of(
+            functools.partial(
+                ProcessStorage, functools.partial(FileStorage, root / mode, model_name="probe", writers=args.writers)
+            ),
+            args.processes,
+        )
     pool = pools[mode in ("process", "sharded")]  # the shared pool only where the children read it in place
     stop = threading.Event()
     written = [0]
@@ -148,11 +155,19 @@ def run_mode(mode: str, pools: dict[bool, HostKVPool], args: argparse.Namespace,
         os.sched_setaffinity(0, cores)
     shutil.rmtree(root / mode, ignore_errors=True)
     times.sort()
-    return {"mode": mode, "iterations": len(times), "busy_ms": {
-                "median": statistics.median(times), "p99": times[int(0.99 * (len(times) - 1))], "max": times[-1],
-                "mean": statistics.fmean(times)},
-            "pages_per_s": pages_written / elapsed, "mb_per_s": pages_written * pool.page_nbytes / elapsed / 1e6,
-            "other_threads_cpu_ms_per_page": cpu * 1e3 / pages_written if pages_written else None}
+    return {
+        "mode": mode,
+        "iterations": len(times),
+        "busy_ms": {
+            "median": statistics.median(times),
+            "p99": times[int(0.99 * (len(times) - 1))],
+            "max": times[-1],
+            "mean": statistics.fmean(times),
+        },
+        "pages_per_s": pages_written / elapsed,
+        "mb_per_s": pages_written * pool.page_nbytes / elapsed / 1e6,
+        "other_threads_cpu_ms_per_page": cpu * 1e3 / pages_written if pages_written else None,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,17 +177,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=64, help="pages per store call (one iteration's chunks)")
     ap.add_argument("--writers", type=int, default=4, help="FileStorage writer threads, in either process")
     ap.add_argument("--seconds", type=float, default=8.0, help="timed seconds per mode")
-    ap.add_argument("--busy-ms", type=float, default=4.0, help="the scheduler's Python per iteration, alone "
-                                                              "(what kvfsm's batch door costs at 4096 live)")
-    ap.add_argument("--idle-ms", type=float, default=16.0, help="then it waits this long for the decode step "
-                                                               "(0: the thread never waits)")
-    ap.add_argument("--pin", action="store_true", help="the main thread on a core of its own, the store's threads "
-                    "and process on the others: what is left is the interpreter lock, not a shortage of cores")
+    ap.add_argument(
+        "--busy-ms",
+        type=float,
+        default=4.0,
+        help="the scheduler's Python per iteration, alone (what kvfsm's batch door costs at 4096 live)",
+    )
+    ap.add_argument(
+        "--idle-ms",
+        type=float,
+        default=16.0,
+        help="then it waits this long for the decode step (0: the thread never waits)",
+    )
+    ap.add_argument(
+        "--pin",
+        action="store_true",
+        help="the main thread on a core of its own, the store's threads "
+        "and process on the others: what is left is the interpreter lock, not a shortage of cores",
+    )
     ap.add_argument("--store-root", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--processes", type=int, default=4, help="children of the sharded mode")
-    ap.add_argument("--hashed-keys", action="store_true", help="the backup thread hashes each batch's token ids "
-                    "into its keys (page_hashes), as the backup worker does, instead of drawing random keys")
+    ap.add_argument(
+        "--hashed-keys",
+        action="store_true",
+        help="the backup thread hashes each batch's token ids "
+        "into its keys (page_hashes), as the backup worker does, instead of drawing random keys",
+    )
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
@@ -201,18 +232,28 @@ def main(argv: list[str] | None = None) -> int:
         if base is not None and r is not base:
             r["median_vs_none"] = r["busy_ms"]["median"] / base["busy_ms"]["median"]
             r["p99_vs_none"] = r["busy_ms"]["p99"] / base["busy_ms"]["p99"]
-        print(f"{r['mode']:14s} busy phase median {r['busy_ms']['median']:.3f} ms p99 {r['busy_ms']['p99']:.3f} "
-              f"max {r['busy_ms']['max']:.3f}; {r['pages_per_s']:.0f} pages/s ({r['mb_per_s']:.0f} MB/s); "
-              f"other threads' CPU {r['other_threads_cpu_ms_per_page'] or 0:.3f} ms/page", flush=True)
+        print(
+            f"{r['mode']:14s} busy phase median {r['busy_ms']['median']:.3f} ms p99 {r['busy_ms']['p99']:.3f} "
+            f"max {r['busy_ms']['max']:.3f}; {r['pages_per_s']:.0f} pages/s ({r['mb_per_s']:.0f} MB/s); "
+            f"other threads' CPU {r['other_threads_cpu_ms_per_page'] or 0:.3f} ms/page",
+            flush=True,
+        )
     print(f"(modes: {MODES})")
     process = next((r for r in rows if r["mode"] == "process"), None)
     if process is not None and base is not None:
         # what the store in a child process may cost the scheduler's busy phase, next to running none
-        targets.append(target("busy-phase median with the store in a child process / with no store",
-                              process["median_vs_none"], 1.1))
+        targets.append(
+            target(
+                "busy-phase median with the store in a child process / with no store", process["median_vs_none"], 1.1
+            )
+        )
     quick = args.quick or not torch.cuda.is_available()
-    path = write_result("store_gil_share", {"settings": {**vars(args), "unit_work": work}, "rows": rows,
-                                            "targets": targets}, args.out, quick=quick)
+    path = write_result(
+        "store_gil_share",
+        {"settings": {**vars(args), "unit_work": work}, "rows": rows, "targets": targets},
+        args.out,
+        quick=quick,
+    )
     print(f"wrote {path}")
     return 0
 

@@ -44,8 +44,16 @@ def grow_rows(limit: int, pages: int) -> list[dict]:
         t0 = time.perf_counter()
         index.put_many(batch, ["req-7"] * pages, range(pages))
         bands.setdefault(max(len(batch), fresh).bit_length() - 1, []).append((time.perf_counter() - t0) * 1e3)
-    rows = [{"entries_from": 1 << k, "calls": len(v), "max_ms": round(max(v), 3),
-             "median_ms": round(statistics.median(v), 3)} for k, v in sorted(bands.items()) if 1 << k >= 1024]
+    rows = [
+        {
+            "entries_from": 1 << k,
+            "calls": len(v),
+            "max_ms": round(max(v), 3),
+            "median_ms": round(statistics.median(v), 3),
+        }
+        for k, v in sorted(bands.items())
+        if 1 << k >= 1024
+    ]
     for row in rows:
         print(row)
     return rows
@@ -56,13 +64,18 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=1 << 20)
     ap.add_argument("--calls", type=int, default=400)
     ap.add_argument("--pages", type=int, nargs="+", default=[64, 256])
-    ap.add_argument("--grow", action="store_true", help="fill a fresh index instead: the slowest call per band of entries")
+    ap.add_argument(
+        "--grow", action="store_true", help="fill a fresh index instead: the slowest call per band of entries"
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.grow:
-        write_result("stored_index_grow_probe", {"limit": args.limit, "pages_a_call": args.pages[-1],
-                                                 "rows": grow_rows(args.limit, args.pages[-1])},
-                     quick=True, out=args.out)
+        write_result(
+            "stored_index_grow_probe",
+            {"limit": args.limit, "pages_a_call": args.pages[-1], "rows": grow_rows(args.limit, args.pages[-1])},
+            quick=True,
+            out=args.out,
+        )
         return
     prefill = _hashes(0, args.limit)
     twins = {"put": StoredPageIndex(args.limit), "put_many": StoredPageIndex(args.limit)}
@@ -87,8 +100,13 @@ def main() -> None:
             spent["put"].append((t1 - t0) / pages * 1e9)
             spent["put_many"].append((t2 - t1) / pages * 1e9)
         assert list(twins["put"]) == list(twins["put_many"])  # the same entries, oldest first
-        rows.append({"pages_a_call": pages, "calls": args.calls,
-                     **{f"{name}_ns_a_page_median": round(statistics.median(v), 1) for name, v in spent.items()}})
+        rows.append(
+            {
+                "pages_a_call": pages,
+                "calls": args.calls,
+                **{f"{name}_ns_a_page_median": round(statistics.median(v), 1) for name, v in spent.items()},
+            }
+        )
         print(rows[-1])
     write_result("stored_index_probe", {"limit": args.limit, "rows": rows}, quick=True, out=args.out)
 

@@ -29,8 +29,10 @@ sys.path.insert(0, str(BENCH))
 import sglang_adapter_gpu as bench  # noqa: E402
 from common import write_result  # noqa: E402
 
-CALLS = {"adapter": ("adapter", ("offload_kv_cache", "check_offload_progress", "finalize_release_on_finish")),
-         "batch": ("manager", ("offload_batch", "check_progress", "finalize"))}
+CALLS = {
+    "adapter": ("adapter", ("offload_kv_cache", "check_offload_progress", "finalize_release_on_finish")),
+    "batch": ("manager", ("offload_batch", "check_progress", "finalize")),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,16 +65,23 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(store, ignore_errors=True)
     per_iteration = {}
     for name, seen in counts.items():
-        per_iteration[name] = {"net_tracked_per_iteration_mean": round(statistics.fmean(seen), 1),
-                               "median": statistics.median(seen)}
+        per_iteration[name] = {
+            "net_tracked_per_iteration_mean": round(statistics.fmean(seen), 1),
+            "median": statistics.median(seen),
+        }
         print(f"{name:28s} {per_iteration[name]}")
-    print("wrote", write_result("tracked_per_call", {"settings": vars(args), "per_iteration": per_iteration},
-                                args.out, quick=True))
+    print(
+        "wrote",
+        write_result(
+            "tracked_per_call", {"settings": vars(args), "per_iteration": per_iteration}, args.out, quick=True
+        ),
+    )
     return 0
 
 
 def _counted(call: Callable[..., Any], into: list[int], timed: list[bool]) -> Callable[..., Any]:
     """`call` with the collector paused around it; in a timed iteration its net adds to that iteration's."""
+
     def counted(*a: Any, **k: Any) -> Any:
         was = gc.isenabled()
         gc.disable()
@@ -84,6 +93,7 @@ def _counted(call: Callable[..., Any], into: list[int], timed: list[bool]) -> Ca
                 into[-1] += gc.get_count()[0] - before
             if was:
                 gc.enable()
+
     return counted
 
 

@@ -63,13 +63,28 @@ def instrument() -> None:
         timed(om.OffloadingManager, name, f"engine.{name}")
     for name in ("evict_cached_blocks", "count_storable_requests", "free_blocks"):
         timed(tcache.PagedAttentionCache, name, f"cache.{name}")
-    for name in ("poll", "_swap_out", "_record", "_ack", "_retire", "engine_free_blocks", "_engine_frees", "submit",
-                 "offload_requests", "restore_scheduled_requests"):
+    for name in (
+        "poll",
+        "_swap_out",
+        "_record",
+        "_ack",
+        "_retire",
+        "engine_free_blocks",
+        "_engine_frees",
+        "submit",
+        "offload_requests",
+        "restore_scheduled_requests",
+    ):
         timed(K, name, f"manager.{name}")
     for name in ("preempt", "restore", "swap_out_done", "swap_in_done", "finish", "cancel"):
         timed(CbSwapMachine, name, f"machine.{name}")
-    for name in ("start_swap_out", "release_device_blocks_fenced", "release_device_blocks", "start_swap_in",
-                 "free_host_blocks"):
+    for name in (
+        "start_swap_out",
+        "release_device_blocks_fenced",
+        "release_device_blocks",
+        "start_swap_in",
+        "free_host_blocks",
+    ):
         timed(SwapEffects, name, f"effects.{name}")
     for name in ("alloc", "free"):
         timed(HostKVPool, name, f"host_pool.{name}")
@@ -79,6 +94,7 @@ def instrument() -> None:
         timed(cuda_mod.CudaCopyEngine, name, f"cuda.{name}")
     timed(cuda_mod.dma, "row_copies", "dma.row_copies")
     from kvfsm.dataplane.copy.cuda_driver import CudaDriver
+
     timed(CudaDriver, "run_batch_buffers", "driver.run_batch_buffers")
     for name in ("plan_copy", "kv_rows_copy"):
         timed(cuda_mod, name, f"cuda.{name}")
@@ -96,28 +112,65 @@ def instrument() -> None:
 
 
 def table(d: dict[str, list[float]], scale: float) -> dict[str, dict[str, float]]:
-    return {k: {"calls": len(v), "total_ms": round(sum(v) * scale, 3), "mean_us": round(statistics.mean(v) * scale * 1e3, 1),
-                "median_us": round(statistics.median(v) * scale * 1e3, 1)} for k, v in sorted(d.items()) if v}
+    return {
+        k: {
+            "calls": len(v),
+            "total_ms": round(sum(v) * scale, 3),
+            "mean_us": round(statistics.mean(v) * scale * 1e3, 1),
+            "median_us": round(statistics.median(v) * scale * 1e3, 1),
+        }
+        for k, v in sorted(d.items())
+        if v
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--modes", nargs="+", default=["engine", "kvfsm_fenced", "kvfsm_fenced_own_stream"],
-                    help="engine, kvfsm, kvfsm_fenced; a kvfsm mode with the suffix _own_stream runs its copies on "
-                         "the CUDA engine's copy stream (SwapConfig(copy_on_compute_stream=False))")
+    ap.add_argument(
+        "--modes",
+        nargs="+",
+        default=["engine", "kvfsm_fenced", "kvfsm_fenced_own_stream"],
+        help="engine, kvfsm, kvfsm_fenced; a kvfsm mode with the suffix _own_stream runs its copies on "
+        "the CUDA engine's copy stream (SwapConfig(copy_on_compute_stream=False))",
+    )
     ap.add_argument("--tag", default=None)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    args = argparse.Namespace(quick=False, model="small", cuda_graphs=False, device="cuda", requests=a.requests,
-                              new_tokens=a.new_tokens, prompt_min=32, prompt_max=256, page_size=32, num_blocks=192,
-                              max_batch_tokens=1024, host_gib=4.0, repeats=1, soft_reset=False, sync_timing=False,
-                              checked=False, async_batching=None, out=None, kvfsm_backend="auto")
+    args = argparse.Namespace(
+        quick=False,
+        model="small",
+        cuda_graphs=False,
+        device="cuda",
+        requests=a.requests,
+        new_tokens=a.new_tokens,
+        prompt_min=32,
+        prompt_max=256,
+        page_size=32,
+        num_blocks=192,
+        max_batch_tokens=1024,
+        host_gib=4.0,
+        repeats=1,
+        soft_reset=False,
+        sync_timing=False,
+        checked=False,
+        async_batching=None,
+        out=None,
+        kvfsm_backend="auto",
+    )
     model = tob.build_model(args, "cuda")
     inputs = tob.workload(args, model.config.vocab_size)
-    keys = ("offload_calls", "restore_calls", "time_in_offload_s", "time_offload_requests_s", "time_restore_s",
-            "swapped_out", "restores", "throughput_tok_s")
+    keys = (
+        "offload_calls",
+        "restore_calls",
+        "time_in_offload_s",
+        "time_offload_requests_s",
+        "time_restore_s",
+        "swapped_out",
+        "restores",
+        "throughput_tok_s",
+    )
     out: dict[str, Any] = {"params": {"requests": a.requests, "new_tokens": a.new_tokens}, "modes": {}}
 
     def run(mode: str) -> dict[str, Any]:
@@ -137,14 +190,17 @@ def main() -> None:
         INFO.clear()
         row = run(mode)
         res = out["modes"][mode]
-        res.update({"row": {k: row[k] for k in keys}, "timers": table(TOTALS, 1e3),
-                    "submit_info_ms": table(INFO, 1.0)})
+        res.update({"row": {k: row[k] for k in keys}, "timers": table(TOTALS, 1e3), "submit_info_ms": table(INFO, 1.0)})
         print(mode, json.dumps(res["row"]))
         for k, v in res["timers"].items():
-            print(f"  {k:40s} {v['calls']:6d} calls {v['total_ms']:9.3f} ms  mean {v['mean_us']:8.1f} us  "
-                  f"median {v['median_us']:8.1f} us")
+            print(
+                f"  {k:40s} {v['calls']:6d} calls {v['total_ms']:9.3f} ms  mean {v['mean_us']:8.1f} us  "
+                f"median {v['median_us']:8.1f} us"
+            )
         for k, v in res["submit_info_ms"].items():
-            print(f"  info {k:35s} {v['calls']:6d} mean {v['mean_us'] / 1e3:8.3f} ms median {v['median_us'] / 1e3:8.3f} ms")
+            print(
+                f"  info {k:35s} {v['calls']:6d} mean {v['mean_us'] / 1e3:8.3f} ms median {v['median_us'] / 1e3:8.3f} ms"
+            )
     print(f"wrote {write_result('transformers_host_time', out, a.out, tag=a.tag)}")
 
 

@@ -31,10 +31,26 @@ def main() -> None:
     ap.add_argument("--mode", default="kvfsm_fenced")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    args = argparse.Namespace(quick=False, model="small", cuda_graphs=False, device="cuda", requests=a.requests,
-                              new_tokens=a.new_tokens, prompt_min=32, prompt_max=256, page_size=32, num_blocks=192,
-                              max_batch_tokens=1024, host_gib=4.0, repeats=1, soft_reset=False, sync_timing=False,
-                              checked=False, async_batching=None, out=None)
+    args = argparse.Namespace(
+        quick=False,
+        model="small",
+        cuda_graphs=False,
+        device="cuda",
+        requests=a.requests,
+        new_tokens=a.new_tokens,
+        prompt_min=32,
+        prompt_max=256,
+        page_size=32,
+        num_blocks=192,
+        max_batch_tokens=1024,
+        host_gib=4.0,
+        repeats=1,
+        soft_reset=False,
+        sync_timing=False,
+        checked=False,
+        async_batching=None,
+        out=None,
+    )
     model = tob.build_model(args, "cuda")
     inputs = tob.workload(args, model.config.vocab_size)
     tob.run(model, inputs, args, a.mode, False)  # warm: kernels compiled, caches filled
@@ -46,12 +62,24 @@ def main() -> None:
     st = pstats.Stats(prof, stream=buf).sort_stats("cumulative")
     st.print_stats(r"kvfsm|offload|restore|cache|copy", 45)
     text = buf.getvalue()
-    print({k: row[k] for k in ("offload_calls", "restore_calls", "time_offload_requests_s", "time_restore_s",
-                               "swapped_out", "restores")})
+    print(
+        {
+            k: row[k]
+            for k in (
+                "offload_calls",
+                "restore_calls",
+                "time_offload_requests_s",
+                "time_restore_s",
+                "swapped_out",
+                "restores",
+            )
+        }
+    )
     print(text[-9000:])
     if a.out:
-        Path(a.out).write_text(json.dumps({"row": {k: v for k, v in row.items() if k != "_outputs"},
-                                           "profile": text}, indent=1))
+        Path(a.out).write_text(
+            json.dumps({"row": {k: v for k, v in row.items() if k != "_outputs"}, "profile": text}, indent=1)
+        )
 
 
 if __name__ == "__main__":

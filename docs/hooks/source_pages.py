@@ -40,8 +40,11 @@ def _page_uri(repo_path: str) -> str:
 def _content(root: Path, repo_path: str) -> str:
     path = root / repo_path
     if path.is_dir():
-        entries = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir()
-                         if p.name != "__pycache__" and not p.name.startswith("."))
+        entries = sorted(
+            p.name + ("/" if p.is_dir() else "")
+            for p in path.iterdir()
+            if p.name != "__pycache__" and not p.name.startswith(".")
+        )
         return f"# `{repo_path}`\n\n" + "".join(f"- `{e}`\n" for e in entries)
     text = path.read_text()
     fence = "~" * max([3, *(len(run) + 1 for run in re.findall(r"~{3,}", text))])
@@ -61,8 +64,11 @@ def on_files(files: Files, config: MkDocsConfig) -> Files:
             if repo_path is not None:
                 wanted.add(repo_path)
     for repo_path in sorted(wanted):
-        files.append(File.generated(config, _page_uri(repo_path), content=_content(root, repo_path),
-                                    inclusion=InclusionLevel.NOT_IN_NAV))
+        files.append(
+            File.generated(
+                config, _page_uri(repo_path), content=_content(root, repo_path), inclusion=InclusionLevel.NOT_IN_NAV
+            )
+        )
     return files
 
 

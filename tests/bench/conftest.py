@@ -22,4 +22,5 @@ def import_probe() -> Callable[[str], ModuleType]:
             return importlib.import_module(name)
         finally:
             sys.path.remove(str(PROBES))
+
     return load

@@ -12,7 +12,7 @@ import pytest
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 ROOT = BENCH.parent
 
-FAKE = '''import argparse, json, sys
+FAKE = """import argparse, json, sys
 {prelude}
 import kvfsm
 ap = argparse.ArgumentParser()
@@ -23,7 +23,7 @@ rows = [{{"mode": "adapter", "live": 8, "total_ms": {{"median": value, "mean": 3
         {{"mode": "floor", "live": 8, "total_ms": {{"median": 1.0, "mean": 1.0}}}}]
 json.dump({{"rows": rows, "quick": {quick}, "targets": [{{"name": "t", "value": value, "limit": 1.5,
            "met": value <= 1.5}}]}}, open(args.out, "w"))
-'''
+"""
 
 
 @pytest.fixture
@@ -31,6 +31,7 @@ def ab_trees():
     sys.path.insert(0, str(BENCH))
     try:
         import ab_trees
+
         yield ab_trees
     finally:
         sys.path.remove(str(BENCH))

@@ -16,8 +16,23 @@ def _stored(algo: str, tmp_path: Path) -> tuple[dict[str, int], dict[str, Any]]:
         import serving_loop
     finally:
         sys.path.remove(str(BENCH))
-    loop = serving_loop.ServingLoop(algo, 24, 16, 16, 1, "cpu", "cpu", 1.0, tmp_path / algo, 0.0625, seed=3,
-                                    prompt=(8, 70), output=(8, 60), store_kind="file", store_writers=1)
+    loop = serving_loop.ServingLoop(
+        algo,
+        24,
+        16,
+        16,
+        1,
+        "cpu",
+        "cpu",
+        1.0,
+        tmp_path / algo,
+        0.0625,
+        seed=3,
+        prompt=(8, 70),
+        output=(8, 60),
+        store_kind="file",
+        store_writers=1,
+    )
     loop.run(warmup=5, iterations=60, prefill_index=0)
     teardown = loop.teardown()
     index = loop.manager.fx.stored if algo == "kvfsm" else loop.manager.stored

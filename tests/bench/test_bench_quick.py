@@ -23,8 +23,7 @@ def committed_files() -> dict[str, tuple[int, str]]:
     """Every file a quick run must not touch: mtime and content hash."""
     paths = [p for p in RESULTS.rglob("*") if p.is_file() and QUICK not in p.parents]
     paths += [p for p in (ROOT / "docs").rglob("*") if p.is_file()]
-    return {str(p.relative_to(ROOT)): (p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
-            for p in paths}
+    return {str(p.relative_to(ROOT)): (p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest()) for p in paths}
 
 
 def test_quick_paths_are_git_ignored() -> None:
@@ -42,8 +41,11 @@ def test_bench_quick_writes_nothing_committed() -> None:
     changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
     assert not changed, f"a quick run changed committed files: {changed}"
 
-    fresh = {json.loads(p.read_text())["benchmark"]: json.loads(p.read_text())
-             for p in QUICK.glob("*.json") if p.stat().st_mtime >= start}
+    fresh = {
+        json.loads(p.read_text())["benchmark"]: json.loads(p.read_text())
+        for p in QUICK.glob("*.json")
+        if p.stat().st_mtime >= start
+    }
     assert {"event_runtime", "manager_overhead", "hash_throughput", "offload_bandwidth"} <= set(fresh), sorted(fresh)
     for name, doc in fresh.items():
         assert doc.get("quick") is True, f"{name}'s quick JSON is not marked quick"

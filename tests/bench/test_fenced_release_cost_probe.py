@@ -19,6 +19,7 @@ def test_every_timed_finalize_is_a_fenced_release_over_the_fifo_it_built(import_
             fifo = len(manager.fx.copy_fifo)
             inner(req)
             seen.append((spec_gen.STATES[manager.machine_of(req).state], fifo))
+
         manager.finalize = timed
 
     monkeypatch.setattr(probe.SimEngine, "__post_init__", spy)

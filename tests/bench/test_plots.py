@@ -37,6 +37,7 @@ def rendered(plots, tmp_path_factory):
     text, figures = plots.render(RESULTS, out, close=False, allow_quick=False)
     yield out, text, figures
     import matplotlib.pyplot as plt
+
     for fig in figures.values():
         plt.close(fig)
 
@@ -70,8 +71,12 @@ def test_every_plot_is_written_with_its_markdown(rendered):
 
 def test_every_figure_has_a_title_naming_its_machine(rendered):
     _, _, figures = rendered
-    sources = {"bandwidth.png": "offload_bandwidth-*.json", "event_cost.png": "event_runtime-*.json",
-               "manager_time.png": "manager_overhead-*.json", "serving_loop.png": "serving_loop-*.json"}
+    sources = {
+        "bandwidth.png": "offload_bandwidth-*.json",
+        "event_cost.png": "event_runtime-*.json",
+        "manager_time.png": "manager_overhead-*.json",
+        "serving_loop.png": "serving_loop-*.json",
+    }
     for name, fig in figures.items():
         assert fig._suptitle is not None and fig._suptitle.get_text().strip(), f"{name} has no title"
         titles = _titles(fig)
@@ -84,10 +89,12 @@ def test_every_axis_is_labelled_with_units(rendered):
     for name, fig in figures.items():
         for ax in fig.axes:
             # a y axis shared with its row's first plot may leave the label to that one
-            ylabel = ax.get_ylabel() or next((o.get_ylabel() for o in ax.get_shared_y_axes().get_siblings(ax)
-                                              if o.get_ylabel()), "")
-            xlabel = ax.get_xlabel() or next((o.get_xlabel() for o in ax.get_shared_x_axes().get_siblings(ax)
-                                              if o.get_xlabel()), "")
+            ylabel = ax.get_ylabel() or next(
+                (o.get_ylabel() for o in ax.get_shared_y_axes().get_siblings(ax) if o.get_ylabel()), ""
+            )
+            xlabel = ax.get_xlabel() or next(
+                (o.get_xlabel() for o in ax.get_shared_x_axes().get_siblings(ax) if o.get_xlabel()), ""
+            )
             assert UNIT.search(ylabel), f"{name}: y label {ylabel!r} names no unit"
             assert UNIT.search(xlabel), f"{name}: x label {xlabel!r} names no unit"
 
@@ -97,8 +104,9 @@ def test_bandwidth_and_ratio_axes_start_at_zero(rendered):
     checked = 0
     for name, fig in figures.items():
         for ax in fig.axes:
-            ylabel = ax.get_ylabel() or next((o.get_ylabel() for o in ax.get_shared_y_axes().get_siblings(ax)
-                                              if o.get_ylabel()), "")
+            ylabel = ax.get_ylabel() or next(
+                (o.get_ylabel() for o in ax.get_shared_y_axes().get_siblings(ax) if o.get_ylabel()), ""
+            )
             if ZERO_BASED.search(ylabel):
                 assert ax.get_yscale() == "linear", f"{name}: {ylabel!r} on a {ax.get_yscale()} axis"
                 assert ax.get_ylim()[0] == 0, f"{name}: {ylabel!r} starts at {ax.get_ylim()[0]}"
@@ -139,8 +147,9 @@ def test_no_legend_covers_data(rendered):
                     assert not covered, f"{name}: the legend covers points of {line.get_label()!r}"
                 for patch in ax.patches:
                     visible = Bbox.intersection(patch.get_window_extent(renderer), area)
-                    assert visible is None or not box.overlaps(visible), \
+                    assert visible is None or not box.overlaps(visible), (
                         f"{name}: the legend covers a bar of {patch.get_label()!r}"
+                    )
 
 
 def test_quick_results_never_reach_docs(plots, tmp_path):
@@ -178,7 +187,9 @@ def test_the_transformers_section_lists_every_comparison(plots, rendered, tmp_pa
         for mode in ("kvfsm", "kvfsm_fenced"):
             if mode in summary:
                 ratio = summary[f"{mode}_vs_engine_time_in_offload"]
-                assert re.search(rf"\| `{re.escape(path.name)}` \| [^|]+ \| {mode} \| .* \| {ratio:.2f}x \| yes \|", text)
+                assert re.search(
+                    rf"\| `{re.escape(path.name)}` \| [^|]+ \| {mode} \| .* \| {ratio:.2f}x \| yes \|", text
+                )
     doc = json.loads((RESULTS / "transformers_offload-h200.json").read_text())
     doc["summary"]["kvfsm_vs_engine_time_in_offload"] = None
     (tmp_path / "transformers_offload-x.json").write_text(json.dumps(doc))

@@ -16,8 +16,16 @@ WITH_TARGETS = sorted(p for p in RESULTS.glob("*.json") if "targets" in json.loa
 def test_the_verdict_benches_results_carry_targets() -> None:
     """The GPU verdicts and the CPU benches with limits: each of their committed results checks targets."""
     names = {p.name for p in WITH_TARGETS}
-    for prefix in ("serving_loop_4096-", "sglang_adapter_gpu-", "submit_cost-", "offload_bandwidth-",
-                   "manager_overhead-", "event_runtime-", "vllm_manager-", "cli_startup-"):
+    for prefix in (
+        "serving_loop_4096-",
+        "sglang_adapter_gpu-",
+        "submit_cost-",
+        "offload_bandwidth-",
+        "manager_overhead-",
+        "event_runtime-",
+        "vllm_manager-",
+        "cli_startup-",
+    ):
         assert any(n.startswith(prefix) for n in names), f"no committed {prefix}*.json checks its targets"
 
 

@@ -17,9 +17,37 @@ def test_serving_loop_runs_and_reports_every_figure(tmp_path: Path) -> None:
     finally:
         sys.path.remove(str(BENCH))
     out = tmp_path / "serving.json"
-    assert serving_loop.main(["--device", "cpu", "--live", "48", "--pages", "16/16", "--iterations", "40",
-                              "--warmup", "30", "--step-ms", "1", "--host-gib", "0.125", "--prefill-index", "5000", "--output", "8", "40",
-                              "--store-root", str(tmp_path), "--quick", "--out", str(out)]) == 0
+    assert (
+        serving_loop.main(
+            [
+                "--device",
+                "cpu",
+                "--live",
+                "48",
+                "--pages",
+                "16/16",
+                "--iterations",
+                "40",
+                "--warmup",
+                "30",
+                "--step-ms",
+                "1",
+                "--host-gib",
+                "0.125",
+                "--prefill-index",
+                "5000",
+                "--output",
+                "8",
+                "40",
+                "--store-root",
+                str(tmp_path),
+                "--quick",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     doc = json.loads(out.read_text())
     kvfsm, seed, bare, backup = doc["rows"]
     assert (kvfsm["algo"], seed["algo"], bare["algo"], backup["algo"]) == ("kvfsm", "seed", "bare", "bare-backup")
@@ -41,13 +69,21 @@ def test_serving_loop_runs_and_reports_every_figure(tmp_path: Path) -> None:
     assert not list(tmp_path.glob("kvfsm-serving-*"))  # each run's store is removed
     # the same rows from a probe run (a Python thread beside the loop, a shorter switch interval): every
     # target's name says it is not the verdict's regime
-    probe = serving_loop.probe_of(serving_loop.argparse.Namespace(contender=True, switch_interval_ms=0.5,
-                                                                  prefill_index=serving_loop.PREFILL_FULL))
+    probe = serving_loop.probe_of(
+        serving_loop.argparse.Namespace(contender=True, switch_interval_ms=0.5, prefill_index=serving_loop.PREFILL_FULL)
+    )
     assert probe == "a thread running Python beside the loop, switch interval 0.5 ms"
-    assert serving_loop.probe_of(serving_loop.argparse.Namespace(contender=False, switch_interval_ms=None,
-                                                                 prefill_index=serving_loop.PREFILL_FULL)) is None
-    fresh = serving_loop.probe_of(serving_loop.argparse.Namespace(contender=False, switch_interval_ms=None,
-                                                                  prefill_index=0))
+    assert (
+        serving_loop.probe_of(
+            serving_loop.argparse.Namespace(
+                contender=False, switch_interval_ms=None, prefill_index=serving_loop.PREFILL_FULL
+            )
+        )
+        is None
+    )
+    fresh = serving_loop.probe_of(
+        serving_loop.argparse.Namespace(contender=False, switch_interval_ms=None, prefill_index=0)
+    )
     assert fresh == "the stored-page index starts empty (a new server's first minutes)"
     probed = serving_loop.targets(doc["rows"], probe)
     assert [t["name"] for t in probed] == [f"probe run ({probe}), not the verdict: {n}" for n in names]

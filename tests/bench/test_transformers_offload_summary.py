@@ -30,11 +30,18 @@ def _row(mode: str, repeat: int, offload: float, tput: float, sync: bool = False
 
 
 def test_warm_repeats_pair_runs_of_one_repeat_and_skip_the_cold_one(bench: Any) -> None:
-    runs = [_row("engine", 0, 0.090, 250.0), _row("kvfsm_fenced", 0, 0.020, 300.0),
-            _row("engine", 1, 0.020, 300.0), _row("kvfsm_fenced", 1, 0.022, 300.0),
-            _row("engine", 2, 0.025, 280.0), _row("kvfsm_fenced", 2, 0.020, 308.0),
-            _row("engine", 3, 0.020, 290.0), _row("kvfsm_fenced", 3, 0.021, 290.0),
-            _row("engine", 0, 0.100, 100.0, sync=True), _row("kvfsm_fenced", 0, 0.001, 100.0, sync=True)]
+    runs = [
+        _row("engine", 0, 0.090, 250.0),
+        _row("kvfsm_fenced", 0, 0.020, 300.0),
+        _row("engine", 1, 0.020, 300.0),
+        _row("kvfsm_fenced", 1, 0.022, 300.0),
+        _row("engine", 2, 0.025, 280.0),
+        _row("kvfsm_fenced", 2, 0.020, 308.0),
+        _row("engine", 3, 0.020, 290.0),
+        _row("kvfsm_fenced", 3, 0.021, 290.0),
+        _row("engine", 0, 0.100, 100.0, sync=True),
+        _row("kvfsm_fenced", 0, 0.001, 100.0, sync=True),
+    ]
     warm = bench.warm_repeats(runs)
     assert set(warm) == {"kvfsm_fenced_vs_engine_warm"}  # no kvfsm (deferred) runs
     w = warm["kvfsm_fenced_vs_engine_warm"]

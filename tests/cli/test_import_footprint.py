@@ -47,8 +47,11 @@ def _loaded(modules: set[str], roots: tuple[str, ...]) -> list[str]:
 
 
 def test_importing_the_cli_loads_no_spec_model_generator_or_torch() -> None:
-    proc = run_watched([sys.executable, "-c", "import json, sys, kvfsm.cli; print(json.dumps(sorted(sys.modules)))"],
-                       "import kvfsm.cli", cwd=ROOT)
+    proc = run_watched(
+        [sys.executable, "-c", "import json, sys, kvfsm.cli; print(json.dumps(sorted(sys.modules)))"],
+        "import kvfsm.cli",
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr
     modules = set(json.loads(proc.stdout))
     assert _loaded(modules, HEAVY + SPEC_TOOLING + ("pydantic",)) == []
@@ -68,13 +71,17 @@ def test_a_command_s_help_runs_none_of_it(argv: list[str]) -> None:
     assert _loaded(modules, HEAVY + SPEC_TOOLING) == []
 
 
-@pytest.mark.parametrize("argv", [
-    ["validate", SPEC],
-    ["gen", SPEC, "--check"],
-    ["schema", "--check"],
-    ["diagram", SPEC],
-    ["docs", SPEC],
-], ids=" ".join)
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["validate", SPEC],
+        ["gen", SPEC, "--check"],
+        ["schema", "--check"],
+        ["diagram", SPEC],
+        ["docs", SPEC],
+    ],
+    ids=" ".join,
+)
 def test_spec_tools_load_neither_torch_nor_numpy(argv: list[str], request: pytest.FixtureRequest) -> None:
     if argv[0] == "schema":  # --check: the committed schema is this pydantic's rendering
         request.getfixturevalue("schema_as_committed")

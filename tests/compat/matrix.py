@@ -51,30 +51,55 @@ class Row:
 
 
 ROWS = [
-    Row("oldest", "the oldest Python, torch, pydantic and numpy the project declares", python="3.10",
-        torch="2.4.0", pydantic="2.5.0", transformers=None, numpy="1.24.4"),
-    Row("oldest-transformers", "the oldest versions of the transformers integration", python="3.11",
-        torch="2.6.0", pydantic="2.5.0", transformers="5.24.0"),
-    Row("newest", "the newest releases on the registry", python="3.13", torch="2.15.0", pydantic="2.14.4",
-        transformers="5.25.0"),
+    Row(
+        "oldest",
+        "the oldest Python, torch, pydantic and numpy the project declares",
+        python="3.10",
+        torch="2.4.0",
+        pydantic="2.5.0",
+        transformers=None,
+        numpy="1.24.4",
+    ),
+    Row(
+        "oldest-transformers",
+        "the oldest versions of the transformers integration",
+        python="3.11",
+        torch="2.6.0",
+        pydantic="2.5.0",
+        transformers="5.24.0",
+    ),
+    Row(
+        "newest",
+        "the newest releases on the registry",
+        python="3.13",
+        torch="2.15.0",
+        pydantic="2.14.4",
+        transformers="5.25.0",
+    ),
 ]
 BY_NAME = {r.name: r for r in ROWS}
 
 
 def table() -> list[str]:
     """The README's table of tested versions (tests/compat/test_matrix.py keeps the two equal)."""
-    lines = ["| row | Python | torch | transformers | pydantic | numpy | what it covers |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| row | Python | torch | transformers | pydantic | numpy | what it covers |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in ROWS:
-        lines.append(f"| `{r.name}` | {r.python} | {r.torch} | {r.transformers or 'not installed'} | {r.pydantic} | "
-                     f"{r.numpy or 'newest'} | {r.why} |")
+        lines.append(
+            f"| `{r.name}` | {r.python} | {r.torch} | {r.transformers or 'not installed'} | {r.pydantic} | "
+            f"{r.numpy or 'newest'} | {r.why} |"
+        )
     return lines
 
 
 def _python(version: str) -> str:
     """An interpreter of `version` that runs: on PATH, or one pyenv installed but does not put on it."""
     pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
-    candidates = [shutil.which(f"python{version}")] + sorted(str(p) for p in pyenv.glob(f"{version}.*/bin/python{version}"))
+    candidates = [shutil.which(f"python{version}")] + sorted(
+        str(p) for p in pyenv.glob(f"{version}.*/bin/python{version}")
+    )
     for exe in filter(None, candidates):
         if subprocess.run([exe, "-c", "pass"], capture_output=True).returncode == 0:
             return exe
@@ -101,10 +126,12 @@ def build(row: Row) -> None:
 
 
 def versions(row: Row) -> str:
-    code = ("import sys, torch, pydantic, numpy\n"
-            "try:\n import transformers; t = transformers.__version__\nexcept ImportError:\n t = None\n"
-            "print(f'Python {sys.version.split()[0]}, torch {torch.__version__}, transformers {t}, '"
-            "f'pydantic {pydantic.VERSION}, numpy {numpy.__version__}')")
+    code = (
+        "import sys, torch, pydantic, numpy\n"
+        "try:\n import transformers; t = transformers.__version__\nexcept ImportError:\n t = None\n"
+        "print(f'Python {sys.version.split()[0]}, torch {torch.__version__}, transformers {t}, '"
+        "f'pydantic {pydantic.VERSION}, numpy {numpy.__version__}')"
+    )
     out = subprocess.run([str(row.venv / "bin" / "python"), "-c", code], check=True, capture_output=True, text=True)
     return out.stdout.strip()
 
@@ -116,9 +143,24 @@ def run(row: Row, pytest_args: list[str]) -> int:
     if row.transformers:
         env["KVFSM_REQUIRE_TRANSFORMERS"] = "1"
     t0 = time.monotonic()
-    rc = subprocess.run([str(row.venv / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                         "-n", "auto", "--dist", "loadfile", "--no-loadscope-reorder", *pytest_args],
-                        cwd=ROOT, env=env).returncode
+    rc = subprocess.run(
+        [
+            str(row.venv / "bin" / "python"),
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-n",
+            "auto",
+            "--dist",
+            "loadfile",
+            "--no-loadscope-reorder",
+            *pytest_args,
+        ],
+        cwd=ROOT,
+        env=env,
+    ).returncode
     print(f"[{row.name}] suite exit {rc} after {time.monotonic() - t0:.0f} s", flush=True)
     return rc
 

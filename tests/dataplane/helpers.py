@@ -29,12 +29,15 @@ def make_device_pool(config: KVCacheConfig, slots: int = 64, device: str = "cpu"
     return pool
 
 
-def make_host_pool(config: KVCacheConfig, slots: int = 32, page_size: int = 4, layout: str = "layer_first") -> HostKVPool:
+def make_host_pool(
+    config: KVCacheConfig, slots: int = 32, page_size: int = 4, layout: str = "layer_first"
+) -> HostKVPool:
     return HostKVPool(config, slots, page_size, layout)  # type: ignore[arg-type]
 
 
-def check_orders_after_compute_and_never_blocks(eng: Any, dev: DeviceKVPool, host: HostKVPool,
-                                                di: torch.Tensor, hi: torch.Tensor) -> tuple[Any, Any]:
+def check_orders_after_compute_and_never_blocks(
+    eng: Any, dev: DeviceKVPool, host: HostKVPool, di: torch.Tensor, hi: torch.Tensor
+) -> tuple[Any, Any]:
     """A CUDA engine's offload reads the KV written on the compute stream before it (without blocking
     the host), and its load-back lands after compute-stream work enqueued before it. Returns the two
     handles for backend-specific checks."""

@@ -85,8 +85,9 @@ class SimOps:
         self.enqueue(s, lambda: out.copy_(t.index_select(0, idx)))
         return out
 
-    def rows(self, s: str, src5: torch.Tensor, sidx: torch.Tensor, dst5: torch.Tensor, didx: torch.Tensor,
-             cfg: KernelConfig) -> None:
+    def rows(
+        self, s: str, src5: torch.Tensor, sidx: torch.Tensor, dst5: torch.Tensor, didx: torch.Tensor, cfg: KernelConfig
+    ) -> None:
         self.enqueue(s, lambda: dst5.index_copy_(2, didx, src5.index_select(2, sidx)))
 
     def batch(self, s: str, flat: dma.FlatCopies) -> int:

@@ -209,8 +209,14 @@ def test_page_api_matches_slots_and_rejects_like_free() -> None:
     assert a.alloc_pages(100) is None
     before = snap(a)
     # each rejection names the same typed error the slot path raises, and changes nothing
-    for bad, exc in [([pages[0], pages[0]], DuplicateIndex), ([0], NeverAllocated), ([15], NeverAllocated),
-                     ([16], OutOfRange), ([-1], OutOfRange), ([pages[0], 14], NeverAllocated)]:
+    for bad, exc in [
+        ([pages[0], pages[0]], DuplicateIndex),
+        ([0], NeverAllocated),
+        ([15], NeverAllocated),
+        ([16], OutOfRange),
+        ([-1], OutOfRange),
+        ([pages[0], 14], NeverAllocated),
+    ]:
         with pytest.raises(exc):
             a.free_pages(bad)
         assert snap(a) == before

@@ -52,8 +52,10 @@ class AllocatorLiveness(RuleBasedStateMachine):
     def alloc_plain(self, k: int) -> None:
         can = self._free_without_wait() >= k
         got = self.alloc.alloc_pages(k)
-        assert (got is not None) == can, f"alloc_pages({k}) {'refused' if got is None else 'served'} with " \
-                                         f"{self._free_without_wait()} pages free without a wait"
+        assert (got is not None) == can, (
+            f"alloc_pages({k}) {'refused' if got is None else 'served'} with "
+            f"{self._free_without_wait()} pages free without a wait"
+        )
         if got is not None:
             self.held += got
 
@@ -61,8 +63,9 @@ class AllocatorLiveness(RuleBasedStateMachine):
     def alloc_fenced(self, k: int) -> None:
         can = self._free_at_all() >= k
         got = self.alloc.alloc_pages_fenced(k)
-        assert (got is not None) == can, f"alloc_pages_fenced({k}) {'refused' if got is None else 'served'} " \
-                                         f"with {self._free_at_all()} pages free"
+        assert (got is not None) == can, (
+            f"alloc_pages_fenced({k}) {'refused' if got is None else 'served'} with {self._free_at_all()} pages free"
+        )
         if got is not None:
             self.held += got[0]
 

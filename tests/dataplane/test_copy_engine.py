@@ -31,8 +31,12 @@ from kvfsm.dataplane.pools.allocator import PageSlots
 
 from .helpers import bits, check_orders_after_compute_and_never_blocks, fill_random, make_device_pool, make_host_pool
 
-CPU_ENGINES = {"cpu": CpuCopyEngine, "thread": ThreadCpuCopyEngine, "deferred": DeferredCpuCopyEngine,
-               "coalescing": lambda: CoalescingCopyEngine(CpuCopyEngine())}
+CPU_ENGINES = {
+    "cpu": CpuCopyEngine,
+    "thread": ThreadCpuCopyEngine,
+    "deferred": DeferredCpuCopyEngine,
+    "coalescing": lambda: CoalescingCopyEngine(CpuCopyEngine()),
+}
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -387,14 +391,17 @@ def test_owns_page_list() -> None:
 # ---- Triton kernel (GPU, or the Triton interpreter on CPU when TRITON_INTERPRET=1) -------------------
 
 _interp = os.environ.get("TRITON_INTERPRET") == "1"
-_KERNEL_CASES = [(d, a, h) for d in (torch.bfloat16, torch.float16, torch.float32) for a in ("mha", "mla") for h in (8, 3)]
+_KERNEL_CASES = [
+    (d, a, h) for d in (torch.bfloat16, torch.float16, torch.float32) for a in ("mha", "mla") for h in (8, 3)
+]
 KERNEL_CASES = pytest.mark.parametrize("dtype,attention,head_dim", _KERNEL_CASES)
 # Interpreted on the CPU, a case costs about 0.6 s of CPU at ROWS = 10 (the file's interpreted cases: 12.6 s, 18.3 s
 # at 20 rows). float16 moves the same two bytes an element as bfloat16, which the kernel's addressing is all that
 # tells apart, so CI interprets bfloat16 and float32 and KVFSM_FUZZ=deep all three (the GPU runs all three).
 INTERPRETED_CASES = pytest.mark.parametrize(
     "dtype,attention,head_dim",
-    [c for c in _KERNEL_CASES if c[0] != torch.float16 or os.environ.get("KVFSM_FUZZ") == "deep"])
+    [c for c in _KERNEL_CASES if c[0] != torch.float16 or os.environ.get("KVFSM_FUZZ") == "deep"],
+)
 
 
 ROWS = 10
@@ -405,8 +412,13 @@ def triton_vs_torch(device: str, dtype: torch.dtype, attention: str, head_dim: i
     from kvfsm.dataplane.copy.triton_kernels import KernelConfig, kv_rows_copy
 
     mla = attention == "mla"
-    cfg = KVCacheConfig(num_layers=3, kv_heads=1 if mla else 2, head_dim=head_dim * 8 if mla else head_dim,
-                        attention=attention, dtype=dtype)  # type: ignore[arg-type]
+    cfg = KVCacheConfig(
+        num_layers=3,
+        kv_heads=1 if mla else 2,
+        head_dim=head_dim * 8 if mla else head_dim,
+        attention=attention,
+        dtype=dtype,
+    )  # type: ignore[arg-type]
     for kcfg in (KernelConfig(), KernelConfig(tokens=1, num_warps=8, layer_fastest=True)):
         dev = make_device_pool(cfg, 128, device, seed=7)
         host_a, host_b = make_host_pool(cfg, 64, 4, layout), make_host_pool(cfg, 64, 4, layout)
@@ -437,7 +449,9 @@ def test_triton_kernel_matches_torch_path(dtype: torch.dtype, attention: str, he
 
 @pytest.mark.skipif(not (HAVE_TRITON and _interp), reason="needs triton and TRITON_INTERPRET=1")
 @INTERPRETED_CASES
-def test_triton_kernel_interpreted_matches_torch_path(dtype: torch.dtype, attention: str, head_dim: int, layout: str) -> None:
+def test_triton_kernel_interpreted_matches_torch_path(
+    dtype: torch.dtype, attention: str, head_dim: int, layout: str
+) -> None:
     triton_vs_torch("cpu", dtype, attention, head_dim, layout)
 
 
@@ -532,8 +546,9 @@ def test_dma_rows_moves_whole_block_rows_after_compute_without_a_host_wait() -> 
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("backend,on_compute", [("auto", False), ("auto", True), ("triton", False), ("triton", True),
-                                                ("torch", True)])
+@pytest.mark.parametrize(
+    "backend,on_compute", [("auto", False), ("auto", True), ("triton", False), ("triton", True), ("torch", True)]
+)
 def test_a_bound_compute_stream_orders_copies_with_no_stream_context(backend: str, on_compute: bool) -> None:
     """An engine bound to a compute stream (compute_stream=) orders its copies after that stream's writes
     while another stream is current at submit. With on_compute_stream the copy runs on that stream (the
@@ -543,7 +558,9 @@ def test_a_bound_compute_stream_orders_copies_with_no_stream_context(backend: st
     if backend == "triton" and not HAVE_TRITON:
         pytest.skip("triton not installed")
     rows = backend == "auto"  # whole-block rows: "auto" takes dma_rows
-    cfg = KVCacheConfig(num_layers=1, kv_heads=1, head_dim=256 * 1024, attention="mla") if rows else KVCacheConfig.tiny()
+    cfg = (
+        KVCacheConfig(num_layers=1, kv_heads=1, head_dim=256 * 1024, attention="mla") if rows else KVCacheConfig.tiny()
+    )
     compute = torch.cuda.Stream()
     eng = CudaCopyEngine(backend=backend, compute_stream=compute, on_compute_stream=on_compute)  # type: ignore[arg-type]
     dev, host, blocks, back, hs, idx, bidx, fresh = _block_rows_case(cfg, eng)

@@ -27,10 +27,20 @@ def fake_libcuda(exports: tuple[str, ...] = ("v2",), batch_rc: int = 0, version:
     def batch(dsts: int, srcs: int, sizes: int, count: int, attrs: int, idxs: int, nattrs: int, *rest: int) -> int:
         *fail, stream = rest
         a = cuda_driver.MemcpyAttributes.from_address(attrs)
-        log["batch"].append({
-            "count": count, "nattrs": nattrs, "idx0": ctypes.c_size_t.from_address(idxs).value,
-            "order": a.srcAccessOrder, "flags": a.flags, "src_hint": a.srcLocHint.type,
-            "dst_hint": a.dstLocHint.type, "nargs": 8 + len(fail), "stream": stream, "attrs": attrs})
+        log["batch"].append(
+            {
+                "count": count,
+                "nattrs": nattrs,
+                "idx0": ctypes.c_size_t.from_address(idxs).value,
+                "order": a.srcAccessOrder,
+                "flags": a.flags,
+                "src_hint": a.srcLocHint.type,
+                "dst_hint": a.dstLocHint.type,
+                "nargs": 8 + len(fail),
+                "stream": stream,
+                "attrs": attrs,
+            }
+        )
         if batch_rc:
             return batch_rc
         d = (ctypes.c_uint64 * count).from_address(dsts)
@@ -81,7 +91,9 @@ def check_scattered(src: torch.Tensor, dst: torch.Tensor, f: dma.FlatCopies) -> 
 
 
 @pytest.mark.parametrize("exports, abi, nargs", [(("v2", "v1"), "v2", 8), (("v1",), "v1", 9)])
-def test_run_batch_makes_one_call(monkeypatch: pytest.MonkeyPatch, exports: tuple[str, ...], abi: str, nargs: int) -> None:
+def test_run_batch_makes_one_call(
+    monkeypatch: pytest.MonkeyPatch, exports: tuple[str, ...], abi: str, nargs: int
+) -> None:
     monkeypatch.delenv("KVFSM_CU_BATCH", raising=False)
     lib = fake_libcuda(exports)
     drv = cuda_driver.CudaDriver(lib=lib, device=0)
@@ -91,18 +103,33 @@ def test_run_batch_makes_one_call(monkeypatch: pytest.MonkeyPatch, exports: tupl
     check_scattered(src, dst, f)
     (call,) = lib.log["batch"]
     first_attrs = call.pop("attrs")
-    assert call == {"count": f.count, "nattrs": 1, "idx0": 0, "order": cuda_driver.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
-                    "flags": 0, "src_hint": 0, "dst_hint": 0, "nargs": nargs, "stream": 1234}
+    assert call == {
+        "count": f.count,
+        "nattrs": 1,
+        "idx0": 0,
+        "order": cuda_driver.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+        "flags": 0,
+        "src_hint": 0,
+        "dst_hint": 0,
+        "nargs": nargs,
+        "stream": 1234,
+    }
     assert lib.log["copy"] == []
     drv.run_batch(f.dst, f.src, f.size, stream=7, flags=1, hint="d2h")
     last = lib.log["batch"][-1]
-    assert (last["flags"], last["src_hint"], last["dst_hint"]) == (1, cuda_driver.CU_MEM_LOCATION_TYPE_DEVICE,
-                                                                   cuda_driver.CU_MEM_LOCATION_TYPE_HOST)
+    assert (last["flags"], last["src_hint"], last["dst_hint"]) == (
+        1,
+        cuda_driver.CU_MEM_LOCATION_TYPE_DEVICE,
+        cuda_driver.CU_MEM_LOCATION_TYPE_HOST,
+    )
     assert last["attrs"] != first_attrs  # another flags/hint: another entry
     drv.run_batch(f.dst, f.src, f.size, stream=7, hint="h2d")
     last = lib.log["batch"][-1]
-    assert (last["flags"], last["src_hint"], last["dst_hint"]) == (0, cuda_driver.CU_MEM_LOCATION_TYPE_HOST,
-                                                                   cuda_driver.CU_MEM_LOCATION_TYPE_DEVICE)
+    assert (last["flags"], last["src_hint"], last["dst_hint"]) == (
+        0,
+        cuda_driver.CU_MEM_LOCATION_TYPE_HOST,
+        cuda_driver.CU_MEM_LOCATION_TYPE_DEVICE,
+    )
     # the entry of a (flags, hint) is built once and reused unchanged by the calls that follow
     drv.run_batch(f.dst, f.src, f.size, stream=8)
     again = lib.log["batch"][-1]
@@ -136,8 +163,9 @@ def test_run_batch_other_errors_raise(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("case", ["no symbol", "old driver", "off", "null stream"])
 def test_run_batch_per_copy_fallback(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
     monkeypatch.delenv("KVFSM_CU_BATCH", raising=False)
-    lib = fake_libcuda(exports=() if case == "no symbol" else ("v2", "v1"),
-                       version=12040 if case == "old driver" else 13000)
+    lib = fake_libcuda(
+        exports=() if case == "no symbol" else ("v2", "v1"), version=12040 if case == "old driver" else 13000
+    )
     if case == "off":
         monkeypatch.setenv("KVFSM_CU_BATCH", "off")
     drv = cuda_driver.CudaDriver(lib=lib, device=0)

@@ -30,8 +30,14 @@ MiB, KiB = 2**20, 2**10
 
 def test_order_by_host_matches_stable_argsort() -> None:
     rng = np.random.default_rng(0)
-    for h in (np.array([], dtype=np.int64), np.array([5]), np.arange(10), rng.permutation(1000)[:300],
-              np.array([7, 3, 3, 1, 7, 0]), np.array([2**50, 3, 2**49])):
+    for h in (
+        np.array([], dtype=np.int64),
+        np.array([5]),
+        np.arange(10),
+        rng.permutation(1000)[:300],
+        np.array([7, 3, 3, 1, 7, 0]),
+        np.array([2**50, 3, 2**49]),
+    ):
         assert np.array_equal(dma.order_by_host(h), np.argsort(h, kind="stable"))
 
 
@@ -55,12 +61,14 @@ def test_select_short_runs_takes_exact_counts_shortest_first() -> None:
     assert not dma.select_short_runs(lengths, 0).any()
 
 
-@pytest.mark.parametrize("head,direct,order", [(0, 0, True), (5, 0, True), (0, 20, True), (7, 13, True),
-                                               (0, 0, False), (3, 9, False), (0, 200, True)])
+@pytest.mark.parametrize(
+    "head,direct,order",
+    [(0, 0, True), (5, 0, True), (0, 20, True), (7, 13, True), (0, 0, False), (3, 9, False), (0, 200, True)],
+)
 def test_plan_pipeline_partitions_the_batch(head: int, direct: int, order: bool) -> None:
     rng = np.random.default_rng(head * 31 + direct)
     pages = rng.permutation(60)[:25]
-    h = (pages[:, None] * 4 + np.arange(4)).reshape(-1)[: 97]  # page 4 with a ragged tail
+    h = (pages[:, None] * 4 + np.arange(4)).reshape(-1)[:97]  # page 4 with a ragged tail
     n = h.size
     pp = dma.plan_pipeline(h, head=head, direct_tokens=direct, host_order=order)
     assert pp.head == min(head, n)
@@ -72,11 +80,11 @@ def test_plan_pipeline_partitions_the_batch(head: int, direct: int, order: bool)
     r = pp.runs
     assert r[:, 2].sum() == pp.n_staged and (r[:, 0] == np.cumsum(r[:, 2]) - r[:, 2]).all()
     for p, slot, length in r.tolist():
-        assert staged[p: p + length].tolist() == list(range(slot, slot + length))
+        assert staged[p : p + length].tolist() == list(range(slot, slot + length))
     if pp.n_direct and order:  # the direct share is made of the shortest runs of the rest
-        rest = np.sort(h[pp.head:])
+        rest = np.sort(h[pp.head :])
         runs = dma.host_runs_array(rest)
-        lens_direct = set(np.repeat(runs[:, 2], runs[:, 2])[np.isin(rest, h[pp.perm[pp.n_staged:]])].tolist())
+        lens_direct = set(np.repeat(runs[:, 2], runs[:, 2])[np.isin(rest, h[pp.perm[pp.n_staged :]])].tolist())
         lens_staged = set(np.repeat(runs[:, 2], runs[:, 2])[np.isin(rest, staged)].tolist())
         assert max(lens_direct) <= min(lens_staged, default=10**9)  # a run split in two has the same length
 
@@ -84,7 +92,24 @@ def test_plan_pipeline_partitions_the_batch(head: int, direct: int, order: bool)
 def test_chunk_bounds_ramp_and_cover() -> None:
     assert dma.chunk_bounds(0, 10, 100) == [0]
     assert dma.chunk_bounds(35, 10, 100) == [0, 10, 20, 30, 35]
-    assert dma.chunk_bounds(100, 10, 80, first_bytes=10) == [0, 1, 3, 7, 15, 23, 31, 39, 47, 55, 63, 71, 79, 87, 95, 100]
+    assert dma.chunk_bounds(100, 10, 80, first_bytes=10) == [
+        0,
+        1,
+        3,
+        7,
+        15,
+        23,
+        31,
+        39,
+        47,
+        55,
+        63,
+        71,
+        79,
+        87,
+        95,
+        100,
+    ]
     b = dma.chunk_bounds(8192, 128 * KiB, 256 * MiB, 8 * MiB)
     sizes = np.diff(b) * 128 * KiB // MiB
     assert b[-1] == 8192 and sizes[:6].tolist() == [8, 16, 32, 64, 128, 256] and sizes.max() == 256
@@ -125,14 +150,17 @@ def _llama_host(layout: str, page_size: int) -> HostKVPool:
     return HostKVPool(KVCacheConfig.llama3_8b(), 64, page_size, layout, pin_memory=False)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("layout,ps,d2h,h2d", [
-    ("page_first", 1, "triton", "dma"),     # 64 KiB copies: DMA only pays for load-back
-    ("page_first", 16, "dma", "dma"),       # 1 MiB copies
-    ("page_first", 64, "dma", "dma"),
-    ("layer_first", 1, "triton", "triton"),  # 2 KiB rows
-    ("layer_first", 16, "triton", "dma"),    # 32 KiB: DMA pays for load-back
-    ("layer_first", 64, "triton", "dma"),    # 128 KiB
-])
+@pytest.mark.parametrize(
+    "layout,ps,d2h,h2d",
+    [
+        ("page_first", 1, "triton", "dma"),  # 64 KiB copies: DMA only pays for load-back
+        ("page_first", 16, "dma", "dma"),  # 1 MiB copies
+        ("page_first", 64, "dma", "dma"),
+        ("layer_first", 1, "triton", "triton"),  # 2 KiB rows
+        ("layer_first", 16, "triton", "dma"),  # 32 KiB: DMA pays for load-back
+        ("layer_first", 64, "triton", "dma"),  # 128 KiB
+    ],
+)
 def test_auto_choice_for_llama_shapes(layout: str, ps: int, d2h: str, h2d: str) -> None:
     host = _llama_host(layout, ps)
     rng = np.random.default_rng(ps)
@@ -184,8 +212,9 @@ def test_dma_rows_policy() -> None:
     block = 512 * KiB  # a transformers engine block, one row
     assert choose_backend("auto", "d2h", 8 * block, block, True, p, row_bytes=block, rows=8) == "dma_rows"
     assert choose_backend("auto", "h2d", 8 * block, block, False, p, row_bytes=block, rows=8) == "dma_rows"
-    assert choose_backend("auto", "d2h", 8 * block, block, True, p, row_bytes=p.rows_min_row_bytes - 1,
-                          rows=8) == "triton"
+    assert (
+        choose_backend("auto", "d2h", 8 * block, block, True, p, row_bytes=p.rows_min_row_bytes - 1, rows=8) == "triton"
+    )
     assert choose_backend("auto", "d2h", big, block, True, p, row_bytes=block, rows=p.rows_max_copies + 1) == "dma"
     assert choose_backend("auto", "d2h", 8 * block, block, True, p, row_bytes=block, rows=0) == "triton"  # GPU idx
     assert choose_backend("auto", "d2h", 32 * MiB, 4 * MiB, True, p, row_bytes=2 * KiB, rows=16384) == "triton"
@@ -211,10 +240,12 @@ SETTINGS = {
     "ramp_x3": dict(chunk_bytes=16, first_chunk_bytes=1, last_chunk_bytes=2, streams=3, max_copies_per_call=3),
     "head_x2": dict(chunk_bytes=8, first_chunk_bytes=2, streams=2, head_bytes=5, head_min_bytes=0),
     "hybrid": dict(chunk_bytes=8, first_chunk_bytes=2, streams=2, direct_fraction=0.4),
-    "hybrid_head": dict(chunk_bytes=6, first_chunk_bytes=1, streams=2, direct_fraction=0.5, head_bytes=4,
-                        head_min_bytes=0),
-    "all_direct": dict(chunk_bytes=8, first_chunk_bytes=0, streams=2, direct_fraction=1.0, head_bytes=3,
-                       head_min_bytes=0),
+    "hybrid_head": dict(
+        chunk_bytes=6, first_chunk_bytes=1, streams=2, direct_fraction=0.5, head_bytes=4, head_min_bytes=0
+    ),
+    "all_direct": dict(
+        chunk_bytes=8, first_chunk_bytes=0, streams=2, direct_fraction=1.0, head_bytes=3, head_min_bytes=0
+    ),
     "batch_order": dict(chunk_bytes=8, first_chunk_bytes=2, streams=2, host_order=False),
 }
 
@@ -236,8 +267,9 @@ def _scattered(host: HostKVPool, n_pages: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", sorted(SETTINGS))
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_pipeline_round_trip_in_the_stream_simulator(config: KVCacheConfig, layout: str, page_size: int,
-                                                     name: str) -> None:
+def test_pipeline_round_trip_in_the_stream_simulator(
+    config: KVCacheConfig, layout: str, page_size: int, name: str
+) -> None:
     """Offload then load back through launch_pipeline in several random interleavings: bit-exact, the
     caller's stream respected, nothing else written, completion after all work, staging recorded."""
     bpt = config.bytes_per_token
@@ -284,8 +316,9 @@ def test_pipeline_round_trip_in_the_stream_simulator(config: KVCacheConfig, layo
 
 def _check_info(ops: SimOps, info: dict, st: PipelineSettings, n: int, bpt: int) -> None:
     assert info["head_tokens"] + info["direct_tokens"] + info["staged_tokens"] == n
-    assert info["direct_tokens"] + info["head_tokens"] == (round(st.direct_fraction * n) if st.direct_fraction
-                                                           else info["head_tokens"])
+    assert info["direct_tokens"] + info["head_tokens"] == (
+        round(st.direct_fraction * n) if st.direct_fraction else info["head_tokens"]
+    )
     if info["staged_tokens"]:
         bounds = dma.chunk_bounds(info["staged_tokens"], bpt, st.chunk_bytes, st.first_chunk_bytes, st.last_chunk_bytes)
         assert info["chunks"] == len(bounds) - 1
@@ -335,8 +368,9 @@ def test_pipeline_with_one_chunk_makes_one_call_per_stream(config: KVCacheConfig
 # ---- GPU: the real engine ---------------------------------------------------------------------------
 
 
-def _gpu_round_trip(eng: object, config: KVCacheConfig, layout: str, page_size: int, n_pages: int,
-                    expect: tuple[str, str] | None = None) -> None:
+def _gpu_round_trip(
+    eng: object, config: KVCacheConfig, layout: str, page_size: int, n_pages: int, expect: tuple[str, str] | None = None
+) -> None:
     host = HostKVPool(config, 4 * n_pages * page_size, page_size, layout)  # type: ignore[arg-type]
     host.kv_buffer.zero_()
     assert host.alloc(host.size) is not None
@@ -369,8 +403,15 @@ def _gpu_round_trip(eng: object, config: KVCacheConfig, layout: str, page_size: 
 def _small_pipeline_engine(backend: str, bpt: int, **kw: object) -> object:
     from kvfsm.dataplane import CudaCopyEngine
 
-    args: dict[str, object] = dict(backend=backend, dma_chunk_bytes=6 * bpt, dma_first_chunk_bytes=bpt,
-                                   dma_d2h_streams=2, dma_h2d_streams=3, dma_head_bytes=3 * bpt, dma_head_min_bytes=0)
+    args: dict[str, object] = dict(
+        backend=backend,
+        dma_chunk_bytes=6 * bpt,
+        dma_first_chunk_bytes=bpt,
+        dma_d2h_streams=2,
+        dma_h2d_streams=3,
+        dma_head_bytes=3 * bpt,
+        dma_head_min_bytes=0,
+    )
     args.update(kw)
     return CudaCopyEngine(**args)  # type: ignore[arg-type]
 
@@ -406,9 +447,16 @@ def test_cuda_pipeline_round_trip_llama(backend: str, layout: str, page_size: in
         h2d_dma = layout == "page_first" or page_size == 16  # copies of 64 KiB / 1 MiB, 32 KiB; not 2 KiB rows
         expect = ("triton", "dma" if h2d_dma else "triton")  # 48 MiB < d2h_min_bytes: offload takes the kernel
     n_pages = 384 // page_size
-    for eng in (CudaCopyEngine(backend=backend),  # type: ignore[arg-type]
-                CudaCopyEngine(backend=backend, dma_head_min_bytes=0, dma_head_bytes=4 * MiB,  # type: ignore[arg-type]
-                               dma_chunk_bytes=8 * MiB, dma_d2h_streams=2)):
+    for eng in (
+        CudaCopyEngine(backend=backend),  # type: ignore[arg-type]
+        CudaCopyEngine(
+            backend=backend,
+            dma_head_min_bytes=0,
+            dma_head_bytes=4 * MiB,  # type: ignore[arg-type]
+            dma_chunk_bytes=8 * MiB,
+            dma_d2h_streams=2,
+        ),
+    ):
         _gpu_round_trip(eng, cfg, layout, page_size, n_pages, expect)
 
 
@@ -423,8 +471,13 @@ def test_cuda_pipeline_orders_after_compute_and_never_blocks(backend: str) -> No
     cfg = KVCacheConfig.llama3_8b()
     dev = DeviceKVPool.create(cfg, 2048, "cuda")
     host = HostKVPool(cfg, 1024, 1, "page_first")
-    eng = CudaCopyEngine(backend=backend, dma_chunk_bytes=8 * MiB, dma_head_min_bytes=0,  # type: ignore[arg-type]
-                         dma_head_bytes=4 * MiB, dma_d2h_streams=2)
+    eng = CudaCopyEngine(
+        backend=backend,
+        dma_chunk_bytes=8 * MiB,
+        dma_head_min_bytes=0,  # type: ignore[arg-type]
+        dma_head_bytes=4 * MiB,
+        dma_d2h_streams=2,
+    )
     g = torch.Generator().manual_seed(11)
     di = (torch.randperm(2047, generator=g)[:512] + 1).cuda()
     assert host.alloc(1024) is not None
@@ -440,4 +493,6 @@ def test_cuda_engine_triton_host_order_round_trip(config: KVCacheConfig, layout:
 
     if not HAVE_TRITON:
         pytest.skip("triton not installed")
-    _gpu_round_trip(CudaCopyEngine(backend="triton", triton_host_order=True), config, layout, 1, 40, ("triton", "triton"))
+    _gpu_round_trip(
+        CudaCopyEngine(backend="triton", triton_host_order=True), config, layout, 1, 40, ("triton", "triton")
+    )

@@ -27,8 +27,9 @@ def as_tuple(f: dma.FlatCopies) -> tuple[list[int], list[int], list[int]]:
     return f.dst.tolist(), f.src.tolist(), f.size.tolist()
 
 
-def reference_copies(geo: dma.Geometry, runs: np.ndarray, host_base: int, stage_base: int,
-                     direction: str) -> tuple[list[int], list[int], list[int]]:
+def reference_copies(
+    geo: dma.Geometry, runs: np.ndarray, host_base: int, stage_base: int, direction: str
+) -> tuple[list[int], list[int], list[int]]:
     """Every (run, row) as one 1-D copy, by plain loops: the independent reference for flat_plan."""
     dst, src, size = [], [], []
     for pos, slot, length in runs.tolist():
@@ -216,8 +217,9 @@ def test_row_copies_refuse_rows_that_are_not_contiguous() -> None:
     dev = make_device_pool(cfg, 8, "cpu")
     host = HostKVPool(cfg, 8, 1, pin_memory=False)
     with pytest.raises(ValueError, match="contiguous"):
-        dma.row_copies(dev.token_view().transpose(3, 4), np.array([1]), host.token_view().transpose(3, 4),
-                       np.array([1]))
+        dma.row_copies(
+            dev.token_view().transpose(3, 4), np.array([1]), host.token_view().transpose(3, 4), np.array([1])
+        )
     with pytest.raises(ValueError, match="1 source rows vs 2"):
         dma.row_copies(dev.token_view(), np.array([1]), host.token_view(), np.array([1, 2]))
 
@@ -233,9 +235,18 @@ def test_row_copies_from_kept_geometries_equal_those_from_the_views(config: KVCa
     a = dma.row_copies(d5, [9, 3, 40], h5, [30, 2, 3])
     b = dma.row_copies(gd, [9, 3, 40], gh, [30, 2, 3])
     assert (a.dst, a.src, a.size) == (b.dst, b.src, b.size)
-    other = HostKVPool(KVCacheConfig(num_layers=config.num_layers, kv_heads=config.kv_heads, head_dim=config.head_dim,
-                                     attention=config.attention, dtype=torch.float16 if config.dtype != torch.float16
-                                     else torch.bfloat16), 8, 1, pin_memory=False)
+    other = HostKVPool(
+        KVCacheConfig(
+            num_layers=config.num_layers,
+            kv_heads=config.kv_heads,
+            head_dim=config.head_dim,
+            attention=config.attention,
+            dtype=torch.float16 if config.dtype != torch.float16 else torch.bfloat16,
+        ),
+        8,
+        1,
+        pin_memory=False,
+    )
     with pytest.raises(ValueError, match="views differ"):
         dma.row_copies(gd, [1], dma.RowGeometry.of(other.token_view()), [1])
     with pytest.raises(ValueError, match="P, L, S, H, D"):

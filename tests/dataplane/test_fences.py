@@ -165,6 +165,7 @@ def test_a_fenced_free_of_a_page_still_carrying_a_fence_joins_both_and_a_wait_co
 
 def test_conservation_sees_a_fenced_page_without_its_fence() -> None:
     from kvfsm.dataplane import ConservationError
+
     a = TokenSlotAllocator(4 * 2, 2)
     a.free_pages(_alloc(a, 1), SlotFence([FakeCopy()]))
     a._page_fence.clear()
@@ -183,8 +184,9 @@ def test_wait_fences_makes_the_stream_wait_only_on_fences_still_pending() -> Non
 
 @pytest.mark.parametrize("coalesced", [False, True])
 @pytest.mark.parametrize("writer_waits", [True, False])
-def test_reused_slot_written_after_waiting_on_its_fence_leaves_the_copy_intact(coalesced: bool,
-                                                                               writer_waits: bool) -> None:
+def test_reused_slot_written_after_waiting_on_its_fence_leaves_the_copy_intact(
+    coalesced: bool, writer_waits: bool
+) -> None:
     """The CPU twin end to end: a slot under a deferred copy is freed fenced, handed out again by
     alloc_fenced, and written. Waiting on the fence first keeps the copy's bytes; skipping the wait makes
     the copy read the new writer's data (the corruption SGLang's reverted mid-decode free produced)."""

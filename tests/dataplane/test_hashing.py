@@ -111,7 +111,7 @@ def test_page_runs_hash_lazily_along_the_chain() -> None:
         assert all(not isinstance(r.prior, PageRun) and r.tokens is None for r in runs)
         assert runs[-1].last_hash == want[-1]
     seed = PageRun(tokens[:8], 4, "ab" * 32)
-    runs = [seed] + [PageRun(tokens[i:i + 8], 4) for i in range(8, 40, 8)]
+    runs = [seed] + [PageRun(tokens[i : i + 8], 4) for i in range(8, 40, 8)]
     for prev, run in zip(runs, runs[1:]):
         run.prior = prev
     threads = [threading.Thread(target=lambda r=r: r.hashes) for r in reversed(runs) for _ in range(3)]
@@ -138,8 +138,13 @@ def ref_seed(extra_key: str | None, cache_salt: str | None) -> str | None:
     return hashlib.sha256(data).hexdigest()
 
 
-def ref_chain(tokens: list[int], page_size: int, prior: str | None = None,
-              extra_key: str | None = None, cache_salt: str | None = None) -> list[str]:
+def ref_chain(
+    tokens: list[int],
+    page_size: int,
+    prior: str | None = None,
+    extra_key: str | None = None,
+    cache_salt: str | None = None,
+) -> list[str]:
     """Per page: sha256(prior ‖ ids as u32 LE), or sha256(prior ‖ 0xff ‖ ids as u64 LE) if any id >= 2**32;
     the first page's prior is `prior`, else the namespace seed, else nothing."""
     last = prior or ref_seed(extra_key, cache_salt)
@@ -162,12 +167,20 @@ NAMESPACE_PARTS = [None, "", "a", "tenant-42", "ünïcödé 日本語", "a\x00b"
 def test_namespace_seed_literals() -> None:
     assert storage_namespace_seed(None, None) is None
     # spelled out once by hand (hashlib on the literal byte strings), then pasted
-    assert storage_namespace_seed("", None) == hashlib.sha256(
-        b"sglang-cache-namespace-v1" + b"\x01" + bytes(8) + b"\x00").hexdigest()
-    assert storage_namespace_seed(None, "salt") == hashlib.sha256(
-        b"sglang-cache-namespace-v1\x00\x01\x04\x00\x00\x00\x00\x00\x00\x00salt").hexdigest()
-    assert storage_namespace_seed("é", "") == hashlib.sha256(
-        b"sglang-cache-namespace-v1\x01\x02" + bytes(7) + "é".encode() + b"\x01" + bytes(8)).hexdigest()
+    assert (
+        storage_namespace_seed("", None)
+        == hashlib.sha256(b"sglang-cache-namespace-v1" + b"\x01" + bytes(8) + b"\x00").hexdigest()
+    )
+    assert (
+        storage_namespace_seed(None, "salt")
+        == hashlib.sha256(b"sglang-cache-namespace-v1\x00\x01\x04\x00\x00\x00\x00\x00\x00\x00salt").hexdigest()
+    )
+    assert (
+        storage_namespace_seed("é", "")
+        == hashlib.sha256(
+            b"sglang-cache-namespace-v1\x01\x02" + bytes(7) + "é".encode() + b"\x01" + bytes(8)
+        ).hexdigest()
+    )
 
 
 @pytest.mark.parametrize("extra_key", NAMESPACE_PARTS)
@@ -220,7 +233,10 @@ def test_wide_tokens() -> None:
     assert page_hashes(tokens, 2) == want
     # only the page holding the wide id is wide: page 2 hashes as u32 after a wide page 1
     assert want[0] == hashlib.sha256(b"\xff" + (1).to_bytes(8, "little") + (2**32).to_bytes(8, "little")).hexdigest()
-    assert want[1] == hashlib.sha256(bytes.fromhex(want[0]) + (3).to_bytes(4, "little") + (4).to_bytes(4, "little")).hexdigest()
+    assert (
+        want[1]
+        == hashlib.sha256(bytes.fromhex(want[0]) + (3).to_bytes(4, "little") + (4).to_bytes(4, "little")).hexdigest()
+    )
     assert page_hashes(np.array(tokens, dtype=np.int64), 2) == want
     assert page_hashes(np.array(tokens, dtype=np.uint64), 2) == want
     assert page_hashes(torch.tensor(tokens, dtype=torch.int64), 2) == want
@@ -239,7 +255,7 @@ def test_out_of_range_ids_name_value_and_position(bad: list[int], pos: int) -> N
     if bad[pos] < 2**64 and bad[pos] >= 0:
         with pytest.raises(ValueError, match=rf"token id {bad[pos]} at position {pos}"):
             page_hashes(np.array(bad, dtype=np.uint64), ps)
-    if -2**63 <= bad[pos] < 0:
+    if -(2**63) <= bad[pos] < 0:
         with pytest.raises(ValueError, match=rf"at position {pos}"):
             page_hashes(torch.tensor(bad, dtype=torch.int64), ps)
 
@@ -301,8 +317,10 @@ def test_matches_reference_with_namespace_and_wide_ids(
         return
     want = ref_chain(tokens, page_size, prior, extra_key, cache_salt)
     assert page_hashes(tokens, page_size, prior, extra_key=extra_key, cache_salt=cache_salt) == want
-    assert page_hashes(np.array(tokens, dtype=np.uint64), page_size, prior,
-                       extra_key=extra_key, cache_salt=cache_salt) == want
+    assert (
+        page_hashes(np.array(tokens, dtype=np.uint64), page_size, prior, extra_key=extra_key, cache_salt=cache_salt)
+        == want
+    )
     # any split into two lazy runs gives the same keys
     cut = data.draw(st.integers(0, pages)) * page_size
     seed = storage_namespace_seed(extra_key, cache_salt)

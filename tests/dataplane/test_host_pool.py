@@ -90,8 +90,12 @@ def test_double_free_and_double_alloc_rejected_without_change() -> None:
     x = h.alloc(8)
     assert x is not None
     h.free(x[:4])
-    for bad, exc in ((x[:4], DoubleFree), (torch.arange(12, 16), NeverAllocated), (x[4:6], PartialPage),
-                     (torch.cat([x[4:8], x[4:8]]), DuplicateIndex)):
+    for bad, exc in (
+        (x[:4], DoubleFree),
+        (torch.arange(12, 16), NeverAllocated),
+        (x[4:6], PartialPage),
+        (torch.cat([x[4:8], x[4:8]]), DuplicateIndex),
+    ):
         before = snap(h)
         with pytest.raises(exc):
             h.free(bad)
@@ -122,7 +126,9 @@ def test_page_bytes_round_trip_across_layouts(config: KVCacheConfig, src_layout:
     assert torch.equal(one, data[0])
     staging = np.full(4 * a.page_nbytes, 7, dtype=np.uint8)  # gathered into a caller's buffer: its head, in place
     into = a.get_pages_bytes(xa, out=staging)
-    assert torch.equal(into, data) and into.data_ptr() == staging.ctypes.data and (staging[3 * a.page_nbytes:] == 7).all()
+    assert (
+        torch.equal(into, data) and into.data_ptr() == staging.ctypes.data and (staging[3 * a.page_nbytes :] == 7).all()
+    )
     for bad in (staging[: 3 * a.page_nbytes - 1], staging.view(np.int16), staging.reshape(4, -1)):
         with pytest.raises(ValueError, match="out must be"):
             a.get_pages_bytes(xa, out=bad)
@@ -206,6 +212,7 @@ def test_meminfo_available_is_parsed_from_kib_to_bytes(monkeypatch: pytest.Monke
         def opener(path: str, *args: object, **kwargs: object) -> io.StringIO:
             assert path == "/proc/meminfo"
             return io.StringIO(text)
+
         return opener
 
     monkeypatch.setattr(host_pool_mod, "open", fake_open("MemTotal:  4000 kB\nMemAvailable:  1000 kB\n"), raising=False)

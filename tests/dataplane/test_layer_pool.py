@@ -20,8 +20,9 @@ LAYERS, SLOTS, PS = 3, 40, 4
 def _pool(attention: str, dtype: torch.dtype, device: str = "cpu", heads: int = 2, dim: int = 8) -> LayerBufferKVPool:
     g = torch.Generator().manual_seed(1)
     planes = 1 if attention == "mla" else 2
-    bufs = [[torch.randn(SLOTS, heads, dim, generator=g).to(dtype).to(device) for _ in range(LAYERS)]
-            for _ in range(planes)]
+    bufs = [
+        [torch.randn(SLOTS, heads, dim, generator=g).to(dtype).to(device) for _ in range(LAYERS)] for _ in range(planes)
+    ]
     return LayerBufferKVPool(bufs, attention=attention)
 
 
@@ -82,8 +83,10 @@ def _kernel_round_trip(device: str, attention: str, dtype: torch.dtype, dim: int
 CASES = [("mha", torch.bfloat16, 8), ("mla", torch.float32, 12), ("mha", torch.float16, 3)]
 
 
-@pytest.mark.skipif(not (HAVE_TRITON and os.environ.get("TRITON_INTERPRET") == "1"),
-                    reason="needs triton and TRITON_INTERPRET=1 (make test-upstream runs it)")
+@pytest.mark.skipif(
+    not (HAVE_TRITON and os.environ.get("TRITON_INTERPRET") == "1"),
+    reason="needs triton and TRITON_INTERPRET=1 (make test-upstream runs it)",
+)
 @pytest.mark.parametrize("attention, dtype, dim", CASES)
 def test_pointer_table_kernel_interpreted(attention: str, dtype: torch.dtype, dim: int) -> None:
     _kernel_round_trip("cpu", attention, dtype, dim)

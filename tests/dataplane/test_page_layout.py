@@ -34,7 +34,9 @@ HOST_PAGES = 6
 CHUNK_PAGES = 3  # the request's pages, stored at host pages 4, 1, 3 (out of order on purpose)
 HOST_PAGE_IDS = [4, 1, 3]
 RELOAD_PAGE_IDS = [2, 5, 0]
-SIDECAR = struct.Struct("<8sIIQII")  # docs/page-layout.md: magic, crc32(page file), crc32(key+format), its length, key length, format length
+SIDECAR = struct.Struct(
+    "<8sIIQII"
+)  # docs/page-layout.md: magic, crc32(page file), crc32(key+format), its length, key length, format length
 HOST_SENTINEL, DEVICE_SENTINEL = 0x7A, 0x00  # byte values that no element pattern has in both its bytes
 
 # element bits: a base well inside the finite normal range of each dtype, plus a distinct code
@@ -66,8 +68,13 @@ class Case:
         return f"{self.attention}-{str(self.dtype).removeprefix('torch.')}-{self.layout}-page{self.page_size}"
 
 
-CASES = [Case(a, dt, lay, ps) for a in ("mha", "mla") for dt in (torch.bfloat16, torch.float16, torch.float32)
-         for lay in ("layer_first", "page_first") for ps in (1, 4)]
+CASES = [
+    Case(a, dt, lay, ps)
+    for a in ("mha", "mla")
+    for dt in (torch.bfloat16, torch.float16, torch.float32)
+    for lay in ("layer_first", "page_first")
+    for ps in (1, 4)
+]
 
 
 def other_layout(layout: str) -> str:
@@ -111,8 +118,12 @@ def expected_host(case: Case, layout: str, size: int, page_ids: list[int]) -> by
     for j, page in enumerate(page_ids):
         for t in range(case.page_size):
             for p, l, h, d in elements(c):
-                struct.pack_into(fmt, buf, host_offset(c, layout, size, p, l, page * case.page_size + t, h, d),
-                                 case.code(p, l, j * case.page_size + t, h, d))
+                struct.pack_into(
+                    fmt,
+                    buf,
+                    host_offset(c, layout, size, p, l, page * case.page_size + t, h, d),
+                    case.code(p, l, j * case.page_size + t, h, d),
+                )
     return bytes(buf)
 
 
@@ -121,8 +132,12 @@ def expected_payload(case: Case, j: int) -> bytes:
     buf = bytearray(case.page_size * c.bytes_per_token)
     for t in range(case.page_size):
         for p, l, h, d in elements(c):
-            struct.pack_into(fmt, buf, payload_offset(c, case.page_size, p, l, t, h, d),
-                             case.code(p, l, j * case.page_size + t, h, d))
+            struct.pack_into(
+                fmt,
+                buf,
+                payload_offset(c, case.page_size, p, l, t, h, d),
+                case.code(p, l, j * case.page_size + t, h, d),
+            )
     return bytes(buf)
 
 
@@ -133,7 +148,7 @@ def parse_page_file(raw: bytes, sidecar: bytes, layout: str = "layer_first") -> 
     assert magic == b"KVFSSC01"
     assert len(sidecar) == 32 + klen + flen and len(raw) == plen
     assert zlib.crc32(sidecar[32:]) & 0xFFFFFFFF == side_crc
-    key, fmt = sidecar[32:32 + klen].decode("ascii"), sidecar[32 + klen:].decode("ascii")
+    key, fmt = sidecar[32 : 32 + klen].decode("ascii"), sidecar[32 + klen :].decode("ascii")
     assert fmt.split(";")[0] == f"layout={layout}"
     assert zlib.crc32(raw) & 0xFFFFFFFF == crc
     return key, raw
@@ -166,18 +181,26 @@ def first_difference(case: Case, got: bytes, want: bytes, where: Callable[[int],
         return f"{len(got)} bytes where the doc has {len(want)}"
     E, fmt = case.kv.element_size, PACK[case.kv.element_size]
     i = next(i for i in range(len(got)) if got[i] != want[i]) // E * E
-    return (f"at byte {i}, {where(i // E)}: holds {name_of(case, struct.unpack_from(fmt, got, i)[0])}, "
-            f"the doc says {name_of(case, struct.unpack_from(fmt, want, i)[0])}")
+    return (
+        f"at byte {i}, {where(i // E)}: holds {name_of(case, struct.unpack_from(fmt, got, i)[0])}, "
+        f"the doc says {name_of(case, struct.unpack_from(fmt, want, i)[0])}"
+    )
 
 
 def host_where(case: Case, layout: str, size: int) -> Callable[[int], str]:
     c = case.kv
     if c.is_mla:
-        shape, names = ((c.num_layers, size, 1, c.head_dim), "(l, s, 0, d)") if layout == "layer_first" else \
-            ((size, c.num_layers, 1, c.head_dim), "(s, l, 0, d)")
+        shape, names = (
+            ((c.num_layers, size, 1, c.head_dim), "(l, s, 0, d)")
+            if layout == "layer_first"
+            else ((size, c.num_layers, 1, c.head_dim), "(s, l, 0, d)")
+        )
     else:
-        shape, names = ((2, c.num_layers, size, c.kv_heads, c.head_dim), "(p, l, s, h, d)") \
-            if layout == "layer_first" else ((2, size, c.num_layers, c.kv_heads, c.head_dim), "(p, s, l, h, d)")
+        shape, names = (
+            ((2, c.num_layers, size, c.kv_heads, c.head_dim), "(p, l, s, h, d)")
+            if layout == "layer_first"
+            else ((2, size, c.num_layers, c.kv_heads, c.head_dim), "(p, s, l, h, d)")
+        )
     return lambda e: f"{layout} {names}={unravel(e, shape)}"
 
 
@@ -272,19 +295,24 @@ def reload_problems(run: Run, directory: Path) -> list[str]:
     host.set_pages_bytes(slots, torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8))
     want = expected_host(case, layout, host.size, RELOAD_PAGE_IDS)
     if raw(host.kv_buffer) != want:
-        problems.append(f"{case} reloaded into {layout}: " + first_difference(case, raw(host.kv_buffer), want,
-                                                                               host_where(case, layout, host.size)))
+        problems.append(
+            f"{case} reloaded into {layout}: "
+            + first_difference(case, raw(host.kv_buffer), want, host_where(case, layout, host.size))
+        )
     device = DeviceKVPool.create(c, DEVICE_SLOTS)  # zeros
     back = list(reversed(range(DEVICE_SLOTS)))[: case.tokens]
     CpuCopyEngine().submit_h2d(host, slots, device, torch.tensor(back)).wait()
     buf = bytearray(DEVICE_SLOTS * c.bytes_per_token)
     for pos, slot in enumerate(back):
         for p, l, h, d in elements(c):
-            struct.pack_into(PACK[c.element_size], buf, device_offset(c, DEVICE_SLOTS, p, l, slot, h, d),
-                             case.code(p, l, pos, h, d))
+            struct.pack_into(
+                PACK[c.element_size], buf, device_offset(c, DEVICE_SLOTS, p, l, slot, h, d), case.code(p, l, pos, h, d)
+            )
     if raw(device.storage) != bytes(buf):
-        problems.append(f"{case} loaded back to the device: " + first_difference(case, raw(device.storage), bytes(buf),
-                                                                                  device_where(case)))
+        problems.append(
+            f"{case} loaded back to the device: "
+            + first_difference(case, raw(device.storage), bytes(buf), device_where(case))
+        )
     got = run.store.batch_get(run.keys)  # the store's own reader agrees with the parsed payloads
     if any(g is None or g.numpy().tobytes() != p for g, p in zip(got, payloads)):
         problems.append(f"{case}: FileStorage.batch_get differs from the payload in the file")
@@ -325,24 +353,40 @@ def sglang_page_first_offset(c: KVCacheConfig, page_size: int, p: int, l: int, t
     return c.element_size * ((((p * page_size + t) * c.num_layers + l) * c.kv_heads + h) * c.head_dim + d)
 
 
-@pytest.mark.parametrize("case", [Case("mha", torch.bfloat16, "layer_first", 4), Case("mha", torch.float32, "page_first", 4),
-                                  Case("mla", torch.float16, "page_first", 4), Case("mla", torch.bfloat16, "layer_first", 1)],
-                         ids=str)
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case("mha", torch.bfloat16, "layer_first", 4),
+        Case("mha", torch.float32, "page_first", 4),
+        Case("mla", torch.float16, "page_first", 4),
+        Case("mla", torch.bfloat16, "layer_first", 1),
+    ],
+    ids=str,
+)
 def test_page_first_store_files_match_the_documented_order(case: Case, tmp_path: Path) -> None:
     """FileStorage(layout="page_first") writes each page in the doc's page_first order (whatever the host
     pool's layout) and reads it back as canonical bytes."""
     c, fmt = case.kv, PACK[case.kv.element_size]
     first = offload(case, tmp_path / "canonical")
-    store = FileStorage(tmp_path, model_name=MODEL, is_mla=c.is_mla, layout="page_first",
-                        page_dims=(c.num_planes, c.num_layers, case.page_size))
+    store = FileStorage(
+        tmp_path,
+        model_name=MODEL,
+        is_mla=c.is_mla,
+        layout="page_first",
+        page_dims=(c.num_planes, c.num_layers, case.page_size),
+    )
     assert store.batch_set_from_host(first.keys, first.host, first.host_slots) == [True] * CHUNK_PAGES
     suffix = f"_{MODEL.replace('/', '-')}" + ("" if c.is_mla else "_0_1")
     for j, key in enumerate(first.keys):
         buf = bytearray(case.page_size * c.bytes_per_token)
         for t in range(case.page_size):
             for p, l, h, d in elements(c):
-                struct.pack_into(fmt, buf, sglang_page_first_offset(c, case.page_size, p, l, t, h, d),
-                                 case.code(p, l, j * case.page_size + t, h, d))
+                struct.pack_into(
+                    fmt,
+                    buf,
+                    sglang_page_first_offset(c, case.page_size, p, l, t, h, d),
+                    case.code(p, l, j * case.page_size + t, h, d),
+                )
         _, on_disk = read_page(tmp_path, f"{key}{suffix}", "page_first")
         assert on_disk == bytes(buf), f"page {j}"
         got = store.batch_get([key])[0]
@@ -404,24 +448,35 @@ def _canonical_order_permuted(perm: Callable[[np.ndarray], np.ndarray], inverse:
 
         monkeypatch.setattr(HostKVPool, "get_pages_bytes", get)
         monkeypatch.setattr(HostKVPool, "set_pages_bytes", put)
+
     return inject
 
 
 MUTANTS: dict[str, tuple[Callable[[pytest.MonkeyPatch], None], Case]] = {
-    "page_first_stored_as_layer_first": (_page_first_built_as_layer_first,
-                                         Case("mha", torch.bfloat16, "page_first", 4)),
-    "mla_page_first_stored_as_layer_first": (_page_first_built_as_layer_first,
-                                             Case("mla", torch.float16, "page_first", 4)),
-    "layers_and_tokens_swapped_in_pages": (_canonical_order_permuted(lambda a: a.swapaxes(2, 3),
-                                                                     lambda a: a.swapaxes(2, 3)),
-                                           Case("mha", torch.bfloat16, "layer_first", 4)),
-    "k_and_v_swapped_in_pages": (_canonical_order_permuted(lambda a: a[:, ::-1], lambda a: a[:, ::-1]),
-                                 Case("mha", torch.float16, "page_first", 1)),
-    "heads_and_dims_swapped_in_pages": (_canonical_order_permuted(lambda a: a.swapaxes(4, 5),
-                                                                  lambda a: a.swapaxes(4, 5)),
-                                        Case("mha", torch.float32, "page_first", 4)),
-    "mla_tokens_reversed_in_pages": (_canonical_order_permuted(lambda a: a[:, :, :, ::-1], lambda a: a[:, :, :, ::-1]),
-                                     Case("mla", torch.bfloat16, "layer_first", 4)),
+    "page_first_stored_as_layer_first": (
+        _page_first_built_as_layer_first,
+        Case("mha", torch.bfloat16, "page_first", 4),
+    ),
+    "mla_page_first_stored_as_layer_first": (
+        _page_first_built_as_layer_first,
+        Case("mla", torch.float16, "page_first", 4),
+    ),
+    "layers_and_tokens_swapped_in_pages": (
+        _canonical_order_permuted(lambda a: a.swapaxes(2, 3), lambda a: a.swapaxes(2, 3)),
+        Case("mha", torch.bfloat16, "layer_first", 4),
+    ),
+    "k_and_v_swapped_in_pages": (
+        _canonical_order_permuted(lambda a: a[:, ::-1], lambda a: a[:, ::-1]),
+        Case("mha", torch.float16, "page_first", 1),
+    ),
+    "heads_and_dims_swapped_in_pages": (
+        _canonical_order_permuted(lambda a: a.swapaxes(4, 5), lambda a: a.swapaxes(4, 5)),
+        Case("mha", torch.float32, "page_first", 4),
+    ),
+    "mla_tokens_reversed_in_pages": (
+        _canonical_order_permuted(lambda a: a[:, :, :, ::-1], lambda a: a[:, :, :, ::-1]),
+        Case("mla", torch.bfloat16, "layer_first", 4),
+    ),
 }
 
 

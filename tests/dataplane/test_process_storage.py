@@ -29,8 +29,13 @@ gpu = pytest.mark.gpu
 
 
 def pool_with_pages(n: int, layout: str = "layer_first", seed: int = 0, shared: bool = False) -> tuple[HostKVPool, Any]:
-    pool = HostKVPool(KVCacheConfig(num_layers=3, head_dim=8, kv_heads=2), 64 * 8, page_size=8, layout=layout,  # type: ignore[arg-type]
-                      shared=shared)
+    pool = HostKVPool(
+        KVCacheConfig(num_layers=3, head_dim=8, kv_heads=2),
+        64 * 8,
+        page_size=8,
+        layout=layout,  # type: ignore[arg-type]
+        shared=shared,
+    )
     slots = pool.page_slots(pool.allocator.alloc_pages(n))
     g = torch.Generator().manual_seed(seed)
     pool.set_pages_bytes(slots, torch.randint(0, 256, (n, pool.page_nbytes), dtype=torch.uint8, generator=g))
@@ -39,7 +44,9 @@ def pool_with_pages(n: int, layout: str = "layer_first", seed: int = 0, shared: 
 
 def raising_store(directory: str, bad_key: str) -> FaultyStorage:
     """A file store whose write of `bad_key` raises a client library's own error (built in the child)."""
-    return FaultyStorage(FileStorage(directory, model_name="m"), raise_writes={bad_key: RuntimeError("client gave up")}.get)
+    return FaultyStorage(
+        FileStorage(directory, model_name="m"), raise_writes={bad_key: RuntimeError("client gave up")}.get
+    )
 
 
 class SleepingStore(FileStorage):
@@ -61,8 +68,9 @@ def test_pages_stored_by_the_child_read_back_byte_exact_in_process(tmp_path: Pat
     it back with its sidecar checked (same format: layout, page geometry, dtype)."""
     pool, slots = pool_with_pages(7, layout)
     dims = (2, 3, 8)
-    make = functools.partial(FileStorage, str(tmp_path), model_name="m", layout=layout,
-                             page_dims=dims if layout == "page_first" else None)
+    make = functools.partial(
+        FileStorage, str(tmp_path), model_name="m", layout=layout, page_dims=dims if layout == "page_first" else None
+    )
     store = ProcessStorage(make, staging_bytes=pool.page_nbytes * 3)  # 7 pages: three rounds
     try:
         keys = page_hashes(list(range(7 * 8)), 8)
@@ -213,7 +221,9 @@ def test_the_child_ends_with_its_parent(tmp_path: Path) -> None:
             os.kill(child, 0)
         except ProcessLookupError:
             return True
-        return subprocess.run(["ps", "-o", "stat=", "-p", str(child)], capture_output=True, text=True).stdout.startswith("Z")
+        return subprocess.run(
+            ["ps", "-o", "stat=", "-p", str(child)], capture_output=True, text=True
+        ).stdout.startswith("Z")
 
     for child in children:
         wait_for(lambda: gone(child), f"process {child} to end after its parent", 10.0)
@@ -299,7 +309,7 @@ def test_the_child_stores_a_shared_pools_pages_in_place(tmp_path: Path, layout: 
     try:
         keys = page_hashes(list(range(6 * 8)), 8)
         assert store.batch_set_from_host(keys[:4], pool, pool.page_slots(slots.pages[:4])) == [True] * 4
-        assert store.batch_set_from_host(keys[4:], pool, slots.slots[4 * 8:]) == [True, True]  # slot-index form
+        assert store.batch_set_from_host(keys[4:], pool, slots.slots[4 * 8 :]) == [True, True]  # slot-index form
         assert store._staging is None  # nothing went through the staging buffer
         want = pool.get_pages_bytes(slots)
         local = FileStorage(str(tmp_path), model_name="m")
@@ -314,7 +324,10 @@ def test_the_child_stores_a_shared_pools_pages_in_place(tmp_path: Path, layout: 
         assert store.batch_set_from_host(more, other, other_slots) == [True, True]  # a fresh child maps this pool
         assert torch.equal(local.batch_get(more[:1])[0], other.get_pages_bytes(other_slots)[0])  # type: ignore[arg-type]
         again = page_hashes(list(range(900, 916)), 8)
-        assert store.batch_set_from_host(again, pool, pool.page_slots(slots.pages[:2])) == [True, True]  # back to the first
+        assert store.batch_set_from_host(again, pool, pool.page_slots(slots.pages[:2])) == [
+            True,
+            True,
+        ]  # back to the first
         assert all(torch.equal(g, w) for g, w in zip(local.batch_get(again), want[:2]))  # type: ignore[arg-type]
     finally:
         store.close()

@@ -66,8 +66,13 @@ def test_a_keys_shard_is_the_same_in_every_process() -> None:
     """A page written by one server process is found by the next: the shard is a fixed function of the key's
     bytes (CRC-32), never Python's per-process salted hash. These values were computed once, in another process;
     the last key has a stored page's shape (a digest and the deployment suffix)."""
-    keys = {"": 0, "abc": 5, "ключ": 1, "x" * 300: 3,
-            "0f1e2d3c4b5a69788796a5b4c3d2e1f00f1e2d3c4b5a69788796a5b4c3d2e1f0_m_0_1": 3}
+    keys = {
+        "": 0,
+        "abc": 5,
+        "ключ": 1,
+        "x" * 300: 3,
+        "0f1e2d3c4b5a69788796a5b4c3d2e1f00f1e2d3c4b5a69788796a5b4c3d2e1f0_m_0_1": 3,
+    }
     assert {k: shard_of(k, 7) for k in keys} == keys
     assert shard_of("abc", 1) == 0
 
@@ -172,8 +177,10 @@ def test_host_pages_reach_each_shard_as_its_own_pages(tmp_path: Path) -> None:
     pool, slots = shared_pool(12)
     want = pool.get_pages_bytes(slots)
     keys = page_hashes(list(range(12 * 8)), 8)
-    for shards in ([FileStorage(str(tmp_path / "f0"), model_name="m"), FileStorage(str(tmp_path / "f1"), model_name="m")],
-                   [MemoryStorage(), MemoryStorage(), MemoryStorage()]):
+    for shards in (
+        [FileStorage(str(tmp_path / "f0"), model_name="m"), FileStorage(str(tmp_path / "f1"), model_name="m")],
+        [MemoryStorage(), MemoryStorage(), MemoryStorage()],
+    ):
         store = ShardedStorage(shards)
         assert store.batch_set_from_host(keys, pool, slots) == [True] * 12
         got = store.batch_get(keys)
@@ -213,7 +220,9 @@ def test_a_manager_with_several_store_processes_shards_its_store_over_the_shared
         assert {shard_of(k, 2) for k in keys} == {0, 1}
         assert store.batch_set_from_host(keys, pool, slots) == [True] * 10
         local = FileStorage(str(tmp_path), model_name="model")
-        assert all(g is not None and torch.equal(g, w) for g, w in zip(local.batch_get(keys), pool.get_pages_bytes(slots)))
+        assert all(
+            g is not None and torch.equal(g, w) for g, w in zip(local.batch_get(keys), pool.get_pages_bytes(slots))
+        )
         assert store.batch_exists(keys) == 10 and len(list(tmp_path.glob("*_model_0_1.bin"))) == 10
     finally:
         store.close()

@@ -61,7 +61,8 @@ def test_atomic_writes_leave_no_temp_files(tmp_path: Path) -> None:
     assert fs.batch_set(ks, pages(4)) == [True] * 4
     names = sorted(os.listdir(tmp_path))
     assert len(names) == 8 and sorted(n for n in names if n.endswith("_m_0_1.bin")) == sorted(
-        os.path.basename(fs.path_of(k)) for k in ks)
+        os.path.basename(fs.path_of(k)) for k in ks
+    )
     assert sorted(n for n in names if n.endswith("_m_0_1.kvfsm")) == sorted(f"{k}_m_0_1.kvfsm" for k in ks)
     assert fs.stats.writes_ok == 4
 
@@ -83,8 +84,9 @@ def test_torn_write_is_never_returned(tmp_path: Path) -> None:
     assert fs.batch_get(ks[1:]) == [None]
 
 
-@pytest.mark.parametrize("where", ["payload", "sidecar magic", "sidecar crc", "sidecar own crc", "sidecar key",
-                                   "sidecar format"])
+@pytest.mark.parametrize(
+    "where", ["payload", "sidecar magic", "sidecar crc", "sidecar own crc", "sidecar key", "sidecar format"]
+)
 def test_flipped_byte_is_never_returned(tmp_path: Path, where: str) -> None:
     fs = FileStorage(tmp_path, "m")
     ks, ps = keys(1), pages(1)
@@ -92,9 +94,14 @@ def test_flipped_byte_is_never_returned(tmp_path: Path, where: str) -> None:
     path = fs.path_of(ks[0])
     side = fs.sidecar_of(path)
     hdr = storage_mod._SIDECAR.size
-    target, offset = {"payload": (path, os.path.getsize(path) - 7), "sidecar magic": (side, 2),
-                      "sidecar crc": (side, 9), "sidecar key": (side, hdr + 3), "sidecar own crc": (side, 13),
-                      "sidecar format": (side, os.path.getsize(side) - 1)}[where]
+    target, offset = {
+        "payload": (path, os.path.getsize(path) - 7),
+        "sidecar magic": (side, 2),
+        "sidecar crc": (side, 9),
+        "sidecar key": (side, hdr + 3),
+        "sidecar own crc": (side, 13),
+        "sidecar format": (side, os.path.getsize(side) - 1),
+    }[where]
     with open(target, "r+b") as f:
         f.seek(offset)
         b = f.read(1)
@@ -122,8 +129,20 @@ def test_page_file_is_the_raw_page_and_the_sidecar_is_documented(tmp_path: Path)
     side = Path(fs.sidecar_of(path)).read_bytes()
     name = f"{k}_org-model_1_2".encode()
     fmt = b"layout=layer_first"
-    assert side == struct.pack("<8sIIQII", b"KVFSSC01", zlib.crc32(p.numpy().tobytes()), zlib.crc32(name + fmt),
-                               p.numel(), len(name), len(fmt)) + name + fmt
+    assert (
+        side
+        == struct.pack(
+            "<8sIIQII",
+            b"KVFSSC01",
+            zlib.crc32(p.numpy().tobytes()),
+            zlib.crc32(name + fmt),
+            p.numel(),
+            len(name),
+            len(fmt),
+        )
+        + name
+        + fmt
+    )
 
 
 def test_pages_without_a_sidecar_are_length_checked_and_counted_unverified(tmp_path: Path) -> None:
@@ -180,7 +199,9 @@ def test_page_first_layout_reorders_the_file_and_round_trips(tmp_path: Path) -> 
     with pytest.raises(ValueError, match="page_dims"):
         FileStorage(tmp_path, "m", page_dims=(3, 1, 1))
     with pytest.raises(ValueError, match="page_dims"):
-        FileStorage(tmp_path, "m", layout="page_first", page_dims=(2, 3, 4)).batch_set([k], [torch.zeros(7, dtype=torch.uint8)])
+        FileStorage(tmp_path, "m", layout="page_first", page_dims=(2, 3, 4)).batch_set(
+            [k], [torch.zeros(7, dtype=torch.uint8)]
+        )
 
 
 def test_failed_writes_reported_per_page(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -218,8 +239,13 @@ def test_batch_checks() -> None:
 
 def test_faulty_storage_is_deterministic(tmp_path: Path) -> None:
     ks, ps = keys(6), pages(6)
-    f = FaultyStorage(FileStorage(tmp_path, "m"), fail_writes={ks[1]}, fail_write_ordinals={4},
-                      corrupt_reads=[ks[2]], drop_reads=lambda k: k == ks[3])
+    f = FaultyStorage(
+        FileStorage(tmp_path, "m"),
+        fail_writes={ks[1]},
+        fail_write_ordinals={4},
+        corrupt_reads=[ks[2]],
+        drop_reads=lambda k: k == ks[3],
+    )
     assert f.batch_set(ks[:3], ps[:3]) == [True, False, True]
     assert f.batch_set(ks[3:], ps[3:]) == [True, False, True]  # ordinal 4 == ks[4]
     assert f.failed_writes == [ks[1], ks[4]]
@@ -253,16 +279,24 @@ def test_close_stops_the_writer_threads_and_a_later_write_restarts_them(tmp_path
 def test_the_sidecar_format_string_is_pinned() -> None:
     """The format a sidecar records is on disk: two deployments compare it, so its spelling is the format."""
     assert storage_mod.page_format("layer_first") == "layout=layer_first"
-    assert (storage_mod.page_format("page_first", (2, 3, 4), torch.bfloat16)
-            == "layout=page_first;dims=2x3x4;dtype=bfloat16")
+    assert (
+        storage_mod.page_format("page_first", (2, 3, 4), torch.bfloat16)
+        == "layout=page_first;dims=2x3x4;dtype=bfloat16"
+    )
 
 
-@pytest.mark.parametrize("damage,reason", [("truncated sidecar", r"truncated sidecar"),
-                                           ("sidecar magic", r"bad sidecar magic"),
-                                           ("payload byte", r"checksum mismatch"),
-                                           ("torn page", r"length \d+ != \d+ \(torn write\?\)")])
-def test_the_warning_names_what_is_wrong_with_a_page(tmp_path: Path, damage: str, reason: str,
-                                                      caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize(
+    "damage,reason",
+    [
+        ("truncated sidecar", r"truncated sidecar"),
+        ("sidecar magic", r"bad sidecar magic"),
+        ("payload byte", r"checksum mismatch"),
+        ("torn page", r"length \d+ != \d+ \(torn write\?\)"),
+    ],
+)
+def test_the_warning_names_what_is_wrong_with_a_page(
+    tmp_path: Path, damage: str, reason: str, caplog: pytest.LogCaptureFixture
+) -> None:
     """What an operator reads when a page is moved aside says why."""
     fs = FileStorage(tmp_path, "m")
     ks, ps = keys(1), pages(1)
@@ -358,7 +392,8 @@ class _Killed(BaseException):
 
 
 def test_a_killed_writers_temp_files_are_in_its_directory_and_the_next_start_up_sweeps_them(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     store = tmp_path / "store"
     monkeypatch.chdir(tmp_path)  # not the store: a temp file written elsewhere would be missed below
     dead = _dead_pid()
@@ -454,7 +489,8 @@ def test_a_store_whose_directory_is_gone_sweeps_nothing(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("same_bytes", [True, False])
 def test_a_writer_that_loses_the_publish_race_leaves_a_sidecar_that_checks_the_winners_page(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, same_bytes: bool) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, same_bytes: bool
+) -> None:
     """Writer A is about to publish its sidecar when writer B publishes the key (sidecar and page) first; A's
     sidecar replaces B's, and A's page loses to B's. The sidecar must end up describing B's page: A's is
     already right when the bytes are the same, and is rewritten from B's page when they differ, so the

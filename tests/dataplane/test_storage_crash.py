@@ -108,8 +108,13 @@ def _in_place_set_one(self: FileStorage, key: str, path: str, data: np.ndarray, 
     if os.path.exists(path):
         return "writes_skipped"
     kb = (key + self.suffix).encode()
-    side = storage_mod._SIDECAR.pack(storage_mod._MAGIC, zlib.crc32(data) & 0xFFFFFFFF, zlib.crc32(kb + fmt),
-                                     data.nbytes, len(kb), len(fmt)) + kb + fmt
+    side = (
+        storage_mod._SIDECAR.pack(
+            storage_mod._MAGIC, zlib.crc32(data) & 0xFFFFFFFF, zlib.crc32(kb + fmt), data.nbytes, len(kb), len(fmt)
+        )
+        + kb
+        + fmt
+    )
     try:
         with open(self.sidecar_of(path), "wb") as f:
             f.write(side)
@@ -160,7 +165,7 @@ def _writer(cfg: dict[str, Any]) -> None:
     ks, batch = crash_keys(), cfg.get("batch", 2)
     _say({"writing": os.getpid()})
     for i in range(0, len(ks), batch):
-        chunk = ks[i:i + batch]
+        chunk = ks[i : i + batch]
         ok = fs.batch_set(chunk, [torch.from_numpy(payload(k)) for k in chunk])
         if not all(ok):
             _say({"failed": chunk})
@@ -189,8 +194,13 @@ def _zygote() -> None:
         sys.stdin.readline()  # "kill" (or EOF: the parent is gone)
         os.kill(pid, signal.SIGKILL)  # our child, not yet reaped (a zombie at worst): never another process
         _, status = os.waitpid(pid, 0)
-        _say({"ended": pid, "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
-              "exit": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None})
+        _say(
+            {
+                "ended": pid,
+                "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
+                "exit": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
+            }
+        )
 
 
 # ---- the parent side ------------------------------------------------------------------------------
@@ -201,8 +211,13 @@ class Zygote:
         env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
         self.log = log
         self._err = open(log, "wb")
-        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "zygote"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self._err, env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "zygote"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._err,
+            env=env,
+        )
         self._buf = b""
         self.seen: list[dict[str, Any]] = []
         self._inbox: list[dict[str, Any]] = []
@@ -214,8 +229,11 @@ class Zygote:
         writer make progress (tests/timing.py's Watch: output, or CPU time of the zygote's process tree)."""
         from timing import Watch  # here: the zygote (this file run as a script) does not import it
 
-        watch = Watch(f"a {kind!r} message from the storage-crash zygote (pid {self.proc.pid}) or its writer",
-                      MSG_WAIT_S, self.proc.pid)
+        watch = Watch(
+            f"a {kind!r} message from the storage-crash zygote (pid {self.proc.pid}) or its writer",
+            MSG_WAIT_S,
+            self.proc.pid,
+        )
         fd = self.proc.stdout.fileno()  # type: ignore[union-attr]
         while True:
             while b"\n" in self._buf:

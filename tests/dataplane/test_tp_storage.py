@@ -33,7 +33,9 @@ from kvfsm.dataplane.storage import file as storage_mod
 MODEL = "org/Model-7B"
 N_PAGES = 48
 PAGE_BYTES = 8 * 1024
-SIDECAR = struct.Struct("<8sIIQII")  # docs/page-layout.md: magic, crc32, crc32(key+format), page length, key length, format length
+SIDECAR = struct.Struct(
+    "<8sIIQII"
+)  # docs/page-layout.md: magic, crc32, crc32(key+format), page length, key length, format length
 
 
 def tp_keys(n: int = N_PAGES) -> list[str]:
@@ -42,8 +44,9 @@ def tp_keys(n: int = N_PAGES) -> list[str]:
 
 def rank_page(rank: int, key: str, nbytes: int = PAGE_BYTES) -> torch.Tensor:
     """Rank `rank`'s page under `key`: different on every rank (as MHA shards are: other heads)."""
-    return torch.frombuffer(bytearray(hashlib.sha256(f"{rank}:{key}".encode()).digest() * (nbytes // 32)),
-                            dtype=torch.uint8)
+    return torch.frombuffer(
+        bytearray(hashlib.sha256(f"{rank}:{key}".encode()).digest() * (nbytes // 32)), dtype=torch.uint8
+    )
 
 
 def file_key(path: Path) -> str:
@@ -51,11 +54,12 @@ def file_key(path: Path) -> str:
     side = path.with_suffix(".kvfsm").read_bytes()
     magic, _crc, _side_crc, plen, klen, flen = SIDECAR.unpack_from(side)
     assert magic == b"KVFSSC01" and len(side) == SIDECAR.size + klen + flen and path.stat().st_size == plen, path
-    return side[SIDECAR.size:SIDECAR.size + klen].decode()
+    return side[SIDECAR.size : SIDECAR.size + klen].decode()
 
 
-def store_concurrently(stores: list[FileStorage], pages: list[list[torch.Tensor]], keys: list[str],
-                       batch: int = 4) -> list[list[bool]]:
+def store_concurrently(
+    stores: list[FileStorage], pages: list[list[torch.Tensor]], keys: list[str], batch: int = 4
+) -> list[list[bool]]:
     """Every rank stores `keys` with its own pages, all ranks at once (a barrier start, interleaved batches)."""
     barrier = threading.Barrier(len(stores))
     results: list[list[bool]] = [[] for _ in stores]
@@ -65,7 +69,7 @@ def store_concurrently(stores: list[FileStorage], pages: list[list[torch.Tensor]
         try:
             barrier.wait()
             for i in range(0, len(keys), batch):
-                results[r] += stores[r].batch_set(keys[i:i + batch], pages[r][i:i + batch])
+                results[r] += stores[r].batch_set(keys[i : i + batch], pages[r][i : i + batch])
         except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
             errors.append(exc)
 
@@ -94,8 +98,9 @@ def mha_problems(directory: Path) -> list[str]:
         wrong = [i for i, (g, p) in enumerate(zip(got, pages[r])) if g is None or not torch.equal(g, p)]
         other = [i for i in wrong if got[i] is not None and torch.equal(got[i], pages[1 - r][i])]  # type: ignore[arg-type]
         if wrong:
-            problems.append(f"rank {r}: {len(wrong)} pages do not read back as written, {len(other)} of them "
-                            f"are rank {1 - r}'s")
+            problems.append(
+                f"rank {r}: {len(wrong)} pages do not read back as written, {len(other)} of them are rank {1 - r}'s"
+            )
     files = [stores[r].path_of(k) for r in range(2) for k in keys]
     if len(set(files)) != len(files):
         problems.append(f"the ranks' page files overlap: {len(files) - len(set(files))} names shared")
@@ -120,8 +125,11 @@ def test_mha_ranks_never_share_pages(tmp_path: Path) -> None:
 def test_rank_blind_key_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The mutant: keys without the rank (what MLA does) for MHA, whose shards differ per rank."""
     real = storage_mod.storage_key_suffix
-    monkeypatch.setattr(storage_mod, "storage_key_suffix",
-                        lambda model_name="", tp_rank=0, tp_size=1, is_mla=False: real(model_name, 0, tp_size, is_mla))
+    monkeypatch.setattr(
+        storage_mod,
+        "storage_key_suffix",
+        lambda model_name="", tp_rank=0, tp_size=1, is_mla=False: real(model_name, 0, tp_size, is_mla),
+    )
     problems = mha_problems(tmp_path)
     assert any("overlap" in p for p in problems) and any("do not read back" in p for p in problems), problems
 
@@ -132,10 +140,12 @@ def test_other_tp_sizes_and_models_see_nothing(tmp_path: Path) -> None:
     keys = tp_keys(6)
     r0 = FileStorage(tmp_path, model_name=MODEL, tp_rank=0, tp_size=2)
     assert r0.batch_set(keys, [rank_page(0, k) for k in keys]) == [True] * 6
-    for other in (FileStorage(tmp_path, model_name=MODEL, tp_rank=1, tp_size=2),
-                  FileStorage(tmp_path, model_name=MODEL, tp_rank=0, tp_size=4),
-                  FileStorage(tmp_path, model_name="org/Other-7B", tp_rank=0, tp_size=2),
-                  FileStorage(tmp_path, model_name=MODEL, tp_rank=0, tp_size=2, is_mla=True)):
+    for other in (
+        FileStorage(tmp_path, model_name=MODEL, tp_rank=1, tp_size=2),
+        FileStorage(tmp_path, model_name=MODEL, tp_rank=0, tp_size=4),
+        FileStorage(tmp_path, model_name="org/Other-7B", tp_rank=0, tp_size=2),
+        FileStorage(tmp_path, model_name=MODEL, tp_rank=0, tp_size=2, is_mla=True),
+    ):
         assert other.batch_exists(keys) == 0 and other.batch_get(keys) == [None] * 6
         assert other.stats.reads_corrupt == 0
 
@@ -150,7 +160,7 @@ def test_mha_ranks_store_their_own_host_pages(tmp_path: Path, layout: str) -> No
     for r in range(2):
         pool = HostKVPool(cfg, 16 * 4, page_size=4, layout=layout)  # type: ignore[arg-type]
         g = torch.Generator().manual_seed(100 + r)
-        pool.kv_buffer.view(torch.int16).copy_(torch.randint(-2**15, 2**15, pool.kv_buffer.shape, generator=g))
+        pool.kv_buffer.view(torch.int16).copy_(torch.randint(-(2**15), 2**15, pool.kv_buffer.shape, generator=g))
         pool.alloc_pages(16)
         pools.append(pool)
         stores.append(FileStorage(tmp_path, model_name=MODEL, tp_rank=r, tp_size=2, writers=2))
@@ -160,8 +170,10 @@ def test_mha_ranks_store_their_own_host_pages(tmp_path: Path, layout: str) -> No
         try:
             barrier.wait()
             for i in range(0, 16, 4):
-                assert stores[r].batch_set_from_host(keys[i:i + 4], pools[r], pools[r].slots_of(range(i, i + 4))) \
+                assert (
+                    stores[r].batch_set_from_host(keys[i : i + 4], pools[r], pools[r].slots_of(range(i, i + 4)))
                     == [True] * 4
+                )
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
 
@@ -187,8 +199,9 @@ def test_mla_ranks_share_one_copy(tmp_path: Path) -> None:
     latent = [rank_page(0, k) for k in keys]  # identical on both ranks
     results = store_concurrently(stores, [latent, latent], keys)
     assert results == [[True] * len(keys)] * 2
-    assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(p) for k in keys
-                                                  for p in (stores[0].path_of(k), stores[0].sidecar_of(stores[0].path_of(k))))
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        os.path.basename(p) for k in keys for p in (stores[0].path_of(k), stores[0].sidecar_of(stores[0].path_of(k)))
+    )
     written = sum(fs.stats.writes_ok for fs in stores)
     assert len(keys) <= written <= 2 * len(keys)  # a rank that finds the page stored skips it
     assert written + sum(fs.stats.writes_skipped for fs in stores) == 2 * len(keys)

@@ -42,6 +42,7 @@ class Compiled:
             if self.refuse:
                 raise TypeError("this handle packs its arguments otherwise")
             self.log.append(("compiled", grid, args))
+
         return runner
 
 
@@ -58,6 +59,7 @@ class Kernel:
         def run(*args: Any, num_warps: int, **constexprs: Any) -> Compiled:
             self.log.append(("jit", grid, args, tuple(constexprs.items()), num_warps))
             return Compiled(self.log, self.refuse)
+
         return run
 
 
@@ -115,6 +117,7 @@ def test_a_launch_that_returns_no_handle_is_not_kept() -> None:
         def __getitem__(self, grid: tuple) -> Any:
             def run(*args: Any, num_warps: int, **constexprs: Any) -> None:
                 self.log.append(("jit",))
+
             return run
 
     k, launch = Interpreted(), on()

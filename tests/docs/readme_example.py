@@ -34,6 +34,8 @@ def example_source(page_text: str, decode_steps: int) -> str:
     code = block.group(1)
     hits = _STEPS.findall(code)
     if len(hits) != 1:
-        raise ReadmeExampleError(f"{PAGE}'s integration example must set DECODE_STEPS = <int> on one line of its "
-                                 f"own, found {len(hits)} such lines")
+        raise ReadmeExampleError(
+            f"{PAGE}'s integration example must set DECODE_STEPS = <int> on one line of its "
+            f"own, found {len(hits)} such lines"
+        )
     return _STEPS.sub(f"DECODE_STEPS = {decode_steps}", code)

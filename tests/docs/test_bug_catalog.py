@@ -22,14 +22,20 @@ TEXT = CATALOG.read_text() if CATALOG.exists() else ""
 BUG_ID = re.compile(r"(?<![\w#])B(\d{1,2})(?!\d)")
 SCANNED = ("spec", "kvfsm", "tests", "docs", "bench", "generated")
 SUFFIXES = {".py", ".yaml", ".yml", ".md", ".json", ".txt", ".toml"}
-SPEC_REF = re.compile(r"(invariant|state|guard|action|event|resource|error|ignore) `(\w+)`(?: in `(\w+)`)? "
-                      r"\(\[spec/(\w+)\.yaml:(\d+)\]\(\.\./spec/(\w+)\.yaml#L(\d+)\)\)")
+SPEC_REF = re.compile(
+    r"(invariant|state|guard|action|event|resource|error|ignore) `(\w+)`(?: in `(\w+)`)? "
+    r"\(\[spec/(\w+)\.yaml:(\d+)\]\(\.\./spec/(\w+)\.yaml#L(\d+)\)\)"
+)
 MUTANT_REF = re.compile(r"`(\w+)` in \[(tests/[\w/]+\.py)\]\(\.\./(tests/[\w/]+\.py)\)")
 SECTIONS = {"action": "actions", "state": "states", "guard": "guards", "event": "events", "resource": "resources"}
 UPSTREAM_LINK = re.compile(r"\[([\w.-]+/[\w.-]+)#(\d+)\]\(https://github\.com/([\w.-]+/[\w.-]+)/(pull|issues)/(\d+)\)")
 CITED = re.compile(r"\((S|V|D|HF PR) #(\d+)\)")  # how tests/catalog_faults.py cites upstream threads
-PROJECT = {"S": "sgl-project/sglang", "V": "vllm-project/vllm", "D": "ai-dynamo/dynamo",
-           "HF PR": "huggingface/transformers"}
+PROJECT = {
+    "S": "sgl-project/sglang",
+    "V": "vllm-project/vllm",
+    "D": "ai-dynamo/dynamo",
+    "HF PR": "huggingface/transformers",
+}
 
 
 def _entries() -> dict[str, str]:
@@ -54,7 +60,9 @@ def _ids_used() -> dict[str, list[str]]:
     for path in _files():
         text = path.read_text(errors="replace")
         for m in BUG_ID.finditer(text):
-            used.setdefault(f"B{int(m.group(1))}", []).append(f"{path.relative_to(ROOT)}:{text.count(chr(10), 0, m.start()) + 1}")
+            used.setdefault(f"B{int(m.group(1))}", []).append(
+                f"{path.relative_to(ROOT)}:{text.count(chr(10), 0, m.start()) + 1}"
+            )
     return used
 
 
@@ -75,7 +83,9 @@ def _spec_line(kind: str, name: str, state: str | None, spec: str) -> int | None
         return lines.line(("invariants", hits[0])) if hits else None
     if kind in ("error", "ignore"):
         section = "errors" if kind == "error" else "ignore"
-        hits = [i for i, e in enumerate(data.get(section, [])) if name in _as_list(e["on"]) and state in _as_list(e["in"])]
+        hits = [
+            i for i, e in enumerate(data.get(section, [])) if name in _as_list(e["on"]) and state in _as_list(e["in"])
+        ]
         return lines.line((section, hits[0])) if hits else None
     return lines.line((SECTIONS[kind], name)) if name in data.get(SECTIONS[kind], {}) else None
 
@@ -115,11 +125,14 @@ def test_each_entry_is_complete_and_true_to_the_repository(bug):
     assert title, f"{bug} has no title"
     for field in ("What goes wrong", "Upstream", "Spec", "Mutant"):
         assert f"- **{field}**: " in body, f"{bug} has no {field}"
+
     def field(name: str) -> str:
         return re.search(rf"- \*\*{name}\*\*: (.*?)(?=\n- \*\*|\Z)", body, re.S).group(1)
 
     # the title is the bug class the mutant report gives for this id
-    assert _mutants_md_rows().get(bug) == title, f"{bug}: title {title!r}, docs/mutants.md says {_mutants_md_rows().get(bug)!r}"
+    assert _mutants_md_rows().get(bug) == title, (
+        f"{bug}: title {title!r}, docs/mutants.md says {_mutants_md_rows().get(bug)!r}"
+    )
 
     # every spec element named exists in that spec, at the line given
     refs = SPEC_REF.findall(field("Spec"))
@@ -127,7 +140,9 @@ def test_each_entry_is_complete_and_true_to_the_repository(bug):
     for kind, name, state, spec, line, spec2, line2 in refs:
         assert (spec, line) == (spec2, line2), f"{bug}: link text and target differ for {name}"
         actual = _spec_line(kind, name, state or None, spec)
-        assert actual is not None, f"{bug}: spec/{spec}.yaml has no {kind} {name!r}" + (f" in {state!r}" if state else "")
+        assert actual is not None, f"{bug}: spec/{spec}.yaml has no {kind} {name!r}" + (
+            f" in {state!r}" if state else ""
+        )
         assert int(line) == actual, f"{bug}: {kind} {name} is at spec/{spec}.yaml:{actual}, not :{line}"
 
     # its mutant(s) exist and are run by the mutant suite
@@ -146,12 +161,15 @@ def test_each_entry_is_complete_and_true_to_the_repository(bug):
     links = UPSTREAM_LINK.findall(upstream)
     for shown, number, repo, _, number2 in links:
         assert (shown, number) == (repo, number2), f"{bug}: link text {shown}#{number} points at {repo}/{number2}"
-    assert links or "no upstream reference found" in upstream, f"{bug}: neither an upstream link nor 'no upstream reference found'"
+    assert links or "no upstream reference found" in upstream, (
+        f"{bug}: neither an upstream link nor 'no upstream reference found'"
+    )
     faults = ast.parse((ROOT / "tests" / "catalog_faults.py").read_text())
     for fn in (n for n in faults.body if isinstance(n, ast.FunctionDef) and n.name.split("_")[0] == bug.lower()):
         for project, number in CITED.findall(ast.get_docstring(fn) or ""):
-            assert f"{PROJECT[project]}#{number}" in upstream, \
+            assert f"{PROJECT[project]}#{number}" in upstream, (
                 f"{bug}: tests/catalog_faults.py:{fn.name} cites {project} #{number}; the catalog does not"
+            )
 
 
 def test_docs_that_mention_bug_ids_link_to_the_catalog():
@@ -163,7 +181,9 @@ def test_docs_that_mention_bug_ids_link_to_the_catalog():
         text = path.read_text()
         if BUG_ID.search(text):
             target = os.path.relpath(CATALOG, path.parent)
-            assert re.search(rf"\]\({re.escape(target)}(#b\d+)?\)", text), f"{rel} mentions bug ids but does not link to {target}"
+            assert re.search(rf"\]\({re.escape(target)}(#b\d+)?\)", text), (
+                f"{rel} mentions bug ids but does not link to {target}"
+            )
 
 
 def _links(text: str):
@@ -199,7 +219,11 @@ def test_every_relative_link_in_the_docs_resolves_inside_the_repository():
                 broken.append(f"{where} (missing)")
             elif anchor and resolved.suffix == ".md" and anchor not in _anchors(resolved):
                 broken.append(f"{where} (no anchor #{anchor})")
-            elif anchor and resolved.suffix in (".yaml", ".py") and re.fullmatch(r"L(\d+)", anchor) and \
-                    int(anchor[1:]) > resolved.read_text().count("\n") + 1:
+            elif (
+                anchor
+                and resolved.suffix in (".yaml", ".py")
+                and re.fullmatch(r"L(\d+)", anchor)
+                and int(anchor[1:]) > resolved.read_text().count("\n") + 1
+            ):
                 broken.append(f"{where} (past the end of the file)")
     assert not broken, "broken links: " + "; ".join(broken)

@@ -33,8 +33,11 @@ def test_architecture_block_matches_the_tree():
     block names exists: a reader can say where a backend, a copy path or an integration goes."""
     text = (ROOT / "docs" / "architecture.md").read_text()
     block = re.search(r"```\n(spec/.*?)```", text, re.S).group(1)
-    folders = sorted(p.parent.relative_to(ROOT / "kvfsm") for p in (ROOT / "kvfsm").rglob("__init__.py")
-                     if p.parent != ROOT / "kvfsm")
+    folders = sorted(
+        p.parent.relative_to(ROOT / "kvfsm")
+        for p in (ROOT / "kvfsm").rglob("__init__.py")
+        if p.parent != ROOT / "kvfsm"
+    )
     for folder in folders:
         assert f"{folder.name}/" in block, f"kvfsm/{folder} is not in docs/architecture.md's layout block"
     modules = {p.name for p in (ROOT / "kvfsm").rglob("*.py")} | {p.name for p in (ROOT / "generated").glob("*.py")}

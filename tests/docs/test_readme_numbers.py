@@ -50,7 +50,7 @@ def _table(md: str, header_start: str) -> list[list[str]]:
     lines = md.splitlines()
     i = next(n for n, line in enumerate(lines) if line.startswith(header_start))
     rows = []
-    for line in lines[i + 2:]:
+    for line in lines[i + 2 :]:
         if not line.startswith("|"):
             break
         rows.append([c.strip() for c in line.strip().strip("|").split("|")])
@@ -81,8 +81,12 @@ SETTINGS = SERVING["settings"]
 
 
 def _row(algo: str, live: int, page: int, stride: int, table: str | None = None) -> dict:
-    return next(r for r in SERVING["rows"] if (r["algo"], r["live"], r["page"], r["stride"]) == (algo, live, page, stride)
-                and (table is None or r["table"] == table))
+    return next(
+        r
+        for r in SERVING["rows"]
+        if (r["algo"], r["live"], r["page"], r["stride"]) == (algo, live, page, stride)
+        and (table is None or r["table"] == table)
+    )
 
 
 def test_the_serving_loop_table_matches_results_md_and_the_json() -> None:
@@ -93,36 +97,58 @@ def test_the_serving_loop_table_matches_results_md_and_the_json() -> None:
     for cells in page_rows:
         live, ps = int(cells[0]), cells[1]
         page, stride = (int(x) for x in ps.split("/"))
-        k, seed, bare = _row("kvfsm", live, page, stride, table), _row("seed", live, page, stride), \
-            _row("bare", live, page, stride)
+        k, seed, bare = (
+            _row("kvfsm", live, page, stride, table),
+            _row("seed", live, page, stride),
+            _row("bare", live, page, stride),
+        )
         median, p99, mx = re.findall(r"[\d.]+", cells[2])
-        expect = {"kvfsm median": (median, k["total"]["median"], 2, 0), "kvfsm p99": (p99, k["total"]["p99"], 2, 1),
-                  "kvfsm max": (mx, k["total"]["max"], 2, 2),
-                  "seed median": (re.search(r"[\d.]+", cells[3]).group(), seed["total"]["median"], 3, 0),
-                  "bare floor median": (re.search(r"[\d.]+", cells[4]).group(), bare["total"]["median"], 4, 0),
-                  "kvfsm vs seed": (re.search(r"[\d.]+", cells[5]).group(), seed["total"]["median"] / k["total"]["median"], 5, 0),
-                  "kvfsm / floor": (cells[6], k["total"]["median"] / bare["total"]["median"], 6, 0)}
+        expect = {
+            "kvfsm median": (median, k["total"]["median"], 2, 0),
+            "kvfsm p99": (p99, k["total"]["p99"], 2, 1),
+            "kvfsm max": (mx, k["total"]["max"], 2, 2),
+            "seed median": (re.search(r"[\d.]+", cells[3]).group(), seed["total"]["median"], 3, 0),
+            "bare floor median": (re.search(r"[\d.]+", cells[4]).group(), bare["total"]["median"], 4, 0),
+            "kvfsm vs seed": (
+                re.search(r"[\d.]+", cells[5]).group(),
+                seed["total"]["median"] / k["total"]["median"],
+                5,
+                0,
+            ),
+            "kvfsm / floor": (cells[6], k["total"]["median"] / bare["total"]["median"], 6, 0),
+        }
         mine = ours[(live, ps)]
         for what, (figure, value, col, part) in expect.items():
             assert _close(figure, value), f"{PAGE_PATH} {live} {ps} {what}: {figure}, the JSON says {value:.4g}"
             shown = re.findall(r"[\d.]+", mine[col])[part]
-            assert _close(figure, float(shown), 0.5 * 10 ** -_decimals(shown)), \
+            assert _close(figure, float(shown), 0.5 * 10 ** -_decimals(shown)), (
                 f"{PAGE_PATH} {live} {ps} {what}: {figure}, docs/results.md says {shown}"
+            )
         CLAIMS.claim_table_row("| " + " | ".join(cells) + " |")
 
 
 def test_the_loop_settings_are_the_recorded_runs() -> None:
     m = CLAIMS.match(r"a (\d+) ms step of matmuls.*?GC on, (\d+) timed iterations")
     assert float(m.group(1)) == SETTINGS["step_ms"] and int(m.group(2)) == SETTINGS["iterations"]
-    m = CLAIMS.match(r"rows \((\d+) of the (\d+) layers,\s+so that (\d+) requests fit the GPU: (\d+) MiB offloaded per "
-                     r"step at (\d+) live\)")
+    m = CLAIMS.match(
+        r"rows \((\d+) of the (\d+) layers,\s+so that (\d+) requests fit the GPU: (\d+) MiB offloaded per "
+        r"step at (\d+) live\)"
+    )
     from kvfsm.dataplane import KVCacheConfig
+
     assert int(m.group(1)) == SETTINGS["layers"] and int(m.group(2)) == KVCacheConfig.llama3_8b().num_layers
     assert int(m.group(3)) == max(SETTINGS["live"]) == int(m.group(5))
-    mib = {ps: float(r[7]) for (live, ps), r in
-           (((int(r[0]), r[1]), r) for r in _table(RESULTS_MD, "| live | page/stride | kvfsm median")) if live == int(m.group(5))}
+    mib = {
+        ps: float(r[7])
+        for (live, ps), r in (((int(r[0]), r[1]), r) for r in _table(RESULTS_MD, "| live | page/stride | kvfsm median"))
+        if live == int(m.group(5))
+    }
     assert mib and all(_close(m.group(4), v) for v in mib.values()), (m.group(4), mib)
-    assert all(_close(m.group(4), r["bytes_offloaded_per_step"] / 2**20) for r in SERVING["rows"] if r["live"] == int(m.group(5)))
+    assert all(
+        _close(m.group(4), r["bytes_offloaded_per_step"] / 2**20)
+        for r in SERVING["rows"]
+        if r["live"] == int(m.group(5))
+    )
 
 
 def test_the_store_writers_are_the_scripts_and_the_librarys() -> None:
@@ -131,12 +157,15 @@ def test_the_store_writers_are_the_scripts_and_the_librarys() -> None:
     script_default = int(re.search(r'"--store-writers", type=int, default=(\d+)', source).group(1))
     assert int(m.group(1)) == SETTINGS.get("store_writers", script_default)  # the recorded run predates the key
     from kvfsm.dataplane.storage import FileStorage
+
     assert int(m.group(2)) == inspect.signature(FileStorage).parameters["writers"].default
 
 
 def test_the_targets_are_the_runs() -> None:
-    m = CLAIMS.match(r"\(median ([\d.]+) ms at (\d+) live and (\d+/\d+), p99 ([\d.]+) ms, max ([\d.]+) ms; ([\d.]+) ms at "
-                     r"(\d+/\d+)\)")
+    m = CLAIMS.match(
+        r"\(median ([\d.]+) ms at (\d+) live and (\d+/\d+), p99 ([\d.]+) ms, max ([\d.]+) ms; ([\d.]+) ms at "
+        r"(\d+/\d+)\)"
+    )
     targets: dict[str, set] = {}
     for t in SERVING["targets"]:
         got = re.fullmatch(r"(median|p99|max) ms, (\d+) live (\d+/\d+), table \w+", t["name"])
@@ -159,25 +188,34 @@ def test_the_floor_is_the_bare_floor_of_results_md() -> None:
 
 
 def test_the_cold_call_range_is_the_probes() -> None:
-    m = CLAIMS.match(r"one\s+numpy or torch call costs (\d+(?:\.\d+)?)-(\d+(?:\.\d+)?) us against (\d+(?:\.\d+)?)-"
-                     r"(\d+(?:\.\d+)?) us warm \(`bench/probes/cold_call_probe\.py`\)")
-    rows = [r for r in _table(RESULTS_MD, "| result file | machine | primitive | cold us")
-            if r[2].startswith(("np_", "torch_"))]
+    m = CLAIMS.match(
+        r"one\s+numpy or torch call costs (\d+(?:\.\d+)?)-(\d+(?:\.\d+)?) us against (\d+(?:\.\d+)?)-"
+        r"(\d+(?:\.\d+)?) us warm \(`bench/probes/cold_call_probe\.py`\)"
+    )
+    rows = [
+        r
+        for r in _table(RESULTS_MD, "| result file | machine | primitive | cold us")
+        if r[2].startswith(("np_", "torch_"))
+    ]
     assert rows, "docs/results.md has no cold-call rows for numpy or torch"
     cold, warm = [float(r[3]) for r in rows], [float(r[4]) for r in rows]
     probe = json.loads((ROOT / "bench" / "results" / rows[0][0].strip("`")).read_text())
     raw = [r for r in probe["rows"] if r["primitive"].startswith(("np_", "torch_"))]
-    for figure, shown, value, what in ((m.group(1), min(cold), min(r["cold_us_median"] for r in raw), "cold, fastest"),
-                                       (m.group(2), max(cold), max(r["cold_us_median"] for r in raw), "cold, slowest"),
-                                       (m.group(3), min(warm), min(r["warm_us_median"] for r in raw), "warm, fastest"),
-                                       (m.group(4), max(warm), max(r["warm_us_median"] for r in raw), "warm, slowest")):
+    for figure, shown, value, what in (
+        (m.group(1), min(cold), min(r["cold_us_median"] for r in raw), "cold, fastest"),
+        (m.group(2), max(cold), max(r["cold_us_median"] for r in raw), "cold, slowest"),
+        (m.group(3), min(warm), min(r["warm_us_median"] for r in raw), "warm, fastest"),
+        (m.group(4), max(warm), max(r["warm_us_median"] for r in raw), "warm, slowest"),
+    ):
         assert _close(figure, shown, 0.05), f"{PAGE_PATH} {what}: {figure} us, docs/results.md {shown} us"
         assert _close(figure, value), f"{PAGE_PATH} {what}: {figure} us, the JSON {value:.2f} us"
 
 
 def test_the_probe_medians_are_the_probes() -> None:
-    m = CLAIMS.match(r"\(`(bench/results/serving_loop_probes-h200\.json)`:\s+writing nothing took the (\d+)-live median "
-                     r"from ([\d.]+) to ([\d.]+) ms\)")
+    m = CLAIMS.match(
+        r"\(`(bench/results/serving_loop_probes-h200\.json)`:\s+writing nothing took the (\d+)-live median "
+        r"from ([\d.]+) to ([\d.]+) ms\)"
+    )
     rows = {(r[0], r[1], int(r[2]), r[3]): float(r[4]) for r in _table(RESULTS_MD, "| probe | algo | live |")}
     live = int(m.group(2))
     probes = json.loads((ROOT / m.group(1)).read_text())["runs"]
@@ -201,4 +239,6 @@ def test_every_number_of_the_section_is_checked() -> None:
         if not all(any(a <= s and e <= b for a, b in allowed) for s, e in parts):
             line = BENCH.count("\n", 0, m.start()) + PAGE.count("\n", 0, BENCH_AT) + 1
             unchecked.append(f"{PAGE_PATH}:{line}: {m.group()!r}")
-    assert not unchecked, f"figures {PAGE_PATH} states that no check compares with docs/results.md: " + ", ".join(unchecked)
+    assert not unchecked, f"figures {PAGE_PATH} states that no check compares with docs/results.md: " + ", ".join(
+        unchecked
+    )

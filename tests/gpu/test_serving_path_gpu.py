@@ -131,18 +131,27 @@ class Engine:
 @pytest.mark.parametrize("attention", ["mha", "mla"])
 @pytest.mark.parametrize("table_device", ["cuda", "cpu"])
 @pytest.mark.parametrize("checked", [False, True])
-def test_manager_entry_points_never_wait(spin, tmp_path: Path, attention: str, table_device: str,
-                                         checked: bool) -> None:
+def test_manager_entry_points_never_wait(
+    spin, tmp_path: Path, attention: str, table_device: str, checked: bool
+) -> None:
     """offload, offload_batch, check_progress, finalize, abort and retract (request table on the GPU or
     the CPU; checked mode too) with the compute stream busy; then every stored page holds what the
     engine wrote, and every slot comes back."""
     pool, allocator, _ = _pools(attention)
     table = ReqToTokenPool(rows=16, max_context=512, device=table_device)
     storage = FileStorage(tmp_path / "store")
-    config = OffloadConfig(page_size=16, offload_stride=16, host_layout="page_first", storage_dir=tmp_path,
-                           checked=checked)
-    manager = DecodeOffloadManager(config, device_pool=pool, allocator=allocator, req_to_token=table,
-                                   prefix_cache=SimplePrefixCache(), copy_engine=CudaCopyEngine(), storage=storage)
+    config = OffloadConfig(
+        page_size=16, offload_stride=16, host_layout="page_first", storage_dir=tmp_path, checked=checked
+    )
+    manager = DecodeOffloadManager(
+        config,
+        device_pool=pool,
+        allocator=allocator,
+        req_to_token=table,
+        prefix_cache=SimplePrefixCache(),
+        copy_engine=CudaCopyEngine(),
+        storage=storage,
+    )
     engine = Engine(pool, allocator, table)
     reqs = [engine.admit(f"r{i}", 20 + 7 * i) for i in range(8)]
     ended: dict[str, str] = {}
@@ -179,7 +188,10 @@ def test_manager_entry_points_never_wait(spin, tmp_path: Path, attention: str, t
         assert page is not None
         scratch.set_page_bytes(page_slots, page)
         rid = key.split("#")[0]
-        assert torch.equal(scratch.token_view()[:, :, page_slots.slots], engine.kv[rid][:, :, pos:pos + 16]), (key, pos)
+        assert torch.equal(scratch.token_view()[:, :, page_slots.slots], engine.kv[rid][:, :, pos : pos + 16]), (
+            key,
+            pos,
+        )
     assert allocator.free_slots == allocator.capacity and table.free_rows == table.rows
     assert manager.fx.host_pool.free_slots == manager.fx.host_pool.capacity
     manager.close()
@@ -194,9 +206,15 @@ def test_offload_batch_host_time_is_a_small_fraction_of_the_step(spin, tmp_path:
     allocator = TokenSlotAllocator(pool.size, page)
     table = ReqToTokenPool(rows=256, max_context=64, device="cuda")
     manager = DecodeOffloadManager(
-        OffloadConfig(page_size=page, offload_stride=page, host_layout="page_first", storage_dir=tmp_path,
-                      host_pool_bytes=1 << 30), device_pool=pool, allocator=allocator, req_to_token=table,
-        prefix_cache=SimplePrefixCache(), copy_engine=CudaCopyEngine())
+        OffloadConfig(
+            page_size=page, offload_stride=page, host_layout="page_first", storage_dir=tmp_path, host_pool_bytes=1 << 30
+        ),
+        device_pool=pool,
+        allocator=allocator,
+        req_to_token=table,
+        prefix_cache=SimplePrefixCache(),
+        copy_engine=CudaCopyEngine(),
+    )
     reqs = []
     for i in range(256):
         req = EngineRequest(f"r{i}", list(range(16)))

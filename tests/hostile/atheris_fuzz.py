@@ -99,21 +99,28 @@ def storage(data: bytes) -> None:
         return
     how, rest = data[0] % 3, data[1:]
     cut = rest[0] if rest else 0
-    page, side = {0: (rest, SIDECAR_BYTES), 1: (PAGE.numpy().tobytes(), rest),
-                  2: (rest[1:1 + cut], rest[1 + cut:])}[how]
+    page, side = {0: (rest, SIDECAR_BYTES), 1: (PAGE.numpy().tobytes(), rest), 2: (rest[1 : 1 + cut], rest[1 + cut :])}[
+        how
+    ]
     PAGE_FILE.parent.mkdir(parents=True, exist_ok=True)
     PAGE_FILE.write_bytes(page)
     SIDECAR.write_bytes(side)
     for known in (None, PAGE.numel()):
-        reader = FileStorage(WORK / "store", model_name="m", layout="page_first", page_dims=DIMS, dtype=torch.uint8,
-                             page_nbytes=known)
+        reader = FileStorage(
+            WORK / "store", model_name="m", layout="page_first", page_dims=DIMS, dtype=torch.uint8, page_nbytes=known
+        )
         [got] = reader.batch_get(["k"])
         assert got is None or got.numel() == len(page)
         assert reader.batch_exists(["k"]) in (0, 1)
 
 
-TARGETS: dict[str, Callable[[bytes], None]] = {"spec": spec, "config": config, "env": env, "trace": trace,
-                                               "storage": storage}
+TARGETS: dict[str, Callable[[bytes], None]] = {
+    "spec": spec,
+    "config": config,
+    "env": env,
+    "trace": trace,
+    "storage": storage,
+}
 
 
 HEADROOM_MIB = 1024  # what one input may add to the address space of the loaded process

@@ -36,9 +36,11 @@ def cap_address_space(headroom_mib: int) -> tuple[int, int]:
 def main(argv: list[str]) -> int:
     mib, mode, *rest = argv
     import torch  # noqa: F401  (mapped before the limit: see the module doc)
+
     cap_address_space(int(mib))
     if mode == "cli":
         from kvfsm.cli import app
+
         sys.argv = ["kvfsm", *rest]
         app()
         return 0
@@ -51,6 +53,7 @@ def main(argv: list[str]) -> int:
         fn = getattr(fn, part)
     if mode == "calls":  # one call per argument, one JSON line of outcomes
         import json
+
         print(json.dumps([_outcome(fn, arg) for arg in args]))
         return 0
     outcome = _outcome(fn, *args)
@@ -72,14 +75,21 @@ def _batch(listing: str) -> int:
     from typer.testing import CliRunner
 
     from kvfsm.cli import app
+
     runner = CliRunner()
     results = []
     for argv in json.load(open(listing)):
         res = runner.invoke(app, argv)
         escaped = res.exception is not None and not isinstance(res.exception, SystemExit)
         err = res.stderr if len(res.stderr) <= 8000 else res.stderr[:4000] + " ... " + res.stderr[-4000:]
-        results.append({"argv": argv, "code": res.exit_code, "stderr": err,
-                        "escaped": f"{type(res.exception).__name__}: {res.exception}" if escaped else None})
+        results.append(
+            {
+                "argv": argv,
+                "code": res.exit_code,
+                "stderr": err,
+                "escaped": f"{type(res.exception).__name__}: {res.exception}" if escaped else None,
+            }
+        )
     print(json.dumps(results))
     return 0
 

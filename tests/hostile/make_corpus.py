@@ -35,11 +35,14 @@ def files() -> dict[str, bytes]:
         "spec_not_utf8.yaml": b"machine: \xff\xfe\x00bad\n",
         "spec_empty.yaml": b"",
         "spec_garbage.yaml": bytes(range(256)) * 4,
-        "spec_long_guard.yaml": MINIMAL.read_text().replace(
-            "expr: jobs > 1", "expr: " + "(" * 3000 + "jobs > 1" + ")" * 3000).encode(),
+        "spec_long_guard.yaml": MINIMAL.read_text()
+        .replace("expr: jobs > 1", "expr: " + "(" * 3000 + "jobs > 1" + ")" * 3000)
+        .encode(),
         "config_nested_3000.yaml": ("page_size: 1\nstorage_extra: " + nested_lists(3000) + "\n").encode(),
         "config_nested_3000.json": ('{"page_size": 1, "storage_extra": ' + nested_lists(3000) + "}\n").encode(),
-        "config_billion_laughs.yaml": ("page_size: 1\nstorage_extra:\n" + "".join(f"  {l}\n" for l in laughs.splitlines())).encode(),
+        "config_billion_laughs.yaml": (
+            "page_size: 1\nstorage_extra:\n" + "".join(f"  {l}\n" for l in laughs.splitlines())
+        ).encode(),
         "config_not_utf8.yaml": b"page_size: \xff\xfe\n",
         "trace_nested_100000.jsonl": (nested_lists(100_000) + "\n").encode(),
         "trace_nested_1000.jsonl": (nested_lists(1000) + "\n").encode(),

@@ -19,9 +19,11 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 DEEP = os.environ.get("KVFSM_FUZZ", "ci") == "deep"
 RUNS = {"spec": 150, "config": 300, "env": 300, "trace": 300, "storage": 300}
-SEEDS = {"spec": [*(ROOT / "tests" / "specs" / "valid").glob("*.yaml"), *(HERE / "corpus").glob("spec_*")],
-         "config": list((HERE / "corpus").glob("config_*")),
-         "trace": list((HERE / "corpus").glob("trace_*"))}
+SEEDS = {
+    "spec": [*(ROOT / "tests" / "specs" / "valid").glob("*.yaml"), *(HERE / "corpus").glob("spec_*")],
+    "config": list((HERE / "corpus").glob("config_*")),
+    "trace": list((HERE / "corpus").glob("trace_*")),
+}
 
 
 @pytest.mark.parametrize("target", sorted(RUNS))
@@ -32,15 +34,26 @@ def test_atheris_finds_no_input_that_escapes_the_typed_errors(target: str, tmp_p
     for seed in SEEDS.get(target, []):
         shutil.copy(seed, corpus / seed.name)
     if target == "env":
-        (corpus / "env").write_text("KVFSM_PAGE_SIZE=4\nKVFSM_OFFLOAD_STRIDE=8\nKVFSM_STORAGE_EXTRA={\"fsync\": true}\n")
+        (corpus / "env").write_text('KVFSM_PAGE_SIZE=4\nKVFSM_OFFLOAD_STRIDE=8\nKVFSM_STORAGE_EXTRA={"fsync": true}\n')
     if target == "storage":  # the page, then the sidecar, replaced (atheris_fuzz.storage's first byte)
         (corpus / "page").write_bytes(b"\x00" + bytes(range(192)))
         (corpus / "sidecar").write_bytes(b"\x01KVFSM")
     runs = 20_000 if DEEP else RUNS[target]
-    proc = run_watched([sys.executable, str(HERE / "atheris_fuzz.py"), target, f"-runs={runs}", "-max_len=4096",
-                        f"-artifact_prefix={crashes}/", str(corpus)], f"atheris on the {target} reader",
-                       cwd=ROOT, env=dict(os.environ, KVFSM_ATHERIS_WORK=str(tmp_path / "work")))
+    proc = run_watched(
+        [
+            sys.executable,
+            str(HERE / "atheris_fuzz.py"),
+            target,
+            f"-runs={runs}",
+            "-max_len=4096",
+            f"-artifact_prefix={crashes}/",
+            str(corpus),
+        ],
+        f"atheris on the {target} reader",
+        cwd=ROOT,
+        env=dict(os.environ, KVFSM_ATHERIS_WORK=str(tmp_path / "work")),
+    )
     found = sorted(p.name for p in crashes.iterdir())
     assert proc.returncode == 0 and not found, (
-        f"atheris found an input the {target} reader does not answer with a typed error: {found}\n"
-        f"{proc.stderr[-3000:]}")
+        f"atheris found an input the {target} reader does not answer with a typed error: {found}\n{proc.stderr[-3000:]}"
+    )

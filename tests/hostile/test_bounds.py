@@ -52,8 +52,15 @@ def test_spec_aliases_are_refused_outright(tmp_path: Path) -> None:
 
 def test_the_shipped_specs_are_well_inside_the_bounds() -> None:
     for spec in sorted((ROOT / "spec").glob("*.yaml")):
-        load_yaml(spec, dataclasses.replace(SPEC_LIMITS, max_bytes=SPEC_LIMITS.max_bytes // 16,
-                                            max_depth=8, max_elements=SPEC_LIMITS.max_elements // 8))
+        load_yaml(
+            spec,
+            dataclasses.replace(
+                SPEC_LIMITS,
+                max_bytes=SPEC_LIMITS.max_bytes // 16,
+                max_depth=8,
+                max_elements=SPEC_LIMITS.max_elements // 8,
+            ),
+        )
 
 
 def test_config_aliases_count_at_their_expanded_size() -> None:
@@ -100,18 +107,22 @@ def test_env_value_bounds_name_the_variable() -> None:
 def _trace(tmp_path: Path, *lines: str) -> Path:
     from kvfsm.spec import load_spec
     from kvfsm.verify.replay import default_spec_path
+
     sha = load_spec(default_spec_path()).sha256
     path = tmp_path / "trace.jsonl"
     path.write_text("\n".join([json.dumps({"kind": "header", "spec_sha256": sha}), *lines]) + "\n")
     return path
 
 
-@pytest.mark.parametrize("limits, line, bound", [
-    (dict(max_line_bytes=150), '{"req": "' + "r" * 200 + '"}', "max_line_bytes"),
-    (dict(max_bytes=120), '{"req": "' + "r" * 50 + '"}', "max_bytes"),
-    (dict(max_elements=10), json.dumps({"req": "r", "counters": {f"c{i}": i for i in range(20)}}), "max_elements"),
-    (dict(), '{"req": ' + "[" * 9 + "]" * 9 + "}", "max_depth"),
-])
+@pytest.mark.parametrize(
+    "limits, line, bound",
+    [
+        (dict(max_line_bytes=150), '{"req": "' + "r" * 200 + '"}', "max_line_bytes"),
+        (dict(max_bytes=120), '{"req": "' + "r" * 50 + '"}', "max_bytes"),
+        (dict(max_elements=10), json.dumps({"req": "r", "counters": {f"c{i}": i for i in range(20)}}), "max_elements"),
+        (dict(), '{"req": ' + "[" * 9 + "]" * 9 + "}", "max_depth"),
+    ],
+)
 def test_trace_bounds_are_input_errors_at_their_line(tmp_path: Path, limits: dict, line: str, bound: str) -> None:
     path = _trace(tmp_path, line)
     with pytest.raises(InputBoundExceeded) as info:
@@ -159,6 +170,7 @@ def test_file_storage_never_reads_a_page_grown_past_its_length(tmp_path: Path) -
             super().__init__(n)
 
     import kvfsm.dataplane.storage.file as file_mod
+
     file_mod.bytearray = Counting  # type: ignore[attr-defined]
     try:
         assert store.batch_get(["k0", "k1"]) == [None, None]
@@ -172,13 +184,18 @@ def test_spec_check_work_is_bounded(tmp_path: Path) -> None:
     """Counters, params and literals whose valuations times transitions and states would keep `validate`
     busy past SPEC_MAX_CHECK_WORK are refused before the enumeration starts."""
     base = (ROOT / "tests" / "specs" / "valid" / "minimal.yaml").read_text()
+
     def counters(n: int) -> str:
         extra = "".join(f"  c{i}:\n    doc: A counter of the test.\n" for i in range(n))
-        return base.replace("counters:\n", "counters:\n" + extra, 1).replace("expr: jobs > 1", "expr: jobs > 1 and c0 < 7")
+        return base.replace("counters:\n", "counters:\n" + extra, 1).replace(
+            "expr: jobs > 1", "expr: jobs > 1 and c0 < 7"
+        )
 
     ok, over = tmp_path / "ok.yaml", tmp_path / "over.yaml"
     ok.write_text(counters(3))
-    over.write_text(counters(4).replace("resources:\n", "params:\n  p:\n    doc: A param of the test.\n\nresources:\n", 1))
+    over.write_text(
+        counters(4).replace("resources:\n", "params:\n  p:\n    doc: A param of the test.\n\nresources:\n", 1)
+    )
     load_spec(ok)  # 10**4 valuations of 8 transitions and states: within the bound (2 * 10**5 of them: past it)
     with pytest.raises(SpecInvalid) as info:
         load_spec(over)

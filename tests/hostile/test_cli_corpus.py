@@ -37,9 +37,16 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, ...], dict
     argvs: list[list[str]] = []
     for spec in [*SPECS, *odd]:
         s = str(spec)
-        argvs += [["validate", s], ["gen", s, "--check", "--out", str(out)], ["gen", s, "--out", str(out)],
-                  ["diagram", s], ["docs", s, "--out", str(out / "spec.md")], ["check", "--spec", s],
-                  ["replay", str(trace), "--spec", s], ["demo", "--spec", s, "--dir", str(out / "demo"), "--requests", "1"]]
+        argvs += [
+            ["validate", s],
+            ["gen", s, "--check", "--out", str(out)],
+            ["gen", s, "--out", str(out)],
+            ["diagram", s],
+            ["docs", s, "--out", str(out / "spec.md")],
+            ["check", "--spec", s],
+            ["replay", str(trace), "--spec", s],
+            ["demo", "--spec", s, "--dir", str(out / "demo"), "--requests", "1"],
+        ]
     for t in [*TRACES, *odd]:
         argvs.append(["replay", str(t)])
     for f in [*SPECS, *TRACES, fifo, Path("/dev/zero"), sparse]:
@@ -47,8 +54,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, ...], dict
     argvs.append(["schema", "--check", "--out", str(tmp)])
     listing = tmp / "argv.json"
     listing.write_text(json.dumps(argvs))
-    res = run_watched([sys.executable, str(HERE / "limited.py"), str(LIMIT_MIB), "batch", str(listing)],
-                      "kvfsm commands on the hostile corpus", cwd=ROOT)
+    res = run_watched(
+        [sys.executable, str(HERE / "limited.py"), str(LIMIT_MIB), "batch", str(listing)],
+        "kvfsm commands on the hostile corpus",
+        cwd=ROOT,
+    )
     assert res.returncode == 0, res.stderr[-4000:]
     results = json.loads(res.stdout.strip().splitlines()[-1])
     assert not any(os.scandir(out)), f"a rejected input wrote {sorted(os.listdir(out))}"

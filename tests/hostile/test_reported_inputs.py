@@ -18,8 +18,9 @@ INVALID = 2  # the CLI's exit code for an input it cannot use
 
 
 def limited(*args: str):
-    return run_watched([sys.executable, str(HERE / "limited.py"), str(LIMIT_MIB), *args], f"kvfsm {' '.join(args)}",
-                       cwd=ROOT)
+    return run_watched(
+        [sys.executable, str(HERE / "limited.py"), str(LIMIT_MIB), *args], f"kvfsm {' '.join(args)}", cwd=ROOT
+    )
 
 
 def test_billion_laughs_spec_is_refused_without_expanding() -> None:
@@ -38,8 +39,12 @@ def test_deeply_nested_spec_is_refused_at_the_depth_bound() -> None:
     assert f"{path}:2:" in res.stderr and "(bound max_depth=" in res.stderr
 
 
-CONFIGS = {"config_nested_3000.yaml": "(bound max_depth=", "config_nested_3000.json": "(bound max_depth=",
-           "config_billion_laughs.yaml": "(bound max_elements=", "config_not_utf8.yaml": "not UTF-8"}
+CONFIGS = {
+    "config_nested_3000.yaml": "(bound max_depth=",
+    "config_nested_3000.json": "(bound max_depth=",
+    "config_billion_laughs.yaml": "(bound max_elements=",
+    "config_not_utf8.yaml": "not UTF-8",
+}
 
 
 def test_hostile_config_files_are_config_errors() -> None:

@@ -34,16 +34,26 @@ def tiny_llama(device: str = "cpu", dtype: torch.dtype = torch.float32) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      bos_token_id=0, eos_token_id=None, pad_token_id=0)
+    cfg = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=0,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     return LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
 
 
 def prompts(n: int, seed: int = 1, lo: int = 5, hi: int = 30) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, 128, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+    return [
+        torch.randint(1, 128, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist() for _ in range(n)
+    ]
 
 
 def generation_config(max_new_tokens: int) -> Any:
@@ -61,7 +71,7 @@ def reference_outputs(model: Any, inputs: list[list[int]], max_new_tokens: int) 
         for p in inputs:
             ids = torch.tensor([p], device=model.device)
             seq = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen)
-            out.append(seq[0, len(p):].tolist())
+            out.append(seq[0, len(p) :].tolist())
     return out
 
 
@@ -69,5 +79,6 @@ def cb_config(num_blocks: int, page_size: int = 4, sharing: bool = False, **kw: 
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     kw.setdefault("use_cuda_graph", False)
-    return ContinuousBatchingConfig(page_size=page_size, num_blocks=num_blocks, max_batch_tokens=64,
-                                    allow_block_sharing=sharing, **kw)
+    return ContinuousBatchingConfig(
+        page_size=page_size, num_blocks=num_blocks, max_batch_tokens=64, allow_block_sharing=sharing, **kw
+    )

@@ -115,15 +115,21 @@ def _errors(tmp_path: Path, edit: Callable[[str], str]) -> str:
 
 def test_a_plain_release_under_the_swap_out_is_rejected(tmp_path: Path) -> None:
     """The fenced preempt with its release made plain: the copy still reads the blocks after it (B2)."""
-    msg = _errors(tmp_path, lambda s: s.replace("    releases_fenced: [device_blocks]", "    releases: [device_blocks]"))
+    msg = _errors(
+        tmp_path, lambda s: s.replace("    releases_fenced: [device_blocks]", "    releases: [device_blocks]")
+    )
     assert "releases 'device_blocks' while swap_outs may still be 1" in msg
 
 
 def test_a_fenced_release_after_the_ack_is_rejected(tmp_path: Path) -> None:
     """The deferred ack releasing fenced: no copy reads the blocks any more, so it must be a plain release."""
-    msg = _errors(tmp_path, lambda s: s.replace(
-        "actions: [verify_swap_out, release_device_blocks], update: {swap_outs: -1}}",
-        "actions: [verify_swap_out, release_device_blocks_fenced], update: {swap_outs: -1}}"))
+    msg = _errors(
+        tmp_path,
+        lambda s: s.replace(
+            "actions: [verify_swap_out, release_device_blocks], update: {swap_outs: -1}}",
+            "actions: [verify_swap_out, release_device_blocks_fenced], update: {swap_outs: -1}}",
+        ),
+    )
     assert "releases 'device_blocks' fenced, but swap_outs and swap_ins are 0 after it in every case" in msg
 
 
@@ -133,10 +139,13 @@ FENCED_END = "guard: fenced_release, to: ending_fenced, actions: [release_device
 def test_a_fence_rule_that_names_only_the_readers_is_rejected(tmp_path: Path) -> None:
     """The wrong direction: device_blocks names only the swap-outs that read it, so a release under the swap-in
     that writes it would go unchecked; the swap-in's action, which acquires (writes) the blocks, says so."""
-    msg = _errors(tmp_path, lambda s: s.replace("    read_by: swap_outs\n    written_by: swap_ins\n",
-                                                "    read_by: swap_outs\n"))
-    assert ("action 'start_swap_in': starts what swap_ins counts, which writes 'device_blocks' (it acquires it), "
-            "but resource 'device_blocks' names no counter as `written_by`") in msg
+    msg = _errors(
+        tmp_path, lambda s: s.replace("    read_by: swap_outs\n    written_by: swap_ins\n", "    read_by: swap_outs\n")
+    )
+    assert (
+        "action 'start_swap_in': starts what swap_ins counts, which writes 'device_blocks' (it acquires it), "
+        "but resource 'device_blocks' names no counter as `written_by`"
+    ) in msg
 
 
 def test_a_plain_release_under_the_swap_in_is_rejected(tmp_path: Path) -> None:
@@ -147,17 +156,22 @@ def test_a_plain_release_under_the_swap_in_is_rejected(tmp_path: Path) -> None:
 
 def test_freeing_the_host_blocks_under_the_swap_in_is_rejected(tmp_path: Path) -> None:
     """The end under the swap-in freeing the host blocks at once: the swap-in still reads them (B10)."""
-    msg = _errors(tmp_path, lambda s: s.replace(FENCED_END, FENCED_END.replace("defer_host_release",
-                                                                               "free_host_blocks")))
+    msg = _errors(
+        tmp_path, lambda s: s.replace(FENCED_END, FENCED_END.replace("defer_host_release", "free_host_blocks"))
+    )
     assert "releases 'host_blocks' while swap_ins may still be 1" in msg and "still reads it" in msg
 
 
 def test_an_ack_of_either_direction_in_an_ending_state_is_rejected(tmp_path: Path) -> None:
     """Without its direction guard, a swap-out's ack would end a request whose swap-in is in flight (B6) and free
     the host blocks that swap-in still reads."""
-    msg = _errors(tmp_path, lambda s: s.replace("on: swap_out_done, guard: swap_out_in_flight, to: released, "
-                                                "actions: [free_host_blocks], ",
-                                                "on: swap_out_done, to: released, actions: [free_host_blocks], "))
+    msg = _errors(
+        tmp_path,
+        lambda s: s.replace(
+            "on: swap_out_done, guard: swap_out_in_flight, to: released, actions: [free_host_blocks], ",
+            "on: swap_out_done, to: released, actions: [free_host_blocks], ",
+        ),
+    )
     assert "breaks the invariants of 'released': {'swap_outs': 0, 'swap_ins': 1, 'fences': 1}" in msg
     assert "releases 'host_blocks' while swap_ins may still be 1" in msg
 
@@ -185,6 +199,7 @@ class RecordingEffects:
             self.log.append((action, arg, m.snapshot()))
             if action == self.fail_on:
                 raise RuntimeError(f"injected failure in {action}")
+
         return run
 
 
@@ -230,8 +245,9 @@ def _reached(fences: int) -> set[int]:
         for path in frontier:
             for event in COMPILED.events:
                 hits: list[int] = []
-                m = gen.CbSwapMachine(RecordingEffects(), observer=lambda _m, _e, _s, _d, tid: hits.append(tid),
-                                      fences=fences)
+                m = gen.CbSwapMachine(
+                    RecordingEffects(), observer=lambda _m, _e, _s, _d, tid: hits.append(tid), fences=fences
+                )
                 try:
                     for e in path + [event]:
                         getattr(m, e)()
@@ -246,15 +262,19 @@ def _reached(fences: int) -> set[int]:
 def test_every_transition_is_reachable_and_each_release_path_only_under_its_param() -> None:
     deferred, fenced = _reached(0), _reached(1)
     assert deferred | fenced == {t.id for t in COMPILED.transitions}
-    for seen, guard, states in ((deferred, "fenced_release", {"swapping_out_fenced", "ending_fenced"}),
-                                (fenced, "deferred_release", {"swapping_out"})):
+    for seen, guard, states in (
+        (deferred, "fenced_release", {"swapping_out_fenced", "ending_fenced"}),
+        (fenced, "deferred_release", {"swapping_out"}),
+    ):
         never = {t.id for t in COMPILED.transitions if t.guard == guard or t.src in states}
         assert never and not (seen & never)
 
 
 def test_a_param_outside_0_and_1_is_refused_by_both_machines() -> None:
-    for make in (lambda: gen.CbSwapMachine(RecordingEffects(), fences=2),
-                 lambda: ReferenceMachine(COMPILED, RecordingEffects(), fences=2)):
+    for make in (
+        lambda: gen.CbSwapMachine(RecordingEffects(), fences=2),
+        lambda: ReferenceMachine(COMPILED, RecordingEffects(), fences=2),
+    ):
         with pytest.raises(ValueError, match="0 or 1"):
             make()
 

@@ -64,8 +64,9 @@ def workload(model: Any) -> tuple[list[list[int]], list[list[int]]]:
 
 def run_batch(model: Any, inputs: list[list[int]], config: Any, cb: Any) -> tuple[list[list[int]], Any]:
     with kt.installed(model, config) as inst:
-        results = model.generate_batch(inputs, generation_config=generation_config(NEW_TOKENS),
-                                       continuous_batching_config=cb, progress_bar=False)
+        results = model.generate_batch(
+            inputs, generation_config=generation_config(NEW_TOKENS), continuous_batching_config=cb, progress_bar=False
+        )
     outs = [r.generated_tokens for r in results.values()]
     assert all(r.error is None for r in results.values())
     return outs, inst
@@ -76,11 +77,15 @@ def run_batch(model: Any, inputs: list[list[int]], config: Any, cb: Any) -> tupl
 
 @pytest.mark.parametrize("fenced", [True, False], ids=["fenced", "deferred"])
 @pytest.mark.parametrize("sharing", [False, True], ids=["no-prefix-sharing", "prefix-sharing"])
-def test_generate_batch_swaps_many_times_and_matches_generate(model: Any, workload: Any, sharing: bool,
-                                                              fenced: bool) -> None:
+def test_generate_batch_swaps_many_times_and_matches_generate(
+    model: Any, workload: Any, sharing: bool, fenced: bool
+) -> None:
     inputs, expected = workload
-    config = kt.SwapConfig(host_blocks=64, checked=True) if fenced else \
-        kt.SwapConfig(host_blocks=64, checked=True, fenced=False)  # fenced is the default over kvfsm's engines
+    config = (
+        kt.SwapConfig(host_blocks=64, checked=True)
+        if fenced
+        else kt.SwapConfig(host_blocks=64, checked=True, fenced=False)
+    )  # fenced is the default over kvfsm's engines
     outs, inst = run_batch(model, inputs, config, cb_config(NUM_BLOCKS, sharing=sharing))
     m = inst.metrics
     print(f"\n{'sharing' if sharing else 'no sharing'}, {'fenced' if fenced else 'deferred'}: {m.as_dict()}")
@@ -137,8 +142,9 @@ def test_cancel_swapped_resident_and_running_requests(model: Any, monkeypatch: p
         return clears(kv)
 
     monkeypatch.setattr(kt.KvfsmOffloadingManager, "_engine_clears_cancelled", pick_then_clear)
-    manager = model.init_continuous_batching(generation_config=generation_config(NEW_TOKENS),
-                                             continuous_batching_config=cb_config(14))
+    manager = model.init_continuous_batching(
+        generation_config=generation_config(NEW_TOKENS), continuous_batching_config=cb_config(14)
+    )
     inst = kt.install(manager, kt.SwapConfig(host_blocks=64, checked=True))
     manager.start()
     results = {}
@@ -147,8 +153,10 @@ def test_cancel_swapped_resident_and_running_requests(model: Any, monkeypatch: p
         while len(results) + len(cancelled) < len(ids):
             wait = scaled(30)  # a hang guard: half a minute of the reference machine, in this machine's seconds
             r = manager.get_result(timeout=wait)
-            assert r is not None, f"timed out after {wait:.0f} s waiting for a result: the engine stalled with " \
-                                  f"{len(results)} results, cancelled {cancelled}; {measure(0)}"
+            assert r is not None, (
+                f"timed out after {wait:.0f} s waiting for a result: the engine stalled with "
+                f"{len(results)} results, cancelled {cancelled}; {measure(0)}"
+            )
             if r.request_id not in cancelled:
                 results[r.request_id] = r
     finally:
@@ -158,7 +166,8 @@ def test_cancel_swapped_resident_and_running_requests(model: Any, monkeypatch: p
         assert not manager.is_running(), f"the generation thread did not stop within {wait:.0f} s; {measure(0)}"
         manager.destroy()
     assert sorted(cancelled.values()) == ["resident", "running", "swapped"], (
-        f"the run ended before a swapped, a resident and a running request were there to cancel: {cancelled}")
+        f"the run ended before a swapped, a resident and a running request were there to cancel: {cancelled}"
+    )
     (kv,) = inst.managers
     for i, rid in enumerate(ids):
         if rid not in cancelled:
@@ -177,8 +186,9 @@ class _Engine:
     """A batch processor built by the engine (no generation thread) with kvfsm installed."""
 
     def __init__(self, model: Any, config: Any, num_blocks: int = 16) -> None:
-        self.manager = model.init_continuous_batching(generation_config=generation_config(4),
-                                                      continuous_batching_config=cb_config(num_blocks))
+        self.manager = model.init_continuous_batching(
+            generation_config=generation_config(4), continuous_batching_config=cb_config(num_blocks)
+        )
         self.inst = kt.install(self.manager, config)
         self.processor = self.manager._create_batch_processor()
         self.kv: kt.KvfsmOffloadingManager = self.processor.offloading_manager
@@ -205,7 +215,8 @@ class _Engine:
 
     def free_blocks(self) -> int:
         return self.cache.pool.count_free_blocks(self.allocator.index) + (
-            self.cache.pool.num_free_sectors * self.allocator.blocks_per_sector)
+            self.cache.pool.num_free_sectors * self.allocator.blocks_per_sector
+        )
 
     def restore(self, state: Any) -> Any:
         from transformers.generation.continuous_batching.requests import FutureRequestState
@@ -369,8 +380,9 @@ class _Logged(list):  # type: ignore[type-arg]
 
 @pytest.mark.parametrize("end", ["finish", "cancel"])
 @pytest.mark.parametrize("checked", [True, False], ids=["checked", "unchecked"])
-def test_an_end_under_the_swap_in_releases_the_blocks_fenced_against_the_swap_in(model: Any, checked: bool,
-                                                                                 end: str) -> None:
+def test_an_end_under_the_swap_in_releases_the_blocks_fenced_against_the_swap_in(
+    model: Any, checked: bool, end: str
+) -> None:
     """With fences, a request ended while its swap-in (host -> device) is in flight gives its device blocks back
     at once, after the compute stream was made to wait on that swap-in, which still writes them: the next
     writer of a reused block writes after the swap-in's last write, not under it. The host blocks the swap-in
@@ -474,6 +486,7 @@ def test_checked_mode_catches_a_copy_that_moves_nothing(model: Any, broken: str)
     with pytest.raises(CheckedModeError, match="B15"):
         e.restore(state)
 
+
 # ---- fenced swap-out: the victim's blocks go back at once, the compute stream waits on the copy ----------
 
 
@@ -545,14 +558,19 @@ class _LateAckEngine(CopyEngine):
 
 @pytest.mark.parametrize("sharing", [False, True], ids=["no-prefix-sharing", "prefix-sharing"])
 @pytest.mark.parametrize("lag", [1, 10**9], ids=["seen-at-next-poll", "seen-only-by-a-wait"])
-def test_fenced_swap_outs_never_wait_on_the_host_and_still_match_generate(model: Any, workload: Any, lag: int,
-                                                                          sharing: bool) -> None:
+def test_fenced_swap_outs_never_wait_on_the_host_and_still_match_generate(
+    model: Any, workload: Any, lag: int, sharing: bool
+) -> None:
     """Swap-outs acknowledged at a later poll: the blocks went back at the preempt with one stream wait
     each and no host wait; a restore that comes before the ack waits for that copy, and only there."""
     inputs, expected = workload
     engine = _LateAckEngine(lag)
-    outs, inst = run_batch(model, inputs, kt.SwapConfig(host_blocks=64, checked=True, copy_engine=engine, fenced=True),
-                           cb_config(NUM_BLOCKS, sharing=sharing))
+    outs, inst = run_batch(
+        model,
+        inputs,
+        kt.SwapConfig(host_blocks=64, checked=True, copy_engine=engine, fenced=True),
+        cb_config(NUM_BLOCKS, sharing=sharing),
+    )
     m = inst.metrics
     assert outs == expected
     assert m.preempts >= 10 and m.fenced_releases == m.preempts == len(engine.handles)
@@ -718,7 +736,8 @@ class _LateSwapInEngine(CopyEngine):
 
 @pytest.mark.parametrize("sharing", [False, True], ids=["no-prefix-sharing", "prefix-sharing"])
 def test_victims_whose_swap_in_is_not_seen_landed_wait_for_it_and_still_match_generate(
-        model: Any, workload: Any, sharing: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    model: Any, workload: Any, sharing: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Every swap-in is still in flight, as far as the host can tell, when the next victims are chosen: a
     request restored and chosen again (what async batching on a busy GPU does) waits for its own swap-in,
     and only there. Before, its `preempt` in `swapping_in` was rejected and the engine failed every request."""
@@ -734,8 +753,12 @@ def test_victims_whose_swap_in_is_not_seen_landed_wait_for_it_and_still_match_ge
             engine.freeing -= 1
 
     monkeypatch.setattr(kt.KvfsmOffloadingManager, "_engine_frees", engine_frees)
-    outs, inst = run_batch(model, inputs, kt.SwapConfig(host_blocks=64, checked=True, copy_engine=engine),
-                           cb_config(NUM_BLOCKS, sharing=sharing))
+    outs, inst = run_batch(
+        model,
+        inputs,
+        kt.SwapConfig(host_blocks=64, checked=True, copy_engine=engine),
+        cb_config(NUM_BLOCKS, sharing=sharing),
+    )
     m = inst.metrics
     assert outs == expected
     assert m.preempts >= 10 and m.restores == m.preempts == m.swap_outs_done == m.swap_ins_done
@@ -754,8 +777,9 @@ def test_checked_mode_flags_a_fenced_release_no_stream_waited_on(model: Any, mon
         e.kv._swap_out(state)
 
 
-def test_without_the_wait_the_reused_block_is_rewritten_under_the_copy(model: Any,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_the_wait_the_reused_block_is_rewritten_under_the_copy(
+    model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The same fault with the ledger off: the deferred CPU engine's copy reads the blocks only when it runs,
     so the rewrite really lands in the host blocks, and checked mode's snapshot comparison catches it."""
     monkeypatch.setattr(SlotFence, "wait", lambda self, stream=None: None)
@@ -923,8 +947,9 @@ def _cuda_copies_seen_late(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("acks", ACKS)
 @pytest.mark.parametrize("fenced", [True, False], ids=["fenced", "deferred"])
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
-def test_generate_batch_swaps_on_cuda(asynchronous: bool, fenced: bool, acks: str,
-                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_generate_batch_swaps_on_cuda(
+    asynchronous: bool, fenced: bool, acks: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     model = tiny_llama("cuda")
     inputs = prompts(N_REQUESTS)
     expected = reference_outputs(model, inputs, NEW_TOKENS)
@@ -934,8 +959,10 @@ def test_generate_batch_swaps_on_cuda(asynchronous: bool, fenced: bool, acks: st
     outs, inst = run_batch(model, inputs, kt.SwapConfig(host_blocks=64, checked=True, fenced=fenced), cb)
     (kv,) = inst.managers
     m = inst.metrics
-    print(f"\ncuda {'async' if asynchronous else 'sync'} {'fenced' if fenced else 'deferred'} {acks} "
-          f"({type(kv.engine).__name__}): {m.as_dict()}")
+    print(
+        f"\ncuda {'async' if asynchronous else 'sync'} {'fenced' if fenced else 'deferred'} {acks} "
+        f"({type(kv.engine).__name__}): {m.as_dict()}"
+    )
     assert type(kv.engine).__name__ == "CudaCopyEngine" and kv.host_pool.pinned
     assert outs == expected
     assert m.preempts >= 10 and m.swap_ins_done == m.restores == m.preempts
@@ -950,8 +977,9 @@ def test_generate_batch_swaps_on_cuda(asynchronous: bool, fenced: bool, acks: st
 @pytest.mark.parametrize("acks", ACKS)
 @pytest.mark.parametrize("on_compute", [True, False], ids=["compute-stream", "copy-stream"])
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
-def test_fenced_swap_out_on_cuda_never_synchronizes(asynchronous: bool, on_compute: bool, acks: str,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fenced_swap_out_on_cuda_never_synchronizes(
+    asynchronous: bool, on_compute: bool, acks: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Every swap-out and every restore call runs under torch.cuda.set_sync_debug_mode("error"): a host-device
     synchronisation in it (a blocking transfer, a stream or device synchronize) raises. The one host wait the
     spec allows there is for the request's own copy when the host has not yet seen it landed: a restore
@@ -985,6 +1013,7 @@ def test_fenced_swap_out_on_cuda_never_synchronizes(asynchronous: bool, on_compu
                 torch.cuda.set_sync_debug_mode(previous)
             strict_calls[name].append(out)
             return out
+
         return call
 
     wait = CudaCopyHandle.wait
@@ -998,7 +1027,9 @@ def test_fenced_swap_out_on_cuda_never_synchronizes(asynchronous: bool, on_compu
         monkeypatch.setattr(kt.KvfsmOffloadingManager, name, strict(name))
     monkeypatch.setattr(CudaCopyHandle, "wait", counted_wait)
     cb = cb_config(NUM_BLOCKS, use_async_batching=asynchronous, use_cuda_graph=asynchronous)
-    outs, inst = run_batch(model, inputs, kt.SwapConfig(host_blocks=64, fenced=True, copy_on_compute_stream=on_compute), cb)
+    outs, inst = run_batch(
+        model, inputs, kt.SwapConfig(host_blocks=64, fenced=True, copy_on_compute_stream=on_compute), cb
+    )
     (kv,) = inst.managers
     m = inst.metrics
     print(f"\ncuda {'async' if asynchronous else 'sync'} fenced {acks}, sync debug: {m.as_dict()}")
@@ -1026,8 +1057,9 @@ def test_warm_up_copies_what_the_engine_wrote_before_it_on_another_stream(monkey
     explains request 0's wrong first tokens in async batching with CUDA graphs (whose padding tokens read the
     read trash) when ten test processes shared the GPU."""
     model = tiny_llama("cuda")
-    manager = model.init_continuous_batching(generation_config=generation_config(4),
-                                             continuous_batching_config=cb_config(NUM_BLOCKS))
+    manager = model.init_continuous_batching(
+        generation_config=generation_config(4), continuous_batching_config=cb_config(NUM_BLOCKS)
+    )
     kt.install(manager, kt.SwapConfig(host_blocks=8))
     kv = manager._create_batch_processor().offloading_manager
     pool, engine = kv.device_pool, kv.engine
@@ -1051,8 +1083,9 @@ def test_warm_up_copies_what_the_engine_wrote_before_it_on_another_stream(monkey
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("end", ["finish", "cancel"])
-def test_an_end_under_a_swap_in_on_cuda_is_fenced_and_never_synchronizes(end: str,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_end_under_a_swap_in_on_cuda_is_fenced_and_never_synchronizes(
+    end: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The CUDA twin of test_an_end_under_the_swap_in_releases_the_blocks_fenced_against_the_swap_in: a request
     ended while its swap-in is in flight (the host sees it landed only once the test says so) gives its device
     blocks back under torch.cuda.set_sync_debug_mode("error"), fenced against the swap-in; the engine's next

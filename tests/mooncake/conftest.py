@@ -103,12 +103,20 @@ class Master:
         """A fresh master on the same ports (empty index): clients reconnect and remount their segments."""
         self.kill()
         with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(_command(self.rpc_port, self.http_port, self.metrics_port, self.extra),
-                                         stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
-        wait_for(lambda: not self.alive() or (_accepts(self.rpc_port) and _accepts(self.http_port)),
-                 f"the restarted mooncake_master (pid {self.pid}) to listen on {self.rpc_port} and {self.http_port}",
-                 MASTER_UP_S, progress=lambda: tree_cpu(self.pid), ceiling_s=MASTER_CEILING_S)
+            self.proc = subprocess.Popen(
+                _command(self.rpc_port, self.http_port, self.metrics_port, self.extra),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        wait_for(
+            lambda: not self.alive() or (_accepts(self.rpc_port) and _accepts(self.http_port)),
+            f"the restarted mooncake_master (pid {self.pid}) to listen on {self.rpc_port} and {self.http_port}",
+            MASTER_UP_S,
+            progress=lambda: tree_cpu(self.pid),
+            ceiling_s=MASTER_CEILING_S,
+        )
         assert self.alive(), f"the restarted master exited: {self.log.read_text(errors='replace')[-2000:]}"
 
     def stop(self) -> None:
@@ -129,12 +137,21 @@ def start_master(log_dir: Path, extra: tuple[str, ...] = (), attempts: int = 3) 
         rpc, http, metrics = free_port(), free_port(), free_port()
         log = log_dir / f"mooncake_master-{rpc}.log"
         with open(log, "wb") as out:
-            proc = subprocess.Popen(_command(rpc, http, metrics, extra), stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            proc = subprocess.Popen(
+                _command(rpc, http, metrics, extra),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         try:
-            wait_for(lambda: proc.poll() is not None or (_accepts(rpc) and _accepts(http)),
-                     f"mooncake_master (pid {proc.pid}) to listen on {rpc} and {http}", MASTER_UP_S,
-                     progress=lambda: tree_cpu(proc.pid), ceiling_s=MASTER_CEILING_S)
+            wait_for(
+                lambda: proc.poll() is not None or (_accepts(rpc) and _accepts(http)),
+                f"mooncake_master (pid {proc.pid}) to listen on {rpc} and {http}",
+                MASTER_UP_S,
+                progress=lambda: tree_cpu(proc.pid),
+                ceiling_s=MASTER_CEILING_S,
+            )
             if proc.poll() is None:
                 return Master(proc, rpc, http, metrics, log, extra)
             last = ""
@@ -201,8 +218,11 @@ def shared_storage(mooncake_master: Master) -> Iterator[Any]:
     """
     from kvfsm.dataplane.storage.mooncake import MooncakeStorage
 
-    s = MooncakeStorage(mooncake_master.addr, mooncake_master.metadata,
-                        **_defaults({"model_name": "shared/model", "tp_rank": 1, "tp_size": 2}))
+    s = MooncakeStorage(
+        mooncake_master.addr,
+        mooncake_master.metadata,
+        **_defaults({"model_name": "shared/model", "tp_rank": 1, "tp_size": 2}),
+    )
     try:
         yield s
     finally:

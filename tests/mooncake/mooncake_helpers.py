@@ -37,7 +37,9 @@ class StoreEngine(SimEngine):
     def admit_all(self, n: int, prompt_len: int) -> list[SimRequest]:
         reqs = []
         for i in range(n):  # distinct prompts: equal tokens would mean equal page hashes (content addressing)
-            r = self.admit(f"r{i}", prompt_len, req=SimRequest(f"r{i}", [1000 * (i + 1) + j for j in range(prompt_len)]))
+            r = self.admit(
+                f"r{i}", prompt_len, req=SimRequest(f"r{i}", [1000 * (i + 1) + j for j in range(prompt_len)])
+            )
             assert r is not None, "no room to admit"
             self.requests[r.rid] = r
             reqs.append(r)

@@ -25,10 +25,19 @@ def main() -> None:
     req = json.loads(sys.stdin.readline())
     from kvfsm.dataplane.storage.mooncake import MooncakeStorage
 
-    s = MooncakeStorage(req["master"], req["metadata"], model_name=req["model"], tp_rank=req.get("tp_rank", 0),
-                        tp_size=req.get("tp_size", 1),  # page size: learned from the store
-                        global_segment_size=req.get("segment", 32 << 20), local_buffer_size=16 << 20,
-                        op_timeout_s=5.0, setup_timeout_s=15.0, close_timeout_s=3.0, read_pool_bytes=8 << 20)
+    s = MooncakeStorage(
+        req["master"],
+        req["metadata"],
+        model_name=req["model"],
+        tp_rank=req.get("tp_rank", 0),
+        tp_size=req.get("tp_size", 1),  # page size: learned from the store
+        global_segment_size=req.get("segment", 32 << 20),
+        local_buffer_size=16 << 20,
+        op_timeout_s=5.0,
+        setup_timeout_s=15.0,
+        close_timeout_s=3.0,
+        read_pool_bytes=8 << 20,
+    )
     try:
         keys = req.get("read", [])
         pages = s.batch_get(keys)

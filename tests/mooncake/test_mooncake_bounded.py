@@ -39,6 +39,7 @@ class ScriptedClient:
         try:
             for k, p, n in zip(keys, ptrs, sizes):
                 import ctypes
+
                 self.objects.setdefault(k, ctypes.string_at(p, n))
             return [0] * len(keys)
         finally:
@@ -48,6 +49,7 @@ class ScriptedClient:
         self._enter("get")
         try:
             import ctypes
+
             out = []
             for k, p, _size in zip(keys, ptrs, sizes):
                 data = self.objects.get(k)
@@ -150,8 +152,11 @@ def test_client_errors_are_per_page_failures() -> None:
 def test_from_config_keys_carry_model_and_rank() -> None:
     from kvfsm.runtime import OffloadConfig
 
-    cfg = OffloadConfig(storage_backend="none", model_name="org/model",
-                        storage_extra={"master_server_addr": "127.0.0.1:1", "op_timeout_s": 0.5})
+    cfg = OffloadConfig(
+        storage_backend="none",
+        model_name="org/model",
+        storage_extra={"master_server_addr": "127.0.0.1:1", "op_timeout_s": 0.5},
+    )
     s = MooncakeStorage.from_config(cfg, tp_rank=1, tp_size=4, client=ScriptedClient())
     assert s.key_of("abc") == ["org-model_abc_1_k", "org-model_abc_1_v"] and s.op_timeout_s == 0.5
     s.close()

@@ -67,7 +67,9 @@ def test_batch_round_trip_and_keys(shared_storage, make_storage) -> None:
     assert all(torch.equal(a, b) for a, b in zip(got, pages))
     # SGLang 0.5.23's Mooncake keys: model prefix ("/" -> "-"), TP rank, one object per K and V half.
     assert s.key_of(keys[0]) == [f"shared-model_{keys[0]}_1_k", f"shared-model_{keys[0]}_1_v"]
-    assert s.client.is_exist(f"shared-model_{keys[0]}_1_k") == 1 and s.client.is_exist(f"shared-model_{keys[0]}_1_v") == 1
+    assert (
+        s.client.is_exist(f"shared-model_{keys[0]}_1_k") == 1 and s.client.is_exist(f"shared-model_{keys[0]}_1_v") == 1
+    )
     assert s.client.get_size(f"shared-model_{keys[0]}_1_k") == 2048  # half the page each
     assert s.batch_set(keys[:3], pages[:3]) == [True] * 3  # content-addressed: storing again is a success
     other_rank = make_storage(model_name="shared/model", tp_rank=0, tp_size=2, global_segment_size=0)
@@ -148,15 +150,17 @@ def test_objects_are_sglangs(make_storage, store_layout: str, pool_layout: str, 
     a page_first host pool (SGLang's `(2, size, L, H, D)`, MLA `(size, L, 1, D)`) sends, per K / V plane
     (MLA: the latent), the page's one contiguous range; page_first_direct / MLA layer_first send (L, T, ...).
     Checked against the raw pool buffer, whichever layout kvfsm's own pool has."""
-    kv = KVCacheConfig(num_layers=3, kv_heads=2 if attention == "mha" else 1, head_dim=8, attention=attention,
-                       dtype=torch.float16)
+    kv = KVCacheConfig(
+        num_layers=3, kv_heads=2 if attention == "mha" else 1, head_dim=8, attention=attention, dtype=torch.float16
+    )
     T = 4
     pool = HostKVPool(kv, 32, page_size=T, layout=pool_layout)
-    pool.kv_buffer.view(torch.int16).copy_(torch.randint(-2**15, 2**15, pool.kv_buffer.shape, dtype=torch.int16))
+    pool.kv_buffer.view(torch.int16).copy_(torch.randint(-(2**15), 2**15, pool.kv_buffer.shape, dtype=torch.int16))
     idx = pool.alloc(8)
     planes = kv.num_planes
-    s = make_storage(tp_rank=1, tp_size=2, is_mla=attention == "mla", layout=store_layout,
-                     page_dims=(planes, kv.num_layers, T))
+    s = make_storage(
+        tp_rank=1, tp_size=2, is_mla=attention == "mla", layout=store_layout, page_dims=(planes, kv.num_layers, T)
+    )
     keys = [f"obj-{attention}-{pool_layout}-{store_layout}-{i}" for i in range(2)]
     assert s.batch_set_from_host(keys, pool, idx) == [True, True]
     sg = HostKVPool(kv, 32, page_size=T, layout=store_layout)  # SGLang's pool of the store's layout
@@ -166,13 +170,15 @@ def test_objects_are_sglangs(make_storage, store_layout: str, pool_layout: str, 
     for j, key in enumerate(keys):
         names = s.key_of(key)
         prefix = s.model_name.replace("/", "-")
-        assert names == ([f"{prefix}_{key}__k"] if attention == "mla" else [f"{prefix}_{key}_1_k", f"{prefix}_{key}_1_v"])
+        assert names == (
+            [f"{prefix}_{key}__k"] if attention == "mla" else [f"{prefix}_{key}_1_k", f"{prefix}_{key}_1_v"]
+        )
         for p, name in enumerate(names):
             plane = tv if attention == "mla" else tv[p]
             if store_layout == "page_first":  # one contiguous range: tokens, then layers
-                want = plane[j * T:(j + 1) * T]
+                want = plane[j * T : (j + 1) * T]
             else:  # page_first_direct's (L, T, ...) order: per layer, the page's tokens
-                want = plane[:, j * T:(j + 1) * T]
+                want = plane[:, j * T : (j + 1) * T]
             got = s.client.get(name)
             assert bytes(got) == want.contiguous().view(torch.uint8).numpy().tobytes(), (name, p)
     back = s.batch_get(keys)
@@ -183,8 +189,18 @@ def test_objects_are_sglangs(make_storage, store_layout: str, pool_layout: str, 
 def test_manager_round_trip_through_mooncake(shared_storage) -> None:
     """offload -> backup into Mooncake -> host pages evicted -> loaded back from Mooncake, bit-exact."""
     storage = shared_storage
-    e = StoreEngine(backend=storage, page_size=4, device_slots=256, host_slots=64, rows=4, max_context=64,
-                    backup_queue=4, num_layers=2, kv_heads=2, head_dim=16)
+    e = StoreEngine(
+        backend=storage,
+        page_size=4,
+        device_slots=256,
+        host_slots=64,
+        rows=4,
+        max_context=64,
+        backup_queue=4,
+        num_layers=2,
+        kv_heads=2,
+        head_dim=16,
+    )
     reqs = e.admit_all(3, prompt_len=9)
     # The prefill side stores the prompt pages (so the whole chain can be queried).
     for r in reqs:
@@ -223,8 +239,18 @@ def test_full_store_fails_per_page(master_factory, make_storage) -> None:
     master = master_factory(*NO_EVICTION)
     storage = make_storage(master, global_segment_size=16 << 20)
     # 2 planes x 4 layers x 4 heads x 64 x fp32 = 8 KiB per token, 16 tokens = 128 KiB per page: 128 pages fit.
-    e = StoreEngine(backend=storage, page_size=16, device_slots=3200, host_slots=768, rows=6, max_context=512,
-                    backup_queue=8, num_layers=4, kv_heads=4, head_dim=64)
+    e = StoreEngine(
+        backend=storage,
+        page_size=16,
+        device_slots=3200,
+        host_slots=768,
+        rows=6,
+        max_context=512,
+        backup_queue=8,
+        num_layers=4,
+        kv_heads=4,
+        head_dim=64,
+    )
     reqs = e.admit_all(6, prompt_len=16)
     for _ in range(16 * 28):
         e.step(reqs)
@@ -250,8 +276,18 @@ def test_master_killed_mid_run(master_factory, make_storage) -> None:
     slots come back; once a master is up again on the same address, backups succeed again."""
     master = master_factory()
     storage = make_storage(master, op_timeout_s=2.0)
-    e = StoreEngine(backend=storage, page_size=4, device_slots=256, host_slots=64, rows=4, max_context=128,
-                    backup_queue=4, num_layers=2, kv_heads=1, head_dim=8)
+    e = StoreEngine(
+        backend=storage,
+        page_size=4,
+        device_slots=256,
+        host_slots=64,
+        rows=4,
+        max_context=128,
+        backup_queue=4,
+        num_layers=2,
+        kv_heads=1,
+        head_dim=8,
+    )
     reqs = e.admit_all(2, prompt_len=8)
     for _ in range(12):
         e.step(reqs)
@@ -270,8 +306,12 @@ def test_master_killed_mid_run(master_factory, make_storage) -> None:
     assert time.monotonic() - t0 < storage.op_timeout_s + scaled(1)
     master.restart()  # same address, empty index
     # the client reconnects and remounts (its retries run on their own clock: a scaled limit, no progress probe)
-    wait_for(lambda: storage.batch_set(["probe"], random_pages(1, 64)) == [True],
-             "the client to reconnect to the restarted master (a probe page stored)", 20, poll_s=0.2)
+    wait_for(
+        lambda: storage.batch_set(["probe"], random_pages(1, 64)) == [True],
+        "the client to reconnect to the restarted master (a probe page stored)",
+        20,
+        poll_s=0.2,
+    )
     for _ in range(8):
         e.step(reqs)
     after = {h: v for h, v in e.stored_pages().items() if h not in before}
@@ -295,8 +335,15 @@ def test_unreachable_master_is_a_clear_error(mooncake_available) -> None:
 # ---- sharing between engine processes ---------------------------------------------------------------------
 def _peer(master, model: str, request: dict) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.Popen([sys.executable, str(HERE / "mooncake_peer.py")], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                         stderr=subprocess.DEVNULL, text=True, env=env, start_new_session=True)
+    p = subprocess.Popen(
+        [sys.executable, str(HERE / "mooncake_peer.py")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     p.stdin.write(json.dumps({"master": master.addr, "metadata": master.metadata, "model": model, **request}) + "\n")
     p.stdin.flush()
     return p
@@ -306,6 +353,7 @@ def _reply(p: subprocess.Popen, within_s: float = 30.0) -> dict:
     """The peer's next answer: waited for while the peer makes progress (its CPU time), `within_s` (scaled)
     without any is a hang."""
     import selectors
+
     sel = selectors.DefaultSelector()
     sel.register(p.stdout, selectors.EVENT_READ)
     watch = Watch(f"an answer from the peer process (pid {p.pid})", within_s, p.pid)
@@ -336,8 +384,11 @@ def test_second_process_shares_pages(mooncake_master, shared_storage) -> None:
     mine = {f"mine-{i}": 100 + i for i in range(6)}
     assert all(storage.batch_set(list(mine), [seeded_page(v, nbytes) for v in mine.values()]))
     theirs = {f"theirs-{i}": 200 + i for i in range(4)}
-    p = _peer(mooncake_master, "shared/model", {"tp_rank": 1, "tp_size": 2, "read": list(mine) + ["absent"],
-                                                 "write": theirs, "page_nbytes": nbytes})
+    p = _peer(
+        mooncake_master,
+        "shared/model",
+        {"tp_rank": 1, "tp_size": 2, "read": list(mine) + ["absent"], "write": theirs, "page_nbytes": nbytes},
+    )
     try:
         rep = _reply(p)
         want = [hashlib.sha256(seeded_page(v, nbytes).numpy().tobytes()).hexdigest() for v in mine.values()]
@@ -373,5 +424,7 @@ def test_traffic_stays_on_loopback(mooncake_master, shared_storage) -> None:
             seen += 1
             for addr in (f[1], f[2]):
                 host = addr.split(":")[0]
-                assert host in ("0100007F", "0000000000000000FFFF00000100007F", "00000000000000000000000001000000"), line
+                assert host in ("0100007F", "0000000000000000FFFF00000100007F", "00000000000000000000000001000000"), (
+                    line
+                )
     assert seen >= 2  # at least the client's connections to the master

@@ -46,32 +46,67 @@ RESULTS = mutate.GPU_PASS  # the last GPU pass, machine-readable (what the repor
 # GPU test needs SGLang importable (it skips otherwise, and the pass records that it skipped).
 SKIP = {".git", ".old", "build", "kvfsm-store", "kvfsm.egg-info", ".device", ".whl"}
 # -p no:anyio: the anyio carried for SGLang shadows the device's own, whose pytest plugin it does not carry
-PYTEST = ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:randomly", "-p", "no:anyio", "-o", "addopts=",
-          "--tb=line", "-rfEs"]
+PYTEST = [
+    "-m",
+    "pytest",
+    "-q",
+    "-x",
+    "-p",
+    "no:cacheprovider",
+    "-p",
+    "no:randomly",
+    "-p",
+    "no:anyio",
+    "-o",
+    "addopts=",
+    "--tb=line",
+    "-rfEs",
+]
 # (pytest arguments, test files): the tests marked `gpu`, then the files whose CPU tests take CUDA branches
 # when a device is present (pinned host pools, a CUDA request table, the kill tests of the CPU run).
 # The files that killed the most mutants of earlier passes come first: a mutant dies at its first failure (-x).
-SUITES = [(["-m", "gpu"], ["tests/gpu/test_cross_device_inputs_gpu.py", "tests/gpu/test_device_placement_gpu.py",
-                           "tests/upstream/test_adapter_devices_gpu.py", "tests/dataplane/test_layer_pool.py",
-                           "tests/dataplane/test_copy_engine.py",
-                           "tests/engine/test_demo.py", "tests/upstream/test_adapter_gpu.py", "tests/gpu",
-                           "tests/dataplane/test_cuda_pipeline.py", "tests/runtime/test_config_errors.py",
-                           "tests/runtime/test_tp_demo.py", "tests/stateful/test_production_mutants.py",
-                           "tests/stateful/test_production_matrix.py", "tests/dataplane/test_process_storage.py"]),
-          ([], ["tests/dataplane/test_host_pool.py", "tests/runtime/test_offload_batch.py", "tests/mutation/test_kills.py",
-                # ProgressConsensus reduces only in a group of two or more ranks; these tests stand in a collective
-                # that checks the device its counts arrive on (NCCL's is the rank's GPU), on one GPU or none
-                "tests/mutation/test_kills_runtime.py",
-                # the shared pool's pinning: its CUDA branch and the page locks a dropped pool gives back
-                "tests/mutation/test_kills_shared_pool.py"])]
+SUITES = [
+    (
+        ["-m", "gpu"],
+        [
+            "tests/gpu/test_cross_device_inputs_gpu.py",
+            "tests/gpu/test_device_placement_gpu.py",
+            "tests/upstream/test_adapter_devices_gpu.py",
+            "tests/dataplane/test_layer_pool.py",
+            "tests/dataplane/test_copy_engine.py",
+            "tests/engine/test_demo.py",
+            "tests/upstream/test_adapter_gpu.py",
+            "tests/gpu",
+            "tests/dataplane/test_cuda_pipeline.py",
+            "tests/runtime/test_config_errors.py",
+            "tests/runtime/test_tp_demo.py",
+            "tests/stateful/test_production_mutants.py",
+            "tests/stateful/test_production_matrix.py",
+            "tests/dataplane/test_process_storage.py",
+        ],
+    ),
+    (
+        [],
+        [
+            "tests/dataplane/test_host_pool.py",
+            "tests/runtime/test_offload_batch.py",
+            "tests/mutation/test_kills.py",
+            # ProgressConsensus reduces only in a group of two or more ranks; these tests stand in a collective
+            # that checks the device its counts arrive on (NCCL's is the rank's GPU), on one GPU or none
+            "tests/mutation/test_kills_runtime.py",
+            # the shared pool's pinning: its CUDA branch and the page locks a dropped pool gives back
+            "tests/mutation/test_kills_shared_pool.py",
+        ],
+    ),
+]
 MUTANT_TIMEOUT_S = 420  # a mutant whose tests hang past this is killed (as mutmut counts a timeout)
 
 
 @dataclass(frozen=True)
 class Mutant:
     function: str  # mutmut's name: module.x_function or module.xǁClassǁmethod
-    change: str    # normalised `-`/`+` lines
-    reason: str    # why the CPU run could not tell it apart
+    change: str  # normalised `-`/`+` lines
+    reason: str  # why the CPU run could not tell it apart
     scope: str = "main"  # the mutation scope whose run left it (mutate.SCOPES)
 
     @property
@@ -117,8 +152,14 @@ def _function_span(tree: ast.Module, qualname: list[str]) -> tuple[int, int]:
     body: list[ast.stmt] = tree.body
     node: ast.AST | None = None
     for part in qualname:
-        node = next((n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-                     and n.name == part), None)
+        node = next(
+            (
+                n
+                for n in body
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.name == part
+            ),
+            None,
+        )
         if node is None:
             raise LookupError(f"no {'.'.join(qualname)}")
         body = node.body  # type: ignore[attr-defined]
@@ -141,13 +182,16 @@ def apply(mutant: Mutant, root: Path) -> None:
     new = [l[1:].strip() for l in mutant.change.splitlines() if l.startswith("+")]
     if not old:
         raise LookupError("a change with no removed line")
-    hits = [i for i in range(start - 1, end - len(old) + 1)
-            if all(_norm_line(src[i + k]) == _norm(o) for k, o in enumerate(old))]
+    hits = [
+        i
+        for i in range(start - 1, end - len(old) + 1)
+        if all(_norm_line(src[i + k]) == _norm(o) for k, o in enumerate(old))
+    ]
     if not hits:
         raise LookupError(f"the removed lines are not in {'.'.join(mutant.qualname)}")
     i = hits[0]
     indent = re.match(r"\s*", src[i]).group(0)  # type: ignore[union-attr]
-    src[i:i + len(old)] = [indent + n + "\n" for n in new]
+    src[i : i + len(old)] = [indent + n + "\n" for n in new]
     text = "".join(src)
     compile(text, str(path), "exec")  # a mutant must still be Python: mutmut's are
     path.write_text(text)
@@ -159,7 +203,9 @@ def _norm(line: str) -> str:
 
 def _failures(out: str) -> str:
     """The failures section of a pytest run's output (what the tail loses behind the warnings summary)."""
-    m = re.search(r"^=+ (?:FAILURES|ERRORS) =+$(.*?)(?=^=+ (?:warnings summary|short test summary)|\Z)", out, re.M | re.S)
+    m = re.search(
+        r"^=+ (?:FAILURES|ERRORS) =+$(.*?)(?=^=+ (?:warnings summary|short test summary)|\Z)", out, re.M | re.S
+    )
     return m.group(1).strip()[-3000:] if m else ""
 
 
@@ -174,20 +220,33 @@ def _run_tests(tree: Path, env: dict[str, str], first: str | None = None) -> dic
     for n, (extra, files) in enumerate(suites):
         left = MUTANT_TIMEOUT_S - (time.monotonic() - t0)
         try:
-            p = subprocess.run([sys.executable, *PYTEST, *extra, *files], cwd=tree, env=env, capture_output=True,
-                               text=True, timeout=max(left, 1))
+            p = subprocess.run(
+                [sys.executable, *PYTEST, *extra, *files],
+                cwd=tree,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=max(left, 1),
+            )
         except subprocess.TimeoutExpired as exc:
             out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
             return {"rc": None, "seconds": round(time.monotonic() - t0, 1), "tail": out[-1500:], "timeout": True}
         out = p.stdout + p.stderr
-        summaries.append((re.findall(r"^=*\s*(\d+ (?:passed|failed|skipped|deselected).*?)\s*=*$", out, re.M) or [""])[-1])
+        summaries.append(
+            (re.findall(r"^=*\s*(\d+ (?:passed|failed|skipped|deselected).*?)\s*=*$", out, re.M) or [""])[-1]
+        )
         if first and n == 0 and p.returncode != 1:  # the earlier test is gone or errs: only the suites decide
             continue
         if p.returncode != 0:
             failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", out, re.M)
-            return {"rc": p.returncode, "seconds": round(time.monotonic() - t0, 1),
-                    "first_failure": failed[0] if failed else None, "summary": summaries, "tail": out[-1500:],
-                    "failures": _failures(out)}
+            return {
+                "rc": p.returncode,
+                "seconds": round(time.monotonic() - t0, 1),
+                "first_failure": failed[0] if failed else None,
+                "summary": summaries,
+                "tail": out[-1500:],
+                "failures": _failures(out),
+            }
     return {"rc": 0, "seconds": round(time.monotonic() - t0, 1), "first_failure": None, "summary": summaries}
 
 
@@ -198,6 +257,7 @@ def _copy_tree(dest: Path) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     import torch
+
     if not torch.cuda.is_available():
         print("the GPU pass needs a CUDA device", file=sys.stderr)
         return 2
@@ -205,14 +265,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     mutants = selected()
     if args.limit:
-        mutants = mutants[:args.limit]
+        mutants = mutants[: args.limit]
     known: dict[str, dict] = {}
     previous: dict = {}
     hints: dict[str, str] = {}  # the test that killed a mutant in the earlier pass: it runs first this time
     if args.previous:  # an earlier, cut-off pass: keep each verdict that names its test; run the rest first
         previous = json.loads(Path(args.previous).read_text())
-        hints = {f"{r['function']}\n{r['change']}": r["first_failure"] for r in previous["mutants"]
-                 if r.get("first_failure")}
+        hints = {
+            f"{r['function']}\n{r['change']}": r["first_failure"] for r in previous["mutants"] if r.get("first_failure")
+        }
         # a test the unmutated tree failed there killed nothing: those mutants run again
         void = (previous.get("clean") or {}).get("first_failure")
         for rec in previous["mutants"]:
@@ -221,8 +282,11 @@ def cmd_run(args: argparse.Namespace) -> int:
                 known[f"{rec['function']}\n{rec['change']}"] = rec
     # kept: a kill that names its test. A survival always runs again: tests written since may kill it (a kept
     # survival once outlived the GPU tests written for it, which then never ran against it)
-    keep = [known[m.key] for m in mutants if m.key in known and not known[m.key].get("provisional") and
-            known[m.key].get("first_failure")]
+    keep = [
+        known[m.key]
+        for m in mutants
+        if m.key in known and not known[m.key].get("provisional") and known[m.key].get("first_failure")
+    ]
     # never run first; then the earlier survivors (a full run of every suite each: the longest jobs start first, so a
     # pass stopped at its limit has the verdicts the tests written since were for); then the kills to confirm
     mutants.sort(key=lambda m: (m.key in known, m.key in known and known[m.key]["status"] != "survived"))
@@ -230,15 +294,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     work = Path(tempfile.mkdtemp(prefix="gpu-pass-"))
     gpu = torch.cuda.get_device_name(0)
     log = open(out / f"mutation_gpu-{gpu_tag(gpu)}.log", "w", buffering=1)
-    results: dict = {"machine": {"gpu": gpu, "torch": torch.__version__,
-                                 "python": sys.version.split()[0]},
-                     "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "tests": [" ".join(PYTEST[1:] + e + f) for e, f in SUITES],
-                     "clean": None, "mutants": list(keep)}
+    results: dict = {
+        "machine": {"gpu": gpu, "torch": torch.__version__, "python": sys.version.split()[0]},
+        "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "tests": [" ".join(PYTEST[1:] + e + f) for e, f in SUITES],
+        "clean": None,
+        "mutants": list(keep),
+    }
 
     def env_for(tree: Path) -> dict[str, str]:
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([str(tree)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
-                                                           if p and Path(p).resolve() != ROOT])
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(tree)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != ROOT]
+        )
         env["PYTHONDONTWRITEBYTECODE"] = "1"
         # one CPU thread per test process: 14 processes of 16 threads each on 16 cores ran 4x slower
         env.setdefault("OMP_NUM_THREADS", "1")
@@ -279,9 +347,11 @@ def cmd_run(args: argparse.Namespace) -> int:
                 log.write(f"clean run: {rec}\n")
             else:
                 results["mutants"].append(rec)
-                log.write(f"{rec['status']:>16}  {rec['function'].rsplit('.', 1)[1]}  {rec['change']!r}  "
-                          f"{rec.get('first_failure') or rec.get('summary') or rec.get('why', '')}  "
-                          f"{rec.get('seconds', '')}s\n")
+                log.write(
+                    f"{rec['status']:>16}  {rec['function'].rsplit('.', 1)[1]}  {rec['change']!r}  "
+                    f"{rec.get('first_failure') or rec.get('summary') or rec.get('why', '')}  "
+                    f"{rec.get('seconds', '')}s\n"
+                )
             (out / "gpu_pass.json").write_text(json.dumps(results, indent=1) + "\n")
     results["seconds"] = round(time.monotonic() - t0)
     results["mutants"].sort(key=lambda r: (r["function"], r["change"]))
@@ -333,7 +403,7 @@ def cmd_report(args: argparse.Namespace) -> int:
             for m in scoped:
                 fn, old, new = mutate._readable(m.function, m.change)
                 head = f"* `{fn}` #{hit['num']} ({hit['status']}): `{old}` → `{new}`: "
-                if _norm(line[:len(head)]) == _norm(head) and line[len(head):].startswith(m.reason):
+                if _norm(line[: len(head)]) == _norm(head) and line[len(head) :].startswith(m.reason):
                     line = head + mutate.scope_gpu_reason(m.reason, m.function, m.change, gpu)
                     rewritten += 1
                     break
@@ -358,15 +428,25 @@ def cmd_report(args: argparse.Namespace) -> int:
     unexplained = summary["unexplained"]
     summary["needs_cuda"] = len(needs)
     summary["equivalent"] = summary["survived"] - unexplained - len(needs)
-    text = re.sub(r"^- survivors explained as equivalent: .*$",
-                  "\n".join(mutate.summary_lines(summary["survived"], len(needs), unexplained)), text, count=1, flags=re.M)
-    text = re.sub(r"^<!-- mutation-summary: .* -->$", f"<!-- mutation-summary: {json.dumps(summary, sort_keys=True)} -->",
-                  text, count=1, flags=re.M)
+    text = re.sub(
+        r"^- survivors explained as equivalent: .*$",
+        "\n".join(mutate.summary_lines(summary["survived"], len(needs), unexplained)),
+        text,
+        count=1,
+        flags=re.M,
+    )
+    text = re.sub(
+        r"^<!-- mutation-summary: .* -->$",
+        f"<!-- mutation-summary: {json.dumps(summary, sort_keys=True)} -->",
+        text,
+        count=1,
+        flags=re.M,
+    )
     by_scope = dict(collections.Counter(m.scope for m in everything))
     section = "\n".join(mutate.gpu_section(gpu, sorted(needs) + [(m.function, m.change) for m in scoped], by_scope))
     start, end = mutate.GPU_SECTION
     if start in text:
-        text = text[:text.index(start)] + section + text[text.index(end) + len(end):]
+        text = text[: text.index(start)] + section + text[text.index(end) + len(end) :]
     else:
         text = text.rstrip("\n") + "\n\n" + section + "\n"
     mutate.REPORT.write_text(text)

@@ -55,8 +55,14 @@ PY = sys.executable
 # and the generated decode-offload machine (fnmatch patterns: `*` also crosses `/`).
 # The generated machines are laid out as the wheel installs them (kvfsm/generated/), so the module mutmut
 # mutates has the name the runtime imports: kvfsm/generated/decode_offload.py is generated/decode_offload.py.
-MUTATE = ["kvfsm/runtime/*.py", "kvfsm/dataplane/pools/*.py", "kvfsm/dataplane/copy/base.py",
-          "kvfsm/dataplane/storage/*.py", "kvfsm/dataplane/hashing.py", "kvfsm/generated/decode_offload.py"]
+MUTATE = [
+    "kvfsm/runtime/*.py",
+    "kvfsm/dataplane/pools/*.py",
+    "kvfsm/dataplane/copy/base.py",
+    "kvfsm/dataplane/storage/*.py",
+    "kvfsm/dataplane/hashing.py",
+    "kvfsm/generated/decode_offload.py",
+]
 # ProcessStorage is left out: half of it runs in the store's child process, where mutmut's record of which
 # test calls what cannot see it (every mutant of that half reads "no tests"), and every test of the other half
 # starts a child (about a second each, per mutant). tests/dataplane/test_process_storage.py tests it by
@@ -66,30 +72,57 @@ MUTATE = ["kvfsm/runtime/*.py", "kvfsm/dataplane/pools/*.py", "kvfsm/dataplane/c
 # which imports the unmutated module (every mutant of it survives whatever the tests do), and each test of its
 # parent's side starts that interpreter; test_process_storage.py tests both sides (one server for every store
 # process, a server killed or sent a request without a descriptor, the server off).
-DO_NOT_MUTATE = ["kvfsm/dataplane/storage/mooncake/*", "kvfsm/dataplane/storage/process.py",
-                 "kvfsm/dataplane/storage/fork_server.py", "*/__init__.py"]
+DO_NOT_MUTATE = [
+    "kvfsm/dataplane/storage/mooncake/*",
+    "kvfsm/dataplane/storage/process.py",
+    "kvfsm/dataplane/storage/fork_server.py",
+    "*/__init__.py",
+]
 
 # Lines whose statements are not mutated: what they change is wording for people, not behaviour (the text of
 # a raised error or a log line, a repr). The tests pin down that the error is raised, its type, and where a
 # message is an interface (a config error naming its field), what it names; mutating every word of it would
 # bury the survivors that matter under hundreds that do not.
-NOT_BEHAVIOUR = [r"^\s*raise \w+(\.\w+)*\(", r"\blogger\.(debug|info|warning|error|exception)\(",
-                 r"\bwarnings\.warn\(", r"^\s*def __repr__\("]
+NOT_BEHAVIOUR = [
+    r"^\s*raise \w+(\.\w+)*\(",
+    r"\blogger\.(debug|info|warning|error|exception)\(",
+    r"\bwarnings\.warn\(",
+    r"^\s*def __repr__\(",
+]
 
 # The fast subset the mutants run against: about 15 s in all on 2 cores; mutmut runs, for each mutant,
 # only the tests of this subset that call the mutated function (its first, clean run records which).
 TESTS = [
-    "tests/dataplane/test_allocator.py", "tests/dataplane/test_host_pool.py", "tests/dataplane/test_req_to_token.py",
-    "tests/dataplane/test_hashing.py", "tests/dataplane/test_storage.py", "tests/dataplane/test_copy_engine.py",
-    "tests/runtime/test_scenarios.py", "tests/runtime/test_backup_worker.py", "tests/runtime/test_stored_index.py",
-    "tests/runtime/test_offload_batch.py", "tests/runtime/test_config_errors.py",
-    "tests/runtime/test_first_use_traps.py", "tests/reference/test_differential.py",
-    "tests/dataplane/test_layer_pool.py", "tests/runtime/test_device_table.py",
-    "tests/dataplane/test_fences.py", "tests/runtime/test_fenced_release.py", "tests/dataplane/test_hashing_refusals.py",
-    "tests/mutation/test_kills.py", "tests/mutation/test_kills_storage.py", "tests/mutation/test_kills_dataplane.py",
-    "tests/mutation/test_kills_runtime.py", "tests/mutation/test_kills_fenced.py", "tests/mutation/test_kills_generated.py",
-    "tests/mutation/test_kills_manager.py", "tests/mutation/test_kills_store_hash.py", "tests/mutation/test_kills_config.py",
-    "tests/mutation/test_kills_shared_pool.py", "tests/runtime/test_fault_breadth.py", "tests/dataplane/test_sharded_storage.py",
+    "tests/dataplane/test_allocator.py",
+    "tests/dataplane/test_host_pool.py",
+    "tests/dataplane/test_req_to_token.py",
+    "tests/dataplane/test_hashing.py",
+    "tests/dataplane/test_storage.py",
+    "tests/dataplane/test_copy_engine.py",
+    "tests/runtime/test_scenarios.py",
+    "tests/runtime/test_backup_worker.py",
+    "tests/runtime/test_stored_index.py",
+    "tests/runtime/test_offload_batch.py",
+    "tests/runtime/test_config_errors.py",
+    "tests/runtime/test_first_use_traps.py",
+    "tests/reference/test_differential.py",
+    "tests/dataplane/test_layer_pool.py",
+    "tests/runtime/test_device_table.py",
+    "tests/dataplane/test_fences.py",
+    "tests/runtime/test_fenced_release.py",
+    "tests/dataplane/test_hashing_refusals.py",
+    "tests/mutation/test_kills.py",
+    "tests/mutation/test_kills_storage.py",
+    "tests/mutation/test_kills_dataplane.py",
+    "tests/mutation/test_kills_runtime.py",
+    "tests/mutation/test_kills_fenced.py",
+    "tests/mutation/test_kills_generated.py",
+    "tests/mutation/test_kills_manager.py",
+    "tests/mutation/test_kills_store_hash.py",
+    "tests/mutation/test_kills_config.py",
+    "tests/mutation/test_kills_shared_pool.py",
+    "tests/runtime/test_fault_breadth.py",
+    "tests/dataplane/test_sharded_storage.py",
     # last: in mutmut's stats pass (every test in one process) it segfaulted mutmut when it ran before the
     # files after it (reproduced 2026-12-01, not understood); the pass order does not change what is killed
     "tests/runtime/test_batch_events.py",
@@ -100,19 +133,32 @@ TESTS = [
 # committed full run was made without them, so they come back with the next `make mutate`;
 # tests/mutation/test_kills.py runs every pair of states), and
 # the per-transition batch test (its search runs once per process; the committed run predates it).
-DESELECT = ["tests/runtime/test_config_errors.py::test_a_manager_built_from_a_mooncake_config_stores_and_reads_back"] + [
-    f"tests/runtime/test_batch_events.py::test_batch_equals_loop_of_single_events[{seed}]" for seed in range(60, 330)] + [
-    "tests/runtime/test_batch_events.py::test_every_transition_in_a_batch_equals_the_loop"]
+DESELECT = (
+    ["tests/runtime/test_config_errors.py::test_a_manager_built_from_a_mooncake_config_stores_and_reads_back"]
+    + [
+        f"tests/runtime/test_batch_events.py::test_batch_equals_loop_of_single_events[{seed}]"
+        for seed in range(60, 330)
+    ]
+    + ["tests/runtime/test_batch_events.py::test_every_transition_in_a_batch_equals_the_loop"]
+)
 # Files the subset imports besides its test files (copied as they are).
-SUPPORT = ["tests/conftest.py", "tests/catalog_faults.py", "tests/timing.py", "tests/copy_spy.py", "tests/dataplane/__init__.py",
-           "tests/dataplane/conftest.py", "tests/dataplane/helpers.py", "tests/dataplane/stream_sim.py"]
+SUPPORT = [
+    "tests/conftest.py",
+    "tests/catalog_faults.py",
+    "tests/timing.py",
+    "tests/copy_spy.py",
+    "tests/dataplane/__init__.py",
+    "tests/dataplane/conftest.py",
+    "tests/dataplane/helpers.py",
+    "tests/dataplane/stream_sim.py",
+]
 # Hypothesis runs derandomized in the workspace, so a mutant's verdict does not depend on luck.
-CONFTEST_ADDENDUM = '''
+CONFTEST_ADDENDUM = """
 
 # --- added by tests/mutation/mutate.py: deterministic examples for mutation runs ---
 settings.register_profile("mutation", parent=settings.get_profile("ci"), derandomize=True, database=None)
 settings.load_profile("mutation")
-'''
+"""
 
 
 # --- scopes ------------------------------------------------------------------------------------------------
@@ -120,6 +166,7 @@ settings.load_profile("mutation")
 # covered yet and reports its score apart: its own workspace, test subset, interpreter, survivors file and
 # reasons, and its own section of docs/mutation.md. `--scope NAME` rebinds the module's scope constants
 # (use_scope) before a command runs, so every command works on any scope.
+
 
 @dataclass(frozen=True)
 class Scope:
@@ -199,38 +246,73 @@ def _main_scope() -> Scope:
     return Scope("main", MUTATE, TESTS, SUPPORT, DESELECT)
 
 
-SCOPES: dict[str, Scope] = {s.name: s for s in [
-    _main_scope(),
-    Scope(
-        "fences-adapter",
-        mutate=["kvfsm/dataplane/fences.py", "kvfsm/runtime/ledger.py", "kvfsm/dataplane/copy/coalescing.py",
-                "kvfsm/integrations/sglang/*.py"],
-        functions=["kvfsm.dataplane.fences.*", "kvfsm.dataplane.copy.coalescing.*", "kvfsm.integrations.sglang.*"]
-                  + [_LEDGER + f + "*" for f in ("release_device", "release_owned", "_covering", "_needs", "_landed",
-                                                 "device_write", "copy_completed")],
-        tests=["tests/dataplane/test_fences.py", "tests/dataplane/test_fence_waits.py",
-               "tests/runtime/test_fenced_release.py", "tests/dataplane/test_copy_engine.py",
-               f"{_UPSTREAM}/test_adapter_pool.py", f"{_UPSTREAM}/test_adapter_config.py",
-               f"{_UPSTREAM}/test_adapter_batch.py", f"{_UPSTREAM}/test_adapter_retraction.py",
-               f"{_UPSTREAM}/test_differential.py",
-               "tests/mutation/test_kills_fenced.py", "tests/mutation/test_kills_fences_adapter.py",
-               f"{_UPSTREAM}/test_kills_adapter.py"],
-        # the scenarios with two TP ranks spawn a process per rank (20 to 50 s each; test_summary runs them all)
-        deselect=[f"{_UPSTREAM}/test_adapter_batch.py::test_batched_submission_is_invisible_to_sglang[tp2]",
-                  f"{_UPSTREAM}/test_differential.py::test_adapter_matches_upstream[tp2]",
-                  f"{_UPSTREAM}/test_differential.py::test_adapter_reading_slots_on_the_device_matches_upstream[tp2]",
-                  f"{_UPSTREAM}/test_differential.py::test_tp_ranks_with_different_host_pools_are_refused",
-                  f"{_UPSTREAM}/test_differential.py::test_summary",
-                  # it traces every call the early exit makes (sys.setprofile), and mutmut's trampolines are calls
-                  f"{_UPSTREAM}/test_adapter_batch.py::test_a_call_with_no_chunk_due_makes_no_call_at_all"],
-        support=SUPPORT + [f"{_UPSTREAM}/{f}" for f in ("conftest.py", "harness.py", "scenarios.py",
-                                                         "cuda_only/__init__.py", "cuda_only/torchvision_stub.py")],
-        python=str(_SGLANG_PY),
-        equivalent="equivalent_fences_adapter",
-        title="Scope `fences-adapter`: fences, the coalescing copy engine and the SGLang adapter",
-        doc=FENCES_ADAPTER_DOC,
-    ),
-]}
+SCOPES: dict[str, Scope] = {
+    s.name: s
+    for s in [
+        _main_scope(),
+        Scope(
+            "fences-adapter",
+            mutate=[
+                "kvfsm/dataplane/fences.py",
+                "kvfsm/runtime/ledger.py",
+                "kvfsm/dataplane/copy/coalescing.py",
+                "kvfsm/integrations/sglang/*.py",
+            ],
+            functions=["kvfsm.dataplane.fences.*", "kvfsm.dataplane.copy.coalescing.*", "kvfsm.integrations.sglang.*"]
+            + [
+                _LEDGER + f + "*"
+                for f in (
+                    "release_device",
+                    "release_owned",
+                    "_covering",
+                    "_needs",
+                    "_landed",
+                    "device_write",
+                    "copy_completed",
+                )
+            ],
+            tests=[
+                "tests/dataplane/test_fences.py",
+                "tests/dataplane/test_fence_waits.py",
+                "tests/runtime/test_fenced_release.py",
+                "tests/dataplane/test_copy_engine.py",
+                f"{_UPSTREAM}/test_adapter_pool.py",
+                f"{_UPSTREAM}/test_adapter_config.py",
+                f"{_UPSTREAM}/test_adapter_batch.py",
+                f"{_UPSTREAM}/test_adapter_retraction.py",
+                f"{_UPSTREAM}/test_differential.py",
+                "tests/mutation/test_kills_fenced.py",
+                "tests/mutation/test_kills_fences_adapter.py",
+                f"{_UPSTREAM}/test_kills_adapter.py",
+            ],
+            # the scenarios with two TP ranks spawn a process per rank (20 to 50 s each; test_summary runs them all)
+            deselect=[
+                f"{_UPSTREAM}/test_adapter_batch.py::test_batched_submission_is_invisible_to_sglang[tp2]",
+                f"{_UPSTREAM}/test_differential.py::test_adapter_matches_upstream[tp2]",
+                f"{_UPSTREAM}/test_differential.py::test_adapter_reading_slots_on_the_device_matches_upstream[tp2]",
+                f"{_UPSTREAM}/test_differential.py::test_tp_ranks_with_different_host_pools_are_refused",
+                f"{_UPSTREAM}/test_differential.py::test_summary",
+                # it traces every call the early exit makes (sys.setprofile), and mutmut's trampolines are calls
+                f"{_UPSTREAM}/test_adapter_batch.py::test_a_call_with_no_chunk_due_makes_no_call_at_all",
+            ],
+            support=SUPPORT
+            + [
+                f"{_UPSTREAM}/{f}"
+                for f in (
+                    "conftest.py",
+                    "harness.py",
+                    "scenarios.py",
+                    "cuda_only/__init__.py",
+                    "cuda_only/torchvision_stub.py",
+                )
+            ],
+            python=str(_SGLANG_PY),
+            equivalent="equivalent_fences_adapter",
+            title="Scope `fences-adapter`: fences, the coalescing copy engine and the SGLang adapter",
+            doc=FENCES_ADAPTER_DOC,
+        ),
+    ]
+}
 SCOPE = SCOPES["main"]
 
 
@@ -239,11 +321,18 @@ def use_scope(name: str) -> None:
     global SCOPE, WORK, SURVIVORS, PY, MUTATE, DO_NOT_MUTATE, TESTS, DESELECT, SUPPORT
     SCOPE = SCOPES[name]
     if not Path(SCOPE.python).exists():
-        raise SystemExit(f"scope {name} runs under {SCOPE.python}, which does not exist (`make upstream-venv` builds "
-                         "it; then install mutmut there)")
+        raise SystemExit(
+            f"scope {name} runs under {SCOPE.python}, which does not exist (`make upstream-venv` builds "
+            "it; then install mutmut there)"
+        )
     WORK, SURVIVORS, PY = SCOPE.work, SCOPE.survivors, SCOPE.python
-    MUTATE, DO_NOT_MUTATE, TESTS, DESELECT, SUPPORT = (SCOPE.mutate, SCOPE.do_not_mutate, SCOPE.tests,
-                                                       SCOPE.deselect, SCOPE.support)
+    MUTATE, DO_NOT_MUTATE, TESTS, DESELECT, SUPPORT = (
+        SCOPE.mutate,
+        SCOPE.do_not_mutate,
+        SCOPE.tests,
+        SCOPE.deselect,
+        SCOPE.support,
+    )
 
 
 def in_scope(name: str) -> bool:
@@ -269,32 +358,39 @@ def run_unchecked(max_children: int, budget: float | None) -> int:
 
 def mutmut_config(tests: list[str], only: list[str] | None = None) -> str:
     """mutmut's configuration; `only` narrows the files it mutates (the sample's recorded picks' files)."""
+
     def toml_list(items: list[str]) -> str:
         return "[" + ", ".join(json.dumps(i) for i in items) + "]"
-    return "\n".join([
-        "# Written by tests/mutation/mutate.py; mutmut reads its configuration from here.",
-        "[tool.mutmut]",
-        'source_paths = ["kvfsm"]',
-        f"only_mutate = {toml_list(only or MUTATE)}",
-        f"do_not_mutate = {toml_list(DO_NOT_MUTATE)}",
-        'also_copy = ["spec"]',
-        f"pytest_add_cli_args_test_selection = {toml_list(tests)}",
-        "pytest_add_cli_args = " + toml_list(["-p", "no:cacheprovider", "-p", "no:randomly", "-q", "-x"]
-                                             + [a for d in DESELECT for a in ("--deselect", d)]),
-        f"do_not_mutate_patterns = {toml_list(NOT_BEHAVIOUR)}",
-        "use_git_change_detection = false",
-        "track_dependencies = false",
-        "use_setproctitle = false",
-        # a mutant that spins is stopped after 2 x (its tests' clean time + 2 s) of CPU (mutmut doubles the multiplier),
-        # not mutmut's 30 x: the CI sample's one spinning mutant (check_progress__mutmut_32) took 44 s of CPU at 4 x
-        "timeout_multiplier = 1.0",
-        "timeout_constant = 2.0",
-        "",
-        "[tool.pytest.ini_options]",
-        'testpaths = ["tests"]',
-        'markers = ["gpu: needs a CUDA device", "slow: long-running"]',
-        "",
-    ])
+
+    return "\n".join(
+        [
+            "# Written by tests/mutation/mutate.py; mutmut reads its configuration from here.",
+            "[tool.mutmut]",
+            'source_paths = ["kvfsm"]',
+            f"only_mutate = {toml_list(only or MUTATE)}",
+            f"do_not_mutate = {toml_list(DO_NOT_MUTATE)}",
+            'also_copy = ["spec"]',
+            f"pytest_add_cli_args_test_selection = {toml_list(tests)}",
+            "pytest_add_cli_args = "
+            + toml_list(
+                ["-p", "no:cacheprovider", "-p", "no:randomly", "-q", "-x"]
+                + [a for d in DESELECT for a in ("--deselect", d)]
+            ),
+            f"do_not_mutate_patterns = {toml_list(NOT_BEHAVIOUR)}",
+            "use_git_change_detection = false",
+            "track_dependencies = false",
+            "use_setproctitle = false",
+            # a mutant that spins is stopped after 2 x (its tests' clean time + 2 s) of CPU (mutmut doubles the multiplier),
+            # not mutmut's 30 x: the CI sample's one spinning mutant (check_progress__mutmut_32) took 44 s of CPU at 4 x
+            "timeout_multiplier = 1.0",
+            "timeout_constant = 2.0",
+            "",
+            "[tool.pytest.ini_options]",
+            'testpaths = ["tests"]',
+            'markers = ["gpu: needs a CUDA device", "slow: long-running"]',
+            "",
+        ]
+    )
 
 
 def layout() -> None:
@@ -380,8 +476,21 @@ def mutmut(*args: str, timeout: float | None = None) -> int:
 
 # --- results ---------------------------------------------------------------------------------------------
 
-STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests", 34: "skipped", 36: "timeout",
-          -24: "timeout", 24: "timeout", 152: "timeout", 255: "timeout", -11: "segfault", -9: "segfault"}
+STATUS = {
+    1: "killed",
+    3: "killed",
+    0: "survived",
+    5: "no tests",
+    33: "no tests",
+    34: "skipped",
+    36: "timeout",
+    -24: "timeout",
+    24: "timeout",
+    152: "timeout",
+    255: "timeout",
+    -11: "segfault",
+    -9: "segfault",
+}
 KILLED = {"killed", "timeout", "segfault"}  # a mutant that hangs or crashes the tests is caught too
 
 
@@ -410,8 +519,10 @@ def results() -> list[Mutant]:
 
 def exit_codes() -> dict[Path, dict[str, int | None]]:
     """Every mutant's recorded exit code, per meta file."""
-    return {meta: dict(json.loads(meta.read_text()).get("exit_code_by_key", {}))
-            for meta in sorted((WORK / "mutants").rglob("*.py.meta"))}
+    return {
+        meta: dict(json.loads(meta.read_text()).get("exit_code_by_key", {}))
+        for meta in sorted((WORK / "mutants").rglob("*.py.meta"))
+    }
 
 
 def restore_exit_codes(before: dict[Path, dict[str, int | None]], keep: set[str]) -> None:
@@ -432,10 +543,13 @@ def restore_exit_codes(before: dict[Path, dict[str, int | None]], keep: set[str]
 def save_verdicts(path: Path | None = None) -> Path:
     """Write the workspace's verdicts to the committed record (SCOPE.verdicts): per mutated file, mutmut's meta
     data (each mutant's exit code, each function's hash), xz-compressed JSON keyed by the file's path."""
-    metas = {str(meta.relative_to(WORK / "mutants")): json.loads(meta.read_text())
-             for meta in sorted((WORK / "mutants").rglob("*.py.meta"))}
-    files = {rel: {k: data.get(k, {}) for k in ("exit_code_by_key", "hash_by_function_name")}
-             for rel, data in metas.items()}
+    metas = {
+        str(meta.relative_to(WORK / "mutants")): json.loads(meta.read_text())
+        for meta in sorted((WORK / "mutants").rglob("*.py.meta"))
+    }
+    files = {
+        rel: {k: data.get(k, {}) for k in ("exit_code_by_key", "hash_by_function_name")} for rel, data in metas.items()
+    }
     run = json.loads((WORK / "run.json").read_text()) if (WORK / "run.json").exists() else {}
     record = {"files": files, "run": run}  # run.json too: the report's wall time and later passes
     path = path or SCOPE.verdicts
@@ -457,8 +571,11 @@ def restore_verdicts(path: Path | None = None) -> int:
     for rel, data in record["files"].items():
         meta = WORK / "mutants" / rel
         meta.parent.mkdir(parents=True, exist_ok=True)
-        meta.write_text(json.dumps({**data, "type_check_error_by_key": {}, "durations_by_key": {},
-                                    "estimated_durations_by_key": {}}))
+        meta.write_text(
+            json.dumps(
+                {**data, "type_check_error_by_key": {}, "durations_by_key": {}, "estimated_durations_by_key": {}}
+            )
+        )
         held += sum(code is not None for code in data["exit_code_by_key"].values())
     return held
 
@@ -469,6 +586,7 @@ def diff_of(m: Mutant) -> str:
     os.chdir(WORK)
     try:
         from mutmut.mutation.diff_apply import get_diff_for_mutant
+
         diff = get_diff_for_mutant(m.name, path=m.path)
     finally:
         os.chdir(cwd)
@@ -477,8 +595,9 @@ def diff_of(m: Mutant) -> str:
 
 def equivalents() -> list[tuple[str, re.Pattern[str], str]]:
     sys.path.insert(0, str(Path(__file__).parent))
-    return [(fn, re.compile(change, re.S), why)
-            for fn, change, why in importlib.import_module(SCOPE.equivalent).EQUIVALENT]
+    return [
+        (fn, re.compile(change, re.S), why) for fn, change, why in importlib.import_module(SCOPE.equivalent).EQUIVALENT
+    ]
 
 
 def equivalent_reason(equiv: list[tuple[str, re.Pattern[str], str]], function: str, change: str) -> str | None:
@@ -496,6 +615,7 @@ def _norm(change: str) -> str:
 
 
 # --- the report -------------------------------------------------------------------------------------------
+
 
 def _md(text: str) -> str:
     text = text.replace("`", "'").replace("|", "\\|")
@@ -517,13 +637,17 @@ def gpu_pass() -> dict | None:
 
 def gpu_verdict(function: str, change: str, gpu: dict | None) -> str:
     """What the GPU pass said of one survivor of the CPU run, in the report's words."""
-    rec = next((r for r in (gpu or {}).get("mutants", []) if r["function"] == function and r["change"] == _norm(change)),
-               None)
+    rec = next(
+        (r for r in (gpu or {}).get("mutants", []) if r["function"] == function and r["change"] == _norm(change)), None
+    )
     if rec is None:
         return "not yet run on a GPU"
     clean = (gpu or {}).get("clean") or {}
-    provisional = ", provisionally: that pass was stopped before its unmutated run finished" \
-        if rec.get("provisional") or not clean else ""
+    provisional = (
+        ", provisionally: that pass was stopped before its unmutated run finished"
+        if rec.get("provisional") or not clean
+        else ""
+    )
     void = clean.get("first_failure") if clean.get("rc") not in (0, None) else None
     if rec["status"].startswith("killed"):
         if void and rec.get("first_failure") == void:
@@ -567,63 +691,104 @@ def _readable(function: str, change: str) -> tuple[str, str, str]:
 
 def summary_lines(survivors: int, needs_cuda: int, unexplained: int) -> list[str]:
     """The survivors' counts in the report's "Last full run", which tell the equivalent apart from the rest."""
-    return [f"- survivors explained as equivalent: {survivors - needs_cuda - unexplained}; told apart only on a "
-            f"CUDA host: {needs_cuda} (not equivalent: [the GPU pass](#gpu-pass) runs them); unexplained: {unexplained}"]
+    return [
+        f"- survivors explained as equivalent: {survivors - needs_cuda - unexplained}; told apart only on a "
+        f"CUDA host: {needs_cuda} (not equivalent: [the GPU pass](#gpu-pass) runs them); unexplained: {unexplained}"
+    ]
 
 
-def gpu_section(gpu: dict | None, needs_cuda: list[tuple[str, str]], by_scope: dict[str, int] | None = None) -> list[str]:
+def gpu_section(
+    gpu: dict | None, needs_cuda: list[tuple[str, str]], by_scope: dict[str, int] | None = None
+) -> list[str]:
     """The GPU pass's section of the report: what ran where, and the verdicts on the CPU runs' survivors that only
     a CUDA host tells apart (each survivor's line carries its own; `by_scope`: how many each scope's run left)."""
     verdicts = [gpu_verdict(f, c, gpu) for f, c in needs_cuda]
-    count = {k: sum(v.startswith(p) for v in verdicts) for k, p in
-             (("killed", "killed"), ("survived", "**survived"), ("not run", ("not yet run", "not decided")),
-              ("other", "not run on"))}
+    count = {
+        k: sum(v.startswith(p) for v in verdicts)
+        for k, p in (
+            ("killed", "killed"),
+            ("survived", "**survived"),
+            ("not run", ("not yet run", "not decided")),
+            ("other", "not run on"),
+        )
+    }
     named = sum("by `" in v for v in verdicts)
-    lines = [GPU_SECTION[0], "", "## GPU pass", "",
-             "The survivors of the CPU run that only a CUDA host can tell apart are not equivalent. "
-             "`tests/mutation/gpu_pass.py run` applies each one to a copy of the tree and runs the GPU tests "
-             "(every test marked `gpu`, then the CPU tests that take CUDA branches when a device is present) in a "
-             "fresh process per mutant: mutmut forks its test process, and a process that has initialised CUDA "
-             "cannot fork a child that uses it. `gpu_pass.py report` rewrites this section and the survivors' "
-             "lines from `tests/mutation/gpu_pass.json`.", ""]
+    lines = [
+        GPU_SECTION[0],
+        "",
+        "## GPU pass",
+        "",
+        "The survivors of the CPU run that only a CUDA host can tell apart are not equivalent. "
+        "`tests/mutation/gpu_pass.py run` applies each one to a copy of the tree and runs the GPU tests "
+        "(every test marked `gpu`, then the CPU tests that take CUDA branches when a device is present) in a "
+        "fresh process per mutant: mutmut forks its test process, and a process that has initialised CUDA "
+        "cannot fork a child that uses it. `gpu_pass.py report` rewrites this section and the survivors' "
+        "lines from `tests/mutation/gpu_pass.json`.",
+        "",
+    ]
     if gpu is None:
         lines += ["No GPU pass has run yet.", "", GPU_SECTION[1]]
         return lines
     m = gpu.get("machine", {})
     clean = gpu.get("clean") or {}
     wanted = {(f, _norm(c)) for f, c in needs_cuda}  # a verdict on a mutant the CPU now kills is not counted
-    cards = collections.Counter(r.get("gpu", m.get("gpu", "?")) for r in gpu.get("mutants", [])
-                                if (r["function"], r["change"]) in wanted)
+    cards = collections.Counter(
+        r.get("gpu", m.get("gpu", "?")) for r in gpu.get("mutants", []) if (r["function"], r["change"]) in wanted
+    )
     logs = sorted(p.name for p in (ROOT / "bench/results").glob("mutation_gpu-*.log"))
-    lines += [f"- the last pass: {m.get('gpu', '?')}, torch {m.get('torch', '?')}, Python {m.get('python', '?')}; "
-              f"started {gpu.get('utc', '?')}",
-              "- verdicts by card, on this section's mutants (a pass keeps the named kills of the earlier ones): "
-              + ", ".join(f"{card} {n}" for card, n in sorted(cards.items())),
-              "- unmutated tree: " + ("passed" if clean.get("rc") == 0 else
-                                      "not finished (the pass was stopped), so its kills are provisional" if not clean
-                                      else f"failed `{clean.get('first_failure')}` (its first failure; every test "
-                                      "before it passed), so a kill by that test decides nothing and its mutant runs "
-                                      "again, while a kill by a test before it stands"),
-              *([f"- stopped: {gpu['stopped']}; the mutants it had not decided run first in the next pass"]
-                if gpu.get("stopped") else []),
-              *(["- the kills carried from an earlier pass, whose unmutated run never finished, are provisional"]
-                if any(r.get("provisional") for r in gpu.get("mutants", [])) else []),
-              f"- mutants: {len(needs_cuda)}"
-              + (" (" + ", ".join(f"{n} from the {k} run" if k == "main" else f"{n} from the `{k}` scope"
-                                  for k, n in by_scope.items()) + ")" if by_scope else "")
-              + f"; killed {count['killed']} ({named} with the failing test named); "
-              f"survived {count['survived']}; not yet run or not decided {count['not run']}; not run here {count['other']}"
-              + (" (ProgressConsensus: an NCCL reduction needs a rank per GPU)" if count["other"] else ""),
-              "- the device logs, one a card, each of the mutants its pass ran: "
-              + ", ".join(f"`bench/results/{name}`" for name in logs) if logs
-              else "- no device log was kept; the next pass writes `bench/results/mutation_gpu-<gpu>.log`",
-              ""]
+    lines += [
+        f"- the last pass: {m.get('gpu', '?')}, torch {m.get('torch', '?')}, Python {m.get('python', '?')}; "
+        f"started {gpu.get('utc', '?')}",
+        "- verdicts by card, on this section's mutants (a pass keeps the named kills of the earlier ones): "
+        + ", ".join(f"{card} {n}" for card, n in sorted(cards.items())),
+        "- unmutated tree: "
+        + (
+            "passed"
+            if clean.get("rc") == 0
+            else "not finished (the pass was stopped), so its kills are provisional"
+            if not clean
+            else f"failed `{clean.get('first_failure')}` (its first failure; every test "
+            "before it passed), so a kill by that test decides nothing and its mutant runs "
+            "again, while a kill by a test before it stands"
+        ),
+        *(
+            [f"- stopped: {gpu['stopped']}; the mutants it had not decided run first in the next pass"]
+            if gpu.get("stopped")
+            else []
+        ),
+        *(
+            ["- the kills carried from an earlier pass, whose unmutated run never finished, are provisional"]
+            if any(r.get("provisional") for r in gpu.get("mutants", []))
+            else []
+        ),
+        f"- mutants: {len(needs_cuda)}"
+        + (
+            " ("
+            + ", ".join(
+                f"{n} from the {k} run" if k == "main" else f"{n} from the `{k}` scope" for k, n in by_scope.items()
+            )
+            + ")"
+            if by_scope
+            else ""
+        )
+        + f"; killed {count['killed']} ({named} with the failing test named); "
+        f"survived {count['survived']}; not yet run or not decided {count['not run']}; not run here {count['other']}"
+        + (" (ProgressConsensus: an NCCL reduction needs a rank per GPU)" if count["other"] else ""),
+        "- the device logs, one a card, each of the mutants its pass ran: "
+        + ", ".join(f"`bench/results/{name}`" for name in logs)
+        if logs
+        else "- no device log was kept; the next pass writes `bench/results/mutation_gpu-<gpu>.log`",
+        "",
+    ]
     survived = [(f, c) for (f, c), v in zip(needs_cuda, verdicts) if v.startswith("**survived")]
     if survived:
         lines += ["Survivors of the GPU pass (each needs a GPU test that kills it, or a reason it is equivalent):", ""]
-        lines += ["- `{}`: `{}` → `{}`".format(*_readable(f, c)) + (" (provisional: it runs again)" if "provisionally" in v
-                                                                  else "")
-                  for (f, c), v in zip(needs_cuda, verdicts) if (f, c) in survived]
+        lines += [
+            "- `{}`: `{}` → `{}`".format(*_readable(f, c))
+            + (" (provisional: it runs again)" if "provisionally" in v else "")
+            for (f, c), v in zip(needs_cuda, verdicts)
+            if (f, c) in survived
+        ]
         lines.append("")
     lines.append(GPU_SECTION[1])
     return lines
@@ -633,11 +798,15 @@ def _later_pass(r: dict) -> str:
     """The report's words for one pass after the full run (`run.json`'s reruns), with its wall time."""
     took = f"{r['seconds'] / 60:.1f} min"
     if r.get("restored"):
-        return ("; then, in a workspace rebuilt from tests/mutation/verdicts.json.xz, the mutants of the functions "
-                f"changed since (`mutate.py refresh`): {took}")
+        return (
+            "; then, in a workspace rebuilt from tests/mutation/verdicts.json.xz, the mutants of the functions "
+            f"changed since (`mutate.py refresh`): {took}"
+        )
     if "changed" in r:
-        return (f"; then, after a change to {sum(1 for c in r['changed'] if mutated(c))} mutated files, the mutants "
-                f"of the functions it changed (`mutate.py refresh`): {took}")
+        return (
+            f"; then, after a change to {sum(1 for c in r['changed'] if mutated(c))} mutated files, the mutants "
+            f"of the functions it changed (`mutate.py refresh`): {took}"
+        )
     return f"; then {r['survivors']} survivors run again against the tests added to kill them: {took}"
 
 
@@ -666,10 +835,17 @@ def write_report(mutants: list[Mutant], seconds: float, run: dict | None) -> dic
         k = per_file.setdefault(m.path, [0, 0])
         k[0] += m.status in KILLED
         k[1] += 1
-    summary = {"mutants": len(checked), "killed": len(killed), "survived": len(survivors),
-               "equivalent": len(survivors) - unexplained - len(needs_cuda), "needs_cuda": len(needs_cuda),
-               "unexplained": unexplained,
-               "kill_rate": round(rate, 4), "seconds": round(seconds), "not_checked": len(unchecked)}
+    summary = {
+        "mutants": len(checked),
+        "killed": len(killed),
+        "survived": len(survivors),
+        "equivalent": len(survivors) - unexplained - len(needs_cuda),
+        "needs_cuda": len(needs_cuda),
+        "unexplained": unexplained,
+        "kill_rate": round(rate, 4),
+        "seconds": round(seconds),
+        "not_checked": len(unchecked),
+    }
     lines = [
         "# Mutation testing",
         "",
@@ -685,8 +861,14 @@ def write_report(mutants: list[Mutant], seconds: float, run: dict | None) -> dic
         f"- **kill rate: {rate:.2%}** (`kill_rate = {rate:.4f}`); the CI sample is held to this run's verdict on "
         "each mutant it picks (tests/mutation/survivors.json)",
         *summary_lines(len(survivors), len(needs_cuda), unexplained),
-        *([f"- not checked: {len(unchecked)} (the run was stopped before them; tests/mutation/survivors.json lists "
-           "them as `not checked`, so the CI sample never counts one of them against this run)"] if unchecked else []),
+        *(
+            [
+                f"- not checked: {len(unchecked)} (the run was stopped before them; tests/mutation/survivors.json lists "
+                "them as `not checked`, so the CI sample never counts one of them against this run)"
+            ]
+            if unchecked
+            else []
+        ),
         f"- wall time: {seconds / 60:.1f} min for the run on {os.cpu_count()} cores, {max_children} mutants at a time"
         + "".join(_later_pass(r) for r in (run or {}).get("reruns", [])),
         "",
@@ -697,11 +879,16 @@ def write_report(mutants: list[Mutant], seconds: float, run: dict | None) -> dic
     ]
     for path, (k, n) in sorted(per_file.items()):
         lines.append(f"| `{path}` | {n} | {k} | {k / n:.1%} |")
-    lines += ["", "### Survivors", "",
-              "Each survivor is an equivalent mutant (no test of the subset can tell it from the original; the reason is "
-              "given, from tests/mutation/equivalent.py), one that only a CUDA host tells apart (with the GPU pass's "
-              "verdict), or **unexplained**: a behaviour no test of the subset pins down. "
-              "One line per mutant: the mutated function, mutmut's number, the line it changes and what it becomes.", ""]
+    lines += [
+        "",
+        "### Survivors",
+        "",
+        "Each survivor is an equivalent mutant (no test of the subset can tell it from the original; the reason is "
+        "given, from tests/mutation/equivalent.py), one that only a CUDA host tells apart (with the GPU pass's "
+        "verdict), or **unexplained**: a behaviour no test of the subset pins down. "
+        "One line per mutant: the mutated function, mutmut's number, the line it changes and what it becomes.",
+        "",
+    ]
     if not rows:
         lines.append("None.")
     by_path: dict[str, list[tuple[Mutant, str, str | None]]] = {}
@@ -714,13 +901,30 @@ def write_report(mutants: list[Mutant], seconds: float, run: dict | None) -> dic
         lines.append("")
     lines += gpu_section(gpu, needs_cuda)
     REPORT.write_text(keep_scope_sections("\n".join(lines).rstrip("\n") + "\n"))
-    SURVIVORS.write_text(json.dumps({"summary": summary, "survivors": [
-        {"function": m.function, "change": _norm(change), "status": m.status,
-         "equivalent": why is not None and not NEEDS_CUDA.search(why),
-         **({"needs_cuda": True} if why is not None and NEEDS_CUDA.search(why) else {})}
-        for m, change, why in rows] + [
-        {"function": m.function, "change": _norm(diff_of(m)), "status": m.status, "equivalent": False}
-        for m in unchecked]}, indent=1, sort_keys=True) + "\n")
+    SURVIVORS.write_text(
+        json.dumps(
+            {
+                "summary": summary,
+                "survivors": [
+                    {
+                        "function": m.function,
+                        "change": _norm(change),
+                        "status": m.status,
+                        "equivalent": why is not None and not NEEDS_CUDA.search(why),
+                        **({"needs_cuda": True} if why is not None and NEEDS_CUDA.search(why) else {}),
+                    }
+                    for m, change, why in rows
+                ]
+                + [
+                    {"function": m.function, "change": _norm(diff_of(m)), "status": m.status, "equivalent": False}
+                    for m in unchecked
+                ],
+            },
+            indent=1,
+            sort_keys=True,
+        )
+        + "\n"
+    )
     return summary
 
 
@@ -764,9 +968,15 @@ def write_scope_section(mutants: list[Mutant], seconds: float, run: dict | None)
         k = per_file.setdefault(m.path, [0, 0])
         k[0] += m.status in KILLED
         k[1] += 1
-    summary = {"mutants": len(checked), "killed": len(killed), "survived": len(checked) - len(killed),
-               **{k: len(v) for k, v in kinds.items()}, "kill_rate": round(rate, 4), "seconds": round(seconds),
-               "not_checked": len(unchecked)}
+    summary = {
+        "mutants": len(checked),
+        "killed": len(killed),
+        "survived": len(checked) - len(killed),
+        **{k: len(v) for k, v in kinds.items()},
+        "kill_rate": round(rate, 4),
+        "seconds": round(seconds),
+        "not_checked": len(unchecked),
+    }
     max_children = (run or {}).get("max_children", 2)
     start, end = SCOPE.markers
     lines = [
@@ -788,10 +998,15 @@ def write_scope_section(mutants: list[Mutant], seconds: float, run: dict | None)
         f"{len(kinds['needs_gpu_pass'])}; unexplained {len(kinds['unexplained'])}",
         *([f"- not checked: {len(unchecked)} (the run was stopped before them)"] if unchecked else []),
         f"- wall time: {seconds / 60:.1f} min for the run on {os.cpu_count()} cores, {max_children} mutants at a time"
-        + "".join(f"; then, after a change, the mutants of the functions it changed: {r['seconds'] / 60:.1f} min"
-                  if "changed" in r else (f"; then {r['survivors']} survivors run again against the tests added to "
-                                          f"kill them: {r['seconds'] / 60:.1f} min")
-                  for r in (run or {}).get("reruns", [])),
+        + "".join(
+            f"; then, after a change, the mutants of the functions it changed: {r['seconds'] / 60:.1f} min"
+            if "changed" in r
+            else (
+                f"; then {r['survivors']} survivors run again against the tests added to "
+                f"kill them: {r['seconds'] / 60:.1f} min"
+            )
+            for r in (run or {}).get("reruns", [])
+        ),
         "",
         f"<!-- mutation-scope-summary {SCOPE.name}: {json.dumps(summary, sort_keys=True)} -->",
         "",
@@ -800,28 +1015,58 @@ def write_scope_section(mutants: list[Mutant], seconds: float, run: dict | None)
         *[f"| `{path}` | {n} | {k} | {k / n:.1%} |" for path, (k, n) in sorted(per_file.items())],
         "",
     ]
-    heads = {"needs_gpu_pass": "Survives the CPU run; needs the GPU pass (not equivalent: a CUDA device shows "
-                               "the difference, and the GPU pass gives the verdict)",
-             "equivalent": "Equivalent (no test can tell it from the original; the reason)",
-             "unexplained": "Unexplained (a behaviour no test of the subset pins down)"}
+    heads = {
+        "needs_gpu_pass": "Survives the CPU run; needs the GPU pass (not equivalent: a CUDA device shows "
+        "the difference, and the GPU pass gives the verdict)",
+        "equivalent": "Equivalent (no test can tell it from the original; the reason)",
+        "unexplained": "Unexplained (a behaviour no test of the subset pins down)",
+    }
     for kind in ("needs_gpu_pass", "equivalent", "unexplained"):
         rows = kinds[kind]
         lines += [f"### {heads[kind]}: {len(rows)}", ""]
-        lines += [_survivor_text(m, change, why) for m, change, why in sorted(rows, key=lambda r: (r[0].path, r[0].name))]
+        lines += [
+            _survivor_text(m, change, why) for m, change, why in sorted(rows, key=lambda r: (r[0].path, r[0].name))
+        ]
         lines += [""] if rows else ["None.", ""]
     lines.append(end)
     section = "\n".join(lines)
     text = REPORT.read_text() if REPORT.exists() else ""
     if start in text and end in text:
-        text = text[:text.index(start)] + section + text[text.index(end) + len(end):]
+        text = text[: text.index(start)] + section + text[text.index(end) + len(end) :]
     else:
         text = text.rstrip("\n") + "\n\n" + section + "\n"
     REPORT.write_text(text)
-    SURVIVORS.write_text(json.dumps({"summary": summary, "survivors": [
-        {"function": m.function, "change": _norm(change), "status": m.status, "equivalent": kind == "equivalent",
-         "needs_gpu_pass": kind == "needs_gpu_pass"} for kind, rows in kinds.items() for m, change, _ in rows] + [
-        {"function": m.function, "change": _norm(diff_of(m)), "status": m.status, "equivalent": False,
-         "needs_gpu_pass": False} for m in unchecked]}, indent=1, sort_keys=True) + "\n")
+    SURVIVORS.write_text(
+        json.dumps(
+            {
+                "summary": summary,
+                "survivors": [
+                    {
+                        "function": m.function,
+                        "change": _norm(change),
+                        "status": m.status,
+                        "equivalent": kind == "equivalent",
+                        "needs_gpu_pass": kind == "needs_gpu_pass",
+                    }
+                    for kind, rows in kinds.items()
+                    for m, change, _ in rows
+                ]
+                + [
+                    {
+                        "function": m.function,
+                        "change": _norm(diff_of(m)),
+                        "status": m.status,
+                        "equivalent": False,
+                        "needs_gpu_pass": False,
+                    }
+                    for m in unchecked
+                ],
+            },
+            indent=1,
+            sort_keys=True,
+        )
+        + "\n"
+    )
     return summary
 
 
@@ -832,7 +1077,7 @@ def keep_scope_sections(page: str) -> str:
     for scope in SCOPES.values():
         start, end = scope.markers
         if scope.name != "main" and start in old and end in old:
-            kept.append(old[old.index(start):old.index(end) + len(end)])
+            kept.append(old[old.index(start) : old.index(end) + len(end)])
     return page.rstrip("\n") + "".join("\n\n" + s for s in kept) + "\n"
 
 
@@ -920,6 +1165,7 @@ down is in functions and methods.
 
 # --- commands ---------------------------------------------------------------------------------------------
 
+
 def cmd_run(args: argparse.Namespace) -> int:
     layout()
     t0 = time.monotonic()
@@ -945,8 +1191,11 @@ def cmd_rerun(args: argparse.Namespace) -> int:
             shutil.copy2(ROOT / rel, base / rel)
     for base in (WORK, WORK / "mutants"):
         (base / "tests" / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text() + CONFTEST_ADDENDUM)
-    survivors = [m.name for m in results() if m.status not in KILLED and m.status not in ("not checked", "skipped")
-                 and re.search(args.only or "", m.name)]
+    survivors = [
+        m.name
+        for m in results()
+        if m.status not in KILLED and m.status not in ("not checked", "skipped") and re.search(args.only or "", m.name)
+    ]
     verdicts = exit_codes()
     t0 = time.monotonic()
     rc = mutmut("run", "--max-children", str(args.max_children), *survivors, timeout=args.budget) if survivors else 0
@@ -1164,7 +1413,12 @@ def recorded_draw(digest: str, n: int, seed: int) -> tuple[list[str], int] | Non
     mutant and drawing again would give."""
     record = committed_record()
     d = record and record.get("draw")
-    if record is None or record["digest"] != digest or not d or (d["n"], d["seed"], d["survivors"]) != (n, seed, survivors_digest()):
+    if (
+        record is None
+        or record["digest"] != digest
+        or not d
+        or (d["n"], d["seed"], d["survivors"]) != (n, seed, survivors_digest())
+    ):
         return None
     return list(d["picks"]), int(d["passed_over"])
 
@@ -1239,8 +1493,11 @@ def cmd_sample(args: argparse.Namespace) -> int:
         # pass has died by SIGSEGV inside a garbage collection (2026-12-01 here, 2026-12-02 in a clean-clone CI
         # run; not reproduced in 3 direct runs of the same tests, cause not found), before any mutant ran.
         # A fresh process gets one more try; a crash while mutants run is a verdict, not retried.
-        if rc >= 0 or crashes or any(m.status not in ("not checked", "skipped") for m in results()
-                                     if m.name in set(pick)):
+        if (
+            rc >= 0
+            or crashes
+            or any(m.status not in ("not checked", "skipped") for m in results() if m.name in set(pick))
+        ):
             break
         crashes += 1
         print(f"\nmutmut died by signal {-rc} before any sampled mutant ran (its stats pass): once more", flush=True)
@@ -1250,15 +1507,26 @@ def cmd_sample(args: argparse.Namespace) -> int:
     keys = {m.name: (m.function, _norm(diff_of(m))) for m in checked}
     before = sum(keys[m.name] not in survived_before for m in checked)
     new_survivors = [m.name for m in checked if m.status not in KILLED and keys[m.name] not in survived_before]
-    out = {"sampled": len(pick), "checked": len(checked), "killed": killed,
-           "kill_rate": round(killed / len(checked), 4) if checked else None,
-           "committed_kill_rate_on_sample": round(before / len(checked), 4) if checked else None,
-           "committed_kill_rate": summary["kill_rate"], "seconds": round(time.monotonic() - t0),
-           "new_survivors": new_survivors, "committed_survivors_passed_over": left_out, "mutmut_exit": rc,
-           "stats_pass_crashes": crashes, "stats": stats, "mutants": mutants}
+    out = {
+        "sampled": len(pick),
+        "checked": len(checked),
+        "killed": killed,
+        "kill_rate": round(killed / len(checked), 4) if checked else None,
+        "committed_kill_rate_on_sample": round(before / len(checked), 4) if checked else None,
+        "committed_kill_rate": summary["kill_rate"],
+        "seconds": round(time.monotonic() - t0),
+        "new_survivors": new_survivors,
+        "committed_survivors_passed_over": left_out,
+        "mutmut_exit": rc,
+        "stats_pass_crashes": crashes,
+        "stats": stats,
+        "mutants": mutants,
+    }
     if args.save_stats and rc == 0 and checked and out["kill_rate"] >= out["committed_kill_rate_on_sample"]:
-        save_sample_stats(digest, {"n": args.n, "seed": args.seed, "survivors": survivors_digest(), "picks": pick,
-                                   "passed_over": left_out})
+        save_sample_stats(
+            digest,
+            {"n": args.n, "seed": args.seed, "survivors": survivors_digest(), "picks": pick, "passed_over": left_out},
+        )
         # (only from a sample that passed: its stats pass ran every test unmutated)
     print("\n" + json.dumps(out))  # on a line of its own: mutmut's spinner ends its lines with \r only
     (WORK / "sample.json").write_text(json.dumps(out))
@@ -1267,8 +1535,12 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--scope", choices=sorted(SCOPES), default="main",
-                    help="what to mutate and test (default: main, `make mutate`'s)")
+    ap.add_argument(
+        "--scope",
+        choices=sorted(SCOPES),
+        default="main",
+        help="what to mutate and test (default: main, `make mutate`'s)",
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
     run = sub.add_parser("run", help="every mutant, then docs/mutation.md")
     run.add_argument("--max-children", type=int, default=2)
@@ -1276,23 +1548,33 @@ def main() -> int:
     rerun = sub.add_parser("rerun", help="the last run's survivors again, against the current tests")
     rerun.add_argument("--max-children", type=int, default=2)
     rerun.add_argument("--only", default=None, help="a regex: only the survivors whose mutmut name it matches")
-    rerun.add_argument("--budget", type=float, default=None, help="stop after this many seconds (the rest keep "
-                                                                   "their verdict of the last run)")
+    rerun.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help="stop after this many seconds (the rest keep their verdict of the last run)",
+    )
     refresh = sub.add_parser("refresh", help="after a change: the mutants of changed functions (and unchecked ones)")
     refresh.add_argument("--max-children", type=int, default=2)
     refresh.add_argument("--budget", type=float, default=None, help="stop after this many seconds")
     sample = sub.add_parser("sample", help="a seeded sample")
     sample.add_argument("--n", type=int, default=20)
     sample.add_argument("--seed", type=int, default=18)
-    sample.add_argument("--budget", type=float, default=None, help="stop after this many seconds (default: run "
-                                                                   "the whole sample)")
+    sample.add_argument(
+        "--budget", type=float, default=None, help="stop after this many seconds (default: run the whole sample)"
+    )
     sample.add_argument("--max-children", type=int, default=2)
-    sample.add_argument("--save-stats", action="store_true", help=f"collect mutmut's stats afresh and commit them "
-                        f"as {SAMPLE_STATS.name}, for the samples of an unchanged workspace")
+    sample.add_argument(
+        "--save-stats",
+        action="store_true",
+        help=f"collect mutmut's stats afresh and commit them "
+        f"as {SAMPLE_STATS.name}, for the samples of an unchanged workspace",
+    )
     args = ap.parse_args()
     use_scope(args.scope)
-    return {"run": cmd_run, "report": cmd_report, "rerun": cmd_rerun, "refresh": cmd_refresh,
-            "sample": cmd_sample}[args.cmd](args)
+    return {"run": cmd_run, "report": cmd_report, "rerun": cmd_rerun, "refresh": cmd_refresh, "sample": cmd_sample}[
+        args.cmd
+    ](args)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,9 @@ def test_no_survivor_is_called_equivalent_for_lack_of_a_cuda_host() -> None:
 
 
 # ids stable across processes (xdist's workers must collect the same tests): not hash(), which is salted
-@pytest.mark.parametrize("mutant", gpu_pass.selected(), ids=lambda m: f"{m.qualname[-1]}:{zlib.crc32(m.change.encode()):08x}")
+@pytest.mark.parametrize(
+    "mutant", gpu_pass.selected(), ids=lambda m: f"{m.qualname[-1]}:{zlib.crc32(m.change.encode()):08x}"
+)
 def test_each_mutant_of_the_pass_still_applies_to_the_source(mutant: gpu_pass.Mutant, tmp_path: Path) -> None:
     dest = tmp_path / mutant.module_path
     dest.parent.mkdir(parents=True)
@@ -61,16 +63,21 @@ def test_the_report_says_what_the_last_gpu_pass_found(tmp_path: Path, monkeypatc
 
 def test_a_kill_in_a_pass_stopped_before_its_clean_run_is_provisional() -> None:
     change = "- a\n+ b"
-    stopped = {"clean": None, "mutants": [{"function": "m.x_f", "change": change, "status": "killed",
-                                           "first_failure": "tests/gpu/test_x.py::test_y"}]}
+    stopped = {
+        "clean": None,
+        "mutants": [
+            {"function": "m.x_f", "change": change, "status": "killed", "first_failure": "tests/gpu/test_x.py::test_y"}
+        ],
+    }
     finished = dict(stopped, clean={"rc": 0})
     assert "provisionally" in mutate.gpu_verdict("m.x_f", change, stopped)
     assert mutate.gpu_verdict("m.x_f", change, finished) == "killed on the GPU by `tests/gpu/test_x.py::test_y`"
     assert mutate.gpu_verdict("m.x_g", change, finished) == "not yet run on a GPU"
 
 
-def test_the_test_that_killed_a_mutant_before_runs_first_and_alone(tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_test_that_killed_a_mutant_before_runs_first_and_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A hinted mutant dies at its earlier pass's test without the suites; an unhinted one runs the suites, and a
     failure's section comes back with it (the unmutated run's record keeps it)."""
     (tmp_path / "test_kills.py").write_text("def test_dies():\n    assert 1 == 2, 'told apart'\n")
@@ -86,9 +93,16 @@ def test_the_test_that_killed_a_mutant_before_runs_first_and_alone(tmp_path: Pat
     assert plain["rc"] == 0 and len(plain["summary"]) == 1 and "1 passed" in plain["summary"][0]
 
 
-@pytest.mark.parametrize("name, tag", [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"),
-                                       ("NVIDIA A100-SXM4-80GB", "a100"), ("Tesla V100-SXM2-16GB", "v100"),
-                                       ("Some Card", "some-card")])
+@pytest.mark.parametrize(
+    "name, tag",
+    [
+        ("NVIDIA H100 80GB HBM3", "h100"),
+        ("NVIDIA H200", "h200"),
+        ("NVIDIA A100-SXM4-80GB", "a100"),
+        ("Tesla V100-SXM2-16GB", "v100"),
+        ("Some Card", "some-card"),
+    ],
+)
 def test_each_card_logs_under_its_short_name(name: str, tag: str) -> None:
     """A pass's log is named by the card that ran it (mutation_gpu-<tag>.log), so a pass on another card never
     overwrites the log of the mutants an earlier card decided."""

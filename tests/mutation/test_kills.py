@@ -25,6 +25,7 @@ from kvfsm.spec.locations import packaged_spec
 
 # --- the generated batch events, over every pair of states ----------------------------------------------
 
+
 class Recorder(DecodeOffloadEffectsEach):
     """Every action logs (action, machine tag, arg); `fail` names an action that raises."""
 
@@ -40,25 +41,35 @@ class Recorder(DecodeOffloadEffectsEach):
             if name == self.fail:
                 raise RuntimeError(f"{name} failed")
             self.log.append((name, m.ctx, arg))
+
         return action
 
 
 # single events that bring a new machine to each state, with every mix of counters a transition tells apart
 SCRIPTS = {
-    "allocated": [], "offloading": ["offload"], "offloading2": ["offload", "offload"],
-    "offloading_backup": ["offload", "offload", "copy_done"], "offloading_parked": ["offload", "offload", "copy_parked"],
-    "inflight": ["offload", "copy_done"], "inflight_parked": ["offload", "copy_parked"],
+    "allocated": [],
+    "offloading": ["offload"],
+    "offloading2": ["offload", "offload"],
+    "offloading_backup": ["offload", "offload", "copy_done"],
+    "offloading_parked": ["offload", "offload", "copy_parked"],
+    "inflight": ["offload", "copy_done"],
+    "inflight_parked": ["offload", "copy_parked"],
     "inflight2": ["offload", "offload", "copy_done", "copy_done"],
     "inflight_mixed": ["offload", "offload", "copy_done", "copy_parked"],
-    "finished": ["offload", "finish"], "finished2": ["offload", "offload", "finish"],
+    "finished": ["offload", "finish"],
+    "finished2": ["offload", "offload", "finish"],
     "finished_backup": ["offload", "offload", "copy_done", "finish"],
     "finished_parked": ["offload", "offload", "copy_parked", "abort"],
-    "draining": ["offload", "copy_done", "finish"], "draining2": ["offload", "offload", "copy_done", "copy_parked", "abort"],
-    "draining_backups2": ["offload", "offload", "copy_done", "copy_done", "retract"], "released": ["retract"],
+    "draining": ["offload", "copy_done", "finish"],
+    "draining2": ["offload", "offload", "copy_done", "copy_parked", "abort"],
+    "draining_backups2": ["offload", "offload", "copy_done", "copy_done", "retract"],
+    "released": ["retract"],
     # three copies, and two of a counter beside another: a decrement or increment that sets the counter to a
     # constant instead shows only from there
-    "offloading3": ["offload"] * 3, "offloading2_backup": ["offload"] * 3 + ["copy_done"],
-    "offloading2_parked": ["offload"] * 3 + ["copy_parked"], "finished3": ["offload"] * 3 + ["finish"],
+    "offloading3": ["offload"] * 3,
+    "offloading2_backup": ["offload"] * 3 + ["copy_done"],
+    "offloading2_parked": ["offload"] * 3 + ["copy_parked"],
+    "finished3": ["offload"] * 3 + ["finish"],
     "finished2_backup": ["offload"] * 3 + ["copy_done", "finish"],
     "finished2_parked": ["offload"] * 3 + ["copy_parked", "abort"],
     "inflight_b2p1": ["offload"] * 3 + ["copy_done", "copy_done", "copy_parked"],
@@ -166,6 +177,7 @@ def test_machines_of_two_effects_objects_run_item_by_item() -> None:
 
 # --- the backup worker's accounting ---------------------------------------------------------------------
 
+
 def test_collect_returns_one_slot_of_room_per_job() -> None:
     w = SteppedBackupWorker(capacity=3)
     jobs = [BackupJob(i, lambda p: [True]) for i in range(3)]
@@ -179,6 +191,7 @@ def test_collect_returns_one_slot_of_room_per_job() -> None:
 
 
 # --- FileStorage: parallel writers, stale temp files, corrupt pages -------------------------------------
+
 
 def _pages(n: int, size: int = 16) -> list[torch.Tensor]:
     return [torch.arange(size, dtype=torch.uint8) + i for i in range(n)]
@@ -207,7 +220,7 @@ def test_sweep_removes_only_old_temp_files_of_dead_writers(tmp_path) -> None:
     import subprocess
 
     alive = subprocess.Popen(["sleep", "60"])  # a live writer of ours (never signal a process we did not start)
-    dead = 2 ** 22 + 12345  # above any pid_max here: no such process
+    dead = 2**22 + 12345  # above any pid_max here: no such process
     while True:
         try:
             os.kill(dead, 0)
@@ -218,10 +231,14 @@ def test_sweep_removes_only_old_temp_files_of_dead_writers(tmp_path) -> None:
             dead += 1
     old = time.time() - 3600
     names = {
-        "dead_old": f".k0.bin.{dead}.0123456789ab.0.tmp", "dead_old2": f".k1.bin.{dead}.0123456789ab.1.tmp",
-        "dead_new": f".k2.bin.{dead}.0123456789ab.2.tmp", "mine_old": f".k3.bin.{os.getpid()}.0123456789ab.3.tmp",
-        "alive_old": f".k4.bin.{alive.pid}.0123456789ab.4.tmp", "pid0_old": ".k7.bin.0.0123456789ab.7.tmp",
-        "other_tmp": ".notours.tmp", "page": "k5.bin",
+        "dead_old": f".k0.bin.{dead}.0123456789ab.0.tmp",
+        "dead_old2": f".k1.bin.{dead}.0123456789ab.1.tmp",
+        "dead_new": f".k2.bin.{dead}.0123456789ab.2.tmp",
+        "mine_old": f".k3.bin.{os.getpid()}.0123456789ab.3.tmp",
+        "alive_old": f".k4.bin.{alive.pid}.0123456789ab.4.tmp",
+        "pid0_old": ".k7.bin.0.0123456789ab.7.tmp",
+        "other_tmp": ".notours.tmp",
+        "page": "k5.bin",
         "hidden": f".k6.bin.{dead}.0123456789ab.6.txt",
     }
     for tag, name in names.items():
@@ -231,7 +248,9 @@ def test_sweep_removes_only_old_temp_files_of_dead_writers(tmp_path) -> None:
             os.utime(path, (old, old))
     store = FileStorage(tmp_path, stale_temp_age_s=600)
     assert store.swept_temps == 2
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(n for t, n in names.items() if not t.startswith("dead_old"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        n for t, n in names.items() if not t.startswith("dead_old")
+    )
     assert store.sweep_stale_temps(600) == 0
     assert FileStorage(tmp_path, stale_temp_age_s=None).swept_temps == 0
     assert FileStorage(tmp_path, tp_rank=1, stale_temp_age_s=0).swept_temps == 0  # only rank 0 sweeps
@@ -279,6 +298,7 @@ def test_an_empty_payload_round_trips(tmp_path) -> None:
 
 # --- the manager's slot gather for a batch of chunks ----------------------------------------------------
 
+
 def test_device_slot_gather_of_a_batch_equals_each_chunk_read_alone() -> None:
     """The batch gather (equal strides, or chunks of different lengths, longer than any cached offsets)
     returns, in order, exactly the slots each chunk's own table read returns."""
@@ -291,7 +311,9 @@ def test_device_slot_gather_of_a_batch_equals_each_chunk_read_alone() -> None:
     table = mgr.req_to_token.host_table
     table.copy_(torch.arange(table.numel(), dtype=torch.int64).reshape(table.shape) * 7 + 3)
     alone = lambda rec, n: mgr._device_slots([(rec, None, n)])  # noqa: E731
-    recs = [SimpleNamespace(row=r, prefill_len=p, inc_len=i) for r, p, i in ((2, 4, 8), (0, 0, 0), (3, 2, 6), (1, 6, 4))]
+    recs = [
+        SimpleNamespace(row=r, prefill_len=p, inc_len=i) for r, p, i in ((2, 4, 8), (0, 0, 0), (3, 2, 6), (1, 6, 4))
+    ]
     for lengths in ((4, 4, 4, 4), (4, 2, 6, 4), (8, 12, 2, 30), (1, 1, 1, 1), (20, 20, 20, 20), (36, 3, 5, 9)):
         due = [(rec, None, n) for rec, n in zip(recs, lengths)]
         want = torch.cat([alone(rec, n) for rec, n in zip(recs, lengths)])
@@ -301,6 +323,7 @@ def test_device_slot_gather_of_a_batch_equals_each_chunk_read_alone() -> None:
 
 
 # --- the stored-page index against an OrderedDict ------------------------------------------------------
+
 
 @pytest.mark.parametrize("limit", [0, 1, 3, 1500])
 def test_stored_page_index_is_a_bounded_insertion_ordered_map(limit: int) -> None:
@@ -334,6 +357,7 @@ def test_stored_page_index_is_a_bounded_insertion_ordered_map(limit: int) -> Non
 
 # --- backups: grouped writes, the worker thread, failure counting --------------------------------------
 
+
 def test_run_jobs_writes_runs_of_one_write_many_together_and_falls_back_job_by_job() -> None:
     from kvfsm.runtime.backup import run_jobs
 
@@ -355,12 +379,27 @@ def test_run_jobs_writes_runs_of_one_write_many_together_and_falls_back_job_by_j
         calls.append(("one", [p]))
         return [True] * p
 
-    jobs = ([BackupJob(1, one, many_a), BackupJob(2, one, many_a)] + [BackupJob(3, one)]
-            + [BackupJob(p, one, many_a) for p in (4, 5, 6)] + [BackupJob(7, one, many_bad), BackupJob(8, one, many_bad)]
-            + [BackupJob(9, one, many_raises), BackupJob(10, one, many_raises)] + [BackupJob(11, one, many_a)])
+    jobs = (
+        [BackupJob(1, one, many_a), BackupJob(2, one, many_a)]
+        + [BackupJob(3, one)]
+        + [BackupJob(p, one, many_a) for p in (4, 5, 6)]
+        + [BackupJob(7, one, many_bad), BackupJob(8, one, many_bad)]
+        + [BackupJob(9, one, many_raises), BackupJob(10, one, many_raises)]
+        + [BackupJob(11, one, many_a)]
+    )
     run_jobs(jobs)
-    assert calls == [("a", [1, 2]), ("one", [3]), ("a", [4, 5, 6]), ("bad", [7, 8]), ("one", [7]), ("one", [8]),
-                     ("raises", [9, 10]), ("one", [9]), ("one", [10]), ("one", [11])]
+    assert calls == [
+        ("a", [1, 2]),
+        ("one", [3]),
+        ("a", [4, 5, 6]),
+        ("bad", [7, 8]),
+        ("one", [7]),
+        ("one", [8]),
+        ("raises", [9, 10]),
+        ("one", [9]),
+        ("one", [10]),
+        ("one", [11]),
+    ]
     assert [len(j.results) for j in jobs] == [j.payload for j in jobs] and all(j.ok for j in jobs)
 
 
@@ -397,8 +436,9 @@ def test_failed_backups_are_counted_per_chunk_and_logged_at_most_once_per_interv
     import kvfsm.runtime.effects as effects
     from kvfsm.verify.engine import SimEngine
 
-    fx = SimEngine(page_size=2, stride=4, device_slots=96, host_slots=16, rows=4, max_context=48,
-                   backup_queue=2).manager.fx
+    fx = SimEngine(
+        page_size=2, stride=4, device_slots=96, host_slots=16, rows=4, max_context=48, backup_queue=2
+    ).manager.fx
     clock = [1000.0]
     monkeypatch.setattr(effects.time, "monotonic", lambda: clock[0])
     fx._failures_logged_at = -effects.FAILURE_LOG_INTERVAL_S
@@ -427,19 +467,38 @@ def test_failed_backups_are_counted_per_chunk_and_logged_at_most_once_per_interv
 
 # --- model presets, and what build.py makes of a config ------------------------------------------------
 
+
 def test_kv_presets_have_their_models_shapes_and_take_a_dtype() -> None:
     from kvfsm.dataplane.pools.config import KVCacheConfig
 
     llama = KVCacheConfig.llama3_8b("float16")
-    assert (llama.num_layers, llama.kv_heads, llama.head_dim, llama.attention, llama.dtype) == (32, 8, 128, "mha", torch.float16)
+    assert (llama.num_layers, llama.kv_heads, llama.head_dim, llama.attention, llama.dtype) == (
+        32,
+        8,
+        128,
+        "mha",
+        torch.float16,
+    )
     assert llama.bytes_per_token == 2 * 32 * 8 * 128 * 2
     mla = KVCacheConfig.deepseek_mla(torch.float32)
     assert (mla.num_layers, mla.kv_heads, mla.head_dim, mla.attention, mla.dtype) == (61, 1, 576, "mla", torch.float32)
     assert mla.bytes_per_token == 61 * 576 * 4 and mla.is_mla and not llama.is_mla
     assert KVCacheConfig.deepseek_mla().dtype == torch.bfloat16
     tiny_mla, tiny = KVCacheConfig.tiny("mla", torch.float32), KVCacheConfig.tiny(dtype="float16")
-    assert (tiny_mla.num_layers, tiny_mla.kv_heads, tiny_mla.head_dim, tiny_mla.attention, tiny_mla.dtype) == (3, 1, 24, "mla", torch.float32)
-    assert (tiny.num_layers, tiny.kv_heads, tiny.head_dim, tiny.attention, tiny.dtype) == (3, 2, 8, "mha", torch.float16)
+    assert (tiny_mla.num_layers, tiny_mla.kv_heads, tiny_mla.head_dim, tiny_mla.attention, tiny_mla.dtype) == (
+        3,
+        1,
+        24,
+        "mla",
+        torch.float32,
+    )
+    assert (tiny.num_layers, tiny.kv_heads, tiny.head_dim, tiny.attention, tiny.dtype) == (
+        3,
+        2,
+        8,
+        "mha",
+        torch.float16,
+    )
 
 
 @pytest.mark.parametrize("attention", ["mha", "mla"])
@@ -500,6 +559,7 @@ def test_planned_host_slots_round_down_to_pages_and_refuse_less_than_one(monkeyp
 
 # --- storage_extra, checked against the backends' constructors -----------------------------------------
 
+
 def test_storage_options_come_from_each_backends_constructor() -> None:
     from kvfsm.runtime import storage_options as so
 
@@ -511,12 +571,28 @@ def test_storage_options_come_from_each_backends_constructor() -> None:
     assert so.backend_options("none") == {}
 
 
-@pytest.mark.parametrize("hint,value,ok", [
-    (int, 3, True), (int, True, False), (int, 2.5, False), (float, 3, True), (float, 2.5, True), (float, False, False),
-    (bool, True, True), (bool, 1, False), (str, "x", True), (str, 1, False), (type(None), None, True),
-    (type(None), 0, False), (Any, object(), True), (int | None, None, True), (int | None, 4, True),
-    (int | None, "4", False), (list[int], "not checked here", True),
-])
+@pytest.mark.parametrize(
+    "hint,value,ok",
+    [
+        (int, 3, True),
+        (int, True, False),
+        (int, 2.5, False),
+        (float, 3, True),
+        (float, 2.5, True),
+        (float, False, False),
+        (bool, True, True),
+        (bool, 1, False),
+        (str, "x", True),
+        (str, 1, False),
+        (type(None), None, True),
+        (type(None), 0, False),
+        (Any, object(), True),
+        (int | None, None, True),
+        (int | None, 4, True),
+        (int | None, "4", False),
+        (list[int], "not checked here", True),
+    ],
+)
 def test_accepts_plain_types_optionals_and_unions(hint: Any, value: Any, ok: bool) -> None:
     from typing import Optional
 
@@ -527,9 +603,21 @@ def test_accepts_plain_types_optionals_and_unions(hint: Any, value: Any, ok: boo
         assert _accepts(Optional[hint], value) is (ok or value is None)
 
 
-@pytest.mark.parametrize("addr,ok", [("127.0.0.1:50051", True), ("host", True), ("h:1", True), ("h:65535", True),
-                                     ("h:0", False), ("h:65536", False), ("h:port", False), ("::1:50051", True),
-                                     ("tcp://host", True), (" ", False)])
+@pytest.mark.parametrize(
+    "addr,ok",
+    [
+        ("127.0.0.1:50051", True),
+        ("host", True),
+        ("h:1", True),
+        ("h:65535", True),
+        ("h:0", False),
+        ("h:65536", False),
+        ("h:port", False),
+        ("::1:50051", True),
+        ("tcp://host", True),
+        (" ", False),
+    ],
+)
 def test_master_address_needs_a_port_number_when_it_names_one(addr: str, ok: bool) -> None:
     from kvfsm.errors import ConfigError
     from kvfsm.runtime.storage_options import check_storage_extra
@@ -543,6 +631,7 @@ def test_master_address_needs_a_port_number_when_it_names_one(addr: str, ok: boo
 
 
 # --- pools, keys and hashes: edges the subset left open -------------------------------------------------
+
 
 def test_allocator_index_checks_take_page_slots_and_refuse_every_slot_out_of_range() -> None:
     from kvfsm.dataplane.errors import OutOfRange
@@ -622,6 +711,7 @@ def test_the_backup_thread_is_a_named_daemon() -> None:
 
 # --- the manager over a random serving workload, checked at the end -------------------------------------
 
+
 @pytest.mark.parametrize("seed", range(12))
 def test_random_workload_returns_everything_and_stores_only_what_succeeded(seed: int) -> None:
     """Random admits, decodes, single and batch offloads, copy and backup completions in any order, failing
@@ -634,8 +724,16 @@ def test_random_workload_returns_everything_and_stores_only_what_succeeded(seed:
     from kvfsm.verify.engine import SimEngine
 
     rng = random.Random(seed)
-    e = SimEngine(page_size=2, stride=4, device_slots=96, host_slots=12, rows=4, max_context=48, backup_queue=2,
-                  checked=seed % 2 == 0)
+    e = SimEngine(
+        page_size=2,
+        stride=4,
+        device_slots=96,
+        host_slots=12,
+        rows=4,
+        max_context=48,
+        backup_queue=2,
+        checked=seed % 2 == 0,
+    )
     mgr, ended, records = e.manager, [], []
     for step in range(160):
         r = rng.random()
@@ -717,8 +815,11 @@ def test_violated_invariants_names_exactly_what_the_spec_says_is_broken() -> Non
             inv = spec.state_invariants.get(state)
             if inv is not None and not ex.evaluate(inv, env):
                 want.append(f"state {state}")
-            want += [name for name, (node, where) in spec.invariants.items()
-                     if (not where or state in where) and not ex.evaluate(node, env)]
+            want += [
+                name
+                for name, (node, where) in spec.invariants.items()
+                if (not where or state in where) and not ex.evaluate(node, env)
+            ]
             assert gen.violated_invariants(m) == want, (state, env)
 
 
@@ -735,6 +836,7 @@ def test_the_default_batch_actions_call_the_single_action_per_item_in_order() ->
 
 
 # --- copy planning: every host-index defect is refused before any copy -----------------------------------
+
 
 def test_plan_copy_refuses_host_slots_out_of_range_twice_or_unallocated_and_counts_page_slots() -> None:
     from kvfsm.dataplane.copy.base import plan_copy
@@ -760,12 +862,14 @@ def test_plan_copy_refuses_host_slots_out_of_range_twice_or_unallocated_and_coun
     swapped = own[[1, 0, 2, 3, 4, 5]]  # not in slot order: checked slot by slot, and fine
     assert plan_copy("d2h", dev, d6, host, swapped).num_tokens == 6
     first_free = next(s for s in range(16) if not bool(host.allocator.is_allocated(torch.tensor([s]))[0]))
-    for bad, err in ((torch.tensor([own[0], own[1], own[2], own[3], own[4], 16]), OutOfRange),
-                     (torch.tensor([-1, own[1], own[2], own[3], own[4], own[5]]), OutOfRange),
-                     (torch.tensor([own[5], own[1], own[2], own[3], own[4], 17]), OutOfRange),
-                     (torch.tensor([own[0], own[0], own[2], own[3], own[4], own[5]]), DuplicateIndex),
-                     (torch.tensor([own[0], own[1], own[2], own[3], own[5], own[5]]), DuplicateIndex),
-                     (torch.tensor([own[0], own[1], own[2], own[3], own[4], first_free]), NotAllocated)):
+    for bad, err in (
+        (torch.tensor([own[0], own[1], own[2], own[3], own[4], 16]), OutOfRange),
+        (torch.tensor([-1, own[1], own[2], own[3], own[4], own[5]]), OutOfRange),
+        (torch.tensor([own[5], own[1], own[2], own[3], own[4], 17]), OutOfRange),
+        (torch.tensor([own[0], own[0], own[2], own[3], own[4], own[5]]), DuplicateIndex),
+        (torch.tensor([own[0], own[1], own[2], own[3], own[5], own[5]]), DuplicateIndex),
+        (torch.tensor([own[0], own[1], own[2], own[3], own[4], first_free]), NotAllocated),
+    ):
         with pytest.raises(err):
             plan_copy("d2h", dev, d6, host, bad)
     with pytest.raises(DuplicateIndex):  # two slots, the same one twice
@@ -782,6 +886,7 @@ def test_plan_copy_refuses_host_slots_out_of_range_twice_or_unallocated_and_coun
 
 
 # --- the TP consensus, over a stand-in process group -----------------------------------------------------
+
 
 class _FakeGroup:
     """What torch.distributed would do for a group of this rank and one other whose counts are `other`."""
@@ -825,6 +930,7 @@ def test_progress_consensus_takes_the_min_over_its_group(monkeypatch) -> None:
 
 # --- OffloadConfig's sources and error reports -----------------------------------------------------------
 
+
 def test_config_errors_name_their_source_and_every_problem(monkeypatch, tmp_path) -> None:
     from kvfsm.errors import ConfigError
     from kvfsm.runtime.config import OffloadConfig
@@ -836,6 +942,7 @@ def test_config_errors_name_their_source_and_every_problem(monkeypatch, tmp_path
         OffloadConfig.load("my.yaml", page_size="eight")
     assert exc.value.source == "my.yaml"
     from types import SimpleNamespace
+
     with pytest.raises(ConfigError) as exc:
         OffloadConfig.model_validate({"page_size": "eight"})
     assert exc.value.source == "OffloadConfig" and exc.value.field == "page_size"
@@ -880,7 +987,13 @@ def test_trace_writer_makes_its_folders_writes_compact_lines_and_closes_once(tmp
     lines = path.read_text().splitlines()
     assert lines[0] == '{"kind":"header","spec_sha256":"abc"}' and len(lines) == 2
     rec = _json.loads(lines[1])
-    assert (rec["req"], rec["from"], rec["to"], rec["transition"], rec["acquired"]) == ("r0", "allocated", "offloading", 0, ["host_slots"])
+    assert (rec["req"], rec["from"], rec["to"], rec["transition"], rec["acquired"]) == (
+        "r0",
+        "allocated",
+        "offloading",
+        0,
+        ["host_slots"],
+    )
     assert ", " not in lines[1] and ": " not in lines[1]
     TraceWriter(path, "again").close()  # into an existing folder
     assert path.read_text() == '{"kind":"header","spec_sha256":"again"}\n'
@@ -900,8 +1013,12 @@ def test_devices_dtypes_and_index_tensors_are_normalised(monkeypatch) -> None:
     assert parse_dtype("torch.float16") is torch.float16 and parse_dtype("BF16") is torch.bfloat16
     assert parse_dtype(torch.float32) is torch.float32
     cpu = torch.device("cpu")
-    for given in (torch.tensor([[3, 1], [2, 0]], dtype=torch.int32), np.array([[3, 1], [2, 0]], dtype=np.int32),
-                  [3, 1, 2, 0], (3, 1, 2, 0)):
+    for given in (
+        torch.tensor([[3, 1], [2, 0]], dtype=torch.int32),
+        np.array([[3, 1], [2, 0]], dtype=np.int32),
+        [3, 1, 2, 0],
+        (3, 1, 2, 0),
+    ):
         got = as_index_tensor(given, cpu)
         assert got.dtype == torch.int64 and got.tolist() == [3, 1, 2, 0], type(given)
     for bad in (torch.tensor([True, False]), torch.tensor([1.0]), np.array([1.5])):
@@ -917,15 +1034,27 @@ def test_page_hashes_of_every_token_container_and_every_bad_id() -> None:
 
     ids = [0, 1, 2, 3, 70000, 5, 2**32 - 1, 7]
     want = page_hashes(ids, 4)
-    for given in (tuple(ids), np.array(ids, dtype=np.int64), np.array(ids, dtype=np.uint32),
-                  np.array(ids, dtype=np.uint64), np.array(ids, dtype=np.int64).reshape(2, 4),
-                  torch.tensor(ids, dtype=torch.int64), torch.tensor(ids, dtype=torch.int64).reshape(4, 2)):
+    for given in (
+        tuple(ids),
+        np.array(ids, dtype=np.int64),
+        np.array(ids, dtype=np.uint32),
+        np.array(ids, dtype=np.uint64),
+        np.array(ids, dtype=np.int64).reshape(2, 4),
+        torch.tensor(ids, dtype=torch.int64),
+        torch.tensor(ids, dtype=torch.int64).reshape(4, 2),
+    ):
         assert page_hashes(given, 4) == want, type(given)
     assert page_hashes([0, 0], 2) == page_hashes(np.zeros(2, dtype=np.int32), 2)  # token 0 is an id like any
     for empty in ([], np.array([], dtype=np.int64), torch.empty(0, dtype=torch.int64)):
         assert page_hashes(empty, 1) == []
-    for bad in ([-1, 2], np.array([-1, 2]), [2**63, 1], np.array([1.0, 2.0]),  # ids >= 2**32 are wide pages
-                np.array([True, False]), torch.tensor([-3, 1])):
+    for bad in (
+        [-1, 2],
+        np.array([-1, 2]),
+        [2**63, 1],
+        np.array([1.0, 2.0]),  # ids >= 2**32 are wide pages
+        np.array([True, False]),
+        torch.tensor([-3, 1]),
+    ):
         with pytest.raises(ValueError):
             page_hashes(bad, 2)
 
@@ -954,8 +1083,10 @@ def test_offload_batch_with_the_engines_arrays_offloads_what_a_loop_of_offload_d
     from kvfsm.verify.engine import SimEngine
 
     rng = random.Random(seed)
-    twins = [SimEngine(page_size=2, stride=4, device_slots=128, host_slots=64, rows=6, max_context=64,
-                       backup_queue=8) for _ in range(2)]
+    twins = [
+        SimEngine(page_size=2, stride=4, device_slots=128, host_slots=64, rows=6, max_context=64, backup_queue=8)
+        for _ in range(2)
+    ]
     for step in range(60):
         plan = []
         if rng.random() < 0.3:
@@ -974,8 +1105,11 @@ def test_offload_batch_with_the_engines_arrays_offloads_what_a_loop_of_offload_d
                     e.end(e.live[act[1]], "finish")
             if i == 0:
                 live = list(e.live)
-                e.manager.offload_batch(live, np.array([q.req_pool_idx for q in live], dtype=np.int64),
-                                        np.array([q.kv_committed_len for q in live], dtype=np.int64))
+                e.manager.offload_batch(
+                    live,
+                    np.array([q.req_pool_idx for q in live], dtype=np.int64),
+                    np.array([q.kv_committed_len for q in live], dtype=np.int64),
+                )
             else:
                 for q in list(e.live):
                     e.manager.offload(q)
@@ -1028,8 +1162,14 @@ def test_build_picks_each_configured_engine_and_store_and_says_who_owns_the_stor
         with pytest.raises(ConfigError) as exc:
             build.copy_engine_factory(OffloadConfig(copy_backend="cuda"), pool)
         assert "but CUDA is not available;" in exc.value.reason
-    config = OffloadConfig(page_size=4, storage_backend="file", storage_dir=tmp_path, model_name="m",
-                           host_pool_bytes=pool.config.bytes_per_token * 16, copy_backend="cpu")
+    config = OffloadConfig(
+        page_size=4,
+        storage_backend="file",
+        storage_dir=tmp_path,
+        model_name="m",
+        host_pool_bytes=pool.config.bytes_per_token * 16,
+        copy_backend="cpu",
+    )
     built = build.build_components(config, device_pool=pool)
     assert built.owns_storage and built.storage.suffix == "_m_0_1" and built.host_pool.capacity == 16
     given = build.build_components(config, device_pool=pool, storage=built.storage, tp_rank=1, tp_size=2)
@@ -1047,7 +1187,9 @@ def test_a_mooncake_config_builds_its_client_with_the_deployment(monkeypatch) ->
     from kvfsm.runtime.config import OffloadConfig
 
     calls = []
-    monkeypatch.setattr(MooncakeStorage, "from_config", classmethod(lambda cls, config, **kw: calls.append((config, kw)) or "client"))
+    monkeypatch.setattr(
+        MooncakeStorage, "from_config", classmethod(lambda cls, config, **kw: calls.append((config, kw)) or "client")
+    )
     config = OffloadConfig(storage_backend="mooncake", storage_extra={"master_server_addr": "127.0.0.1:1"})
     mla = DeviceKVPool.create(KVCacheConfig.tiny("mla"), 16)
     assert build.storage_factory(config, mla, tp_rank=1, tp_size=4)() == "client"
@@ -1055,6 +1197,7 @@ def test_a_mooncake_config_builds_its_client_with_the_deployment(monkeypatch) ->
 
 
 # --- the manager's lifecycle bookkeeping (second pass over the survivors) --------------------------------
+
 
 def _engine(**kw: Any) -> Any:
     from kvfsm.verify.engine import SimEngine
@@ -1081,9 +1224,16 @@ def _rebuild(e: Any, **kw: Any) -> Any:
     from kvfsm.runtime import DecodeOffloadManager
 
     old = e.manager
-    args = dict(device_pool=e.device_pool, allocator=e.allocator, req_to_token=e.req_to_token,
-                prefix_cache=old.fx.prefix_cache, host_pool=e.host_pool, copy_engine=e.copies, storage=e.storage,
-                backup_worker=e.worker)
+    args = dict(
+        device_pool=e.device_pool,
+        allocator=e.allocator,
+        req_to_token=e.req_to_token,
+        prefix_cache=old.fx.prefix_cache,
+        host_pool=e.host_pool,
+        copy_engine=e.copies,
+        storage=e.storage,
+        backup_worker=e.worker,
+    )
     args.update(kw)
     old.close()
     e.manager = DecodeOffloadManager(e.config, **args)
@@ -1165,10 +1315,22 @@ def test_a_manager_built_from_its_config_namespaces_owns_and_closes_its_store(mo
     pool = DeviceKVPool.create(KVCacheConfig.tiny(), 64)
 
     def manager(**kw: Any) -> DecodeOffloadManager:
-        config = OffloadConfig(page_size=4, storage_backend="file", storage_dir=tmp_path, model_name="m",
-                               host_pool_bytes=pool.config.bytes_per_token * 16, copy_backend="cpu")
-        return DecodeOffloadManager(config, device_pool=pool, allocator=TokenSlotAllocator(64, 4),
-                                    req_to_token=ReqToTokenPool(2, 16), prefix_cache=SimpleNamespace(), **kw)
+        config = OffloadConfig(
+            page_size=4,
+            storage_backend="file",
+            storage_dir=tmp_path,
+            model_name="m",
+            host_pool_bytes=pool.config.bytes_per_token * 16,
+            copy_backend="cpu",
+        )
+        return DecodeOffloadManager(
+            config,
+            device_pool=pool,
+            allocator=TokenSlotAllocator(64, 4),
+            req_to_token=ReqToTokenPool(2, 16),
+            prefix_cache=SimpleNamespace(),
+            **kw,
+        )
 
     built = manager(tp_rank=1, tp_size=2)
     store = built.fx.storage
@@ -1350,8 +1512,11 @@ def test_a_request_without_a_protocol_field_is_reported_from_its_attribute_error
         rid = "y"
 
     mgr = _engine().manager
-    for call, req in ((mgr.offload, NoOutputs()), (lambda r: mgr.offload_batch([r]), NoOutputs()),
-                      (mgr.finalize, NoRow())):
+    for call, req in (
+        (mgr.offload, NoOutputs()),
+        (lambda r: mgr.offload_batch([r]), NoOutputs()),
+        (mgr.finalize, NoRow()),
+    ):
         with pytest.raises(RequestFieldMissing) as exc:
             call(req)
         assert isinstance(exc.value.__cause__, AttributeError), call
@@ -1398,6 +1563,7 @@ def test_each_chunk_that_finds_no_host_room_counts_one_retry() -> None:
 
 
 # --- the effects, the ledger and the backup jobs (second pass) ------------------------------------------
+
 
 def test_token_slice_is_the_list_slice_of_prompt_and_outputs_for_every_span() -> None:
     from types import SimpleNamespace
@@ -1518,13 +1684,21 @@ def test_stepped_worker_runs_the_oldest_job_by_default_and_run_all_counts() -> N
 
 # --- the pools' argument checks and exact paths (second pass) -------------------------------------------
 
+
 def test_slot_allocator_sizes_defaults_and_argument_checks() -> None:
     from kvfsm.dataplane import TokenSlotAllocator
 
     assert TokenSlotAllocator(3).page_size == 1  # the default page size: any slot count
     assert TokenSlotAllocator(1, 1, reserve_padding_page=False).capacity == 1
-    for args, kw in (((4, 0), {}), ((4, -2), {}), ((6, 4), {"reserve_padding_page": False}), ((0, 1), {}),
-                     ((-4, 2), {}), ((1, 1), {}), ((4, 4), {})):  # the last two: only the padding page
+    for args, kw in (
+        ((4, 0), {}),
+        ((4, -2), {}),
+        ((6, 4), {"reserve_padding_page": False}),
+        ((0, 1), {}),
+        ((-4, 2), {}),
+        ((1, 1), {}),
+        ((4, 4), {}),
+    ):  # the last two: only the padding page
         with pytest.raises(ValueError):
             TokenSlotAllocator(*args, **kw)
     for a in (TokenSlotAllocator(8, 1), TokenSlotAllocator(8, 2)):
@@ -1598,7 +1772,9 @@ def test_device_pools_default_to_the_cpu_pick_their_attention_and_expose_their_p
     p = DeviceKVPool.create(mha, 4)
     p.storage.copy_(torch.arange(p.storage.numel(), dtype=p.storage.dtype).view_as(p.storage))
     for layer in range(mha.num_layers):
-        assert torch.equal(p.k_buffer(layer), p.storage[0, layer]) and torch.equal(p.v_buffer(layer), p.storage[1, layer])
+        assert torch.equal(p.k_buffer(layer), p.storage[0, layer]) and torch.equal(
+            p.v_buffer(layer), p.storage[1, layer]
+        )
         assert [t.data_ptr() for t in p.layer_buffers(layer)] == [p.storage[i, layer].data_ptr() for i in range(2)]
     q = DeviceKVPool.create(mla, 4)
     q.storage.copy_(torch.arange(q.storage.numel(), dtype=q.storage.dtype).view_as(q.storage))
@@ -1682,7 +1858,8 @@ def test_request_table_empty_spans_page_slots_and_plan_copy_of_a_page_list_past_
 
 
 def test_build_passes_the_configs_host_layout_and_ratio_and_closes_a_store_it_built_when_a_later_step_fails(
-        monkeypatch, tmp_path) -> None:
+    monkeypatch, tmp_path
+) -> None:
     import kvfsm.runtime.build as build
     from kvfsm.dataplane import HostKVPool
     from kvfsm.dataplane.pools.config import KVCacheConfig
@@ -1690,11 +1867,13 @@ def test_build_passes_the_configs_host_layout_and_ratio_and_closes_a_store_it_bu
     from kvfsm.runtime.config import OffloadConfig
 
     pool = DeviceKVPool.create(KVCacheConfig.tiny(), 64)
-    laid = build.build_components(OffloadConfig(page_size=4, host_layout="page_first", host_pool_ratio=0.5,
-                                                copy_backend="cpu"), device_pool=pool)
+    laid = build.build_components(
+        OffloadConfig(page_size=4, host_layout="page_first", host_pool_ratio=0.5, copy_backend="cpu"), device_pool=pool
+    )
     assert laid.host_pool.layout == "page_first" and laid.host_pool.capacity == 32
-    exact = OffloadConfig(page_size=4, offload_stride=16, host_pool_bytes=pool.config.bytes_per_token * 16,
-                          copy_backend="cpu")
+    exact = OffloadConfig(
+        page_size=4, offload_stride=16, host_pool_bytes=pool.config.bytes_per_token * 16, copy_backend="cpu"
+    )
     assert build.build_components(exact, device_pool=pool).host_pool.capacity == 16  # one stride fits exactly
     closed: list[Any] = []
     monkeypatch.setattr(FileStorage, "close", lambda self: closed.append(self), raising=False)
@@ -1704,8 +1883,10 @@ def test_build_passes_the_configs_host_layout_and_ratio_and_closes_a_store_it_bu
 
     monkeypatch.setattr(HostKVPool, "for_device_pool", no_room)
     with pytest.raises(MemoryError):
-        build.build_components(OffloadConfig(page_size=4, storage_backend="file", storage_dir=tmp_path,
-                                             copy_backend="cpu"), device_pool=pool)
+        build.build_components(
+            OffloadConfig(page_size=4, storage_backend="file", storage_dir=tmp_path, copy_backend="cpu"),
+            device_pool=pool,
+        )
     assert len(closed) == 1 and isinstance(closed[0], FileStorage)
 
 
@@ -1715,8 +1896,10 @@ def test_storage_extra_numbers_positive_or_non_negative_as_each_option_says() ->
 
     check_storage_extra("file", {"writers": 1})
     check_storage_extra("mooncake", {"master_server_addr": "127.0.0.1:50051", "global_segment_size": 0})
-    for backend, extra in (("file", {"writers": 0}),
-                           ("mooncake", {"master_server_addr": "127.0.0.1:50051", "global_segment_size": -1})):
+    for backend, extra in (
+        ("file", {"writers": 0}),
+        ("mooncake", {"master_server_addr": "127.0.0.1:50051", "global_segment_size": -1}),
+    ):
         with pytest.raises(ConfigError):
             check_storage_extra(backend, extra)
 

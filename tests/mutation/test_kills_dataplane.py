@@ -129,9 +129,17 @@ def test_device_pool_scatters_rows_into_the_slots_named() -> None:
     assert torch.equal(pool.storage[:, :, untouched], before[:, :, untouched])
 
 
-def _layer_buffers(dtype: torch.dtype = torch.bfloat16, device: str = "cpu", layers: int = 2) -> list[list[torch.Tensor]]:
-    return [[torch.arange(8 * 2 * 3, dtype=torch.float32).reshape(8, 2, 3).to(dtype=dtype, device=device) + 100 * (p * layers + l)
-             for l in range(layers)] for p in range(2)]
+def _layer_buffers(
+    dtype: torch.dtype = torch.bfloat16, device: str = "cpu", layers: int = 2
+) -> list[list[torch.Tensor]]:
+    return [
+        [
+            torch.arange(8 * 2 * 3, dtype=torch.float32).reshape(8, 2, 3).to(dtype=dtype, device=device)
+            + 100 * (p * layers + l)
+            for l in range(layers)
+        ]
+        for p in range(2)
+    ]
 
 
 def test_layer_buffer_pool_refuses_planes_of_unequal_layer_counts() -> None:
@@ -195,6 +203,7 @@ class _Recorder(_gen.DecodeOffloadEffectsEach):
 
         def action(m: _gen.DecodeOffloadMachine, arg: _Any) -> None:
             self.log.append((name, m.ctx, arg))
+
         return action
 
 

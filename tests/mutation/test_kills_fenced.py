@@ -32,6 +32,7 @@ def _fenced_free(a: TokenSlotAllocator, pages: int, copy: FakeCopy) -> list[int]
 
 # --- the allocator: alloc_fenced and alloc_pages_fenced take exactly what alloc and alloc_pages take ----------
 
+
 def test_alloc_fenced_refuses_sizes_alloc_refuses() -> None:
     """A size that is not a non-negative int multiple of the page size is a caller's bug: refused, never rounded."""
     a = TokenSlotAllocator(16, page_size=2)
@@ -101,9 +102,11 @@ def test_the_snapshot_lists_fenced_free_pages_after_a_minus_one() -> None:
 
 # --- build: a fenced release needs a copy engine that fences --------------------------------------------
 
+
 def test_a_config_with_fenced_release_builds_its_own_fencing_engine() -> None:
     """fenced_release with the engine left to the config builds it (every engine kvfsm builds fences)."""
     import kvfsm.runtime.build as build
+
     pool = DeviceKVPool.create(KVCacheConfig.tiny(), 64)
     config = OffloadConfig(page_size=4, host_pool_ratio=0.5, copy_backend="cpu", fenced_release=True)
     built = build.build_components(config, device_pool=pool)
@@ -111,7 +114,8 @@ def test_a_config_with_fenced_release_builds_its_own_fencing_engine() -> None:
 
 
 def test_a_built_engine_that_does_not_fence_is_refused_and_the_store_built_for_it_closed(
-        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The engine the config builds is checked too (its fences known only once built); refusing it closes the
     store built before it, or its writer threads (or a Mooncake client) outlive the failed start."""
     import kvfsm.runtime.build as build
@@ -123,8 +127,14 @@ def test_a_built_engine_that_does_not_fence_is_refused_and_the_store_built_for_i
     closed: list[Any] = []
     monkeypatch.setattr(FileStorage, "close", lambda self: closed.append(self))
     pool = DeviceKVPool.create(KVCacheConfig.tiny(), 64)
-    config = OffloadConfig(page_size=4, host_pool_ratio=0.5, copy_backend="cpu", fenced_release=True,
-                           storage_backend="file", storage_dir=tmp_path)
+    config = OffloadConfig(
+        page_size=4,
+        host_pool_ratio=0.5,
+        copy_backend="cpu",
+        fenced_release=True,
+        storage_backend="file",
+        storage_dir=tmp_path,
+    )
     with pytest.raises(ConfigError) as info:
         build.build_components(config, device_pool=pool)
     assert info.value.field == "fenced_release" and "NoFences" in info.value.reason
@@ -157,10 +167,15 @@ def test_fenced_release_refuses_an_engine_or_allocator_that_does_not_say_it_fenc
     """Saying nothing is not fencing: an engine or allocator with no `fences` attribute is a ConfigError
     naming fenced_release (not an AttributeError, and never accepted)."""
     e = _engine()
-    common = dict(device_pool=e.device_pool, req_to_token=e.req_to_token,
-                  prefix_cache=SimplePrefixCache(e.allocator), host_pool=e.host_pool)
-    config = OffloadConfig(page_size=2, offload_stride=4, host_pool_ratio=1.0, storage_backend="none",
-                           fenced_release=True)
+    common = dict(
+        device_pool=e.device_pool,
+        req_to_token=e.req_to_token,
+        prefix_cache=SimplePrefixCache(e.allocator),
+        host_pool=e.host_pool,
+    )
+    config = OffloadConfig(
+        page_size=2, offload_stride=4, host_pool_ratio=1.0, storage_backend="none", fenced_release=True
+    )
     with pytest.raises(ConfigError) as info:
         DecodeOffloadManager(config, allocator=e.allocator, copy_engine=_DuckEngine(), **common)  # type: ignore[arg-type]
     assert info.value.field == "fenced_release"
@@ -170,6 +185,7 @@ def test_fenced_release_refuses_an_engine_or_allocator_that_does_not_say_it_fenc
 
 
 # --- the release's checked-mode event names (what a CheckedModeError reports) ---------------------------
+
 
 def test_checked_mode_names_a_plain_release_under_a_copy_release(monkeypatch: pytest.MonkeyPatch) -> None:
     """Catalog fault B2 (a release under a copy) is reported as the plain release that did it: event 'release'."""
@@ -217,6 +233,7 @@ def test_a_released_record_holds_no_request() -> None:
 
 # --- the engine's own release, fenced, with GPU-like fences (the wait orders a stream, the host goes on) ---
 
+
 @pytest.fixture
 def gpu_like_waits(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, object]]:
     """Deferred handles whose wait_stream only records (as a CUDA wait_event): the copy stays in flight."""
@@ -227,7 +244,8 @@ def gpu_like_waits(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, object]]:
 
 @pytest.mark.parametrize("checked", [True, False])
 def test_an_engine_release_after_fencing_unlanded_copies_is_accepted_and_counted(
-        checked: bool, gpu_like_waits: list[tuple[int, object]]) -> None:
+    checked: bool, gpu_like_waits: list[tuple[int, object]]
+) -> None:
     """With fences the engine may free a request's slots while its copies run, once its stream waits on them:
     accepted (state fenced), counted once per release, the ledger then holding nothing of the request's."""
     e = _engine(fenced=True, checked=checked, device_slots=24)
@@ -259,7 +277,9 @@ def test_an_engine_release_with_a_prefix_leaves_no_prefix_hold_in_the_ledger() -
     assert dict(e.manager.ledger.prefix_holders) == {}
 
 
-def test_fence_copies_in_flight_waits_on_each_copy_on_the_stream_given(gpu_like_waits: list[tuple[int, object]]) -> None:
+def test_fence_copies_in_flight_waits_on_each_copy_on_the_stream_given(
+    gpu_like_waits: list[tuple[int, object]],
+) -> None:
     """Each distinct copy in flight is waited on once (the chunks of one offload_batch share it), on the
     stream the engine names, and counted."""
     e = _engine(fenced=True, device_slots=32)
@@ -276,6 +296,7 @@ def test_fence_copies_in_flight_waits_on_each_copy_on_the_stream_given(gpu_like_
 
 
 # --- the slot ledger (checked mode) ----------------------------------------------------------------------
+
 
 def test_a_copy_that_landed_unacknowledged_no_longer_blocks_a_plain_release() -> None:
     """A landed copy (its handle says done) reads nothing: releasing its slots before the progress check

@@ -17,6 +17,7 @@ from kvfsm.runtime.ledger import SlotLedger
 
 # --- SlotFence --------------------------------------------------------------------------------------------
 
+
 def test_a_new_fence_is_not_waited_and_mark_waited_counts_each_wait_without_touching_the_copies() -> None:
     copy = FakeCopy()
     fence = SlotFence([copy])
@@ -37,6 +38,7 @@ def test_a_passed_fence_holds_no_copies_and_covers_a_landed_one() -> None:
 
 
 # --- the ledger's fences and waits ----------------------------------------------------------------------
+
 
 def _ledger_with_copy(handle: object = None) -> SlotLedger:
     """Page 0 (slots 0, 1) owned by request a, read by chunk 1's copy."""
@@ -106,6 +108,7 @@ def test_release_owned_names_its_event_in_the_error() -> None:
 
 # --- the coalescing copy engine -------------------------------------------------------------------------
 
+
 def test_a_coalesced_handles_stream_wait_is_made_on_the_stream_given() -> None:
     cfg = KVCacheConfig.tiny()
     dev, host = make_device_pool(cfg, 64), make_host_pool(cfg, 32, 4)
@@ -151,6 +154,7 @@ def test_close_submits_the_queue_then_closes_the_inner_engine() -> None:
 
 
 # --- the SGLang adapter's views of SGLang's objects, over stand-ins (no SGLang needed) ----------------------
+
 
 class FakeKv:
     def __init__(self, row: int | None) -> None:
@@ -313,6 +317,7 @@ def test_the_allocator_view_frees_int64_slots_and_never_takes_a_page_list_on_tru
 
 # --- the adapter's settings -------------------------------------------------------------------------------
 
+
 def test_a_bad_stride_is_a_config_error_from_the_adapter() -> None:
     from kvfsm.errors import ConfigError
     from kvfsm.integrations.sglang.settings import STRIDE_ENV, offload_stride
@@ -336,8 +341,12 @@ def test_host_slots_sizes_the_host_pool_as_upstream() -> None:
     for memory in (SimpleNamespace(hicache_ratio=2.5), SimpleNamespace(hicache_size=0, hicache_ratio=2.5)):
         got = host_slots(memory, 10, 1000, 4)
         assert got == 28 and type(got) is int  # 25 tokens: 6 pages, plus one
-    for memory in (SimpleNamespace(), SimpleNamespace(hicache_ratio=None), SimpleNamespace(hicache_ratio=0),
-                   SimpleNamespace(hicache_size=0, hicache_ratio=-1)):
+    for memory in (
+        SimpleNamespace(),
+        SimpleNamespace(hicache_ratio=None),
+        SimpleNamespace(hicache_ratio=0),
+        SimpleNamespace(hicache_size=0, hicache_ratio=-1),
+    ):
         with pytest.raises(ConfigError) as err:
             host_slots(memory, 10, 1000, 4)
         assert err.value.field == "hicache_ratio"
@@ -345,8 +354,15 @@ def test_host_slots_sizes_the_host_pool_as_upstream() -> None:
 
 # --- reading SGLang's published server config, over a stand-in of sglang.srt.runtime_context ----------------
 
-def _published(monkeypatch: pytest.MonkeyPatch, *, dp_attention: object = False, parallel: object = None,
-               served_model_name: str | None = "m", **memory: object) -> None:
+
+def _published(
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    dp_attention: object = False,
+    parallel: object = None,
+    served_model_name: str | None = "m",
+    **memory: object,
+) -> None:
     """Install stand-ins for the SGLang modules read_settings and _tp_rank_size import (in place of SGLang's
     own where it is installed): page size 4, plain TP of one rank, a file store, `memory`'s fields."""
     import sys
@@ -386,7 +402,12 @@ def test_read_settings_takes_sglangs_defaults_for_what_the_server_left_unset(mon
     _published(monkeypatch, served_model_name=None)
     s = read_settings(10, 1000, None)
     assert (s.page_size, s.stride, s.host_slots) == (4, 4, 24)
-    assert (s.host_layout, s.file_layout, s.storage_backend, s.storage_extra) == ("layer_first", "layer_first", "file", {})
+    assert (s.host_layout, s.file_layout, s.storage_backend, s.storage_extra) == (
+        "layer_first",
+        "layer_first",
+        "file",
+        {},
+    )
     assert (s.file_dir, s.model_name, s.tp_rank, s.tp_size) == ("/tmp/hicache", "", 0, 1)
 
 
@@ -396,13 +417,20 @@ def test_read_settings_takes_what_the_server_published(monkeypatch: pytest.Monke
 
     from kvfsm.integrations.sglang import read_settings
 
-    _published(monkeypatch, hicache_mem_layout="page_first_direct",
-               hicache_storage_backend_extra_config=json.dumps({"file_storage_path": "/x"}))
+    _published(
+        monkeypatch,
+        hicache_mem_layout="page_first_direct",
+        hicache_storage_backend_extra_config=json.dumps({"file_storage_path": "/x"}),
+    )
     s = read_settings(10, 1000, None)
-    assert (s.host_layout, s.file_layout, s.storage_extra, s.file_dir, s.model_name) == \
-        ("layer_first", "layer_first", {"file_storage_path": "/x"}, "/x", "m")
-    _published(monkeypatch, hicache_mem_layout="page_first",
-               parallel=types.SimpleNamespace(tp_rank=None, tp_size=None))
+    assert (s.host_layout, s.file_layout, s.storage_extra, s.file_dir, s.model_name) == (
+        "layer_first",
+        "layer_first",
+        {"file_storage_path": "/x"},
+        "/x",
+        "m",
+    )
+    _published(monkeypatch, hicache_mem_layout="page_first", parallel=types.SimpleNamespace(tp_rank=None, tp_size=None))
     s = read_settings(10, 1000, None)
     assert (s.host_layout, s.file_layout, s.tp_rank, s.tp_size) == ("page_first", "page_first", 0, 1)
 
@@ -411,11 +439,13 @@ def test_read_settings_refuses_what_kvfsm_cannot_do_as_upstream(monkeypatch: pyt
     from kvfsm.errors import ConfigError
     from kvfsm.integrations.sglang import read_settings
 
-    for memory, field in ((dict(hicache_storage_backend=_MISSING), "hicache_storage_backend"),
-                          (dict(hicache_storage_backend="mooncake"), "hicache_storage_backend"),
-                          (dict(hicache_mem_layout="head_first"), "hicache_mem_layout"),
-                          (dict(hicache_storage_backend_extra_config="[1]"), "hicache_storage_backend_extra_config"),
-                          (dict(hicache_storage_backend_extra_config="{"), "hicache_storage_backend_extra_config")):
+    for memory, field in (
+        (dict(hicache_storage_backend=_MISSING), "hicache_storage_backend"),
+        (dict(hicache_storage_backend="mooncake"), "hicache_storage_backend"),
+        (dict(hicache_mem_layout="head_first"), "hicache_mem_layout"),
+        (dict(hicache_storage_backend_extra_config="[1]"), "hicache_storage_backend_extra_config"),
+        (dict(hicache_storage_backend_extra_config="{"), "hicache_storage_backend_extra_config"),
+    ):
         _published(monkeypatch, **memory)
         with pytest.raises(ConfigError) as err:
             read_settings(10, 1000, None)
@@ -450,9 +480,11 @@ def test_pipeline_and_context_parallelism_are_refused_naming_the_setting(monkeyp
         def attn_dcp_size(self) -> int:
             raise RuntimeError("not initialised")
 
-    for ok in (types.SimpleNamespace(tp_rank=0, tp_size=1),  # absent: as 1
-               types.SimpleNamespace(tp_rank=0, tp_size=1, pp_size=None, attn_cp_size=1, attn_dcp_size=None),
-               Raises()):
+    for ok in (
+        types.SimpleNamespace(tp_rank=0, tp_size=1),  # absent: as 1
+        types.SimpleNamespace(tp_rank=0, tp_size=1, pp_size=None, attn_cp_size=1, attn_dcp_size=None),
+        Raises(),
+    ):
         _published(monkeypatch, parallel=ok)
         assert _tp_rank_size() == (0, 1)
     for name in ("pp_size", "attn_cp_size", "attn_dcp_size"):

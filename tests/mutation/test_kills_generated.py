@@ -62,10 +62,13 @@ def test_every_single_event_reports_the_spec_transition_it_took_to_the_observer(
                 assert t.id == tid and (t.src, t.event, t.dst) == (gen.STATES[src], e, gen.STATES[dst]), (where, t)
 
 
-def _machines(fx: Recorder, items: list[tuple[int, tuple[int, int, int]]], fences: int,
-              observer: Any = None) -> list[DecodeOffloadMachine]:
-    ms = [put_into(DecodeOffloadMachine(fx, ctx=i, observer=observer, fences=fences), s, c)
-          for i, (s, c) in enumerate(items)]
+def _machines(
+    fx: Recorder, items: list[tuple[int, tuple[int, int, int]]], fences: int, observer: Any = None
+) -> list[DecodeOffloadMachine]:
+    ms = [
+        put_into(DecodeOffloadMachine(fx, ctx=i, observer=observer, fences=fences), s, c)
+        for i, (s, c) in enumerate(items)
+    ]
     fx.log.clear()
     return ms
 

@@ -27,6 +27,7 @@ def _due(e: SimEngine, rid: str, prompt: int = 5, steps: int = 4) -> SimRequest:
 
 # --- reserve_offload / submit_reserved: the two-phase path ------------------------------------------------
 
+
 @pytest.mark.parametrize("page_size", [1, 2])
 def test_a_submit_whose_reservations_all_went_stale_submits_no_copy(page_size: int) -> None:
     """Reservations whose lifecycles moved on give their pages back and start no copy: the copy engine sees
@@ -95,8 +96,11 @@ def test_a_live_request_whose_length_turns_into_a_float_is_reported_from_its_typ
     req = _due(e, "a")
     req.kv_committed_len = float(req.kv_committed_len)
     free = e.host_pool.free_slots
-    call: Any = {"offload": e.manager.offload, "reserve_offload": e.manager.reserve_offload,
-                 "offload_batch": lambda r: e.manager.offload_batch([r])}[path]
+    call: Any = {
+        "offload": e.manager.offload,
+        "reserve_offload": e.manager.reserve_offload,
+        "offload_batch": lambda r: e.manager.offload_batch([r]),
+    }[path]
     with pytest.raises(RequestFieldInvalid) as err:
         call(req)
     assert isinstance(err.value.__cause__, TypeError)
@@ -104,6 +108,7 @@ def test_a_live_request_whose_length_turns_into_a_float_is_reported_from_its_typ
 
 
 # --- _copy_slots: an engine allocator that only frees (SGLang's, through AllocatorView) ---------------------
+
 
 class _SegmentAllocator:
     """What AllocatorView calls of SGLang's paged allocator, over a kvfsm allocator (CPU)."""
@@ -121,10 +126,17 @@ def test_chunks_over_an_allocator_view_land_bit_exact(batched: bool) -> None:
     the CPU, whole-page chunks are copied page by page and the host pages hold exactly the device KV."""
     e = SimEngine(page_size=2, host_slots=32, device_slots=96, rows=4)
     e.manager.close()
-    e.manager = DecodeOffloadManager(e.config, device_pool=e.device_pool,
-                                     allocator=AllocatorView(_SegmentAllocator(e.allocator), e.device_slots),
-                                     req_to_token=e.req_to_token, prefix_cache=e.protected, host_pool=e.host_pool,
-                                     copy_engine=e.copies, storage=e.storage, backup_worker=e.worker)
+    e.manager = DecodeOffloadManager(
+        e.config,
+        device_pool=e.device_pool,
+        allocator=AllocatorView(_SegmentAllocator(e.allocator), e.device_slots),
+        req_to_token=e.req_to_token,
+        prefix_cache=e.protected,
+        host_pool=e.host_pool,
+        copy_engine=e.copies,
+        storage=e.storage,
+        backup_worker=e.worker,
+    )
     reqs = [_due(e, f"r{i}") for i in range(2)]
     got = e.manager.offload_batch(reqs) if batched else sum(e.manager.offload(r) for r in reqs)
     assert got == 2
@@ -138,6 +150,7 @@ def test_chunks_over_an_allocator_view_land_bit_exact(batched: bool) -> None:
 
 
 # --- OffloadEffects.request_slots --------------------------------------------------------------------------
+
 
 def test_a_live_requests_own_slots_are_its_pages_from_its_prefix_to_its_allocated_length() -> None:
     """request_slots of a live request (not yet ended) reads its current lengths: every slot of its pages past
@@ -156,6 +169,7 @@ def test_a_live_requests_own_slots_are_its_pages_from_its_prefix_to_its_allocate
 
 
 # --- the ledger: a page the engine freed after its stream waited ---------------------------------------------
+
 
 class _Copy:
     """A copy handle that has not landed (a GPU copy whose event the host has not seen)."""

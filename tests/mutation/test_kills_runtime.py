@@ -25,6 +25,7 @@ def _decode(e: SimEngine, req: SimRequest, steps: int) -> None:
 
 # --- the slot ledger (checked mode) ---------------------------------------------------------------------
 
+
 def test_a_matched_prefix_on_a_live_requests_page_is_premature_reuse() -> None:
     """Checked mode must catch a prefix match onto pages a live request still owns (B1)."""
     ledger = SlotLedger(page_size=2)
@@ -73,6 +74,7 @@ def test_release_owned_frees_exactly_the_owners_pages_and_names_the_event() -> N
 
 # --- slots read on the device (no host mirror) -----------------------------------------------------------
 
+
 def test_device_table_reads_are_int64_copies_of_the_right_slots() -> None:
     """Device-table reads must be int64 copies (the row may be rewritten) of exactly the spans asked for."""
     table = torch.arange(2 * 16, dtype=torch.int64).reshape(2, 16) * 3
@@ -112,10 +114,17 @@ def test_checked_mode_registers_every_prefix_page_through_the_device_table() -> 
     """Without a mirror, checked mode must still give the prefix cache every page of a matched prefix (B16)."""
     e = SimEngine(page_size=1, stride=2, checked=True)
     e.manager.close()
-    e.manager = DecodeOffloadManager(e.config, device_pool=e.device_pool, allocator=e.allocator,
-                                     req_to_token=_Mirrorless(e.req_to_token), prefix_cache=e.protected,
-                                     host_pool=e.host_pool, copy_engine=e.copies, storage=e.storage,
-                                     backup_worker=e.worker)
+    e.manager = DecodeOffloadManager(
+        e.config,
+        device_pool=e.device_pool,
+        allocator=e.allocator,
+        req_to_token=_Mirrorless(e.req_to_token),
+        prefix_cache=e.protected,
+        host_pool=e.host_pool,
+        copy_engine=e.copies,
+        storage=e.storage,
+        backup_worker=e.worker,
+    )
     req = e.admit("a", 6, prefix_len=3)
     e.manager.offload(req)
     prefix = e.req_to_token.read_host(req.req_pool_idx, 0, 3).tolist()
@@ -139,6 +148,7 @@ def test_a_table_nobody_can_read_is_used_through_its_host_mirror() -> None:
 
 
 # --- namespaces ----------------------------------------------------------------------------------------
+
 
 def test_a_namespaced_requests_pages_are_stored_under_its_namespaced_chain() -> None:
     """Tenants' pages must never share keys: every stored page of a namespaced request chains on its seed."""
@@ -166,12 +176,15 @@ def test_a_namespaced_requests_pages_are_stored_under_its_namespaced_chain() -> 
 
 def test_request_namespace_seed_reads_the_requests_fields() -> None:
     """A request's seed is storage_namespace_seed of its own extra_key and cache_salt."""
+
     class Req:
         extra_key, cache_salt = "k", "salt"
+
     assert request_namespace_seed(Req()) == storage_namespace_seed("k", "salt") is not None
 
 
 # --- release ---------------------------------------------------------------------------------------------
+
 
 def test_release_clears_the_requests_lock_only_when_it_is_the_released_one() -> None:
     """Release drops req.lock it unlocked (as SGLang does) but never a newer lifecycle's lock on the same object."""
@@ -232,6 +245,7 @@ def test_the_engines_own_release_leaves_nothing_in_the_ledger_and_is_counted() -
 
 
 # --- admission and ending ----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("prefix", [1, -2, 1.5])
 def test_a_prefix_that_is_not_whole_pages_of_the_prompt_is_refused(prefix: Any) -> None:
@@ -296,6 +310,7 @@ def test_a_closed_manager_holds_no_tp_group_and_agrees_locally() -> None:
 
 # --- the prefix cache -------------------------------------------------------------------------------
 
+
 class _Allocator:
     """Records what is freed; `page_size` only when given (a cache must not need one)."""
 
@@ -334,6 +349,7 @@ def test_a_prefix_cache_over_an_allocator_without_page_size_uses_pages_of_one_sl
 
 
 # --- TP consensus -------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("mine, theirs", [(False, False), (True, False), (False, True), (True, True)])
 def test_any_is_true_when_some_rank_says_so(mine: bool, theirs: bool) -> None:
@@ -385,6 +401,7 @@ def test_the_counts_are_reduced_on_the_consensus_device(monkeypatch: pytest.Monk
 
 # --- fenced release: the engine's own release, the fence, the counters ------------------------------------
 
+
 def _fenced_offloading(e: SimEngine, rid: str) -> SimRequest:
     req = e.admit(rid, 4)
     assert req is not None
@@ -404,6 +421,7 @@ def _fenced_engine(**kw: Any) -> SimEngine:
 def test_an_engine_release_under_fenced_unlanded_copies_is_recorded_with_a_waited_fence() -> None:
     """The engine may free slots whose copies still run once its stream waits on them: the ledger keeps a waited fence."""
     import kvfsm.generated.decode_offload as spec_gen
+
     e = _fenced_engine(checked=True)
     a = _fenced_offloading(e, "a")
     fx = e.manager.fx
@@ -427,6 +445,7 @@ def test_an_engine_release_under_fenced_unlanded_copies_is_recorded_with_a_waite
 def test_an_engine_release_after_its_copies_landed_needs_no_fence() -> None:
     """A copy that landed (not yet acknowledged) reads nothing: the engine's release is accepted without a wait."""
     import kvfsm.generated.decode_offload as spec_gen
+
     e = _fenced_engine(checked=True)
     a = _fenced_offloading(e, "a")
     e.copies.complete_all()
@@ -440,6 +459,7 @@ def test_an_engine_release_after_its_copies_landed_needs_no_fence() -> None:
 def test_an_engine_release_with_every_copy_acknowledged_is_the_plain_one() -> None:
     """A request with no copy in flight (all acknowledged) is released_by_engine, never the fenced event."""
     import kvfsm.generated.decode_offload as spec_gen
+
     e = _fenced_engine(checked=True)
     a = _fenced_offloading(e, "a")
     e.copies.complete_all()
@@ -480,6 +500,7 @@ def test_each_release_under_a_copy_is_counted_fenced_or_deferred() -> None:
 
 
 # --- survivors of the full run at 6ea51a2 -----------------------------------------------------------------
+
 
 def test_a_machine_built_without_the_fences_param_releases_deferred() -> None:
     """`fences` defaults to 0: a machine an engine builds without it must never take the fenced release."""
@@ -524,8 +545,10 @@ def test_without_fences_an_engine_release_under_a_copy_is_refused_as_the_event_i
 
 # --- the config file's error location ---------------------------------------------------------------------
 
-def test_a_malformed_config_file_is_located_at_its_line_or_else_named_alone(tmp_path: Any,
-                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+
+def test_a_malformed_config_file_is_located_at_its_line_or_else_named_alone(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A YAML error names the file and the line of its mark; one that carries no mark (PyYAML's marks are
     optional) names the file alone instead of failing on the missing mark."""
     import yaml

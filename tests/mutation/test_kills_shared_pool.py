@@ -102,7 +102,8 @@ class RecordingCudaRuntime:
 
 
 def test_a_pinned_shared_buffer_registers_its_mapping_and_unregisters_it_when_the_last_view_goes(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The CPU twin of the test above, through a recording CUDA runtime: cudaHostRegister is given the mapping's
     address, its whole size and the portable and mapped flags (1 | 2); when the last view is collected,
     cudaHostUnregister is given the same address while the memory file is still open, and the finalizer raises

@@ -54,6 +54,7 @@ def _rewrite_sidecar(fs: FileStorage, key: str, page: torch.Tensor, fmt: bytes) 
 
 # --- construction ------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dims", [(2, 4), (2, 4, 4, 4), (2, 3.0, 4), (2, 0, 4), (3, 2, 4), (0, 2, 4)])
 def test_page_dims_must_be_three_positive_ints_with_one_or_two_planes(tmp_path: Path, dims: tuple) -> None:
     """page_dims reorders and is recorded in every sidecar: a wrong geometry must be refused at construction."""
@@ -97,9 +98,11 @@ def test_a_torch_dtype_is_recorded_by_its_bare_name_and_agrees_with_the_string(t
 
 # --- the pool's geometry and dtype, learned from a host write ------------------------------------------
 
+
 def _bf16_pool():  # type: ignore[no-untyped-def]
-    pool = make_host_pool(KVCacheConfig(num_layers=3, head_dim=4, kv_heads=1, dtype=torch.bfloat16), slots=8,
-                          page_size=2)
+    pool = make_host_pool(
+        KVCacheConfig(num_layers=3, head_dim=4, kv_heads=1, dtype=torch.bfloat16), slots=8, page_size=2
+    )
     fill_random(pool.kv_buffer, seed=3)
     assert pool.alloc_pages(3) == [0, 1, 2]
     return pool
@@ -148,6 +151,7 @@ def test_an_mla_config_must_have_one_kv_head() -> None:
 
 
 # --- formats -------------------------------------------------------------------------------------------
+
 
 def test_a_format_without_a_layout_means_layer_first_on_either_side() -> None:
     """A format string that names no layout (an older or minimal writer) is layer_first, whichever side of
@@ -204,6 +208,7 @@ def test_a_sidecar_of_exactly_the_largest_size_is_read_whole_and_accepted(tmp_pa
 
 # --- reads -------------------------------------------------------------------------------------------
 
+
 def test_a_sidecar_that_cannot_be_read_is_a_counted_miss(tmp_path: Path) -> None:
     """A sidecar open that fails with an OSError other than not-found reports the page missing and counts it."""
     (k,), (p,) = _keys(1), _pages(1)
@@ -237,8 +242,9 @@ def test_a_checked_read_teaches_an_unknown_page_size_but_never_overrides_a_known
     assert got is not None and torch.equal(got, foreign)
 
 
-def test_a_foreign_page_that_reads_short_of_its_stat_size_is_refused(tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_foreign_page_that_reads_short_of_its_stat_size_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A page without a sidecar whose read comes up shorter than its size at open (being rewritten) is
     refused even when the bytes read are a page's worth."""
     (k,), (p,) = _keys(1), _pages(1)
@@ -281,10 +287,13 @@ def test_a_page_first_page_of_three_tokens_splits_exactly(tmp_path: Path) -> Non
 
 # --- writes where hard links are not supported ---------------------------------------------------------
 
-def test_a_write_on_a_file_system_without_hard_links_publishes_by_rename(tmp_path: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+
+def test_a_write_on_a_file_system_without_hard_links_publishes_by_rename(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Where os.link is not supported the page is published with os.replace, counted as written, and reads
     back verified with no temp file left."""
+
     def no_links(src: str, dst: str) -> None:
         raise OSError(errno.EPERM, "hard links not supported here")
 
@@ -296,12 +305,14 @@ def test_a_write_on_a_file_system_without_hard_links_publishes_by_rename(tmp_pat
     assert (fs.stats.writes_ok, fs.stats.writes_skipped, fs.stats.writes_failed) == (2, 0, 0)
     assert fs.page_nbytes == 1000
     assert sorted(os.listdir(tmp_path)) == sorted(
-        os.path.basename(x) for k in ks for x in (fs.path_of(k), fs.sidecar_of(fs.path_of(k))))
+        os.path.basename(x) for k in ks for x in (fs.path_of(k), fs.sidecar_of(fs.path_of(k)))
+    )
     got = FileStorage(tmp_path, "m").batch_get(ks)
     assert all(g is not None and torch.equal(g, p) for g, p in zip(got, ps))
 
 
 # --- the start-up sweep --------------------------------------------------------------------------------
+
 
 class _Listing:
     """os.scandir's result, with its entries in a chosen order."""
@@ -320,14 +331,18 @@ class _Listing:
 
 
 @pytest.mark.parametrize("reverse", [False, True])
-def test_the_sweep_goes_on_past_temp_files_that_are_not_its_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                               reverse: bool) -> None:
+def test_the_sweep_goes_on_past_temp_files_that_are_not_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reverse: bool
+) -> None:
     """SGLang's temp files and this process's own are skipped, not an end of the sweep: every stale temp of a
     dead writer goes, in whatever order the directory lists its entries."""
     dead, old = _dead_pid(), time.time() - 3600
-    names = {"stale": f".k.bin.{dead}.0123456789ab.0.tmp",
-             "sglang_a": ".0-sglang.tmp", "sglang_z": ".z-sglang.tmp",
-             "own": f".m.bin.{os.getpid()}.0123456789ab.0.tmp"}
+    names = {
+        "stale": f".k.bin.{dead}.0123456789ab.0.tmp",
+        "sglang_a": ".0-sglang.tmp",
+        "sglang_z": ".z-sglang.tmp",
+        "own": f".m.bin.{os.getpid()}.0123456789ab.0.tmp",
+    }
     for name in names.values():
         (tmp_path / name).write_bytes(b"x")
         os.utime(tmp_path / name, (old, old))

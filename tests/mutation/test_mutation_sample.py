@@ -50,8 +50,10 @@ def test_sampled_mutants_are_killed_as_in_the_committed_run() -> None:
         if os.environ.get("CI") or os.environ.get("KVFSM_REQUIRE_MUTMUT"):
             pytest.fail("mutmut is missing: `make test-deps` installs the `mutation` extra")
         pytest.skip("mutmut not installed (pip install -e '.[mutation]')")
-    proc = run_watched([sys.executable, str(HERE / "mutate.py"), "sample", "--n", str(N), "--seed", str(SEED)],
-                       f"mutate.py sample of {N} mutants")
+    proc = run_watched(
+        [sys.executable, str(HERE / "mutate.py"), "sample", "--n", str(N), "--seed", str(SEED)],
+        f"mutate.py sample of {N} mutants",
+    )
     lines = [l.strip() for l in proc.stdout.replace("\r", "\n").splitlines() if l.strip().startswith("{")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = json.loads(lines[-1])
@@ -59,7 +61,8 @@ def test_sampled_mutants_are_killed_as_in_the_committed_run() -> None:
     assert out["kill_rate"] >= out["committed_kill_rate_on_sample"], (
         f"kill rate {out['kill_rate']:.1%} on the sample, the committed run killed {out['committed_kill_rate_on_sample']:.1%} "
         f"of the same mutants; survivors the committed run does not list: {out['new_survivors']} "
-        "(kill them with a test, or run `make mutate` and explain them in tests/mutation/equivalent.py)")
+        "(kill them with a test, or run `make mutate` and explain them in tests/mutation/equivalent.py)"
+    )
 
 
 def test_refresh_brings_every_workspace_file_from_its_source() -> None:
@@ -78,7 +81,9 @@ def test_refresh_brings_every_workspace_file_from_its_source() -> None:
     assert mutate.mutated("kvfsm/dataplane/copy/base.py") and mutate.mutated("kvfsm/generated/decode_offload.py")
     assert not mutate.mutated("kvfsm/dataplane/copy/cuda.py") and not mutate.mutated("kvfsm/runtime/__init__.py")
     assert not mutate.mutated("kvfsm/dataplane/storage/mooncake/store.py")
-    assert not mutate.mutated("kvfsm/dataplane/storage/process.py") and mutate.mutated("kvfsm/dataplane/storage/file.py")
+    assert not mutate.mutated("kvfsm/dataplane/storage/process.py") and mutate.mutated(
+        "kvfsm/dataplane/storage/file.py"
+    )
 
 
 def test_the_main_report_keeps_the_other_scopes_sections(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -90,8 +95,10 @@ def test_the_main_report_keeps_the_other_scopes_sections(tmp_path: Path, monkeyp
     start, end = mutate.SCOPES["fences-adapter"].markers
     section = f"{start}\n## a scope\n\n* `f` #1 (survived): `a` → `b`: why\n{end}"
     report.write_text("# Mutation testing\n\nold main text\n\n" + section + "\n")
-    assert mutate.keep_scope_sections("# Mutation testing\n\nnew main text\n") == \
-        "# Mutation testing\n\nnew main text\n\n" + section + "\n"
+    assert (
+        mutate.keep_scope_sections("# Mutation testing\n\nnew main text\n")
+        == "# Mutation testing\n\nnew main text\n\n" + section + "\n"
+    )
     report.write_text("# Mutation testing\n")
     assert mutate.keep_scope_sections("new\n") == "new\n"
     main = mutate.SCOPES["main"]
@@ -99,7 +106,10 @@ def test_the_main_report_keeps_the_other_scopes_sections(tmp_path: Path, monkeyp
     assert main.tests == mutate.TESTS and not main.functions and mutate.in_scope("anything")
     scope = mutate.SCOPES["fences-adapter"]
     assert scope.work != main.work and scope.survivors != main.survivors and scope.equivalent != main.equivalent
-    assert "tests/upstream/test_kills_adapter.py" in scope.tests and "tests/upstream/test_kills_adapter.py" not in main.tests
+    assert (
+        "tests/upstream/test_kills_adapter.py" in scope.tests
+        and "tests/upstream/test_kills_adapter.py" not in main.tests
+    )
 
 
 def test_the_draw_passes_over_committed_survivors_and_keeps_its_size_and_seed() -> None:
@@ -132,17 +142,20 @@ def test_the_committed_stats_are_this_workspaces() -> None:
     assert digest == mutate.workspace_digest(), (
         "tests/mutation/sample_stats.json.xz was collected in another workspace: the package, the mutation test subset, "
         "mutmut's configuration or a package's version changed since. Collect them again (about 4 minutes): "
-        f"`.venv/bin/python tests/mutation/mutate.py sample --save-stats --n {N} --seed {SEED}`")
+        f"`.venv/bin/python tests/mutation/mutate.py sample --save-stats --n {N} --seed {SEED}`"
+    )
     assert stats is not None and len(stats["tests_by_mangled_function_name"]) > 100
     drawn = mutate.recorded_draw(digest, N, SEED)
     assert drawn is not None and len(drawn[0]) == N, (
         "tests/mutation/sample_stats.json.xz holds no draw of this sample against the committed survivors, so the "
         f"sample generates every mutant to draw: `.venv/bin/python tests/mutation/mutate.py sample --save-stats --n {N} "
-        f"--seed {SEED}` records it")
+        f"--seed {SEED}` records it"
+    )
 
 
-def test_a_recorded_draw_serves_only_its_workspace_size_seed_and_survivors(tmp_path: Path,
-                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_recorded_draw_serves_only_its_workspace_size_seed_and_survivors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The picks a --save-stats run drew are reused, and only their files mutated, where a draw again would give
     them: the same digest, n, seed and committed survivors; a record without a draw is no draw."""
     import lzma
@@ -151,8 +164,10 @@ def test_a_recorded_draw_serves_only_its_workspace_size_seed_and_survivors(tmp_p
     monkeypatch.setattr(mutate, "SAMPLE_STATS", tmp_path / "stats.json.xz")
     monkeypatch.setattr(mutate, "SURVIVORS", tmp_path / "survivors.json")
     mutate.SURVIVORS.write_text('{"survivors": []}')
-    picks = ["kvfsm.runtime.manager.xǁDecodeOffloadManagerǁcheck_progress__mutmut_32",
-             "kvfsm.generated.decode_offload.x_violated_invariants__mutmut_85"]
+    picks = [
+        "kvfsm.runtime.manager.xǁDecodeOffloadManagerǁcheck_progress__mutmut_32",
+        "kvfsm.generated.decode_offload.x_violated_invariants__mutmut_85",
+    ]
     draw_of = {"n": 2, "seed": 7, "survivors": mutate.survivors_digest(), "picks": picks, "passed_over": 3}
     mutate.SAMPLE_STATS.write_bytes(lzma.compress(json.dumps({"digest": "d", "stats": {}, "draw": draw_of}).encode()))
     assert mutate.recorded_draw("d", 2, 7) == (picks, 3)
@@ -191,8 +206,9 @@ def _with_fake_generation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Mo
     return mutate
 
 
-def test_generated_mutants_are_reused_only_under_their_workspace_digest(tmp_path: Path,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_generated_mutants_are_reused_only_under_their_workspace_digest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """generate_cached keeps what generate() wrote under the workspace's digest and gives it back, newer than the
     workspace's sources (mutmut regenerates a file whose mutants are not), to a workspace with that digest only."""
     mutate = _with_fake_generation(tmp_path, monkeypatch)
@@ -211,8 +227,9 @@ def test_generated_mutants_are_reused_only_under_their_workspace_digest(tmp_path
     assert [p.name for p in (tmp_path / "cache").iterdir()] == ["b" * 64 + ".tar"]
 
 
-def test_a_cache_that_cannot_be_written_costs_only_the_next_generation(tmp_path: Path,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_cache_that_cannot_be_written_costs_only_the_next_generation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A cache that cannot be written (here a file where its folder would be) leaves this sample its mutants."""
     mutate = _with_fake_generation(tmp_path, monkeypatch)
     (tmp_path / "cache").write_text("a file where the cache folder would be")

@@ -20,16 +20,29 @@ import mutate  # noqa: E402
 
 
 def _meta(codes: dict[str, int | None], hashes: dict[str, str]) -> dict:
-    return {"exit_code_by_key": codes, "hash_by_function_name": hashes, "type_check_error_by_key": {},
-            "durations_by_key": {k: 1.5 for k in codes}, "estimated_durations_by_key": {}}
+    return {
+        "exit_code_by_key": codes,
+        "hash_by_function_name": hashes,
+        "type_check_error_by_key": {},
+        "durations_by_key": {k: 1.5 for k in codes},
+        "estimated_durations_by_key": {},
+    }
 
 
 def test_a_record_puts_every_verdict_and_hash_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     work = tmp_path / "work"
     monkeypatch.setattr(mutate, "WORK", work)
-    metas = {"kvfsm/runtime/a.py.meta": _meta({"kvfsm.runtime.a.x_f__mutmut_1": 1, "kvfsm.runtime.a.x_f__mutmut_2": 0,
-                                                "kvfsm.runtime.a.x_g__mutmut_1": None}, {"x_f": "aa", "x_g": "bb"}),
-             "kvfsm/b.py.meta": _meta({"kvfsm.b.x_h__mutmut_1": 36}, {"x_h": "cc"})}
+    metas = {
+        "kvfsm/runtime/a.py.meta": _meta(
+            {
+                "kvfsm.runtime.a.x_f__mutmut_1": 1,
+                "kvfsm.runtime.a.x_f__mutmut_2": 0,
+                "kvfsm.runtime.a.x_g__mutmut_1": None,
+            },
+            {"x_f": "aa", "x_g": "bb"},
+        ),
+        "kvfsm/b.py.meta": _meta({"kvfsm.b.x_h__mutmut_1": 36}, {"x_h": "cc"}),
+    }
     for rel, data in metas.items():
         (work / "mutants" / rel).parent.mkdir(parents=True, exist_ok=True)
         (work / "mutants" / rel).write_text(json.dumps(data))

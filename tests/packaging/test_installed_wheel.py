@@ -26,15 +26,30 @@ ROOT = Path(__file__).resolve().parents[2]
 UV = ROOT / "build" / "uv" / "bin" / "uv"  # the uv `make test` installs (Makefile: UV)
 TORCH_PIN = "torch==2.13.0"  # the Makefile's pin: the CPU build, so the range in pyproject installs nothing bigger
 # (".venv*": the main venv and sglang's, which `make test` builds before the suite; ".device": GPU runs' site)
-_NOT_SOURCE = shutil.ignore_patterns(".git", ".venv*", ".device", ".whl", "build", "dist", "*.egg-info", "__pycache__",
-                                     ".hypothesis", ".pytest_cache", "results", "tests")
+_NOT_SOURCE = shutil.ignore_patterns(
+    ".git",
+    ".venv*",
+    ".device",
+    ".whl",
+    "build",
+    "dist",
+    "*.egg-info",
+    "__pycache__",
+    ".hypothesis",
+    ".pytest_cache",
+    "results",
+    "tests",
+)
 
 
 def _find_links(env: dict[str, str]) -> list[str]:
     """pip's find-links (where this machine keeps its CPU torch), which uv does not read by itself."""
-    links = env.get("PIP_FIND_LINKS") or subprocess.run(
-        [sys.executable, "-m", "pip", "config", "get", "global.find-links"], capture_output=True, text=True,
-        env=env).stdout
+    links = (
+        env.get("PIP_FIND_LINKS")
+        or subprocess.run(
+            [sys.executable, "-m", "pip", "config", "get", "global.find-links"], capture_output=True, text=True, env=env
+        ).stdout
+    )
     return links.split()
 
 
@@ -66,10 +81,30 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dic
         _run([UV, "venv", "-q", "--python", sys.executable, base / "venv"], base, env)
         links = _find_links(env)
         uv_torch = [UV, "pip", "install", "-q", "--python", bin_dir / "python", "--no-index", "--no-deps"]
-        if not links or run_watched([str(c) for c in uv_torch + [f"--find-links={x}" for x in links] + [TORCH_PIN]],
-                                    "uv pip install torch", cwd=base, env=env).returncode:
-            _run([sys.executable, "-m", "pip", "--python", bin_dir / "python", "install", "-q", "--no-compile",
-                  TORCH_PIN], base, env)
+        if (
+            not links
+            or run_watched(
+                [str(c) for c in uv_torch + [f"--find-links={x}" for x in links] + [TORCH_PIN]],
+                "uv pip install torch",
+                cwd=base,
+                env=env,
+            ).returncode
+        ):
+            _run(
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "--python",
+                    bin_dir / "python",
+                    "install",
+                    "-q",
+                    "--no-compile",
+                    TORCH_PIN,
+                ],
+                base,
+                env,
+            )
         _run([UV, "pip", "install", "-q", "--python", bin_dir / "python", wheel], base, env)
     else:
         venv.create(base / "venv", with_pip=True)
@@ -85,10 +120,12 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dic
 
 def test_import_and_no_top_level_generated(installed) -> None:
     bin_dir, user, env = installed
-    code = ("import kvfsm, kvfsm.runtime, kvfsm.generated.decode_offload as m, generated, pathlib; "
-            "assert generated.USERS_OWN; site = pathlib.Path(kvfsm.__file__).parents[1]; "
-            "assert not (site / 'generated').exists(), 'a top-level generated/ was installed'; "
-            "assert pathlib.Path(m.__file__).is_relative_to(site / 'kvfsm'); print(site)")
+    code = (
+        "import kvfsm, kvfsm.runtime, kvfsm.generated.decode_offload as m, generated, pathlib; "
+        "assert generated.USERS_OWN; site = pathlib.Path(kvfsm.__file__).parents[1]; "
+        "assert not (site / 'generated').exists(), 'a top-level generated/ was installed'; "
+        "assert pathlib.Path(m.__file__).is_relative_to(site / 'kvfsm'); print(site)"
+    )
     site = Path(_run([str(bin_dir / "python"), "-c", code], user, env).stdout.strip())
     assert not site.is_relative_to(ROOT)
 

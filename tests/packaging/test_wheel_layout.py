@@ -56,11 +56,22 @@ def test_no_module_imports_a_top_level_generated() -> None:
     import ast
 
     offenders = []
-    for path in sorted((ROOT / "kvfsm").rglob("*.py")) + sorted((ROOT / "bench").rglob("*.py")) + \
-            sorted((ROOT / "tests").rglob("*.py")):
+    for path in (
+        sorted((ROOT / "kvfsm").rglob("*.py"))
+        + sorted((ROOT / "bench").rglob("*.py"))
+        + sorted((ROOT / "tests").rglob("*.py"))
+    ):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
-            offenders += [f"{path.relative_to(ROOT)}:{node.lineno}: {n}" for n in names
-                          if n == "generated" or n.startswith("generated.")]
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and node.level == 0
+                else []
+            )
+            offenders += [
+                f"{path.relative_to(ROOT)}:{node.lineno}: {n}"
+                for n in names
+                if n == "generated" or n.startswith("generated.")
+            ]
     assert not offenders, offenders

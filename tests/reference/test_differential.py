@@ -34,6 +34,7 @@ class RecordingEffects:
             self.log.append((action, arg, m.snapshot()))
             if action == self.fail_on:
                 raise RuntimeError(f"injected failure in {action}")
+
         return run
 
 
@@ -87,8 +88,7 @@ def _reached(fences: int) -> set[int]:
             for event in SPEC.events:
                 fx = RecordingEffects()
                 hits: list[int] = []
-                m = gen.DecodeOffloadMachine(fx, observer=lambda _m, _e, _s, _d, tid: hits.append(tid),
-                                             fences=fences)
+                m = gen.DecodeOffloadMachine(fx, observer=lambda _m, _e, _s, _d, tid: hits.append(tid), fences=fences)
                 try:
                     for e in path + [event]:
                         getattr(m, e)()
@@ -111,8 +111,10 @@ def test_every_transition_is_reachable_by_some_stream():
 
 
 def test_a_param_outside_0_and_1_is_refused_by_both_machines():
-    for make in (lambda: gen.DecodeOffloadMachine(RecordingEffects(), fences=2),
-                 lambda: ReferenceMachine(SPEC, RecordingEffects(), fences=2)):
+    for make in (
+        lambda: gen.DecodeOffloadMachine(RecordingEffects(), fences=2),
+        lambda: ReferenceMachine(SPEC, RecordingEffects(), fences=2),
+    ):
         with pytest.raises(ValueError, match="0 or 1"):
             make()
 
@@ -157,6 +159,7 @@ def test_every_state_counter_valuation_and_event_agrees_with_the_reference():
     random streams reach: each guard's boundary (copies 1 against 2, a last host chunk against the one
     before) is decided as the spec says, in the generated machine and in `transitions` alike."""
     import itertools
+
     for fences in (0, 1):
         fx_g, fx_r = RecordingEffects(), RecordingEffects()
         g_m, r_m = gen.DecodeOffloadMachine(fx_g, fences=fences), ReferenceMachine(SPEC, fx_r, fences=fences)
@@ -193,12 +196,14 @@ class SpecEffects:
             self.log.append((action, arg, m.snapshot()))
             if action == self.fail_on:
                 raise RuntimeError(f"injected failure in {action}")
+
         return run
 
 
 @pytest.mark.parametrize("name", SHIPPED)
-@settings(max_examples=30 if os.environ.get("KVFSM_FUZZ", "ci") == "ci" else settings.default.max_examples,
-          deadline=None)
+@settings(
+    max_examples=30 if os.environ.get("KVFSM_FUZZ", "ci") == "ci" else settings.default.max_examples, deadline=None
+)
 @given(data=st.data())
 def test_every_shipped_spec_generated_matches_reference(name: str, data: st.DataObject) -> None:
     """The same random event streams (each action possibly failing, each param drawn) through the generated
@@ -207,8 +212,7 @@ def test_every_shipped_spec_generated_matches_reference(name: str, data: st.Data
     spec, machine = _machine_class(name)
     params = {p: data.draw(st.sampled_from([0, 1]), label=p) for p in spec.params}
     creating = set(spec.model.create.actions) if spec.model.create else set()  # run by the constructor
-    fail_on = data.draw(st.sampled_from([None, *(a for a in spec.model.actions if a not in creating)]),
-                        label="fail_on")
+    fail_on = data.draw(st.sampled_from([None, *(a for a in spec.model.actions if a not in creating)]), label="fail_on")
     stream = data.draw(st.lists(st.tuples(st.sampled_from(spec.events), st.integers(0, 3)), max_size=60))
     fx_g, fx_r = SpecEffects(spec, fail_on), SpecEffects(spec, fail_on)
     obs_g: list = []

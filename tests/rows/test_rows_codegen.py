@@ -84,13 +84,19 @@ def exprs() -> st.SearchStrategy[str]:
     term = st.one_of(st.sampled_from(NAMES), st.integers(0, 3).map(str))
     summ = st.lists(term, min_size=1, max_size=3).flatmap(
         lambda ts: st.lists(st.sampled_from(["+", "-"]), min_size=len(ts) - 1, max_size=len(ts) - 1).map(
-            lambda ops: " ".join([ts[0]] + [f"{o} {t}" for o, t in zip(ops, ts[1:])])))
+            lambda ops: " ".join([ts[0]] + [f"{o} {t}" for o, t in zip(ops, ts[1:])])
+        )
+    )
     cmp = st.tuples(summ, st.sampled_from(["==", "!=", "<", "<=", ">", ">="]), summ).map(" ".join)
     atom = st.one_of(cmp, st.sampled_from(["true", "false", "1 == 1", "2 < 1"]))
-    return st.recursive(atom, lambda inner: st.one_of(
-        inner.map(lambda e: f"not ({e})"),
-        st.tuples(inner, st.sampled_from(["and", "or"]), inner).map(lambda t: f"({t[0]}) {t[1]} ({t[2]})")),
-        max_leaves=6)
+    return st.recursive(
+        atom,
+        lambda inner: st.one_of(
+            inner.map(lambda e: f"not ({e})"),
+            st.tuples(inner, st.sampled_from(["and", "or"]), inner).map(lambda t: f"({t[0]}) {t[1]} ({t[2]})"),
+        ),
+        max_leaves=6,
+    )
 
 
 def _vector_eval(node: ex.Node, env: dict[str, np.ndarray]) -> np.ndarray:
@@ -115,24 +121,42 @@ def test_every_spec_guard_agrees_with_the_evaluator(spec_rel: str) -> None:
     grid = np.array(np.meshgrid(*[np.arange(-1, 4)] * len(names))).reshape(len(names), -1)
     env = {n: grid[i] for i, n in enumerate(names)}
     for g, node in spec.guards.items():
-        want = [bool(ex.evaluate(node, {n: int(grid[i, k]) for i, n in enumerate(names)}))
-                for k in range(grid.shape[1])]
+        want = [
+            bool(ex.evaluate(node, {n: int(grid[i, k]) for i, n in enumerate(names)})) for k in range(grid.shape[1])
+        ]
         assert _vector_eval(node, env).tolist() == want, g
 
 
 # --- action calls -----------------------------------------------------------------------------------------
 
+
 def _t(tid: int, actions: tuple[str, ...]) -> Transition:
-    return Transition(id=tid, src="s", event="e", guard=None, dst="s", actions=actions, update=(), acquires=(),
-                      reads=(), releases=(), line=1, rule=tid)
+    return Transition(
+        id=tid,
+        src="s",
+        event="e",
+        guard=None,
+        dst="s",
+        actions=actions,
+        update=(),
+        acquires=(),
+        reads=(),
+        releases=(),
+        line=1,
+        rule=tid,
+    )
 
 
 def test_action_calls_follow_the_spec_order_where_every_transition_agrees() -> None:
     spec = load_spec("spec/cb_swap.yaml")
     ts = [t for t in spec.transitions if t.event == "swap_out_done"]
     calls = action_calls(spec, ts)
-    assert [a for a, _ in calls] == ["verify_swap_out", "free_host_blocks", "release_device_blocks",
-                                     "verify_landed_swap_out"]  # one call each: one order keeps every transition's
+    assert [a for a, _ in calls] == [
+        "verify_swap_out",
+        "free_host_blocks",
+        "release_device_blocks",
+        "verify_landed_swap_out",
+    ]  # one call each: one order keeps every transition's
     for t in ts:
         assert [a for a, tids in calls if t.id in tids] == list(t.actions)
 

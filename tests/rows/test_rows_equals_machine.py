@@ -74,6 +74,7 @@ class RowsEffects:
             self.log.extend((action, int(r), None if args is None else args[i]) for i, r in enumerate(rows))
             if action == self.fail:
                 raise RuntimeError(f"{action} failed")
+
         return call
 
 
@@ -220,8 +221,13 @@ def test_rows_machine_equals_per_request_machines(name: str, fill: str, data: st
         return [{p: int(fill) for p in mod.PARAMS} for _ in range(count)]
 
     n = data.draw(st.integers(1, 6), label="rows")
-    pair = Pair(name, n, data.draw(st.integers(0, 3), label="capacity"), draw_params(n),
-                data.draw(st.booleans(), label="args as a list"))
+    pair = Pair(
+        name,
+        n,
+        data.draw(st.integers(0, 3), label="capacity"),
+        draw_params(n),
+        data.draw(st.booleans(), label="args as a list"),
+    )
     pair.note = hypothesis_event
     for step in range(data.draw(st.integers(1, 30), label="batches")):
         kind = data.draw(st.sampled_from(["event"] * 8 + ["fail", "create"]), label="kind")
@@ -233,8 +239,10 @@ def test_rows_machine_equals_per_request_machines(name: str, fill: str, data: st
             event = data.draw(st.sampled_from(per.EVENTS), label="event")
         takers = [r for r in range(n) if pair.ms[r].state in per.HANDLED[event]] or list(range(n))
         size = data.draw(st.integers(0, 6), label="batch size")
-        picks = [data.draw(st.sampled_from(takers) if data.draw(st.integers(0, 4)) else st.integers(0, n - 1))
-                 for _ in range(size)]
+        picks = [
+            data.draw(st.sampled_from(takers) if data.draw(st.integers(0, 4)) else st.integers(0, n - 1))
+            for _ in range(size)
+        ]
         if kind == "event":
             pair.fire(event, picks, f"b{step}")
         elif kind == "fail":
@@ -246,6 +254,7 @@ def test_rows_machine_equals_per_request_machines(name: str, fill: str, data: st
 
 
 # --- the batch checks ------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", SPECS)
 def test_bad_batches_are_refused_with_nothing_changed(name: str) -> None:

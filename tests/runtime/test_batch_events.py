@@ -42,13 +42,24 @@ class Recorder(DecodeOffloadEffectsEach):
             if name == self.fail:
                 raise RuntimeError(f"{name} failed")
             self.log.append((name, m.ctx, arg))
+
         return action
 
 
 # Weights of the random walk that puts machines into assorted states: mostly events that keep a request
 # live and give it copies and host chunks, rarely an end (a released machine accepts almost nothing).
-WALK = {"offload": 6, "copy_done": 3, "copy_parked": 2, "backup_resubmit": 2, "backup_done": 3, "backup_failed": 2,
-        "host_full": 1, "finish": 1, "abort": 1, "retract": 1}
+WALK = {
+    "offload": 6,
+    "copy_done": 3,
+    "copy_parked": 2,
+    "backup_resubmit": 2,
+    "backup_done": 3,
+    "backup_failed": 2,
+    "host_full": 1,
+    "finish": 1,
+    "abort": 1,
+    "retract": 1,
+}
 SEEDS = 330  # 30 per event
 # event -> non-empty batches accepted; (event, source state) and transition ids their items took; rejected
 # batches per event; seeds run (test_zz_every_event_batched_in_live_states reads these).
@@ -242,15 +253,17 @@ def test_zz_every_event_batched_in_live_states() -> None:
     handled = {(e, s) for e, states in gen.HANDLED.items() for s in states}
     missing = sorted((e, gen.STATES[s]) for e, s in handled - SOURCES)
     assert not missing, f"(event, state) never batched: {missing}"
-    assert set(range(len(gen.TRANSITIONS))) <= TAKEN, f"transitions never batched: " \
-        f"{sorted(set(range(len(gen.TRANSITIONS))) - TAKEN)}"
+    assert set(range(len(gen.TRANSITIONS))) <= TAKEN, (
+        f"transitions never batched: {sorted(set(range(len(gen.TRANSITIONS))) - TAKEN)}"
+    )
     assert sum(REJECTED.values()) >= 10, REJECTED
     for e in ("copy_done", "copy_parked", "backup_done", "backup_failed", "backup_resubmit"):
         assert ACCEPTED[e] >= 10, f"only {ACCEPTED[e]} accepted {e} batches"
 
 
-@pytest.mark.parametrize("event,fail", [("copy_done", "submit_backup"), ("backup_done", "free_host_chunk"),
-                                        ("offload", "start_copy")])
+@pytest.mark.parametrize(
+    "event,fail", [("copy_done", "submit_backup"), ("backup_done", "free_host_chunk"), ("offload", "start_copy")]
+)
 def test_a_raising_action_leaves_every_machine_as_it_was(event: str, fail: str) -> None:
     fx = Recorder()
     ms = [DecodeOffloadMachine(fx, ctx=i) for i in range(3)]
@@ -279,15 +292,15 @@ def test_observed_machines_run_item_by_item() -> None:
 def test_an_event_whose_transitions_disagree_on_action_order_has_no_batch_order() -> None:
     spec = load_spec("spec/cb_swap.yaml")
     assert batch_action_order(spec, "swap_out_done") is None  # its batch form runs item by item
-    assert action_order("copy_done") == [
-        "hash_chunk", "submit_backup", "release_request"]
+    assert action_order("copy_done") == ["hash_chunk", "submit_backup", "release_request"]
     assert "item by item" in (cb_gen.CbSwapMachine.swap_out_done_each.__doc__ or "")
 
 
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("page_size,stride,host_slots", [(1, 0, 12), (2, 4, 8), (4, 0, 64)])
-def test_checked_item_by_item_equals_unchecked_batches(seed: int, page_size: int, stride: int, host_slots: int,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_checked_item_by_item_equals_unchecked_batches(
+    seed: int, page_size: int, stride: int, host_slots: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The manager's batch path (unchecked) against its item-by-item path (checked mode's observer), with
     parked chunks (a backup queue of 1) and failed backups (a quarter of the page hashes)."""
     from kvfsm.dataplane import storage
@@ -296,9 +309,17 @@ def test_checked_item_by_item_equals_unchecked_batches(seed: int, page_size: int
 
     def failing(self, inner, fail_writes=None, **kw):  # type: ignore[no-untyped-def]
         real(self, inner, fail_writes=lambda key: int(key[:2], 16) < 64, **kw)
+
     monkeypatch.setattr(storage.FaultyStorage, "__init__", failing)
-    kw = dict(page_size=page_size, stride=stride, host_slots=host_slots, device_slots=96, rows=5, max_context=48,
-              backup_queue=1)
+    kw = dict(
+        page_size=page_size,
+        stride=stride,
+        host_slots=host_slots,
+        device_slots=96,
+        rows=5,
+        max_context=48,
+        backup_queue=1,
+    )
     checked = run_workload(True, seed, checked=True, **kw)
     unchecked = run_workload(True, seed, checked=False, **kw)
     for step, (a, b) in enumerate(zip(checked, unchecked)):

@@ -45,8 +45,14 @@ class Pools:
         self.protected = SimplePrefixCache()
 
     def manager(self, config: OffloadConfig, **kw: Any) -> DecodeOffloadManager:
-        return DecodeOffloadManager(config, device_pool=self.device_pool, allocator=self.allocator,
-                                    req_to_token=self.table, prefix_cache=self.protected, **kw)
+        return DecodeOffloadManager(
+            config,
+            device_pool=self.device_pool,
+            allocator=self.allocator,
+            req_to_token=self.table,
+            prefix_cache=self.protected,
+            **kw,
+        )
 
 
 @pytest.fixture
@@ -104,7 +110,12 @@ def test_config_errors_pickle_with_their_fields() -> None:
     except ConfigError as exc:
         back = pickle.loads(pickle.dumps(exc))
         assert (back.field, back.reason, back.source, back.problems, str(back)) == (
-            exc.field, exc.reason, exc.source, exc.problems, str(exc))
+            exc.field,
+            exc.reason,
+            exc.source,
+            exc.problems,
+            str(exc),
+        )
 
 
 def test_stride_rounding_is_logged_as_a_warning(caplog: pytest.LogCaptureFixture) -> None:
@@ -114,7 +125,9 @@ def test_stride_rounding_is_logged_as_a_warning(caplog: pytest.LogCaptureFixture
     assert OffloadConfig(page_size=4, offload_stride=10).stride == 8
     (rec,) = caplog.records
     assert rec.levelno == logging.WARNING and rec.name == "kvfsm.runtime.config"
-    assert "offload_stride=10" in rec.getMessage() and "page_size=4" in rec.getMessage() and "8 tokens" in rec.getMessage()
+    assert (
+        "offload_stride=10" in rec.getMessage() and "page_size=4" in rec.getMessage() and "8 tokens" in rec.getMessage()
+    )
     caplog.clear()
     OffloadConfig(page_size=4, offload_stride=8)
     OffloadConfig(page_size=4)  # 0: one page, as documented
@@ -160,9 +173,11 @@ def test_copy_backend_auto_on_the_cpu_warns(tmp_path: Path, caplog: pytest.LogCa
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["auto", "cuda"])
-def test_a_cuda_device_pool_gets_the_cuda_engine_without_a_warning(backend: str, tmp_path: Path,
-                                                                    caplog: pytest.LogCaptureFixture) -> None:
+def test_a_cuda_device_pool_gets_the_cuda_engine_without_a_warning(
+    backend: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     from kvfsm.dataplane import CudaCopyEngine
+
     caplog.set_level(logging.WARNING, logger="kvfsm")
     pools = Pools()
     pools.device_pool = DeviceKVPool.create(KV, 64, "cuda")
@@ -200,8 +215,9 @@ def test_a_host_pool_smaller_than_a_page_is_refused(tmp_path: Path, no_host_pool
     assert exc.value.field == "host_pool_bytes" and "less than one page" in exc.value.reason
 
 
-def test_storage_dir_default_and_none_backend_are_warned(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                         caplog: pytest.LogCaptureFixture) -> None:
+def test_storage_dir_default_and_none_backend_are_warned(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.WARNING, logger="kvfsm")
     monkeypatch.chdir(tmp_path)
     manager = Pools().manager(OffloadConfig(page_size=4), copy_engine=CpuCopyEngine())
@@ -226,8 +242,10 @@ def test_file_storage_options_are_checked_and_passed(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="set by the manager") as exc:
         OffloadConfig(storage_extra={"directory": "/tmp/x"})
     assert exc.value.field == "storage_extra.directory"
-    manager = Pools().manager(OffloadConfig(page_size=4, storage_dir=tmp_path, storage_extra={"fsync": True, "writers": 2}),
-                              copy_engine=CpuCopyEngine())
+    manager = Pools().manager(
+        OffloadConfig(page_size=4, storage_dir=tmp_path, storage_extra={"fsync": True, "writers": 2}),
+        copy_engine=CpuCopyEngine(),
+    )
     assert manager.fx.storage.fsync is True and manager.fx.storage.writers == 2
     manager.close()
 
@@ -240,10 +258,13 @@ def test_storage_process_needs_the_file_backend(backend: str) -> None:
     assert exc.value.field == "storage_process" and repr(backend) in exc.value.reason
 
 
-@pytest.mark.parametrize("process, extra, writers", [(True, {}, CHILD_FILE_WRITERS), (True, {"writers": 2}, 2),
-                                                     (False, {}, None), (False, {"writers": 3}, 3)])
+@pytest.mark.parametrize(
+    "process, extra, writers",
+    [(True, {}, CHILD_FILE_WRITERS), (True, {"writers": 2}, 2), (False, {}, None), (False, {"writers": 3}, 3)],
+)
 def test_the_child_file_store_runs_its_writers_unless_storage_extra_sets_them(
-        tmp_path: Path, process: bool, extra: dict[str, int], writers: int | None) -> None:
+    tmp_path: Path, process: bool, extra: dict[str, int], writers: int | None
+) -> None:
     """In a child process the file store's writers take none of the scheduler's interpreter time, so it gets
     CHILD_FILE_WRITERS; in process FileStorage keeps its own default (one); `storage_extra`'s count wins in both."""
     from kvfsm.runtime.build import storage_factory
@@ -261,8 +282,15 @@ def test_the_child_file_store_runs_its_writers_unless_storage_extra_sets_them(
 
 def test_mistyped_environment_variables_are_warned_with_the_closest_name(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="kvfsm")
-    env = {"KVFSM_PAGE_SIZ": "4", "KVFSM_OFFLOAD_STRIDE": "8", "KVFSM_FUZZ": "deep", "KVFSM_REQUIRE_MOONCAKE": "1",
-           "KVFSM_CU_BATCH": "off", "KVFSM_ZZZ": "1", "PATH": "/bin"}
+    env = {
+        "KVFSM_PAGE_SIZ": "4",
+        "KVFSM_OFFLOAD_STRIDE": "8",
+        "KVFSM_FUZZ": "deep",
+        "KVFSM_REQUIRE_MOONCAKE": "1",
+        "KVFSM_CU_BATCH": "off",
+        "KVFSM_ZZZ": "1",
+        "PATH": "/bin",
+    }
     config = OffloadConfig.from_env(env)
     assert config.page_size == 1 and config.offload_stride == 8  # the typo set nothing
     messages = sorted(r.getMessage() for r in caplog.records)
@@ -272,8 +300,14 @@ def test_mistyped_environment_variables_are_warned_with_the_closest_name(caplog:
 
 
 def test_environment_text_fields_stay_text() -> None:
-    config = OffloadConfig.from_env({"KVFSM_MODEL_NAME": "1234", "KVFSM_STORAGE_DIR": "123", "KVFSM_PAGE_SIZE": "4",
-                                     "KVFSM_STORAGE_EXTRA": '{"writers": 2}'})
+    config = OffloadConfig.from_env(
+        {
+            "KVFSM_MODEL_NAME": "1234",
+            "KVFSM_STORAGE_DIR": "123",
+            "KVFSM_PAGE_SIZE": "4",
+            "KVFSM_STORAGE_EXTRA": '{"writers": 2}',
+        }
+    )
     assert config.model_name == "1234" and config.storage_dir == Path("123") and config.page_size == 4
     assert config.storage_extra == {"writers": 2}
     with pytest.raises(ConfigError, match=r"^environment \(KVFSM_\*\): page_size: ") as exc:
@@ -297,13 +331,16 @@ def test_mooncake_is_a_backend_and_its_options_are_checked() -> None:
     assert exc.value.field == "storage_extra.op_timeout_s"
     with pytest.raises(ConfigError, match="from model_name"):
         OffloadConfig(storage_backend="mooncake", storage_extra={"master_server_addr": "h:1", "model_name": "m"})
-    config = OffloadConfig(storage_backend="mooncake", storage_extra={"master_server_addr": "127.0.0.1:50051",
-                                                                      "op_timeout_s": 2, "protocol": "tcp"})
+    config = OffloadConfig(
+        storage_backend="mooncake",
+        storage_extra={"master_server_addr": "127.0.0.1:50051", "op_timeout_s": 2, "protocol": "tcp"},
+    )
     assert config.storage_backend == "mooncake"
 
 
-def test_mooncake_not_installed_is_a_config_error_naming_the_extra(monkeypatch: pytest.MonkeyPatch,
-                                                                    no_host_pool: list[int]) -> None:
+def test_mooncake_not_installed_is_a_config_error_naming_the_extra(
+    monkeypatch: pytest.MonkeyPatch, no_host_pool: list[int]
+) -> None:
     for name in ("mooncake", "mooncake.store"):
         monkeypatch.setitem(sys.modules, name, None)  # what an environment without the wheel imports
     config = OffloadConfig(page_size=4, storage_backend="mooncake", storage_extra={"master_server_addr": "127.0.0.1:1"})
@@ -347,6 +384,7 @@ def mooncake_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[
         master_binary,
         master_command,
     )
+
     try:
         import_store_class()
     except MooncakeUnavailable as exc:
@@ -359,12 +397,21 @@ def mooncake_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[
         rpc, http, metrics = _free_port(), _free_port(), _free_port()
         log = logs / f"master-{attempt}.log"
         with open(log, "wb") as out:
-            proc = subprocess.Popen(master_command(binary, rpc, http, metrics), stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            proc = subprocess.Popen(
+                master_command(binary, rpc, http, metrics),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         try:  # a hang guard on the master's progress (tests/timing.py), not a fixed timeout
-            wait_for(lambda: proc.poll() is not None or (_accepts(rpc) and _accepts(http)),
-                     f"mooncake_master (pid {proc.pid}) to listen on {rpc} and {http}", 20,
-                     progress=lambda: tree_cpu(proc.pid), ceiling_s=300)
+            wait_for(
+                lambda: proc.poll() is not None or (_accepts(rpc) and _accepts(http)),
+                f"mooncake_master (pid {proc.pid}) to listen on {rpc} and {http}",
+                20,
+                progress=lambda: tree_cpu(proc.pid),
+                ceiling_s=300,
+            )
         except TimedOut as exc:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
@@ -377,8 +424,12 @@ def mooncake_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[
             _unavailable(f"mooncake_master did not come up ({why}): {log.read_text(errors='replace')[-500:]}")
     try:
         with pytest.MonkeyPatch.context() as mp:  # loopback only, bounded setup (read when a client sets up)
-            for key, value in {**LOOPBACK_ENV, "MC_RPC_TIMEOUT_MS": "3000", "MC_RPC_CONNECT_TIMEOUT_MS": "1000",
-                               "MC_STORE_CLIENT_SETUP_RETRIES": "2"}.items():
+            for key, value in {
+                **LOOPBACK_ENV,
+                "MC_RPC_TIMEOUT_MS": "3000",
+                "MC_RPC_CONNECT_TIMEOUT_MS": "1000",
+                "MC_STORE_CLIENT_SETUP_RETRIES": "2",
+            }.items():
                 mp.setenv(key, value)
             yield f"127.0.0.1:{rpc}", f"http://127.0.0.1:{http}/metadata"
     finally:
@@ -404,12 +455,24 @@ class Req:
 
 def test_a_manager_built_from_a_mooncake_config_stores_and_reads_back(mooncake_master: tuple[str, str]) -> None:
     addr, metadata = mooncake_master
-    config = OffloadConfig(page_size=4, offload_stride=8, copy_backend="cpu", storage_backend="mooncake",
-                           model_name=f"test/{uuid.uuid4().hex[:8]}", checked=True,
-                           storage_extra={"master_server_addr": addr, "metadata_server": metadata,
-                                          "global_segment_size": 32 << 20, "local_buffer_size": 16 << 20,
-                                          "op_timeout_s": 5.0, "setup_timeout_s": 15.0, "close_timeout_s": 3.0,
-                                          "read_pool_bytes": 16 << 20})
+    config = OffloadConfig(
+        page_size=4,
+        offload_stride=8,
+        copy_backend="cpu",
+        storage_backend="mooncake",
+        model_name=f"test/{uuid.uuid4().hex[:8]}",
+        checked=True,
+        storage_extra={
+            "master_server_addr": addr,
+            "metadata_server": metadata,
+            "global_segment_size": 32 << 20,
+            "local_buffer_size": 16 << 20,
+            "op_timeout_s": 5.0,
+            "setup_timeout_s": 15.0,
+            "close_timeout_s": 3.0,
+            "read_pool_bytes": 16 << 20,
+        },
+    )
     pools = Pools(slots=128, page=4)
     pools.device_pool.token_view().copy_(torch.randn_like(pools.device_pool.token_view()))
     manager = pools.manager(config)

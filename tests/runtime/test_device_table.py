@@ -46,12 +46,19 @@ def test_whole_pages_and_page_ids_are_the_pages_a_span_starts_on(dtype: torch.dt
     slots = DeviceTableSlots(table, page_size)
     for row, start in itertools.product(range(3), range(0, width, page_size)):
         for end in (start, start + 1, start + page_size, start + 2 * page_size + 1, width + page_size):
-            want = [first // page_size * page_size + k for first in table[row, start:end:page_size].tolist()
-                    for k in range(page_size)]
+            want = [
+                first // page_size * page_size + k
+                for first in table[row, start:end:page_size].tolist()
+                for k in range(page_size)
+            ]
             got = slots.whole_pages(row, start, end)
             assert got.dtype == torch.int64 and got.tolist() == want, (row, start, end)
             ids = slots.page_ids(row, start, end)  # the same pages by id
-            assert ids.dtype == torch.int64 and ids.tolist() == [w // page_size for w in want[::page_size]], (row, start, end)
+            assert ids.dtype == torch.int64 and ids.tolist() == [w // page_size for w in want[::page_size]], (
+                row,
+                start,
+                end,
+            )
 
 
 class _Mirrorless:
@@ -74,9 +81,16 @@ class MirrorlessEngine(SimEngine):
         super().__post_init__()
         self.manager.close()
         self.manager = DecodeOffloadManager(
-            self.config, device_pool=self.device_pool, allocator=self.allocator,
-            req_to_token=_Mirrorless(self.req_to_token), prefix_cache=self.protected, host_pool=self.host_pool,
-            copy_engine=self.copies, storage=self.storage, backup_worker=self.worker)
+            self.config,
+            device_pool=self.device_pool,
+            allocator=self.allocator,
+            req_to_token=_Mirrorless(self.req_to_token),
+            prefix_cache=self.protected,
+            host_pool=self.host_pool,
+            copy_engine=self.copies,
+            storage=self.storage,
+            backup_worker=self.worker,
+        )
 
 
 def _run(cls: type, prefix: int) -> tuple[dict[str, bytes], list[int], int]:
@@ -88,8 +102,9 @@ def _run(cls: type, prefix: int) -> tuple[dict[str, bytes], list[int], int]:
         for req in reqs:
             e.decode(req, speculative=1 if step % 3 == 0 else 0)
         if step % 2:
-            e.manager.offload_batch(reqs, np.array([r.req_pool_idx for r in reqs]),
-                                    np.array([r.kv_committed_len for r in reqs]))
+            e.manager.offload_batch(
+                reqs, np.array([r.req_pool_idx for r in reqs]), np.array([r.kv_committed_len for r in reqs])
+            )
         else:
             for req in reqs:
                 e.manager.offload(req)

@@ -30,8 +30,19 @@ class Abandon(BaseException):
     """Neither an Exception nor an interrupt: a library's way of giving up."""
 
 
-RAISED = [OSError, TimeoutError, ValueError, KeyError, ClientError, ZeroDivisionError, AssertionError, MemoryError,
-          Abandon, SystemExit, KeyboardInterrupt]
+RAISED = [
+    OSError,
+    TimeoutError,
+    ValueError,
+    KeyError,
+    ClientError,
+    ZeroDivisionError,
+    AssertionError,
+    MemoryError,
+    Abandon,
+    SystemExit,
+    KeyboardInterrupt,
+]
 
 
 class RaisingEngine(SimEngine):
@@ -51,8 +62,9 @@ class RaisingEngine(SimEngine):
 
 @settings(max_examples=40)
 @given(exc=st.sampled_from(RAISED), raising=st.frozensets(st.integers(0, 11), max_size=4), seed=st.integers(0, 3))
-def test_a_store_that_raises_anything_fails_that_backup_and_nothing_else(exc: type[BaseException],
-                                                                          raising: frozenset[int], seed: int) -> None:
+def test_a_store_that_raises_anything_fails_that_backup_and_nothing_else(
+    exc: type[BaseException], raising: frozenset[int], seed: int
+) -> None:
     e = RaisingEngine(exc, raising, page_size=2, stride=2, host_slots=16, device_slots=64, rows=3, backup_queue=2)
     reqs = [e.admit(f"r{i}", 3 + i + seed) for i in range(3)]
     try:

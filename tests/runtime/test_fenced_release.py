@@ -145,6 +145,7 @@ def test_a_reused_page_released_again_under_the_old_copy_is_covered_by_its_carri
     """A wait orders only the stream that made it: B got A's page fenced, waited, wrote it and released it
     plainly while A's copy still runs (the CUDA case). The ledger accepts that release, covered by the carried
     fence, and the next writer must wait on it again; a release no fence covers is still B2."""
+
     class Copy:
         landed = False
 
@@ -192,10 +193,15 @@ class _NoFences(CopyEngine):
 
 def test_fenced_release_needs_an_engine_that_fences_and_an_allocator_that_takes_fences() -> None:
     e = _engine()
-    common = dict(device_pool=e.device_pool, req_to_token=e.req_to_token, prefix_cache=SimplePrefixCache(e.allocator),
-                  host_pool=e.host_pool)
-    config = OffloadConfig(page_size=2, offload_stride=4, host_pool_ratio=1.0, storage_backend="none",
-                           fenced_release=True)
+    common = dict(
+        device_pool=e.device_pool,
+        req_to_token=e.req_to_token,
+        prefix_cache=SimplePrefixCache(e.allocator),
+        host_pool=e.host_pool,
+    )
+    config = OffloadConfig(
+        page_size=2, offload_stride=4, host_pool_ratio=1.0, storage_backend="none", fenced_release=True
+    )
     with pytest.raises(ConfigError) as info:
         DecodeOffloadManager(config, allocator=e.allocator, copy_engine=_NoFences(), **common)
     assert info.value.field == "fenced_release" and "_NoFences" in info.value.reason
@@ -257,6 +263,7 @@ def test_an_engine_release_under_a_copy_its_stream_never_waited_on_is_refused() 
     e = _engine(fenced=True, checked=False)
     a = _offloading(e, "a")
     from kvfsm.errors import LifecycleError
+
     with pytest.raises(LifecycleError, match="never made to wait"):
         e.manager.released_by_engine(a)
     assert _state(e, a) == "offloading"
@@ -273,8 +280,16 @@ def test_the_copy_fifo_index_answers_what_a_walk_of_the_fifo_would_through_submi
     alone and in batches (one handle for several requests), acknowledgements one copy at a time, and fenced
     releases, which read their fence from it, it answers what walking the FIFO answers."""
     rng = random.Random(seed)
-    e = _engine(fenced=True, checked=seed % 2 == 0, page_size=2, stride=2, device_slots=96, host_slots=64, rows=6,
-                max_context=48)
+    e = _engine(
+        fenced=True,
+        checked=seed % 2 == 0,
+        page_size=2,
+        stride=2,
+        device_slots=96,
+        host_slots=64,
+        rows=6,
+        max_context=48,
+    )
     fx = e.manager.fx
     asked = fenced = 0
     for step in range(60):

@@ -90,8 +90,7 @@ def test_a_second_object_on_a_live_row_is_refused_and_changes_nothing(holder_sta
 
 @pytest.mark.parametrize("batched", [False, True])
 @pytest.mark.parametrize("holder_state", ["allocated", "offloading", "inflight"])
-def test_a_live_request_that_names_another_row_is_refused_and_changes_nothing(holder_state: str,
-                                                                               batched: bool) -> None:
+def test_a_live_request_that_names_another_row_is_refused_and_changes_nothing(holder_state: str, batched: bool) -> None:
     """A live request keeps its row until it ends: one whose req_pool_idx moved to another (allocated) row
     while its lifecycle lives is refused, InvalidRequest, and neither row is read or freed; put back on its
     row it offloads as before."""
@@ -198,8 +197,10 @@ def test_a_request_never_admitted_without_a_row_still_just_has_nothing_to_offloa
     assert e.manager.machine_of(waiting) is None
 
 
-@pytest.mark.parametrize("field", ["req_pool_idx", "kv_committed_len", "kv_allocated_len", "prefix_len",
-                                   "origin_input_ids", "output_ids", "rid"])
+@pytest.mark.parametrize(
+    "field",
+    ["req_pool_idx", "kv_committed_len", "kv_allocated_len", "prefix_len", "origin_input_ids", "output_ids", "rid"],
+)
 def test_a_missing_request_field_is_named_with_the_protocol(field: str) -> None:
     e = SimEngine(page_size=2, stride=2, device_slots=64, host_slots=32, checked=False)
     r = e.admit("a", 4)
@@ -328,8 +329,12 @@ def test_lifecycle_events_are_logged_at_debug(caplog: pytest.LogCaptureFixture) 
     settle(e)
     key = e.manager.machine_of(r).ctx.key
     debug = [rec.getMessage() for rec in caplog.records if rec.levelno == logging.DEBUG and key in rec.getMessage()]
-    assert [m.split(": ")[0].split(" ", 2)[2].split(" ")[0] for m in debug] == ["admitted", "offloaded", "finish",
-                                                                               "released"], debug
+    assert [m.split(": ")[0].split(" ", 2)[2].split(" ")[0] for m in debug] == [
+        "admitted",
+        "offloaded",
+        "finish",
+        "released",
+    ], debug
     assert "finish: offloading -> finished" in debug[2]
     assert all(rec.name.startswith("kvfsm.") for rec in caplog.records)
 
@@ -360,8 +365,14 @@ def test_the_library_installs_no_handler() -> None:
     import kvfsm.runtime.build  # noqa: F401  (every module that logs is imported)
     import kvfsm.runtime.config  # noqa: F401
 
-    for name in ("kvfsm", "kvfsm.runtime", "kvfsm.runtime.manager", "kvfsm.runtime.effects", "kvfsm.runtime.build",
-                 "kvfsm.runtime.config"):
+    for name in (
+        "kvfsm",
+        "kvfsm.runtime",
+        "kvfsm.runtime.manager",
+        "kvfsm.runtime.effects",
+        "kvfsm.runtime.build",
+        "kvfsm.runtime.config",
+    ):
         logger = logging.getLogger(name)
         assert [h for h in logger.handlers if not type(h).__name__.startswith("LogCapture")] == [], name
 

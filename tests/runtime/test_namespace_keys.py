@@ -15,9 +15,17 @@ from kvfsm.errors import InvalidRequest
 from kvfsm.verify.engine import SimEngine, SimRequest
 
 
-def _run(prompt: list[int], outputs: int, extra_key: Optional[str] = None, cache_salt: Optional[str] = None,
-         *, page_size: int = 2, stride: int = 2, first_output: int = 7, engine: Optional[SimEngine] = None
-         ) -> tuple[SimEngine, SimRequest]:
+def _run(
+    prompt: list[int],
+    outputs: int,
+    extra_key: Optional[str] = None,
+    cache_salt: Optional[str] = None,
+    *,
+    page_size: int = 2,
+    stride: int = 2,
+    first_output: int = 7,
+    engine: Optional[SimEngine] = None,
+) -> tuple[SimEngine, SimRequest]:
     """Admit one request with the given namespace, decode `outputs` tokens offloading after each step, finish
     it and drain: every chunk is stored."""
     e = engine or SimEngine(page_size=page_size, stride=stride, device_slots=64, host_slots=32, max_context=48)
@@ -47,11 +55,14 @@ def _expected(req: SimRequest, page_size: int, **namespace: Optional[str]) -> li
     return page_hashes(tokens[:n], page_size, **namespace)[prefill:]
 
 
-@pytest.mark.parametrize("extra_key,cache_salt", [(None, None), ("", None), ("tenant-a", None), (None, "salt"),
-                                                  ("lora:7", "s\u00e9l"), ("", "")])
+@pytest.mark.parametrize(
+    "extra_key,cache_salt",
+    [(None, None), ("", None), ("tenant-a", None), (None, "salt"), ("lora:7", "s\u00e9l"), ("", "")],
+)
 @pytest.mark.parametrize("prompt_len", [0, 3, 4])
-def test_stored_keys_are_the_namespaced_chain(extra_key: Optional[str], cache_salt: Optional[str],
-                                               prompt_len: int) -> None:
+def test_stored_keys_are_the_namespaced_chain(
+    extra_key: Optional[str], cache_salt: Optional[str], prompt_len: int
+) -> None:
     e, req = _run([100 + i for i in range(prompt_len)], 9, extra_key, cache_salt)
     got = _stored_keys(e)
     assert got and got == _expected(req, 2, extra_key=extra_key, cache_salt=cache_salt)

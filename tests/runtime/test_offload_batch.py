@@ -31,19 +31,33 @@ def batch_arrays(engine: SimEngine) -> tuple[list[SimRequest], np.ndarray, np.nd
 def observe(engine: SimEngine) -> dict[str, Any]:
     """Everything a test can see of the manager, in a comparable form (no object identities)."""
     fx = engine.manager.fx
-    chunks = [(c.record.rid, c.start, c.end, tuple(c.tokens), c.device_indices.tolist(), c.handle.done())
-              for c in fx.copy_fifo]
-    states = sorted((rec.rid, spec_gen.STATES[rec.machine.state], rec.inc_len, rec.last_hash)
-                    for rec in engine.manager._records.values())
-    return {"chunks": chunks, "states": states, "metrics": engine.manager.metrics.as_dict(),
-            "host_free": engine.host_pool.free_slots, "device_free": engine.allocator.free_slots,
-            "stored": sorted(fx.stored.items()), "rows": engine.req_to_token.free_rows}
+    chunks = [
+        (c.record.rid, c.start, c.end, tuple(c.tokens), c.device_indices.tolist(), c.handle.done())
+        for c in fx.copy_fifo
+    ]
+    states = sorted(
+        (rec.rid, spec_gen.STATES[rec.machine.state], rec.inc_len, rec.last_hash)
+        for rec in engine.manager._records.values()
+    )
+    return {
+        "chunks": chunks,
+        "states": states,
+        "metrics": engine.manager.metrics.as_dict(),
+        "host_free": engine.host_pool.free_slots,
+        "device_free": engine.allocator.free_slots,
+        "stored": sorted(fx.stored.items()),
+        "rows": engine.req_to_token.free_rows,
+    }
 
 
 def snapshot(engine: SimEngine) -> tuple[Any, ...]:
     """State a rejected call must leave untouched (pools, machines, metrics, queued copies)."""
-    return (observe(engine), engine.host_pool.allocator.snapshot()[0].tolist(),
-            engine.allocator.snapshot()[0].tolist(), len(engine.copies.pending))
+    return (
+        observe(engine),
+        engine.host_pool.allocator.snapshot()[0].tolist(),
+        engine.allocator.snapshot()[0].tolist(),
+        len(engine.copies.pending),
+    )
 
 
 def reserve_due(engine: SimEngine, req: SimRequest) -> Any:
@@ -52,8 +66,9 @@ def reserve_due(engine: SimEngine, req: SimRequest) -> Any:
     return engine.manager.reserve_due(req, req.req_pool_idx, available)  # type: ignore[arg-type]
 
 
-def run_workload(batched: bool, seed: int, steps: int = 60, engine: SimEngine | None = None, reserved: str = "",
-                 **engine_kw: Any) -> list[dict[str, Any]]:
+def run_workload(
+    batched: bool, seed: int, steps: int = 60, engine: SimEngine | None = None, reserved: str = "", **engine_kw: Any
+) -> list[dict[str, Any]]:
     """A random workload (every ending, retraction under memory pressure) to teardown; on `engine` if given.
     `reserved`: each step's offloads as `reserve_offload` ("offload") or `reserve_due` ("due") per request,
     then one `submit_reserved`."""
@@ -115,8 +130,9 @@ def test_batch_equals_loop(seed: int, page_size: int, stride: int, host_slots: i
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("page_size,stride,host_slots", [(1, 0, 12), (2, 0, 16), (2, 4, 8), (4, 0, 64)])
 @pytest.mark.parametrize("reserve", ["offload", "due"])
-def test_reserved_then_submitted_equals_loop(seed: int, page_size: int, stride: int, host_slots: int,
-                                              reserve: str) -> None:
+def test_reserved_then_submitted_equals_loop(
+    seed: int, page_size: int, stride: int, host_slots: int, reserve: str
+) -> None:
     """reserve_offload (or reserve_due, with the row and length read from the request) per request (host
     pages in call order, host_full at once) then one submit_reserved per step: the transitions, chunks, pages
     and keys of the loop of offload() calls (the SGLang adapter's path)."""
@@ -232,15 +248,16 @@ def test_a_lifecycle_reserved_twice_before_its_submit_is_copied_once_and_its_sec
     reservation's host pages go back."""
     e, (a, b, _) = _three_with_a_chunk_due()
     free = e.host_pool.free_slots
-    first, second, other = (e.manager.reserve_offload(a), e.manager.reserve_offload(a),
-                            e.manager.reserve_offload(b))
+    first, second, other = (e.manager.reserve_offload(a), e.manager.reserve_offload(a), e.manager.reserve_offload(b))
     assert first is not None and second is not None and other is not None
     assert (second.tokens, second.inc_len) == (first.tokens, first.inc_len) and second.pages != first.pages
     assert e.manager.submit_reserved([first, second, other]) == 2
     chunks = [(c.record.rid, c.start, c.end, tuple(c.host_pages)) for c in e.manager.fx.copy_fifo]
     start = e.manager.machine_of(a).ctx.prefill_len
-    assert chunks == [(a.rid, start, start + first.tokens, tuple(first.pages)),
-                      (b.rid, *chunks[1][1:3], tuple(other.pages))]
+    assert chunks == [
+        (a.rid, start, start + first.tokens, tuple(first.pages)),
+        (b.rid, *chunks[1][1:3], tuple(other.pages)),
+    ]
     assert e.manager.machine_of(a).copies == 1
     assert e.host_pool.free_slots == free - (len(first.pages) + len(other.pages)) * e.page_size
     e.settle()
@@ -405,6 +422,7 @@ def test_cpu_tensors_accepted_device_tensors_refused() -> None:
 
 def test_failed_submission_frees_the_host_slots_and_fires_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvfsm.dataplane import CopyError
+
     e = SimEngine(page_size=2, host_slots=8, device_slots=96, rows=4)
     reqs = [e.admit(f"r{i}", 4) for i in range(3)]
     assert e.manager.offload_batch(*batch_arrays(e)) == 0  # first sight: admitted, nothing due yet

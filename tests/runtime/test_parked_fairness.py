@@ -46,13 +46,14 @@ def test_no_chunk_waits_while_the_backup_queue_has_room(seed: int) -> None:
                 fx.worker.run(0)
         e.manager.check_progress()
         parked_peak = max(parked_peak, len(fx.parked))
-        assert not fx.parked or fx.worker.room() == 0, \
+        assert not fx.parked or fx.worker.room() == 0, (
             f"step {step}: {len(fx.parked)} chunks parked while the backup queue has room for {fx.worker.room()}"
+        )
         if e.live and rng.random() < 0.1:
             e.end(rng.choice(e.live))
     assert parked_peak > 0, "the workload never filled the backup queue: it tests nothing"
     acked = [s for s in landed if s in set(submitted)]
-    assert submitted == acked[:len(submitted)], "backups were not submitted in the order their copies landed"
+    assert submitted == acked[: len(submitted)], "backups were not submitted in the order their copies landed"
     for req in list(e.live):
         e.end(req)
     e.settle()

@@ -37,8 +37,13 @@ def _offloading(policy: str) -> tuple[SimEngine, SimRequest]:
 
 def _pools(e: SimEngine) -> tuple:
     m = e.manager.machine_of(e.live[0]) if e.live else None
-    return (e.allocator.free_slots, e.host_pool.free_slots, e.req_to_token.free_rows, e.protected.size,
-            None if m is None else m.snapshot())
+    return (
+        e.allocator.free_slots,
+        e.host_pool.free_slots,
+        e.req_to_token.free_rows,
+        e.protected.size,
+        None if m is None else m.snapshot(),
+    )
 
 
 def test_fail_closed_refuses_while_a_copy_is_in_flight_and_changes_nothing() -> None:

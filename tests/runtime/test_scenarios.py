@@ -34,7 +34,7 @@ def ref_hashes(tokens: list[int], page_size: int) -> list[str]:
     """The seed's page hashes, written out with hashlib: sha256(prior digest || uint32-LE tokens), chained."""
     prev, out = b"", []
     for i in range(0, len(tokens) // page_size * page_size, page_size):
-        h = hashlib.sha256(prev + b"".join(struct.pack("<I", t) for t in tokens[i:i + page_size]))
+        h = hashlib.sha256(prev + b"".join(struct.pack("<I", t) for t in tokens[i : i + page_size]))
         prev = h.digest()
         out.append(h.hexdigest())
     return out
@@ -68,11 +68,20 @@ def world(engine: SimEngine) -> tuple[Any, ...]:
     a_free, a_mask = engine.allocator.snapshot()
     h_free, h_mask = engine.host_pool.allocator.snapshot()
     # free sets, not free-list order: a rejected offload may hand its host pages back to the end of the list
-    return (sorted(a_free.tolist()), a_mask.tolist(), sorted(h_free.tolist()), h_mask.tolist(),
-            engine.req_to_token.free_rows,
-            engine.protected.size, engine.manager.metrics.as_dict(), len(engine.copies.pending),
-            len(engine.worker.pending), len(engine.manager.fx.copy_fifo), dict(engine.manager.fx.stored),
-            sorted((r.key, r.machine.snapshot()) for r in engine.manager.live_records()))
+    return (
+        sorted(a_free.tolist()),
+        a_mask.tolist(),
+        sorted(h_free.tolist()),
+        h_mask.tolist(),
+        engine.req_to_token.free_rows,
+        engine.protected.size,
+        engine.manager.metrics.as_dict(),
+        len(engine.copies.pending),
+        len(engine.worker.pending),
+        len(engine.manager.fx.copy_fifo),
+        dict(engine.manager.fx.stored),
+        sorted((r.key, r.machine.snapshot()) for r in engine.manager.live_records()),
+    )
 
 
 class FreeLog:
@@ -195,8 +204,10 @@ def test_host_slots_are_freed_only_when_the_backup_completes(outcome: str) -> No
     if outcome == "page_fails":
         e.fail_writes.add(hashes[0])  # one page of the chunk fails: the whole chunk is a failed backup
     elif outcome == "store_raises":
+
         def broken(keys: Any, pages: Any) -> list[bool]:
             raise OSError("disk gone")
+
         e.storage.batch_set = broken  # type: ignore[method-assign]
     cap = e.host_pool.capacity
     assert e.host_pool.free_slots == cap - 4
@@ -595,6 +606,7 @@ def test_trace_writes_one_json_line_per_transition(tmp_path: Path) -> None:
 
     def tid(src: str, event: str, dst: str) -> int:  # the spec's id of that transition
         return next(i for i, t in enumerate(TRANSITIONS) if t[:2] == (src, event) and t[3] == dst)
+
     assert [(x["event"], x["from"], x["to"], x["transition"]) for x in rows] == [
         ("offload", "allocated", "offloading", tid("allocated", "offload", "offloading")),
         ("finish", "offloading", "finished", tid("offloading", "finish", "finished")),
@@ -603,9 +615,12 @@ def test_trace_writes_one_json_line_per_transition(tmp_path: Path) -> None:
         ("backup_done", "draining", "released", tid("draining", "backup_done", "released")),
     ]
     assert [x["counters"] for x in rows] == [
-        {"copies": 1, "parked": 0, "backups": 0}, {"copies": 1, "parked": 0, "backups": 0},
-        {"copies": 1, "parked": 0, "backups": 0}, {"copies": 0, "parked": 0, "backups": 1},
-        {"copies": 0, "parked": 0, "backups": 0}]
+        {"copies": 1, "parked": 0, "backups": 0},
+        {"copies": 1, "parked": 0, "backups": 0},
+        {"copies": 1, "parked": 0, "backups": 0},
+        {"copies": 0, "parked": 0, "backups": 1},
+        {"copies": 0, "parked": 0, "backups": 0},
+    ]
     assert rows[0]["acquired"] == ["host_slots"] and rows[0]["released"] == []
     assert rows[3]["released"] == ["device_slots", "table_row", "prefix_lock"]
     assert rows[4]["released"] == ["host_slots"] and rows[2]["acquired"] == rows[2]["released"] == []
@@ -646,13 +661,26 @@ def test_config_errors_name_the_field(tmp_path: Path) -> None:
 def test_thread_worker_and_file_storage_round_trip(tmp_path: Path, in_process: bool) -> None:
     sim = SimEngine(page_size=2, stride=4, device_slots=64, host_slots=32, rows=2)
     sim.manager.close()
-    config = OffloadConfig(page_size=2, offload_stride=4, copy_backend="cpu", storage_backend="file",
-                           storage_dir=tmp_path / "store", model_name="org/tiny", checked=True, backup_queue_size=2,
-                           storage_process=not in_process)
+    config = OffloadConfig(
+        page_size=2,
+        offload_stride=4,
+        copy_backend="cpu",
+        storage_backend="file",
+        storage_dir=tmp_path / "store",
+        model_name="org/tiny",
+        checked=True,
+        backup_queue_size=2,
+        storage_process=not in_process,
+    )
     protected = SimplePrefixCache(sim.allocator)
     sim.protected = protected
-    manager = DecodeOffloadManager(config, device_pool=sim.device_pool, allocator=sim.allocator,
-                                   req_to_token=sim.req_to_token, prefix_cache=protected)
+    manager = DecodeOffloadManager(
+        config,
+        device_pool=sim.device_pool,
+        allocator=sim.allocator,
+        req_to_token=sim.req_to_token,
+        prefix_cache=protected,
+    )
     sim.manager = manager
     assert isinstance(manager.fx.worker, ThreadBackupWorker)
     storage = manager.fx.storage

@@ -37,6 +37,7 @@ from kvfsm.verify.engine import SimEngine
 
 # ---- the request table --------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("batched", [False, True])
 @pytest.mark.parametrize("checked", [False, True])
 @pytest.mark.parametrize("seed", range(3))
@@ -62,6 +63,7 @@ def test_table_write_keeps_the_mirror_and_rejects_before_changing_it() -> None:
 
 
 # ---- copy planning ---------------------------------------------------------------------------------
+
 
 def _pools(device: str) -> tuple[DeviceKVPool, HostKVPool]:
     kv = KVCacheConfig.tiny()
@@ -107,6 +109,7 @@ def test_manager_hands_the_copy_engine_cpu_slots(monkeypatch: pytest.MonkeyPatch
 
 def test_mean_copy_size_from_the_page_list_equals_the_slot_count() -> None:
     from kvfsm.dataplane.copy.cuda import mean_copy_bytes
+
     _, host_pool = _pools("meta")
     rng = random.Random(1)
     for _ in range(50):
@@ -117,6 +120,7 @@ def test_mean_copy_size_from_the_page_list_equals_the_slot_count() -> None:
 
 
 # ---- pinned index staging ----------------------------------------------------------------------------
+
 
 class FakeEvent:
     """An event the test passes by hand; staging may only query it (a synchronize would be a wait)."""
@@ -174,6 +178,7 @@ def test_staging_mark_without_reserve_is_an_error() -> None:
 
 
 # ---- the garbage collector -----------------------------------------------------------------------------
+
 
 class FlakyStoreEngine(SimEngine):
     """A store that fails every third page write (by key), so backups fail as well as succeed."""
@@ -272,8 +277,9 @@ def test_the_batch_path_makes_a_fixed_number_of_torch_calls_whatever_its_chunks(
     reads each chunk's slots: that mode is for finding bugs, not for serving.)"""
     calls = {}
     for live in (4, 16):
-        e = SimEngine(page_size=2, stride=2, device_slots=4096, host_slots=2048, rows=64, backup_queue=64,
-                      checked=False)
+        e = SimEngine(
+            page_size=2, stride=2, device_slots=4096, host_slots=2048, rows=64, backup_queue=64, checked=False
+        )
         for i in range(live):
             e.admit(f"r{i}", 4)
         offload, check, chunks = [], [], 0

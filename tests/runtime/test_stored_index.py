@@ -45,8 +45,9 @@ def test_put_many_grows_the_ring_and_then_drops_as_the_loop_does() -> None:
     rng = random.Random(0)
     batched, looped = StoredPageIndex(3000), StoredPageIndex(3000)
     for _ in range(40):
-        batch = [(f"{rng.randrange(4000):064x}", rng.choice("ab"), rng.randrange(1 << 20))
-                 for _ in range(rng.randrange(700))]
+        batch = [
+            (f"{rng.randrange(4000):064x}", rng.choice("ab"), rng.randrange(1 << 20)) for _ in range(rng.randrange(700))
+        ]
         batched.put_many([h for h, _, _ in batch], [o for _, o, _ in batch], [p for _, _, p in batch])
         for h, o, p in batch:
             looped.put(h, o, p)

@@ -19,9 +19,22 @@ ROOT = Path(__file__).resolve().parents[2]
 def _torchrun(tmp_path: Path, backend: str, device: str, requests: int) -> dict:
     out = tmp_path / "tp.json"
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "bench" / "tp_nccl.py"), "--backend", backend, "--device", device,
-           "--requests", str(requests), "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(ROOT / "bench" / "tp_nccl.py"),
+        "--backend",
+        backend,
+        "--device",
+        device,
+        "--requests",
+        str(requests),
+        "--out",
+        str(out),
+    ]
     proc = run_watched(cmd, f"bench/tp_nccl.py over {backend} (torchrun, 2 ranks)", cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return json.loads(out.read_text())

@@ -143,8 +143,10 @@ def _workload(engine: TPSimEngine, rank: int, clock: list[int]) -> None:
         _complete_some(engine, timing, 0.7)
         m.check_progress()
     else:
-        raise RuntimeError(f"rank {rank} did not drain: {len(m.fx.copy_fifo)} copies, {len(m.fx.parked)} parked, "
-                           f"{m.fx.worker.outstanding()} backups outstanding, live {m.live_records()}")
+        raise RuntimeError(
+            f"rank {rank} did not drain: {len(m.fx.copy_fifo)} copies, {len(m.fx.parked)} parked, "
+            f"{m.fx.worker.outstanding()} backups outstanding, live {m.live_records()}"
+        )
 
 
 def _one_run(rank: int, world: int, out: Path) -> None:
@@ -152,8 +154,9 @@ def _one_run(rank: int, world: int, out: Path) -> None:
     log: list[list[Any]] = []
     writes: list[list[Any]] = []
     TPSimEngine.tp_rank, TPSimEngine.tp_size = rank, world
-    engine = TPSimEngine(page_size=2, stride=4, device_slots=256, host_slots=24, rows=6, max_context=64,
-                         backup_queue=2, checked=True)
+    engine = TPSimEngine(
+        page_size=2, stride=4, device_slots=256, host_slots=24, rows=6, max_context=64, backup_queue=2, checked=True
+    )
     assert engine.manager.consensus.world == world
     _instrument(engine, log, writes, clock)
     _workload(engine, rank, clock)
@@ -179,8 +182,9 @@ def _mismatch_run(rank: int, out: Path) -> None:
     except TPMismatch as exc:
         outcome = f"TPMismatch: {exc}"
     out.mkdir(exist_ok=True)
-    (out / f"rank{rank}.json").write_text(json.dumps({"outcome": outcome,
-                                                      "unchanged": engine.host_pool.free_slots == before}))
+    (out / f"rank{rank}.json").write_text(
+        json.dumps({"outcome": outcome, "unchanged": engine.host_pool.free_slots == before})
+    )
     engine.manager.close()
     dist.barrier()
 
@@ -205,8 +209,9 @@ def _worker(rank: int, world: int, init: str, out_dir: str, timeout_s: float) ->
     """One rank: the workload with ProgressConsensus, again with `agree` as the identity (control), ranks of
     different sizes, the reduction ops; then a clean exit."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        "gloo", init_method=init, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
+    )
     try:
         _one_run(rank, world, Path(out_dir, "consensus"))
         with pytest.MonkeyPatch.context() as mpatch:
@@ -231,7 +236,9 @@ def _read(out: Path, world: int) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
-def tp_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+def tp_runs(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, list[dict[str, Any]]]:
     """Spawn `world` gloo ranks once; each does the consensus run and the control run."""
     world = request.param
     tmp = tmp_path_factory.mktemp(f"tp{world}")
@@ -239,11 +246,21 @@ def tp_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     # from this multi-threaded pytest process.
     multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "kvfsm.verify.engine"])
     # gloo's own timeout (a collective whose peer never comes) in this machine's seconds now
-    ctx = mp.start_processes(_worker, args=(world, f"file://{tmp / 'store'}", str(tmp), scaled(TIMEOUT_S)),
-                             nprocs=world, join=False, start_method="forkserver")
+    ctx = mp.start_processes(
+        _worker,
+        args=(world, f"file://{tmp / 'store'}", str(tmp), scaled(TIMEOUT_S)),
+        nprocs=world,
+        join=False,
+        start_method="forkserver",
+    )
     try:  # a hang guard on the ranks' progress (their CPU time), not a fixed deadline
-        wait_for(lambda: ctx.join(timeout=0.2), f"{world} gloo ranks to finish", 3 * TIMEOUT_S, poll_s=0,
-                 progress=lambda: tree_cpu(*(p.pid for p in ctx.processes if p.pid is not None)))
+        wait_for(
+            lambda: ctx.join(timeout=0.2),
+            f"{world} gloo ranks to finish",
+            3 * TIMEOUT_S,
+            poll_s=0,
+            progress=lambda: tree_cpu(*(p.pid for p in ctx.processes if p.pid is not None)),
+        )
     finally:
         for p in ctx.processes:  # only the processes this fixture started
             if p.is_alive():
@@ -267,8 +284,8 @@ def _store_counters(path: Path) -> dict[str, int] | None:
     while at < len(data):
         fields = []
         for _ in range(2):
-            n = int.from_bytes(data[at:at + 4], "little")
-            fields.append(data[at + 4:at + 4 + n])
+            n = int.from_bytes(data[at : at + 4], "little")
+            fields.append(data[at + 4 : at + 4 + n])
             at += 4 + n
         key, value = fields
         if key in (b"refcount/", b"cleanup/"):
@@ -295,7 +312,8 @@ def test_ranks_apply_identical_frees_and_writes(tp_runs: dict[str, list[dict[str
     for r in ranks[1:]:
         assert r["log"] == log0, f"rank {r['rank']} diverged from rank 0 at {_first_difference(r['log'], log0)}"
         assert r["writes"] == ranks[0]["writes"], f"rank {r['rank']} wrote differently: " + _first_difference(
-            r["writes"], ranks[0]["writes"])
+            r["writes"], ranks[0]["writes"]
+        )
         assert r["metrics"] == m0
 
 

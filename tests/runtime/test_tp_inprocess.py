@@ -38,10 +38,14 @@ def _engine(group: ThreadGroup, log: list[Any]) -> SimEngine:
     consensus.group, consensus.world = group, group.world  # the real agree() over the in-process group
     e.manager.consensus = consensus
     alloc_free, host_free = e.allocator.free, e.host_pool.free_pages
-    e.allocator.free = lambda idx: (log.append(("device_free", torch.as_tensor(idx).tolist())),  # type: ignore[method-assign]
-                                    alloc_free(idx))[1]
-    e.host_pool.free_pages = lambda pages: (log.append(("host_free", e.host_pool.slots_of(pages).tolist())),  # type: ignore[method-assign]
-                                            host_free(pages))[1]
+    e.allocator.free = lambda idx: (
+        log.append(("device_free", torch.as_tensor(idx).tolist())),  # type: ignore[method-assign]
+        alloc_free(idx),
+    )[1]
+    e.host_pool.free_pages = lambda pages: (
+        log.append(("host_free", e.host_pool.slots_of(pages).tolist())),  # type: ignore[method-assign]
+        host_free(pages),
+    )[1]
     return e
 
 
@@ -102,7 +106,7 @@ def run_ranks(group: ThreadGroup, seed: int, iterations: int = 80) -> Optional[s
             return f"iteration {it}: a rank raised {type(first).__name__}: {first}"
         if logs[0] != logs[1]:
             i = next((i for i, (a, b) in enumerate(zip(*logs)) if a != b), min(map(len, logs)))
-            return f"iteration {it}: free #{i} differs: {logs[0][i:i + 1]} vs {logs[1][i:i + 1]}"
+            return f"iteration {it}: free #{i} differs: {logs[0][i : i + 1]} vs {logs[1][i : i + 1]}"
         stored = [sorted(e.manager.fx.stored) for e in engines]
         if stored[0] != stored[1]:
             return f"iteration {it}: stored keys differ ({len(stored[0])} vs {len(stored[1])})"
@@ -111,6 +115,7 @@ def run_ranks(group: ThreadGroup, seed: int, iterations: int = 80) -> Optional[s
 
 def _agree_with(op: Any) -> Any:
     """ProgressConsensus.agree, reducing with `op` (None: all_reduce's default) instead of MIN."""
+
     def agree(self: ProgressConsensus, *counts: int) -> tuple[int, ...]:
         if self.world <= 1:
             return counts
@@ -120,6 +125,7 @@ def _agree_with(op: Any) -> Any:
         else:
             dist.all_reduce(t, op=op, group=self.group)
         return tuple(int(x) for x in t.tolist())
+
     return agree
 
 
@@ -139,8 +145,13 @@ def test_thread_group_reduces_with_the_op_given(world: int) -> None:
                 continue
             op = R.SUM if op_name is None else getattr(R, op_name)
             stacked = torch.stack([x[dtype] for x in inputs])
-            want = {"SUM": stacked.sum(0), "PRODUCT": stacked.prod(0), "MIN": stacked.min(0).values,
-                    "MAX": stacked.max(0).values, None: stacked.sum(0)}.get(op_name)
+            want = {
+                "SUM": stacked.sum(0),
+                "PRODUCT": stacked.prod(0),
+                "MIN": stacked.min(0).values,
+                "MAX": stacked.max(0).values,
+                None: stacked.sum(0),
+            }.get(op_name)
             if want is None:
                 f = {"BAND": int.__and__, "BOR": int.__or__, "BXOR": int.__xor__}[op_name]  # type: ignore[index]
                 cols = stacked.T.tolist()

@@ -25,6 +25,7 @@ MINIMAL = SPECS / "valid" / "minimal.yaml"
 SHIPPED = ROOT / "spec" / "decode_offload.yaml"
 HEADER = re.compile(r"^# expect: (\d+) (.+)$")
 
+
 def expectation(path: Path) -> tuple[int, str]:
     """The (line, substring) of a spec's `# expect:` header; read as bytes so non-UTF-8 files work too."""
     first = path.read_bytes().split(b"\n", 1)[0].decode("utf-8")
@@ -54,8 +55,9 @@ def test_invalid_spec_reports_expected_error(path: Path) -> None:
     for e in errors:  # every error is fully located
         assert e.file == str(path) and e.line >= 1 and e.element and e.message, e
     hits = [e for e in errors if e.line == line and substring in e.message]
-    assert hits, (f"{path.name}: no error at line {line} containing {substring!r}; got:\n"
-                  + "\n".join(str(e) for e in errors))
+    assert hits, f"{path.name}: no error at line {line} containing {substring!r}; got:\n" + "\n".join(
+        str(e) for e in errors
+    )
 
 
 def test_invalid_set_is_large_and_distinct() -> None:
@@ -78,8 +80,13 @@ def test_minimal_and_shipped_specs_are_valid() -> None:
         assert spec.transitions and spec.states
 
 
-CLI_CASES = ["unknown_event.yaml", "nondeterministic.yaml", "malformed_yaml.yaml", "resource_leak.yaml",
-             "shipped_update_of_another_action.yaml"]
+CLI_CASES = [
+    "unknown_event.yaml",
+    "nondeterministic.yaml",
+    "malformed_yaml.yaml",
+    "resource_leak.yaml",
+    "shipped_update_of_another_action.yaml",
+]
 
 
 @pytest.mark.parametrize("name", CLI_CASES)
@@ -103,8 +110,12 @@ def test_cli_validate_accepts_minimal() -> None:
 
 # --- counter updates tied to the actions and events that imply them --------------------
 
-UPDATE_CASES = ["shipped_update_of_another_action", "shipped_implied_update_missing", "update_not_implied",
-                "double_implied_update"]
+UPDATE_CASES = [
+    "shipped_update_of_another_action",
+    "shipped_implied_update_missing",
+    "update_not_implied",
+    "double_implied_update",
+]
 
 
 @pytest.mark.parametrize("name", UPDATE_CASES)
@@ -125,13 +136,15 @@ def test_shipped_specs_declare_what_their_updates_imply() -> None:
     """Every counter update of the shipped specs has a cause: some action or event implies each counter's moves."""
     for path in sorted((ROOT / "spec").glob("*.yaml")):
         spec = load_spec(path)
-        causes = {c for a in spec.model.actions.values() for c in a.implies} | \
-                 {c for e in spec.model.events.values() for c in e.implies}
+        causes = {c for a in spec.model.actions.values() for c in a.implies} | {
+            c for e in spec.model.events.values() for c in e.implies
+        }
         updated = {c for t in spec.transitions for c, _ in t.update}
         assert updated and updated <= causes, path.name
 
 
 # --- specs the checker once accepted by mistake: now each must be rejected ------------------------
+
 
 def _minimal_with(tmp_path: Path, old: str, new: str) -> Path:
     text = MINIMAL.read_text()
@@ -146,11 +159,14 @@ GAPS = {
         "    expr: jobs >= 0\n",
         "    expr: jobs <= 1\n  - name: jobs_non_negative\n    doc: Same name, another invariant.\n    expr: jobs >= 0\n",
         "compiled.py build keys invariants by name, so a second invariant of the same name silently replaces the "
-        "first, which is then never checked (here the non-inductive `jobs <= 1`)"),
+        "first, which is then never checked (here the non-inductive `jobs <= 1`)",
+    ),
     "python_keyword_event": (
-        "  stop:\n    doc: Stop the runner.\n", "  import:\n    doc: Stop the runner.\n",
+        "  stop:\n    doc: Stop the runner.\n",
+        "  import:\n    doc: Stop the runner.\n",
         "model.py Name accepts Python keywords; an event `import` validates but `kvfsm gen` emits "
-        "`def import(self, ...)`, a SyntaxError"),
+        "`def import(self, ...)`, a SyntaxError",
+    ),
 }
 
 

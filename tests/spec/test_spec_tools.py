@@ -51,6 +51,7 @@ def _import_file(path: Path, name: str):
 
 # --- validate ---------------------------------------------------------------------------------------
 
+
 def test_shipped_spec_validates(spec) -> None:
     result = cli("validate", SPEC_REL)
     assert result.exit_code == 0, result.output
@@ -60,6 +61,7 @@ def test_shipped_spec_validates(spec) -> None:
 
 
 # --- gen ----------------------------------------------------------------------------------------------
+
 
 def test_gen_check_passes_on_committed_output() -> None:
     result = cli("gen", SPEC_REL, "--check")
@@ -130,6 +132,7 @@ def test_generated_module_imports_and_is_stamped(tmp_path: Path, spec) -> None:
 
 # --- diagram and docs ------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("fmt, marker", [("mermaid", "stateDiagram-v2"), ("dot", "digraph DecodeOffload")])
 def test_diagram_names_every_state(fmt: str, marker: str, spec) -> None:
     result = cli("diagram", SPEC_REL, "--format", fmt)
@@ -152,8 +155,12 @@ def test_docs_name_every_element(spec, tmp_path: Path) -> None:
     text = result.stdout
     model = spec.model
     names = {
-        "state": model.states, "event": model.events, "guard": model.guards, "action": model.actions,
-        "counter": model.counters, "resource": model.resources,
+        "state": model.states,
+        "event": model.events,
+        "guard": model.guards,
+        "action": model.actions,
+        "counter": model.counters,
+        "resource": model.resources,
         "invariant": [inv.name for inv in model.invariants],
     }
     for kind, pool in names.items():
@@ -203,8 +210,10 @@ def test_parse_render_round_trip(text: str) -> None:
 
 
 def test_render_maps_counter_names() -> None:
-    assert ex.render(ex.parse("copies > 1 and parked + backups == 0"), lambda n: f"self.{n}") == \
-        "self.copies > 1 and self.parked + self.backups == 0"
+    assert (
+        ex.render(ex.parse("copies > 1 and parked + backups == 0"), lambda n: f"self.{n}")
+        == "self.copies > 1 and self.parked + self.backups == 0"
+    )
 
 
 def test_constants_render_as_python() -> None:
@@ -237,21 +246,24 @@ def test_names_and_literals() -> None:
     assert ex.names(ex.parse("true")) == set()
 
 
-@pytest.mark.parametrize("text, column, fragment", [
-    ("", 1, "expected a counter or an integer"),
-    ("a >", 4, "found 'end of expression'"),
-    ("a", 2, "expected a comparison"),
-    ("a = 1", 3, "unexpected character '='"),
-    ("a > 1 )", 7, "unexpected ')'"),
-    ("(a > 1", 7, "expected ')'"),
-    ("a > -1", 5, "found '-'"),
-    ("a > 1 and", 10, "expected a counter or an integer"),
-    ("a ** 2 > 1", 3, "unexpected character '*'"),
-    ("a > 1 if a else 0", 7, "unexpected 'if'"),
-    ("   b >= x.y", 10, "unexpected character '.'"),
-    ("a > 1; b > 1", 6, "unexpected character ';'"),
-    ("and > 1", 1, "found 'and'"),
-])
+@pytest.mark.parametrize(
+    "text, column, fragment",
+    [
+        ("", 1, "expected a counter or an integer"),
+        ("a >", 4, "found 'end of expression'"),
+        ("a", 2, "expected a comparison"),
+        ("a = 1", 3, "unexpected character '='"),
+        ("a > 1 )", 7, "unexpected ')'"),
+        ("(a > 1", 7, "expected ')'"),
+        ("a > -1", 5, "found '-'"),
+        ("a > 1 and", 10, "expected a counter or an integer"),
+        ("a ** 2 > 1", 3, "unexpected character '*'"),
+        ("a > 1 if a else 0", 7, "unexpected 'if'"),
+        ("   b >= x.y", 10, "unexpected character '.'"),
+        ("a > 1; b > 1", 6, "unexpected character ';'"),
+        ("and > 1", 1, "found 'and'"),
+    ],
+)
 def test_errors_carry_columns(text: str, column: int, fragment: str) -> None:
     with pytest.raises(ex.ExprError) as info:
         ex.parse(text)
@@ -259,17 +271,20 @@ def test_errors_carry_columns(text: str, column: int, fragment: str) -> None:
     assert fragment in str(info.value) and f"(column {column})" in str(info.value)
 
 
-@pytest.mark.parametrize("text", [
-    "__import__('os').system('true')",
-    "__import__('os')",
-    "eval('1') > 0",
-    "abs(a) > 1",
-    "open('/etc/passwd') == 0",
-    "a.__class__ == 1",
-    "[a] > 1",
-    "lambda: 1",
-    "a > 1 if True else 0",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "__import__('os').system('true')",
+        "__import__('os')",
+        "eval('1') > 0",
+        "abs(a) > 1",
+        "open('/etc/passwd') == 0",
+        "a.__class__ == 1",
+        "[a] > 1",
+        "lambda: 1",
+        "a > 1 if True else 0",
+    ],
+)
 def test_never_evaluates_python(text: str, monkeypatch: pytest.MonkeyPatch) -> None:
     def forbidden(*args, **kwargs):
         raise AssertionError("the expression language must never call eval/exec/compile/__import__")

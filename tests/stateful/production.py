@@ -125,8 +125,10 @@ class Config:
 
     @property
     def id(self) -> str:
-        return (f"{self.copy}-{self.worker}-{self.storage}{'+faulty' if self.faulty else ''}-tp{self.tp}-"
-                f"{'checked' if self.checked else 'unchecked'}{'-fenced' if self.fenced else ''}")
+        return (
+            f"{self.copy}-{self.worker}-{self.storage}{'+faulty' if self.faulty else ''}-tp{self.tp}-"
+            f"{'checked' if self.checked else 'unchecked'}{'-fenced' if self.fenced else ''}"
+        )
 
     @property
     def gpu(self) -> bool:
@@ -218,8 +220,9 @@ class RankThread:
         try:
             return self._done.get(timeout=timeout)
         except queue.Empty:
-            return violation("tp_progress", f"timed out: a rank's progress check did not return in {timeout:.0f} s "
-                                            f"({measure(0)})")
+            return violation(
+                "tp_progress", f"timed out: a rank's progress check did not return in {timeout:.0f} s ({measure(0)})"
+            )
 
     def close(self) -> None:
         self._todo.put(None)
@@ -234,6 +237,7 @@ def patch_all_reduce(mp: Any) -> None:
         if isinstance(group, ThreadGroup):
             return group.all_reduce(t)
         return real(t, op=op, group=group, async_op=async_op)
+
     mp.setattr(torch.distributed, "all_reduce", all_reduce)
 
 
@@ -257,6 +261,7 @@ def patch_landing_probe(mp: Any) -> None:
         shadow = _SHADOWS.get(id(plan.host_pool))
         if shadow is not None and plan.direction == "d2h":
             shadow.on_landed(tuple(plan.host_idx.tolist()))
+
     run_plan.landing_probe = True  # type: ignore[attr-defined]
     mp.setattr(cpu_copy, "run_plan", run_plan)
 
@@ -295,8 +300,25 @@ def violation(name: str, detail: str) -> tm.InvariantViolation:
 class Life:
     """One lifecycle of one request object, as the engine (the test) made it."""
 
-    __slots__ = ("lid", "req", "serial", "row", "prefix", "prefill", "pages", "prefix_pages", "lock", "ended",
-                 "dev_freed", "row_freed", "prot_freed", "next_start", "chunks", "protected", "fenced")
+    __slots__ = (
+        "lid",
+        "req",
+        "serial",
+        "row",
+        "prefix",
+        "prefill",
+        "pages",
+        "prefix_pages",
+        "lock",
+        "ended",
+        "dev_freed",
+        "row_freed",
+        "prot_freed",
+        "next_start",
+        "chunks",
+        "protected",
+        "fenced",
+    )
 
     def __init__(self, lid: int, req: SimRequest, row: int, page_size: int) -> None:
         self.lid, self.req, self.serial, self.row = lid, req, req.serial, row
@@ -318,11 +340,26 @@ class Life:
 class SChunk:
     """One chunk as the data plane saw it: a run of one request's positions in one copy submission."""
 
-    __slots__ = ("life", "serial", "start", "end", "host_pages", "device_pages", "keys", "handle", "landed",
-                 "acked", "attempts", "writing", "freed", "seq")
+    __slots__ = (
+        "life",
+        "serial",
+        "start",
+        "end",
+        "host_pages",
+        "device_pages",
+        "keys",
+        "handle",
+        "landed",
+        "acked",
+        "attempts",
+        "writing",
+        "freed",
+        "seq",
+    )
 
-    def __init__(self, life: Life, start: int, end: int, host_pages: list[int], device_pages: set[int],
-                 keys: list[str], seq: int) -> None:
+    def __init__(
+        self, life: Life, start: int, end: int, host_pages: list[int], device_pages: set[int], keys: list[str], seq: int
+    ) -> None:
         self.life, self.serial, self.start, self.end = life, life.serial, start, end
         self.host_pages, self.device_pages, self.keys = host_pages, device_pages, keys
         self.handle: Any = None
@@ -444,8 +481,11 @@ class Shadow:
         pages = {s // self.ps for s in slots}
         reading = [c for c in self.unlanded() if c.device_pages & pages]
         if reading:
-            self.fail("reuse_under_copy", f"{who} into pages {sorted(pages)} while {reading} still copy from them "
-                                          "(a fenced page handed out, or written, before its fence passed or was waited on)")
+            self.fail(
+                "reuse_under_copy",
+                f"{who} into pages {sorted(pages)} while {reading} still copy from them "
+                "(a fenced page handed out, or written, before its fence passed or was waited on)",
+            )
 
     def ended(self, req: SimRequest) -> Optional[Life]:
         """The engine ends the request (finish, abort, retract); returns its lifecycle if it was live."""
@@ -493,8 +533,10 @@ class Shadow:
                 if positions != list(range(start, end)) or start % ps or (end - start) % self.rank.stride:
                     self.fail("chunk_positions", f"{life!r} copies positions {positions} (stride {self.rank.stride})")
                 if start != life.next_start:
-                    self.fail("offload_contiguous", f"{life!r} chunk [{start}, {end}) but the next one starts at "
-                                                    f"{life.next_start} (B7)")
+                    self.fail(
+                        "offload_contiguous",
+                        f"{life!r} chunk [{start}, {end}) but the next one starts at {life.next_start} (B7)",
+                    )
                 committed = req.kv_committed_len
                 if end > min(committed, len(req.origin_input_ids) + len(req.output_ids) - 1):
                     self.fail("chunk_committed", f"{life!r} chunk [{start}, {end}) past committed {committed}")
@@ -504,10 +546,12 @@ class Shadow:
                     self.fail("host_whole_pages", f"{life!r} host slots {host} are not whole pages in order")
                 for p in pages:
                     if p in self.host_owner:
-                        self.fail("host_page_held_twice", f"host page {p} given to {life!r} while "
-                                                          f"{self.host_owner[p]!r} holds it")
+                        self.fail(
+                            "host_page_held_twice",
+                            f"host page {p} given to {life!r} while {self.host_owner[p]!r} holds it",
+                        )
                 tokens = list(req.origin_input_ids) + list(req.output_ids)
-                keys = page_hashes(tokens[:end], ps)[start // ps:end // ps] if end <= len(tokens) else []
+                keys = page_hashes(tokens[:end], ps)[start // ps : end // ps] if end <= len(tokens) else []
                 c = SChunk(life, start, end, pages, {device_slots[j] // ps for j in range(a, b)}, keys, next(self._seq))
                 for p in pages:
                     self.host_owner[p] = c
@@ -532,8 +576,10 @@ class Shadow:
         with self.lock:
             chunks = self.pending_copies.pop(host_slots, None)
             if chunks is None:
-                self.fail("copy_landed_unsubmitted", f"a copy into host slots {list(host_slots)[:8]} landed twice "
-                                                     "or was never submitted")
+                self.fail(
+                    "copy_landed_unsubmitted",
+                    f"a copy into host slots {list(host_slots)[:8]} landed twice or was never submitted",
+                )
                 return
             self._landed(chunks)
 
@@ -588,12 +634,19 @@ class Shadow:
             if not by_slot:
                 owner = (evicting or self.device_owner.get(pages[0])) if pages else None
                 where = tuple(sorted(owner.pages.get(p, -1) for p in pages)) if owner is not None else ()
-                self.log.append(("device_free", (owner.serial if owner is not None else None,
-                                                 evicting is not None, len(slots), where)))
+                self.log.append(
+                    (
+                        "device_free",
+                        (owner.serial if owner is not None else None, evicting is not None, len(slots), where),
+                    )
+                )
             if evicting is not None:  # the prefix cache evicts an unlocked prefix: exactly its pages
                 if set(pages) != evicting.prefix_pages:
-                    self.fail("prefix_eviction", f"{evicting!r}: the prefix cache evicted {pages}, its prefix held "
-                                                 f"{sorted(evicting.prefix_pages)}")
+                    self.fail(
+                        "prefix_eviction",
+                        f"{evicting!r}: the prefix cache evicted {pages}, its prefix held "
+                        f"{sorted(evicting.prefix_pages)}",
+                    )
                 for p in pages:
                     if self.device_owner.get(p) is evicting:
                         del self.device_owner[p]
@@ -601,8 +654,11 @@ class Shadow:
                 return
             owners = {id(self.device_owner.get(p)): self.device_owner.get(p) for p in pages}
             if None in owners.values() or len(owners) != 1:
-                self.fail("release_owner", f"frees pages {pages} of {list(owners.values())} (B9, B11, B12: a page "
-                                           f"freed twice or one no request owns)")
+                self.fail(
+                    "release_owner",
+                    f"frees pages {pages} of {list(owners.values())} (B9, B11, B12: a page "
+                    f"freed twice or one no request owns)",
+                )
                 for p in pages:
                     self.device_owner.pop(p, None)
                 return
@@ -612,11 +668,17 @@ class Shadow:
             if not life.ended:
                 self.fail("release_live", f"{life!r} released while live (premature reuse, B1)")
             if set(pages) & life.prefix_pages:
-                self.fail("release_prefix_pages", f"{life!r} freed pages {sorted(set(pages) & life.prefix_pages)} of "
-                                                  "its matched prefix, which the prefix cache owns (B16)")
+                self.fail(
+                    "release_prefix_pages",
+                    f"{life!r} freed pages {sorted(set(pages) & life.prefix_pages)} of "
+                    "its matched prefix, which the prefix cache owns (B16)",
+                )
             if set(pages) != set(life.pages):
-                self.fail("release_exact", f"{life!r} freed pages {pages}, owned {sorted(life.pages)} (B5, B8; "
-                                           f"lengths read from a request the engine changed?)")
+                self.fail(
+                    "release_exact",
+                    f"{life!r} freed pages {pages}, owned {sorted(life.pages)} (B5, B8; "
+                    f"lengths read from a request the engine changed?)",
+                )
             if fence is not None and any(c.device_pages & set(pages) for c in self.unlanded()):
                 self.count("fenced_free_under_copy")
             life.fenced = fence is not None
@@ -642,13 +704,18 @@ class Shadow:
                 kept = fence_of.get(p)
                 owner = "the scratch writer" if self.scratch_freeing else f"page {p}'s last owner"
                 if kept is None and fence is None:
-                    self.fail("free_under_copy", f"{owner} freed page {p} while {reading} still copy from it, and "
-                                                 "it went back unfenced (B2)")
+                    self.fail(
+                        "free_under_copy",
+                        f"{owner} freed page {p} while {reading} still copy from it, and it went back unfenced (B2)",
+                    )
                     continue
                 missed = [c for c in reading if kept is None or not kept.covers(c.handle)]
                 if missed:
-                    self.fail("fence_misses_copy", f"{owner} freed page {p}: the fence it goes back with misses "
-                                                   f"{missed}, which still copy from it (B2: the device_slots fence rule)")
+                    self.fail(
+                        "fence_misses_copy",
+                        f"{owner} freed page {p}: the fence it goes back with misses "
+                        f"{missed}, which still copy from it (B2: the device_slots fence rule)",
+                    )
 
     def on_row_free(self, row: int) -> None:
         with self.lock:
@@ -673,8 +740,11 @@ class Shadow:
                 self.fail("protected_release", f"prefix lock {lock!r} unlocked outside a release (B4)")
                 return
             if lock is not life.lock:
-                self.fail("protected_release", f"{life!r} unlocked {lock!r}, it locked {life.lock!r} "
-                                               "(B3, B4; read from a request the engine changed?)")
+                self.fail(
+                    "protected_release",
+                    f"{life!r} unlocked {lock!r}, it locked {life.lock!r} "
+                    "(B3, B4; read from a request the engine changed?)",
+                )
             life.prot_freed = True
             self.releasing = None
             self.evicting = life if lock is not None else None
@@ -697,7 +767,9 @@ class Shadow:
                     for p in c.host_pages:
                         self.host_owner.pop(p, None)
                 if not c.landed:
-                    self.fail("host_free_before_landed", f"{c!r} host pages freed before its copy landed (done() lied?)")
+                    self.fail(
+                        "host_free_before_landed", f"{c!r} host pages freed before its copy landed (done() lied?)"
+                    )
                 if c.writing:
                     self.fail("host_free_under_backup", f"{c!r} host pages freed while a store call still reads them")
                 c.freed = True
@@ -717,8 +789,9 @@ class Shadow:
         self._stash.slots = None
         return slots
 
-    def store_begin(self, keys: list[str], slots: Optional[list[int]], pages: Optional[torch.Tensor]
-                    ) -> list[tuple[SChunk, list[int]]]:
+    def store_begin(
+        self, keys: list[str], slots: Optional[list[int]], pages: Optional[torch.Tensor]
+    ) -> list[tuple[SChunk, list[int]]]:
         """A store call starts: attribute its pages to chunks and check each page's key and bytes."""
         ps, kv = self.ps, self.rank.kv
         self.refresh_landed()
@@ -731,8 +804,10 @@ class Shadow:
                 hp = slots[i * ps] // ps
                 c = self.host_owner.get(hp)
                 if c is None:
-                    self.fail("store_reads_free_host_page", f"key {key[:12]} written from host page {hp}, held by no "
-                                                            "chunk (use after free)")
+                    self.fail(
+                        "store_reads_free_host_page",
+                        f"key {key[:12]} written from host page {hp}, held by no chunk (use after free)",
+                    )
                     continue
                 if not groups or groups[-1][0] is not c:
                     groups.append((c, []))
@@ -746,8 +821,10 @@ class Shadow:
                     got = page_values(pages[i], kv, ps)
                     want = self.want(c.serial, c.start + j * ps, ps)
                     if not bool(torch.equal(got, want)):
-                        self.fail("store_write_content", f"{c!r} page {j}: writes {got.tolist()} under a valid key, "
-                                                         f"the device held {want.tolist()}")
+                        self.fail(
+                            "store_write_content",
+                            f"{c!r} page {j}: writes {got.tolist()} under a valid key, the device held {want.tolist()}",
+                        )
             for c, _ in groups:
                 c.writing += 1
             self.count("store_calls")
@@ -761,8 +838,15 @@ class Shadow:
             for c, idx in groups:
                 c.writing -= 1
                 c.attempts.append(whole and all(results[i] for i in idx))  # type: ignore[index]
-            kind = "raised" if results is None else "short" if not whole else "mixed_outcomes" if len(set(results)) > 1 \
+            kind = (
+                "raised"
+                if results is None
+                else "short"
+                if not whole
+                else "mixed_outcomes"
+                if len(set(results)) > 1
                 else None
+            )
             if kind is not None:
                 self.count(f"store_{kind}")
                 if len(groups) > 1:  # inside one batched call of several chunks
@@ -779,16 +863,26 @@ class Shadow:
         self.refresh_landed()
         with self.lock:
             acked = len(self.chunks) - len(r.manager.fx.copy_fifo)
-            check(self.acked <= acked <= len(self.chunks), "ack_monotone",
-                  lambda: f"rank {r.r}: {acked} chunks acknowledged, {self.acked} before, {len(self.chunks)} submitted")
-            for c in self.chunks[self.acked:acked]:
-                check(c.landed, "ack_before_landed", lambda: f"rank {r.r}: {c!r} acknowledged before its copy landed "
-                                                             "(a done() that lies)")
+            check(
+                self.acked <= acked <= len(self.chunks),
+                "ack_monotone",
+                lambda: f"rank {r.r}: {acked} chunks acknowledged, {self.acked} before, {len(self.chunks)} submitted",
+            )
+            for c in self.chunks[self.acked : acked]:
+                check(
+                    c.landed,
+                    "ack_before_landed",
+                    lambda: f"rank {r.r}: {c!r} acknowledged before its copy landed (a done() that lies)",
+                )
                 c.acked = True
             self.acked = acked
-            check(acked >= self.ack_floor, "ack_landed_copies",
-                  lambda: f"rank {r.r}: {acked} chunks acknowledged, {self.ack_floor} had landed before the "
-                          "progress check")
+            check(
+                acked >= self.ack_floor,
+                "ack_landed_copies",
+                lambda: (
+                    f"rank {r.r}: {acked} chunks acknowledged, {self.ack_floor} had landed before the progress check"
+                ),
+            )
             return acked
 
     def check(self) -> None:
@@ -802,87 +896,159 @@ class Shadow:
             r.allocator.check_conservation()
             r.host_pool.check_conservation()
             r.table.check_conservation()
-            check(r.allocator.capacity - r.allocator.free_slots == ps * len(self.device_owner), "device_conservation",
-                  lambda: f"rank {r.r}: {r.allocator.capacity - r.allocator.free_slots} device slots allocated, the "
-                          f"shadow's requests own {ps * len(self.device_owner)}")
+            check(
+                r.allocator.capacity - r.allocator.free_slots == ps * len(self.device_owner),
+                "device_conservation",
+                lambda: (
+                    f"rank {r.r}: {r.allocator.capacity - r.allocator.free_slots} device slots allocated, the "
+                    f"shadow's requests own {ps * len(self.device_owner)}"
+                ),
+            )
             held = r.host_pool.capacity - r.host_pool.free_slots
-            check(held == ps * len(self.host_owner), "host_conservation",
-                  lambda: f"rank {r.r}: {held} host slots allocated, the shadow's chunks hold "
-                          f"{ps * len(self.host_owner)}")
-            check(r.table.rows - r.table.free_rows == len(self.row_owner), "row_conservation",
-                  lambda: f"rank {r.r}: {r.table.rows - r.table.free_rows} rows allocated, owned {len(self.row_owner)}")
+            check(
+                held == ps * len(self.host_owner),
+                "host_conservation",
+                lambda: (
+                    f"rank {r.r}: {held} host slots allocated, the shadow's chunks hold {ps * len(self.host_owner)}"
+                ),
+            )
+            check(
+                r.table.rows - r.table.free_rows == len(self.row_owner),
+                "row_conservation",
+                lambda: f"rank {r.r}: {r.table.rows - r.table.free_rows} rows allocated, owned {len(self.row_owner)}",
+            )
             protected = sum(life.prefix for life in self.all_lives if life.protected and not life.prot_freed)
-            check(r.protected.size == protected, "protected_conservation",
-                  lambda: f"rank {r.r}: protected size {r.protected.size}, the shadow's lifecycles {protected}")
+            check(
+                r.protected.size == protected,
+                "protected_conservation",
+                lambda: f"rank {r.r}: protected size {r.protected.size}, the shadow's lifecycles {protected}",
+            )
             for life in self.all_lives:
                 if life.dev_freed and not (life.row_freed and life.prot_freed):
-                    raise violation("partial_release", f"rank {r.r}: {life!r} freed its device pages but not its "
-                                                       "row or protected size")
+                    raise violation(
+                        "partial_release",
+                        f"rank {r.r}: {life!r} freed its device pages but not its row or protected size",
+                    )
             acked = self.check_acks()
             for life in self.all_lives:
                 if life.ended and not life.dev_freed and all(c.acked for c in life.chunks):
-                    raise violation("release_due", f"rank {r.r}: {life!r} ended and all its copies were "
-                                                   "acknowledged, but it still holds its device pages (B8: a leak)")
+                    raise violation(
+                        "release_due",
+                        f"rank {r.r}: {life!r} ended and all its copies were "
+                        "acknowledged, but it still holds its device pages (B8: a leak)",
+                    )
                 if life.dev_freed and not life.fenced and not all(c.acked for c in life.chunks):
-                    raise violation("release_early", f"rank {r.r}: {life!r} released before all its copies "
-                                                     "were acknowledged (B2)")
+                    raise violation(
+                        "release_early", f"rank {r.r}: {life!r} released before all its copies were acknowledged (B2)"
+                    )
             # Metrics against the truth.
             mt = m.metrics
             in_copy = len(self.chunks) - acked
             holding = sum(1 for c in self.chunks if not c.freed)
-            check(mt.copies_in_flight == in_copy, "gauge_copies_in_flight",
-                  lambda: f"rank {r.r}: copies_in_flight {mt.copies_in_flight}, {in_copy} chunks unacknowledged")
-            check(mt.copies_in_flight + mt.backups_in_flight == holding, "gauge_backups_in_flight",
-                  lambda: f"rank {r.r}: copies {mt.copies_in_flight} + backups {mt.backups_in_flight} in flight, "
-                          f"{holding} chunks hold host pages")
+            check(
+                mt.copies_in_flight == in_copy,
+                "gauge_copies_in_flight",
+                lambda: f"rank {r.r}: copies_in_flight {mt.copies_in_flight}, {in_copy} chunks unacknowledged",
+            )
+            check(
+                mt.copies_in_flight + mt.backups_in_flight == holding,
+                "gauge_backups_in_flight",
+                lambda: (
+                    f"rank {r.r}: copies {mt.copies_in_flight} + backups {mt.backups_in_flight} in flight, "
+                    f"{holding} chunks hold host pages"
+                ),
+            )
             check(mt.chunks == len(self.chunks), "metric_chunks", lambda: f"{mt.chunks} != {len(self.chunks)}")
             tokens = sum(c.end - c.start for c in self.chunks)
-            check(mt.offloaded_tokens == tokens, "metric_offloaded_tokens", lambda: f"{mt.offloaded_tokens} != {tokens}")
-            check(mt.stored_pages == self.collected_ok_pages, "metric_stored_pages",
-                  lambda: f"rank {r.r}: stored_pages {mt.stored_pages}, the store confirmed {self.collected_ok_pages} "
-                          "pages of collected chunks (B13)")
-            check(mt.backup_failures == self.collected_failed, "metric_backup_failures",
-                  lambda: f"rank {r.r}: backup_failures {mt.backup_failures}, {self.collected_failed} chunks failed")
+            check(
+                mt.offloaded_tokens == tokens, "metric_offloaded_tokens", lambda: f"{mt.offloaded_tokens} != {tokens}"
+            )
+            check(
+                mt.stored_pages == self.collected_ok_pages,
+                "metric_stored_pages",
+                lambda: (
+                    f"rank {r.r}: stored_pages {mt.stored_pages}, the store confirmed {self.collected_ok_pages} "
+                    "pages of collected chunks (B13)"
+                ),
+            )
+            check(
+                mt.backup_failures == self.collected_failed,
+                "metric_backup_failures",
+                lambda: f"rank {r.r}: backup_failures {mt.backup_failures}, {self.collected_failed} chunks failed",
+            )
             released = sum(1 for life in self.all_lives if life.dev_freed)
             check(mt.releases == released, "metric_releases", lambda: f"{mt.releases} != {released}")
-            check(mt.ignored_duplicate_releases == self.duplicates, "metric_ignored_duplicates",
-                  lambda: f"rank {r.r}: {mt.ignored_duplicate_releases} ignored, {self.duplicates} duplicate end calls")
+            check(
+                mt.ignored_duplicate_releases == self.duplicates,
+                "metric_ignored_duplicates",
+                lambda: f"rank {r.r}: {mt.ignored_duplicate_releases} ignored, {self.duplicates} duplicate end calls",
+            )
             if m.ledger is not None:  # checked mode: the ledger agrees with the shadow
                 readers = set().union(*m.ledger.device_readers.values()) if m.ledger.device_readers else set()
                 check(len(readers) == in_copy, "ledger_copies", lambda: f"ledger readers {len(readers)} != {in_copy}")
-                check(m.ledger.host_pages() == len(self.host_owner), "ledger_host_pages",
-                      lambda: f"ledger {m.ledger.host_pages()} host pages, shadow {len(self.host_owner)}")
+                check(
+                    m.ledger.host_pages() == len(self.host_owner),
+                    "ledger_host_pages",
+                    lambda: f"ledger {m.ledger.host_pages()} host pages, shadow {len(self.host_owner)}",
+                )
                 owned = len(m.ledger.device_owner)
-                check(owned <= len(self.device_owner), "ledger_device_pages",
-                      lambda: f"ledger owns {owned} device pages, the engine handed out {len(self.device_owner)}")
+                check(
+                    owned <= len(self.device_owner),
+                    "ledger_device_pages",
+                    lambda: f"ledger owns {owned} device pages, the engine handed out {len(self.device_owner)}",
+                )
             todo = [(h, e) for h, e in m.fx.stored.items() if self.verified.get(h) != e]
             for h, (key, pos) in todo:
                 got = self.marked_ok.get(h)
-                check(got is not None and got[1] == pos, "stored_means_confirmed",
-                      lambda: f"rank {r.r}: {key} page at {pos} marked stored; the store confirmed {got} (B13)")
+                check(
+                    got is not None and got[1] == pos,
+                    "stored_means_confirmed",
+                    lambda: f"rank {r.r}: {key} page at {pos} marked stored; the store confirmed {got} (B13)",
+                )
         if todo:  # read back outside the lock (a store call may be running on the worker thread)
             pages = r.store.batch_get([h for h, _ in todo])
             for (h, (key, pos)), page in zip(todo, pages):
                 serial, _ = self.marked_ok[h]
-                check(page is not None, "stored_means_in_storage", lambda: f"rank {r.r}: {key} page at {pos} marked "
-                                                                           "stored, not in the store (B13)")
+                check(
+                    page is not None,
+                    "stored_means_in_storage",
+                    lambda: f"rank {r.r}: {key} page at {pos} marked stored, not in the store (B13)",
+                )
                 got = page_values(page, r.kv, ps)
-                check(bool(torch.equal(got, self.want(serial, pos, ps))), "stored_page_content",
-                      lambda: f"rank {r.r}: {key} page at {pos} reads back {got.tolist()}")
+                check(
+                    bool(torch.equal(got, self.want(serial, pos, ps))),
+                    "stored_page_content",
+                    lambda: f"rank {r.r}: {key} page at {pos} reads back {got.tolist()}",
+                )
                 self.verified[h] = (key, pos)
 
     def quiescent(self) -> None:
         """After the drain: nothing owned, nothing in flight, every lifecycle fully released."""
         r = self.rank
-        check(not self.device_owner and not self.row_owner and not self.host_owner, "teardown_shadow_empty",
-              lambda: f"rank {r.r}: still owned: device {len(self.device_owner)} pages, rows {list(self.row_owner)}, "
-                      f"host {len(self.host_owner)} pages")
-        check(all(life.dev_freed and life.row_freed and life.prot_freed for life in self.all_lives),
-              "teardown_released", "a lifecycle was never released")
-        check(all(c.freed for c in self.chunks) and not self.pending_copies, "teardown_chunks", "a chunk never finished")
-        check(r.allocator.free_slots == r.allocator.capacity and r.host_pool.free_slots == r.host_pool.capacity
-              and r.table.free_rows == r.table.rows and r.protected.size == 0, "teardown_pools_full",
-              lambda: f"rank {r.r}: pools not full")
+        check(
+            not self.device_owner and not self.row_owner and not self.host_owner,
+            "teardown_shadow_empty",
+            lambda: (
+                f"rank {r.r}: still owned: device {len(self.device_owner)} pages, rows {list(self.row_owner)}, "
+                f"host {len(self.host_owner)} pages"
+            ),
+        )
+        check(
+            all(life.dev_freed and life.row_freed and life.prot_freed for life in self.all_lives),
+            "teardown_released",
+            "a lifecycle was never released",
+        )
+        check(
+            all(c.freed for c in self.chunks) and not self.pending_copies, "teardown_chunks", "a chunk never finished"
+        )
+        check(
+            r.allocator.free_slots == r.allocator.capacity
+            and r.host_pool.free_slots == r.host_pool.capacity
+            and r.table.free_rows == r.table.rows
+            and r.protected.size == 0,
+            "teardown_pools_full",
+            lambda: f"rank {r.r}: pools not full",
+        )
 
 
 # --- one rank: its pools, its manager, its parts ------------------------------------------------------
@@ -904,8 +1070,17 @@ class Rank:
     """One TP rank: pools, manager (built from an OffloadConfig as an engine builds it), copy engine,
     backup worker and store of the configuration, all observed by this rank's Shadow."""
 
-    def __init__(self, cfg: Config, sizes: Sizes, r: int, group: Optional[ThreadGroup], faults: Faults,
-                 workdir: str, mooncake_addr: Optional[tuple[str, str]], model: str) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        sizes: Sizes,
+        r: int,
+        group: Optional[ThreadGroup],
+        faults: Faults,
+        workdir: str,
+        mooncake_addr: Optional[tuple[str, str]],
+        model: str,
+    ) -> None:
         self.cfg, self.r = cfg, r
         self.ps, self.stride = sizes.page_size, sizes.stride
         self.kv = KVCacheConfig(num_layers=2, kv_heads=1, head_dim=2, attention="mha", dtype=torch.float32)
@@ -923,15 +1098,30 @@ class Rank:
             assert mooncake_addr is not None
             # A pure client (no memory of its own), as a serving engine of a Mooncake cluster: the pages live
             # in the segment of the test's peer client (tests/stateful/test_production_matrix.py).
-            extra = dict(master_server_addr=mooncake_addr[0], metadata_server=mooncake_addr[1],
-                         global_segment_size=0, local_buffer_size=8 << 20, op_timeout_s=5.0,
-                         setup_timeout_s=15.0, close_timeout_s=5.0, read_pool_bytes=4 << 20)
+            extra = dict(
+                master_server_addr=mooncake_addr[0],
+                metadata_server=mooncake_addr[1],
+                global_segment_size=0,
+                local_buffer_size=8 << 20,
+                op_timeout_s=5.0,
+                setup_timeout_s=15.0,
+                close_timeout_s=5.0,
+                read_pool_bytes=4 << 20,
+            )
         self.config = OffloadConfig(
-            page_size=self.ps, offload_stride=sizes.stride,
+            page_size=self.ps,
+            offload_stride=sizes.stride,
             host_pool_bytes=sizes.host_pages * self.ps * self.kv.bytes_per_token,
-            host_layout=sizes.host_layout, copy_backend={"thread": "cpu"}.get(cfg.copy, cfg.copy),
-            storage_backend=backend, storage_dir=os.path.join(workdir, "store"), storage_extra=extra,
-            model_name=model, backup_queue_size=q, checked=cfg.checked, fenced_release=cfg.fenced)
+            host_layout=sizes.host_layout,
+            copy_backend={"thread": "cpu"}.get(cfg.copy, cfg.copy),
+            storage_backend=backend,
+            storage_dir=os.path.join(workdir, "store"),
+            storage_extra=extra,
+            model_name=model,
+            backup_queue_size=q,
+            checked=cfg.checked,
+            fenced_release=cfg.fenced,
+        )
         self.inner_store: Any = None
         storage: Any = None
         if cfg.storage == "memory":
@@ -944,9 +1134,17 @@ class Rank:
         copy_engine = ThreadCpuCopyEngine() if cfg.copy == "thread" else None
         worker = {"inline": InlineBackupWorker, "stepped": SteppedBackupWorker}.get(cfg.worker)
         self.manager = DecodeOffloadManager(
-            self.config, device_pool=self.device_pool, allocator=self.allocator, req_to_token=self.table,
-            prefix_cache=self.protected, copy_engine=copy_engine, storage=storage,
-            backup_worker=worker(q) if worker is not None else None, tp_rank=r, tp_size=cfg.tp)
+            self.config,
+            device_pool=self.device_pool,
+            allocator=self.allocator,
+            req_to_token=self.table,
+            prefix_cache=self.protected,
+            copy_engine=copy_engine,
+            storage=storage,
+            backup_worker=worker(q) if worker is not None else None,
+            tp_rank=r,
+            tp_size=cfg.tp,
+        )
         if group is not None:
             consensus = ProgressConsensus(None)
             consensus.group, consensus.world = group, group.world  # the real agree(), over the thread group
@@ -968,8 +1166,12 @@ class Rank:
         before the real one runs."""
         sh, ps = self.shadow, self.ps
         _SHADOWS[id(self.host_pool)] = sh
-        _before(self.allocator, "free", lambda idx, fence=None: sh.on_device_free(_slots(idx), fence),
-                after=lambda idx, fence=None: sh.after_device_free(_slots(idx), fence))
+        _before(
+            self.allocator,
+            "free",
+            lambda idx, fence=None: sh.on_device_free(_slots(idx), fence),
+            after=lambda idx, fence=None: sh.after_device_free(_slots(idx), fence),
+        )
         _before(self.table, "free", lambda row: sh.on_row_free(int(row)))
         _before(self.protected, "unlock", sh.on_unlock)
         _before(self.host_pool, "free_pages", lambda pages: sh.on_host_free([int(p) for p in pages]))
@@ -980,6 +1182,7 @@ class Rank:
         def get_pages_bytes(idx: Any) -> torch.Tensor:
             sh.stash(_slots(idx))
             return get_bytes(idx)
+
         self.host_pool.get_pages_bytes = get_pages_bytes  # type: ignore[method-assign]
         submit = self.copy_engine.submit_d2h
 
@@ -994,6 +1197,7 @@ class Rank:
             for c in chunks:
                 c.handle = handle
             return handle
+
         self.copy_engine.submit_d2h = submit_d2h  # type: ignore[method-assign]
         self._observe_store(self.store)
 
@@ -1011,8 +1215,12 @@ class Rank:
                     return kind, failed
             return None, failed
 
-        def run(keys: list[str], slots: Optional[list[int]], pages: Optional[torch.Tensor],
-                call: Callable[[list[int]], list[bool]]) -> list[bool]:
+        def run(
+            keys: list[str],
+            slots: Optional[list[int]],
+            pages: Optional[torch.Tensor],
+            call: Callable[[list[int]], list[bool]],
+        ) -> list[bool]:
             """call(indices) writes the pages at those indices of this call and returns their results."""
             keys = list(keys)
             groups = sh.store_begin(keys, slots, pages)
@@ -1041,11 +1249,14 @@ class Rank:
 
         def batch_set(keys: Any, pages: Any) -> list[bool]:
             stacked = torch.stack(list(pages)) if len(pages) else None
-            return run(keys, sh.take_stash(), stacked,
-                       lambda idx: inner_set([keys[i] for i in idx], [pages[i] for i in idx]))
+            return run(
+                keys, sh.take_stash(), stacked, lambda idx: inner_set([keys[i] for i in idx], [pages[i] for i in idx])
+            )
+
         store.batch_set = batch_set
         inner_from_host = getattr(store, "batch_set_from_host", None)
         if inner_from_host is not None:
+
             def batch_set_from_host(keys: Any, host_pool: Any, host_indices: Any) -> list[bool]:
                 slots = _slots(host_indices)
                 try:
@@ -1057,7 +1268,9 @@ class Rank:
                 def call(idx: list[int]) -> list[bool]:
                     sub = torch.tensor([slots[i * ps + k] for i in idx for k in range(ps)], dtype=torch.int64)
                     return inner_from_host([keys[i] for i in idx], host_pool, sub)
+
                 return run(keys, slots, pages, call)
+
             store.batch_set_from_host = batch_set_from_host
 
     # --- the engine: admission, decode, end ------------------------------------------------------------
@@ -1239,6 +1452,7 @@ def _before(obj: Any, name: str, see: Callable[..., None], after: Optional[Calla
         if after is not None:
             after(x, *more, **kw)
         return out
+
     setattr(obj, name, wrapped)
 
 
@@ -1261,10 +1475,12 @@ def when(state: Optional[Callable[[Any], Any]], config: Optional[Callable[[Any],
     the threads' timing, and hypothesis needs the rules it may choose to depend only on its own earlier
     choices (else FlakyStrategyDefinition): there every rule of the configuration stays enabled, and one
     that finds nothing to do does nothing."""
+
     def pre(self: Any) -> bool:
         if self.e is None or (config is not None and not config(self)):
             return False
         return state is None or self.cfg.timing_dependent or bool(state(self))
+
     return pre
 
 
@@ -1276,6 +1492,7 @@ def _step(fn: Callable) -> Callable:
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         self._count(f"rule:{fn.__name__}")
         return inner(self, *args, **kwargs)
+
     return wrapper
 
 
@@ -1318,12 +1535,27 @@ class ProductionMachine(tm.ManagerMachine):
     # --- set-up ------------------------------------------------------------------------------------
     # (sampled_from lists start with the value hypothesis shrinks to: an interesting one, since the first,
     # simplest example of a run takes it)
-    @initialize(page_size=st.sampled_from([2, 2, 4]), stride_pages=st.sampled_from([1, 1, 2]),
-                device_pages=st.integers(12, 20), host_pages=st.integers(4, 6), rows=st.integers(3, 4),
-                backup_queue=st.sampled_from([2, 1, 3]), layout=st.sampled_from(["layer_first", "page_first"]),
-                fault_rate=st.sampled_from([150, 60, 300, 0]))
-    def setup(self, page_size: int, stride_pages: int, device_pages: int,  # type: ignore[override]
-              host_pages: int, rows: int, backup_queue: int, layout: str, fault_rate: int) -> None:
+    @initialize(
+        page_size=st.sampled_from([2, 2, 4]),
+        stride_pages=st.sampled_from([1, 1, 2]),
+        device_pages=st.integers(12, 20),
+        host_pages=st.integers(4, 6),
+        rows=st.integers(3, 4),
+        backup_queue=st.sampled_from([2, 1, 3]),
+        layout=st.sampled_from(["layer_first", "page_first"]),
+        fault_rate=st.sampled_from([150, 60, 300, 0]),
+    )
+    def setup(
+        self,
+        page_size: int,
+        stride_pages: int,
+        device_pages: int,  # type: ignore[override]
+        host_pages: int,
+        rows: int,
+        backup_queue: int,
+        layout: str,
+        fault_rate: int,
+    ) -> None:
         cfg = self.cfg
         self.ps = page_size
         self.faults = Faults(fault_rate)
@@ -1367,8 +1599,13 @@ class ProductionMachine(tm.ManagerMachine):
             del self.ended[:-8]
 
     def _decode_lreq(self, lr: LReq, speculative: int) -> bool:
-        ok = self._all([rank.decode(q, speculative) or (speculative > 0 and rank.decode(q, 0))
-                        for rank, q in zip(self.ranks, lr.reqs)], f"decode {lr!r}")
+        ok = self._all(
+            [
+                rank.decode(q, speculative) or (speculative > 0 and rank.decode(q, 0))
+                for rank, q in zip(self.ranks, lr.reqs)
+            ],
+            f"decode {lr!r}",
+        )
         if not ok:
             q = lr.reqs[0]
             at_limit = -(-(q.kv_committed_len + 1) // self.ps) * self.ps > self.ranks[0].max_context
@@ -1412,15 +1649,21 @@ class ProductionMachine(tm.ManagerMachine):
             rank.shadow.check_acks()
 
     # --- rules (ManagerMachine's, over every rank) --------------------------------------------------
-    @rule(rid=st.sampled_from(tm.RIDS), prompt_len=st.integers(1, 12), prefix_len=st.integers(0, 4),
-          reuse=st.integers(0, 2), count=st.integers(1, 2))
+    @rule(
+        rid=st.sampled_from(tm.RIDS),
+        prompt_len=st.integers(1, 12),
+        prefix_len=st.integers(0, 4),
+        reuse=st.integers(0, 2),
+        count=st.integers(1, 2),
+    )
     @_step
     def admit(self, rid: str, prompt_len: int, prefix_len: int, reuse: int, count: int) -> None:
         if reuse == 0 and self.ended:
             rid = self._pick(self.ended, prompt_len).rid
         for k in range(count):
-            self._admit_lreq(self._new(rid if k == 0 else self._pick(tm.RIDS, prompt_len + k), prompt_len + k,
-                                       prefix_len))
+            self._admit_lreq(
+                self._new(rid if k == 0 else self._pick(tm.RIDS, prompt_len + k), prompt_len + k, prefix_len)
+            )
 
     @precondition(when(lambda self: self.live))
     @rule(i=st.integers(0, 7), n=st.integers(1, 4), speculative=st.integers(0, 3))
@@ -1434,8 +1677,11 @@ class ProductionMachine(tm.ManagerMachine):
                 break
 
     @precondition(when(lambda self: self.live))
-    @rule(speculative=st.integers(0, 2), offload=st.sampled_from(["none", "loop", "batch", "batch_no_arrays"]),
-          progress=st.booleans())
+    @rule(
+        speculative=st.integers(0, 2),
+        offload=st.sampled_from(["none", "loop", "batch", "batch_no_arrays"]),
+        progress=st.booleans(),
+    )
     @_step
     def scheduler_step(self, speculative: int, offload: str, progress: bool) -> None:
         for lr in list(self.live):
@@ -1448,8 +1694,9 @@ class ProductionMachine(tm.ManagerMachine):
             if offload == "loop":
                 got.append([rank.manager.offload(q) for q in reqs])
             elif offload == "batch":
-                got.append(rank.manager.offload_batch(reqs, [q.req_pool_idx for q in reqs],
-                                                      [q.kv_committed_len for q in reqs]))
+                got.append(
+                    rank.manager.offload_batch(reqs, [q.req_pool_idx for q in reqs], [q.kv_committed_len for q in reqs])
+                )
             elif offload == "batch_no_arrays":
                 got.append(rank.manager.offload_batch(reqs))
         self._all(got, f"offload ({offload})")
@@ -1471,8 +1718,9 @@ class ProductionMachine(tm.ManagerMachine):
             for r, rank in enumerate(self.ranks):
                 reqs = [lr.reqs[r] for lr in self.live]
                 rank.busy()
-                got.append(rank.manager.offload_batch(reqs, [q.req_pool_idx for q in reqs],
-                                                      [q.kv_committed_len for q in reqs]))
+                got.append(
+                    rank.manager.offload_batch(reqs, [q.req_pool_idx for q in reqs], [q.kv_committed_len for q in reqs])
+                )
                 del reqs
             self._all(got, "offload_batch")
             for r, rank in enumerate(self.ranks):
@@ -1495,8 +1743,9 @@ class ProductionMachine(tm.ManagerMachine):
             rank.busy()
         self._all([rank.manager.offload(q) for rank, q in zip(self.ranks, lr.reqs)], f"offload {lr!r}")
 
-    @precondition(when(lambda self: any(rank.copies_pending() for rank in self.ranks),
-                       lambda self: self.cfg.copy != "cpu"))
+    @precondition(
+        when(lambda self: any(rank.copies_pending() for rank in self.ranks), lambda self: self.cfg.copy != "cpu")
+    )
     @rule(i=st.integers(0, 7), n=st.integers(1, 3), skew=st.integers(0, 2))
     @_step
     def complete_copies(self, i: int, n: int, skew: int) -> None:
@@ -1508,10 +1757,15 @@ class ProductionMachine(tm.ManagerMachine):
                     break
                 rank.complete(self._pick(pending, i + r * skew))
 
-    @precondition(when(lambda self: any(rank.backups_pending() for rank in self.ranks),
-                       lambda self: self.cfg.worker == "stepped"))
-    @rule(i=st.integers(0, 7), k=st.integers(1, 3), skew=st.integers(0, 2),
-          fault=st.sampled_from(["none", "none", "none", "fail", "fail_last", "raise_before", "raise_after", "short"]))
+    @precondition(
+        when(lambda self: any(rank.backups_pending() for rank in self.ranks), lambda self: self.cfg.worker == "stepped")
+    )
+    @rule(
+        i=st.integers(0, 7),
+        k=st.integers(1, 3),
+        skew=st.integers(0, 2),
+        fault=st.sampled_from(["none", "none", "none", "fail", "fail_last", "raise_before", "raise_after", "short"]),
+    )
     @_step
     def run_backup(self, i: int, k: int, skew: int, fault: str) -> None:
         """Run k queued backups as one batched store call (TP: FIFO, each rank at its own pace); the fault
@@ -1522,7 +1776,7 @@ class ProductionMachine(tm.ManagerMachine):
         if fault != "none" and first:
             hashes = first[0 if self.group else i % len(first)].payload.hashes
             kind = "fail" if fault == "fail_last" else fault
-            for h in (hashes[-1:] if fault == "fail_last" else hashes):
+            for h in hashes[-1:] if fault == "fail_last" else hashes:
                 self.faults.planted[h] = kind
         for r, rank in enumerate(self.ranks):
             if self.group is not None:
@@ -1550,7 +1804,7 @@ class ProductionMachine(tm.ManagerMachine):
         waiting = [c for c in self.ranks[0].shadow.chunks if not c.acked and c.keys]
         if waiting:
             c = self._pick(waiting, i)
-            for h in (c.keys if every else c.keys[-1:]):
+            for h in c.keys if every else c.keys[-1:]:
                 self.faults.planted[h] = kind
 
     @precondition(when(None))
@@ -1573,8 +1827,9 @@ class ProductionMachine(tm.ManagerMachine):
         machine's ranks end requests only through the manager (their shadow ledgers model that path)."""
         raise NotImplementedError
 
-    @precondition(when(lambda self: any(rank.allocator.fenced_page_count for rank in self.ranks),
-                       lambda self: self.cfg.fenced))
+    @precondition(
+        when(lambda self: any(rank.allocator.fenced_page_count for rank in self.ranks), lambda self: self.cfg.fenced)
+    )
     @rule()
     @_step
     def reuse_fenced(self) -> None:
@@ -1667,12 +1922,16 @@ class ProductionMachine(tm.ManagerMachine):
         if lr in self.retracted and how != "retract":
             self.retracted.remove(lr)
             self.ended.append(lr)
-        before = [(r.allocator.free_slots, r.host_pool.free_slots, r.table.free_rows, r.protected.size,
-                   len(r.shadow.log)) for r in self.ranks]
+        before = [
+            (r.allocator.free_slots, r.host_pool.free_slots, r.table.free_rows, r.protected.size, len(r.shadow.log))
+            for r in self.ranks
+        ]
         for rank, q in zip(self.ranks, lr.reqs):
             rank.end(q, how)
-        after = [(r.allocator.free_slots, r.host_pool.free_slots, r.table.free_rows, r.protected.size,
-                  len(r.shadow.log)) for r in self.ranks]
+        after = [
+            (r.allocator.free_slots, r.host_pool.free_slots, r.table.free_rows, r.protected.size, len(r.shadow.log))
+            for r in self.ranks
+        ]
         check(before == after, "duplicate_end_is_noop", lambda: f"{how} of ended {lr!r}: {before} -> {after}")
 
     # --- invariants ---------------------------------------------------------------------------------
@@ -1694,7 +1953,7 @@ class ProductionMachine(tm.ManagerMachine):
         la, lb = a.shadow.log, b.shadow.log
         if la != lb:
             k = next((k for k, (x, y) in enumerate(zip(la, lb)) if x != y), min(len(la), len(lb)))
-            raise violation("tp_identical_frees", f"free #{k} differs: {la[k:k + 1]} vs {lb[k:k + 1]} (B14)")
+            raise violation("tp_identical_frees", f"free #{k} differs: {la[k : k + 1]} vs {lb[k : k + 1]} (B14)")
         ma, mb = a.manager.metrics.as_dict(), b.manager.metrics.as_dict()
         check(ma == mb, "tp_identical_metrics", lambda: f"{ma} vs {mb}")
         sa, sb = sorted(a.manager.fx.stored), sorted(b.manager.fx.stored)
@@ -1744,21 +2003,34 @@ class ProductionMachine(tm.ManagerMachine):
         for rank in self.ranks:
             rank.shadow.quiescent()
             ledger = rank.manager.ledger
-            check(ledger is None or not (ledger.device_owner or ledger.device_readers or ledger.host_owner),
-                  "ledger_empty", "the checked ledger still has owners")
+            check(
+                ledger is None or not (ledger.device_owner or ledger.device_readers or ledger.host_owner),
+                "ledger_empty",
+                "the checked ledger still has owners",
+            )
             # Every page marked stored, read back through the store, is what its writer's device held.
             keys = list(rank.manager.fx.stored)
             for h, page in zip(keys, rank.store.batch_get(keys) if keys else []):
                 serial, pos = rank.shadow.marked_ok[h]
                 check(page is not None, "read_back", f"rank {rank.r}: page {h[:12]} missing")
-                check(bool(torch.equal(page_values(page, rank.kv, self.ps), rank.shadow.want(serial, pos, self.ps))),
-                      "read_back_content", f"rank {rank.r}: page {h[:12]} at {pos}")
+                check(
+                    bool(torch.equal(page_values(page, rank.kv, self.ps), rank.shadow.want(serial, pos, self.ps))),
+                    "read_back_content",
+                    f"rank {rank.r}: page {h[:12]} at {pos}",
+                )
         sh = self.ranks[0].shadow
         for what, n in sh.stats.items():
             self._count(what, n)
         mt = self.ranks[0].manager.metrics.as_dict()
-        for k in ("chunks", "stored_pages", "backup_failures", "parked_chunks", "host_full_retries", "releases",
-                  "fenced_releases"):
+        for k in (
+            "chunks",
+            "stored_pages",
+            "backup_failures",
+            "parked_chunks",
+            "host_full_retries",
+            "releases",
+            "fenced_releases",
+        ):
             self._count(k, mt[k])
         self._count("steps", self.steps)
         self._count("examples")
@@ -1772,7 +2044,8 @@ def _landed_prefix(sh: Shadow) -> int:
     marked done)."""
     with sh.lock:
         n = sh.acked
-        while n < len(sh.chunks) and sh.chunks[n].landed and (sh.chunks[n].handle is None
-                                                                or sh.chunks[n].handle.done()):
+        while (
+            n < len(sh.chunks) and sh.chunks[n].landed and (sh.chunks[n].handle is None or sh.chunks[n].handle.done())
+        ):
             n += 1
         return n

@@ -142,25 +142,54 @@ class ManagerMachine(RuleBasedStateMachine):
 
     # --- failure bookkeeping (mutant report) ----------------------------------------------------------
     def _note_failure(self, where: str, exc: BaseException) -> None:
-        info = {"where": where, "check": getattr(exc, "name", type(exc).__name__),
-                "exc": f"{type(exc).__name__}: {exc}"[:400], "steps_total": STEPS.get(self.bucket, 0),
-                "steps_example": self.steps}
+        info = {
+            "where": where,
+            "check": getattr(exc, "name", type(exc).__name__),
+            "exc": f"{type(exc).__name__}: {exc}"[:400],
+            "steps_total": STEPS.get(self.bucket, 0),
+            "steps_example": self.steps,
+        }
         FIRST_FAILURE.setdefault(self.bucket, info)
         LAST_FAILURE[self.bucket] = info
 
     # --- set-up --------------------------------------------------------------------------------------
-    @initialize(page_size=st.sampled_from([2, 2, 4]), stride_pages=st.sampled_from([1, 1, 2]),
-                device_pages=st.integers(12, 20), host_pages=st.integers(4, 6), rows=st.integers(3, 4),
-                backup_queue=st.integers(1, 2), fenced=st.booleans(), stream_ordered=st.booleans())
-    def setup(self, page_size: int, stride_pages: int, device_pages: int, host_pages: int, rows: int,
-              backup_queue: int, fenced: bool, stream_ordered: bool) -> None:
+    @initialize(
+        page_size=st.sampled_from([2, 2, 4]),
+        stride_pages=st.sampled_from([1, 1, 2]),
+        device_pages=st.integers(12, 20),
+        host_pages=st.integers(4, 6),
+        rows=st.integers(3, 4),
+        backup_queue=st.integers(1, 2),
+        fenced=st.booleans(),
+        stream_ordered=st.booleans(),
+    )
+    def setup(
+        self,
+        page_size: int,
+        stride_pages: int,
+        device_pages: int,
+        host_pages: int,
+        rows: int,
+        backup_queue: int,
+        fenced: bool,
+        stream_ordered: bool,
+    ) -> None:
         # page_size 2: 24-40 device slots, 8-12 host slots; page_size 4 keeps the same page counts.
         # fenced: the spec's `fences` param (an end under a copy releases at once, fenced; writers wait).
         # stream_ordered: a writer's wait orders it after the copy, which stays in flight (the GPU's case), so
         # a reused slot can be released again while the old copy still reads it.
-        self.e = SimEngine(page_size=page_size, stride=stride_pages * page_size, device_slots=device_pages * page_size,
-                           host_slots=host_pages * page_size, rows=rows, max_context=32, backup_queue=backup_queue,
-                           checked=self.checked, fenced=fenced, stream_ordered=fenced and stream_ordered)
+        self.e = SimEngine(
+            page_size=page_size,
+            stride=stride_pages * page_size,
+            device_slots=device_pages * page_size,
+            host_slots=host_pages * page_size,
+            rows=rows,
+            max_context=32,
+            backup_queue=backup_queue,
+            checked=self.checked,
+            fenced=fenced,
+            stream_ordered=fenced and stream_ordered,
+        )
         self.ps = page_size
 
     # --- helpers ------------------------------------------------------------------------------------
@@ -178,8 +207,10 @@ class ManagerMachine(RuleBasedStateMachine):
         self.e.admit(rid, prompt_len, prefix_len, req=req)
 
     def _end(self, req: SimRequest, how: str) -> None:
-        self.end_alloc[(req.serial, req.req_pool_idx)] = (max(req.kv_allocated_len, req.kv_committed_len),
-                                                          req.prefix_len)
+        self.end_alloc[(req.serial, req.req_pool_idx)] = (
+            max(req.kv_allocated_len, req.kv_committed_len),
+            req.prefix_len,
+        )
         self.e.end(req, how)
         if how == "retract":
             self.retracted.append(req)
@@ -210,8 +241,13 @@ class ManagerMachine(RuleBasedStateMachine):
                 self.shadow[h] = (writer, chunk.start + j * self.ps)
 
     # --- rules --------------------------------------------------------------------------------------
-    @rule(rid=st.sampled_from(RIDS), prompt_len=st.integers(1, 12), prefix_len=st.integers(0, 4),
-          reuse=st.integers(0, 2), count=st.integers(1, 2))
+    @rule(
+        rid=st.sampled_from(RIDS),
+        prompt_len=st.integers(1, 12),
+        prefix_len=st.integers(0, 4),
+        reuse=st.integers(0, 2),
+        count=st.integers(1, 2),
+    )
     @_step
     def admit(self, rid: str, prompt_len: int, prefix_len: int, reuse: int, count: int) -> None:
         """Admit `count` new requests; reuse=0 gives the first the rid of a released request (B6)."""
@@ -230,8 +266,11 @@ class ManagerMachine(RuleBasedStateMachine):
                 break
 
     @precondition(lambda self: self.e is not None and self.e.live)
-    @rule(speculative=st.integers(0, 2), offload=st.sampled_from(["none", "loop", "batch", "batch_no_arrays"]),
-          progress=st.booleans())
+    @rule(
+        speculative=st.integers(0, 2),
+        offload=st.sampled_from(["none", "loop", "batch", "batch_no_arrays"]),
+        progress=st.booleans(),
+    )
     @_step
     def scheduler_step(self, speculative: int, offload: str, progress: bool) -> None:
         """One engine iteration: every live request decodes, then is offloaded (a loop of offload() or one
@@ -309,8 +348,9 @@ class ManagerMachine(RuleBasedStateMachine):
         self.retracted.append(req)
         self._count("released_by_engine")
 
-    @precondition(lambda self: self.e is not None and getattr(self.e, "fenced", False)
-                  and self.e.allocator.fenced_page_count)
+    @precondition(
+        lambda self: self.e is not None and getattr(self.e, "fenced", False) and self.e.allocator.fenced_page_count
+    )
     @rule()
     @_step
     def reuse_fenced(self) -> None:
@@ -339,13 +379,23 @@ class ManagerMachine(RuleBasedStateMachine):
             self.retracted.remove(req)
             self.ended.append(req)
         e = self.e
-        before = (e.allocator.free_slots, e.host_pool.free_slots, e.req_to_token.free_rows, e.protected.size,
-                  e.manager.metrics.releases)
+        before = (
+            e.allocator.free_slots,
+            e.host_pool.free_slots,
+            e.req_to_token.free_rows,
+            e.protected.size,
+            e.manager.metrics.releases,
+        )
         rec = e.manager._records.get(id(req))
         state = rec.machine.state if rec is not None else None
         {"finish": e.manager.finalize, "abort": e.manager.abort, "retract": e.manager.retract}[how](req)
-        after = (e.allocator.free_slots, e.host_pool.free_slots, e.req_to_token.free_rows, e.protected.size,
-                 e.manager.metrics.releases)
+        after = (
+            e.allocator.free_slots,
+            e.host_pool.free_slots,
+            e.req_to_token.free_rows,
+            e.protected.size,
+            e.manager.metrics.releases,
+        )
         check(before == after, "duplicate_end_is_noop", lambda: f"{how} of ended {req!r}: {before} -> {after}")
         if rec is not None:
             check(rec.machine.state == state, "duplicate_end_is_noop", f"state {state} -> {rec.machine}")
@@ -379,8 +429,9 @@ class ManagerMachine(RuleBasedStateMachine):
         copies, parked, backups = self._chunks()
         table = e.req_to_token.req_to_token.tolist()
         # Holders of device slots: the engine's live requests, and lifecycles whose release waits for a copy.
-        holders: list[tuple[str, int, int, int]] = [(repr(r), r.req_pool_idx, max(r.kv_allocated_len, r.kv_committed_len),
-                                                     r.prefix_len) for r in e.live]
+        holders: list[tuple[str, int, int, int]] = [
+            (repr(r), r.req_pool_idx, max(r.kv_allocated_len, r.kv_committed_len), r.prefix_len) for r in e.live
+        ]
         deferred = {}
         for c in copies:
             rec = c.record
@@ -394,28 +445,47 @@ class ManagerMachine(RuleBasedStateMachine):
         for name, row, alloc, _ in holders:
             check(row is not None and e.req_to_token.is_allocated(row), "holder_has_row", lambda: f"{name} row {row}")
             n = -(-alloc // ps)
-            pages += [s // ps for s in table[row][0:n * ps:ps]]
-        check(len(set(pages)) == len(pages), "no_shared_device_page",
-              lambda: f"holders {holders} share pages {sorted(p for p in set(pages) if pages.count(p) > 1)}")
+            pages += [s // ps for s in table[row][0 : n * ps : ps]]
+        check(
+            len(set(pages)) == len(pages),
+            "no_shared_device_page",
+            lambda: f"holders {holders} share pages {sorted(p for p in set(pages) if pages.count(p) > 1)}",
+        )
         allocated = e.allocator._allocated.tolist()
         free = [p for p in pages if not allocated[p]]
         check(not free, "live_slot_not_free", lambda: f"free pages {free} of holders {holders}")
-        check(e.allocator.capacity - e.allocator.free_slots == len(pages) * ps, "device_accounting",
-              lambda: f"allocated {e.allocator.capacity - e.allocator.free_slots} slots, holders own {len(pages) * ps}")
-        check(e.req_to_token.rows - e.req_to_token.free_rows == len(holders), "row_accounting",
-              lambda: f"{e.req_to_token.rows - e.req_to_token.free_rows} rows allocated, {len(holders)} holders")
+        check(
+            e.allocator.capacity - e.allocator.free_slots == len(pages) * ps,
+            "device_accounting",
+            lambda: f"allocated {e.allocator.capacity - e.allocator.free_slots} slots, holders own {len(pages) * ps}",
+        )
+        check(
+            e.req_to_token.rows - e.req_to_token.free_rows == len(holders),
+            "row_accounting",
+            lambda: f"{e.req_to_token.rows - e.req_to_token.free_rows} rows allocated, {len(holders)} holders",
+        )
         protected = sum(h[3] for h in holders)
-        check(e.protected.size == protected, "protected_accounting", lambda: f"protected {e.protected.size} != {protected}")
+        check(
+            e.protected.size == protected,
+            "protected_accounting",
+            lambda: f"protected {e.protected.size} != {protected}",
+        )
         # Host slots: exactly the chunks between their copy and their backup's collection.
         host: list[int] = []
         for c in itertools.chain(copies, parked, backups):
             host += c.host_indices.tolist()
         check(len(set(host)) == len(host), "no_shared_host_slot", "two chunks hold one host slot")
-        check(e.host_pool.capacity - e.host_pool.free_slots == len(host), "host_accounting",
-              lambda: f"host allocated {e.host_pool.capacity - e.host_pool.free_slots}, chunks hold {len(host)}")
+        check(
+            e.host_pool.capacity - e.host_pool.free_slots == len(host),
+            "host_accounting",
+            lambda: f"host allocated {e.host_pool.capacity - e.host_pool.free_slots}, chunks hold {len(host)}",
+        )
         if e.manager.ledger is not None:
-            check(e.manager.ledger.host_pages() * ps == len(host), "ledger_host_pages",
-                  lambda: f"ledger {e.manager.ledger.host_pages()} pages, chunks {len(host) // ps}")
+            check(
+                e.manager.ledger.host_pages() * ps == len(host),
+                "ledger_host_pages",
+                lambda: f"ledger {e.manager.ledger.host_pages()} pages, chunks {len(host) // ps}",
+            )
 
     def machines(self) -> None:
         """Counters never negative and equal to the chunks each lifecycle really has in flight."""
@@ -430,8 +500,11 @@ class ManagerMachine(RuleBasedStateMachine):
         for key, rec in recs.items():
             m = rec.machine
             check(m.copies >= 0 and m.parked >= 0 and m.backups >= 0, "counters_non_negative", lambda: repr(m))
-            check([m.copies, m.parked, m.backups] == count.get(key, [0, 0, 0]), "counters_match_chunks",
-                  lambda: f"{m!r} but chunks in flight {count.get(key, [0, 0, 0])}")
+            check(
+                [m.copies, m.parked, m.backups] == count.get(key, [0, 0, 0]),
+                "counters_match_chunks",
+                lambda: f"{m!r} but chunks in flight {count.get(key, [0, 0, 0])}",
+            )
             check(not gen.violated_invariants(m), "spec_invariants", lambda: repr(m))
             req = rec.req_ref()
             if req is not None:
@@ -439,7 +512,9 @@ class ManagerMachine(RuleBasedStateMachine):
                 self.records[id(rec)] = rec
                 if m.state == gen.FINISHED and req in e.live:
                     # A re-admitted request never shares its row with its own deferred-release lifecycle.
-                    check(req.req_pool_idx != rec.row, "readmitted_row_distinct", lambda: f"{req!r} live, machine {m!r}")
+                    check(
+                        req.req_pool_idx != rec.row, "readmitted_row_distinct", lambda: f"{req!r} live, machine {m!r}"
+                    )
 
     def chunks(self) -> None:
         """New chunks are contiguous and read the request's own slots; completed copies hold the writer's KV."""
@@ -452,16 +527,22 @@ class ManagerMachine(RuleBasedStateMachine):
             rec = c.record
             self.records[id(rec)] = rec
             start = self.next_start.get(id(rec), rec.prefill_len)
-            check(c.start == start and c.end > c.start and (c.end - c.start) % ps == 0, "offload_contiguous",
-                  f"{rec.key} chunk [{c.start}, {c.end}) but the next chunk starts at {start}")
+            check(
+                c.start == start and c.end > c.start and (c.end - c.start) % ps == 0,
+                "offload_contiguous",
+                f"{rec.key} chunk [{c.start}, {c.end}) but the next chunk starts at {start}",
+            )
             self.next_start[id(rec)] = c.end
-            check(rec.prefill_len + rec.inc_len == c.end, "offload_progress",
-                  f"{rec.key} inc_len {rec.inc_len} + prefill {rec.prefill_len} != chunk end {c.end}")
+            check(
+                rec.prefill_len + rec.inc_len == c.end,
+                "offload_progress",
+                f"{rec.key} inc_len {rec.inc_len} + prefill {rec.prefill_len} != chunk end {c.end}",
+            )
             req = rec.req_ref()
             tokens = list(req.origin_input_ids) + list(req.output_ids)
-            check(list(c.tokens) == list(tokens[c.start:c.end]), "chunk_tokens", f"{rec.key} [{c.start}, {c.end})")
+            check(list(c.tokens) == list(tokens[c.start : c.end]), "chunk_tokens", f"{rec.key} [{c.start}, {c.end})")
             check(c.end <= req.kv_committed_len, "chunk_committed", f"{rec.key} chunk end {c.end} > committed")
-            want = e.req_to_token.req_to_token[rec.row, c.start:c.end]
+            want = e.req_to_token.req_to_token[rec.row, c.start : c.end]
             check(bool(torch.equal(c.device_indices, want)), "chunk_device_slots", f"{rec.key} [{c.start}, {c.end})")
         done = [c for c in itertools.chain(copies, parked, backups) if c.handle.done()]
         if done:
@@ -469,9 +550,14 @@ class ManagerMachine(RuleBasedStateMachine):
             want = [kv_value(c.record.req_ref().serial, p) for c in done for p in range(c.start, c.end)]
             if got != want:
                 for c in done:  # name the first bad chunk
-                    check(e.host_page_ok(c), "host_page_content",
-                          lambda: f"chunk {c.serial} of {c.record.key} [{c.start}, {c.end}) holds "
-                                  f"{e.host_pool.token_view()[0, 0, c.host_indices, 0, 0].tolist()}")
+                    check(
+                        e.host_page_ok(c),
+                        "host_page_content",
+                        lambda: (
+                            f"chunk {c.serial} of {c.record.key} [{c.start}, {c.end}) holds "
+                            f"{e.host_pool.token_view()[0, 0, c.host_indices, 0, 0].tolist()}"
+                        ),
+                    )
 
     def storage(self) -> None:
         """Every page in storage is the KV of the request that wrote it; `stored` names only stored pages."""
@@ -493,15 +579,20 @@ class ManagerMachine(RuleBasedStateMachine):
             req = self.keymap.get(key)
             check(req is not None, "stored_writer_known", f"stored page of unknown record {key}")
             tokens = list(req.origin_input_ids) + list(req.output_ids)
-            check(page_hashes(tokens[:pos + ps], ps)[-1] == h, "stored_key_names_prefix",
-                  f"{key} page at {pos}: key is not the hash of its prefix")
+            check(
+                page_hashes(tokens[: pos + ps], ps)[-1] == h,
+                "stored_key_names_prefix",
+                f"{key} page at {pos}: key is not the hash of its prefix",
+            )
             self._check_page(pages[h], req.serial, pos, f"{key} page at {pos}")
             self.checked_stored[h] = (key, pos)
 
     def _check_page(self, page: torch.Tensor, serial: int, pos: int, what: str) -> None:
         got = page_values(page, self.e.kv, self.ps)
         want = torch.tensor([kv_value(serial, pos + j) for j in range(self.ps)])
-        check(bool(torch.equal(got, want)), "storage_page_content", lambda: f"{what}: {got.tolist()} != {want.tolist()}")
+        check(
+            bool(torch.equal(got, want)), "storage_page_content", lambda: f"{what}: {got.tolist()} != {want.tolist()}"
+        )
 
     # --- teardown -----------------------------------------------------------------------------------
     def teardown(self) -> None:
@@ -535,10 +626,21 @@ class ManagerMachine(RuleBasedStateMachine):
             e.manager.abort(req)
         e.check_teardown()
         ledger = e.manager.ledger
-        check(ledger is None or not (ledger.device_owner or ledger.device_readers or ledger.host_owner
-                                     or ledger.device_fence or ledger.copy_handle), "ledger_empty",
-              lambda: f"ledger still has owners {ledger.device_owner}, readers {dict(ledger.device_readers)}, "
-                      f"host owners {ledger.host_owner}, fences {ledger.device_fence} or copies {ledger.copy_handle}")
+        check(
+            ledger is None
+            or not (
+                ledger.device_owner
+                or ledger.device_readers
+                or ledger.host_owner
+                or ledger.device_fence
+                or ledger.copy_handle
+            ),
+            "ledger_empty",
+            lambda: (
+                f"ledger still has owners {ledger.device_owner}, readers {dict(ledger.device_readers)}, "
+                f"host owners {ledger.host_owner}, fences {ledger.device_fence} or copies {ledger.copy_handle}"
+            ),
+        )
         self.storage()
         # Read every stored page back through the storage interface and compare with its writer's KV.
         keys = list(e.manager.fx.stored)
@@ -562,8 +664,9 @@ class ManagerMachine(RuleBasedStateMachine):
 MAIN_EXAMPLES, MAIN_STEPS = (3400, 450) if DEEP else (120, 450)
 MIN_TOTAL_STEPS = 1_000_000 if DEEP else 30_000
 
-MAIN_SETTINGS = settings(max_examples=MAIN_EXAMPLES, stateful_step_count=MAIN_STEPS, deadline=None,
-                         suppress_health_check=list(HealthCheck))  # the rest from the loaded profile
+MAIN_SETTINGS = settings(
+    max_examples=MAIN_EXAMPLES, stateful_step_count=MAIN_STEPS, deadline=None, suppress_health_check=list(HealthCheck)
+)  # the rest from the loaded profile
 
 
 def test_manager_machine() -> None:
@@ -582,6 +685,8 @@ def test_zz_step_budget() -> None:
     if steps == 0:
         pytest.skip("the stateful fuzz test did not run in this session")
     missing = sorted(set(range(len(gen.TRANSITIONS))) - COVERAGE.get("main", set()))
-    print(f"\nstateful manager fuzz: {steps} rule steps in {TIMES.get('main', 0):.0f} s; "
-          f"transitions never taken: {missing}; {EVENTS.get('main')}")
+    print(
+        f"\nstateful manager fuzz: {steps} rule steps in {TIMES.get('main', 0):.0f} s; "
+        f"transitions never taken: {missing}; {EVENTS.get('main')}"
+    )
     assert steps >= MIN_TOTAL_STEPS, f"only {steps} rule steps ran (< {MIN_TOTAL_STEPS})"

@@ -116,32 +116,53 @@ COMPONENT_MUTANTS: dict[str, tuple[str, Callable[[pytest.MonkeyPatch], None], tu
     "B18": (ROOM, b18, ("tests/dataplane/test_allocator_liveness.py",)),
     "B18-fenced": (f"{ROOM} (pages whose fence passed)", b18_fenced, ("tests/dataplane/test_allocator_liveness.py",)),
     "B18-parked": (f"{ROOM} (parked chunks)", b18_parked, ("tests/runtime/test_parked_fairness.py",)),
-    "B19": (UNPLANNED, b19, ("tests/runtime/test_fault_breadth.py::"
-                             "test_a_store_that_raises_anything_fails_that_backup_and_nothing_else",)),
+    "B19": (
+        UNPLANNED,
+        b19,
+        ("tests/runtime/test_fault_breadth.py::test_a_store_that_raises_anything_fails_that_backup_and_nothing_else",),
+    ),
     "B19-partial": (f"{UNPLANNED} (coalescing flush)", b19_partial, ("tests/dataplane/test_copy_engine.py",)),
     "B19-batch": (f"{UNPLANNED} (an offload batch's shared copy)", b19_batch, ("tests/runtime/test_offload_batch.py",)),
     "B20": (WAITS, b20, ("tests/dataplane/test_fence_waits.py",)),
-    "B20-swap-out": (f"{WAITS} (transformers' fenced swap-out)", b20_swap_out,
-                     ("tests/integrations/test_transformers_swap.py::"
-                      "test_a_fenced_swap_out_enqueues_the_compute_streams_wait_before_the_blocks_go_back",)),
+    "B20-swap-out": (
+        f"{WAITS} (transformers' fenced swap-out)",
+        b20_swap_out,
+        (
+            "tests/integrations/test_transformers_swap.py::"
+            "test_a_fenced_swap_out_enqueues_the_compute_streams_wait_before_the_blocks_go_back",
+        ),
+    ),
     "B21": ("weakened explorer check", b21, ("tests/verify/test_checks_fire.py",)),
-    "B21-first": ("weakened explorer check (only the first landed copy)", b21_first, ("tests/verify/test_checks_fire.py",)),
+    "B21-first": (
+        "weakened explorer check (only the first landed copy)",
+        b21_first,
+        ("tests/verify/test_checks_fire.py",),
+    ),
 }
 
 # Shrinking a failing run costs minutes per mutant; CI only needs the catch. The report script turns it on,
 # bounded to SHRINK_SECONDS per mutant, to give the length of a minimal failing example.
 SHRINK_SECONDS = float(os.environ.get("KVFSM_MUTANT_SHRINK", "0"))
-MUTANT_SETTINGS = dict(max_examples=1000 if DEEP else 300, stateful_step_count=200, deadline=None,
-                       derandomize=True, database=None, suppress_health_check=list(HealthCheck),
-                       phases=(Phase.explicit, Phase.generate) + ((Phase.shrink,) if SHRINK_SECONDS > 0 else ()))
+MUTANT_SETTINGS = dict(
+    max_examples=1000 if DEEP else 300,
+    stateful_step_count=200,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+    phases=(Phase.explicit, Phase.generate) + ((Phase.shrink,) if SHRINK_SECONDS > 0 else ()),
+)
 
 
 @pytest.mark.parametrize("mid", list(MUTANTS))
 def test_mutant_is_caught(mid: str, monkeypatch: pytest.MonkeyPatch) -> None:
     bug, inject, checked = MUTANTS[mid]
-    machine = type(f"Mutant_{mid.replace('-', '_')}", (tm.ManagerMachine,), {"bucket": f"mutant:{mid}", "checked": checked})
+    machine = type(
+        f"Mutant_{mid.replace('-', '_')}", (tm.ManagerMachine,), {"bucket": f"mutant:{mid}", "checked": checked}
+    )
     if SHRINK_SECONDS > 0:
         import hypothesis.internal.conjecture.engine as conjecture_engine
+
         monkeypatch.setattr(conjecture_engine, "MAX_SHRINKING_SECONDS", SHRINK_SECONDS)
     inject(monkeypatch)
     t0 = time.perf_counter()
@@ -155,8 +176,16 @@ def test_mutant_is_caught(mid: str, monkeypatch: pytest.MonkeyPatch) -> None:
     elapsed = time.perf_counter() - t0
     first = tm.FIRST_FAILURE.get(machine.bucket)
     last = tm.LAST_FAILURE.get(machine.bucket)
-    REPORT[mid] = {"bug": bug, "fault": (inject.__doc__ or "").strip(), "checked": checked, "caught": error is not None,
-                   "first": first, "last": last, "steps_run": tm.STEPS.get(machine.bucket, 0), "seconds": elapsed}
+    REPORT[mid] = {
+        "bug": bug,
+        "fault": (inject.__doc__ or "").strip(),
+        "checked": checked,
+        "caught": error is not None,
+        "first": first,
+        "last": last,
+        "steps_run": tm.STEPS.get(machine.bucket, 0),
+        "seconds": elapsed,
+    }
     assert error is not None, f"mutant {mid} survived {tm.STEPS.get(machine.bucket, 0)} steps"
     assert first is not None, f"mutant {mid}: failure outside the machine's steps: {error!r}"
 
@@ -168,21 +197,40 @@ def test_component_mutant_is_caught(mid: str, tmp_path: Path) -> None:
     bug, inject, tests = COMPONENT_MUTANTS[mid]
     skip_if_missing(inject)
     first_file = tmp_path / "first_failure.json"
-    env = dict(os.environ, KVFSM_CATALOG_FAULT=inject.__name__, KVFSM_CATALOG_FAULT_REPORT=str(first_file),
-               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT / "tests"), os.environ.get("PYTHONPATH")) if p))
+    env = dict(
+        os.environ,
+        KVFSM_CATALOG_FAULT=inject.__name__,
+        KVFSM_CATALOG_FAULT_REPORT=str(first_file),
+        PYTHONPATH=os.pathsep.join(p for p in (str(ROOT / "tests"), os.environ.get("PYTHONPATH")) if p),
+    )
     t0 = time.perf_counter()
-    proc = run_watched([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "catalog_faults",
-                        *tests], f"the component tests of mutant {mid}", cwd=ROOT, env=env)
+    proc = run_watched(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "catalog_faults", *tests],
+        f"the component tests of mutant {mid}",
+        cwd=ROOT,
+        env=env,
+    )
     first = json.loads(first_file.read_text()) if first_file.exists() else None
     caught = proc.returncode == 1 and first is not None and first["when"] == "call"
-    REPORT[mid] = {"bug": bug, "fault": (inject.__doc__ or "").strip(), "checked": True, "caught": caught,
-                   "component": True, "last": None, "steps_run": None, "seconds": time.perf_counter() - t0,
-                   "first": first and {"check": first["nodeid"], "exc": first["message"].strip().splitlines()[0]}}
-    assert caught, f"mutant {mid} survived {' '.join(tests)} (exit {proc.returncode}, first failure {first}):\n" \
-                   f"{proc.stdout[-3000:]}{proc.stderr[-2000:]}"
+    REPORT[mid] = {
+        "bug": bug,
+        "fault": (inject.__doc__ or "").strip(),
+        "checked": True,
+        "caught": caught,
+        "component": True,
+        "last": None,
+        "steps_run": None,
+        "seconds": time.perf_counter() - t0,
+        "first": first and {"check": first["nodeid"], "exc": first["message"].strip().splitlines()[0]},
+    }
+    assert caught, (
+        f"mutant {mid} survived {' '.join(tests)} (exit {proc.returncode}, first failure {first}):\n"
+        f"{proc.stdout[-3000:]}{proc.stderr[-2000:]}"
+    )
 
 
 # --- B14: TP ranks diverge -----------------------------------------------------------------------------
+
 
 def _tp_engine(group: ThreadGroup, log: list) -> SimEngine:
     e = SimEngine(page_size=2, stride=4, device_slots=96, host_slots=16, rows=4, max_context=48, backup_queue=2)
@@ -191,7 +239,10 @@ def _tp_engine(group: ThreadGroup, log: list) -> SimEngine:
     e.manager.consensus = consensus
     alloc_free, host_free = e.allocator.free, e.host_pool.free_pages
     e.allocator.free = lambda idx: (log.append(("device_free", torch.as_tensor(idx).tolist())), alloc_free(idx))[1]
-    e.host_pool.free_pages = lambda pages: (log.append(("host_free", e.host_pool.slots_of(pages).tolist())), host_free(pages))[1]
+    e.host_pool.free_pages = lambda pages: (
+        log.append(("host_free", e.host_pool.slots_of(pages).tolist())),
+        host_free(pages),
+    )[1]
     return e
 
 
@@ -254,7 +305,7 @@ def run_tp_ranks(seed: int, iterations: int = 80, group: Optional[ThreadGroup] =
             raise errors[0]
         if logs[0] != logs[1]:
             i = next((i for i, (a, b) in enumerate(zip(*logs)) if a != b), min(map(len, logs)))
-            return f"iteration {it}: free #{i} differs: {logs[0][i:i + 1]} vs {logs[1][i:i + 1]}"
+            return f"iteration {it}: free #{i} differs: {logs[0][i : i + 1]} vs {logs[1][i : i + 1]}"
         stored = [sorted(e.manager.fx.stored) for e in engines]
         if stored[0] != stored[1]:
             return f"iteration {it}: stored keys differ ({len(stored[0])} vs {len(stored[1])})"
@@ -282,31 +333,47 @@ def test_mutant_b14_tp_divergence_is_caught(monkeypatch: pytest.MonkeyPatch) -> 
         found = run_tp_ranks(seed)
         if found:
             break
-    REPORT["B14"] = {"bug": "TP ranks diverge", "checked": True, "caught": found is not None,
-                     "fault": (b14.__doc__ or "").strip(),
-                     "first": {"check": "tp_identical_frees", "exc": found or "", "steps_total": None,
-                               "steps_example": None, "seed": seed},
-                     "last": None, "steps_run": None, "seconds": time.perf_counter() - t0}
+    REPORT["B14"] = {
+        "bug": "TP ranks diverge",
+        "checked": True,
+        "caught": found is not None,
+        "fault": (b14.__doc__ or "").strip(),
+        "first": {
+            "check": "tp_identical_frees",
+            "exc": found or "",
+            "steps_total": None,
+            "steps_example": None,
+            "seed": seed,
+        },
+        "last": None,
+        "steps_run": None,
+        "seconds": time.perf_counter() - t0,
+    }
     assert found, "ranks never diverged without consensus: the harness could not fail"
 
 
 # --- the report ------------------------------------------------------------------------------------------
+
 
 def _md(s: Any) -> str:
     return str(s).replace("|", "\\|").replace("\n", " ")
 
 
 def write_report(path: Path) -> None:
-    lines = ["# Catalog mutants", "",
-             "Generated by `tests/stateful/report_mutants.py` from `tests/stateful/test_mutants.py`: each bug class of",
-             "[`docs/bug-catalog.md`](bug-catalog.md) injected into the runtime with `monkeypatch`, then the stateful machine of",
-             "`tests/stateful/test_manager_machine.py` run (derandomized) until it fails. *First check* is what",
-             "failed first: an invariant of the stateful suite, or the exception a guard raised (the checked-mode",
-             "ledger's `CheckedModeError`, an allocator's typed error, a spec `EventRejected`). *Steps to failure*",
-             "counts rule steps from the start of the run to the first failure; *shrunk* is the length of the",
-             "minimal failing example hypothesis reduced it to.", "",
-             "| mutant | bug class | fault injected | caught | first check | steps to failure | shrunk | first failure |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# Catalog mutants",
+        "",
+        "Generated by `tests/stateful/report_mutants.py` from `tests/stateful/test_mutants.py`: each bug class of",
+        "[`docs/bug-catalog.md`](bug-catalog.md) injected into the runtime with `monkeypatch`, then the stateful machine of",
+        "`tests/stateful/test_manager_machine.py` run (derandomized) until it fails. *First check* is what",
+        "failed first: an invariant of the stateful suite, or the exception a guard raised (the checked-mode",
+        "ledger's `CheckedModeError`, an allocator's typed error, a spec `EventRejected`). *Steps to failure*",
+        "counts rule steps from the start of the run to the first failure; *shrunk* is the length of the",
+        "minimal failing example hypothesis reduced it to.",
+        "",
+        "| mutant | bug class | fault injected | caught | first check | steps to failure | shrunk | first failure |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     order = sorted(REPORT, key=lambda k: (int("".join(c for c in k.split("-")[0] if c.isdigit())), k))
     for mid in (m for m in order if not REPORT[m].get("component")):
         r = REPORT[mid]
@@ -317,30 +384,42 @@ def write_report(path: Path) -> None:
         else:
             steps_s = f"{steps} (example step {first.get('steps_example')})" if steps is not None else "-"
             shrunk = str(last.get("steps_example", "-"))
-        lines.append(f"| {mid} | {_md(r['bug'])}{'' if r['checked'] else ' (checked mode off)'} | {_md(r['fault'])} | "
-                     f"{'yes' if r['caught'] else '**NO**'} | `{_md(first.get('check', '-'))}` | {steps_s} | {shrunk} | "
-                     f"{_md(first.get('exc', '-'))[:240]} |")
+        lines.append(
+            f"| {mid} | {_md(r['bug'])}{'' if r['checked'] else ' (checked mode off)'} | {_md(r['fault'])} | "
+            f"{'yes' if r['caught'] else '**NO**'} | `{_md(first.get('check', '-'))}` | {steps_s} | {shrunk} | "
+            f"{_md(first.get('exc', '-'))[:240]} |"
+        )
     if "B14" in REPORT:
-        lines += ["", "B14 needs several ranks: it runs two SimEngines in one process whose progress checks meet in a thread",
-                  "barrier that stands in for the MIN all-reduce (the real `ProgressConsensus.agree` runs over it); the",
-                  "check compares the two ranks' ordered device/host free logs and stored keys after every iteration.",
-                  "The multi-process version is `tests/runtime/test_tp_gloo.py` (gloo, spawned ranks)."]
+        lines += [
+            "",
+            "B14 needs several ranks: it runs two SimEngines in one process whose progress checks meet in a thread",
+            "barrier that stands in for the MIN all-reduce (the real `ProgressConsensus.agree` runs over it); the",
+            "check compares the two ranks' ordered device/host free logs and stored keys after every iteration.",
+            "The multi-process version is `tests/runtime/test_tp_gloo.py` (gloo, spawned ranks).",
+        ]
     component = [m for m in order if REPORT[m].get("component")]
     if component:
-        lines += ["", "## Caught by component tests", "",
-                  "The stateful machine takes some bugs as given: an allocator's refusal is the pool's answer, the",
-                  "order of resubmitted backups is not a safety property, its stores fail by refusing pages, never by",
-                  "raising, it runs neither the coalescing engine nor an integration, and it checks the runtime with",
-                  "invariants of its own, not the explorer's. These mutants run the component tests that guard each",
-                  "(`COMPONENT_MUTANTS`) in a pytest of their own, with the fault in place from before collection",
-                  "(`-p catalog_faults`) and hypothesis derandomized; *first check* is the first test that failed.", "",
-                  "| mutant | bug class | fault injected | caught | first check | first failure |",
-                  "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "## Caught by component tests",
+            "",
+            "The stateful machine takes some bugs as given: an allocator's refusal is the pool's answer, the",
+            "order of resubmitted backups is not a safety property, its stores fail by refusing pages, never by",
+            "raising, it runs neither the coalescing engine nor an integration, and it checks the runtime with",
+            "invariants of its own, not the explorer's. These mutants run the component tests that guard each",
+            "(`COMPONENT_MUTANTS`) in a pytest of their own, with the fault in place from before collection",
+            "(`-p catalog_faults`) and hypothesis derandomized; *first check* is the first test that failed.",
+            "",
+            "| mutant | bug class | fault injected | caught | first check | first failure |",
+            "|---|---|---|---|---|---|",
+        ]
         for mid in component:
             r = REPORT[mid]
             first = r["first"] or {}
-            lines.append(f"| {mid} | {_md(r['bug'])} | {_md(r['fault'])} | {'yes' if r['caught'] else '**NO**'} | "
-                         f"`{_md(first.get('check', '-'))}` | {_md(first.get('exc', '-'))[:240]} |")
+            lines.append(
+                f"| {mid} | {_md(r['bug'])} | {_md(r['fault'])} | {'yes' if r['caught'] else '**NO**'} | "
+                f"`{_md(first.get('check', '-'))}` | {_md(first.get('exc', '-'))[:240]} |"
+            )
     caught = sum(r["caught"] for r in REPORT.values())
     lines += ["", f"{caught} of {len(REPORT)} mutants caught.", ""]
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -353,6 +432,7 @@ CATALOG = Path(__file__).resolve().parents[2] / "docs" / "bug-catalog.md"
 def _catalog_ids() -> list[str]:
     """The bug classes of docs/bug-catalog.md's table (B1, B2, ...)."""
     import re
+
     return sorted(set(re.findall(r"^\| \[(B\d+)\]\(#b\d+\) \|", CATALOG.read_text(), re.M)), key=lambda b: int(b[1:]))
 
 
@@ -391,7 +471,9 @@ def test_zz_report(request: pytest.FixtureRequest, tmp_path: Path) -> None:
             assert first["check"] == "tp_identical_frees" and "differ" in first["exc"], first
         elif r.get("component"):
             test_path = first["check"].split("::")[0]
-            assert "::" in first["check"] and any(t.split("::")[0] == test_path for t in COMPONENT_MUTANTS[mid][2]), first
+            assert "::" in first["check"] and any(t.split("::")[0] == test_path for t in COMPONENT_MUTANTS[mid][2]), (
+                first
+            )
         else:
             assert r["steps_run"] > 0 and first["steps_total"] > 0 and first["where"], (mid, first)
     target = Path(os.environ.get("KVFSM_MUTANT_REPORT") or tmp_path / "mutants.md")
@@ -403,6 +485,8 @@ def test_zz_report(request: pytest.FixtureRequest, tmp_path: Path) -> None:
         assert "| yes |" in line and f"`{REPORT[mid]['first']['check']}`" in line, line
     assert "**NO**" not in text
     assert f"{len(REPORT)} of {len(REPORT)} mutants caught." in text
-    if selected >= set(MUTANTS) | set(COMPONENT_MUTANTS) | {"B14"}:  # the whole table ran: every catalog class was caught
+    if selected >= set(MUTANTS) | set(COMPONENT_MUTANTS) | {
+        "B14"
+    }:  # the whole table ran: every catalog class was caught
         caught = {mid.split("-")[0] for mid, r in REPORT.items() if r["caught"]}
         assert set(ids) <= caught, f"catalog classes not caught: {sorted(set(ids) - caught)}"

@@ -112,6 +112,7 @@ def matrix_mooncake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[
     mc = _load_mooncake_conftest()
     try:
         from kvfsm.dataplane.storage.mooncake import import_store_class
+
         import_store_class()
     except Exception as exc:  # noqa: BLE001 - the wheel or its libraries are missing
         mc.unavailable(f"Mooncake unavailable: {exc}")
@@ -122,9 +123,17 @@ def matrix_mooncake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[
     try:
         # The cluster's memory: one client mounting a segment for the module. The managers build pure
         # clients from their OffloadConfig (a pure client's close takes about 1 s, one with a segment 2-3 s).
-        peer = MooncakeStorage(master.addr, master.metadata, model_name="matrix/peer", global_segment_size=64 << 20,
-                               local_buffer_size=4 << 20, op_timeout_s=5.0, setup_timeout_s=15.0, close_timeout_s=5.0,
-                               read_pool_bytes=1 << 20)
+        peer = MooncakeStorage(
+            master.addr,
+            master.metadata,
+            model_name="matrix/peer",
+            global_segment_size=64 << 20,
+            local_buffer_size=4 << 20,
+            op_timeout_s=5.0,
+            setup_timeout_s=15.0,
+            close_timeout_s=5.0,
+            read_pool_bytes=1 << 20,
+        )
         yield master.addr, master.metadata
     finally:
         if peer is not None:
@@ -140,17 +149,32 @@ def _settings(cfg: Config) -> settings:
     # reported as found, neither shrunk nor saved.
     extra: dict[str, Any] = dict(phases=(Phase.explicit, Phase.generate), database=None) if cfg.timing_dependent else {}
     examples = cfg.examples * DEEP_FACTOR if DEEP else -(-cfg.examples // CI_SHARE)
-    return settings(max_examples=examples, stateful_step_count=cfg.steps,
-                    deadline=None, suppress_health_check=list(HealthCheck), **extra)
+    return settings(
+        max_examples=examples,
+        stateful_step_count=cfg.steps,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        **extra,
+    )
 
 
 def machine_for(cfg: Config, workdir: Path, mooncake: Optional[tuple[str, str]], bucket: str) -> type:
-    return type(f"Production_{cfg.id.replace('-', '_').replace('+', '_')}", (ProductionMachine,),
-                {"cfg": cfg, "mooncake": mooncake, "workdir": str(workdir), "bucket": bucket})
+    return type(
+        f"Production_{cfg.id.replace('-', '_').replace('+', '_')}",
+        (ProductionMachine,),
+        {"cfg": cfg, "mooncake": mooncake, "workdir": str(workdir), "bucket": bucket},
+    )
 
 
-def run_config(cfg: Config, mp: pytest.MonkeyPatch, workdir: Path, mooncake: Optional[tuple[str, str]],
-               bucket: str, the_settings: settings, round_seed: Optional[str] = None) -> None:
+def run_config(
+    cfg: Config,
+    mp: pytest.MonkeyPatch,
+    workdir: Path,
+    mooncake: Optional[tuple[str, str]],
+    bucket: str,
+    the_settings: settings,
+    round_seed: Optional[str] = None,
+) -> None:
     """Run the machine over `cfg` (what the mutant tests reuse with their fault in place); `round_seed`, when
     given, seeds this run's examples (hypothesis.seed on the machine)."""
     patch_landing_probe(mp)
@@ -179,8 +203,9 @@ def _params() -> list[Any]:
 
 
 @pytest.mark.parametrize("cfg", _params())
-def test_production_config(cfg: Config, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
-                           request: pytest.FixtureRequest) -> None:
+def test_production_config(
+    cfg: Config, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     mooncake = request.getfixturevalue("matrix_mooncake") if cfg.storage == "mooncake" else None
     bucket = f"matrix:{cfg.id}"
     t0 = time.perf_counter()
@@ -191,16 +216,23 @@ def test_production_config(cfg: Config, monkeypatch: pytest.MonkeyPatch, tmp_pat
     if cfg.worker in BATCHING and cfg.examples >= 10:
         wanted.append("store_calls_multi_chunk")
     if cfg.fenced:
-        wanted += ["fenced_releases", "reused_fenced_slots"] + (["fenced_free_under_copy"] if cfg.copy != "cuda" else [])
+        wanted += ["fenced_releases", "reused_fenced_slots"] + (
+            ["fenced_free_under_copy"] if cfg.copy != "cuda" else []
+        )
     # Rare situations that test_zz_matrix_exercised asserts over the whole matrix: the configurations that reach
     # them most often chase them with the same extra rounds, and a miss here fails nothing by itself.
-    chased = ["readmitted_while_release_deferred"] if (cfg.copy, cfg.worker, cfg.fenced) == ("deferred", "stepped", False) else []
+    chased = (
+        ["readmitted_while_release_deferred"]
+        if (cfg.copy, cfg.worker, cfg.fenced) == ("deferred", "stepped", False)
+        else []
+    )
     missing = wanted
     try:
         for k in range(1 + TOP_UPS):
             the_settings = _settings(cfg)
-            run_config(cfg, monkeypatch, tmp_path, mooncake, bucket, the_settings,
-                       round_seed(request.config, the_settings, k))
+            run_config(
+                cfg, monkeypatch, tmp_path, mooncake, bucket, the_settings, round_seed(request.config, the_settings, k)
+            )
             ev = tm.EVENTS.get(bucket, {})
             missing = [what for what in wanted if ev.get(what, 0) <= 0]
             if not missing and all(ev.get(what, 0) > 0 for what in chased):
@@ -223,15 +255,29 @@ def test_zz_matrix_exercised() -> None:
         for k, v in tm.EVENTS[f"matrix:{c.id}"].items():
             total[k] = total.get(k, 0) + v
     steps = sum(tm.STEPS.get(f"matrix:{c.id}", 0) for c in ran)
-    print(f"\nproduction matrix: {len(ran)} configurations, {steps} rule steps, "
-          f"{sum(tm.TIMES.get(f'matrix:{c.id}', 0) for c in ran):.0f} s: {dict(sorted(total.items()))}")
+    print(
+        f"\nproduction matrix: {len(ran)} configurations, {steps} rule steps, "
+        f"{sum(tm.TIMES.get(f'matrix:{c.id}', 0) for c in ran):.0f} s: {dict(sorted(total.items()))}"
+    )
     if len(ran) < sum(1 for c in CONFIGS if not c.gpu):
         return  # a selection of configurations: the totals below need the whole matrix
-    wanted = ["store_mixed_outcomes", "store_raised", "store_short", "store_calls_multi_chunk", "batched_store_raised",
-              "batched_store_short", "batched_store_mixed_outcomes", "batched_store_chunks_split", "parked_chunks",
-              "host_full_retries", "readmitted", "mutated_reset_while_release_deferred",
-              "mutated_garbage_while_release_deferred", "mutated_reuse_while_release_deferred",
-              "readmitted_while_release_deferred"]
+    wanted = [
+        "store_mixed_outcomes",
+        "store_raised",
+        "store_short",
+        "store_calls_multi_chunk",
+        "batched_store_raised",
+        "batched_store_short",
+        "batched_store_mixed_outcomes",
+        "batched_store_chunks_split",
+        "parked_chunks",
+        "host_full_retries",
+        "readmitted",
+        "mutated_reset_while_release_deferred",
+        "mutated_garbage_while_release_deferred",
+        "mutated_reuse_while_release_deferred",
+        "readmitted_while_release_deferred",
+    ]
     missing = [w for w in wanted if total.get(w, 0) == 0]
     assert not missing, f"the matrix never reached {missing}: {total}"
 
@@ -244,8 +290,16 @@ def test_a_second_round_probes_each_landing_once(monkeypatch: pytest.MonkeyPatch
     for _ in range(2):
         patch_landing_probe(monkeypatch)
     m = machine_for(cfg, tmp_path, None, "landing-probe")()
-    m.setup(page_size=2, stride_pages=1, device_pages=12, host_pages=4, rows=3, backup_queue=2, layout="layer_first",
-            fault_rate=0)
+    m.setup(
+        page_size=2,
+        stride_pages=1,
+        device_pages=12,
+        host_pages=4,
+        rows=3,
+        backup_queue=2,
+        layout="layer_first",
+        fault_rate=0,
+    )
     m.admit(count=1, prefix_len=0, prompt_len=1, reuse=0, rid="r0")
     m.scheduler_step(offload="loop", progress=False, speculative=0)
     m.teardown()  # checks the invariants, copy_landed_unsubmitted among them

@@ -31,8 +31,10 @@ from pathlib import Path
 
 if importlib.util.find_spec("sglang") is None:
     if os.environ.get("KVFSM_REQUIRE_SGLANG") == "1":
-        raise RuntimeError("KVFSM_REQUIRE_SGLANG=1 but sglang is not importable: run `make upstream-venv` "
-                           "and use .venv-sglang/bin/python (`make test-upstream`)")
+        raise RuntimeError(
+            "KVFSM_REQUIRE_SGLANG=1 but sglang is not importable: run `make upstream-venv` "
+            "and use .venv-sglang/bin/python (`make test-upstream`)"
+        )
     collect_ignore_glob = ["test_*.py"]
 else:
     sys.path.insert(0, str(Path(__file__).parent))

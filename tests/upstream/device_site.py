@@ -23,10 +23,43 @@ import zipfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ON_DEVICE = {"torch", "numpy", "triton", "jinja2", "markupsafe", "yaml", "_yaml", "rich", "pygments", "markdown_it",
-             "mdurl", "typer", "click", "pytest", "_pytest", "pluggy", "iniconfig", "hypothesis", "sympy", "mpmath",
-             "networkx", "filelock", "fsspec", "setuptools", "pkg_resources", "_distutils_hack", "typing_extensions",
-             "nvidia", "cuda", "packaging", "attr", "attrs", "sortedcontainers", "exceptiongroup", "shellingham"}
+ON_DEVICE = {
+    "torch",
+    "numpy",
+    "triton",
+    "jinja2",
+    "markupsafe",
+    "yaml",
+    "_yaml",
+    "rich",
+    "pygments",
+    "markdown_it",
+    "mdurl",
+    "typer",
+    "click",
+    "pytest",
+    "_pytest",
+    "pluggy",
+    "iniconfig",
+    "hypothesis",
+    "sympy",
+    "mpmath",
+    "networkx",
+    "filelock",
+    "fsspec",
+    "setuptools",
+    "pkg_resources",
+    "_distutils_hack",
+    "typing_extensions",
+    "nvidia",
+    "cuda",
+    "packaging",
+    "attr",
+    "attrs",
+    "sortedcontainers",
+    "exceptiongroup",
+    "shellingham",
+}
 
 # data that imported modules look for when they load (sglang's JIT kernel tree is checked for at import)
 DATA_DIRS = ("sglang/kernels/jit/include/", "sglang/kernels/jit/csrc/")
@@ -79,9 +112,13 @@ def build(wheels: Path, files: list[str], out: Path) -> tuple[int, int]:
                     # pytest load plugins of packages only partly carried
                     meta = ".dist-info/" in name and not name.endswith("entry_points.txt")
                     so = name.endswith(".so") and name.rsplit("/", 1)[0] in so_dirs
-                    data = name.startswith(DATA_DIRS) or (name.startswith("sglang/") and not name.endswith(".so")
-                                                          and not name.startswith(SGLANG_SKIP)) \
+                    data = (
+                        name.startswith(DATA_DIRS)
+                        or (
+                            name.startswith("sglang/") and not name.endswith(".so") and not name.startswith(SGLANG_SKIP)
+                        )
                         or (name.startswith(whole) and not name.startswith("sglang/"))
+                    )
                     if name in wanted or so or data or top.endswith(".libs") or meta:
                         data = z.read(name)
                         info = tarfile.TarInfo(name)

@@ -127,6 +127,7 @@ def upstream_page_hash(tokens: list[int], prior: str | None) -> str:
 
 # ----------------------------------------------------------------------------------------------- records
 
+
 @dataclasses.dataclass
 class Step:
     step: int
@@ -169,6 +170,7 @@ class RunResult:
 
 # ------------------------------------------------------------------------------------------------ probes
 
+
 class Probe:
     """What the harness needs to know of a manager beyond upstream's public surface."""
 
@@ -198,8 +200,13 @@ SETTLE_S = 10.0
 class UpstreamProbe(Probe):
     def settle(self, mgr: Any) -> None:
         cc = mgr.cache_controller
-        wait_for(lambda: cc.ack_backup_queue.qsize() >= len(mgr.ongoing_backup), "upstream's backups to settle",
-                 SETTLE_S, progress=cc.ack_backup_queue.qsize, poll_s=0.002)
+        wait_for(
+            lambda: cc.ack_backup_queue.qsize() >= len(mgr.ongoing_backup),
+            "upstream's backups to settle",
+            SETTLE_S,
+            progress=cc.ack_backup_queue.qsize,
+            poll_s=0.002,
+        )
 
     def host_pool(self, mgr: Any) -> Any:
         return mgr.decode_host_mem_pool
@@ -220,6 +227,7 @@ def probe_for(manager_cls: type) -> Probe:
 
 
 # ---------------------------------------------------------------------------------------- the KV content
+
 
 def position_tags(spec: ReqSpec) -> torch.Tensor:
     """Per position, a rolling digest of the tokens up to it: KV depends on the prefix, as a model's does,
@@ -250,8 +258,12 @@ def expected_page_bytes(sc: Scenario, tags: torch.Tensor, rank: int) -> bytes:
     dim]`, MLA `[layer, token, 1, dim]`."""
     shape = _kv_shape(sc)
     if sc.pool == "mha":
-        page = torch.stack([torch.stack([kv_values(tags, layer, which, rank, shape)
-                                         for layer in range(sc.layers)]) for which in (0, 1)])
+        page = torch.stack(
+            [
+                torch.stack([kv_values(tags, layer, which, rank, shape) for layer in range(sc.layers)])
+                for which in (0, 1)
+            ]
+        )
     else:
         page = torch.stack([kv_values(tags, layer, 0, rank, shape) for layer in range(sc.layers)])
     return page.contiguous().numpy().tobytes()
@@ -273,9 +285,9 @@ def expected_keys(sc: Scenario, spec: ReqSpec, rank: int) -> dict[str, tuple[str
     tags = position_tags(spec)
     out = {}
     for page in range(len(tokens) // ps):
-        last = upstream_page_hash(tokens[page * ps:(page + 1) * ps], last)
+        last = upstream_page_hash(tokens[page * ps : (page + 1) * ps], last)
         if (page + 1) * ps > len(spec.prompt) // ps * ps:
-            out[last] = (spec.rid, page, expected_page_bytes(sc, tags[page * ps:(page + 1) * ps], rank))
+            out[last] = (spec.rid, page, expected_page_bytes(sc, tags[page * ps : (page + 1) * ps], rank))
     return out
 
 
@@ -298,8 +310,13 @@ def published(sc: Scenario, rank: int, store_dir: str) -> Iterator[None]:
     """Publish the server config the manager reads (page size, HiCache file store, host ratio, TP rank)."""
     ratio = sc.rank_host_ratio[rank] if sc.rank_host_ratio else sc.host_ratio
     override = get_context().override_server_args(
-        page_size=sc.page_size, tp_size=sc.tp, hicache_storage_backend="file", hicache_io_backend="direct",
-        hicache_mem_layout="layer_first", hicache_ratio=ratio, served_model_name=MODEL,
+        page_size=sc.page_size,
+        tp_size=sc.tp,
+        hicache_storage_backend="file",
+        hicache_io_backend="direct",
+        hicache_mem_layout="layer_first",
+        hicache_ratio=ratio,
+        served_model_name=MODEL,
         hicache_storage_backend_extra_config=json.dumps({"file_storage_path": store_dir}),
     )
     override.install()
@@ -322,12 +339,27 @@ def build_pools(sc: Scenario):
     dev = DEVICE
     r2t = ReqToTokenPool(size=len(sc.requests) + 2, max_context_len=max_ctx, device=dev, enable_memory_saver=False)
     if sc.pool == "mha":
-        kv = MHATokenToKVPool(size=sc.device_tokens, page_size=ps, dtype=DTYPE, head_num=sc.heads,
-                              head_dim=sc.head_dim, layer_num=sc.layers, device=dev, enable_memory_saver=False)
+        kv = MHATokenToKVPool(
+            size=sc.device_tokens,
+            page_size=ps,
+            dtype=DTYPE,
+            head_num=sc.heads,
+            head_dim=sc.head_dim,
+            layer_num=sc.layers,
+            device=dev,
+            enable_memory_saver=False,
+        )
     else:
-        kv = MLATokenToKVPool(size=sc.device_tokens, page_size=ps, dtype=DTYPE, kv_lora_rank=2 * sc.head_dim,
-                              qk_rope_head_dim=sc.head_dim, layer_num=sc.layers, device=dev,
-                              enable_memory_saver=False)
+        kv = MLATokenToKVPool(
+            size=sc.device_tokens,
+            page_size=ps,
+            dtype=DTYPE,
+            kv_lora_rank=2 * sc.head_dim,
+            qk_rope_head_dim=sc.head_dim,
+            layer_num=sc.layers,
+            device=dev,
+            enable_memory_saver=False,
+        )
     if ps == 1:
         allocator = TokenToKVPoolAllocator(sc.device_tokens, DTYPE, dev, kv, need_sort=False)
     else:
@@ -337,15 +369,23 @@ def build_pools(sc: Scenario):
 
 # ------------------------------------------------------------------------------------------------ runner
 
+
 class _Run:
-    def __init__(self, sc: Scenario, manager_cls: type, rank: int, tp_group, store_dir: str,
-                 free_group: bool = True) -> None:
+    def __init__(
+        self, sc: Scenario, manager_cls: type, rank: int, tp_group, store_dir: str, free_group: bool = True
+    ) -> None:
         self.sc, self.rank, self.store_dir = sc, rank, store_dir
         self.free_group = free_group
         self.r2t, self.kv, self.allocator = build_pools(sc)
-        self.tree = RadixCache(CacheInitParams(disable=False, req_to_token_pool=self.r2t,
-                                               token_to_kv_pool_allocator=self.allocator, page_size=sc.page_size,
-                                               tp_cache_group=tp_group))
+        self.tree = RadixCache(
+            CacheInitParams(
+                disable=False,
+                req_to_token_pool=self.r2t,
+                token_to_kv_pool_allocator=self.allocator,
+                page_size=sc.page_size,
+                tp_cache_group=tp_group,
+            )
+        )
         self.cur = Step(-1)
         self.owned: dict[str, list[int]] = {}
         self.tree_slots: dict[str, list[int]] = {}
@@ -353,8 +393,12 @@ class _Run:
         self.slot_owner: dict[int, tuple[str, int]] = {}
         self._instrument_device()
         self._seed_tree()
-        self.mgr = manager_cls(req_to_token_pool=self.r2t, token_to_kv_pool_allocator=self.allocator,
-                               tp_group=tp_group, tree_cache=self.tree)
+        self.mgr = manager_cls(
+            req_to_token_pool=self.r2t,
+            token_to_kv_pool_allocator=self.allocator,
+            tp_group=tp_group,
+            tree_cache=self.tree,
+        )
         self.probe = probe_for(manager_cls)
         self.host = self.probe.host_pool(self.mgr)
         self._instrument_host()
@@ -465,10 +509,10 @@ class _Run:
             if not spec.prefix:
                 continue
             assert spec.prefix % self.sc.page_size == 0 and spec.prefix <= len(spec.prompt)
-            slots = self._alloc(spec.prefix)[:spec.prefix]
+            slots = self._alloc(spec.prefix)[: spec.prefix]
             self._write_kv(spec, slots, torch.arange(spec.prefix))
             extra_key, cache_salt = _namespace(spec)
-            key = RadixKey(array("q", spec.prompt[:spec.prefix]), extra_key=extra_key, cache_salt=cache_salt)
+            key = RadixKey(array("q", spec.prompt[: spec.prefix]), extra_key=extra_key, cache_salt=cache_salt)
             self.tree.insert(InsertParams(key=key, value=slots.clone()))
             self.tree_slots[spec.rid] = slots.tolist()
             self._own(f"<tree>:{spec.rid}", slots, 0)
@@ -476,8 +520,15 @@ class _Run:
     # --- scheduler actions
     def admit(self, spec: ReqSpec) -> None:
         """A request whose prompt KV the prefill instance transferred, with its first token sampled."""
-        req = Req(spec.rid, "", array("q", spec.prompt), SamplingParams(max_new_tokens=spec.decode + 1),
-                  extra_key=spec.extra_key, cache_salt=spec.cache_salt, lora_id=spec.lora_id)
+        req = Req(
+            spec.rid,
+            "",
+            array("q", spec.prompt),
+            SamplingParams(max_new_tokens=spec.decode + 1),
+            extra_key=spec.extra_key,
+            cache_salt=spec.cache_salt,
+            lora_id=spec.lora_id,
+        )
         self.reqs[spec.rid] = req
         self.r2t.alloc([req])
         row = req.kv.req_pool_idx
@@ -499,7 +550,7 @@ class _Run:
         self._own(spec.rid, slots, prefix)
         req.kv.kv_allocated_len = prefix + n
         fresh = torch.arange(prefix, len(spec.prompt))  # positions (host): they pick the KV values
-        self._write_kv(spec, self.r2t.req_to_token[row, prefix:len(spec.prompt)].to(torch.int64), fresh)
+        self._write_kv(spec, self.r2t.req_to_token[row, prefix : len(spec.prompt)].to(torch.int64), fresh)
         req.kv.kv_committed_len = len(spec.prompt)
         req.output_ids.append(spec.outputs()[0])
 
@@ -514,7 +565,7 @@ class _Run:
             self.owned[spec.rid] += slots.tolist()
             self._own(spec.rid, slots, start)
             req.kv.kv_allocated_len = start + slots.numel()
-        slot = self.r2t.req_to_token[row, pos:pos + 1].to(torch.int64)
+        slot = self.r2t.req_to_token[row, pos : pos + 1].to(torch.int64)
         self._write_kv(spec, slot, torch.tensor([pos]))
         req.kv.kv_committed_len = pos + 1
         req.output_ids.append(spec.outputs()[len(req.output_ids)])
@@ -621,13 +672,28 @@ class _Run:
             assert all(expected[k][2] == v[2] for k, v in mine.items() if k in expected), "one key, two contents"
             expected.update(mine)
             chains[spec.rid] = [(k, page) for k, (_, page, _) in mine.items()]
-        final = {rid: {"req_pool_idx": r.kv.req_pool_idx, "kv_allocated_len": r.kv.kv_allocated_len,
-                       "cache_protected_len": r.kv.cache_protected_len, "lock": r.lock is not None}
-                 for rid, r in self.reqs.items()}
+        final = {
+            rid: {
+                "req_pool_idx": r.kv.req_pool_idx,
+                "kv_allocated_len": r.kv.kv_allocated_len,
+                "cache_protected_len": r.kv.cache_protected_len,
+                "lock": r.lock is not None,
+            }
+            for rid, r in self.reqs.items()
+        }
         final["<tree>"] = {"protected": self.tree.protected_size(), "evictable": self.tree.evictable_size()}
         result = RunResult(
-            scenario=sc.name, rank=self.rank, tp=sc.tp, manager=manager_name, steps=steps, stored=self.stored(),
-            expected=expected, chains=chains, owned=self.owned, tree_slots=self.tree_slots, final=final,
+            scenario=sc.name,
+            rank=self.rank,
+            tp=sc.tp,
+            manager=manager_name,
+            steps=steps,
+            stored=self.stored(),
+            expected=expected,
+            chains=chains,
+            owned=self.owned,
+            tree_slots=self.tree_slots,
+            final=final,
             host_free_at_start=self.host_free_at_start,
             host_free_at_end=self.host.available_size() if self.host is not None else None,
             offload_stride=getattr(self.mgr, "offload_stride", None),
@@ -673,7 +739,9 @@ def _start_forkserver() -> None:
             os.environ["PYTHONPATH"] = before
 
 
-def run_scenario(sc: Scenario | str, manager_cls: type = UpstreamManager, *, free_group: bool = True) -> list[RunResult]:
+def run_scenario(
+    sc: Scenario | str, manager_cls: type = UpstreamManager, *, free_group: bool = True
+) -> list[RunResult]:
     """Run one scenario; one result per TP rank. `free_group`: each step's result calls inside the allocator's
     free group, as SGLang's decode result processing makes them (see the module's docstring)."""
     if isinstance(sc, str):
@@ -685,8 +753,9 @@ def run_scenario(sc: Scenario | str, manager_cls: type = UpstreamManager, *, fre
         import torch.multiprocessing as mp
 
         _start_forkserver()
-        mp.start_processes(_tp_worker, args=(sc, manager_cls, workdir, free_group), nprocs=sc.tp, join=True,
-                           start_method="forkserver")
+        mp.start_processes(
+            _tp_worker, args=(sc, manager_cls, workdir, free_group), nprocs=sc.tp, join=True, start_method="forkserver"
+        )
         out = []
         for rank in range(sc.tp):
             with open(f"{workdir}/rank{rank}.pkl", "rb") as f:
@@ -731,5 +800,11 @@ if __name__ == "__main__":
     else:
         for name in sys.argv[1:] or list(BY_NAME):
             for r in run_scenario(name):
-                print(r.scenario, r.rank, [(s.step, s.offloads, s.released, len(s.device_freed), s.host_alloc,
-                                            s.host_freed, len(s.keys)) for s in r.steps])
+                print(
+                    r.scenario,
+                    r.rank,
+                    [
+                        (s.step, s.offloads, s.released, len(s.device_freed), s.host_alloc, s.host_freed, len(s.keys))
+                        for s in r.steps
+                    ],
+                )

@@ -91,124 +91,176 @@ def _scenarios() -> list[Scenario]:
     for ps, strides in ((1, (None, 3, 8)), (4, (None, 8, 10)), (16, (None, 32)), (64, (None, 128))):
         out += [_plain(ps, s) for s in strides]
     ps = 4
-    out.append(Scenario(
-        name="namespaced", page_size=ps,
-        requests=(
-            ReqSpec("plain", _prompt(9), decode=10),
-            ReqSpec("key", _prompt(9), decode=10, extra_key="tenant-a"),
-            ReqSpec("salt", _prompt(9), decode=10, cache_salt="s3cret"),
-            ReqSpec("both", _prompt(9), decode=10, extra_key="tenant-a", cache_salt="s3cret"),
-            ReqSpec("empty-key", _prompt(9), decode=10, extra_key=""),
-            ReqSpec("empty-salt", _prompt(9), decode=10, cache_salt=""),
-            ReqSpec("lora", _prompt(9), decode=10, extra_key="tenant-a", lora_id="lora7"),
-            ReqSpec("utf8", _prompt(9), decode=10, extra_key="tenant-ü", cache_salt="ß"),
-        ),
-        tags=frozenset({"namespaced"}),
-    ))
-    out.append(Scenario(
-        name="wide-tokens", page_size=ps,
-        requests=(
-            ReqSpec("wide-prompt", (1, 2, 3, 4, 5, 2**40, 7, 8, 9, 10), decode=9),
-            ReqSpec("wide-out", _prompt(6), decode=9, out_base=2**33),
-            ReqSpec("max", _prompt(5), decode=5, out_base=2**63 - 6),
-        ),
-        tags=frozenset({"wide"}),
-    ))
-    out.append(Scenario(
-        name="prefix-matched", page_size=ps,
-        requests=(
-            ReqSpec("p8", _prompt(13), decode=9, prefix=8),
-            ReqSpec("p4", _prompt(13, base=300), decode=9, prefix=4, start=1),
-            ReqSpec("p-all", _prompt(12, base=600), decode=6, prefix=12, start=1),
-        ),
-        tags=frozenset({"prefix"}),
-    ))
-    out.append(Scenario(
-        name="prefix-matched-p1", page_size=1,
-        requests=(ReqSpec("p5", _prompt(9), decode=7, prefix=5),),
-        tags=frozenset({"prefix"}),
-    ))
-    out.append(Scenario(
-        name="finish-on-and-off-boundary", page_size=ps, stride=8,
-        requests=(
-            # all_tokens - aligned prompt at the end: 8 (on a chunk boundary) and 11 (off it).
-            ReqSpec("on", _prompt(8), decode=8),
-            ReqSpec("off", _prompt(8, base=400), decode=11),
-            ReqSpec("on-unaligned-prompt", _prompt(10, base=800), decode=6),
-        ),
-        tags=frozenset({"finish"}),
-    ))
-    out.append(Scenario(
-        name="abort-mid-offload", page_size=ps,
-        # a's chunk is submitted at step 4; the progress check of step 5 is skipped; a aborts at step 5.
-        requests=(
-            ReqSpec("a", _prompt(8), decode=5, end="abort"),
-            ReqSpec("b", _prompt(8, base=100), decode=9),
-        ),
-        skip_progress=frozenset({5}),
-        tags=frozenset({"abort"}),
-    ))
-    out.append(Scenario(
-        name="abort-while-copies-pile-up", page_size=ps,
-        requests=(ReqSpec("a", _prompt(5), decode=13, end="abort"),),
-        skip_progress=frozenset({6, 7, 8, 9, 10, 11, 12, 13}),
-        retract_at=frozenset({9}),
-        tags=frozenset({"abort"}),
-    ))
-    out.append(Scenario(
-        name="host-pool-full", page_size=ps, device_tokens=80, host_ratio=0.2,
-        # 16 host slots + padding page; three requests with 8-token chunks outrun it while backups lag. The
-        # device pool holds all three at their last step (3 x 24 tokens): in SGLang's order the finished
-        # requests' pages return only at the end of that step's free group, after the step's new slots.
-        requests=tuple(ReqSpec(f"r{i}", _prompt(4, base=100 * i + 1), decode=17) for i in range(3)),
-        stride=8,
-        skip_progress=frozenset({9, 10}),
-        tags=frozenset({"host-full"}),
-    ))
-    out.append(Scenario(
-        name="backup-failure", page_size=ps, stride=8,
-        requests=(
-            ReqSpec("a", _prompt(4), decode=17),
-            ReqSpec("b", _prompt(4, base=500), decode=17),
-        ),
-        fail_backup_pages=frozenset({1, 6}),
-        tags=frozenset({"backup-failure"}),
-    ))
-    out.append(Scenario(
-        name="spec-decode-overalloc", page_size=ps,
-        requests=(
-            ReqSpec("s", _prompt(7), decode=10, spec_extra=5),
-            ReqSpec("s-prefix", _prompt(9, base=40), decode=6, spec_extra=3, prefix=4),
-        ),
-        tags=frozenset({"spec"}),
-    ))
-    out.append(Scenario(
-        name="spec-decode-overalloc-p1", page_size=1, stride=2,
-        requests=(ReqSpec("s", _prompt(3), decode=7, spec_extra=4),),
-        tags=frozenset({"spec"}),
-    ))
-    out.append(Scenario(
-        name="mla", page_size=ps, pool="mla",
-        requests=(ReqSpec("m", _prompt(6), decode=9), ReqSpec("n", _prompt(9, base=77), decode=5, start=1)),
-        tags=frozenset({"mla"}),
-    ))
-    out.append(Scenario(
-        name="tp2", page_size=ps, tp=2,
-        requests=(
-            ReqSpec("a", _prompt(6), decode=9),
-            ReqSpec("b", _prompt(8, base=70), decode=6, start=1, extra_key="t"),
-        ),
-        skip_progress=frozenset({4}),
-        tags=frozenset({"tp"}),
-    ))
-    out.append(Scenario(
-        name="tp2-host-full-on-one-rank", page_size=ps, tp=2, stride=8, device_tokens=64,
-        # Rank 1's host pool (one page) never fits an 8-token chunk; rank 0's always does.
-        rank_host_ratio=(2.0, 0.01),
-        requests=(ReqSpec("a", _prompt(4), decode=12),),
-        retract_at=frozenset({11}),
-        tags=frozenset({"tp", "host-full"}),
-    ))
+    out.append(
+        Scenario(
+            name="namespaced",
+            page_size=ps,
+            requests=(
+                ReqSpec("plain", _prompt(9), decode=10),
+                ReqSpec("key", _prompt(9), decode=10, extra_key="tenant-a"),
+                ReqSpec("salt", _prompt(9), decode=10, cache_salt="s3cret"),
+                ReqSpec("both", _prompt(9), decode=10, extra_key="tenant-a", cache_salt="s3cret"),
+                ReqSpec("empty-key", _prompt(9), decode=10, extra_key=""),
+                ReqSpec("empty-salt", _prompt(9), decode=10, cache_salt=""),
+                ReqSpec("lora", _prompt(9), decode=10, extra_key="tenant-a", lora_id="lora7"),
+                ReqSpec("utf8", _prompt(9), decode=10, extra_key="tenant-ü", cache_salt="ß"),
+            ),
+            tags=frozenset({"namespaced"}),
+        )
+    )
+    out.append(
+        Scenario(
+            name="wide-tokens",
+            page_size=ps,
+            requests=(
+                ReqSpec("wide-prompt", (1, 2, 3, 4, 5, 2**40, 7, 8, 9, 10), decode=9),
+                ReqSpec("wide-out", _prompt(6), decode=9, out_base=2**33),
+                ReqSpec("max", _prompt(5), decode=5, out_base=2**63 - 6),
+            ),
+            tags=frozenset({"wide"}),
+        )
+    )
+    out.append(
+        Scenario(
+            name="prefix-matched",
+            page_size=ps,
+            requests=(
+                ReqSpec("p8", _prompt(13), decode=9, prefix=8),
+                ReqSpec("p4", _prompt(13, base=300), decode=9, prefix=4, start=1),
+                ReqSpec("p-all", _prompt(12, base=600), decode=6, prefix=12, start=1),
+            ),
+            tags=frozenset({"prefix"}),
+        )
+    )
+    out.append(
+        Scenario(
+            name="prefix-matched-p1",
+            page_size=1,
+            requests=(ReqSpec("p5", _prompt(9), decode=7, prefix=5),),
+            tags=frozenset({"prefix"}),
+        )
+    )
+    out.append(
+        Scenario(
+            name="finish-on-and-off-boundary",
+            page_size=ps,
+            stride=8,
+            requests=(
+                # all_tokens - aligned prompt at the end: 8 (on a chunk boundary) and 11 (off it).
+                ReqSpec("on", _prompt(8), decode=8),
+                ReqSpec("off", _prompt(8, base=400), decode=11),
+                ReqSpec("on-unaligned-prompt", _prompt(10, base=800), decode=6),
+            ),
+            tags=frozenset({"finish"}),
+        )
+    )
+    out.append(
+        Scenario(
+            name="abort-mid-offload",
+            page_size=ps,
+            # a's chunk is submitted at step 4; the progress check of step 5 is skipped; a aborts at step 5.
+            requests=(
+                ReqSpec("a", _prompt(8), decode=5, end="abort"),
+                ReqSpec("b", _prompt(8, base=100), decode=9),
+            ),
+            skip_progress=frozenset({5}),
+            tags=frozenset({"abort"}),
+        )
+    )
+    out.append(
+        Scenario(
+            name="abort-while-copies-pile-up",
+            page_size=ps,
+            requests=(ReqSpec("a", _prompt(5), decode=13, end="abort"),),
+            skip_progress=frozenset({6, 7, 8, 9, 10, 11, 12, 13}),
+            retract_at=frozenset({9}),
+            tags=frozenset({"abort"}),
+        )
+    )
+    out.append(
+        Scenario(
+            name="host-pool-full",
+            page_size=ps,
+            device_tokens=80,
+            host_ratio=0.2,
+            # 16 host slots + padding page; three requests with 8-token chunks outrun it while backups lag. The
+            # device pool holds all three at their last step (3 x 24 tokens): in SGLang's order the finished
+            # requests' pages return only at the end of that step's free group, after the step's new slots.
+            requests=tuple(ReqSpec(f"r{i}", _prompt(4, base=100 * i + 1), decode=17) for i in range(3)),
+            stride=8,
+            skip_progress=frozenset({9, 10}),
+            tags=frozenset({"host-full"}),
+        )
+    )
+    out.append(
+        Scenario(
+            name="backup-failure",
+            page_size=ps,
+            stride=8,
+            requests=(
+                ReqSpec("a", _prompt(4), decode=17),
+                ReqSpec("b", _prompt(4, base=500), decode=17),
+            ),
+            fail_backup_pages=frozenset({1, 6}),
+            tags=frozenset({"backup-failure"}),
+        )
+    )
+    out.append(
+        Scenario(
+            name="spec-decode-overalloc",
+            page_size=ps,
+            requests=(
+                ReqSpec("s", _prompt(7), decode=10, spec_extra=5),
+                ReqSpec("s-prefix", _prompt(9, base=40), decode=6, spec_extra=3, prefix=4),
+            ),
+            tags=frozenset({"spec"}),
+        )
+    )
+    out.append(
+        Scenario(
+            name="spec-decode-overalloc-p1",
+            page_size=1,
+            stride=2,
+            requests=(ReqSpec("s", _prompt(3), decode=7, spec_extra=4),),
+            tags=frozenset({"spec"}),
+        )
+    )
+    out.append(
+        Scenario(
+            name="mla",
+            page_size=ps,
+            pool="mla",
+            requests=(ReqSpec("m", _prompt(6), decode=9), ReqSpec("n", _prompt(9, base=77), decode=5, start=1)),
+            tags=frozenset({"mla"}),
+        )
+    )
+    out.append(
+        Scenario(
+            name="tp2",
+            page_size=ps,
+            tp=2,
+            requests=(
+                ReqSpec("a", _prompt(6), decode=9),
+                ReqSpec("b", _prompt(8, base=70), decode=6, start=1, extra_key="t"),
+            ),
+            skip_progress=frozenset({4}),
+            tags=frozenset({"tp"}),
+        )
+    )
+    out.append(
+        Scenario(
+            name="tp2-host-full-on-one-rank",
+            page_size=ps,
+            tp=2,
+            stride=8,
+            device_tokens=64,
+            # Rank 1's host pool (one page) never fits an 8-token chunk; rank 0's always does.
+            rank_host_ratio=(2.0, 0.01),
+            requests=(ReqSpec("a", _prompt(4), decode=12),),
+            retract_at=frozenset({11}),
+            tags=frozenset({"tp", "host-full"}),
+        )
+    )
     return out
 
 

@@ -20,8 +20,12 @@ import harness
 from scenarios import SCENARIOS, ReqSpec, Scenario
 from test_differential import INTENDED, ProbedAdapter, _run
 
-SC = Scenario(name="batch", page_size=4, stride=8,
-              requests=tuple(ReqSpec(f"r{i}", tuple(range(100 * i + 1, 100 * i + 11)), decode=20) for i in range(4)))
+SC = Scenario(
+    name="batch",
+    page_size=4,
+    stride=8,
+    requests=tuple(ReqSpec(f"r{i}", tuple(range(100 * i + 1, 100 * i + 11)), decode=20) for i in range(4)),
+)
 
 
 class CallByCall(ProbedAdapter):

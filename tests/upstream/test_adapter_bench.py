@@ -21,8 +21,9 @@ MODES = {"sglang": list(bench.MODES), "compact": ["adapter", "batch"]}
 
 
 @pytest.mark.parametrize("order", bench.ORDERS)
-def test_the_adapter_bench_runs_every_door_in_each_order(order: str, tmp_path: Path,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_adapter_bench_runs_every_door_in_each_order(
+    order: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     out = tmp_path / "adapter.json"
     offload, grouped = bench.Loop.offload, []
 
@@ -31,8 +32,24 @@ def test_the_adapter_bench_runs_every_door_in_each_order(order: str, tmp_path: P
         return offload(self, *args)
 
     monkeypatch.setattr(bench.Loop, "offload", offload_in_group)
-    assert bench.main(["--quick", "--device", "cpu", "--order", order, "--modes", *MODES[order],
-                       "--store-root", str(tmp_path), "--out", str(out)]) == 0
+    assert (
+        bench.main(
+            [
+                "--quick",
+                "--device",
+                "cpu",
+                "--order",
+                order,
+                "--modes",
+                *MODES[order],
+                "--store-root",
+                str(tmp_path),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     got = json.loads(out.read_text())
     assert got["settings"]["order"] == order
     assert [r["mode"] for r in got["rows"]] == MODES[order]
@@ -40,29 +57,50 @@ def test_the_adapter_bench_runs_every_door_in_each_order(order: str, tmp_path: P
         assert row["iterations"] == 30 and row["chunks_per_iteration"] > 0, row["mode"]
         assert row["total_ms"]["median"] > 0
     assert {t["name"].split(",")[0] for t in got["targets"]} == {
-        "adapter median / batch median", "adapter mean / batch mean", "adapter p99 / its median",
-        "adapter max ms (GC on)"}
+        "adapter median / batch median",
+        "adapter mean / batch mean",
+        "adapter p99 / its median",
+        "adapter max ms (GC on)",
+    }
     assert all(set(t) == {"name", "value", "limit", "met"} for t in got["targets"])
     assert grouped and all(grouped)  # every iteration's offload and finish calls inside the free group
 
 
 def _row(mode: str, median: float, mean: float, p99: float, peak: float) -> dict:
-    return {"mode": mode, "live": 64, "page": 16, "stride": 16,
-            "total_ms": {"median": median, "mean": mean, "p99": p99, "max": peak}}
+    return {
+        "mode": mode,
+        "live": 64,
+        "page": 16,
+        "stride": 16,
+        "total_ms": {"median": median, "mean": mean, "p99": p99, "max": peak},
+    }
 
 
 def test_repeated_runs_give_the_targets_their_medians_and_the_largest_max() -> None:
-    rows = [_row("adapter", 3.0, 3.0, 5.0, 9.0), _row("batch", 2.0, 2.0, 3.0, 4.0),
-            _row("batch", 2.5, 2.5, 3.5, 12.0), _row("adapter", 2.0, 2.6, 4.0, 11.0),
-            _row("adapter", 2.6, 2.8, 6.0, 8.0), _row("batch", 1.0, 1.0, 2.0, 3.0)]
+    rows = [
+        _row("adapter", 3.0, 3.0, 5.0, 9.0),
+        _row("batch", 2.0, 2.0, 3.0, 4.0),
+        _row("batch", 2.5, 2.5, 3.5, 12.0),
+        _row("adapter", 2.0, 2.6, 4.0, 11.0),
+        _row("adapter", 2.6, 2.8, 6.0, 8.0),
+        _row("batch", 1.0, 1.0, 2.0, 3.0),
+    ]
     got = {t["name"]: t["value"] for t in bench.targets(rows)}
     at = "64 live 16/16, 3 runs"
-    assert got == pytest.approx({f"adapter median / batch median, {at}": 2.6 / 2.0,
-                                 f"adapter mean / batch mean, {at}": 2.8 / 2.0,
-                                 f"adapter p99 / its median, {at}": 5.0 / 2.6,
-                                 f"adapter max ms (GC on), {at}": 11.0})
+    assert got == pytest.approx(
+        {
+            f"adapter median / batch median, {at}": 2.6 / 2.0,
+            f"adapter mean / batch mean, {at}": 2.8 / 2.0,
+            f"adapter p99 / its median, {at}": 5.0 / 2.6,
+            f"adapter max ms (GC on), {at}": 11.0,
+        }
+    )
     one = {t["name"]: t["value"] for t in bench.targets(rows[:2])}  # one run each: its own figures
-    assert one == pytest.approx({"adapter median / batch median, 64 live 16/16": 1.5,
-                                 "adapter mean / batch mean, 64 live 16/16": 1.5,
-                                 "adapter p99 / its median, 64 live 16/16": 5.0 / 3.0,
-                                 "adapter max ms (GC on), 64 live 16/16": 9.0})
+    assert one == pytest.approx(
+        {
+            "adapter median / batch median, 64 live 16/16": 1.5,
+            "adapter mean / batch mean, 64 live 16/16": 1.5,
+            "adapter p99 / its median, 64 live 16/16": 5.0 / 3.0,
+            "adapter max ms (GC on), 64 live 16/16": 9.0,
+        }
+    )

@@ -38,9 +38,16 @@ SC = Scenario(name="config", page_size=4, requests=(ReqSpec("a", tuple(range(1, 
 @contextmanager
 def published(sc: Scenario, store: str, stride: str | None = None, **fields: Any) -> Iterator[None]:
     """harness.published's server config, with `fields` changed."""
-    args = dict(page_size=sc.page_size, tp_size=1, hicache_storage_backend="file", hicache_io_backend="direct",
-                hicache_mem_layout="layer_first", hicache_ratio=sc.host_ratio, served_model_name=harness.MODEL,
-                hicache_storage_backend_extra_config=json.dumps({"file_storage_path": store}))
+    args = dict(
+        page_size=sc.page_size,
+        tp_size=1,
+        hicache_storage_backend="file",
+        hicache_io_backend="direct",
+        hicache_mem_layout="layer_first",
+        hicache_ratio=sc.host_ratio,
+        served_model_name=harness.MODEL,
+        hicache_storage_backend_extra_config=json.dumps({"file_storage_path": store}),
+    )
     args.update(fields)
     override = get_context().override_server_args(**args)
     override.install()
@@ -59,10 +66,15 @@ def published(sc: Scenario, store: str, stride: str | None = None, **fields: Any
 
 def build(cls: type, sc: Scenario = SC, allocator: Any = None) -> Any:
     r2t, _, alloc = harness.build_pools(sc)
-    tree = RadixCache(CacheInitParams(disable=False, req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc,
-                                      page_size=sc.page_size))
-    return cls(req_to_token_pool=r2t, token_to_kv_pool_allocator=allocator or alloc,
-               tp_group=harness._tp_group_world1(), tree_cache=tree)
+    tree = RadixCache(
+        CacheInitParams(disable=False, req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc, page_size=sc.page_size)
+    )
+    return cls(
+        req_to_token_pool=r2t,
+        token_to_kv_pool_allocator=allocator or alloc,
+        tp_group=harness._tp_group_world1(),
+        tree_cache=tree,
+    )
 
 
 def _close(mgr: Any) -> None:
@@ -116,8 +128,7 @@ def test_other_host_layouts_store_sglangs_page_files(layout: str, monkeypatch: p
 
     @contextmanager
     def with_layout(sc: Scenario, rank: int, store_dir: str) -> Iterator[None]:
-        with published(sc, store_dir, stride=None if sc.stride is None else str(sc.stride),
-                       hicache_mem_layout=layout):
+        with published(sc, store_dir, stride=None if sc.stride is None else str(sc.stride), hicache_mem_layout=layout):
             yield
 
     names = ("plain-p4-s8", "mla")
@@ -163,8 +174,12 @@ def test_pool_and_table_on_different_devices_are_refused() -> None:
         r2t, kv, alloc = harness.build_pools(SC)
         r2t.req_to_token = r2t.req_to_token.to("meta")
         with pytest.raises(ConfigError, match="both must be on one device"):
-            DecodeKVCacheOffloadManager(req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc,
-                                        tp_group=harness._tp_group_world1(), tree_cache=None)
+            DecodeKVCacheOffloadManager(
+                req_to_token_pool=r2t,
+                token_to_kv_pool_allocator=alloc,
+                tp_group=harness._tp_group_world1(),
+                tree_cache=None,
+            )
 
 
 def test_fp8_and_mixed_buffers_are_refused() -> None:
@@ -172,17 +187,24 @@ def test_fp8_and_mixed_buffers_are_refused() -> None:
         r2t, kv, alloc = harness.build_pools(SC)
         kv.v_buffer = [b.to(torch.uint8) for b in kv.v_buffer]
         with pytest.raises(ConfigError, match="float32"):
-            DecodeKVCacheOffloadManager(req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc,
-                                        tp_group=harness._tp_group_world1(), tree_cache=None)
+            DecodeKVCacheOffloadManager(
+                req_to_token_pool=r2t,
+                token_to_kv_pool_allocator=alloc,
+                tp_group=harness._tp_group_world1(),
+                tree_cache=None,
+            )
 
 
-@pytest.mark.parametrize("fields, match", [
-    (dict(hicache_storage_backend="mooncake"), "hicache_storage_backend: 'mooncake'"),
-    (dict(hicache_storage_backend=None), "hicache_storage_backend: None"),
-    (dict(hicache_storage_backend_extra_config="{not json"), "hicache_storage_backend_extra_config: invalid JSON"),
-    (dict(hicache_storage_backend_extra_config="[1]"), "must be a JSON object"),
-    (dict(hicache_mem_layout="page_head"), "hicache_mem_layout: 'page_head'"),
-])
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        (dict(hicache_storage_backend="mooncake"), "hicache_storage_backend: 'mooncake'"),
+        (dict(hicache_storage_backend=None), "hicache_storage_backend: None"),
+        (dict(hicache_storage_backend_extra_config="{not json"), "hicache_storage_backend_extra_config: invalid JSON"),
+        (dict(hicache_storage_backend_extra_config="[1]"), "must be a JSON object"),
+        (dict(hicache_mem_layout="page_head"), "hicache_mem_layout: 'page_head'"),
+    ],
+)
 def test_unsupported_server_settings_are_config_errors(fields: dict, match: str) -> None:
     with tempfile.TemporaryDirectory() as store, published(SC, store, **fields):
         with pytest.raises(ConfigError, match=match):
@@ -258,9 +280,15 @@ def test_request_views_are_identity_stable_and_refuse_other_objects() -> None:
         run_reqs.append(req)
         v = views.view(req)
         assert views.view(req) is v
-        assert (v.rid, v.req_pool_idx, v.prefix_len, v.kv_allocated_len, v.kv_committed_len) == \
-            (req.rid, req.kv.req_pool_idx, req.kv.cache_protected_len, req.kv.kv_allocated_len, req.kv.kv_committed_len)
+        assert (v.rid, v.req_pool_idx, v.prefix_len, v.kv_allocated_len, v.kv_committed_len) == (
+            req.rid,
+            req.kv.req_pool_idx,
+            req.kv.cache_protected_len,
+            req.kv.kv_allocated_len,
+            req.kv.kv_committed_len,
+        )
         assert v.extra_key == req.extra_key and v.cache_salt == req.cache_salt and v.finished() is False
+
         class NotAReq:
             rid = "x"
 

@@ -32,8 +32,9 @@ class Kept(HotPathAdapter):
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_the_host_pool_is_pinned_and_the_engine_bound_for_the_pools_device(device: str,
-                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_host_pool_is_pinned_and_the_engine_bound_for_the_pools_device(
+    device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """On a CUDA host: over CUDA pools, a pinned host pool and a CUDA engine told the pools' device (not the
     current one, which on a server of several GPUs may be another); over CPU pools, an unpinned host pool
     (page-locked memory is the scarce kind, and the CPU engine has no use for it) and the CPU engine."""

@@ -67,9 +67,15 @@ def test_adapter_on_cuda_matches_its_cpu_run_without_waiting_for_the_gpu(sc: Sce
     assert any(r.stored for r in cuda) or not any(r.stored for r in cpu)
 
 
-@pytest.mark.parametrize("sc", [s for s in GPU_SCENARIOS if s.name in ("prefix-matched", "mla", "host-pool-full",
-                                                                        "abort-mid-offload", "spec-decode-overalloc")],
-                         ids=lambda s: s.name)
+@pytest.mark.parametrize(
+    "sc",
+    [
+        s
+        for s in GPU_SCENARIOS
+        if s.name in ("prefix-matched", "mla", "host-pool-full", "abort-mid-offload", "spec-decode-overalloc")
+    ],
+    ids=lambda s: s.name,
+)
 def test_checked_adapter_on_cuda(sc: Scenario) -> None:
     """kvfsm's slot ledger and the spec's invariants on every transition, over SGLang's CUDA pools."""
     cuda = _run(sc, ProbedAdapter, "cuda", False)

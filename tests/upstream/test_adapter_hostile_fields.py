@@ -30,8 +30,12 @@ from kvfsm.spec.locations import packaged_spec
 
 EXAMPLES, DEEP_EXAMPLES = 25, 1000
 TYPED = (kvfsm.errors.LifecycleError, kvfsm.errors.ConfigError, kvfsm.errors.InputRejected)
-SC = Scenario(name="hostile-fields", page_size=4, stride=8,
-              requests=tuple(ReqSpec(f"r{i}", tuple(range(100 * i + 1, 100 * i + 11)), decode=12) for i in range(3)))
+SC = Scenario(
+    name="hostile-fields",
+    page_size=4,
+    stride=8,
+    requests=tuple(ReqSpec(f"r{i}", tuple(range(100 * i + 1, 100 * i + 11)), decode=12) for i in range(3)),
+)
 
 
 class Adapter(DecodeKVCacheOffloadManager):
@@ -50,9 +54,12 @@ def _deep() -> bool:
 # scheduler would set: negative, past the table or the pool, lengths that contradict each other.
 hostile_ints = st.integers(-(2**70), 2**70) | st.sampled_from([-1, 0, 1, 3, 7, 8, 9, 16, 64, 2**31, 2**63])
 FIELDS = {
-    "kv.req_pool_idx": hostile_ints | st.none(), "kv.kv_committed_len": hostile_ints,
-    "kv.kv_allocated_len": hostile_ints, "kv.cache_protected_len": hostile_ints,
-    "origin_input_ids": st.lists(hostile_ints, max_size=12), "output_ids": st.lists(hostile_ints, max_size=12),
+    "kv.req_pool_idx": hostile_ints | st.none(),
+    "kv.kv_committed_len": hostile_ints,
+    "kv.kv_allocated_len": hostile_ints,
+    "kv.cache_protected_len": hostile_ints,
+    "origin_input_ids": st.lists(hostile_ints, max_size=12),
+    "output_ids": st.lists(hostile_ints, max_size=12),
     "rid": st.text(max_size=8),
 }
 CALLS = st.sampled_from(["offload_kv_cache", "finalize_release_on_finish", "check_offload_progress"])
@@ -102,20 +109,34 @@ def _progress(run: Any) -> None:
 def _state(run: Any, store: str) -> tuple:
     mgr = run.mgr
     machines = (mgr.manager.machine_of(mgr._views.view(req)) for req in run.reqs.values())
-    states = tuple(None if m is None else spec_gen.STATES[m.state] if isinstance(m.state, int) else m.state
-                   for m in machines)
-    return (mgr.manager.host_pool.free_slots, run.allocator.available_size(), states, len(mgr._pending),
-            tuple(sorted(os.listdir(store))))
+    states = tuple(
+        None if m is None else spec_gen.STATES[m.state] if isinstance(m.state, int) else m.state for m in machines
+    )
+    return (
+        mgr.manager.host_pool.free_slots,
+        run.allocator.available_size(),
+        states,
+        len(mgr._pending),
+        tuple(sorted(os.listdir(store))),
+    )
 
 
-@settings(max_examples=DEEP_EXAMPLES if _deep() else EXAMPLES, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(steps=st.integers(0, 9), victim=st.integers(0, 2),
-       edits=st.lists(st.sampled_from(sorted(FIELDS)).flatmap(lambda f: st.tuples(st.just(f), FIELDS[f])),
-                      min_size=1, max_size=3),
-       calls=st.lists(CALLS, min_size=1, max_size=4))
+@settings(
+    max_examples=DEEP_EXAMPLES if _deep() else EXAMPLES,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(
+    steps=st.integers(0, 9),
+    victim=st.integers(0, 2),
+    edits=st.lists(
+        st.sampled_from(sorted(FIELDS)).flatmap(lambda f: st.tuples(st.just(f), FIELDS[f])), min_size=1, max_size=3
+    ),
+    calls=st.lists(CALLS, min_size=1, max_size=4),
+)
 def test_hostile_request_fields_end_in_typed_errors_that_change_nothing(
-        steps: int, victim: int, edits: list[tuple[str, Any]], calls: list[str]) -> None:
+    steps: int, victim: int, edits: list[tuple[str, Any]], calls: list[str]
+) -> None:
     with tempfile.TemporaryDirectory() as root:
         store = os.path.join(root, "store")
         os.mkdir(store)
@@ -153,9 +174,14 @@ def test_hostile_request_fields_end_in_typed_errors_that_change_nothing(
 # integer once escaped as TypeError (offload_kv_cache's early exit and the manager's reserve_offload compare
 # kv_committed_len; the spec's freeze_lengths action converts both lengths). Each is now RequestFieldInvalid,
 # naming the field, with nothing changed.
-@pytest.mark.parametrize("steps, field, call", [(1, "kv.kv_committed_len", "offload_kv_cache"),
-                                                (0, "kv.kv_committed_len", "offload_kv_cache"),
-                                                (0, "kv.kv_allocated_len", "finalize_release_on_finish")])
+@pytest.mark.parametrize(
+    "steps, field, call",
+    [
+        (1, "kv.kv_committed_len", "offload_kv_cache"),
+        (0, "kv.kv_committed_len", "offload_kv_cache"),
+        (0, "kv.kv_allocated_len", "finalize_release_on_finish"),
+    ],
+)
 def test_request_fields_of_other_types(steps: int, field: str, call: str) -> None:
     with tempfile.TemporaryDirectory() as store, harness.published(SC, 0, store):
         run = harness._Run(SC, Adapter, 0, harness._tp_group_world1(), store)

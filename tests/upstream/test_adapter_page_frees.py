@@ -68,7 +68,6 @@ def test_without_sglangs_paged_allocator_nothing_takes_page_ids(monkeypatch: pyt
     assert not AllocatorView(allocator, int(kv.size)).frees_page_ids
 
 
-
 @pytest.mark.parametrize("path", ["page_ids", "slots"])
 def test_a_free_inside_sglangs_free_group_comes_back_at_its_end(path: str) -> None:
     """SGLang makes the offload manager's calls inside the allocator's free group (`process_batch_result_decode`):

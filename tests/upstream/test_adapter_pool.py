@@ -18,10 +18,26 @@ from kvfsm.integrations.sglang import SGLangDeviceKVPool
 
 def _pool(kind: str):
     if kind == "mha":
-        return MHATokenToKVPool(size=64, page_size=4, dtype=torch.float32, head_num=2, head_dim=3, layer_num=3,
-                                device="cpu", enable_memory_saver=False)
-    return MLATokenToKVPool(size=64, page_size=4, dtype=torch.float32, kv_lora_rank=4, qk_rope_head_dim=2,
-                            layer_num=3, device="cpu", enable_memory_saver=False)
+        return MHATokenToKVPool(
+            size=64,
+            page_size=4,
+            dtype=torch.float32,
+            head_num=2,
+            head_dim=3,
+            layer_num=3,
+            device="cpu",
+            enable_memory_saver=False,
+        )
+    return MLATokenToKVPool(
+        size=64,
+        page_size=4,
+        dtype=torch.float32,
+        kv_lora_rank=4,
+        qk_rope_head_dim=2,
+        layer_num=3,
+        device="cpu",
+        enable_memory_saver=False,
+    )
 
 
 def _fill(dev: SGLangDeviceKVPool) -> None:

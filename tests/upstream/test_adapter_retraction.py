@@ -26,7 +26,9 @@ from kvfsm.dataplane import DeferredCpuCopyEngine
 from kvfsm.errors import RetractionRefused
 
 SC = Scenario(
-    name="retract-then-reuse-row", page_size=4, stride=8,
+    name="retract-then-reuse-row",
+    page_size=4,
+    stride=8,
     requests=(
         ReqSpec("a", tuple(range(1, 9)), decode=12),
         ReqSpec("b", tuple(range(100, 110)), decode=12),
@@ -65,7 +67,9 @@ def _readmit(run: harness._Run, spec: ReqSpec) -> None:
 
 
 SC_READMIT = Scenario(
-    name="retract-and-readmit", page_size=4, stride=8,
+    name="retract-and-readmit",
+    page_size=4,
+    stride=8,
     requests=(
         ReqSpec("a", tuple(range(1, 9)), decode=18),  # offloads [8, 16) at step 8; retracted at 10, back at 12
         ReqSpec("b", tuple(range(100, 110)), decode=12),
@@ -74,8 +78,9 @@ SC_READMIT = Scenario(
 )
 
 
-def _script(manager_cls: type, sc: Scenario = SC, retract_at: int = RETRACT_AT,
-            readmit_at: int | None = None) -> tuple[list[harness.Step], dict, Counter]:
+def _script(
+    manager_cls: type, sc: Scenario = SC, retract_at: int = RETRACT_AT, readmit_at: int | None = None
+) -> tuple[list[harness.Step], dict, Counter]:
     store = tempfile.mkdtemp(prefix="kvfsm-retract-")
     with harness.published(sc, 0, store):
         run = harness._Run(sc, manager_cls, 0, harness._tp_group_world1(), store)
@@ -118,6 +123,7 @@ def _script(manager_cls: type, sc: Scenario = SC, retract_at: int = RETRACT_AT,
             assert run.mgr.held_at_drain > 0, "no copy was in flight at the retraction"
             assert harness_states(run.mgr) == {"released"}
             from kvfsm.generated.decode_offload import TRANSITIONS
+
             taken = {TRANSITIONS[t][:2] for t in run.mgr.manager.coverage}
             assert ("offloading", "released_by_engine_fenced") in taken and ("fenced", "copy_done") in taken
         run.probe.close(run.mgr)
@@ -128,8 +134,16 @@ def test_retraction_then_row_reuse_matches_upstream() -> None:
     up_steps, up_stored, up_freed = _script(harness.UpstreamManager)
     kv_steps, kv_stored, kv_freed = _script(ProbedAdapter)
     for a, b in zip(up_steps, kv_steps):
-        assert (a.step, a.offloads, a.released, a.host_alloc, a.host_freed, a.keys, a.retract, sorted(a.freed_at)) == \
-            (b.step, b.offloads, b.released, b.host_alloc, b.host_freed, b.keys, b.retract, sorted(b.freed_at))
+        assert (a.step, a.offloads, a.released, a.host_alloc, a.host_freed, a.keys, a.retract, sorted(a.freed_at)) == (
+            b.step,
+            b.offloads,
+            b.released,
+            b.host_alloc,
+            b.host_freed,
+            b.keys,
+            b.retract,
+            sorted(b.freed_at),
+        )
     # slot ids are not compared (the free lists' orders differ); owners and row positions are, above
     assert up_stored == kv_stored and sum(up_freed.values()) == sum(kv_freed.values())
 
@@ -163,11 +177,14 @@ class FencedAdapter(ProbedAdapter):
 
 def harness_states(mgr: FencedAdapter) -> set[str]:
     from kvfsm.generated.decode_offload import STATES
+
     return {STATES[r.machine.state] for r in mgr.manager._records.values()}
 
 
 SC_FENCED = Scenario(
-    name="fenced-retract", page_size=4, stride=8,
+    name="fenced-retract",
+    page_size=4,
+    stride=8,
     requests=(
         ReqSpec("a", tuple(range(1, 9)), decode=12),  # offloads [8, 16) at step 8, retracted at 9 with it in flight
         ReqSpec("b", tuple(range(100, 110)), decode=12),

@@ -170,9 +170,9 @@ PROCESS_STORE = ("namespaced", "prefix-matched", "mla", "abort-while-copies-pile
 # Where kvfsm differs from upstream on purpose: scenario -> (the difference, a check of kvfsm's behaviour).
 INTENDED: dict[str, str] = {
     "tp2-host-full-on-one-rank": "TP ranks with different host pools are refused at construction (TPMismatch on "
-                                 "every rank); upstream runs and strands rank 0's copy, row and device slots",
+    "every rank); upstream runs and strands rank 0's copy, row and device slots",
     "backup-failure": "a page that fails to store does not drop the pages after it in its chunk: kvfsm stores "
-                      "them (HiCacheFile's batch stops at the first failure)",
+    "them (HiCacheFile's batch stops at the first failure)",
 }
 
 
@@ -198,8 +198,16 @@ def test_adapter_reading_slots_on_the_device_matches_upstream(sc: Scenario) -> N
 # Frees that take effect at once (no free group open, as outside SGLang's result processing): a sample with
 # releases on both of kvfsm's free paths (page ids, and page size 1's slots), a prefix, an abort, a full host pool
 # and TP
-AT_ONCE = ("plain-p4-s8", "plain-p1-s3", "prefix-matched", "prefix-matched-p1", "abort-mid-offload", "host-pool-full",
-           "spec-decode-overalloc-p1", "tp2")
+AT_ONCE = (
+    "plain-p4-s8",
+    "plain-p1-s3",
+    "prefix-matched",
+    "prefix-matched-p1",
+    "abort-mid-offload",
+    "host-pool-full",
+    "spec-decode-overalloc-p1",
+    "tp2",
+)
 
 
 @pytest.mark.parametrize("name", AT_ONCE)
@@ -230,8 +238,13 @@ def test_backup_failure_keeps_the_rest_of_the_chunk() -> None:
     # upstream's op for fault ordinal 6 stopped there: the page after it (same chunk) is the one kvfsm keeps
     assert len(extra) == 1, extra
     for a, b in zip(up.steps, kv.steps):
-        assert (a.offloads, a.released, a.host_alloc, a.host_freed, sorted(a.freed_at)) == \
-            (b.offloads, b.released, b.host_alloc, b.host_freed, sorted(b.freed_at))
+        assert (a.offloads, a.released, a.host_alloc, a.host_freed, sorted(a.freed_at)) == (
+            b.offloads,
+            b.released,
+            b.host_alloc,
+            b.host_freed,
+            sorted(b.freed_at),
+        )
 
 
 def test_tp_ranks_with_different_host_pools_are_refused() -> None:
@@ -242,8 +255,13 @@ def test_tp_ranks_with_different_host_pools_are_refused() -> None:
 
 def test_summary() -> None:
     """`N of M scenarios match` (printed; run with -s), the intended differences named."""
-    same = [sc.name for sc in SCENARIOS if sc.name not in INTENDED
-            and not harness.diff_runs(_run(sc, harness.UpstreamManager), _run(sc, ProbedAdapter))]
-    print(f"\n{len(same)} of {len(SCENARIOS)} scenarios match; intended differences in "
-          f"{len(INTENDED)}: " + "; ".join(f"{k}: {v}" for k, v in INTENDED.items()))
+    same = [
+        sc.name
+        for sc in SCENARIOS
+        if sc.name not in INTENDED and not harness.diff_runs(_run(sc, harness.UpstreamManager), _run(sc, ProbedAdapter))
+    ]
+    print(
+        f"\n{len(same)} of {len(SCENARIOS)} scenarios match; intended differences in "
+        f"{len(INTENDED)}: " + "; ".join(f"{k}: {v}" for k, v in INTENDED.items())
+    )
     assert len(same) == len(SCENARIOS) - len(INTENDED)

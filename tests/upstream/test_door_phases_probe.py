@@ -21,13 +21,42 @@ import door_phases  # noqa: E402
 
 def test_the_probe_times_each_mode_its_steps_and_the_no_op_door(tmp_path: Path) -> None:
     out = tmp_path / "door.json"
-    assert door_phases.main(["--device", "cpu", "--live", "96", "--pages", "16", "--iterations", "12", "--warmup", "4",
-                             "--modes", "adapter", "batch", "bare_door", "--detail", "--out", str(out)]) == 0
+    assert (
+        door_phases.main(
+            [
+                "--device",
+                "cpu",
+                "--live",
+                "96",
+                "--pages",
+                "16",
+                "--iterations",
+                "12",
+                "--warmup",
+                "4",
+                "--modes",
+                "adapter",
+                "batch",
+                "bare_door",
+                "--detail",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     got = json.loads(out.read_text())
     rows = {r["mode"]: r for r in got["rows"]}
     assert list(rows) == ["adapter", "batch", "bare_door"]
     phases = {mode: set(r["phases_ms"]) for mode, r in rows.items()}
-    assert {"_flush", "submit_reserved", "check_progress", "copy_engine.submit_d2h", "reserve_due", "_accept"} <= phases["adapter"]
+    assert {
+        "_flush",
+        "submit_reserved",
+        "check_progress",
+        "copy_engine.submit_d2h",
+        "reserve_due",
+        "_accept",
+    } <= phases["adapter"]
     assert {"offload_batch", "_submit", "manager._copy_slots", "copy_engine.submit_d2h"} <= phases["batch"]
     assert {"noop_door", "offload_batch", "check_progress"} <= phases["bare_door"]
     assert "_submit" not in phases["bare_door"]  # the floor: none of kvfsm's manager calls
@@ -42,7 +71,8 @@ def test_the_probe_times_each_mode_its_steps_and_the_no_op_door(tmp_path: Path) 
     door = rows["bare_door"]["phases_ms"]["noop_door"]["median"]
     assert limit["value"] == pytest.approx((total("batch") + door) / total("batch"))
     assert targets["adapter / batch, median calls + check, 96 live 16/16"]["value"] == pytest.approx(
-        total("adapter") / total("batch"))
+        total("adapter") / total("batch")
+    )
 
 
 def test_the_no_op_door_calls_nothing_but_is_timed_only_in_timed_iterations() -> None:

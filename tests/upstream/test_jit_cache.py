@@ -37,12 +37,18 @@ print(json.dumps([m.__file__, m.get_hash(array("q", tokens), len(tokens), 1, Fal
 def _upstream_args() -> dict:
     """What sglang 0.5.23's `_load_native_hash_module` passes its loader."""
     cflags = ["-O3", "-std=c++17", "-DNDEBUG"] + (["-mavx2"] if native_hash._cpu_supports_avx2() else [])
-    return dict(name="hicache_hash_cpp", sources=[str(Path(native_hash.__file__).parent / "hash_binding.cpp")],
-                extra_cflags=cflags, extra_ldflags=["-lcrypto"], with_cuda=False)
+    return dict(
+        name="hicache_hash_cpp",
+        sources=[str(Path(native_hash.__file__).parent / "hash_binding.cpp")],
+        extra_cflags=cflags,
+        extra_ldflags=["-lcrypto"],
+        with_cuda=False,
+    )
 
 
-def test_a_build_is_cached_and_a_later_process_loads_it_without_building(monkeypatch: pytest.MonkeyPatch,
-                                                                          tmp_path: Path) -> None:
+def test_a_build_is_cached_and_a_later_process_loads_it_without_building(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     import sglang.srt.utils.cpp_extension_loader as loader
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
@@ -58,8 +64,12 @@ def test_a_build_is_cached_and_a_later_process_loads_it_without_building(monkeyp
     assert builds == ["hicache_hash_cpp"]
     (entry,) = (tmp_path / "kvfsm" / "torch_extensions").glob("*/hicache_hash_cpp.so")
 
-    proc = subprocess.run([sys.executable, "-c", LATER, str(HERE), json.dumps(args), json.dumps(TOKENS), PRIOR],
-                          capture_output=True, text=True, env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)})
+    proc = subprocess.run(
+        [sys.executable, "-c", LATER, str(HERE), json.dumps(args), json.dumps(TOKENS), PRIOR],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     loaded_from, hashes = json.loads(proc.stdout.strip().splitlines()[-1])
     assert Path(loaded_from) == entry

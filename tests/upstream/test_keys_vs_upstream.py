@@ -32,8 +32,7 @@ def upstream_keys(tokens, page_size, prior=None, extra_key=None, cache_salt=None
 
 
 def upstream_req_namespace(extra_key, cache_salt, lora_id):
-    req = Req("r", "", array("q", [1]), SamplingParams(), extra_key=extra_key, cache_salt=cache_salt,
-              lora_id=lora_id)
+    req = Req("r", "", array("q", [1]), SamplingParams(), extra_key=extra_key, cache_salt=cache_salt, lora_id=lora_id)
     return req.extra_key, req.cache_salt
 
 
@@ -68,8 +67,9 @@ def test_page_hashes_match_upstream(case: str) -> None:
     assert ours == upstream_keys(tokens, ps, prior, extra_key, cache_salt)
 
 
-@pytest.mark.parametrize("parts", [(None, None), ("", None), (None, ""), ("", ""), ("a", "b"), ("ab", None),
-                                   (None, "ab"), ("ü", "日本")])
+@pytest.mark.parametrize(
+    "parts", [(None, None), ("", None), (None, ""), ("", ""), ("a", "b"), ("ab", None), (None, "ab"), ("ü", "日本")]
+)
 def test_namespace_seed_matches_upstream(parts) -> None:
     assert storage_namespace_seed(*parts) == upstream_seed(*parts)
 
@@ -89,8 +89,9 @@ def test_request_normalisation_matches_upstream_req() -> None:
     for extra_key in (None, "", "k"):
         for cache_salt in (None, "", "s"):
             for lora_id in (None, "", "lora7"):
-                assert request_namespace(extra_key, cache_salt, lora_id) == \
-                    upstream_req_namespace(extra_key, cache_salt, lora_id), (extra_key, cache_salt, lora_id)
+                assert request_namespace(extra_key, cache_salt, lora_id) == upstream_req_namespace(
+                    extra_key, cache_salt, lora_id
+                ), (extra_key, cache_salt, lora_id)
 
 
 _ids = st.one_of(st.integers(0, 2**32 - 1), st.integers(0, 2**16), st.integers(2**32, I64_MAX))

@@ -20,8 +20,12 @@ from test_differential import ProbedAdapter
 from kvfsm.dataplane.storage.file import storage_key_suffix
 from kvfsm.integrations.sglang import DecodeKVCacheOffloadManager
 
-SC = Scenario(name="kills", page_size=4, stride=8,
-              requests=tuple(ReqSpec(f"r{i}", tuple(range(100 * i + 1, 100 * i + 11)), decode=20) for i in range(2)))
+SC = Scenario(
+    name="kills",
+    page_size=4,
+    stride=8,
+    requests=tuple(ReqSpec(f"r{i}", tuple(range(100 * i + 1, 100 * i + 11)), decode=20) for i in range(2)),
+)
 
 
 def _started(cls: type, store: str) -> Any:
@@ -41,6 +45,7 @@ def _first_request_decoded(tokens: int) -> Iterator[tuple[Any, ReqSpec, Any]]:
         for _ in range(tokens):
             run.decode(spec)
         yield run, spec, req
+
 
 def _kvfsm_functions_entered(call: Callable[[], Any]) -> tuple[Any, list[str]]:
     """`call()`'s result, and the name of every Python function of kvfsm's package it entered, in order
@@ -162,8 +167,17 @@ class _Deferred(ProbedAdapter):
 
 def _drain_with_a_copy_in_flight(retraction: str) -> Any:
     with tempfile.TemporaryDirectory() as store, harness.published(SC, 0, store):
-        run = harness._Run(SC, type("A", (_Deferred,), {"__init__": lambda self, **kw: _Deferred.__init__(
-            self, **kw, retraction=retraction)}), 0, harness._tp_group_world1(), store)
+        run = harness._Run(
+            SC,
+            type(
+                "A",
+                (_Deferred,),
+                {"__init__": lambda self, **kw: _Deferred.__init__(self, **kw, retraction=retraction)},
+            ),
+            0,
+            harness._tp_group_world1(),
+            store,
+        )
         for spec in SC.requests:
             run.admit(spec)
         spec = SC.requests[0]
@@ -194,20 +208,32 @@ def test_the_default_retraction_refuses_a_drain_that_meets_a_copy_and_fenced_nev
 def test_the_adapter_configures_kvfsm_as_the_server_published(monkeypatch: pytest.MonkeyPatch) -> None:
     """What the adapter hands kvfsm's manager: the retraction policy, and its own host pool (unpinned on a CPU,
     in the published layout), FileStorage (the rank, sizes and dtype of the KV pool) and KV pool view."""
-    sc = Scenario(name="config-mla", page_size=4, stride=8, pool="mla",
-                  requests=(ReqSpec("a", tuple(range(1, 9)), decode=4),))
+    sc = Scenario(
+        name="config-mla", page_size=4, stride=8, pool="mla", requests=(ReqSpec("a", tuple(range(1, 9)), decode=4),)
+    )
     with tempfile.TemporaryDirectory() as store, harness.published(sc, 0, store):
         for retraction, policy, fenced in (("refuse", "fail_closed", False), ("fenced", "deferred", True)):
-            run = harness._Run(sc, type("A", (ProbedAdapter,), {"__init__": lambda self, r=retraction, **kw:
-                                                                 ProbedAdapter.__init__(self, **kw, retraction=r)}),
-                               0, harness._tp_group_world1(), store)
+            run = harness._Run(
+                sc,
+                type(
+                    "A",
+                    (ProbedAdapter,),
+                    {"__init__": lambda self, r=retraction, **kw: ProbedAdapter.__init__(self, **kw, retraction=r)},
+                ),
+                0,
+                harness._tp_group_world1(),
+                store,
+            )
             cfg = run.mgr.manager.config
             assert (cfg.retraction, cfg.fenced_release, run.mgr.retraction) == (policy, fenced, retraction)
             host = run.mgr.decode_host_mem_pool
             assert host is run.mgr.manager.host_pool and host.pinned is False and host.layout == "layer_first"
             fs = run.mgr.manager.fx.storage
-            assert (fs.suffix, fs.dtype, fs.layout) == (storage_key_suffix(harness.MODEL, 0, 1, True), "float32",
-                                                        "layer_first")
+            assert (fs.suffix, fs.dtype, fs.layout) == (
+                storage_key_suffix(harness.MODEL, 0, 1, True),
+                "float32",
+                "layer_first",
+            )
             dev = run.mgr.manager.fx.device_pool
             assert dev.kv_pool is run.kv and dev.config.is_mla
             assert run.mgr.settings.page_size == 4
@@ -252,9 +278,16 @@ def test_a_row_the_engine_reused_without_a_drain_waits_for_the_old_lifecycle_the
     again), pins c on the row, and c runs to its release."""
     from test_adapter_retraction import _engine_release
 
-    sc = Scenario(name="row-reuse-without-drain", page_size=4, stride=8,
-                  requests=(ReqSpec("a", tuple(range(1, 9)), decode=12), ReqSpec("b", tuple(range(100, 110)), decode=12),
-                            ReqSpec("c", tuple(range(300, 306)), decode=12, start=1)))
+    sc = Scenario(
+        name="row-reuse-without-drain",
+        page_size=4,
+        stride=8,
+        requests=(
+            ReqSpec("a", tuple(range(1, 9)), decode=12),
+            ReqSpec("b", tuple(range(100, 110)), decode=12),
+            ReqSpec("c", tuple(range(300, 306)), decode=12, start=1),
+        ),
+    )
     with tempfile.TemporaryDirectory() as store, harness.published(sc, 0, store):
         run = harness._Run(sc, _Deferred, 0, harness._tp_group_world1(), store)
         a_spec, b_spec, c_spec = sc.requests
@@ -433,9 +466,15 @@ def test_a_row_whose_last_req_never_started_a_lifecycle_goes_to_the_next_req_and
     other: it offloads, finishes, and its release gives the row back to SGLang's pool."""
     from test_adapter_retraction import _engine_release
 
-    sc = Scenario(name="row-after-a-req-without-lifecycle", page_size=4, stride=8,
-                  requests=(ReqSpec("a", tuple(range(1, 9)), decode=12),
-                            ReqSpec("c", tuple(range(300, 306)), decode=12, start=1)))
+    sc = Scenario(
+        name="row-after-a-req-without-lifecycle",
+        page_size=4,
+        stride=8,
+        requests=(
+            ReqSpec("a", tuple(range(1, 9)), decode=12),
+            ReqSpec("c", tuple(range(300, 306)), decode=12, start=1),
+        ),
+    )
     with tempfile.TemporaryDirectory() as store, harness.published(sc, 0, store):
         run = harness._Run(sc, ProbedAdapter, 0, harness._tp_group_world1(), store)
         a_spec, c_spec = sc.requests
@@ -480,9 +519,12 @@ def test_the_early_exit_never_answers_for_a_row_its_req_left() -> None:
     leaves r (a call sees it off the row), the engine releases y, and x comes back on r with a whole stride
     committed: its call takes the full path, which admits x and takes its first chunk, instead of answering
     from y's due point."""
-    sc = Scenario(name="quiet-row-left", page_size=4, stride=8,
-                  requests=(ReqSpec("x", tuple(range(1, 11)), decode=12),
-                            ReqSpec("y", tuple(range(100, 118)), decode=12)))
+    sc = Scenario(
+        name="quiet-row-left",
+        page_size=4,
+        stride=8,
+        requests=(ReqSpec("x", tuple(range(1, 11)), decode=12), ReqSpec("y", tuple(range(100, 118)), decode=12)),
+    )
     with tempfile.TemporaryDirectory() as store, harness.published(sc, 0, store):
         run = harness._Run(sc, _Unchecked, 0, harness._tp_group_world1(), store)
         x_spec, y_spec = sc.requests

@@ -55,8 +55,9 @@ FILE_LAYOUT = {"layer_first": "layer_first", "page_first": "page_first", "page_f
 
 
 # ---- keys ---------------------------------------------------------------------------------------------
-def upstream_chain(tokens: list[int], page_size: int, prior: str | None, extra_key: str | None,
-                   cache_salt: str | None) -> list[str]:
+def upstream_chain(
+    tokens: list[int], page_size: int, prior: str | None, extra_key: str | None, cache_salt: str | None
+) -> list[str]:
     """Upstream's decode offload hash chain, through its own method (a stand-in `self` with what it reads)."""
     fake = SimpleNamespace(page_size=page_size, cache_controller=SimpleNamespace(get_hash_str=get_hash_str))
     req = SimpleNamespace(extra_key=extra_key, cache_salt=cache_salt)
@@ -74,8 +75,11 @@ def test_namespaced_keys_match_upstream(extra_key: str | None, cache_salt: str |
     want = upstream_chain(tokens, 4, None, extra_key, cache_salt)
     assert page_hashes(tokens, 4, extra_key=extra_key, cache_salt=cache_salt) == want
     prior = want[1]  # a chain continued from a prior ignores the namespace, upstream and here
-    assert page_hashes(tokens[8:], 4, prior, extra_key=extra_key, cache_salt=cache_salt) == \
-        upstream_chain(tokens[8:], 4, prior, extra_key, cache_salt) == want[2:]
+    assert (
+        page_hashes(tokens[8:], 4, prior, extra_key=extra_key, cache_salt=cache_salt)
+        == upstream_chain(tokens[8:], 4, prior, extra_key, cache_salt)
+        == want[2:]
+    )
 
 
 def test_plain_wide_and_empty_keys_match_upstream() -> None:
@@ -83,8 +87,10 @@ def test_plain_wide_and_empty_keys_match_upstream() -> None:
     for _ in range(200):
         ps = rng.choice([1, 2, 4, 16])
         wide = rng.random() < 0.5
-        tokens = [rng.randrange(0, 2**63) if wide and rng.random() < 0.3 else rng.randrange(0, 2**32)
-                  for _ in range(ps * rng.randrange(0, 4))]
+        tokens = [
+            rng.randrange(0, 2**63) if wide and rng.random() < 0.3 else rng.randrange(0, 2**32)
+            for _ in range(ps * rng.randrange(0, 4))
+        ]
         prior = rng.choice([None, f"{rng.getrandbits(256):064x}"])
         ek = rng.choice(PARTS)
         assert page_hashes(tokens, ps, prior, extra_key=ek) == upstream_chain(tokens, ps, prior, ek, None)
@@ -97,23 +103,41 @@ def test_plain_wide_and_empty_keys_match_upstream() -> None:
             get_hash_str(bad, None, 1)
 
 
-@pytest.mark.parametrize("extra_key, cache_salt, lora_id",
-                         [(None, "", None), ("", None, None), (None, None, "lora-1"), ("ek", "s", "L"), (None, "s", ""),
-                          ("", "", "")])
-def test_request_namespace_matches_upstream_req(extra_key: str | None, cache_salt: str | None,
-                                                lora_id: str | None) -> None:
-    req = Req("r", "", [1, 2, 3], SamplingParams(max_new_tokens=1), lora_id=lora_id, extra_key=extra_key,
-              cache_salt=cache_salt)
+@pytest.mark.parametrize(
+    "extra_key, cache_salt, lora_id",
+    [(None, "", None), ("", None, None), (None, None, "lora-1"), ("ek", "s", "L"), (None, "s", ""), ("", "", "")],
+)
+def test_request_namespace_matches_upstream_req(
+    extra_key: str | None, cache_salt: str | None, lora_id: str | None
+) -> None:
+    req = Req(
+        "r",
+        "",
+        [1, 2, 3],
+        SamplingParams(max_new_tokens=1),
+        lora_id=lora_id,
+        extra_key=extra_key,
+        cache_salt=cache_salt,
+    )
     assert request_namespace(extra_key, cache_salt, lora_id) == (req.extra_key, req.cache_salt)
 
 
 # ---- page files -------------------------------------------------------------------------------------------
 def hicache_file(directory: Path, *, tp_rank: int = 0, tp_size: int = 1, is_mla: bool = False) -> HiCacheFile:
     os.environ.pop("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", None)
-    cfg = HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
-                               attn_cp_size=1, is_mla_model=is_mla, enable_storage_metrics=False,
-                               is_page_first_layout=False, model_name=MODEL,
-                               extra_config={"file_storage_path": str(directory)})
+    cfg = HiCacheStorageConfig(
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=is_mla,
+        enable_storage_metrics=False,
+        is_page_first_layout=False,
+        model_name=MODEL,
+        extra_config={"file_storage_path": str(directory)},
+    )
     directory.mkdir(parents=True, exist_ok=True)
     return HiCacheFile(cfg)
 
@@ -123,14 +147,32 @@ def upstream_host_pool(layout: str) -> MHATokenToKVPoolHost:
     k = tuple(torch.zeros(64, H, D, dtype=DTYPE) for _ in range(L))
     v = tuple(torch.zeros(64, H, D, dtype=DTYPE) for _ in range(L))
     ptrs = [torch.tensor([t.data_ptr() for t in side], dtype=torch.uint64) for side in (k, v)]
-    info = MHABufferInfo(buffers=KVBuffers(k=k, v=v, k_data_ptrs=ptrs[0], v_data_ptrs=ptrs[1],
-                                           layout=KVBufferLayout.NHD),
-                         page_size=T, head_num=H, head_dim=D, v_head_dim=D, dtype=DTYPE, device=torch.device("cpu"))
-    pool = MHATokenToKVPoolHost(info, 1.0, 0, T, layout, pin_memory=False, device="cpu", device_capacity_tokens=64,
-                                start_layer=0, end_layer=L, host_token_capacity=PAGES * T)
+    info = MHABufferInfo(
+        buffers=KVBuffers(k=k, v=v, k_data_ptrs=ptrs[0], v_data_ptrs=ptrs[1], layout=KVBufferLayout.NHD),
+        page_size=T,
+        head_num=H,
+        head_dim=D,
+        v_head_dim=D,
+        dtype=DTYPE,
+        device=torch.device("cpu"),
+    )
+    pool = MHATokenToKVPoolHost(
+        info,
+        1.0,
+        0,
+        T,
+        layout,
+        pin_memory=False,
+        device="cpu",
+        device_capacity_tokens=64,
+        start_layer=0,
+        end_layer=L,
+        host_token_capacity=PAGES * T,
+    )
     g = torch.Generator().manual_seed(hash(layout) & 0xFFFF)
-    pool.kv_buffer.view(torch.int16).copy_(torch.randint(-2**15, 2**15, pool.kv_buffer.shape, generator=g,
-                                                         dtype=torch.int16))
+    pool.kv_buffer.view(torch.int16).copy_(
+        torch.randint(-(2**15), 2**15, pool.kv_buffer.shape, generator=g, dtype=torch.int16)
+    )
     return pool
 
 
@@ -146,8 +188,12 @@ def upstream_tokens(pool: MHATokenToKVPoolHost) -> torch.Tensor:
 
 
 def kvfsm_pool() -> HostKVPool:
-    pool = HostKVPool(KVCacheConfig(num_layers=L, kv_heads=H, head_dim=D, attention="mha", dtype=DTYPE),
-                      PAGES * T, page_size=T, layout="layer_first")
+    pool = HostKVPool(
+        KVCacheConfig(num_layers=L, kv_heads=H, head_dim=D, attention="mha", dtype=DTYPE),
+        PAGES * T,
+        page_size=T,
+        layout="layer_first",
+    )
     pool.alloc_pages(PAGES)
     return pool
 
@@ -165,8 +211,14 @@ def test_sglang_writes_kvfsm_reads(tmp_path: Path, layout: str) -> None:
         assert hf._write_page(PoolName.KV, key, up, j * T)
     assert sorted(os.listdir(tmp_path)) == sorted(f"{k}_{MODEL.replace('/', '-')}_0_1.bin" for k in keys)
     page_nbytes = 2 * L * T * H * D * DTYPE.itemsize
-    fs = FileStorage(tmp_path, model_name=MODEL, layout=FILE_LAYOUT[layout], page_dims=(2, L, T),
-                     page_nbytes=page_nbytes, stale_temp_age_s=None)
+    fs = FileStorage(
+        tmp_path,
+        model_name=MODEL,
+        layout=FILE_LAYOUT[layout],
+        page_dims=(2, L, T),
+        page_nbytes=page_nbytes,
+        stale_temp_age_s=None,
+    )
     assert fs.batch_exists(keys) == PAGES
     got = fs.batch_get(keys)
     assert all(g is not None for g in got) and fs.unverified_reads == PAGES and fs.stats.reads_corrupt == 0
@@ -179,11 +231,11 @@ def test_sglang_writes_kvfsm_reads(tmp_path: Path, layout: str) -> None:
 def test_kvfsm_writes_sglang_reads(tmp_path: Path, layout: str) -> None:
     mine = kvfsm_pool()
     g = torch.Generator().manual_seed(5)
-    mine.kv_buffer.view(torch.int16).copy_(torch.randint(-2**15, 2**15, mine.kv_buffer.shape, generator=g,
-                                                         dtype=torch.int16))
+    mine.kv_buffer.view(torch.int16).copy_(
+        torch.randint(-(2**15), 2**15, mine.kv_buffer.shape, generator=g, dtype=torch.int16)
+    )
     keys = page_keys()
-    fs = FileStorage(tmp_path, model_name=MODEL, layout=FILE_LAYOUT[layout], page_dims=(2, L, T),
-                     stale_temp_age_s=None)
+    fs = FileStorage(tmp_path, model_name=MODEL, layout=FILE_LAYOUT[layout], page_dims=(2, L, T), stale_temp_age_s=None)
     assert fs.batch_set_from_host(keys, mine, mine.slots_of(range(PAGES))) == [True] * PAGES
     hf = hicache_file(tmp_path)
     up = upstream_host_pool(layout)
@@ -244,7 +296,7 @@ class FakeMooncake:
             if isinstance(p, (list, tuple)):
                 at = 0
                 for q, m in zip(p, n):
-                    ctypes.memmove(q, data[at:at + m], m)
+                    ctypes.memmove(q, data[at : at + m], m)
                     at += m
             elif len(data) > n:
                 out.append(-600)  # INVALID_PARAMS: the buffer is too small
@@ -300,8 +352,16 @@ def test_mooncake_pages_cross_between_sglang_and_kvfsm(layout: str) -> None:
     keys = page_keys()
     idx = torch.arange(PAGES * T, dtype=torch.int64)
     assert upstream.batch_set_v1(keys, idx) == [True] * PAGES
-    mine = MooncakeStorage("127.0.0.1:1", client=client, model_name=MODEL, tp_rank=1, tp_size=2,
-                           layout=FILE_LAYOUT[layout], page_dims=(2, L, T), op_timeout_s=5.0)
+    mine = MooncakeStorage(
+        "127.0.0.1:1",
+        client=client,
+        model_name=MODEL,
+        tp_rank=1,
+        tp_size=2,
+        layout=FILE_LAYOUT[layout],
+        page_dims=(2, L, T),
+        op_timeout_s=5.0,
+    )
     try:
         assert sorted(client.objects) == sorted(o for k in keys for o in mine.key_of(k))  # the same keys
         assert mine.batch_exists(keys) == PAGES
@@ -314,8 +374,9 @@ def test_mooncake_pages_cross_between_sglang_and_kvfsm(layout: str) -> None:
         # the reverse: kvfsm stores (from its host pool, and from page bytes), upstream loads
         client.objects.clear()
         g = torch.Generator().manual_seed(11)
-        pool.kv_buffer.view(torch.int16).copy_(torch.randint(-2**15, 2**15, pool.kv_buffer.shape, generator=g,
-                                                             dtype=torch.int16))
+        pool.kv_buffer.view(torch.int16).copy_(
+            torch.randint(-(2**15), 2**15, pool.kv_buffer.shape, generator=g, dtype=torch.int16)
+        )
         half = PAGES // 2
         assert mine.batch_set_from_host(keys[:half], pool, pool.slots_of(range(half))) == [True] * half
         rows = pool.get_pages_bytes(pool.slots_of(range(half, PAGES)))

@@ -45,8 +45,12 @@ def check_self_consistent(sc: Scenario, r: harness.RunResult) -> None:
     for spec in sc.requests:
         allocated = spec.prefix + len(r.owned[spec.rid])
         assert ranges[spec.rid] == [(spec.prefix, allocated)], (spec.rid, ranges[spec.rid])
-        assert r.final[spec.rid] == {"req_pool_idx": None, "kv_allocated_len": 0,
-                                     "cache_protected_len": spec.prefix, "lock": False}
+        assert r.final[spec.rid] == {
+            "req_pool_idx": None,
+            "kv_allocated_len": 0,
+            "cache_protected_len": spec.prefix,
+            "lock": False,
+        }
     # Host: every slot taken for a copy is returned, and the pool ends as it started.
     host_alloc = sum(st.host_alloc for st in r.steps)
     assert host_alloc == sum(st.host_freed for st in r.steps)
@@ -85,8 +89,13 @@ def test_scenario_is_self_consistent_on_upstream(sc: Scenario) -> None:
         first = results[0]
         for other in results[1:]:
             for a, b in zip(first.steps, other.steps):
-                assert (a.offloads, a.released, a.host_alloc, a.host_freed, a.keys) == \
-                    (b.offloads, b.released, b.host_alloc, b.host_freed, b.keys)
+                assert (a.offloads, a.released, a.host_alloc, a.host_freed, a.keys) == (
+                    b.offloads,
+                    b.released,
+                    b.host_alloc,
+                    b.host_freed,
+                    b.keys,
+                )
             assert set(first.stored) == set(other.stored)
             assert all(first.stored[k] != other.stored[k] for k in first.stored)
 

@@ -12,6 +12,8 @@ import os
 
 if importlib.util.find_spec("vllm") is None:
     if os.environ.get("KVFSM_REQUIRE_VLLM") == "1":
-        raise RuntimeError("KVFSM_REQUIRE_VLLM=1 but vllm is not importable: run `make vllm-venv` and use "
-                           ".venv-vllm/bin/python (`make test-vllm`)")
+        raise RuntimeError(
+            "KVFSM_REQUIRE_VLLM=1 but vllm is not importable: run `make vllm-venv` and use "
+            ".venv-vllm/bin/python (`make test-vllm`)"
+        )
     collect_ignore_glob = ["test_*.py"]

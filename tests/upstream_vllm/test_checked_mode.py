@@ -29,8 +29,15 @@ def _state(m: KvfsmOffloadingManager) -> Any:
     """Everything a later call could observe: chunks, slots, gauges, the policy's lists and the events."""
     chunks = {k: (c.state, c.writes, c.pins, c.chunk_id) for k, c in m._chunks.items()}
     policy = {k: copy.copy(v) for k, v in vars(m._policy).items() if k != "chunks"}
-    return (chunks, m._num_allocated_chunks, list(m._free_list), m._num_evictable_cache_chunks,
-            m._num_write_pending_chunks, repr(policy), list(m.events or []))
+    return (
+        chunks,
+        m._num_allocated_chunks,
+        list(m._free_list),
+        m._num_evictable_cache_chunks,
+        m._num_write_pending_chunks,
+        repr(policy),
+        list(m.events or []),
+    )
 
 
 def _stored(m: Any, ctx: ReqContext, *keys: bytes) -> None:

@@ -54,7 +54,9 @@ def _both(world: dict[str, Any], method: str, *args: Any, req: str | None = None
 
 def _moves(world: dict[str, Any]) -> list[tuple[str, Any]]:
     moves: list[tuple[str, Any]] = [("reset", None)] if world["jobs"] else []
-    moves += [("complete", (i, ok)) for i, job in enumerate(world["jobs"]) for ok in ((True, False) if job[0] else (True,))]
+    moves += [
+        ("complete", (i, ok)) for i, job in enumerate(world["jobs"]) for ok in ((True, False) if job[0] else (True,))
+    ]
     moves += [(kind, (r, k)) for r in REQUESTS for k in KEYS for kind in ("store", "load")]
     return moves
 
@@ -69,7 +71,7 @@ def _apply(world: dict[str, Any], move: tuple[str, Any]) -> bool:
     if kind == "complete":
         i, ok = arg
         store, r, k = world["jobs"][i]
-        world["jobs"] = world["jobs"][:i] + world["jobs"][i + 1:]
+        world["jobs"] = world["jobs"][:i] + world["jobs"][i + 1 :]
         if store:
             _both(world, "complete_store", [k], req=r, success=ok)
         else:

@@ -33,14 +33,25 @@ def _gauges(m: Any) -> tuple[int, ...]:
 # stores are another's hits), event drains and cache resets less often
 op = st.tuples(
     st.sampled_from(["step"] * 8 + ["complete"] * 6 + ["request"] * 4 + ["events"] + ["reset"]),
-    st.integers(0, 1), st.integers(1, 6), st.integers(1, 2),
-    st.integers(1, 3), st.lists(st.integers(0, 7), max_size=1),
-    st.integers(0, 50), st.sampled_from([True, True, True, False]), st.sampled_from([False, False, False, True]),
+    st.integers(0, 1),
+    st.integers(1, 6),
+    st.integers(1, 2),
+    st.integers(1, 3),
+    st.lists(st.integers(0, 7), max_size=1),
+    st.integers(0, 50),
+    st.sampled_from([True, True, True, False]),
+    st.sampled_from([False, False, False, True]),
 )
 
 
-CASES = dict(policy=st.sampled_from(["lru", "arc"]), events=st.booleans(), threshold=st.sampled_from([1, 2]),
-             num_chunks=st.integers(1, 8), checked=st.booleans(), ops=st.lists(op, min_size=10, max_size=80))
+CASES = dict(
+    policy=st.sampled_from(["lru", "arc"]),
+    events=st.booleans(),
+    threshold=st.sampled_from([1, 2]),
+    num_chunks=st.integers(1, 8),
+    checked=st.booleans(),
+    ops=st.lists(op, min_size=10, max_size=80),
+)
 
 
 def same_answers(policy: str, events: bool, threshold: int, num_chunks: int, checked: bool, ops: list) -> None:
@@ -73,7 +84,8 @@ def same_answers(policy: str, events: bool, threshold: int, num_chunks: int, che
 # 120 sequences in CI; the deep fuzz profile (KVFSM_FUZZ=deep, tests/conftest.py) runs its own count
 EXAMPLES = 120 if os.environ.get("KVFSM_FUZZ", "ci") == "ci" else settings.default.max_examples
 test_kvfsm_answers_every_scheduler_call_as_vllm_does = settings(max_examples=EXAMPLES, deadline=None)(
-    given(**CASES)(same_answers))
+    given(**CASES)(same_answers)
+)
 
 
 def test_the_random_sequences_fire_every_chunk_transition() -> None:

@@ -28,14 +28,27 @@ SELECT = {"spec_name": "KvfsmOffloadingSpec", "spec_module_path": "kvfsm.integra
 def config(extra: dict[str, Any]) -> OffloadingConfig:
     """A one-group, one-rank offloading config (as vLLM's own kv_offload tests build it)."""
     return OffloadingConfig(
-        groups=(OffloadingGroupConfig(16, ("layer",), 0),), worker_kv_bytes_per_block=8,
-        enable_kv_cache_events=True, extra_config={"cpu_bytes_to_use": 65536, **extra}, engine_id="test-engine",
+        groups=(OffloadingGroupConfig(16, ("layer",), 0),),
+        worker_kv_bytes_per_block=8,
+        enable_kv_cache_events=True,
+        extra_config={"cpu_bytes_to_use": 65536, **extra},
+        engine_id="test-engine",
         model=OffloadingModelConfig(name="test-model", dtype="float16", max_model_len=4096),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
-                                          data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
-                                          is_parallelism_agnostic=False),
-        replicated_layout=False)
+        parallel=OffloadingParallelConfig(
+            rank=0,
+            world_size=1,
+            tp_size=1,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=False,
+        ),
+        replicated_layout=False,
+    )
 
 
 @pytest.mark.parametrize("policy, policy_cls", [("lru", LRUCachePolicy), ("arc", ARCCachePolicy)])

@@ -40,7 +40,8 @@ def _done_chunk(w: World, which: int) -> Any:
 
 def _corrupt_host_copy(which: int) -> Callable[[World], Any]:
     return lambda w: w.engine.host_pool.token_view().__setitem__(
-        (slice(None), slice(None), int(_done_chunk(w, which).host_indices[-1])), -1.0)
+        (slice(None), slice(None), int(_done_chunk(w, which).host_indices[-1])), -1.0
+    )
 
 
 def _live_slot(w: World, i: int = 1) -> int:
@@ -57,7 +58,7 @@ def _share_page(w: World) -> None:
 
 def _share_host_slot(w: World) -> None:
     a, b = list(w.engine.manager.fx.copy_fifo)
-    b._host[b.lo:b.hi] = a._host[a.lo:a.hi]
+    b._host[b.lo : b.hi] = a._host[a.lo : a.hi]
 
 
 def _corrupt_stored(w: World) -> None:
@@ -84,8 +85,10 @@ SEEDED: dict[str, tuple[list, Callable[[World], Any]]] = {
     "device_accounting": (GROWN, lambda w: w.engine.allocator.alloc_pages(1)),
     "row_accounting": (GROWN + [("finish", 1), ("progress",)], lambda w: w.engine.req_to_token.alloc()),
     "protected_accounting": (GROWN, lambda w: setattr(w.engine.protected, "size", w.engine.protected.size + 2)),
-    "device_kv_content": (GROWN, lambda w: w.engine.device_pool.token_view().__setitem__(
-        (slice(None), slice(None), _live_slot(w)), -1.0)),
+    "device_kv_content": (
+        GROWN,
+        lambda w: w.engine.device_pool.token_view().__setitem__((slice(None), slice(None), _live_slot(w)), -1.0),
+    ),
     "no_shared_host_slot": (TWO_COPIES, _share_host_slot),
     "host_accounting": (TWO_COPIES, lambda w: w.engine.host_pool.alloc_pages(1)),
     # two landed copies, each corrupted in turn: a check that looks at fewer chunks misses one of them
@@ -123,6 +126,11 @@ def test_every_named_check_of_check_world_is_seeded() -> None:
 
     named = set(re.findall(r'_check\([^"]*?"([a-z_0-9]+)"', inspect.getsource(checks.check_world)))
     named |= set(re.findall(r'_check\([^"]*?"([a-z_0-9]+)"', inspect.getsource(checks._Snap)))
-    redundant = {"teardown_device_full", "teardown_host_full", "teardown_rows_free", "teardown_protected_zero",
-                 "live_request_live_machine"}
+    redundant = {
+        "teardown_device_full",
+        "teardown_host_full",
+        "teardown_rows_free",
+        "teardown_protected_zero",
+        "live_request_live_machine",
+    }
     assert named - redundant - {n.split(" ")[0] for n in SEEDED} == set()

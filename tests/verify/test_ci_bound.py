@@ -46,8 +46,7 @@ CALIBRATION_LOOPS = 190  # 1.5x the measured ratio
 CPU_CEILING_S = 400  # whatever the machine: the bound must leave CI well inside its 90 minutes
 
 
-def test_ci_bound_reaches_every_transition_and_the_page_says_so(tmp_path: Path,
-                                                                capsys: pytest.CaptureFixture) -> None:
+def test_ci_bound_reaches_every_transition_and_the_page_says_so(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     unit = calibration_cpu()  # tests/timing.py: a fixed loop of dict and tuple work, fastest of three
     rc, out, page, cpu = _regenerate("ci", tmp_path, capsys)
     unit = min(unit, calibration_cpu())
@@ -60,8 +59,10 @@ def test_ci_bound_reaches_every_transition_and_the_page_says_so(tmp_path: Path,
     assert events <= EVENT_BUDGET, f"the CI bound runs {events} events, over its budget of {EVENT_BUDGET}"
     loops = cpu / unit
     print(f"CI bound: {events} events, {cpu:.1f} s of CPU = {loops:.0f} calibration loops of {unit:.2f} s")
-    assert loops < CALIBRATION_LOOPS, (f"the CI bound took {cpu:.0f} s of CPU, {loops:.0f} times the calibration "
-                                       f"loop ({unit:.2f} s here): over its budget of {CALIBRATION_LOOPS}")
+    assert loops < CALIBRATION_LOOPS, (
+        f"the CI bound took {cpu:.0f} s of CPU, {loops:.0f} times the calibration "
+        f"loop ({unit:.2f} s here): over its budget of {CALIBRATION_LOOPS}"
+    )
     assert cpu < CPU_CEILING_S, f"the CI bound took {cpu:.0f} s of CPU: too slow a machine for CI's 90 minutes"
 
 
@@ -82,8 +83,9 @@ def test_page_default_section_is_the_default_bound() -> None:
 
 
 @pytest.mark.skipif(not DEEP, reason="explores the default bound (minutes): KVFSM_FUZZ=deep")
-def test_default_bound_reaches_every_transition_and_the_page_says_so(tmp_path: Path,
-                                                                     capsys: pytest.CaptureFixture) -> None:
+def test_default_bound_reaches_every_transition_and_the_page_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     rc, out, page, _ = _regenerate("default", tmp_path, capsys)
     assert rc == 0, out
     assert page == PAGE.read_text(), STALE.format(f"{DEFAULT.command} --report docs/explorer-coverage.md")

@@ -24,9 +24,20 @@ def cli(*args: str):
     return CliRunner().invoke(app, list(args))
 
 
-@pytest.mark.parametrize("args", [["--requests", "0"], ["--page-size", "0"], ["--slots", "0"], ["--host-slots", "0"],
-                                  ["--backup-queue", "0"], ["--decodes", "-1"], ["--stride", "3"],
-                                  ["--slots", "3"], ["--max-depth", "0"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--requests", "0"],
+        ["--page-size", "0"],
+        ["--slots", "0"],
+        ["--host-slots", "0"],
+        ["--backup-queue", "0"],
+        ["--decodes", "-1"],
+        ["--stride", "3"],
+        ["--slots", "3"],
+        ["--max-depth", "0"],
+    ],
+)
 def test_meaningless_bounds_are_usage_errors_not_violations(args: list[str]) -> None:
     res = cli("check", "--requests", "1", *args) if "--requests" not in args else cli("check", *args)
     assert res.exit_code == 2, res.output
@@ -49,8 +60,15 @@ def test_check_names_unreached_transitions_and_require_all_fails() -> None:
     assert strict.exit_code == UNREACHED, strict.output
 
 
-@pytest.mark.parametrize("args", [["--ci", "--bound", "default"], ["--bound", "ci", "--requests", "1"],
-                                  ["--requests", "1", "--report", "page.md"], ["--bound", "nightly"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--ci", "--bound", "default"],
+        ["--bound", "ci", "--requests", "1"],
+        ["--requests", "1", "--report", "page.md"],
+        ["--bound", "nightly"],
+    ],
+)
 def test_named_bounds_and_bound_options_do_not_mix(args: list[str]) -> None:
     res = cli("check", *args)
     assert res.exit_code == 2, res.output
@@ -112,4 +130,5 @@ def test_version_prints_version_and_spec_hashes() -> None:
     assert res.output.startswith(f"kvfsm {kvfsm.__version__};") and machine.SPEC_SHA256[:16] in res.output
     import kvfsm.generated.cb_swap as cb
     import kvfsm.generated.offload_chunk as oc
+
     assert cb.SPEC_SHA256[:16] in res.output and oc.SPEC_SHA256[:16] in res.output

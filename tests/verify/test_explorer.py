@@ -60,8 +60,9 @@ DEEP = os.environ.get("KVFSM_FUZZ", "ci") == "deep"
 
 
 # --- the search itself -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("cfg", [ExplorerConfig(requests=1, readmits=1), ExplorerConfig(requests=2)],
-                         ids=["1req-readmit", "2req"])
+@pytest.mark.parametrize(
+    "cfg", [ExplorerConfig(requests=1, readmits=1), ExplorerConfig(requests=2)], ids=["1req-readmit", "2req"]
+)
 def test_copy_and_replay_reach_the_same_states(cfg: ExplorerConfig) -> None:
     by_copy = explore(cfg, keep_keys=True)
     assert by_copy.violation is None and by_copy.complete and by_copy.snapshots > 0
@@ -87,8 +88,17 @@ def test_clone_is_independent() -> None:
     before = canonical_key(w)
     c = clone(w)
     assert canonical_key(c) == before
-    for ev in [("decode", 1), ("offload", 1), ("backup", 0), ("progress",), ("finish", 0), ("copy", 0),
-               ("progress",), ("abort", 1), ("progress",)]:
+    for ev in [
+        ("decode", 1),
+        ("offload", 1),
+        ("backup", 0),
+        ("progress",),
+        ("finish", 0),
+        ("copy", 0),
+        ("progress",),
+        ("abort", 1),
+        ("progress",),
+    ]:
         apply(c, ev)
         check_world(c)
     assert canonical_key(w) == before  # the original did not move
@@ -108,6 +118,7 @@ def test_clone_is_independent() -> None:
 def test_step_by_step_equals_replay() -> None:
     """A random walk through clones ends in the state that replaying its events from scratch reaches."""
     import random
+
     cfg = ExplorerConfig(requests=3, decodes=3, readmits=1, host_slots=4)
     rng = random.Random(7)
     w, events = World(cfg), []
@@ -120,10 +131,14 @@ def test_step_by_step_equals_replay() -> None:
     assert canonical_key(replay_events(cfg, events)) == canonical_key(w)
 
 
-@pytest.mark.parametrize("cfg", [  # (the coverage test explores three more bounds completely)
-    ExplorerConfig(requests=1, decodes=2, speculative=1, host_slots=2),
-    ExplorerConfig(requests=2, host_slots=2, backup_queue=2),
-], ids=["1req-speculative", "2req-host2-queue2"])
+@pytest.mark.parametrize(
+    "cfg",
+    [  # (the coverage test explores three more bounds completely)
+        ExplorerConfig(requests=1, decodes=2, speculative=1, host_slots=2),
+        ExplorerConfig(requests=2, host_slots=2, backup_queue=2),
+    ],
+    ids=["1req-speculative", "2req-host2-queue2"],
+)
 def test_small_bounds_are_clean(cfg: ExplorerConfig) -> None:
     res = explore(cfg)
     assert res.violation is None, res.violation
@@ -138,12 +153,17 @@ def test_default_bound_3_requests_16_slots(fenced: bool) -> None:
     assert (cfg.requests, cfg.slots) == (3, 16)
     # In a process of its own: the peak RSS it reports is the whole process's, and this session's earlier
     # tests would count against the explorer's memory.
-    code = ("import json; from kvfsm.verify.explorer import ExplorerConfig, explore; "
-            f"r = explore(ExplorerConfig(fenced={fenced}), max_depth={None if DEEP else 9}); "
-            "print(json.dumps({'violation': repr(r.violation) if r.violation else None, "
-            "'complete': r.complete, 'peak_rss_mib': r.peak_rss_mib}))")
-    proc = run_watched([sys.executable, "-c", code], f"the default bound's exploration (fenced={fenced})",
-                       cwd=Path(__file__).resolve().parents[2])
+    code = (
+        "import json; from kvfsm.verify.explorer import ExplorerConfig, explore; "
+        f"r = explore(ExplorerConfig(fenced={fenced}), max_depth={None if DEEP else 9}); "
+        "print(json.dumps({'violation': repr(r.violation) if r.violation else None, "
+        "'complete': r.complete, 'peak_rss_mib': r.peak_rss_mib}))"
+    )
+    proc = run_watched(
+        [sys.executable, "-c", code],
+        f"the default bound's exploration (fenced={fenced})",
+        cwd=Path(__file__).resolve().parents[2],
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert res["violation"] is None, res["violation"]
@@ -159,8 +179,9 @@ def test_the_peak_memory_reported_is_the_process_own_not_its_parents() -> None:
     code = "from kvfsm.verify.explorer.search import peak_rss_mib; print(peak_rss_mib())"
 
     def child_peak() -> float:
-        proc = run_watched([sys.executable, "-c", code], "a child's peak_rss_mib()",
-                           cwd=Path(__file__).resolve().parents[2])
+        proc = run_watched(
+            [sys.executable, "-c", code], "a child's peak_rss_mib()", cwd=Path(__file__).resolve().parents[2]
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
         return float(proc.stdout.strip().splitlines()[-1])
 
@@ -178,8 +199,9 @@ def test_check_command(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert not (tmp_path / "test_cx.py").exists()
 
 
-def test_check_command_writes_the_counterexample(tmp_path: Path, capsys: pytest.CaptureFixture,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_check_command_writes_the_counterexample(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     b2(monkeypatch)
     out = tmp_path / "test_b2_counterexample.py"
     assert check(requests=2, quiet=True, out_test=out) == 1
@@ -209,11 +231,20 @@ MUTANTS = {
     "B15": (b15, None, ONE, 4, {"host_kv_content"}),
     "B16": (b16, None, ONE, 2, {"CheckedModeError"}),
     "B17": (b17, None, ExplorerConfig(requests=1, fenced=True), 5, {"CheckedModeError"}),
-    "B17-carried": (b17_carried, None, ExplorerConfig(requests=2, decodes=2, host_slots=4, fenced=True, stream_ordered=True),
-                    9, {"CheckedModeError"}),
-    "B20-in-flight": (b20_in_flight, None, ExplorerConfig(requests=2, fenced=True, stream_ordered=True,
-                                                          end_kinds=("finish", "engine_release")),
-                      10, {"host_kv_content"}),
+    "B17-carried": (
+        b17_carried,
+        None,
+        ExplorerConfig(requests=2, decodes=2, host_slots=4, fenced=True, stream_ordered=True),
+        9,
+        {"CheckedModeError"},
+    ),
+    "B20-in-flight": (
+        b20_in_flight,
+        None,
+        ExplorerConfig(requests=2, fenced=True, stream_ordered=True, end_kinds=("finish", "engine_release")),
+        10,
+        {"host_kv_content"},
+    ),
 }
 FOUND: dict[str, tuple[int, str, int]] = {}
 
@@ -265,7 +296,6 @@ def test_mutant_report() -> None:
         print(f"{mid:11s} shortest trace {n} events  {name:32s} ({states} states explored)")
 
 
-
 def test_copy_failure_or_divergence_falls_back_to_replay(monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = ExplorerConfig(requests=1, readmits=1)
     plain = explore(cfg, keep_keys=True)
@@ -279,6 +309,7 @@ def test_copy_failure_or_divergence_falls_back_to_replay(monkeypatch: pytest.Mon
     assert res.keys == plain.keys
 
     import kvfsm.verify.explorer.expand as expand  # the module whose Snapshot and clone the search branches with
+
     monkeypatch.setattr(expand.Snapshot, "thaw", lambda self: World(cfg))  # a "copy" that forgets everything
     monkeypatch.setattr(expand, "clone", lambda w: World(w.config))
     for mode in ("copy", "clone"):
@@ -296,7 +327,7 @@ def test_offload_batch_event_catches_a_batch_only_bug(monkeypatch: pytest.Monkey
         device, host = right(self, due, host_pages)
         if len(due) > 1:
             device = (device.slots if isinstance(device, PageSlots) else device).clone()
-            device[due[0][2]:] += 2  # the second chunk reads slots two past its own
+            device[due[0][2] :] += 2  # the second chunk reads slots two past its own
         return device, host
 
     monkeypatch.setattr(DecodeOffloadManager, "_copy_slots", wrong)

@@ -16,16 +16,26 @@ from kvfsm.verify.explorer import ExplorerConfig, explore
 # Two symmetric requests contending for the host pool, and one request re-admitted against it (the CI bound's
 # `readmit-host-full`, 321 states). A two-request re-admission bound (1,004 states) cost 21 s of the suite's CPU on
 # the 2-core CI machine, searched once alone and once by workers; the reduction soundness tests search it.
-@pytest.mark.parametrize("cfg", [ExplorerConfig(requests=2, host_slots=2, decodes=2),
-                                 ExplorerConfig(requests=1, decodes=3, host_slots=2, readmits=1)],
-                         ids=["2req-host2", "1req-readmit-host-full"])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        ExplorerConfig(requests=2, host_slots=2, decodes=2),
+        ExplorerConfig(requests=1, decodes=3, host_slots=2, readmits=1),
+    ],
+    ids=["2req-host2", "1req-readmit-host-full"],
+)
 def test_jobs_reach_what_one_process_reaches(cfg: ExplorerConfig) -> None:
     one = explore(cfg, keep_keys=True)
     two = explore(cfg, keep_keys=True, jobs=2)
     assert one.complete and two.complete and two.jobs == 2
     assert two.keys == one.keys  # every state, each at its depth
-    assert (two.states, two.edges, two.pruned, two.reexpanded, two.depth) == \
-        (one.states, one.edges, one.pruned, one.reexpanded, one.depth)
+    assert (two.states, two.edges, two.pruned, two.reexpanded, two.depth) == (
+        one.states,
+        one.edges,
+        one.pruned,
+        one.reexpanded,
+        one.depth,
+    )
     assert two.coverage == one.coverage
 
 

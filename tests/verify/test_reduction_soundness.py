@@ -48,7 +48,9 @@ def _find(w: World, sid: tuple):
     return next((ev for ev in enabled(w) if stable_id(w, ev) == sid), None)
 
 
-@pytest.mark.parametrize("cfg", DIAMOND_BOUNDS, ids=["readmit", "3req-readmit", "speculative", "3req-queue2", "fenced-engine-release"])
+@pytest.mark.parametrize(
+    "cfg", DIAMOND_BOUNDS, ids=["readmit", "3req-readmit", "speculative", "3req-queue2", "fenced-engine-release"]
+)
 def test_events_called_independent_commute(cfg: ExplorerConfig) -> None:
     """Random walks; in every state passed, each independent pair is run both ways from a copy."""
     rng = random.Random(19)
@@ -125,16 +127,25 @@ def test_key_tells_apart_worlds_whose_readmission_differs() -> None:
 
 
 # --- the same states at the same depths ------------------------------------------------------------------
-SMALL = [ExplorerConfig(requests=2), ExplorerConfig(requests=2, decodes=2, host_slots=2),
-         ExplorerConfig(requests=2, host_slots=2, readmits=1, readmitters=1),
-         ExplorerConfig(requests=2, decodes=2, slots=8, fenced=True)]
-BIG = [ExplorerConfig(requests=2, decodes=3, host_slots=2), ExplorerConfig(requests=3, host_slots=4),
-       ExplorerConfig(requests=2, decodes=2, host_slots=2, readmits=1), ExplorerConfig()]
+SMALL = [
+    ExplorerConfig(requests=2),
+    ExplorerConfig(requests=2, decodes=2, host_slots=2),
+    ExplorerConfig(requests=2, host_slots=2, readmits=1, readmitters=1),
+    ExplorerConfig(requests=2, decodes=2, slots=8, fenced=True),
+]
+BIG = [
+    ExplorerConfig(requests=2, decodes=3, host_slots=2),
+    ExplorerConfig(requests=3, host_slots=4),
+    ExplorerConfig(requests=2, decodes=2, host_slots=2, readmits=1),
+    ExplorerConfig(),
+]
 
 
 @pytest.mark.parametrize("cfg", SMALL + (BIG if DEEP else []), ids=lambda c: c.describe()[:60])
 def test_reductions_reach_the_same_states_at_the_same_depths(cfg: ExplorerConfig) -> None:
-    sym = explore(cfg, keep_keys=True, por=False, orbits=False)  # symmetry only: the search without orbits or partial-order reduction
+    sym = explore(
+        cfg, keep_keys=True, por=False, orbits=False
+    )  # symmetry only: the search without orbits or partial-order reduction
     assert sym.complete and sym.violation is None
     alone = [dict(por=True, orbits=False), dict(por=False, orbits=True)] if DEEP else []
     for kw in alone + [REDUCED]:
@@ -152,8 +163,11 @@ def test_reductions_reach_the_same_states_at_the_same_depths(cfg: ExplorerConfig
 
 
 # --- every catalog fault is still found ------------------------------------------------------------------
-FAULTS = {name: f for name, f in inspect.getmembers(catalog_faults, inspect.isfunction)
-          if name[0] == "b" and name[1].isdigit() and f.__module__ == catalog_faults.__name__}
+FAULTS = {
+    name: f
+    for name, f in inspect.getmembers(catalog_faults, inspect.isfunction)
+    if name[0] == "b" and name[1].isdigit() and f.__module__ == catalog_faults.__name__
+}
 TWO = ExplorerConfig(requests=2)
 BOUND_OF = {  # faults that need more than two plain requests to show
     "b5": ExplorerConfig(requests=2, readmits=1),  # an over-allocation: the re-admission's
@@ -165,7 +179,9 @@ BOUND_OF = {  # faults that need more than two plain requests to show
     # a reused slot freed again under the old copy: fences, a wait that lands nothing, two requests' copies
     "b17_carried": ExplorerConfig(requests=2, decodes=2, host_slots=4, fenced=True, stream_ordered=True),
     # the engine's own release after fence_copies_in_flight, then a writer of its slots (a wait lands nothing)
-    "b20_in_flight": ExplorerConfig(requests=2, fenced=True, stream_ordered=True, end_kinds=("finish", "engine_release")),
+    "b20_in_flight": ExplorerConfig(
+        requests=2, fenced=True, stream_ordered=True, end_kinds=("finish", "engine_release")
+    ),
 }
 # faults the explorer cannot see, each caught by a component test instead (tests/stateful/test_mutants.py's
 # COMPONENT_MUTANTS)

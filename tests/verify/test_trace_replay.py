@@ -19,15 +19,26 @@ Z = {"copies": 0, "parked": 0, "backups": 0}
 RELEASE = ["device_slots", "table_row", "prefix_lock"]
 
 
-def _line(req: str, event: str, src: str, dst: str, tid: int, counters: dict[str, int], acquired=(),
-          released=()) -> dict:
-    return {"t": 0.0, "req": req, "event": event, "from": src, "to": dst, "transition": tid, "counters": counters,
-            "acquired": list(acquired), "released": list(released)}
+def _line(
+    req: str, event: str, src: str, dst: str, tid: int, counters: dict[str, int], acquired=(), released=()
+) -> dict:
+    return {
+        "t": 0.0,
+        "req": req,
+        "event": event,
+        "from": src,
+        "to": dst,
+        "transition": tid,
+        "counters": counters,
+        "acquired": list(acquired),
+        "released": list(released),
+    }
 
 
 def _tid(src: str, event: str, guard: Any = "any") -> int:
-    return next(t.id for t in SPEC.transitions
-                if t.src == src and t.event == event and (guard == "any" or t.guard == guard))
+    return next(
+        t.id for t in SPEC.transitions if t.src == src and t.event == event and (guard == "any" or t.guard == guard)
+    )
 
 
 def _write(path: Path, lines: list[dict], sha: str = SPEC.sha256) -> Path:
@@ -44,15 +55,27 @@ def _good() -> list[dict]:
         _line("b#2", "finish", "allocated", "released", _tid("allocated", "finish"), Z, released=RELEASE),
         _line("a#1", "copy_done", "offloading", "inflight", _tid("offloading", "copy_done", "last_copy"), b1),
         _line("b#2", "finish", "released", "released", -1, Z),
-        _line("a#1", "backup_done", "inflight", "allocated", _tid("inflight", "backup_done", "last_host_chunk"), Z,
-              released=["host_slots"]),
+        _line(
+            "a#1",
+            "backup_done",
+            "inflight",
+            "allocated",
+            _tid("inflight", "backup_done", "last_host_chunk"),
+            Z,
+            released=["host_slots"],
+        ),
         _line("a#1", "finish", "allocated", "released", _tid("allocated", "finish"), Z, released=RELEASE),
     ]
 
 
-@pytest.mark.parametrize("cfg", [ExplorerConfig(requests=3, decodes=3, readmits=1, host_slots=4),
-                                 ExplorerConfig(requests=2, decodes=3, readmits=1, host_slots=2, backup_queue=2)],
-                         ids=["3req", "2req-host2"])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        ExplorerConfig(requests=3, decodes=3, readmits=1, host_slots=4),
+        ExplorerConfig(requests=2, decodes=3, readmits=1, host_slots=2, backup_queue=2),
+    ],
+    ids=["3req", "2req-host2"],
+)
 def test_real_sim_engine_trace_replays_clean(cfg: ExplorerConfig, tmp_path: Path) -> None:
     """Random runs of the real manager over SimEngine (every invariant checked) write clean traces."""
     rng = random.Random(3)
@@ -152,10 +175,17 @@ def test_guard_that_does_not_hold(tmp_path: Path) -> None:
     lines = _good()
     # two copies in flight, then an ack logged as the last copy (guard last_copy: copies == 1)
     c2 = {"copies": 2, "parked": 0, "backups": 0}
-    lines.insert(1, _line("a#1", "offload", "offloading", "offloading", _tid("offloading", "offload"), c2,
-                          ["host_slots"]))
-    lines[3] = _line("a#1", "copy_done", "offloading", "inflight", _tid("offloading", "copy_done", "last_copy"),
-                     {"copies": 1, "parked": 0, "backups": 1})
+    lines.insert(
+        1, _line("a#1", "offload", "offloading", "offloading", _tid("offloading", "offload"), c2, ["host_slots"])
+    )
+    lines[3] = _line(
+        "a#1",
+        "copy_done",
+        "offloading",
+        "inflight",
+        _tid("offloading", "copy_done", "last_copy"),
+        {"copies": 1, "parked": 0, "backups": 1},
+    )
     _flag(tmp_path, lines, 5, "guard 'last_copy' does not hold")
 
 
@@ -180,4 +210,3 @@ def test_missing_header_and_garbage(tmp_path: Path) -> None:
     res = check_trace(path)
     assert res.error is not None and res.error.line == len(lines) + 2
     assert replay(tmp_path / "missing.jsonl") == 2
-

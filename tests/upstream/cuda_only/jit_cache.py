@@ -51,11 +51,22 @@ def _load_module(name: str, path: Path) -> Any:
 def cached(load: Callable[..., Any]) -> Callable[..., Any]:
     """`load` (SGLang's `load_extension_with_recovery`) behind the machine-wide cache of built modules."""
 
-    def load_cached(name: str, sources: Sequence[str], extra_cflags: Sequence[str] | None = None,
-                    extra_cuda_cflags: Sequence[str] | None = None, extra_ldflags: Sequence[str] | None = None,
-                    with_cuda: bool | None = None, verbose: bool = False) -> Any:
-        kwargs = dict(extra_cflags=extra_cflags, extra_cuda_cflags=extra_cuda_cflags, extra_ldflags=extra_ldflags,
-                      with_cuda=with_cuda, verbose=verbose)
+    def load_cached(
+        name: str,
+        sources: Sequence[str],
+        extra_cflags: Sequence[str] | None = None,
+        extra_cuda_cflags: Sequence[str] | None = None,
+        extra_ldflags: Sequence[str] | None = None,
+        with_cuda: bool | None = None,
+        verbose: bool = False,
+    ) -> Any:
+        kwargs = dict(
+            extra_cflags=extra_cflags,
+            extra_cuda_cflags=extra_cuda_cflags,
+            extra_ldflags=extra_ldflags,
+            with_cuda=with_cuda,
+            verbose=verbose,
+        )
         flags = [extra_cflags, extra_cuda_cflags, extra_ldflags, with_cuda]
         entry = cache_root() / build_key(name, sources, flags) / f"{name}.so"
         if entry.is_file():
