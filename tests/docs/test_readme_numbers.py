@@ -154,7 +154,7 @@ def test_the_loop_settings_are_the_recorded_runs() -> None:
 def test_the_store_writers_are_the_scripts_and_the_librarys() -> None:
     m = CLAIMS.match(r"\((\d+) writer threads, `--store-writers`; the library default is (\d+)")
     source = (ROOT / "bench" / "serving_loop.py").read_text()
-    script_default = int(re.search(r'"--store-writers", type=int, default=(\d+)', source).group(1))
+    script_default = int(re.search(r'"--store-writers",\s*type=int,\s*default=(\d+)', source).group(1))
     assert int(m.group(1)) == SETTINGS.get("store_writers", script_default)  # the recorded run predates the key
     from kvfsm.dataplane.storage import FileStorage
 
