@@ -75,6 +75,9 @@ for s in $STEPS; do
             --iterations 100 --warmup 40 --out "$W/serving_loop_lock_contender-$TAG.json" ;;
     process_tests) step process_storage_tests 90 python3 -m pytest -q -p no:cacheprovider -p no:anyio -o addopts= \
         tests/dataplane/test_process_storage.py tests/dataplane/test_host_pool.py ;;
+    adapter4096_ungrouped) # the same with no free group open around the calls: what SGLang's group changes
+        step sglang_adapter_4096_ungrouped 200 python3 bench/sglang_adapter_gpu.py --live 4096 --no-free-group \
+        --out "$W/sglang_adapter_gpu-4096-ungrouped-$TAG.json" ;;
     gpu_tests_sglang) # the SGLang adapter's GPU tests and the sync-debug tests alone
         step gpu_tests_sglang 150 python3 -m pytest -q -p no:cacheprovider -p no:randomly -p no:anyio -o addopts= \
         --tb=short -m gpu tests/upstream/test_adapter_gpu.py tests/upstream/test_adapter_devices_gpu.py tests/gpu ;;

@@ -211,6 +211,7 @@ class Loop:
     def __init__(self, mode: str, live: int, page: int, stride: int, args: argparse.Namespace, store: str) -> None:
         self.mode, self.live_target, self.page = mode, live, page
         self.order = getattr(args, "order", "sglang")  # ORDERS
+        self.grouped = not getattr(args, "no_free_group", False)  # the calls inside the allocator's free group
         self.rng = random.Random(args.seed)
         dev = args.device
         self.cuda = dev == "cuda"
@@ -363,6 +364,9 @@ class Loop:
         finish calls: a free made inside it goes back to the allocator at its end, all of them in one
         concatenation. Opening and closing it is SGLang's own work, the same in every mode, so it stays
         outside the timed calls."""
+        if not self.grouped:  # --no-free-group: every free goes back at once
+            yield
+            return
         self.allocator.free_group_begin()
         try:
             yield
@@ -653,6 +657,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         default=1,
         help="runs of each configuration's modes, in alternating order (adapter, batch, bare, then the "
         "reverse): runs on one host differ by about 30%%, and the targets then read the runs' medians",
+    )
+    ap.add_argument(
+        "--no-free-group",
+        action="store_true",
+        help="make the offload and finish calls with no free group open, every free going back at once (SGLang "
+        "opens one around them: the default)",
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="16 live, 64/64, 30 iterations: checks the script")

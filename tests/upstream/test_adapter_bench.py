@@ -66,6 +66,36 @@ def test_the_adapter_bench_runs_every_door_in_each_order(
     assert grouped and all(grouped)  # every iteration's offload and finish calls inside the free group
 
 
+def test_the_bench_can_call_the_doors_outside_a_free_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    offload, grouped = bench.Loop.offload, []
+
+    def offload_seen(self: bench.Loop, *args: object) -> int:
+        grouped.append(self.allocator.free_group is not None)
+        return offload(self, *args)
+
+    monkeypatch.setattr(bench.Loop, "offload", offload_seen)
+    out = tmp_path / "adapter.json"
+    assert (
+        bench.main(
+            [
+                "--quick",
+                "--device",
+                "cpu",
+                "--modes",
+                "adapter",
+                "--no-free-group",
+                "--store-root",
+                str(tmp_path),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    assert grouped and not any(grouped)
+    assert json.loads(out.read_text())["settings"]["no_free_group"] is True
+
+
 def _row(mode: str, median: float, mean: float, p99: float, peak: float) -> dict:
     return {
         "mode": mode,
