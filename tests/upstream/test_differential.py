@@ -196,8 +196,8 @@ def test_adapter_reading_slots_on_the_device_matches_upstream(sc: Scenario) -> N
 
 
 # Frees that take effect at once (no free group open, as outside SGLang's result processing): a sample with
-# releases on both of kvfsm's free paths (page ids, and page size 1's slots), a prefix, an abort, a full host pool
-# and TP
+# releases on both of kvfsm's free paths (page ids on the device table at page sizes above 1; slots on the host
+# mirror and at page size 1), prefixes, an abort, a full host pool, speculative over-allocation and TP
 AT_ONCE = (
     "plain-p4-s8",
     "plain-p1-s3",
