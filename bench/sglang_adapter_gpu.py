@@ -47,7 +47,7 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any, Optional
 
@@ -358,20 +358,11 @@ class Loop:
         self.check()
         return time.perf_counter() - t1, took_offload, chunks
 
-    @contextmanager
-    def free_group(self) -> Iterator[None]:
-        """The allocator's free group, which SGLang's `process_batch_result_decode` opens around the offload and
-        finish calls: a free made inside it goes back to the allocator at its end, all of them in one
-        concatenation. Opening and closing it is SGLang's own work, the same in every mode, so it stays
-        outside the timed calls."""
-        if not self.grouped:  # --no-free-group: every free goes back at once
-            yield
-            return
-        self.allocator.free_group_begin()
-        try:
-            yield
-        finally:
-            self.allocator.free_group_end()
+    def free_group(self) -> AbstractContextManager[None]:
+        """The allocator's free group around the offload and finish calls, as SGLang opens it (`harness.free_group`;
+        none with --no-free-group). Opening and closing it is SGLang's own work, the same in every mode, so it
+        stays outside the timed calls."""
+        return harness.free_group(self.allocator, self.grouped)
 
     def run(self, warmup: int, iterations: int) -> dict[str, Any]:
         while len(self.live) < self.live_target and self.admit():

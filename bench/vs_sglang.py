@@ -78,16 +78,15 @@ def _run(sc: Scenario, cls: type) -> dict[str, Any]:
                 if t == spec.start + spec.decode:
                     run.finish(spec)
             spent = 0.0
-            run.allocator.free_group_begin()  # as SGLang's process_batch_result_decode makes these calls
-            for spec in live:
-                req = run.reqs[spec.rid]
-                t0 = time.perf_counter()
-                ok = run.mgr.offload_kv_cache(req)
-                if not ok and req.finished():
-                    run.mgr.finalize_release_on_finish(req)
-                spent += time.perf_counter() - t0
-                offloads += bool(ok)
-            run.allocator.free_group_end()
+            with harness.free_group(run.allocator):  # as SGLang's process_batch_result_decode makes these calls
+                for spec in live:
+                    req = run.reqs[spec.rid]
+                    t0 = time.perf_counter()
+                    ok = run.mgr.offload_kv_cache(req)
+                    if not ok and req.finished():
+                        run.mgr.finalize_release_on_finish(req)
+                    spent += time.perf_counter() - t0
+                    offloads += bool(ok)
             if live:
                 offload_us.append(spent * 1e6)
         run.settle()

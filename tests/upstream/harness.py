@@ -97,6 +97,21 @@ def manager_call() -> Iterator[None]:
 
 
 @contextmanager
+def free_group(allocator: Any, on: bool = True) -> Iterator[None]:
+    """The allocator's free group, which SGLang's `process_batch_result_decode` opens around a decode step's offload
+    and finish calls: a free made inside it goes back to the allocator at its end. `on=False`: no group, every
+    free goes back at once."""
+    if not on:
+        yield
+        return
+    allocator.free_group_begin()
+    try:
+        yield
+    finally:
+        allocator.free_group_end()
+
+
+@contextmanager
 def observing() -> Iterator[None]:
     """The harness's own reads of device values inside a manager call (which slots were freed) may wait for
     the GPU: they observe the manager and are not part of it."""
@@ -655,12 +670,9 @@ class _Run:
             if self.free_group:
                 for spec in batch:
                     self.decode_step(spec, t)
-                self.allocator.free_group_begin()
-                try:
+                with free_group(self.allocator):
                     for spec in batch:
                         self.result_calls(spec, t)
-                finally:
-                    self.allocator.free_group_end()
             else:
                 for spec in batch:
                     self.decode_and_offload(spec, t)
