@@ -190,6 +190,44 @@ class _NoOp:
         return False
 
 
+def tail_of(per_iter: list[dict[str, Any]]) -> dict[str, Any]:
+    """Where the slowest iterations' time goes: the iterations at or past the p99 of the calls' time, split into
+    the collector's pauses inside the calls, the rest of the scheduler thread's own CPU time, and the time it was
+    off the CPU (waiting for the interpreter lock, a lock of its own or the kernel), beside the CPU time the
+    process's other threads ran meanwhile (the store's writers above all). Each is a mean over those iterations,
+    with every iteration's median beside it; `p99_without_gc_ms` is the p99 once the collector's pauses inside
+    the calls are taken out: what a runtime with no collections in its calls would leave."""
+    totals = [r["total_ms"] for r in per_iter]
+    cut = stats(totals)["p99"]
+    top = [r for r in per_iter if r["total_ms"] >= cut]
+
+    def split(r: dict[str, Any]) -> tuple[float, float, float]:
+        # the three parts add up to the iteration's time (a thread's CPU clock may read a little past the wall
+        # clock, and a collection preempted midway holds less CPU than its pause)
+        total = r["total_ms"]
+        collected = min(r["gc_ms"], total)
+        own = max(min(r["own_cpu_ms"], total) - collected, 0.0)
+        return collected, own, total - collected - own
+
+    def parts(rows: list[dict[str, Any]], pick: Callable[[list[float]], float]) -> dict[str, float]:
+        splits = [split(r) for r in rows]
+        return {
+            "total_ms": pick([r["total_ms"] for r in rows]),
+            "gc_ms": pick([g for g, _, _ in splits]),
+            "own_cpu_without_gc_ms": pick([o for _, o, _ in splits]),
+            "off_cpu_ms": pick([w for _, _, w in splits]),
+            "others_cpu_ms": pick([r["others_cpu_ms"] for r in rows]),
+        }
+
+    return {
+        "p99_ms": cut,
+        "iterations": len(top),
+        "slowest_mean": parts(top, statistics.fmean),
+        "all_median": parts(per_iter, statistics.median),
+        "p99_without_gc_ms": stats([r["total_ms"] - r["gc_ms"] for r in per_iter])["p99"],
+    }
+
+
 def census() -> dict[str, Any]:
     """What a full collection walks now (start-up objects frozen): by the module of each object's type, and
     the types that hold the most (which of kvfsm's objects per request or per chunk the heap is made of)."""
@@ -371,6 +409,9 @@ class Loop:
         gc.freeze()
         per_iter: list[dict[str, float]] = []
         prev = None
+        # CPU time inside this iteration's timed calls: the scheduler's thread's own, and the process's other
+        # threads' (the store's writers, torch's and the driver's), in ms (tail_of reads them)
+        cpu = {"own": 0.0, "others": 0.0}
         with GcPauses() as gcp:
 
             def timed(fn: Callable[..., Any], *args: Any) -> tuple[float, Any, float, Optional[int]]:
@@ -381,9 +422,13 @@ class Loop:
                     torch.cuda.set_sync_debug_mode("error")
                 young = gc.get_count()[0]
                 try:
+                    process0, own0 = time.process_time(), time.thread_time()
                     t0 = time.perf_counter()
                     got = fn(*args)
                     took = time.perf_counter() - t0
+                    own, process = time.thread_time() - own0, time.process_time() - process0
+                    cpu["own"] += own * 1e3
+                    cpu["others"] += max(process - own, 0.0) * 1e3
                 finally:
                     if self.cuda:
                         torch.cuda.set_sync_debug_mode(0)
@@ -391,6 +436,7 @@ class Loop:
                 return took, got, sum(ms for _, ms in gcp.pauses[n_gc:]), tracked
 
             for it in range(warmup + iterations):
+                cpu["own"] = cpu["others"] = 0.0
                 if self.order == "sglang":  # process_decode_queue: the progress check, before the batch runs
                     check, _, gc_check, tracked_check = timed(self.check)
                 self.grow()
@@ -421,6 +467,8 @@ class Loop:
                             "chunks": chunks,
                             "tracked": tracked,
                             "gc_ms": gc_ms,
+                            "own_cpu_ms": cpu["own"],
+                            "others_cpu_ms": cpu["others"],
                         }
                     )
                 if ended:
@@ -454,6 +502,7 @@ class Loop:
             },
             "chunks_per_iteration": statistics.fmean(r["chunks"] for r in per_iter),
             "gc_in_calls_max_ms": max(r["gc_ms"] for r in per_iter),
+            "tail": tail_of(per_iter),
         }
         out["heap"] = heap
         if self.mode == "adapter":
@@ -689,6 +738,14 @@ def main(argv: Optional[list[str]] = None) -> int:
                         if row.get("no_chunk_due_call_ns")
                         else ""
                     ),
+                    flush=True,
+                )
+                slow = row["tail"]["slowest_mean"]
+                print(
+                    f"         slowest {row['tail']['iterations']} (>= p99): {slow['total_ms']:.2f} ms = gc "
+                    f"{slow['gc_ms']:.2f} + own cpu {slow['own_cpu_without_gc_ms']:.2f} + off cpu "
+                    f"{slow['off_cpu_ms']:.2f}; other threads' cpu {slow['others_cpu_ms']:.2f} ms; p99 without gc "
+                    f"{row['tail']['p99_without_gc_ms']:.2f} ms",
                     flush=True,
                 )
                 payload.update(
