@@ -19,8 +19,12 @@ from kvfsm.cli_errors import INVALID, GuardedGroup
 if TYPE_CHECKING:
     from kvfsm.spec import CompiledSpec
 
-app = typer.Typer(cls=GuardedGroup, no_args_is_help=True, add_completion=False,
-                  help="A formally specified KV-cache offload lifecycle.")
+app = typer.Typer(
+    cls=GuardedGroup,
+    no_args_is_help=True,
+    add_completion=False,
+    help="A formally specified KV-cache offload lifecycle.",
+)
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -40,11 +44,13 @@ def _spec_path(positional: Optional[Path], option: Optional[Path]) -> Path:
 
 def _packaged_spec() -> Path:
     from kvfsm.spec.locations import packaged_spec
+
     return packaged_spec()
 
 
 def _load(spec: Path) -> CompiledSpec:
     from kvfsm.spec import SpecInvalid, load_spec
+
     try:
         return load_spec(spec)
     except SpecInvalid as exc:
@@ -56,6 +62,7 @@ def _load(spec: Path) -> CompiledSpec:
 def render_diagram(spec: CompiledSpec, fmt: str) -> str:
     """The state diagram of `spec` (kvfsm.docsgen.diagram)."""
     from kvfsm.docsgen import diagram
+
     return diagram(spec, fmt)
 
 
@@ -66,15 +73,25 @@ def _version(value: bool) -> None:
     import kvfsm.generated.cb_swap as cb
     import kvfsm.generated.decode_offload as do
     import kvfsm.generated.offload_chunk as oc
-    out.print(f"kvfsm {kvfsm.__version__}; generated from {do.SPEC_PATH} sha256 {do.SPEC_SHA256[:16]}, "
-              f"{cb.SPEC_PATH} sha256 {cb.SPEC_SHA256[:16]}, {oc.SPEC_PATH} sha256 {oc.SPEC_SHA256[:16]}",
-              markup=False)
+
+    out.print(
+        f"kvfsm {kvfsm.__version__}; generated from {do.SPEC_PATH} sha256 {do.SPEC_SHA256[:16]}, "
+        f"{cb.SPEC_PATH} sha256 {cb.SPEC_SHA256[:16]}, {oc.SPEC_PATH} sha256 {oc.SPEC_SHA256[:16]}",
+        markup=False,
+    )
     raise typer.Exit(0)
 
 
 @app.callback()
-def main(version: bool = typer.Option(False, "--version", is_eager=True, callback=_version,
-                                      help="Print the version and the hashes of the specs the runtime was generated from.")) -> None:
+def main(
+    version: bool = typer.Option(
+        False,
+        "--version",
+        is_eager=True,
+        callback=_version,
+        help="Print the version and the hashes of the specs the runtime was generated from.",
+    ),
+) -> None:
     """A formally specified KV-cache offload lifecycle."""
 
 
@@ -83,20 +100,31 @@ def validate(spec_arg: Optional[Path] = SPEC_ARG, spec_opt: Optional[Path] = SPE
     """Check a spec; print one `file:line: element: message` per error and exit 2 when invalid."""
     spec = _spec_path(spec_arg, spec_opt)
     s = _load(spec)
-    out.print(f"{spec}: ok: {len(s.states)} states, {len(s.events)} events, {len(s.transitions)} transitions, "
-              f"{len(s.outcomes)} declared no-ops/errors, sha256 {s.sha256[:12]}", markup=False)
+    out.print(
+        f"{spec}: ok: {len(s.states)} states, {len(s.events)} events, {len(s.transitions)} transitions, "
+        f"{len(s.outcomes)} declared no-ops/errors, sha256 {s.sha256[:12]}",
+        markup=False,
+    )
 
 
 @app.command()
-def gen(spec_arg: Optional[Path] = SPEC_ARG, spec_opt: Optional[Path] = SPEC_OPT,
-        out_dir: Optional[Path] = typer.Option(None, "--out", show_default=False,
-                                               help="Where generated modules go (default: the generated/ beside the spec's folder)."),
-        check: bool = typer.Option(False, "--check", help="Exit 1 when the generated code is stale; write nothing.")) -> None:
+def gen(
+    spec_arg: Optional[Path] = SPEC_ARG,
+    spec_opt: Optional[Path] = SPEC_OPT,
+    out_dir: Optional[Path] = typer.Option(
+        None,
+        "--out",
+        show_default=False,
+        help="Where generated modules go (default: the generated/ beside the spec's folder).",
+    ),
+    check: bool = typer.Option(False, "--check", help="Exit 1 when the generated code is stale; write nothing."),
+) -> None:
     """Generate the spec's machines into its generated/ (the same from any directory): the per-request machine
     and the struct-of-arrays batch machine (`<machine>_rows.py`)."""
     from kvfsm.codegen import generate
     from kvfsm.codegen.rows import RowsUnsupported
     from kvfsm.spec import SpecInvalid
+
     spec = _spec_path(spec_arg, spec_opt)
     try:
         result = generate(spec, out_dir, check=check)
@@ -121,12 +149,19 @@ class DiagramFormat(str, Enum):
 
 
 @app.command()
-def schema(output: Optional[Path] = typer.Option(None, "--out", show_default=False,
-                                                 help="Where the JSON Schema goes (default: the shipped one beside the specs)."),
-           check: bool = typer.Option(False, "--check", help="Exit 1 when the file is stale; write nothing.")) -> None:
+def schema(
+    output: Optional[Path] = typer.Option(
+        None,
+        "--out",
+        show_default=False,
+        help="Where the JSON Schema goes (default: the shipped one beside the specs).",
+    ),
+    check: bool = typer.Option(False, "--check", help="Exit 1 when the file is stale; write nothing."),
+) -> None:
     """Export the spec format's JSON Schema (from the pydantic models) for editors and other tools."""
     from kvfsm.spec.locations import schema_path
     from kvfsm.spec.model import json_schema_text
+
     output = output or schema_path()
     text = json_schema_text()
     current = _current_schema(output)
@@ -147,6 +182,7 @@ def _current_schema(path: Path) -> Optional[str]:
     InputRejected (exit 2)."""
     from kvfsm.errors import InputBoundExceeded
     from kvfsm.input_limits import SCHEMA_LIMITS, read_bounded
+
     if not path.exists():
         return None
     try:
@@ -156,18 +192,25 @@ def _current_schema(path: Path) -> Optional[str]:
 
 
 @app.command()
-def diagram(spec_arg: Optional[Path] = SPEC_ARG, spec_opt: Optional[Path] = SPEC_OPT,
-            fmt: DiagramFormat = typer.Option(DiagramFormat.mermaid, "--format")) -> None:
+def diagram(
+    spec_arg: Optional[Path] = SPEC_ARG,
+    spec_opt: Optional[Path] = SPEC_OPT,
+    fmt: DiagramFormat = typer.Option(DiagramFormat.mermaid, "--format"),
+) -> None:
     """Print the state diagram (Mermaid or Graphviz dot)."""
     out.print(render_diagram(_load(_spec_path(spec_arg, spec_opt)), fmt.value), end="", markup=False)
 
 
 @app.command()
-def docs(spec_arg: Optional[Path] = SPEC_ARG, spec_opt: Optional[Path] = SPEC_OPT,
-         output: Path = typer.Option(None, "--out", help="Write here instead of stdout.")) -> None:
+def docs(
+    spec_arg: Optional[Path] = SPEC_ARG,
+    spec_opt: Optional[Path] = SPEC_OPT,
+    output: Path = typer.Option(None, "--out", help="Write here instead of stdout."),
+) -> None:
     """Render the auditor's Markdown reference for the spec."""
     from kvfsm.docsgen import markdown
     from kvfsm.spec.locations import spec_stamp
+
     spec = _spec_path(spec_arg, spec_opt)
     text = markdown(_load(spec), spec_stamp(spec))
     if output is None:
@@ -179,19 +222,27 @@ def docs(spec_arg: Optional[Path] = SPEC_ARG, spec_opt: Optional[Path] = SPEC_OP
 
 
 @app.command()
-def demo(workdir: Path = typer.Option(None, "--dir", help="Where the store, trace and docs go (default: a temp dir)."),
-         requests: int = typer.Option(48, min=1, help="How many requests to serve."),
-         json_out: Path = typer.Option(None, "--json", help="Also write the report as JSON here."),
-         spec: Optional[Path] = SPEC_OPT) -> None:
+def demo(
+    workdir: Path = typer.Option(None, "--dir", help="Where the store, trace and docs go (default: a temp dir)."),
+    requests: int = typer.Option(48, min=1, help="How many requests to serve."),
+    json_out: Path = typer.Option(None, "--json", help="Also write the report as JSON here."),
+    spec: Optional[Path] = SPEC_OPT,
+) -> None:
     """Validate the spec and check the runtime's machine is generated from it, then serve a decode workload
     with and without offload and compare."""
     from kvfsm.demo import main as run
+
     run(workdir, requests, json_out, spec_path=spec or _packaged_spec())
 
 
 @app.command()
-def bench(quick: bool = typer.Option(False, help="Small sizes: checks the scripts, not the numbers. Writes only under "
-                                                 "bench/results/quick/ (its plots in bench/results/quick/plots/).")) -> None:
+def bench(
+    quick: bool = typer.Option(
+        False,
+        help="Small sizes: checks the scripts, not the numbers. Writes only under "
+        "bench/results/quick/ (its plots in bench/results/quick/plots/).",
+    ),
+) -> None:
     """Run bench/ (bandwidth on CUDA, per-event runtime, manager overhead, hashing), write JSON, render the plots.
 
     A full run writes bench/results/<name>-<machine>.json and renders docs/results.md and its plots from
@@ -209,9 +260,11 @@ def bench(quick: bool = typer.Option(False, help="Small sizes: checks the script
         err.print("run `kvfsm bench` from the repository root (bench/ holds the scripts)")
         raise typer.Exit(INVALID)
     q = ["--quick"] if quick else []
-    runs = [["event_runtime.py", *q] + (["--cycles", "2000"] if quick else []),
-            ["manager_overhead.py", *q] + (["--live", "64", "256", "--iterations", "8"] if quick else []),
-            ["hash_throughput.py", *q] + (["--tokens", "65536", "--reps", "1"] if quick else [])]
+    runs = [
+        ["event_runtime.py", *q] + (["--cycles", "2000"] if quick else []),
+        ["manager_overhead.py", *q] + (["--live", "64", "256", "--iterations", "8"] if quick else []),
+        ["hash_throughput.py", *q] + (["--tokens", "65536", "--reps", "1"] if quick else []),
+    ]
     if torch.cuda.is_available():
         runs.append(["offload_bandwidth.py", *q] + (["--gib", "0.125"] if quick else []))
     elif quick:
@@ -221,14 +274,27 @@ def bench(quick: bool = typer.Option(False, help="Small sizes: checks the script
     quick_dir = root / "bench" / "results" / "quick"
     runs.append(["plots.py"] + (["--results", str(quick_dir), "--out", str(quick_dir / "plots")] if quick else []))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with Progress(TextColumn("[bold]kvfsm bench[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
-                  TimeElapsedColumn(), console=out) as progress:
+    with Progress(
+        TextColumn("[bold]kvfsm bench[/]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+        console=out,
+    ) as progress:
         task = progress.add_task("", total=len(runs))
         for script, *args in runs:
             progress.update(task, description=f"bench/{script}")
             progress.console.print(f"$ python bench/{script} {' '.join(args)}", markup=False, highlight=False)
-            proc = subprocess.Popen([sys.executable, str(root / "bench" / script), *args], cwd=root, env=env,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+            proc = subprocess.Popen(
+                [sys.executable, str(root / "bench" / script), *args],
+                cwd=root,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                bufsize=1,
+            )
             assert proc.stdout is not None
             for line in proc.stdout:  # through the progress console, so the bar stays below the output
                 progress.console.print(line.rstrip("\n"), markup=False, highlight=False)
@@ -248,47 +314,80 @@ class BoundName(str, Enum):
 
 
 @app.command()
-def check(requests: Optional[int] = typer.Option(None, help="Requests in the bounded world (bound options explore "
-                                                            "one bound; unset ones take ExplorerConfig's defaults)."),
-          slots: Optional[int] = typer.Option(None, help="Device slots."),
-          page_size: Optional[int] = typer.Option(None), stride: Optional[int] = typer.Option(None),
-          host_slots: Optional[int] = typer.Option(None, help="Host pool slots."),
-          backup_queue: Optional[int] = typer.Option(None, help="Backups outstanding at once."),
-          decodes: Optional[int] = typer.Option(None, help="Decode steps per request."),
-          readmits: Optional[int] = typer.Option(None, help="Retract-and-readmit cycles per request."),
-          speculative: Optional[int] = typer.Option(None, help="Extra slots a speculative decode over-allocates."),
-          bound: Optional[BoundName] = typer.Option(None, "--bound", help="A named bound: a union of sub-bounds, each "
-                                                    "explored exhaustively (the default without bound options)."),
-          ci: bool = typer.Option(False, "--ci", help="The CI bound (--bound ci): what .ci/run explores."),
-          jobs: int = typer.Option(1, "--jobs", help="Worker processes expanding each BFS level."),
-          report: Optional[Path] = typer.Option(None, "--report", help="Rewrite this named bound's section of the "
-                                                "coverage page (docs/explorer-coverage.md)."),
-          max_depth: int = typer.Option(None, help="Stop exploring below this depth."),
-          out_test: Path = typer.Option(None, "--out-test", help="Where to write a counterexample as a pytest."),
-          spec: Optional[Path] = SPEC_OPT,
-          require_all: bool = typer.Option(False, "--require-all",
-                                           help="Exit 3 when the bound leaves a spec transition unreached.")) -> None:
+def check(
+    requests: Optional[int] = typer.Option(
+        None,
+        help="Requests in the bounded world (bound options explore "
+        "one bound; unset ones take ExplorerConfig's defaults).",
+    ),
+    slots: Optional[int] = typer.Option(None, help="Device slots."),
+    page_size: Optional[int] = typer.Option(None),
+    stride: Optional[int] = typer.Option(None),
+    host_slots: Optional[int] = typer.Option(None, help="Host pool slots."),
+    backup_queue: Optional[int] = typer.Option(None, help="Backups outstanding at once."),
+    decodes: Optional[int] = typer.Option(None, help="Decode steps per request."),
+    readmits: Optional[int] = typer.Option(None, help="Retract-and-readmit cycles per request."),
+    speculative: Optional[int] = typer.Option(None, help="Extra slots a speculative decode over-allocates."),
+    bound: Optional[BoundName] = typer.Option(
+        None,
+        "--bound",
+        help="A named bound: a union of sub-bounds, each explored exhaustively (the default without bound options).",
+    ),
+    ci: bool = typer.Option(False, "--ci", help="The CI bound (--bound ci): what .ci/run explores."),
+    jobs: int = typer.Option(1, "--jobs", help="Worker processes expanding each BFS level."),
+    report: Optional[Path] = typer.Option(
+        None, "--report", help="Rewrite this named bound's section of the coverage page (docs/explorer-coverage.md)."
+    ),
+    max_depth: int = typer.Option(None, help="Stop exploring below this depth."),
+    out_test: Path = typer.Option(None, "--out-test", help="Where to write a counterexample as a pytest."),
+    spec: Optional[Path] = SPEC_OPT,
+    require_all: bool = typer.Option(
+        False, "--require-all", help="Exit 3 when the bound leaves a spec transition unreached."
+    ),
+) -> None:
     """Explore every interleaving of engine events over the real manager and pools; exit 1 on a violation,
     2 on a meaningless bound or a spec the runtime was not generated from, 3 with --require-all when a
     transition is unreached."""
     from kvfsm.verify import commands
+
     if ci and bound is not None and bound is not BoundName.ci:
         err.print(f"--ci and --bound {bound.value} name different bounds", markup=False)
         raise typer.Exit(INVALID)
     name = "ci" if ci else bound.value if bound is not None else None
-    raise typer.Exit(commands.check(requests, slots, page_size, stride, host_slots, max_depth, out_test,
-                                    decodes=decodes, readmits=readmits, backup_queue=backup_queue,
-                                    speculative=speculative, spec_path=spec or _packaged_spec(),
-                                    require_all=require_all, bound=name, jobs=jobs, report=report))
+    raise typer.Exit(
+        commands.check(
+            requests,
+            slots,
+            page_size,
+            stride,
+            host_slots,
+            max_depth,
+            out_test,
+            decodes=decodes,
+            readmits=readmits,
+            backup_queue=backup_queue,
+            speculative=speculative,
+            spec_path=spec or _packaged_spec(),
+            require_all=require_all,
+            bound=name,
+            jobs=jobs,
+            report=report,
+        )
+    )
 
 
 @app.command()
-def replay(trace: Path, spec: Optional[Path] = SPEC_OPT,
-           max_bytes: Optional[int] = typer.Option(None, "--max-bytes", min=1, show_default=False,
-                                                   help="The trace's size bound (default 16 GiB).")) -> None:
+def replay(
+    trace: Path,
+    spec: Optional[Path] = SPEC_OPT,
+    max_bytes: Optional[int] = typer.Option(
+        None, "--max-bytes", min=1, show_default=False, help="The trace's size bound (default 16 GiB)."
+    ),
+) -> None:
     """Check a recorded transition trace (JSON lines) against the spec; exit 1 at the first illegal step, 2 on
     a trace that cannot be read within its bounds (kvfsm.input_limits.TRACE_LIMITS)."""
     from kvfsm.verify import commands
+
     raise typer.Exit(commands.replay(trace, spec_path=spec or _packaged_spec(), max_bytes=max_bytes))
 
 

@@ -51,12 +51,14 @@ class GuardedGroup(TyperGroup):
 
 def _is_input_error(exc: Exception) -> bool:
     from kvfsm.spec import SpecInvalid  # here, not at the top: `kvfsm --help` builds no spec model
+
     return isinstance(exc, (SpecInvalid, InputRejected, ConfigError, OSError))
 
 
 def _report(exc: Exception, command: str) -> int:
     """Print what `exc` says on stderr; return the exit code it gets."""
     from kvfsm.spec import SpecInvalid
+
     if isinstance(exc, SpecInvalid):
         for e in exc.errors:
             _err.print(str(e), markup=False)
@@ -68,8 +70,11 @@ def _report(exc: Exception, command: str) -> int:
         where = exc.filename if exc.filename is not None else f"kvfsm {command}".rstrip()
         _err.print(_one_line(f"{where}: {exc.strerror or exc}"), markup=False)
         return INVALID
-    _err.print(_one_line(f"kvfsm {command}: internal error: {type(exc).__name__}: {exc}") +
-               f" (a bug in kvfsm: rerun with {TRACEBACK_VAR}=1 for the traceback, and report it)", markup=False)
+    _err.print(
+        _one_line(f"kvfsm {command}: internal error: {type(exc).__name__}: {exc}")
+        + f" (a bug in kvfsm: rerun with {TRACEBACK_VAR}=1 for the traceback, and report it)",
+        markup=False,
+    )
     return INTERNAL
 
 

@@ -63,15 +63,26 @@ class _Pools:
         self.protected = SimplePrefixCache(self.allocator)
 
     def full(self) -> bool:
-        return (self.allocator.free_slots == self.allocator.capacity and self.table.free_rows == self.table.rows
-                and self.protected.size == 0)
+        return (
+            self.allocator.free_slots == self.allocator.capacity
+            and self.table.free_rows == self.table.rows
+            and self.protected.size == 0
+        )
 
 
-def _serve(model: TinyDecoder, pools: _Pools, requests: list[EngineRequest], batch: int,
-           manager: Optional[DecodeOffloadManager], progress: Progress, label: str,
-           snapshot: Optional[dict[str, torch.Tensor]] = None):
-    engine = DecodeEngine(model, pools.pool, pools.allocator, pools.table, pools.protected, batch, manager,
-                          speculative=2)
+def _serve(
+    model: TinyDecoder,
+    pools: _Pools,
+    requests: list[EngineRequest],
+    batch: int,
+    manager: Optional[DecodeOffloadManager],
+    progress: Progress,
+    label: str,
+    snapshot: Optional[dict[str, torch.Tensor]] = None,
+):
+    engine = DecodeEngine(
+        model, pools.pool, pools.allocator, pools.table, pools.protected, batch, manager, speculative=2
+    )
     if snapshot is not None:  # keep every request's final KV to check load-back against
         release = engine._release_without_manager
 
@@ -79,13 +90,20 @@ def _serve(model: TinyDecoder, pools: _Pools, requests: list[EngineRequest], bat
             idx = pools.table.read(req.row, 0, req.kv_committed_len)
             snapshot[req.rid] = pools.pool.token_view()[:, :, idx].to("cpu")
             release(req)
+
         engine._release_without_manager = keep  # type: ignore[method-assign]
     task = progress.add_task(label, total=len(requests))
     return engine.run(requests, on_step=lambda n: progress.advance(task, n))
 
 
-def run_demo(workdir: Path, requests: int = 48, batch: int = 16, device: Optional[str] = None,
-             console: Optional[Console] = None, spec_path: Optional[Path] = None) -> DemoReport:
+def run_demo(
+    workdir: Path,
+    requests: int = 48,
+    batch: int = 16,
+    device: Optional[str] = None,
+    console: Optional[Console] = None,
+    spec_path: Optional[Path] = None,
+) -> DemoReport:
     console = console or Console()
     spec_path = Path(spec_path or packaged_spec())
     spec = load_spec(spec_path)
@@ -94,8 +112,10 @@ def run_demo(workdir: Path, requests: int = 48, batch: int = 16, device: Optiona
         raise SystemExit(mismatch)
     docs = workdir / "decode_offload.md"
     docs.write_text(markdown(spec, spec_stamp(spec_path)))
-    console.print(f"spec {spec_path}: valid ({len(spec.states)} states, {len(spec.transitions)} transitions); "
-                  f"generated code fresh; auditor docs -> {docs}")
+    console.print(
+        f"spec {spec_path}: valid ({len(spec.states)} states, {len(spec.transitions)} transitions); "
+        f"generated code fresh; auditor docs -> {docs}"
+    )
 
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
     cfg = TinyModelConfig()
@@ -105,21 +125,36 @@ def run_demo(workdir: Path, requests: int = 48, batch: int = 16, device: Optiona
     snapshot: dict[str, torch.Tensor] = {}
     with Progress(console=console, transient=True) as progress:
         plain = _Pools(cfg, slots, batch, dev)
-        base = _serve(model, plain, make_workload(requests, 7, cfg.vocab), batch, None, progress,
-                      "without offload", snapshot)
+        base = _serve(
+            model, plain, make_workload(requests, 7, cfg.vocab), batch, None, progress, "without offload", snapshot
+        )
         assert plain.full(), "the engine leaked without offload"
 
         pools = _Pools(cfg, slots, batch, dev)
         trace = workdir / "trace.jsonl"
-        config = OffloadConfig(page_size=PAGE, offload_stride=2 * PAGE, checked=True, trace_path=trace,
-                               storage_dir=workdir / "store", model_name="tiny-demo", backup_queue_size=8)
+        config = OffloadConfig(
+            page_size=PAGE,
+            offload_stride=2 * PAGE,
+            checked=True,
+            trace_path=trace,
+            storage_dir=workdir / "store",
+            model_name="tiny-demo",
+            backup_queue_size=8,
+        )
         host = HostKVPool(cfg.kv_config(), slots // 2, PAGE)
         storage = FileStorage(workdir / "store", model_name="tiny-demo")
         copy_engine = make_copy_engine(dev)
-        manager = DecodeOffloadManager(config, device_pool=pools.pool, allocator=pools.allocator,
-                                       req_to_token=pools.table, prefix_cache=pools.protected, host_pool=host,
-                                       copy_engine=copy_engine, storage=storage,
-                                       backup_worker=ThreadBackupWorker(8))
+        manager = DecodeOffloadManager(
+            config,
+            device_pool=pools.pool,
+            allocator=pools.allocator,
+            req_to_token=pools.table,
+            prefix_cache=pools.protected,
+            host_pool=host,
+            copy_engine=copy_engine,
+            storage=storage,
+            backup_worker=ThreadBackupWorker(8),
+        )
         workload = make_workload(requests, 7, cfg.vocab)
         copy_time = _time_copies(copy_engine)
         run = _serve(model, pools, workload, batch, manager, progress, "with offload")
@@ -131,10 +166,24 @@ def run_demo(workdir: Path, requests: int = 48, batch: int = 16, device: Optiona
 
     hits, loaded = _load_back(manager, storage, host, pools, snapshot, workload, dev)
     manager.close()
-    return DemoReport(dev, requests, run.tokens, run.retractions, run.aborted, identical,
-                      manager.metrics.offloaded_bytes, _busy_seconds(copy_time), manager.metrics.stored_pages, hits, loaded,
-                      manager.metrics.backup_failures, sum(1 for _ in trace.open()) - 1,
-                      time.perf_counter() - t0, trace, docs)
+    return DemoReport(
+        dev,
+        requests,
+        run.tokens,
+        run.retractions,
+        run.aborted,
+        identical,
+        manager.metrics.offloaded_bytes,
+        _busy_seconds(copy_time),
+        manager.metrics.stored_pages,
+        hits,
+        loaded,
+        manager.metrics.backup_failures,
+        sum(1 for _ in trace.open()) - 1,
+        time.perf_counter() - t0,
+        trace,
+        docs,
+    )
 
 
 class _TimedHandle:
@@ -166,6 +215,7 @@ def _time_copies(engine) -> list[list[float]]:
         handle = _TimedHandle(submit(*args), span)
         handle.done()  # a synchronous (CPU) copy is complete on return
         return handle
+
     engine.submit_d2h = timed
     return intervals
 
@@ -179,8 +229,15 @@ def _busy_seconds(intervals: list[list[float]]) -> float:
     return total
 
 
-def _load_back(manager: DecodeOffloadManager, storage: FileStorage, host: HostKVPool, pools: _Pools,
-               snapshot: dict[str, torch.Tensor], workload: list[EngineRequest], dev: str) -> tuple[int, int]:
+def _load_back(
+    manager: DecodeOffloadManager,
+    storage: FileStorage,
+    host: HostKVPool,
+    pools: _Pools,
+    snapshot: dict[str, torch.Tensor],
+    workload: list[EngineRequest],
+    dev: str,
+) -> tuple[int, int]:
     """Storage -> host pool -> device for every stored page; each must equal what its request computed."""
     stored = manager.fx.stored
     by_request: dict[str, list[tuple[int, str]]] = {}
@@ -201,7 +258,7 @@ def _load_back(manager: DecodeOffloadManager, storage: FileStorage, host: HostKV
             host.set_pages_bytes(host_idx, data.view(1, -1))
             engine.submit_h2d(host, host_idx, pools.pool, dev_idx).wait()
             got = pools.pool.token_view()[:, :, dev_idx].to("cpu")
-            want = snapshot[rid][:, :, pos:pos + PAGE]
+            want = snapshot[rid][:, :, pos : pos + PAGE]
             if got.shape != want.shape or not torch.equal(got, want):
                 raise SystemExit(f"{rid}: page at position {pos} differs after storage -> host -> device load-back")
             host.free(host_idx)
@@ -210,8 +267,12 @@ def _load_back(manager: DecodeOffloadManager, storage: FileStorage, host: HostKV
     return hits, loaded
 
 
-def main(workdir: Optional[Path] = None, requests: int = 48, json_out: Optional[Path] = None,
-         spec_path: Optional[Path] = None) -> None:
+def main(
+    workdir: Optional[Path] = None,
+    requests: int = 48,
+    json_out: Optional[Path] = None,
+    spec_path: Optional[Path] = None,
+) -> None:
     torch.set_num_threads(1)  # one-token steps on tiny tensors: threads only add synchronisation
     console = Console()
     load_spec(Path(spec_path or packaged_spec()))  # an invalid spec is refused before anything is written
@@ -219,18 +280,25 @@ def main(workdir: Optional[Path] = None, requests: int = 48, json_out: Optional[
     root.mkdir(parents=True, exist_ok=True)
     r = run_demo(root, requests=requests, console=console, spec_path=spec_path)
     t = Table(title=f"kvfsm demo ({r.device})", show_header=False)
-    rows = [("requests (aborted)", f"{r.requests} ({r.aborted})"), ("decode tokens", r.tokens),
-            ("retractions under memory pressure", r.retractions),
-            ("tokens identical with and without offload", "yes" if r.outputs_identical else "NO"),
-            ("bytes offloaded", f"{r.offloaded_bytes:,}"),
-            ("offload bandwidth (bytes / copy busy time seen by the scheduler)",
-             f"{r.offloaded_bytes / max(r.copy_seconds, 1e-9) / 1e9:.3f} GB/s"),
-            ("pages stored / storage prefix hits", f"{r.stored_pages} / {r.storage_hits}"),
-            ("pages loaded back storage->host->device, bit-exact", r.pages_loaded_back),
-            ("backup failures", r.backup_failures),
-            ("transitions traced, invariants + ledger checked", r.transitions_checked),
-            ("pools back to full", "yes"), ("wall time", f"{r.seconds:.1f} s"),
-            ("trace", r.trace), ("auditor docs", r.docs)]
+    rows = [
+        ("requests (aborted)", f"{r.requests} ({r.aborted})"),
+        ("decode tokens", r.tokens),
+        ("retractions under memory pressure", r.retractions),
+        ("tokens identical with and without offload", "yes" if r.outputs_identical else "NO"),
+        ("bytes offloaded", f"{r.offloaded_bytes:,}"),
+        (
+            "offload bandwidth (bytes / copy busy time seen by the scheduler)",
+            f"{r.offloaded_bytes / max(r.copy_seconds, 1e-9) / 1e9:.3f} GB/s",
+        ),
+        ("pages stored / storage prefix hits", f"{r.stored_pages} / {r.storage_hits}"),
+        ("pages loaded back storage->host->device, bit-exact", r.pages_loaded_back),
+        ("backup failures", r.backup_failures),
+        ("transitions traced, invariants + ledger checked", r.transitions_checked),
+        ("pools back to full", "yes"),
+        ("wall time", f"{r.seconds:.1f} s"),
+        ("trace", r.trace),
+        ("auditor docs", r.docs),
+    ]
     for k, v in rows:
         t.add_row(k, str(v))
     console.print(t)
@@ -238,7 +306,11 @@ def main(workdir: Optional[Path] = None, requests: int = 48, json_out: Optional[
         import dataclasses
         import json
         import platform
+
         doc = {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(r).items()}
-        doc["machine"] = {"hostname": platform.node(), "torch": torch.__version__,
-                          "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+        doc["machine"] = {
+            "hostname": platform.node(),
+            "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        }
         Path(json_out).write_text(json.dumps(doc, indent=2) + "\n")

@@ -38,8 +38,7 @@ class RowNotCreated(LifecycleError):
     def __init__(self, machine: Any, what: str, row: int, position: int, capacity: int) -> None:
         self.machine, self.what, self.row, self.position, self.capacity = machine, what, row, position, capacity
         where = "is outside its rows" if not 0 <= row < capacity else "holds no machine (never created)"
-        super().__init__(f"{type(machine).__name__}.{what}: row {row} (item {position}) {where}; "
-                         f"capacity {capacity}")
+        super().__init__(f"{type(machine).__name__}.{what}: row {row} (item {position}) {where}; capacity {capacity}")
 
     def __reduce__(self) -> tuple[Any, ...]:
         return type(self), (self.machine, self.what, self.row, self.position, self.capacity)
@@ -51,8 +50,10 @@ class RowStillLive(LifecycleError):
 
     def __init__(self, machine: Any, row: int, position: int, state: str) -> None:
         self.machine, self.row, self.position, self.state = machine, row, position, state
-        super().__init__(f"{type(machine).__name__}.create: row {row} (item {position}) holds a live machine in "
-                         f"state {state!r}; a row is taken again only once its machine is terminal")
+        super().__init__(
+            f"{type(machine).__name__}.create: row {row} (item {position}) holds a live machine in "
+            f"state {state!r}; a row is taken again only once its machine is terminal"
+        )
 
     def __reduce__(self) -> tuple[Any, ...]:
         return type(self), (self.machine, self.row, self.position, self.state)
@@ -83,8 +84,10 @@ class RowInUse(InvalidRequest):
 
     def __init__(self, request: str, row: int, holder: str) -> None:
         self.request, self.row, self.holder = request, row, holder
-        super().__init__(f"request {request!r} names table row {row}, which live request {holder} holds: "
-                         f"each live request must have its own row (is this a copy of the request object?)")
+        super().__init__(
+            f"request {request!r} names table row {row}, which live request {holder} holds: "
+            f"each live request must have its own row (is this a copy of the request object?)"
+        )
 
     def __reduce__(self) -> tuple[Any, ...]:
         return type(self), (self.request, self.row, self.holder)
@@ -95,8 +98,9 @@ class RequestFieldInvalid(InvalidRequest):
 
     def __init__(self, request: str, field: str, value: Any, protocol: str = "kvfsm.runtime.OffloadRequest") -> None:
         self.request, self.field, self.value, self.protocol = request, field, value, protocol
-        super().__init__(f"request {request} has {field} = {value!r:.80}; the request protocol {protocol} "
-                         f"needs an integer there")
+        super().__init__(
+            f"request {request} has {field} = {value!r:.80}; the request protocol {protocol} needs an integer there"
+        )
 
 
 class RequestFieldMissing(InvalidRequest):
@@ -104,8 +108,10 @@ class RequestFieldMissing(InvalidRequest):
 
     def __init__(self, request: str, field: str, protocol: str = "kvfsm.runtime.OffloadRequest") -> None:
         self.request, self.field, self.protocol = request, field, protocol
-        super().__init__(f"request {request} has no attribute {field!r}, a field of the request protocol "
-                         f"{protocol} that the manager reads")
+        super().__init__(
+            f"request {request} has no attribute {field!r}, a field of the request protocol "
+            f"{protocol} that the manager reads"
+        )
 
     def __reduce__(self) -> tuple[Any, ...]:
         return type(self), (self.request, self.field, self.protocol)
@@ -117,8 +123,13 @@ class ConfigError(ValueError):
     `source` where the value came from (code, a file, the environment). Every problem found is in
     `problems`; `field` and `reason` are the first."""
 
-    def __init__(self, field: Optional[str], reason: str, source: str = "OffloadConfig",
-                 others: Sequence[tuple[Optional[str], str]] = ()) -> None:
+    def __init__(
+        self,
+        field: Optional[str],
+        reason: str,
+        source: str = "OffloadConfig",
+        others: Sequence[tuple[Optional[str], str]] = (),
+    ) -> None:
         self.field, self.reason, self.source = field, reason, source
         self.problems: tuple[tuple[Optional[str], str], ...] = ((field, reason), *others)
         text = "; ".join(f"{f}: {r}" if f else r for f, r in self.problems)

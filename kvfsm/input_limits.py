@@ -90,8 +90,13 @@ def read_bounded(path: str | os.PathLike[str], limits: InputLimits, what: str) -
     with open_regular(source, what) as f:
         raw = f.read(limits.max_bytes + 1)
     if len(raw) > limits.max_bytes:
-        raise InputBoundExceeded(source, raw.count(b"\n", 0, limits.max_bytes) + 1, "max_bytes", limits.max_bytes,
-                                 f"{what} is larger than {limits.max_bytes} bytes")
+        raise InputBoundExceeded(
+            source,
+            raw.count(b"\n", 0, limits.max_bytes) + 1,
+            "max_bytes",
+            limits.max_bytes,
+            f"{what} is larger than {limits.max_bytes} bytes",
+        )
     return raw
 
 
@@ -135,14 +140,22 @@ class BoundedYAMLLoader(yaml.SafeLoader):
         lim = self.limits
         self._elements += elements
         if self._elements > lim.max_elements:
-            raise self._breach(event, "max_elements", lim.max_elements,
-                               f"{self.what} has more than {lim.max_elements} elements"
-                               + (" once its aliases are expanded" if self._aliases else ""))
+            raise self._breach(
+                event,
+                "max_elements",
+                lim.max_elements,
+                f"{self.what} has more than {lim.max_elements} elements"
+                + (" once its aliases are expanded" if self._aliases else ""),
+            )
         reached = len(self._frames) + depth
         if reached > lim.max_depth:
-            raise self._breach(event, "max_depth", lim.max_depth,
-                               f"{self.what} nests deeper than {lim.max_depth} levels (nesting depth {reached}"
-                               + (", its aliases expanded)" if isinstance(event, yaml.AliasEvent) else ")"))
+            raise self._breach(
+                event,
+                "max_depth",
+                lim.max_depth,
+                f"{self.what} nests deeper than {lim.max_depth} levels (nesting depth {reached}"
+                + (", its aliases expanded)" if isinstance(event, yaml.AliasEvent) else ")"),
+            )
         if self._frames:
             top = self._frames[-1]
             top.elements += elements
@@ -155,8 +168,12 @@ class BoundedYAMLLoader(yaml.SafeLoader):
             if self.limits.max_aliases == 0:
                 raise self._breach(event, "max_aliases", 0, f"{self.what}s may not use YAML aliases (*{event.anchor})")
             if self._aliases > self.limits.max_aliases:
-                raise self._breach(event, "max_aliases", self.limits.max_aliases,
-                                   f"{self.what} has more than {self.limits.max_aliases} aliases")
+                raise self._breach(
+                    event,
+                    "max_aliases",
+                    self.limits.max_aliases,
+                    f"{self.what} has more than {self.limits.max_aliases} aliases",
+                )
             elements, depth = self._sizes.get(event.anchor, (1, 0))  # undefined: the composer names it
             self._add(event, elements, depth)
         elif isinstance(event, yaml.ScalarEvent):
@@ -184,8 +201,9 @@ def _loader(text: str, limits: InputLimits, source: str, what: str) -> BoundedYA
         return BoundedYAMLLoader(text, limits, source, what)
     except yaml.reader.ReaderError as exc:
         line = text.count("\n", 0, exc.position) + 1
-        raise InputRejected(source, line, f"{what} holds character {chr(exc.character)!r}, which YAML does not "
-                                          f"allow") from None
+        raise InputRejected(
+            source, line, f"{what} holds character {chr(exc.character)!r}, which YAML does not allow"
+        ) from None
 
 
 def compose_yaml(text: str, limits: InputLimits, source: str, what: str) -> Optional[yaml.Node]:
@@ -228,14 +246,16 @@ def check_json_nesting(text: str, limits: InputLimits, source: str, line: int, w
             depth += 1
             if depth > limits.max_depth:
                 at = line + text.count("\n", 0, i)
-                raise InputBoundExceeded(source, at, "max_depth", limits.max_depth,
-                                         f"{what} nests deeper than {limits.max_depth} levels")
+                raise InputBoundExceeded(
+                    source, at, "max_depth", limits.max_depth, f"{what} nests deeper than {limits.max_depth} levels"
+                )
         elif ch in "]}":
             depth -= 1
 
 
-def count_elements(value: Any, limits: InputLimits, source: str, line: int, what: str,
-                   text_len: Optional[int] = None) -> None:
+def count_elements(
+    value: Any, limits: InputLimits, source: str, line: int, what: str, text_len: Optional[int] = None
+) -> None:
     """Raise InputBoundExceeded when a parsed JSON value holds more than `limits.max_elements` values
     (iteratively: its depth is already bounded, but this walks it without recursion anyway). `text_len`, the
     length of the JSON text it was parsed from, skips the walk when too short to hold that many: k values
@@ -247,14 +267,39 @@ def count_elements(value: Any, limits: InputLimits, source: str, line: int, what
         v = todo.pop()
         seen += 1
         if seen > limits.max_elements:
-            raise InputBoundExceeded(source, line, "max_elements", limits.max_elements,
-                                     f"{what} has more than {limits.max_elements} elements")
+            raise InputBoundExceeded(
+                source,
+                line,
+                "max_elements",
+                limits.max_elements,
+                f"{what} has more than {limits.max_elements} elements",
+            )
         if isinstance(v, dict):
             todo.extend(v.values())
         elif isinstance(v, list):
             todo.extend(v)
 
 
-__all__ = ["CONFIG_LIMITS", "EXPR_MAX_DIGITS", "EXPR_MAX_NESTING", "EXPR_MAX_TERMS", "ENV_VALUE_LIMITS", "SCHEMA_LIMITS", "SPEC_LIMITS", "SPEC_MAX_CHECK_WORK", "TRACE_LIMITS", "TRACE_MAX_REQUESTS", "BoundedYAMLLoader",
-           "InputBoundExceeded", "InputLimits", "InputRejected", "check_json_nesting", "compose_yaml",
-           "count_elements", "decode_utf8", "load_yaml_data", "open_regular", "read_bounded"]
+__all__ = [
+    "CONFIG_LIMITS",
+    "EXPR_MAX_DIGITS",
+    "EXPR_MAX_NESTING",
+    "EXPR_MAX_TERMS",
+    "ENV_VALUE_LIMITS",
+    "SCHEMA_LIMITS",
+    "SPEC_LIMITS",
+    "SPEC_MAX_CHECK_WORK",
+    "TRACE_LIMITS",
+    "TRACE_MAX_REQUESTS",
+    "BoundedYAMLLoader",
+    "InputBoundExceeded",
+    "InputLimits",
+    "InputRejected",
+    "check_json_nesting",
+    "compose_yaml",
+    "count_elements",
+    "decode_utf8",
+    "load_yaml_data",
+    "open_regular",
+    "read_bounded",
+]

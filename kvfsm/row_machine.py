@@ -128,8 +128,9 @@ class RowMachine:
         """`rows` as a 1-D intp array and `args` as None or index-aligned with it; raises on a bad batch."""
         rows = np.asarray(rows)
         if rows.ndim != 1 or (rows.size and rows.dtype.kind not in "iu"):
-            raise TypeError(f"{type(self).__name__}.{what}: rows must be a 1-D integer array, got "
-                            f"{rows.ndim}-D {rows.dtype}")
+            raise TypeError(
+                f"{type(self).__name__}.{what}: rows must be a 1-D integer array, got {rows.ndim}-D {rows.dtype}"
+            )
         rows = rows.astype(np.intp, copy=False)
         if isinstance(args, (list, tuple)):
             args = np.fromiter(args, dtype=object, count=len(args))
@@ -160,8 +161,9 @@ class RowMachine:
             return GuardRejected(ref, event, self.STATES[state], guards)
         return EventRejected(ref, event, self.STATES[state], self.ERRORS[event][state])
 
-    def _fire(self, event: str, decide: Callable[[np.ndarray], Decided], actions: tuple[str, ...],
-              rows: Any, args: Any) -> None:
+    def _fire(
+        self, event: str, decide: Callable[[np.ndarray], Decided], actions: tuple[str, ...], rows: Any, args: Any
+    ) -> None:
         """Run `event` for the batch: decide (in rounds when rows repeat), reject or write, call the actions."""
         rows, args = self._batch(event, rows, args)
         n = rows.size
@@ -176,8 +178,7 @@ class RowMachine:
             for name, _, after in d.writes:
                 getattr(self, name)[rows] = after
             found: dict[int, np.ndarray] = {}  # an event's calls often share one mask (`taken`)
-            positions = [found[id(m)] if id(m) in found else found.setdefault(id(m), m.nonzero()[0])
-                         for m in d.takes]
+            positions = [found[id(m)] if id(m) in found else found.setdefault(id(m), m.nonzero()[0]) for m in d.takes]
             saved = [(name, rows, before) for name, before, _ in d.writes]
         else:
             positions, saved = self._rounds(event, decide, rows, len(actions))
@@ -192,8 +193,9 @@ class RowMachine:
             self._restore(saved)
             raise
 
-    def _rounds(self, event: str, decide: Callable[[np.ndarray], Decided], rows: np.ndarray,
-                calls: int) -> tuple[list[np.ndarray], list[tuple[str, np.ndarray, np.ndarray]]]:
+    def _rounds(
+        self, event: str, decide: Callable[[np.ndarray], Decided], rows: np.ndarray, calls: int
+    ) -> tuple[list[np.ndarray], list[tuple[str, np.ndarray, np.ndarray]]]:
         """A batch with repeated rows: round k decides and writes every row's k-th appearance. Returns the
         positions taking each action call (in batch order) and what puts the arrays back; on a rejection the
         arrays are put back first and the item a loop would have stopped at is named."""
@@ -246,8 +248,9 @@ class RowMachine:
             seen: dict[int, int] = {}
             for i, r in enumerate(rows.tolist()):
                 if r in seen:
-                    raise ValueError(f"{type(self).__name__}.create: row {r} at items {seen[r]} and {i}; "
-                                     "a row holds one machine")
+                    raise ValueError(
+                        f"{type(self).__name__}.create: row {r} at items {seen[r]} and {i}; a row holds one machine"
+                    )
                 seen[r] = i
         values = {}
         for p, v in params.items():

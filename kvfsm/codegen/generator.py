@@ -25,16 +25,22 @@ def module_name(spec: CompiledSpec) -> str:
 def _env() -> jinja2.Environment:
     env = jinja2.Environment(
         loader=jinja2.PackageLoader("kvfsm.codegen", "templates"),
-        trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
-        undefined=jinja2.StrictUndefined, autoescape=False,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        undefined=jinja2.StrictUndefined,
+        autoescape=False,
     )
     env.filters["pyrepr"] = repr
     return env
 
 
 def _effects_note(acquires, reads, releases) -> str:
-    parts = [f"{verb} {', '.join(items)}" for verb, items in
-             (("acquires", acquires), ("reads", reads), ("releases", releases)) if items]
+    parts = [
+        f"{verb} {', '.join(items)}"
+        for verb, items in (("acquires", acquires), ("reads", reads), ("releases", releases))
+        if items
+    ]
     return "; ".join(parts)
 
 
@@ -66,13 +72,31 @@ def render(spec: CompiledSpec, spec_path: str) -> str:
         for s in spec.states:
             ts = spec.handlers(s, e)
             if ts:
-                branches.append(dict(
-                    kind="transitions", state=s, const=const[s], guarded=all(t.guard for t in ts),
-                    guards=tuple(t.guard for t in ts),
-                    transitions=[dict(id=t.id, label=t.label, line=t.line, guard=t.guard,
-                                      guard_py=guard_py.get(t.guard or ""), guard_m=guard_m.get(t.guard or ""),
-                                      actions=t.actions, updates=t.update,
-                                      src=t.src, dst=t.dst, dst_const=const[t.dst]) for t in ts]))
+                branches.append(
+                    dict(
+                        kind="transitions",
+                        state=s,
+                        const=const[s],
+                        guarded=all(t.guard for t in ts),
+                        guards=tuple(t.guard for t in ts),
+                        transitions=[
+                            dict(
+                                id=t.id,
+                                label=t.label,
+                                line=t.line,
+                                guard=t.guard,
+                                guard_py=guard_py.get(t.guard or ""),
+                                guard_m=guard_m.get(t.guard or ""),
+                                actions=t.actions,
+                                updates=t.update,
+                                src=t.src,
+                                dst=t.dst,
+                                dst_const=const[t.dst],
+                            )
+                            for t in ts
+                        ],
+                    )
+                )
         for kind in ("ignore", "error"):
             groups: dict[str, list[str]] = {}
             for s in spec.states:
@@ -80,40 +104,71 @@ def render(spec: CompiledSpec, spec_path: str) -> str:
                 if o is not None and o.kind == kind:
                     groups.setdefault(o.reason, []).append(s)
             for reason, states in groups.items():
-                branches.append(dict(kind=kind, states=states, reason=reason, last=False,
-                                     test=" or ".join(f"s == {const[s]}" for s in states)))
+                branches.append(
+                    dict(
+                        kind=kind,
+                        states=states,
+                        reason=reason,
+                        last=False,
+                        test=" or ".join(f"s == {const[s]}" for s in states),
+                    )
+                )
         if branches[-1]["kind"] == "error":
             branches[-1]["last"] = True
-        events.append(dict(name=e, doc=em.doc, branches=branches, batch_actions=batch_action_order(spec, e),
-                           handled_consts=[const[s] for s in spec.states if spec.handlers(s, e)],
-                           ignored_consts=[const[s] for s in spec.states
-                                           if (o := spec.outcomes.get((s, e))) is not None and o.kind == "ignore"]))
+        events.append(
+            dict(
+                name=e,
+                doc=em.doc,
+                branches=branches,
+                batch_actions=batch_action_order(spec, e),
+                handled_consts=[const[s] for s in spec.states if spec.handlers(s, e)],
+                ignored_consts=[
+                    const[s] for s in spec.states if (o := spec.outcomes.get((s, e))) is not None and o.kind == "ignore"
+                ],
+            )
+        )
     model = spec.model
     create = model.create
     ctx = dict(
-        spec_path=spec_path, sha256=spec.sha256, name=spec.name, doc=model.doc,
-        class_name=f"{spec.name}Machine", effects_name=f"{spec.name}Effects",
-        states=[dict(name=s, const=const[s], index=i, doc=m.doc, terminal=m.terminal)
-                for i, (s, m) in enumerate(model.states.items())],
+        spec_path=spec_path,
+        sha256=spec.sha256,
+        name=spec.name,
+        doc=model.doc,
+        class_name=f"{spec.name}Machine",
+        effects_name=f"{spec.name}Effects",
+        states=[
+            dict(name=s, const=const[s], index=i, doc=m.doc, terminal=m.terminal)
+            for i, (s, m) in enumerate(model.states.items())
+        ],
         initial_const=const[spec.initial],
-        state_invariants=[dict(name=f"state {st}", const=const[st], py=ex.render(node, lambda n: f"m.{n}"))
-                          for st, node in spec.state_invariants.items()],
-        invariants=[dict(name=name, consts=[const[st] for st in where], py=ex.render(node, lambda n: f"m.{n}"))
-                    for name, (node, where) in spec.invariants.items()],
+        state_invariants=[
+            dict(name=f"state {st}", const=const[st], py=ex.render(node, lambda n: f"m.{n}"))
+            for st, node in spec.state_invariants.items()
+        ],
+        invariants=[
+            dict(name=name, consts=[const[st] for st in where], py=ex.render(node, lambda n: f"m.{n}"))
+            for name, (node, where) in spec.invariants.items()
+        ],
         holds=[(const[st], tuple(sorted(holdings(spec)[0].get(st, ())))) for st in spec.states],
-        state_names=spec.states, event_names=spec.events, counter_names=spec.counters,
+        state_names=spec.states,
+        event_names=spec.events,
+        counter_names=spec.counters,
         events=events,
         counters=[dict(name=c, doc=m.doc, initial=m.initial) for c, m in model.counters.items()],
-        params=[dict(name=p, doc=m.doc) for p, m in model.params.items()], param_names=spec.params,
-        actions=[dict(name=a, doc=m.doc, effects=_effects_note(m.acquires, m.reads, m.releases))
-                 for a, m in model.actions.items()],
+        params=[dict(name=p, doc=m.doc) for p, m in model.params.items()],
+        param_names=spec.params,
+        actions=[
+            dict(name=a, doc=m.doc, effects=_effects_note(m.acquires, m.reads, m.releases))
+            for a, m in model.actions.items()
+        ],
         transitions=spec.transitions,
         create_doc=create.doc if create else "A new machine in its initial state.",
         create_holds=", ".join(create.holds) if create else "",
         create_actions=list(create.actions) if create else [],
-        policies=[dict(name=n, default=pol.default, choices=tuple(pol.choices),
-                       line=spec.lines.line(("policies", n)))
-                  for n, pol in model.policies.items()],
+        policies=[
+            dict(name=n, default=pol.default, choices=tuple(pol.choices), line=spec.lines.line(("policies", n)))
+            for n, pol in model.policies.items()
+        ],
     )
     return _env().get_template("machine.py.j2").render(**ctx)
 

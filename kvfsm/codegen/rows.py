@@ -16,8 +16,26 @@ from kvfsm.spec import CompiledSpec, expr as ex
 from kvfsm.spec.compiled import Transition
 
 # Names the generated class or its decide methods use themselves; a counter or param may not take one.
-RESERVED = frozenset({"state", "created", "capacity", "fx", "grow", "snapshot", "params", "create", "s", "ns", "n",
-                      "rows", "bad", "np", "self", "Decided"})
+RESERVED = frozenset(
+    {
+        "state",
+        "created",
+        "capacity",
+        "fx",
+        "grow",
+        "snapshot",
+        "params",
+        "create",
+        "s",
+        "ns",
+        "n",
+        "rows",
+        "bad",
+        "np",
+        "self",
+        "Decided",
+    }
+)
 _RESERVED_PATTERN = re.compile(r"^(t\d+|at_\w+|g_\w+|new_\w+|_\w*)$")
 
 
@@ -67,7 +85,7 @@ def action_calls(spec: CompiledSpec, transitions: list[Transition]) -> list[tupl
         if not live:
             return calls
         nexts = sorted({seqs[i][heads[i]] for i in live}, key=declared.__getitem__)
-        ready = [a for a in nexts if all(a not in seqs[i][heads[i] + 1:] for i in live)]
+        ready = [a for a in nexts if all(a not in seqs[i][heads[i] + 1 :] for i in live)]
         pick = (ready or nexts)[0]
         takers = [i for i in live if seqs[i][heads[i]] == pick]
         for i in takers:
@@ -82,8 +100,9 @@ def _union(tids: list[int]) -> str:
 def _check_names(spec: CompiledSpec) -> None:
     for name in (*spec.counters, *spec.params):
         if name in RESERVED or _RESERVED_PATTERN.match(name):
-            raise RowsUnsupported(f"{spec.path}: counter or param {name!r} clashes with a name the rows machine "
-                                  "uses itself; rename it")
+            raise RowsUnsupported(
+                f"{spec.path}: counter or param {name!r} clashes with a name the rows machine uses itself; rename it"
+            )
     if len(spec.states) > 127:
         raise RowsUnsupported(f"{spec.path}: {len(spec.states)} states do not fit the rows machine's int8 state")
 
@@ -172,15 +191,26 @@ def _event(spec: CompiledSpec, event: str, const: dict[str, str]) -> dict:
         bad = f"~{taken}"
     counter_writes = []
     for c, by in deltas.items():
-        terms = [f"{'+' if d > 0 else '-'} {'' if abs(d) == 1 else f'{abs(d)} * '}{union(tids, grouped=True)}"
-                 for d, tids in by.items()]
+        terms = [
+            f"{'+' if d > 0 else '-'} {'' if abs(d) == 1 else f'{abs(d)} * '}{union(tids, grouped=True)}"
+            for d, tids in by.items()
+        ]
         counter_writes.append(dict(name=c, py=f"{c} {' '.join(terms)}"))
-    return dict(name=event, doc=spec.model.events[event].doc, gathers=gathers, guards=guards, branches=branches,
-                bad=bad, rejected=rejected, taken=_union(every) if shared else None,
-                state_writes=[dict(const=const[d], tids=union(tids)) for d, tids in dsts.items()],
-                counter_writes=counter_writes,
-                calls=[dict(action=a, takes=union(tids)) for a, tids in calls],
-                call_names=tuple(f"{a}_rows" for a, _ in calls), action_order=tuple(a for a, _ in calls))
+    return dict(
+        name=event,
+        doc=spec.model.events[event].doc,
+        gathers=gathers,
+        guards=guards,
+        branches=branches,
+        bad=bad,
+        rejected=rejected,
+        taken=_union(every) if shared else None,
+        state_writes=[dict(const=const[d], tids=union(tids)) for d, tids in dsts.items()],
+        counter_writes=counter_writes,
+        calls=[dict(action=a, takes=union(tids)) for a, tids in calls],
+        call_names=tuple(f"{a}_rows" for a, _ in calls),
+        action_order=tuple(a for a, _ in calls),
+    )
 
 
 def render_rows(spec: CompiledSpec, spec_path: str) -> str:
@@ -193,22 +223,38 @@ def render_rows(spec: CompiledSpec, spec_path: str) -> str:
     errors: dict[str, list[tuple[str, str]]] = {}
     guarded: dict[str, list[tuple[str, tuple[str, ...]]]] = {}
     for e in spec.events:
-        errors[e] = [(const[s], o.reason) for s in spec.states
-                     if (o := spec.outcomes.get((s, e))) is not None and o.kind == "error"]
-        guarded[e] = [(const[s], tuple(t.guard for t in ts if t.guard)) for s in spec.states
-                      if (ts := spec.handlers(s, e)) and all(t.guard for t in ts)]
+        errors[e] = [
+            (const[s], o.reason)
+            for s in spec.states
+            if (o := spec.outcomes.get((s, e))) is not None and o.kind == "error"
+        ]
+        guarded[e] = [
+            (const[s], tuple(t.guard for t in ts if t.guard))
+            for s in spec.states
+            if (ts := spec.handlers(s, e)) and all(t.guard for t in ts)
+        ]
     ctx = dict(
-        spec_path=spec_path, sha256=spec.sha256, name=spec.name, doc=model.doc,
-        machine_module=module_name(spec), class_name=f"{spec.name}Rows", effects_name=f"{spec.name}RowsEffects",
+        spec_path=spec_path,
+        sha256=spec.sha256,
+        name=spec.name,
+        doc=model.doc,
+        machine_module=module_name(spec),
+        class_name=f"{spec.name}Rows",
+        effects_name=f"{spec.name}RowsEffects",
         per_request_class=f"{spec.name}Machine",
         states=[dict(name=s, const=const[s], index=i, doc=m.doc) for i, (s, m) in enumerate(model.states.items())],
         terminal_consts=[const[s] for s, m in model.states.items() if m.terminal],
-        initial_const=const[spec.initial], state_names=spec.states, event_names=spec.events,
-        counter_names=spec.counters, param_names=spec.params,
+        initial_const=const[spec.initial],
+        state_names=spec.states,
+        event_names=spec.events,
+        counter_names=spec.counters,
+        param_names=spec.params,
         counters=[dict(name=c, doc=m.doc, initial=m.initial) for c, m in model.counters.items()],
         params=[dict(name=p, doc=m.doc) for p, m in model.params.items()],
         actions=[dict(name=a, doc=m.doc, effects=_effects_note(m)) for a, m in model.actions.items()],
-        events=events, errors=errors, guarded=guarded,
+        events=events,
+        errors=errors,
+        guarded=guarded,
         create_doc=create.doc if create else "New machines in their initial state.",
         create_holds=", ".join(create.holds) if create else "",
         create_calls=tuple(f"{a}_rows" for a in (create.actions if create else ())),
@@ -217,7 +263,14 @@ def render_rows(spec: CompiledSpec, spec_path: str) -> str:
 
 
 def _effects_note(m) -> str:
-    parts = [f"{verb} {', '.join(items)}" for verb, items in
-             (("acquires", m.acquires), ("reads", m.reads), ("releases", m.releases),
-              ("releases fenced", m.releases_fenced)) if items]
+    parts = [
+        f"{verb} {', '.join(items)}"
+        for verb, items in (
+            ("acquires", m.acquires),
+            ("reads", m.reads),
+            ("releases", m.releases),
+            ("releases fenced", m.releases_fenced),
+        )
+        if items
+    ]
     return "; ".join(parts)

@@ -41,8 +41,9 @@ def make_copy_engine(device: str | None = None) -> CopyEngine:
     if device != "cpu" and torch.cuda.is_available():
         return CudaCopyEngine(device)
     if device not in (None, "cpu"):
-        logging.getLogger(__name__).warning("make_copy_engine(%r): CUDA is not available, using the CPU copy engine",
-                                            device)
+        logging.getLogger(__name__).warning(
+            "make_copy_engine(%r): CUDA is not available, using the CPU copy engine", device
+        )
     return CpuCopyEngine()
 
 

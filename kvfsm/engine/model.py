@@ -27,8 +27,9 @@ class TinyModelConfig:
     seed: int = 1234
 
     def kv_config(self) -> KVCacheConfig:
-        return KVCacheConfig(num_layers=self.layers, kv_heads=self.kv_heads, head_dim=self.head_dim,
-                             attention="mha", dtype=torch.float32)
+        return KVCacheConfig(
+            num_layers=self.layers, kv_heads=self.kv_heads, head_dim=self.head_dim, attention="mha", dtype=torch.float32
+        )
 
 
 class TinyDecoder:

@@ -21,8 +21,13 @@ from kvfsm.engine.model import TinyDecoder
 from kvfsm.runtime import DecodeOffloadManager, SimplePrefixCache
 
 
-def grow_slots(allocator: TokenSlotAllocator, table: ReqToTokenPool, req, length: int,
-               wait: Optional[Callable[[tuple[SlotFence, ...]], None]] = None) -> bool:
+def grow_slots(
+    allocator: TokenSlotAllocator,
+    table: ReqToTokenPool,
+    req,
+    length: int,
+    wait: Optional[Callable[[tuple[SlotFence, ...]], None]] = None,
+) -> bool:
     """Give positions [0, length) of `req` device slots, in whole pages; False (nothing changed) when the
     pool or the table row has no room. With `wait`, slots released fenced may be among them (handed out
     last): `wait` gets their fences, to make the stream that writes the slots wait on them."""
@@ -50,8 +55,9 @@ def grow_slots(allocator: TokenSlotAllocator, table: ReqToTokenPool, req, length
 class EngineRequest:
     """Implements kvfsm.runtime.OffloadRequest (a plain class: weak-referenceable, identity-hashed)."""
 
-    def __init__(self, rid: str, prompt: list[int], max_new: int = 0, abort_at: Optional[int] = None,
-                 prefix_len: int = 0) -> None:
+    def __init__(
+        self, rid: str, prompt: list[int], max_new: int = 0, abort_at: Optional[int] = None, prefix_len: int = 0
+    ) -> None:
         self.rid = rid
         self.origin_input_ids = prompt
         self.output_ids: list[int] = []
@@ -101,9 +107,18 @@ class EngineStats:
 
 
 class DecodeEngine:
-    def __init__(self, model: TinyDecoder, pool: DeviceKVPool, allocator: TokenSlotAllocator, table: ReqToTokenPool,
-                 protected: SimplePrefixCache, max_batch: int, manager: Optional[DecodeOffloadManager] = None,
-                 speculative: int = 0, fenced: bool = False) -> None:
+    def __init__(
+        self,
+        model: TinyDecoder,
+        pool: DeviceKVPool,
+        allocator: TokenSlotAllocator,
+        table: ReqToTokenPool,
+        protected: SimplePrefixCache,
+        max_batch: int,
+        manager: Optional[DecodeOffloadManager] = None,
+        speculative: int = 0,
+        fenced: bool = False,
+    ) -> None:
         self.model, self.pool, self.allocator, self.table = model, pool, allocator, table
         self.protected, self.manager, self.max_batch = protected, manager, max_batch
         self.page = allocator.page_size
@@ -187,11 +202,13 @@ class DecodeEngine:
                 stepped.append(req)
             stats.batch_sum += len(stepped)
             if self.manager is not None and stepped:  # the decode batch's new KV, in one call
-                self.manager.offload_batch(stepped, [r.row for r in stepped],
-                                           [r.kv_committed_len for r in stepped])
+                self.manager.offload_batch(stepped, [r.row for r in stepped], [r.kv_committed_len for r in stepped])
             for req in stepped:
-                ended = "abort" if req.abort_at is not None and len(req.output_ids) >= req.abort_at else (
-                    "finish" if len(req.output_ids) >= req.max_new else None)
+                ended = (
+                    "abort"
+                    if req.abort_at is not None and len(req.output_ids) >= req.abort_at
+                    else ("finish" if len(req.output_ids) >= req.max_new else None)
+                )
                 if ended:
                     live.remove(req)
                     req.done = True

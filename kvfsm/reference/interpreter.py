@@ -28,8 +28,14 @@ class _Model:
 class ReferenceMachine:
     """Same surface as a generated machine: one method per event, `state`, counters, `snapshot()`."""
 
-    def __init__(self, spec: CompiledSpec, fx: Any, ctx: Any = None,
-                 observer: Optional[Callable[..., None]] = None, **params: int) -> None:
+    def __init__(
+        self,
+        spec: CompiledSpec,
+        fx: Any,
+        ctx: Any = None,
+        observer: Optional[Callable[..., None]] = None,
+        **params: int,
+    ) -> None:
         unknown = sorted(set(params) - set(spec.params))
         if unknown or any(v not in (0, 1) for v in params.values()):
             raise ValueError(f"params must be 0 or 1 and among {list(spec.params)}, got {params!r}")
@@ -37,11 +43,18 @@ class ReferenceMachine:
         self.counters = {c: m.initial for c, m in spec.model.counters.items()}
         self.params = {p: params.get(p, 0) for p in spec.params}  # constants: guards read them, nothing updates them
         self._model = _Model()
-        self._fsm = Machine(model=self._model, states=list(spec.states), initial=spec.initial,
-                            auto_transitions=False, send_event=True, ignore_invalid_triggers=False)
+        self._fsm = Machine(
+            model=self._model,
+            states=list(spec.states),
+            initial=spec.initial,
+            auto_transitions=False,
+            send_event=True,
+            ignore_invalid_triggers=False,
+        )
         for t in spec.transitions:
-            self._fsm.add_transition(t.event, t.src, t.dst, conditions=[self._guard(t)],
-                                     before=[self._effects(t)], after=[self._observe(t)])
+            self._fsm.add_transition(
+                t.event, t.src, t.dst, conditions=[self._guard(t)], before=[self._effects(t)], after=[self._observe(t)]
+            )
         for (state, event), outcome in spec.outcomes.items():
             if outcome.kind == "ignore":
                 self._fsm.add_transition(event, state, None, after=[self._ignored(event)])
@@ -59,6 +72,7 @@ class ReferenceMachine:
                 getattr(self.fx, action)(self, arg)
             for counter, delta in t.update:
                 self.counters[counter] += delta
+
         return run
 
     def _observe(self, t: Transition) -> Callable[[EventData], None]:
@@ -70,6 +84,7 @@ class ReferenceMachine:
             if self.observer:
                 s = self.state
                 self.observer(self, event, s, s, IGNORED_TRANSITION)
+
         return run
 
     @property

@@ -8,6 +8,24 @@ from kvfsm.runtime.manager import DecodeOffloadManager, TPMismatch
 from kvfsm.runtime.metrics import OffloadMetrics
 from kvfsm.runtime.protocols import OffloadRequest, PrefixCache, PrefixLock, SimplePrefixCache
 
-__all__ = ["BackupJob", "BackupWorker", "CheckedModeError", "ConfigError", "DecodeOffloadManager", "InvalidRequest",
-           "OffloadConfig", "OffloadMetrics", "OffloadRequest", "PrefixCache", "PrefixLock", "RequestFieldMissing",
-           "RetractionRefused", "RowInUse", "SimplePrefixCache", "SlotLedger", "SteppedBackupWorker", "TPMismatch", "ThreadBackupWorker"]
+__all__ = [
+    "BackupJob",
+    "BackupWorker",
+    "CheckedModeError",
+    "ConfigError",
+    "DecodeOffloadManager",
+    "InvalidRequest",
+    "OffloadConfig",
+    "OffloadMetrics",
+    "OffloadRequest",
+    "PrefixCache",
+    "PrefixLock",
+    "RequestFieldMissing",
+    "RetractionRefused",
+    "RowInUse",
+    "SimplePrefixCache",
+    "SlotLedger",
+    "SteppedBackupWorker",
+    "TPMismatch",
+    "ThreadBackupWorker",
+]

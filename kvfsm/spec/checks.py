@@ -28,15 +28,29 @@ def _box(spec: CompiledSpec) -> Iterator[dict[str, int]]:
     nodes = list(spec.guards.values()) + list(spec.state_invariants.values()) + [n for n, _ in spec.invariants.values()]
     bound = max([3] + [v + 2 for n in nodes for v in ex.literals(n)])
     if (bound + 1) ** len(spec.counters) > MAX_VALUATIONS:
-        raise SpecInvalid([spec.lines.error(("counters",), "counters",
-                                            f"guards need counter values up to {bound} over {len(spec.counters)} counters; "
-                                            f"more than {MAX_VALUATIONS} valuations to check (use smaller literals)")])
+        raise SpecInvalid(
+            [
+                spec.lines.error(
+                    ("counters",),
+                    "counters",
+                    f"guards need counter values up to {bound} over {len(spec.counters)} counters; "
+                    f"more than {MAX_VALUATIONS} valuations to check (use smaller literals)",
+                )
+            ]
+        )
     work = (bound + 1) ** len(spec.counters) * 2 ** len(spec.params) * (len(spec.transitions) + len(spec.states))
     if work > SPEC_MAX_CHECK_WORK:  # a spec from a pull request must not keep `validate` busy for hours
-        raise SpecInvalid([spec.lines.error(("counters",), "counters",
-                                            f"checking needs {work} valuations of transitions and states, more than "
-                                            f"{SPEC_MAX_CHECK_WORK} (bound SPEC_MAX_CHECK_WORK): fewer counters, params, "
-                                            "transitions or smaller literals")])
+        raise SpecInvalid(
+            [
+                spec.lines.error(
+                    ("counters",),
+                    "counters",
+                    f"checking needs {work} valuations of transitions and states, more than "
+                    f"{SPEC_MAX_CHECK_WORK} (bound SPEC_MAX_CHECK_WORK): fewer counters, params, "
+                    "transitions or smaller literals",
+                )
+            ]
+        )
     for values in itertools.product(range(bound + 1), repeat=len(spec.counters)):
         for flags in _param_values(spec):
             yield dict(zip(spec.counters, values)) | flags
@@ -79,27 +93,49 @@ def check_structure(spec: CompiledSpec) -> list[SpecError]:
         if s not in seen:
             errors.append(lines.error(loc, element, f"unreachable from the initial state {spec.initial!r}"))
         if not m.terminal and not (out_edges[s] - {s}):
-            errors.append(lines.error(loc, element, "non-terminal state with no way out (mark it terminal or add a transition)"))
+            errors.append(
+                lines.error(loc, element, "non-terminal state with no way out (mark it terminal or add a transition)")
+            )
         if m.terminal:
             for t in spec.transitions:
                 if t.src == s and t.acquires:
-                    errors.append(lines.error(("transitions", t.rule), f"transitions[{t.rule}] {t.label}",
-                                              f"terminal state {s!r} can still acquire {', '.join(t.acquires)}"))
+                    errors.append(
+                        lines.error(
+                            ("transitions", t.rule),
+                            f"transitions[{t.rule}] {t.label}",
+                            f"terminal state {s!r} can still acquire {', '.join(t.acquires)}",
+                        )
+                    )
                 elif t.src == s and t.dst != s:
-                    errors.append(lines.error(("transitions", t.rule), f"transitions[{t.rule}] {t.label}",
-                                              f"terminal state {s!r} has a way out to {t.dst!r}"))
+                    errors.append(
+                        lines.error(
+                            ("transitions", t.rule),
+                            f"transitions[{t.rule}] {t.label}",
+                            f"terminal state {s!r} has a way out to {t.dst!r}",
+                        )
+                    )
 
     for s in spec.states:
         for e in spec.events:
             handled = bool(spec.handlers(s, e))
             outcome = spec.outcomes.get((s, e))
             if handled and outcome is not None:
-                errors.append(SpecError(spec.path, outcome.line, f"({s}, {e})",
-                                        f"has transitions and is also declared {outcome.kind} here"))
+                errors.append(
+                    SpecError(
+                        spec.path,
+                        outcome.line,
+                        f"({s}, {e})",
+                        f"has transitions and is also declared {outcome.kind} here",
+                    )
+                )
             elif not handled and outcome is None:
-                errors.append(lines.error(("states", s), f"({s}, {e})",
-                                          f"not total: event {e!r} in state {s!r} has no transition and is neither "
-                                          "ignored nor an error"))
+                errors.append(
+                    lines.error(
+                        ("states", s),
+                        f"({s}, {e})",
+                        f"not total: event {e!r} in state {s!r} has no transition and is neither ignored nor an error",
+                    )
+                )
 
     used_guards = {t.guard for t in spec.transitions}
     used_actions = {a for t in spec.transitions for a in t.actions} | set(model.create.actions if model.create else ())
@@ -124,12 +160,22 @@ def check_determinism(spec: CompiledSpec) -> list[SpecError]:
     valuations = list(_box(spec))
     for (s, _event), ts in by_pair.items():
         for a, b in itertools.combinations(ts, 2):
-            witness = next((env for env in valuations if spec.state_holds(s, env)
-                            and _guard_holds(spec, a, env) and _guard_holds(spec, b, env)), None)
+            witness = next(
+                (
+                    env
+                    for env in valuations
+                    if spec.state_holds(s, env) and _guard_holds(spec, a, env) and _guard_holds(spec, b, env)
+                ),
+                None,
+            )
             if witness is not None:
-                errors.append(spec.lines.error(("transitions", b.rule), f"transitions[{b.rule}] {b.label}",
-                                               f"nondeterministic with transitions[{a.rule}] {a.label}: both guards "
-                                               f"hold at {witness}"))
+                errors.append(
+                    spec.lines.error(
+                        ("transitions", b.rule),
+                        f"transitions[{b.rule}] {b.label}",
+                        f"nondeterministic with transitions[{a.rule}] {a.label}: both guards hold at {witness}",
+                    )
+                )
     return errors
 
 
@@ -139,8 +185,13 @@ def check_invariants(spec: CompiledSpec) -> list[SpecError]:
     for flags in _param_values(spec):
         start = {c: m.initial for c, m in spec.model.counters.items()} | flags
         if not spec.state_holds(spec.initial, start):
-            errors.append(spec.lines.error(("states", spec.initial), f"state {spec.initial!r}",
-                                           f"the initial counters {start} violate its invariants"))
+            errors.append(
+                spec.lines.error(
+                    ("states", spec.initial),
+                    f"state {spec.initial!r}",
+                    f"the initial counters {start} violate its invariants",
+                )
+            )
             break
     valuations = list(_box(spec))
     for t in spec.transitions:
@@ -149,8 +200,13 @@ def check_invariants(spec: CompiledSpec) -> list[SpecError]:
                 continue
             post = _apply(t, env)
             if not spec.state_holds(t.dst, post):
-                errors.append(spec.lines.error(("transitions", t.rule), f"transitions[{t.rule}] {t.label}",
-                                               f"breaks the invariants of {t.dst!r}: {env} -> {post}"))
+                errors.append(
+                    spec.lines.error(
+                        ("transitions", t.rule),
+                        f"transitions[{t.rule}] {t.label}",
+                        f"breaks the invariants of {t.dst!r}: {env} -> {post}",
+                    )
+                )
                 break
     return errors
 
@@ -186,8 +242,10 @@ def check_updates(spec: CompiledSpec) -> list[SpecError]:
             said = f"updates {c} by {d:+d}" if d else f"does not update {c}"
             if not srcs:
                 acts = ", ".join(repr(a) for a in t.actions) or "none"
-                msg = (f"{said}, but neither its event {t.event!r} nor any of its actions ({acts}) implies a change "
-                       f"of {c}; declare `implies: {{{c}: {d:+d}}}` on the action or event that causes it")
+                msg = (
+                    f"{said}, but neither its event {t.event!r} nor any of its actions ({acts}) implies a change "
+                    f"of {c}; declare `implies: {{{c}: {d:+d}}}` on the action or event that causes it"
+                )
             else:
                 why = ", ".join(f"{src} (line {line}) implies {c} {delta:+d}" for src, delta, line in srcs)
                 total = f"{c} {v:+d}" if v else f"no net change of {c}"
@@ -217,8 +275,11 @@ def check_resources(spec: CompiledSpec) -> list[SpecError]:
     errors += [lines.error(("transitions", t.rule), f"transitions[{t.rule}] {t.label}", msg) for t, msg in problems]
     for s, m in model.states.items():
         if m.terminal and held_at.get(s):
-            errors.append(lines.error(("states", s), f"state {s!r}",
-                                      f"terminal state still holds {', '.join(sorted(held_at[s]))} (leak)"))
+            errors.append(
+                lines.error(
+                    ("states", s), f"state {s!r}", f"terminal state still holds {', '.join(sorted(held_at[s]))} (leak)"
+                )
+            )
     return errors
 
 
@@ -241,14 +302,21 @@ def holdings(spec: CompiledSpec) -> tuple[dict[str, frozenset[str]], list[tuple[
                 continue
             twice = [r for r in t.releases if r in single and r not in held]
             if twice:
-                problems.append((t, f"releases {', '.join(twice)} which is already released on this path (double release)"))
+                problems.append(
+                    (t, f"releases {', '.join(twice)} which is already released on this path (double release)")
+                )
             after = held - set(t.releases)
             if t.dst not in held_at:
                 held_at[t.dst] = after
                 queue.append(t.dst)
             elif held_at[t.dst] != after:
-                problems.append((t, f"reaches {t.dst!r} holding {sorted(after)} but another path reaches it holding "
-                                    f"{sorted(held_at[t.dst])}"))
+                problems.append(
+                    (
+                        t,
+                        f"reaches {t.dst!r} holding {sorted(after)} but another path reaches it holding "
+                        f"{sorted(held_at[t.dst])}",
+                    )
+                )
     unique = list({(t.id, msg): (t, msg) for t, msg in problems}.values())
     return held_at, unique
 
@@ -259,8 +327,10 @@ def check_fences(spec: CompiledSpec) -> list[SpecError]:
     resource's `fence` rule), and a fenced release must have something to fence (else it should be a plain
     one). A load-back writes what an offload reads: a release under either is checked against both."""
     errors: list[SpecError] = []
-    users = {r: [(c, verb) for c, verb in ((m.read_by, "reads"), (m.written_by, "writes")) if c is not None]
-             for r, m in spec.model.resources.items()}
+    users = {
+        r: [(c, verb) for c, verb in ((m.read_by, "reads"), (m.written_by, "writes")) if c is not None]
+        for r, m in spec.model.resources.items()
+    }
     users = {r: u for r, u in users.items() if u}
     if not users:
         return errors
@@ -274,15 +344,25 @@ def check_fences(spec: CompiledSpec) -> list[SpecError]:
             where = ("transitions", t.rule), f"transitions[{t.rule}] {t.label}"
             if r not in t.fenced and busy is not None:
                 c, verb, post = busy
-                errors.append(spec.lines.error(*where, f"releases {r!r} while {c} may still be {post[c]} (at {post}): "
-                                               f"what {c} counts still {verb} it; release it fenced "
-                                               f"(`releases_fenced`) or after the last of them"))
+                errors.append(
+                    spec.lines.error(
+                        *where,
+                        f"releases {r!r} while {c} may still be {post[c]} (at {post}): "
+                        f"what {c} counts still {verb} it; release it fenced "
+                        f"(`releases_fenced`) or after the last of them",
+                    )
+                )
             elif r in t.fenced and busy is None and posts:
                 counters = list(dict.fromkeys(c for c, _ in users[r]))
                 names, what = " and ".join(counters), " or ".join(verb for _, verb in users[r])
-                errors.append(spec.lines.error(*where, f"releases {r!r} fenced, but {names} "
-                                               f"{'is' if len(counters) == 1 else 'are'} 0 after it in every case: "
-                                               f"nothing {what} it any more; release it plainly"))
+                errors.append(
+                    spec.lines.error(
+                        *where,
+                        f"releases {r!r} fenced, but {names} "
+                        f"{'is' if len(counters) == 1 else 'are'} 0 after it in every case: "
+                        f"nothing {what} it any more; release it plainly",
+                    )
+                )
     return errors
 
 
@@ -306,16 +386,27 @@ def check_copy_directions(spec: CompiledSpec) -> list[SpecError]:
                 for c in started:
                     if named != c:
                         how = "reads" if verb == "reads" else "acquires"
-                        errors.append(spec.lines.error(
-                            ("actions", a), f"action {a!r}",
-                            f"starts what {c} counts, which {verb} {r!r} (it {how} it), but resource {r!r} names "
-                            f"{f'{named!r}' if named else 'no counter'} as `{field}`: a release of {r!r} under it "
-                            "would not be checked against it"))
+                        errors.append(
+                            spec.lines.error(
+                                ("actions", a),
+                                f"action {a!r}",
+                                f"starts what {c} counts, which {verb} {r!r} (it {how} it), but resource {r!r} names "
+                                f"{f'{named!r}' if named else 'no counter'} as `{field}`: a release of {r!r} under it "
+                                "would not be checked against it",
+                            )
+                        )
     return errors
 
 
-CHECKS = (check_structure, check_updates, check_determinism, check_invariants, check_resources, check_fences,
-          check_copy_directions)
+CHECKS = (
+    check_structure,
+    check_updates,
+    check_determinism,
+    check_invariants,
+    check_resources,
+    check_fences,
+    check_copy_directions,
+)
 
 
 def load_spec(path: str | Path) -> CompiledSpec:

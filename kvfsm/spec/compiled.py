@@ -132,8 +132,11 @@ def build(path: str | Path) -> CompiledSpec:
         return True
 
     guards = {g: parse(("guards", g, "expr"), f"guard {g!r}", m.expr) for g, m in model.guards.items()}
-    state_invs = {s: parse(("states", s, "invariant"), f"state {s!r}", m.invariant)
-                  for s, m in model.states.items() if m.invariant is not None}
+    state_invs = {
+        s: parse(("states", s, "invariant"), f"state {s!r}", m.invariant)
+        for s, m in model.states.items()
+        if m.invariant is not None
+    }
     invariants = {}
     for i, inv in enumerate(model.invariants):
         node = parse(("invariants", i, "expr"), f"invariant {inv.name!r}", inv.expr)
@@ -145,8 +148,12 @@ def build(path: str | Path) -> CompiledSpec:
             if getattr(res, verb) is not None:
                 known(("resources", r, verb), f"resource {r!r}", "counter", getattr(res, verb), model.counters)
         if res.fence is not None and res.read_by is None and res.written_by is None:
-            err(("resources", r, "fence"), f"resource {r!r}", "declares a fence rule but no `read_by` or "
-                "`written_by` counter: a fence is the completion of what reads or writes it")
+            err(
+                ("resources", r, "fence"),
+                f"resource {r!r}",
+                "declares a fence rule but no `read_by` or "
+                "`written_by` counter: a fence is the completion of what reads or writes it",
+            )
     for a, act in model.actions.items():
         for verb in ("acquires", "reads", "releases", "releases_fenced"):
             for r in getattr(act, verb):
@@ -155,8 +162,11 @@ def build(path: str | Path) -> CompiledSpec:
             if r in act.releases:
                 err(("actions", a, "releases_fenced"), f"action {a!r}", f"releases {r!r} both plainly and fenced")
             elif r in model.resources and model.resources[r].fence is None:
-                err(("actions", a, "releases_fenced"), f"action {a!r}",
-                    f"releases {r!r} fenced, but resource {r!r} declares no `fence` rule")
+                err(
+                    ("actions", a, "releases_fenced"),
+                    f"action {a!r}",
+                    f"releases {r!r} fenced, but resource {r!r} declares no `fence` rule",
+                )
         for c in act.implies:
             known(("actions", a, "implies", c), f"action {a!r}", "counter", c, model.counters)
     for e, ev in model.events.items():
@@ -167,19 +177,28 @@ def build(path: str | Path) -> CompiledSpec:
             known(("create", "holds"), "create", "resource", r, model.resources)
         for a in model.create.actions:
             if known(("create", "actions"), "create", "action", a, model.actions) and model.actions[a].acquires:
-                err(("create", "actions"), "create", f"action {a!r} acquires; what a new machine holds belongs in `holds`")
+                err(
+                    ("create", "actions"),
+                    "create",
+                    f"action {a!r} acquires; what a new machine holds belongs in `holds`",
+                )
             elif a in model.actions and model.actions[a].implies:
                 implied = ", ".join(f"{c} {d:+d}" for c, d in model.actions[a].implies.items())
-                err(("create", "actions"), "create",
+                err(
+                    ("create", "actions"),
+                    "create",
                     f"action {a!r} implies {implied} (line {lines.line(('actions', a, 'implies'))}); a new machine's "
-                    "counters start at their `initial` values, so a creation action may imply no update")
+                    "counters start at their `initial` values, so a creation action may imply no update",
+                )
 
     transitions: list[Transition] = []
     for index, rule in enumerate(model.transitions):
         loc = ("transitions", index)
         where = f"transitions[{index}]"
-        ok = all([known(loc + ("from",), where, "state", s, model.states) for s in rule.src]
-                 + [known(loc + ("on",), where, "event", e, model.events) for e in rule.on])
+        ok = all(
+            [known(loc + ("from",), where, "state", s, model.states) for s in rule.src]
+            + [known(loc + ("on",), where, "event", e, model.events) for e in rule.on]
+        )
         if rule.to != SAME:
             ok &= known(loc + ("to",), where, "state", rule.to, model.states)
         if rule.guard is not None:
@@ -192,20 +211,33 @@ def build(path: str | Path) -> CompiledSpec:
         gather = lambda verb: tuple(dict.fromkeys(x for a in acts for x in getattr(a, verb)))  # noqa: E731
         for s in rule.src:
             for e in rule.on:
-                transitions.append(Transition(
-                    id=len(transitions), src=s, event=e, guard=rule.guard,
-                    dst=s if rule.to == SAME else rule.to, actions=tuple(rule.actions),
-                    update=tuple(rule.update.items()), acquires=gather("acquires"), reads=gather("reads"),
-                    releases=tuple(dict.fromkeys(gather("releases") + gather("releases_fenced"))),
-                    line=lines.line(loc), rule=index, fenced=gather("releases_fenced")))
+                transitions.append(
+                    Transition(
+                        id=len(transitions),
+                        src=s,
+                        event=e,
+                        guard=rule.guard,
+                        dst=s if rule.to == SAME else rule.to,
+                        actions=tuple(rule.actions),
+                        update=tuple(rule.update.items()),
+                        acquires=gather("acquires"),
+                        reads=gather("reads"),
+                        releases=tuple(dict.fromkeys(gather("releases") + gather("releases_fenced"))),
+                        line=lines.line(loc),
+                        rule=index,
+                        fenced=gather("releases_fenced"),
+                    )
+                )
 
     outcomes: dict[tuple[str, str], Outcome] = {}
     for section, kind in (("ignore", "ignore"), ("errors", "error")):
         for index, rule in enumerate(getattr(model, section)):
             loc = (section, index)
             where = f"{section}[{index}]"
-            ok = all([known(loc + ("in",), where, "state", s, model.states) for s in rule.states]
-                     + [known(loc + ("on",), where, "event", e, model.events) for e in rule.on])
+            ok = all(
+                [known(loc + ("in",), where, "state", s, model.states) for s in rule.states]
+                + [known(loc + ("on",), where, "event", e, model.events) for e in rule.on]
+            )
             if not ok:
                 continue
             for s in rule.states:
@@ -218,14 +250,26 @@ def build(path: str | Path) -> CompiledSpec:
 
     initial = [s for s, m in model.states.items() if m.initial]
     if len(initial) != 1:
-        err(("states",), "states", f"exactly one initial state is required, found {len(initial)}"
-            + (f": {', '.join(initial)}" if initial else ""))
+        err(
+            ("states",),
+            "states",
+            f"exactly one initial state is required, found {len(initial)}"
+            + (f": {', '.join(initial)}" if initial else ""),
+        )
     if errors:
         raise SpecInvalid(errors)
     return CompiledSpec(
-        path=str(path), sha256=hashlib.sha256(raw).hexdigest(), model=model, lines=lines,
-        states=states, events=events, counters=counters, params=params, initial=initial[0],
-        transitions=tuple(transitions), outcomes=outcomes,
+        path=str(path),
+        sha256=hashlib.sha256(raw).hexdigest(),
+        model=model,
+        lines=lines,
+        states=states,
+        events=events,
+        counters=counters,
+        params=params,
+        initial=initial[0],
+        transitions=tuple(transitions),
+        outcomes=outcomes,
         guards={k: v for k, v in guards.items() if v is not None},
         state_invariants={k: v for k, v in state_invs.items() if v is not None},
         invariants={k: (n, w) for k, (n, w) in invariants.items() if n is not None},

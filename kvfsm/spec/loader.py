@@ -52,11 +52,27 @@ def _to_data(node: yaml.Node, loc: Loc, lines: LineMap) -> Any:
             # Keys are names: take the raw text so YAML 1.1 never turns `on:` into True.
             key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
             if not isinstance(key, str):
-                raise SpecInvalid([SpecError(lines.file, key_node.start_mark.line + 1, ".".join(map(str, loc)) or "<root>",
-                                             f"mapping key must be a name, got {key!r}")])
+                raise SpecInvalid(
+                    [
+                        SpecError(
+                            lines.file,
+                            key_node.start_mark.line + 1,
+                            ".".join(map(str, loc)) or "<root>",
+                            f"mapping key must be a name, got {key!r}",
+                        )
+                    ]
+                )
             if key in out:
-                raise SpecInvalid([SpecError(lines.file, key_node.start_mark.line + 1, str(key),
-                                             f"duplicate key {key!r} (first at line {lines.line(loc + (key,))})")])
+                raise SpecInvalid(
+                    [
+                        SpecError(
+                            lines.file,
+                            key_node.start_mark.line + 1,
+                            str(key),
+                            f"duplicate key {key!r} (first at line {lines.line(loc + (key,))})",
+                        )
+                    ]
+                )
             lines.record(loc + (key,), key_node.start_mark.line + 1)
             out[key] = _to_data(value_node, loc + (key,), lines)
             # keep the key's own line: a value on the next line should not move the element's anchor
@@ -67,8 +83,16 @@ def _to_data(node: yaml.Node, loc: Loc, lines: LineMap) -> Any:
     try:
         return _SCALARS.construct_object(node, deep=True)
     except (ValueError, OverflowError, yaml.YAMLError) as exc:  # an int past Python's digit limit, an unknown tag
-        raise SpecInvalid([SpecError(lines.file, node.start_mark.line + 1, ".".join(map(str, loc)) or "<root>",
-                                     f"unreadable value: {exc}")]) from None
+        raise SpecInvalid(
+            [
+                SpecError(
+                    lines.file,
+                    node.start_mark.line + 1,
+                    ".".join(map(str, loc)) or "<root>",
+                    f"unreadable value: {exc}",
+                )
+            ]
+        ) from None
 
 
 def load_yaml(path: str | Path, limits: InputLimits = SPEC_LIMITS) -> tuple[Any, LineMap, bytes]:

@@ -44,17 +44,29 @@ class Param(_Strict):
 
 class Resource(_Strict):
     doc: Doc
-    read_by: Optional[Name] = Field(None, description=(
-        "The counter of in-flight operations that read this resource (device slots: `copies`). `kvfsm validate` "
-        "rejects a plain release of it by a transition after which that counter may be above zero, and an action "
-        "that starts one of them (`implies` +1) and `reads` it while this names another counter."))
-    written_by: Optional[Name] = Field(None, description=(
-        "The counter of in-flight operations that write this resource (a load-back's device blocks: `swap_ins`), "
-        "checked as `read_by` is; an action that starts one of them (`implies` +1) and `acquires` it writes it."))
-    fence: Optional[Doc] = Field(None, description=(
-        "The rule under which it may be released while those operations (`read_by`, `written_by`) still read or "
-        "write it (`releases_fenced`): what the release carries and what must pass before it is handed out and "
-        "written again."))
+    read_by: Optional[Name] = Field(
+        None,
+        description=(
+            "The counter of in-flight operations that read this resource (device slots: `copies`). `kvfsm validate` "
+            "rejects a plain release of it by a transition after which that counter may be above zero, and an action "
+            "that starts one of them (`implies` +1) and `reads` it while this names another counter."
+        ),
+    )
+    written_by: Optional[Name] = Field(
+        None,
+        description=(
+            "The counter of in-flight operations that write this resource (a load-back's device blocks: `swap_ins`), "
+            "checked as `read_by` is; an action that starts one of them (`implies` +1) and `acquires` it writes it."
+        ),
+    )
+    fence: Optional[Doc] = Field(
+        None,
+        description=(
+            "The rule under which it may be released while those operations (`read_by`, `written_by`) still read or "
+            "write it (`releases_fenced`): what the release carries and what must pass before it is handed out and "
+            "written again."
+        ),
+    )
 
 
 class Guard(_Strict):
@@ -67,12 +79,20 @@ class Action(_Strict):
     acquires: list[Name] = []
     reads: list[Name] = []
     releases: list[Name] = []
-    releases_fenced: list[Name] = Field([], description=(
-        "Resources released while operations still read or write them, each carrying their fences (its `fence` "
-        "rule)."))
-    implies: Update = Field({}, description=(
-        "The counter update running this action implies (submitting a copy: `{copies: +1}`). `kvfsm validate` "
-        "checks that every transition's `update` is exactly the sum of its event's and its actions' `implies`."))
+    releases_fenced: list[Name] = Field(
+        [],
+        description=(
+            "Resources released while operations still read or write them, each carrying their fences (its `fence` "
+            "rule)."
+        ),
+    )
+    implies: Update = Field(
+        {},
+        description=(
+            "The counter update running this action implies (submitting a copy: `{copies: +1}`). `kvfsm validate` "
+            "checks that every transition's `update` is exactly the sum of its event's and its actions' `implies`."
+        ),
+    )
 
 
 class Create(_Strict):
@@ -90,9 +110,13 @@ class State(_Strict):
 
 class Event(_Strict):
     doc: Doc
-    implies: Update = Field({}, description=(
-        "The counter update the event itself reports, in every transition it fires, whatever the machine does "
-        "about it: an acknowledgement ends something an action started (`copy_done`: `{copies: -1}`)."))
+    implies: Update = Field(
+        {},
+        description=(
+            "The counter update the event itself reports, in every transition it fires, whatever the machine does "
+            "about it: an acknowledgement ends something an action started (`copy_done`: `{copies: -1}`)."
+        ),
+    )
 
 
 def _as_list(value: object) -> object:
@@ -105,7 +129,9 @@ class TransitionRule(_Strict):
     src: list[Name] = Field(alias="from", min_length=1)
     on: list[Name] = Field(min_length=1)
     guard: Optional[Name] = None
-    to: Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_]*$", max_length=64)]  # a state, or 'same': a self-loop
+    to: Annotated[
+        str, StringConstraints(pattern=r"^[a-z][a-z0-9_]*$", max_length=64)
+    ]  # a state, or 'same': a self-loop
     actions: list[Name] = []
     update: Update = {}
     doc: Optional[Doc] = None
@@ -175,6 +201,7 @@ class SpecModel(_Strict):
 def json_schema_text() -> str:
     """The spec format's JSON Schema, deterministic text (what `kvfsm schema` writes to spec/)."""
     import json
+
     schema = SpecModel.model_json_schema(by_alias=True)
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["title"] = "kvfsm lifecycle spec"

@@ -37,16 +37,41 @@ out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 UNREACHED = 3  # exit code of `check --require-all` when the bound leaves a transition unreached
-_BOUND_FIELDS = ("requests", "slots", "page_size", "stride", "host_slots", "backup_queue", "prompt_len", "decodes",
-                 "readmits", "speculative")
+_BOUND_FIELDS = (
+    "requests",
+    "slots",
+    "page_size",
+    "stride",
+    "host_slots",
+    "backup_queue",
+    "prompt_len",
+    "decodes",
+    "readmits",
+    "speculative",
+)
 
 
-def check(requests: Optional[int] = None, slots: Optional[int] = None, page_size: Optional[int] = None,
-          stride: Optional[int] = None, host_slots: Optional[int] = None, max_depth: Optional[int] = None,
-          out_test: Optional[Path] = None, *, decodes: Optional[int] = None, readmits: Optional[int] = None,
-          backup_queue: Optional[int] = None, prompt_len: Optional[int] = None, speculative: Optional[int] = None,
-          quiet: bool = False, spec_path: Optional[Path] = None, require_all: bool = False,
-          bound: Optional[str] = None, jobs: int = 1, report: Optional[Path] = None) -> int:
+def check(
+    requests: Optional[int] = None,
+    slots: Optional[int] = None,
+    page_size: Optional[int] = None,
+    stride: Optional[int] = None,
+    host_slots: Optional[int] = None,
+    max_depth: Optional[int] = None,
+    out_test: Optional[Path] = None,
+    *,
+    decodes: Optional[int] = None,
+    readmits: Optional[int] = None,
+    backup_queue: Optional[int] = None,
+    prompt_len: Optional[int] = None,
+    speculative: Optional[int] = None,
+    quiet: bool = False,
+    spec_path: Optional[Path] = None,
+    require_all: bool = False,
+    bound: Optional[str] = None,
+    jobs: int = 1,
+    report: Optional[Path] = None,
+) -> int:
     """Bounded exhaustive exploration of the implementation; 0 when no invariant fails, 1 on a violation,
     2 on a bound that means nothing or a spec the runtime's machine was not generated from, and 3 with
     `require_all` when the bound leaves a transition unreached (a green result about half the spec misleads).
@@ -70,8 +95,14 @@ def check(requests: Optional[int] = None, slots: Optional[int] = None, page_size
     if jobs < 1:
         err.print(f"jobs={jobs}: must be at least 1", markup=False)
         return 2
-    given = {k: v for k, v in zip(_BOUND_FIELDS, (requests, slots, page_size, stride, host_slots, backup_queue,
-                                                   prompt_len, decodes, readmits, speculative)) if v is not None}
+    given = {
+        k: v
+        for k, v in zip(
+            _BOUND_FIELDS,
+            (requests, slots, page_size, stride, host_slots, backup_queue, prompt_len, decodes, readmits, speculative),
+        )
+        if v is not None
+    }
     if given and bound is not None:
         err.print(f"a named bound ({bound}) or bound options ({', '.join(sorted(given))}), not both", markup=False)
         return 2
@@ -92,28 +123,40 @@ def check(requests: Optional[int] = None, slots: Optional[int] = None, page_size
     spec = load_spec(spec_path)
     union = len(chosen.parts) > 1
     if union:
-        out.print(Text.assemble((f"exploring the {chosen.name} bound", "bold"),
-                                f": {len(chosen.parts)} sub-bounds, each exhaustively, their coverage unioned"
-                                + (f" (max_depth={max_depth})" if max_depth is not None else "")))
+        out.print(
+            Text.assemble(
+                (f"exploring the {chosen.name} bound", "bold"),
+                f": {len(chosen.parts)} sub-bounds, each exhaustively, their coverage unioned"
+                + (f" (max_depth={max_depth})" if max_depth is not None else ""),
+            )
+        )
     results = []
     for n, part in enumerate(chosen.parts, 1):
-        res = _explore_one(part, f"[{n}/{len(chosen.parts)}] {part.name}: " if union else "", max_depth, jobs, quiet,
-                           spec)
+        res = _explore_one(
+            part, f"[{n}/{len(chosen.parts)}] {part.name}: " if union else "", max_depth, jobs, quiet, spec
+        )
         results.append(res)
         if union:
             cov = report_coverage({part.name: res.coverage}, spec)
-            out.print(f"  {res.states} states, {res.edges} events run, depth {res.depth}, "
-                      f"{'complete' if res.complete else 'INCOMPLETE'}, {res.seconds:.1f} s, "
-                      f"{cov.fraction()} transitions", markup=False)
+            out.print(
+                f"  {res.states} states, {res.edges} events run, depth {res.depth}, "
+                f"{'complete' if res.complete else 'INCOMPLETE'}, {res.seconds:.1f} s, "
+                f"{cov.fraction()} transitions",
+                markup=False,
+            )
         if res.violation is not None:
             return _violation(part.config, res, out_test)
     cov = report_coverage({p.name: r.coverage for p, r in zip(chosen.parts, results)}, spec)
     if union:
         tab = Table(show_header=False, box=None)
-        for k, v in (("sub-bounds", f"{len(results)}"), ("states", f"{sum(r.states for r in results)}"),
-                     ("edges (events run)", f"{sum(r.edges for r in results)}"),
-                     ("complete", "yes" if all(r.complete for r in results) else f"no (max_depth {max_depth})"),
-                     ("seconds", f"{sum(r.seconds for r in results):.1f}"), ("transitions reached", cov.fraction())):
+        for k, v in (
+            ("sub-bounds", f"{len(results)}"),
+            ("states", f"{sum(r.states for r in results)}"),
+            ("edges (events run)", f"{sum(r.edges for r in results)}"),
+            ("complete", "yes" if all(r.complete for r in results) else f"no (max_depth {max_depth})"),
+            ("seconds", f"{sum(r.seconds for r in results):.1f}"),
+            ("transitions reached", cov.fraction()),
+        ):
             tab.add_row(k, v)
         out.print(tab)
     if report is not None:
@@ -121,8 +164,10 @@ def check(requests: Optional[int] = None, slots: Optional[int] = None, page_size
     complete = all(r.complete for r in results)
     scope = "" if complete else f" up to depth {max(r.depth for r in results)}"
     if cov.missing:
-        out.print(f"[yellow]not reached at this bound ({len(cov.missing)} of {len(cov.spec.transitions)} "
-                  f"transitions): the claim below says nothing about them[/yellow]")
+        out.print(
+            f"[yellow]not reached at this bound ({len(cov.missing)} of {len(cov.spec.transitions)} "
+            f"transitions): the claim below says nothing about them[/yellow]"
+        )
         for t in cov.missing:
             out.print(f"  T{t.id}: {t.label}", markup=False)
         out.print(f"no invariant violated{scope} in the {cov.fraction()} transitions reached", markup=False)
@@ -137,37 +182,61 @@ def check(requests: Optional[int] = None, slots: Optional[int] = None, page_size
 def _custom_config(given: dict[str, int]) -> ExplorerConfig:
     base = ExplorerConfig()
     fields = {k: given.get(k, getattr(base, k)) for k in _BOUND_FIELDS}
-    fields["max_context"] = max(16, fields["prompt_len"] + fields["decodes"] + fields["speculative"] + fields["page_size"])
+    fields["max_context"] = max(
+        16, fields["prompt_len"] + fields["decodes"] + fields["speculative"] + fields["page_size"]
+    )
     return ExplorerConfig(**fields)
 
 
-def _explore_one(part: SubBound, prefix: str, max_depth: Optional[int], jobs: int, quiet: bool,
-                 spec: CompiledSpec) -> ExploreResult:
+def _explore_one(
+    part: SubBound, prefix: str, max_depth: Optional[int], jobs: int, quiet: bool, spec: CompiledSpec
+) -> ExploreResult:
     cfg = part.config
     bound = cfg.describe() + (f", max_depth={max_depth}" if max_depth is not None else "")
     out.print(Text.assemble((f"{prefix}exploring ", "bold"), bound))
     t0 = time.perf_counter()
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=out,
-                  transient=True, disable=quiet) as progress:
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+        console=out,
+        transient=True,
+        disable=quiet,
+    ) as progress:
         task = progress.add_task("depth 0", total=None)
 
         def level(depth: int, states: int, frontier: int) -> None:
             progress.update(task, description=f"depth {depth}: {states} states, frontier {frontier}")
             if not quiet:
-                progress.console.print(f"  depth {depth:3d}: {states:8d} states, frontier {frontier:7d}  "
-                                       f"({time.perf_counter() - t0:6.1f} s)", markup=False)
+                progress.console.print(
+                    f"  depth {depth:3d}: {states:8d} states, frontier {frontier:7d}  "
+                    f"({time.perf_counter() - t0:6.1f} s)",
+                    markup=False,
+                )
 
         res = explore(cfg, max_depth=max_depth, on_level=level, jobs=jobs)
     if not prefix:  # one bound: its table, as before
         cov = report_coverage({"explorer": res.coverage}, spec)
         tab = Table(show_header=False, box=None)
-        for k, v in (("states", f"{res.states}"), ("edges (events run)", f"{res.edges}"),
-                     ("depth", f"{res.depth}"),
-                     ("complete", "yes" if res.complete else "stopped at the first violation" if res.violation
-                      else f"no (max_depth {max_depth})"), ("seconds", f"{res.seconds:.1f}"),
-                     ("states/s", f"{res.states_per_second:.0f}"), ("peak RSS", f"{res.peak_rss_mib:.0f} MiB"),
-                     ("branching", res.mode + (f" (copying failed: {res.fallback})" if res.fallback else "")),
-                     ("reductions", _reductions(res)), ("transitions reached", cov.fraction())):
+        for k, v in (
+            ("states", f"{res.states}"),
+            ("edges (events run)", f"{res.edges}"),
+            ("depth", f"{res.depth}"),
+            (
+                "complete",
+                "yes"
+                if res.complete
+                else "stopped at the first violation"
+                if res.violation
+                else f"no (max_depth {max_depth})",
+            ),
+            ("seconds", f"{res.seconds:.1f}"),
+            ("states/s", f"{res.states_per_second:.0f}"),
+            ("peak RSS", f"{res.peak_rss_mib:.0f} MiB"),
+            ("branching", res.mode + (f" (copying failed: {res.fallback})" if res.fallback else "")),
+            ("reductions", _reductions(res)),
+            ("transitions reached", cov.fraction()),
+        ):
             tab.add_row(k, v)
         out.print(tab)
     return res
@@ -200,6 +269,7 @@ def _violation(cfg: ExplorerConfig, res: ExploreResult, out_test: Optional[Path]
 
 def _write_report(path: Path, bound: Bound, results: list[ExploreResult], spec: CompiledSpec) -> None:
     import kvfsm.generated.decode_offload as gen
+
     section = render_section(bound, results, spec, gen.SPEC_SHA256)
     current = path.read_text() if path.exists() else None
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -237,9 +307,11 @@ def replay(trace: Path, spec_path: Optional[Path] = None, max_bytes: Optional[in
         if bad.record is not None:
             err.print(f"  {str(bad.record)[:2000]}", markup=False)
         return 1
-    out.print(f"{trace}: ok: {res.steps} steps ({res.ignored} declared no-ops) of {res.requests} requests, "
-              f"{len([t for t in res.transitions if t >= 0])} distinct transitions, spec sha256 {res.spec_sha256[:12]}",
-              markup=False)
+    out.print(
+        f"{trace}: ok: {res.steps} steps ({res.ignored} declared no-ops) of {res.requests} requests, "
+        f"{len([t for t in res.transitions if t >= 0])} distinct transitions, spec sha256 {res.spec_sha256[:12]}",
+        markup=False,
+    )
     if res.final_states:
         out.print("final states: " + ", ".join(f"{s} {n}" for s, n in sorted(res.final_states.items())), markup=False)
     return 0

@@ -70,11 +70,14 @@ class CoverageReport:
 
     def rows(self) -> list[tuple[str, str, str]]:
         """(T<id>, label, the sources that exercised it) per declared transition."""
-        return [(f"T{t.id}", t.label, ", ".join(name for name, ids in self.sources.items() if t.id in ids) or "-")
-                for t in self.spec.transitions]
+        return [
+            (f"T{t.id}", t.label, ", ".join(name for name, ids in self.sources.items() if t.id in ids) or "-")
+            for t in self.spec.transitions
+        ]
 
     def table(self):  # a rich Table (imported lazily: the library has no hard dependency on rich here)
         from rich.table import Table
+
         tab = Table(title=f"transition coverage {self.fraction()} ({self.spec.path})")
         tab.add_column("id", justify="right")
         tab.add_column("transition")
@@ -88,17 +91,21 @@ def report(sources: dict[str, set[int]], spec: CompiledSpec | None = None) -> Co
     return CoverageReport(spec or load_spec(default_spec_path()), {k: set(v) for k, v in sources.items()})
 
 
-def explorer_coverage(bounds: Sequence[ExplorerConfig] = STANDARD_BOUNDS, max_depth: Optional[int] = None,
-                      faults: Optional[Faults] = None) -> dict[str, set[int]]:
+def explorer_coverage(
+    bounds: Sequence[ExplorerConfig] = STANDARD_BOUNDS, max_depth: Optional[int] = None, faults: Optional[Faults] = None
+) -> dict[str, set[int]]:
     """Explore each bound completely; {"explorer <bound>": transition ids}. A violation raises AssertionError."""
     out: dict[str, set[int]] = {}
     for cfg in bounds:
         res = explore(cfg, max_depth=max_depth, faults=faults)
         if res.violation is not None:
-            raise AssertionError(f"explorer found a violation at {cfg.describe()}: {res.violation.name}: "
-                                 f"{res.violation.detail}")
-        key = (f"explorer requests={cfg.requests} decodes={cfg.decodes} host_slots={cfg.host_slots} "
-               f"readmits={cfg.readmits}")
+            raise AssertionError(
+                f"explorer found a violation at {cfg.describe()}: {res.violation.name}: {res.violation.detail}"
+            )
+        key = (
+            f"explorer requests={cfg.requests} decodes={cfg.decodes} host_slots={cfg.host_slots} "
+            f"readmits={cfg.readmits}"
+        )
         if cfg.end_kinds != ExplorerConfig().end_kinds:
             key += f" ends={'/'.join(cfg.end_kinds)}"
         out[key + (" fenced" if cfg.fenced else "")] = set(res.coverage)
@@ -115,13 +122,25 @@ class FuzzResult:
 
 
 # how much likelier an event is chosen than an end of a request (so lifecycles get long)
-_WEIGHTS = {"finish": 0.15, "abort": 0.15, "retract": 0.15, "engine_release": 0.15, "end_again": 0.1, "progress": 2.0,
-            "copy": 1.5}
+_WEIGHTS = {
+    "finish": 0.15,
+    "abort": 0.15,
+    "retract": 0.15,
+    "engine_release": 0.15,
+    "end_again": 0.1,
+    "progress": 2.0,
+    "copy": 1.5,
+}
 
 
-def fuzz(config: ExplorerConfig = ExplorerConfig(decodes=3, readmits=1, host_slots=4), steps: int = 3000, seed: int = 0,
-         faults: Optional[Faults] = None, weights: Optional[dict[str, float]] = None,
-         on_step: Optional[Callable[[int], None]] = None) -> FuzzResult:
+def fuzz(
+    config: ExplorerConfig = ExplorerConfig(decodes=3, readmits=1, host_slots=4),
+    steps: int = 3000,
+    seed: int = 0,
+    faults: Optional[Faults] = None,
+    weights: Optional[dict[str, float]] = None,
+    on_step: Optional[Callable[[int], None]] = None,
+) -> FuzzResult:
     """A random walk over the explorer's events (every invariant checked after each), restarted whenever
     every request has ended and nothing is in flight; its coverage complements the bounded exploration.
     Episodes alternate the spec's `fences` param (the config's, then the other), so both release paths run;

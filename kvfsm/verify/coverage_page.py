@@ -56,24 +56,31 @@ def render_section(bound: Bound, results: Sequence[ExploreResult], spec: Compile
     covered = set().union(*(r.coverage for r in results))
     declared = [t.id for t in spec.transitions]
     reached = len(covered & set(declared))
-    lines = [_BEGIN.format(name=bound.name, command=bound.command),
-             f"## `{bound.command}`: the {bound.name} bound",
-             "",
-             f"Spec `{Path(spec.path).name}` sha256 `{spec_sha256[:16]}`: {reached} of {len(declared)} transitions reached "
-             f"by {len(bound.parts)} sub-bounds, {sum(r.states for r in results)} states and "
-             f"{sum(r.edges for r in results)} events run in all, "
-             + ("every sub-bound explored completely." if all(r.complete for r in results)
-                else "**not every sub-bound was explored completely.**"),
-             "",
-             "| sub-bound | requests | device slots | host slots | backup queue | decodes | speculative | readmits "
-             "| states | events run | depth | complete | transitions | what it is for |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        _BEGIN.format(name=bound.name, command=bound.command),
+        f"## `{bound.command}`: the {bound.name} bound",
+        "",
+        f"Spec `{Path(spec.path).name}` sha256 `{spec_sha256[:16]}`: {reached} of {len(declared)} transitions reached "
+        f"by {len(bound.parts)} sub-bounds, {sum(r.states for r in results)} states and "
+        f"{sum(r.edges for r in results)} events run in all, "
+        + (
+            "every sub-bound explored completely."
+            if all(r.complete for r in results)
+            else "**not every sub-bound was explored completely.**"
+        ),
+        "",
+        "| sub-bound | requests | device slots | host slots | backup queue | decodes | speculative | readmits "
+        "| states | events run | depth | complete | transitions | what it is for |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for part, res in zip(bound.parts, results):
         c = part.config
-        lines.append(f"| `{part.name}` | {c.requests} | {c.slots} | {c.host_slots} | {c.backup_queue} | {c.decodes} "
-                     f"| {c.speculative} | {c.readmits} | {res.states} | {res.edges} | {res.depth} "
-                     f"| {'yes' if res.complete else 'no'} | {len(res.coverage & set(declared))}/{len(declared)} "
-                     f"| {part.why} |")
+        lines.append(
+            f"| `{part.name}` | {c.requests} | {c.slots} | {c.host_slots} | {c.backup_queue} | {c.decodes} "
+            f"| {c.speculative} | {c.readmits} | {res.states} | {res.edges} | {res.depth} "
+            f"| {'yes' if res.complete else 'no'} | {len(res.coverage & set(declared))}/{len(declared)} "
+            f"| {part.why} |"
+        )
     lines += ["", "| id | transition | reached by |", "|---|---|---|"]
     for t in spec.transitions:
         by = [n for n, r in zip(names, results) if t.id in r.coverage]
@@ -107,14 +114,22 @@ def _existing(text: str, bound: Bound) -> Optional[str]:
     end = _END.format(name=bound.name)
     i = text.find(begin)
     j = text.find(end, i)
-    return None if i < 0 or j < 0 else text[i:j + len(end)] + "\n"
+    return None if i < 0 or j < 0 else text[i : j + len(end)] + "\n"
 
 
 def _placeholder(bound: Bound) -> str:
-    return "\n".join([_BEGIN.format(name=bound.name, command=bound.command),
-                      f"## `{bound.command}`: the {bound.name} bound", "",
-                      f"Not generated yet: run `{bound.command} --report docs/explorer-coverage.md`.",
-                      _END.format(name=bound.name)]) + "\n"
+    return (
+        "\n".join(
+            [
+                _BEGIN.format(name=bound.name, command=bound.command),
+                f"## `{bound.command}`: the {bound.name} bound",
+                "",
+                f"Not generated yet: run `{bound.command} --report docs/explorer-coverage.md`.",
+                _END.format(name=bound.name),
+            ]
+        )
+        + "\n"
+    )
 
 
 __all__ = ["HEADER", "extract", "render_page", "render_section"]

@@ -77,8 +77,13 @@ class SimEngine:
     stream_ordered: bool = False  # a wait orders the writer after the copy and lands nothing (the GPU's case)
 
     def __post_init__(self) -> None:
-        self.kv = KVCacheConfig(num_layers=self.num_layers, kv_heads=self.kv_heads, head_dim=self.head_dim,
-                                attention="mha", dtype=torch.float32)
+        self.kv = KVCacheConfig(
+            num_layers=self.num_layers,
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            attention="mha",
+            dtype=torch.float32,
+        )
         self.device_pool = DeviceKVPool.create(self.kv, self.device_slots)
         self.allocator = TokenSlotAllocator(self.device_slots, self.page_size)
         self.req_to_token = ReqToTokenPool(self.rows, self.max_context, self.table_device)
@@ -88,15 +93,31 @@ class SimEngine:
         self.worker = SteppedBackupWorker(self.backup_queue)
         self.store: Optional[MemoryStorage] = MemoryStorage()
         self.storage = self.make_storage()
-        self.config = OffloadConfig(page_size=self.page_size, offload_stride=self.stride, host_pool_ratio=1.0,
-                                    copy_backend="deferred", storage_backend="none", checked=self.checked,
-                                    backup_queue_size=self.backup_queue, trace_path=self.trace_path,
-                                    stored_index_pages=self.stored_index_pages, retraction=self.retraction,
-                                    fenced_release=self.fenced)
+        self.config = OffloadConfig(
+            page_size=self.page_size,
+            offload_stride=self.stride,
+            host_pool_ratio=1.0,
+            copy_backend="deferred",
+            storage_backend="none",
+            checked=self.checked,
+            backup_queue_size=self.backup_queue,
+            trace_path=self.trace_path,
+            stored_index_pages=self.stored_index_pages,
+            retraction=self.retraction,
+            fenced_release=self.fenced,
+        )
         self.manager = DecodeOffloadManager(
-            self.config, device_pool=self.device_pool, allocator=self.allocator, req_to_token=self.req_to_token,
-            prefix_cache=self.protected, host_pool=self.host_pool, copy_engine=self.copies, storage=self.storage,
-            backup_worker=self.worker, **self.manager_options())
+            self.config,
+            device_pool=self.device_pool,
+            allocator=self.allocator,
+            req_to_token=self.req_to_token,
+            prefix_cache=self.protected,
+            host_pool=self.host_pool,
+            copy_engine=self.copies,
+            storage=self.storage,
+            backup_worker=self.worker,
+            **self.manager_options(),
+        )
         self.live: list[SimRequest] = []
 
     def make_storage(self) -> Any:
@@ -126,7 +147,9 @@ class SimEngine:
         if not self.skip_fence_wait:
             wait_fences(fences)
 
-    def admit(self, rid: str, prompt_len: int, prefix_len: int = 0, req: Optional[SimRequest] = None) -> Optional[SimRequest]:
+    def admit(
+        self, rid: str, prompt_len: int, prefix_len: int = 0, req: Optional[SimRequest] = None
+    ) -> Optional[SimRequest]:
         """Prefill a request (or re-admit a retracted one); None when there is no row or no room. Its prefix
         (whole pages: `prefix_len` rounded down) is matched in the prefix cache, which holds its pages while
         the request's lock is held."""
@@ -200,7 +223,8 @@ class SimEngine:
             led.claim_device(SCRATCH_WRITER, "reuse", slots.tolist())
             led.device_write(SCRATCH_WRITER, slots.tolist())
         self.device_pool.token_view()[:, :, slots] = torch.tensor(
-            [kv_value(0, p) for p in range(len(slots))], dtype=torch.float32).view(1, 1, -1, 1, 1)
+            [kv_value(0, p) for p in range(len(slots))], dtype=torch.float32
+        ).view(1, 1, -1, 1, 1)
         if led is not None:
             led.release_device(SCRATCH_WRITER, "reuse", slots.tolist())
         self.allocator.free(slots)
@@ -228,7 +252,10 @@ class SimEngine:
         """Every pool back to full and no prefix locked (B3, B5, B8, B16)."""
         assert not self.live
         assert self.manager.idle()
-        assert self.allocator.free_slots == self.allocator.capacity, (self.allocator.free_slots, self.allocator.capacity)
+        assert self.allocator.free_slots == self.allocator.capacity, (
+            self.allocator.free_slots,
+            self.allocator.capacity,
+        )
         assert self.host_pool.free_slots == self.host_pool.capacity
         assert self.req_to_token.free_rows == self.rows
         assert self.protected.size == 0 and not self.protected.locked_pages()

@@ -93,8 +93,11 @@ def _holds(r: _Request, env: dict[str, int], pred: Callable[[dict[str, int]], bo
     for values in itertools.product((0, 1), repeat=len(unknown)):
         full = {**env, **r.params, **dict(zip(unknown, values))}
         if pred(full):
-            r.params.update(dict(zip(unknown, values)) if unknown and any(
-                not pred({**full, p: 1 - full[p]}) for p in unknown) else {})
+            r.params.update(
+                dict(zip(unknown, values))
+                if unknown and any(not pred({**full, p: 1 - full[p]}) for p in unknown)
+                else {}
+            )
             return True
     return False
 
@@ -110,8 +113,9 @@ def _lines(path: Path, limits: InputLimits) -> Iterator[tuple[int, str]]:
                 return
             size += len(raw)
             if size > limits.max_bytes:
-                raise InputBoundExceeded(source, n, "max_bytes", limits.max_bytes,
-                                         f"trace is larger than {limits.max_bytes} bytes")
+                raise InputBoundExceeded(
+                    source, n, "max_bytes", limits.max_bytes, f"trace is larger than {limits.max_bytes} bytes"
+                )
             if len(raw) > cap and not raw.endswith(b"\n"):
                 raise InputBoundExceeded(source, n, "max_line_bytes", cap, f"a trace line longer than {cap} bytes")
             text = decode_utf8(raw, source, "trace line", n)
@@ -119,8 +123,13 @@ def _lines(path: Path, limits: InputLimits) -> Iterator[tuple[int, str]]:
             yield n, text
 
 
-def check_trace(path: str | Path, spec: CompiledSpec | str | Path | None = None, *,
-                limits: InputLimits = TRACE_LIMITS, max_requests: int = TRACE_MAX_REQUESTS) -> ReplayResult:
+def check_trace(
+    path: str | Path,
+    spec: CompiledSpec | str | Path | None = None,
+    *,
+    limits: InputLimits = TRACE_LIMITS,
+    max_requests: int = TRACE_MAX_REQUESTS,
+) -> ReplayResult:
     """Check every line of the trace at `path`; stops at the first illegal one (result.error). Raises
     InputRejected (nothing checked past it) for input past `limits`, or not UTF-8, and OSError for a path
     that cannot be opened."""
@@ -155,8 +164,9 @@ def check_trace(path: str | Path, spec: CompiledSpec | str | Path | None = None,
             r = reqs.get(key)
             if r is None:
                 if len(reqs) >= max_requests:
-                    raise InputBoundExceeded(str(path), n, "max_requests", max_requests,
-                                             f"a trace of more than {max_requests} requests")
+                    raise InputBoundExceeded(
+                        str(path), n, "max_requests", max_requests, f"a trace of more than {max_requests} requests"
+                    )
                 r = reqs[key] = _Request(spec)
             tid = _step(spec, r, rec, single_owner)
         except _Illegal as exc:
@@ -175,12 +185,19 @@ def check_trace(path: str | Path, spec: CompiledSpec | str | Path | None = None,
 
 def _header(rec: dict[str, Any], n: int, spec: CompiledSpec) -> Optional[TraceError]:
     if n != 1 or rec.get("kind") != "header":
-        return TraceError(n, "the first line must be the header {\"kind\": \"header\", \"spec_sha256\": ...}"
-                          if n == 1 else "a second header line")
+        return TraceError(
+            n,
+            'the first line must be the header {"kind": "header", "spec_sha256": ...}'
+            if n == 1
+            else "a second header line",
+        )
     sha = rec.get("spec_sha256")
     if sha != spec.sha256:
-        return TraceError(n, f"the trace was recorded against spec sha256 {str(sha)[:12]}..., but {spec.path} is "
-                             f"{spec.sha256[:12]}...: regenerate, or replay against the spec it was recorded with")
+        return TraceError(
+            n,
+            f"the trace was recorded against spec sha256 {str(sha)[:12]}..., but {spec.path} is "
+            f"{spec.sha256[:12]}...: regenerate, or replay against the spec it was recorded with",
+        )
     return None
 
 
@@ -210,8 +227,13 @@ def _step(spec: CompiledSpec, r: _Request, rec: dict[str, Any], single_owner: se
     outcome = spec.outcomes.get((src, event))
     if tid == -1:
         if outcome is None or outcome.kind != "ignore":
-            what = (f"handled by transitions {[t.id for t in handlers]}" if handlers else
-                    f"a declared error ({outcome.reason})" if outcome is not None else "not declared")
+            what = (
+                f"handled by transitions {[t.id for t in handlers]}"
+                if handlers
+                else f"a declared error ({outcome.reason})"
+                if outcome is not None
+                else "not declared"
+            )
             raise _Illegal(f"{event!r} in state {src!r} is logged as a declared no-op, but it is {what}")
         if dst != src:
             raise _Illegal(f"a declared no-op of {event!r} moves the request from {src!r} to {dst!r}")
@@ -227,8 +249,10 @@ def _step(spec: CompiledSpec, r: _Request, rec: dict[str, Any], single_owner: se
         what = f"a declared {outcome.kind} ({outcome.reason})" if outcome is not None else "not declared"
         raise _Illegal(f"{event!r} is not handled in state {src!r}: it is {what}")
     if t.src != src or t.event != event:
-        raise _Illegal(f"transition T{tid} is {t.label!r}, not {event!r} from {src!r} "
-                       f"(which is {', '.join(f'T{h.id}' for h in handlers)})")
+        raise _Illegal(
+            f"transition T{tid} is {t.label!r}, not {event!r} from {src!r} "
+            f"(which is {', '.join(f'T{h.id}' for h in handlers)})"
+        )
     guard = t.guard
     if guard is not None and not _holds(r, before, lambda env: bool(ex.evaluate(spec.guards[guard], env))):
         raise _Illegal(f"T{tid} {t.label}: guard {t.guard!r} does not hold for the counters before the step {before}")
@@ -240,13 +264,16 @@ def _step(spec: CompiledSpec, r: _Request, rec: dict[str, Any], single_owner: se
     if counters != after:
         raise _Illegal(f"T{tid} {t.label}: counters {before} -> {counters}, the spec's update gives {after}")
     if list(acquired) != list(t.acquires) or list(released) != list(t.releases):
-        raise _Illegal(f"T{tid} {t.label} acquires {list(t.acquires)} and releases {list(t.releases)}, the step says "
-                       f"{list(acquired)} and {list(released)}")
+        raise _Illegal(
+            f"T{tid} {t.label} acquires {list(t.acquires)} and releases {list(t.releases)}, the step says "
+            f"{list(acquired)} and {list(released)}"
+        )
     for res_name in t.releases:
         if res_name in single_owner:
             if res_name not in r.held:
-                raise _Illegal(f"T{tid} {t.label} releases {res_name!r}, which the request already released "
-                               "(double release)")
+                raise _Illegal(
+                    f"T{tid} {t.label} releases {res_name!r}, which the request already released (double release)"
+                )
             r.held.discard(res_name)
         else:
             if r.host[res_name] <= 0:

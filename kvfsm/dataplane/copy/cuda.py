@@ -146,8 +146,11 @@ def choose_backend(
     that moves `rows` token rows of `row_bytes` each (0 when the rows cannot be addressed from the CPU: see
     AutoPolicy). A forced backend is returned as is, except that a copy made of very many tiny DMA copies
     (dma_floor_copy_bytes, dma_max_small_copies) never takes the pipeline."""
-    if (backend in ("dma", "hybrid") and 0 < mean_copy < policy.dma_floor_copy_bytes
-            and nbytes / mean_copy > policy.dma_max_small_copies):
+    if (
+        backend in ("dma", "hybrid")
+        and 0 < mean_copy < policy.dma_floor_copy_bytes
+        and nbytes / mean_copy > policy.dma_max_small_copies
+    ):
         return "triton" if have_triton else "torch"
     if backend == "dma_rows":  # forced, still never more copies than the cap (tiny batched copies crashed)
         return backend if 0 < rows <= policy.rows_max_copies else ("triton" if have_triton else "torch")
@@ -316,18 +319,31 @@ class CudaCopyEngine(CopyEngine):
         self.on_compute_stream = bool(on_compute_stream)
         if dma_chunk_bytes is not None:
             dma_d2h_chunk_bytes = dma_h2d_chunk_bytes = dma_chunk_bytes
-        common: dict[str, Any] = dict(first_chunk_bytes=dma_first_chunk_bytes, head_bytes=dma_head_bytes,
-                                      head_min_bytes=dma_head_min_bytes, host_order=host_order,
-                                      kernel_config=kernel_config)
+        common: dict[str, Any] = dict(
+            first_chunk_bytes=dma_first_chunk_bytes,
+            head_bytes=dma_head_bytes,
+            head_min_bytes=dma_head_min_bytes,
+            host_order=host_order,
+            kernel_config=kernel_config,
+        )
         self.settings = {
             "d2h": PipelineSettings(chunk_bytes=dma_d2h_chunk_bytes, streams=dma_d2h_streams, **common),
-            "h2d": PipelineSettings(chunk_bytes=dma_h2d_chunk_bytes, streams=dma_h2d_streams,
-                                    last_chunk_bytes=dma_h2d_last_chunk_bytes, **common),
+            "h2d": PipelineSettings(
+                chunk_bytes=dma_h2d_chunk_bytes,
+                streams=dma_h2d_streams,
+                last_chunk_bytes=dma_h2d_last_chunk_bytes,
+                **common,
+            ),
         }
         self.hybrid_fraction = hybrid_fraction
         self.triton_host_order = triton_host_order
-        self.policy = AutoPolicy(dma_min_copy_bytes_d2h, dma_min_copy_bytes_h2d, dma_min_bytes, dma_min_bytes_d2h,
-                                 hybrid_fraction=auto_hybrid_fraction)
+        self.policy = AutoPolicy(
+            dma_min_copy_bytes_d2h,
+            dma_min_copy_bytes_h2d,
+            dma_min_bytes,
+            dma_min_bytes_d2h,
+            hybrid_fraction=auto_hybrid_fraction,
+        )
         self.stream = torch.cuda.Stream(device=self.device)  # single-kernel paths; copy stream 0
         # gathers/scatters of the pipeline, at high priority: when the direct kernel (head, hybrid share) fills
         # the SMs with long-running PCIe blocks, the block scheduler still lets the short gathers in first,
@@ -341,8 +357,9 @@ class CudaCopyEngine(CopyEngine):
         # index uploads: pinned staging reused by event query (an upload from pageable memory would wait)
         self._staging = PinnedIndexStaging()
         self._ops = CudaOps(self.device, streams, self._staging)
-        self._geometries: dict[int, tuple[weakref.ReferenceType[Any], weakref.ReferenceType[torch.Tensor],
-                                          dma.RowGeometry]] = {}  # id(pool) -> (pool, its buffer, geometry)
+        self._geometries: dict[
+            int, tuple[weakref.ReferenceType[Any], weakref.ReferenceType[torch.Tensor], dma.RowGeometry]
+        ] = {}  # id(pool) -> (pool, its buffer, geometry)
 
     def caller_stream(self) -> torch.cuda.Stream:
         """The stream a copy is ordered after: `compute_stream` when bound, else the current stream."""
@@ -370,22 +387,37 @@ class CudaCopyEngine(CopyEngine):
             c = plan.device_pool.config
             # rows are addressed on the CPU: device indices already on the GPU cannot be read (0 rows)
             rows = plan.num_tokens * c.num_planes * c.num_layers if plan.device_on_cpu else 0
-            chosen = choose_backend(self.backend, plan.direction, plan.nbytes, 0.0, HAVE_TRITON, self.policy,
-                                    row_bytes=c.row_bytes, rows=rows)
+            chosen = choose_backend(
+                self.backend,
+                plan.direction,
+                plan.nbytes,
+                0.0,
+                HAVE_TRITON,
+                self.policy,
+                row_bytes=c.row_bytes,
+                rows=rows,
+            )
             if chosen == "dma_rows" or self.backend == "dma_rows":
                 return chosen
         if plan.num_tokens == 0:
             return "triton" if HAVE_TRITON and self.backend != "torch" else "torch"
         if self.backend == "auto" and HAVE_TRITON and plan.nbytes < self.policy.min_bytes_for(plan.direction):
             return "triton"  # below min_bytes "auto" takes the kernel whatever the copy sizes (AutoPolicy)
-        mean = mean_copy_bytes(plan.host_pool, plan.host_idx, plan.host_pages) \
-            if self.backend in ("auto", "dma", "hybrid") else 0.0
+        mean = (
+            mean_copy_bytes(plan.host_pool, plan.host_idx, plan.host_pages)
+            if self.backend in ("auto", "dma", "hybrid")
+            else 0.0
+        )
         return choose_backend(self.backend, plan.direction, plan.nbytes, mean, HAVE_TRITON, self.policy)
 
     def pipeline_settings(self, direction: str, backend: str) -> PipelineSettings:
         st = self.settings[direction]
         if backend == "hybrid":
-            frac = self.policy.hybrid_fraction if self.backend == "auto" and self.policy.hybrid_fraction else self.hybrid_fraction
+            frac = (
+                self.policy.hybrid_fraction
+                if self.backend == "auto" and self.policy.hybrid_fraction
+                else self.hybrid_fraction
+            )
             return dataclasses.replace(st, direct_fraction=frac)
         return st
 
@@ -407,8 +439,9 @@ class CudaCopyEngine(CopyEngine):
         with torch.cuda.device(self.device):
             if backend in ("dma", "hybrid"):  # its own streams, ordered after the caller's (the current one here)
                 with torch.cuda.stream(self.compute_stream) if self.compute_stream is not None else nullcontext():
-                    done, pinfo = launch_pipeline(self._ops, plan, self.pipeline_settings(plan.direction, backend),
-                                                  keep, direct_ok=HAVE_TRITON)
+                    done, pinfo = launch_pipeline(
+                        self._ops, plan, self.pipeline_settings(plan.direction, backend), keep, direct_ok=HAVE_TRITON
+                    )
                 info.update(pinfo)
                 handle = CudaCopyHandle(plan, done, keep, None)
                 handle.backend = backend
@@ -446,12 +479,12 @@ class CudaCopyEngine(CopyEngine):
                 host_idx_dev = None
                 if backend == "triton" and n:
                     assert up is not None  # parts holds the host indices
-                    host_idx_dev, at = up[at:at + n], at + n
+                    host_idx_dev, at = up[at : at + n], at + n
                 if ready is not None:
                     copy_stream.wait_event(ready)  # the KV (and device indices) the caller's stream writes
                 if not on_cpu and order is not None:
                     assert up is not None  # parts holds the order
-                    dev_idx = dev_idx.index_select(0, up[at:at + n])
+                    dev_idx = dev_idx.index_select(0, up[at : at + n])
                 keep += [ready, dev_idx, host_idx_dev, up]
                 if plan.num_tokens == 0:
                     pass
@@ -461,8 +494,15 @@ class CudaCopyEngine(CopyEngine):
                     info["pre_launch_ms"] = (time.perf_counter() - t0) * 1e3
                     if layered:
                         pool = plan.device_pool
-                        kv_layer_rows_copy(pool.layer_pointers(), pool.token_stride, dev_idx,  # type: ignore[attr-defined]
-                                           host_view, host_idx_dev, plan.direction == "d2h", cfg)
+                        kv_layer_rows_copy(
+                            pool.layer_pointers(),  # type: ignore[attr-defined]
+                            pool.token_stride,  # type: ignore[attr-defined]
+                            dev_idx,
+                            host_view,
+                            host_idx_dev,
+                            plan.direction == "d2h",
+                            cfg,
+                        )
                     else:
                         assert dev_view is not None  # a pool with a token view (not layered)
                         if plan.direction == "d2h":
@@ -525,7 +565,7 @@ class CudaCopyEngine(CopyEngine):
         return ready
 
     def _launch_rows(self, plan: CopyPlan, info: dict[str, Any], t0: float) -> CudaCopyHandle:
-        """"dma_rows": one batched driver call of every token row, ordered after the caller's stream.
+        """ "dma_rows": one batched driver call of every token row, ordered after the caller's stream.
         What it saves: the Triton path's index upload and kernel launch. Measured on the H200 inside
         transformers' serving loop (bench/results/transformers_host_time-h200.json against
         transformers_host_time-before-dma_rows-h200.json): a swap-out's submit 0.58 -> 0.34 ms, a
@@ -533,8 +573,9 @@ class CudaCopyEngine(CopyEngine):
         table and host page ids: no tensor is built for this copy at all)."""
         dev, host = self._row_geometry(plan.device_pool), self._row_geometry(plan.host_pool)
         d = plan.device_ids if plan.device_ids is not None else plan.device_idx.tolist()
-        h = plan.host_pages if plan.host_pages is not None and plan.host_pool.page_size == 1 \
-            else plan.host_idx.tolist()  # page size 1: the page ids are the slots
+        h = (
+            plan.host_pages if plan.host_pages is not None and plan.host_pool.page_size == 1 else plan.host_idx.tolist()
+        )  # page size 1: the page ids are the slots
         flat = dma.row_copies(dev, d, host, h) if plan.direction == "d2h" else dma.row_copies(host, h, dev, d)
         info["rows_ms"] = (time.perf_counter() - t0) * 1e3
         caller = self.caller_stream()
@@ -542,7 +583,9 @@ class CudaCopyEngine(CopyEngine):
         ready = self._ready_event(caller, copy_stream)
         if ready is not None:
             copy_stream.wait_event(ready)
-        info["driver_calls"] = self._ops.driver.run_batch_buffers(flat.dst, flat.src, flat.size, copy_stream.cuda_stream)
+        info["driver_calls"] = self._ops.driver.run_batch_buffers(
+            flat.dst, flat.src, flat.size, copy_stream.cuda_stream
+        )
         info["copies"] = flat.count
         done = torch.cuda.Event()
         done.record(copy_stream)

@@ -75,11 +75,19 @@ def resolve_batch(lib: Any, driver_version: int, choice: str | None = None) -> t
         fn = getattr(lib, name, None)
         if fn is None:
             continue
-        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t] + (
-            [ctypes.c_void_p] if fail_idx else []) + [ctypes.c_void_p]
+        fn.argtypes = (
+            [ctypes.c_void_p] * 3
+            + [ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+            + ([ctypes.c_void_p] if fail_idx else [])
+            + [ctypes.c_void_p]
+        )
         fn.restype = ctypes.c_int
         return fn, abi, f"{name} ({9 if fail_idx else 8} arguments), driver API {driver_version}"
-    return None, None, f"libcuda exports no {' / '.join(BATCH_ABIS[a][0] for a in BATCH_ABIS)} (driver API {driver_version})"
+    return (
+        None,
+        None,
+        f"libcuda exports no {' / '.join(BATCH_ABIS[a][0] for a in BATCH_ABIS)} (driver API {driver_version})",
+    )
 
 
 class CudaDriver:
@@ -135,11 +143,20 @@ class CudaDriver:
     ) -> tuple[int, int | None]:
         """One cuMemcpyBatchAsync call, no fallback: (CUresult, failIdx or None). The arrays must be
         contiguous uint64 of one length. srcAccessOrder STREAM; one attribute entry for every copy."""
-        return self._batch_at(dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, int(sizes.size), stream, flags,
-                              hint)
+        return self._batch_at(
+            dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, int(sizes.size), stream, flags, hint
+        )
 
-    def _batch_at(self, dsts: int, srcs: int, sizes: int, count: int, stream: int, flags: int = 0,
-                  hint: Literal["d2h", "h2d"] | None = None) -> tuple[int, int | None]:
+    def _batch_at(
+        self,
+        dsts: int,
+        srcs: int,
+        sizes: int,
+        count: int,
+        stream: int,
+        flags: int = 0,
+        hint: Literal["d2h", "h2d"] | None = None,
+    ) -> tuple[int, int | None]:
         """batch_raw over the three arrays' addresses."""
         if self._batch is None:
             raise CopyError(f"cuMemcpyBatchAsync unavailable: {self.batch_status}")
@@ -186,8 +203,9 @@ class CudaDriver:
             raise ValueError(f"dst/src/size lengths differ: {d.size}, {s.size}, {n}")
         return self._enqueue((d, s, z), lambda a: a.ctypes.data, n, stream, flags, hint)
 
-    def run_batch_buffers(self, dsts: array.array[int], srcs: array.array[int], sizes: array.array[int],
-                          stream: int) -> int:
+    def run_batch_buffers(
+        self, dsts: array.array[int], srcs: array.array[int], sizes: array.array[int], stream: int
+    ) -> int:
         """run_batch for copies listed in three `array.array("Q")` (dma.row_copies): their buffers' addresses go
         to the driver as they are, sparing the numpy conversions (the "dma_rows" backend's few copies)."""
         n = len(sizes)
@@ -195,8 +213,15 @@ class CudaDriver:
             raise ValueError("dst/src/size must be array('Q') of one length")
         return self._enqueue((dsts, srcs, sizes), _buffer_address, n, stream)
 
-    def _enqueue(self, arrays: tuple[Any, Any, Any], address: Any, n: int, stream: int, flags: int = 0,
-                 hint: Literal["d2h", "h2d"] | None = None) -> int:
+    def _enqueue(
+        self,
+        arrays: tuple[Any, Any, Any],
+        address: Any,
+        n: int,
+        stream: int,
+        flags: int = 0,
+        hint: Literal["d2h", "h2d"] | None = None,
+    ) -> int:
         """What run_batch and run_batch_buffers share once their arrays are checked: one batched call (given
         the arrays' buffer addresses), or the per-copy fallback; returns the driver calls made."""
         if n == 0:

@@ -52,7 +52,9 @@ def geometry(host: HostKVPool, n: int) -> Geometry:
     row, planes, layers, size = c.row_bytes, c.num_planes, c.num_layers, host.size
     if host.layout == "layer_first":
         return Geometry(row, planes * layers, size * row, n * row, (planes, layers, n, *c.token_shape), False)
-    return Geometry(layers * row, planes, size * layers * row, n * layers * row, (planes, n, layers, *c.token_shape), True)
+    return Geometry(
+        layers * row, planes, size * layers * row, n * layers * row, (planes, n, layers, *c.token_shape), True
+    )
 
 
 # ---- flat (1-D) copy lists: one batched driver call per chunk ---------------------------------------
@@ -182,8 +184,12 @@ class RowGeometry:
         return cls(bases, st[2] * es, shape[3] * shape[4] * es, (shape[0], shape[1], shape[3], shape[4], view.dtype))
 
 
-def row_copies(src5: torch.Tensor | RowGeometry, src_idx: Sequence[int] | np.ndarray,
-               dst5: torch.Tensor | RowGeometry, dst_idx: Sequence[int] | np.ndarray) -> RowCopies:
+def row_copies(
+    src5: torch.Tensor | RowGeometry,
+    src_idx: Sequence[int] | np.ndarray,
+    dst5: torch.Tensor | RowGeometry,
+    dst_idx: Sequence[int] | np.ndarray,
+) -> RowCopies:
     """Every token row as one 1-D copy, `dst5[p, l, dst_idx[i]] <- src5[p, l, src_idx[i]]` for every plane p,
     layer l and position i, addressed from the two `(P, L, S, H, D)` views' pointers and strides (or their
     RowGeometry): what the "dma_rows" backend hands the driver in one call (no staging buffer, no kernel, no
@@ -202,9 +208,11 @@ def row_copies(src5: torch.Tensor | RowGeometry, src_idx: Sequence[int] | np.nda
     if len(si) != len(di):
         raise ValueError(f"{len(si)} source rows vs {len(di)} destination rows")
     ss, ds = src.step, dst.step
-    return RowCopies(array.array("Q", [b + i * ds for b in dst.bases for i in di]),
-                     array.array("Q", [b + i * ss for b in src.bases for i in si]),
-                     array.array("Q", [src.row]) * (len(si) * len(src.bases)))
+    return RowCopies(
+        array.array("Q", [b + i * ds for b in dst.bases for i in di]),
+        array.array("Q", [b + i * ss for b in src.bases for i in si]),
+        array.array("Q", [src.row]) * (len(si) * len(src.bases)),
+    )
 
 
 def split_by_bytes(flat: FlatCopies, parts: int) -> list[FlatCopies]:
@@ -276,7 +284,7 @@ def select_short_runs(lengths: Any, tokens: int) -> np.ndarray:
     rem = tokens - (int(cum[full - 1]) if full else 0)
     if rem:
         j = int(order[full])
-        mask[starts[j]: starts[j] + rem] = True
+        mask[starts[j] : starts[j] + rem] = True
     return mask
 
 
@@ -329,7 +337,9 @@ def _ramp(first: int, full: int) -> list[int]:
     return out
 
 
-def chunk_bounds(n: int, bytes_per_token: int, chunk_bytes: int, first_bytes: int = 0, last_bytes: int = 0) -> list[int]:
+def chunk_bounds(
+    n: int, bytes_per_token: int, chunk_bytes: int, first_bytes: int = 0, last_bytes: int = 0
+) -> list[int]:
     """Token boundaries [0, ..., n] of chunks of about chunk_bytes. With first_bytes the chunks start at
     first_bytes and double up to chunk_bytes, so the first DMA (or scatter) starts after little work; with
     last_bytes they also halve down to last_bytes at the end, so little work is left after the last DMA

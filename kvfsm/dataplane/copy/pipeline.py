@@ -80,8 +80,9 @@ class StreamOps(Protocol):
     def empty(self, s: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor: ...
     def arange(self, s: str, n: int) -> torch.Tensor: ...
     def index_select(self, s: str, t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor: ...
-    def rows(self, s: str, src5: torch.Tensor, sidx: torch.Tensor, dst5: torch.Tensor, didx: torch.Tensor,
-             cfg: KernelConfig) -> None: ...  # dst5[:, :, didx] = src5[:, :, sidx]
+    def rows(
+        self, s: str, src5: torch.Tensor, sidx: torch.Tensor, dst5: torch.Tensor, didx: torch.Tensor, cfg: KernelConfig
+    ) -> None: ...  # dst5[:, :, didx] = src5[:, :, sidx]
     def batch(self, s: str, flat: dma.FlatCopies) -> int: ...  # returns driver calls made
     def record_stream(self, t: torch.Tensor, s: str) -> None: ...
 
@@ -89,8 +90,9 @@ class StreamOps(Protocol):
 class CudaOps:
     """StreamOps on CUDA streams; batched DMA through CudaDriver.run_batch (one call per list)."""
 
-    def __init__(self, device: torch.device, streams: dict[str, torch.cuda.Stream],
-                 staging: PinnedIndexStaging | None = None) -> None:
+    def __init__(
+        self, device: torch.device, streams: dict[str, torch.cuda.Stream], staging: PinnedIndexStaging | None = None
+    ) -> None:
         self.device = device
         self.streams = streams
         self.staging = staging or PinnedIndexStaging()
@@ -135,8 +137,9 @@ class CudaOps:
         with torch.cuda.stream(self.streams[s]):
             return t.index_select(0, idx)
 
-    def rows(self, s: str, src5: torch.Tensor, sidx: torch.Tensor, dst5: torch.Tensor, didx: torch.Tensor,
-             cfg: KernelConfig) -> None:
+    def rows(
+        self, s: str, src5: torch.Tensor, sidx: torch.Tensor, dst5: torch.Tensor, didx: torch.Tensor, cfg: KernelConfig
+    ) -> None:
         with torch.cuda.stream(self.streams[s]):
             if HAVE_TRITON:
                 kv_rows_copy(src5, sidx, dst5, didx, cfg)
@@ -153,8 +156,9 @@ class CudaOps:
 # ---- the launch ------------------------------------------------------------------------------------
 
 
-def launch_pipeline(ops: StreamOps, plan: CopyPlan, st: PipelineSettings, keep: list[object],
-                    direct_ok: bool = True) -> tuple[Any, dict[str, Any]]:
+def launch_pipeline(
+    ops: StreamOps, plan: CopyPlan, st: PipelineSettings, keep: list[object], direct_ok: bool = True
+) -> tuple[Any, dict[str, Any]]:
     """Enqueue one copy through the staged pipeline (plus the direct kernel for the head / hybrid share);
     returns (the one completion event, info). Everything the GPU touches is appended to `keep`."""
     t0 = time.perf_counter()
@@ -199,8 +203,15 @@ def launch_pipeline(ops: StreamOps, plan: CopyPlan, st: PipelineSettings, keep: 
     want_direct = int(round(st.direct_fraction * n)) - head if direct_ok else 0
     pp = dma.plan_pipeline(host_np, head=head, direct_tokens=max(0, want_direct), host_order=st.host_order)
     ns, nd = pp.n_staged, pp.n_direct
-    info.update(head_tokens=head, direct_tokens=nd, staged_tokens=ns, chunks=0, copies=0, batch_calls=0,
-                planned_ms=(time.perf_counter() - t0) * 1e3)
+    info.update(
+        head_tokens=head,
+        direct_tokens=nd,
+        staged_tokens=ns,
+        chunks=0,
+        copies=0,
+        batch_calls=0,
+        planned_ms=(time.perf_counter() - t0) * 1e3,
+    )
     # 3) index tensors on the kernel stream: permuted device slots (+ host slots of the hybrid share)
     if ns or nd:
         if dev_np is not None:  # CPU slots: permuted here, uploaded with the hybrid share's host slots
@@ -230,7 +241,7 @@ def launch_pipeline(ops: StreamOps, plan: CopyPlan, st: PipelineSettings, keep: 
         ops.wait("direct", prepared)
         ops.record_stream(idx, "direct")
         ops.record_stream(dev_perm, "direct")
-        direct("direct", dev_perm[ns:], idx[ns + nd:])
+        direct("direct", dev_perm[ns:], idx[ns + nd :])
         finals["direct"] = True
 
     # 5) chunks through staging: one batched DMA call per chunk and copy stream

@@ -51,8 +51,9 @@ def default_config(host_layout: str) -> KernelConfig:
 if HAVE_TRITON:
 
     @triton.jit
-    def _program_rows(n_tokens, num_rows_pl, NUM_LAYERS: tl.constexpr, TOKENS: tl.constexpr,
-                      LAYER_FASTEST: tl.constexpr):
+    def _program_rows(
+        n_tokens, num_rows_pl, NUM_LAYERS: tl.constexpr, TOKENS: tl.constexpr, LAYER_FASTEST: tl.constexpr
+    ):
         """This program's (plane x layer) index, plane, layer, TOKENS token positions and their mask."""
         pid = tl.program_id(0)
         if LAYER_FASTEST:
@@ -66,8 +67,7 @@ if HAVE_TRITON:
         return pl, (pl // NUM_LAYERS).to(tl.int64), (pl % NUM_LAYERS).to(tl.int64), toks, toks < n_tokens
 
     @triton.jit
-    def _copy_rows(src_ptr, so, dst_ptr, do, tmask, ROW: tl.constexpr, BLOCK: tl.constexpr,
-                   MASK_COLS: tl.constexpr):
+    def _copy_rows(src_ptr, so, dst_ptr, do, tmask, ROW: tl.constexpr, BLOCK: tl.constexpr, MASK_COLS: tl.constexpr):
         """Rows of ROW words from src_ptr + so[t] to dst_ptr + do[t], BLOCK words at a time."""
         cols = tl.arange(0, BLOCK)
         for w in tl.static_range(0, ROW, BLOCK):
@@ -82,8 +82,16 @@ if HAVE_TRITON:
     # Integer arguments are not specialised on their values (divisible by 16, equal to 1): a compiled kernel
     # then depends only on what `_Launcher` keys it by, the pointers' dtypes and 16-byte alignment, each
     # integer's width and the constexprs.
-    _INTS_ROWS = ["n_tokens", "src_s_plane", "src_s_layer", "src_s_tok", "dst_s_plane", "dst_s_layer", "dst_s_tok",
-                  "num_rows_pl"]
+    _INTS_ROWS = [
+        "n_tokens",
+        "src_s_plane",
+        "src_s_layer",
+        "src_s_tok",
+        "dst_s_plane",
+        "dst_s_layer",
+        "dst_s_tok",
+        "num_rows_pl",
+    ]
     _INTS_LAYERS = ["n_tokens", "dev_s_tok", "host_s_plane", "host_s_layer", "host_s_tok", "num_rows_pl"]
 
     @triton.jit(do_not_specialize=_INTS_ROWS)
@@ -149,6 +157,7 @@ if HAVE_TRITON:
         else:
             _copy_rows(host_ptr, ho, dev_ptr, do, tmask, ROW, BLOCK, MASK_COLS)
 
+
 class _Launcher:
     """Launches a kernel compiled once per key through its compiled handle, not through `JITFunction.run`.
 
@@ -170,9 +179,17 @@ class _Launcher:
         if not self.enabled:  # no key to build: the launch is kernel[grid]'s
             kernel[grid](*args, **constexprs, num_warps=num_warps)  # type: ignore[index]
             return
-        key = (kernel, num_warps, *constexprs.values(),
-               *[(a.dtype, a.device, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else
-                 (type(a), -2**31 <= a < 2**31) for a in args])
+        key = (
+            kernel,
+            num_warps,
+            *constexprs.values(),
+            *[
+                (a.dtype, a.device, a.data_ptr() % 16 == 0)
+                if isinstance(a, torch.Tensor)
+                else (type(a), -(2**31) <= a < 2**31)
+                for a in args
+            ],
+        )
         compiled = self._compiled.get(key)
         if compiled is not None:
             try:  # its runner reads all three grid dimensions
@@ -182,8 +199,12 @@ class _Launcher:
                 self._compiled.clear()  # this Triton's handle takes them otherwise; launch as it wants
                 self.enabled = False
         compiled = kernel[grid](*args, **constexprs, num_warps=num_warps)  # type: ignore[index]
-        if self.enabled and hasattr(compiled, "function") and hasattr(compiled, "__getitem__") and \
-                list(constexprs) == kernel.arg_names[len(args):]:  # type: ignore[attr-defined]
+        if (
+            self.enabled
+            and hasattr(compiled, "function")
+            and hasattr(compiled, "__getitem__")
+            and list(constexprs) == kernel.arg_names[len(args) :]  # type: ignore[attr-defined]
+        ):
             self._compiled[key] = compiled
 
 
@@ -216,8 +237,15 @@ def _launch_walk(view5: torch.Tensor, n: int, cfg: KernelConfig) -> tuple[torch.
     rows = _as_rows(view5, word)
     planes, layers, row = rows.shape[0], rows.shape[1], rows.shape[3]
     block = min(triton.next_power_of_2(row), 1024)
-    walk = dict(NUM_LAYERS=layers, ROW=row, BLOCK=block, TOKENS=cfg.tokens, MASK_COLS=row % block != 0,
-                LAYER_FASTEST=cfg.layer_fastest, num_warps=cfg.num_warps)
+    walk = dict(
+        NUM_LAYERS=layers,
+        ROW=row,
+        BLOCK=block,
+        TOKENS=cfg.tokens,
+        MASK_COLS=row % block != 0,
+        LAYER_FASTEST=cfg.layer_fastest,
+        num_warps=cfg.num_warps,
+    )
     return rows, vec, (triton.cdiv(n, cfg.tokens) * planes * layers,), walk
 
 
@@ -253,10 +281,26 @@ def kv_rows_copy(
         return
     src, vec, grid, walk = _launch_walk(src5, n, config or KernelConfig())
     dst = _as_rows(dst5, src.dtype)
-    _launch(_kv_rows_copy_kernel, grid,
-            (src, dst, src_idx, dst_idx, n, src.stride(0), src.stride(1), src.stride(2), dst.stride(0), dst.stride(1),
-             dst.stride(2), src.shape[0] * src.shape[1]),
-            _constexprs(walk, VEC=vec), walk["num_warps"])
+    _launch(
+        _kv_rows_copy_kernel,
+        grid,
+        (
+            src,
+            dst,
+            src_idx,
+            dst_idx,
+            n,
+            src.stride(0),
+            src.stride(1),
+            src.stride(2),
+            dst.stride(0),
+            dst.stride(1),
+            dst.stride(2),
+            src.shape[0] * src.shape[1],
+        ),
+        _constexprs(walk, VEC=vec),
+        walk["num_warps"],
+    )
 
 
 def kv_layer_rows_copy(
@@ -292,7 +336,21 @@ def kv_layer_rows_copy(
     dev_s_tok = stride_bytes // word_bytes
     if dev_s_tok % vec:
         vec = 1  # the 16-byte hint needs every device row to start on a 16-byte boundary
-    _launch(_kv_layer_rows_copy_kernel, grid,
-            (layer_ptrs, host, dev_idx, host_idx, n, dev_s_tok, host.stride(0), host.stride(1), host.stride(2),
-             planes * layers),
-            _constexprs(walk, VEC=vec, TO_HOST=to_host), walk["num_warps"])
+    _launch(
+        _kv_layer_rows_copy_kernel,
+        grid,
+        (
+            layer_ptrs,
+            host,
+            dev_idx,
+            host_idx,
+            n,
+            dev_s_tok,
+            host.stride(0),
+            host.stride(1),
+            host.stride(2),
+            planes * layers,
+        ),
+        _constexprs(walk, VEC=vec, TO_HOST=to_host),
+        walk["num_warps"],
+    )

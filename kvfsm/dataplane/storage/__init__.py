@@ -22,4 +22,14 @@ from .memory import MemoryStorage
 from .process import ProcessStorage, RemoteStoreError
 from .sharded import ShardedStorage
 
-__all__ = ["FaultyStorage", "FileStorage", "MemoryStorage", "ProcessStorage", "RemoteStoreError", "ShardedStorage", "StorageBackend", "StorageStats", "storage_key_suffix"]
+__all__ = [
+    "FaultyStorage",
+    "FileStorage",
+    "MemoryStorage",
+    "ProcessStorage",
+    "RemoteStoreError",
+    "ShardedStorage",
+    "StorageBackend",
+    "StorageStats",
+    "storage_key_suffix",
+]

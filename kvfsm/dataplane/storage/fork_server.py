@@ -106,8 +106,9 @@ class _Server:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         code = f"from {__name__} import _serve_forks; _serve_forks({theirs.fileno()})"
         try:
-            self.proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(theirs.fileno(),), env=child_env(),
-                                         stdin=subprocess.DEVNULL)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", code], pass_fds=(theirs.fileno(),), env=child_env(), stdin=subprocess.DEVNULL
+            )
         finally:
             theirs.close()
         self.sock = mine
@@ -151,8 +152,10 @@ def start_store_process(fd: int, timeout_s: float) -> Optional[ForkedProcess]:
                     _server.stop()
                     _server = None
                 if attempt == 2 or isinstance(exc, socket.timeout):
-                    logger.warning("the store processes' fork server failed (%s): starting a store process as "
-                                   "its own interpreter", exc)
+                    logger.warning(
+                        "the store processes' fork server failed (%s): starting a store process as its own interpreter",
+                        exc,
+                    )
                     return None
     return None
 

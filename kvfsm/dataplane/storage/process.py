@@ -154,16 +154,24 @@ class ProcessStorage:
     start_timeout_s: how long the child may take to import its store and build it.
     """
 
-    def __init__(self, factory: Callable[[], StorageBackend], *, staging_bytes: int = 64 << 20,
-                 call_timeout_s: float = 120.0, start_timeout_s: float = 120.0,
-                 restart_interval_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        factory: Callable[[], StorageBackend],
+        *,
+        staging_bytes: int = 64 << 20,
+        call_timeout_s: float = 120.0,
+        start_timeout_s: float = 120.0,
+        restart_interval_s: float = 10.0,
+    ) -> None:
         if staging_bytes <= 0:
             raise ValueError(f"staging_bytes must be positive, got {staging_bytes!r}")
         try:
             self._factory = pickle.dumps(factory)
         except Exception as exc:
-            raise TypeError(f"ProcessStorage needs a factory that pickles (a class or a functools.partial of one), "
-                            f"got {factory!r}: {exc}") from exc
+            raise TypeError(
+                f"ProcessStorage needs a factory that pickles (a class or a functools.partial of one), "
+                f"got {factory!r}: {exc}"
+            ) from exc
         self.staging_bytes, self.call_timeout_s = staging_bytes, call_timeout_s
         self.start_timeout_s, self.restart_interval_s = start_timeout_s, restart_interval_s
         self._lock = threading.Lock()  # one exchange at a time (the backup worker writes, a load-back reads)
@@ -187,8 +195,9 @@ class ProcessStorage:
             proc: _Process | None = start_store_process(theirs.fileno(), self.start_timeout_s)
             if proc is None:
                 code = f"from {__name__} import _serve; _serve({theirs.fileno()})"
-                proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(theirs.fileno(),), env=child_env(),
-                                        stdin=subprocess.DEVNULL)
+                proc = subprocess.Popen(
+                    [sys.executable, "-c", code], pass_fds=(theirs.fileno(),), env=child_env(), stdin=subprocess.DEVNULL
+                )
         finally:
             theirs.close()
         conn = Connection(mine.detach())
@@ -216,12 +225,15 @@ class ProcessStorage:
         assert conn is not None
         try:
             if not conn.poll(timeout_s):
-                raise RemoteStoreError(f"the store process gave no answer to {what} within {timeout_s:g} s: "
-                                       "stopped as hung")
+                raise RemoteStoreError(
+                    f"the store process gave no answer to {what} within {timeout_s:g} s: stopped as hung"
+                )
             return _recv(conn)  # type: ignore[no-any-return]
         except (EOFError, OSError) as exc:
             code = self._proc.poll() if self._proc is not None else None
-            how = f" (exit code {code})" if isinstance(self._proc, subprocess.Popen) else ""  # a fork's goes to its server
+            how = (
+                f" (exit code {code})" if isinstance(self._proc, subprocess.Popen) else ""
+            )  # a fork's goes to its server
             raise RemoteStoreError(f"the store process ended during {what}{how}") from exc
 
     def _ensure_started(self) -> Connection:
@@ -231,8 +243,9 @@ class ProcessStorage:
             if self._closed:
                 raise RemoteStoreError("the store process was closed")
             if time.monotonic() - self._started_at < self.restart_interval_s:
-                raise RemoteStoreError("the store process is down (started again at most once per "
-                                       f"{self.restart_interval_s:g} s)")
+                raise RemoteStoreError(
+                    f"the store process is down (started again at most once per {self.restart_interval_s:g} s)"
+                )
             self.restarts += 1
             logger.warning("starting the store process again (restart %d)", self.restarts)
             self._start()
@@ -325,14 +338,15 @@ class ProcessStorage:
         per_round = staging.nbytes // nbytes
         out: list[bool] = []
         for at in range(0, len(pages), per_round):
-            part = pages[at:at + per_round]
+            part = pages[at : at + per_round]
             host_pool.get_pages_bytes(host_pool.page_slots(part), out=staging.array)
             self._ensure_started()
             if self._child_has != staging.path and not staging.named:
                 raise RemoteStoreError("the store process was started again during this write")
             path = None if self._child_has == staging.path else staging.path
-            out += self._call("set", keys[at:at + per_round], len(part), nbytes, config, host_pool.page_size, path,
-                              staging.nbytes)
+            out += self._call(
+                "set", keys[at : at + per_round], len(part), nbytes, config, host_pool.page_size, path, staging.nbytes
+            )
             self._child_has = staging.path
             staging.unlink()  # both processes have it mapped: the name is no longer needed
         return out
@@ -441,6 +455,4 @@ def _serve(fd: int) -> None:
     conn.close()
 
 
-
 __all__ = ["CHILD_FILE_WRITERS", "ProcessStorage", "RemoteStoreError", "in_processes"]
-

@@ -11,5 +11,14 @@ from kvfsm.integrations.sglang.objects import AllocatorView, RequestView, Reques
 from kvfsm.integrations.sglang.pool import SGLangDeviceKVPool
 from kvfsm.integrations.sglang.settings import Settings, read_settings
 
-__all__ = ["AllocatorView", "DecodeKVCacheOffloadManager", "RequestView", "RequestViews",
-           "RetractionRefusedError", "SGLangDeviceKVPool", "Settings", "TableView", "read_settings"]
+__all__ = [
+    "AllocatorView",
+    "DecodeKVCacheOffloadManager",
+    "RequestView",
+    "RequestViews",
+    "RetractionRefusedError",
+    "SGLangDeviceKVPool",
+    "Settings",
+    "TableView",
+    "read_settings",
+]

@@ -91,8 +91,10 @@ def _fenced(config: SwapConfig, engine: CopyEngine) -> bool:
     if config.fenced is None:
         return fences
     if config.fenced and not fences:
-        raise ValueError(f"SwapConfig(fenced=True): the copy engine {type(engine).__name__} does not fence its copies "
-                         "(CopyEngine.fences is false), so a victim's blocks cannot go back while its copy reads them")
+        raise ValueError(
+            f"SwapConfig(fenced=True): the copy engine {type(engine).__name__} does not fence its copies "
+            "(CopyEngine.fences is false), so a victim's blocks cannot go back while its copy reads them"
+        )
     return bool(config.fenced)
 
 

@@ -137,9 +137,13 @@ class SwapEffects:
         host = o.device_pool.host_blocks(o.host_pool, c.host_blocks.slots)
         rec.expected = expected = rec.expected.to("cpu") if rec.expected is not None else None
         if not (expected is not None and torch.equal(host, expected) and (device is None or torch.equal(host, device))):
-            raise CheckedModeError(rec.key, "swap_out_done", c.device_blocks[0] if c.device_blocks else None,
-                                   "the host blocks differ from the device blocks they were copied from: "
-                                   "the swap-out moved nothing or the wrong rows (B15)")
+            raise CheckedModeError(
+                rec.key,
+                "swap_out_done",
+                c.device_blocks[0] if c.device_blocks else None,
+                "the host blocks differ from the device blocks they were copied from: "
+                "the swap-out moved nothing or the wrong rows (B15)",
+            )
         o.metrics.verified_copies += 1
 
     def release_device_blocks(self, m: CbSwapMachine, arg: Any) -> None:
@@ -220,9 +224,13 @@ class SwapEffects:
         host = o.device_pool.tokens(o.device_pool.host_blocks(o.host_pool, c.host_blocks.slots), valid)
         expected = o.device_pool.tokens(rec.expected[:, :, :n], valid) if rec.expected is not None else None
         if not (torch.equal(device, host) and expected is not None and torch.equal(device, expected)):
-            raise CheckedModeError(rec.key, "swap_in_done", c.device_blocks[0] if c.device_blocks else None,
-                                   "the restored device blocks differ from the KV swapped out: the swap-in "
-                                   "moved nothing or the wrong rows (B15)")
+            raise CheckedModeError(
+                rec.key,
+                "swap_in_done",
+                c.device_blocks[0] if c.device_blocks else None,
+                "the restored device blocks differ from the KV swapped out: the swap-in "
+                "moved nothing or the wrong rows (B15)",
+            )
         o.metrics.verified_copies += 1
 
     def free_host_blocks(self, m: CbSwapMachine, arg: Any) -> None:

@@ -60,8 +60,9 @@ def _install_on_manager(manager: Any, inst: SwapInstallation) -> None:
 
     def create_batch_processor() -> Any:
         existing = getattr(manager, "batch_processor", None)
-        if isinstance(existing, ContinuousBatchProcessor) and isinstance(existing.offloading_manager,
-                                                                          KvfsmOffloadingManager):
+        if isinstance(existing, ContinuousBatchProcessor) and isinstance(
+            existing.offloading_manager, KvfsmOffloadingManager
+        ):
             return original()  # reset and reuse: our manager's reset() runs inside
         cb_config = manager.continuous_batching_config
         space = cb_config.cpu_offload_space
@@ -72,8 +73,9 @@ def _install_on_manager(manager: Any, inst: SwapInstallation) -> None:
             cb_config.cpu_offload_space = space
         if processor.distributed_helper.tp_size > 1:
             raise NotImplementedError("kvfsm's transformers integration runs in one process (no tensor parallelism)")
-        kv = KvfsmOffloadingManager(processor.cache, processor.scheduler,
-                                    processor.inputs_and_outputs.compute_stream, inst.config, space)
+        kv = KvfsmOffloadingManager(
+            processor.cache, processor.scheduler, processor.inputs_and_outputs.compute_stream, inst.config, space
+        )
         processor.offloading_manager = kv
         inst.managers.append(kv)
         return processor
@@ -96,17 +98,26 @@ def install(target: Any, config: Optional[SwapConfig] = None) -> SwapInstallatio
     on) or a `ContinuousBatchingManager` (before its batch processor exists, i.e. before warmup/start).
     """
     if not transformers_version_tested():
-        warnings.warn(f"kvfsm.integrations.transformers is tested with transformers {','.join(TESTED_VERSIONS)}; "
-                      f"this is {transformers.__version__}", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"kvfsm.integrations.transformers is tested with transformers {','.join(TESTED_VERSIONS)}; "
+            f"this is {transformers.__version__}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     inst = SwapInstallation(config or SwapConfig())
     if isinstance(target, ContinuousBatchingManager):
-        if target.batch_processor is not None and not isinstance(target.batch_processor.offloading_manager,
-                                                                 KvfsmOffloadingManager):
-            raise RuntimeError("install() on a manager whose batch processor already exists: install before warmup/start")
+        if target.batch_processor is not None and not isinstance(
+            target.batch_processor.offloading_manager, KvfsmOffloadingManager
+        ):
+            raise RuntimeError(
+                "install() on a manager whose batch processor already exists: install before warmup/start"
+            )
         _install_on_manager(target, inst)
         return inst
     if not callable(getattr(target, "init_continuous_batching", None)):
-        raise TypeError(f"install() needs a transformers model or ContinuousBatchingManager, got {type(target).__name__}")
+        raise TypeError(
+            f"install() needs a transformers model or ContinuousBatchingManager, got {type(target).__name__}"
+        )
     model = target
     original = model.init_continuous_batching
 

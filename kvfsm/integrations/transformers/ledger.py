@@ -30,12 +30,15 @@ class SwapLedger:
         self.handles: dict[str, Any] = {}  # request key -> the handle of its copy in flight (one at a time)
         self.fenced: dict[int, dict[str, SlotFence]] = {}  # device block released fenced -> {copying key: fence}
 
-    def copy_started(self, key: str, event: str, direction: str, device_blocks: list[int],
-                     host_blocks: list[int]) -> None:
+    def copy_started(
+        self, key: str, event: str, direction: str, device_blocks: list[int], host_blocks: list[int]
+    ) -> None:
         for b in device_blocks:
             if b in self.in_flight:
                 other, d = self.in_flight[b]
-                raise CheckedModeError(key, event, b, f"device block already under an in-flight {d} copy of {other} (B2)")
+                raise CheckedModeError(
+                    key, event, b, f"device block already under an in-flight {d} copy of {other} (B2)"
+                )
         if direction == "h2d":
             self.device_write(key, device_blocks, event)
         for h in host_blocks:
@@ -83,18 +86,31 @@ class SwapLedger:
                 continue
             other, d = self.in_flight[b]
             if fence is None:
-                raise CheckedModeError(key, event, b, f"freeing a device block an in-flight {d} copy of {other} still uses (B2)")
+                raise CheckedModeError(
+                    key, event, b, f"freeing a device block an in-flight {d} copy of {other} still uses (B2)"
+                )
             if other != key:
-                raise CheckedModeError(key, event, b, f"a fenced release of a device block under the {d} copy of "
-                                                      f"{other}: only a request's own copy may be fenced (B2)")
+                raise CheckedModeError(
+                    key,
+                    event,
+                    b,
+                    f"a fenced release of a device block under the {d} copy of "
+                    f"{other}: only a request's own copy may be fenced (B2)",
+                )
             use = "reads" if d == "d2h" else "writes"
             if not fence.covers(self.handles.get(key)):
-                raise CheckedModeError(key, event, b, f"a fenced release whose fence misses the {d} copy that still "
-                                                      f"{use} the block (B2)")
+                raise CheckedModeError(
+                    key, event, b, f"a fenced release whose fence misses the {d} copy that still {use} the block (B2)"
+                )
             if not (fence.waited or fence.passed()):
-                raise CheckedModeError(key, event, b, "a fenced release whose fence no stream has waited on: the "
-                                                      f"engine may rewrite the block before the {d} copy {use} it "
-                                                      "(B2; the device_blocks fence rule)")
+                raise CheckedModeError(
+                    key,
+                    event,
+                    b,
+                    "a fenced release whose fence no stream has waited on: the "
+                    f"engine may rewrite the block before the {d} copy {use} it "
+                    "(B2; the device_blocks fence rule)",
+                )
         if fence is not None:
             for b in device_blocks:
                 if self.in_flight.get(b, ("",))[0] == key:
@@ -108,18 +124,28 @@ class SwapLedger:
         for b in device_blocks:
             other = self.in_flight.get(b)
             if other is not None and other[1] == "d2h":
-                raise CheckedModeError(writer, event, b, f"writing a device block the in-flight swap-out of {other[0]} "
-                                                         "still reads (B2)")
+                raise CheckedModeError(
+                    writer, event, b, f"writing a device block the in-flight swap-out of {other[0]} still reads (B2)"
+                )
             for user, fence in self.fenced.get(b, {}).items():
                 if not (fence.waited or fence.passed()):
-                    raise CheckedModeError(writer, event, b, f"writing a reused device block whose fence (the copy "
-                                                             f"of {user}) has neither passed nor been waited on (B2; "
-                                                             "the device_blocks fence rule)")
+                    raise CheckedModeError(
+                        writer,
+                        event,
+                        b,
+                        f"writing a reused device block whose fence (the copy "
+                        f"of {user}) has neither passed nor been waited on (B2; "
+                        "the device_blocks fence rule)",
+                    )
 
     def free_host(self, key: str, event: str, host_blocks: list[int]) -> None:
         for h in host_blocks:
             if self.host_owner.get(h) != key:
-                raise CheckedModeError(key, event, h, f"freeing a host block held by {self.host_owner.get(h)}, "
-                                                      "not this request (host double free, B10)")
+                raise CheckedModeError(
+                    key,
+                    event,
+                    h,
+                    f"freeing a host block held by {self.host_owner.get(h)}, not this request (host double free, B10)",
+                )
         for h in host_blocks:
             del self.host_owner[h]

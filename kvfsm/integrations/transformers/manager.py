@@ -53,12 +53,20 @@ class KvfsmOffloadingManager(OffloadingManager):
     events.
     """
 
-    def __init__(self, cache: Any, scheduler: Any, compute_stream: Any, config: Optional[SwapConfig] = None,
-                 cpu_offload_space_gib: Optional[float] = None) -> None:  # no super().__init__: it pins its own pool
+    def __init__(
+        self,
+        cache: Any,
+        scheduler: Any,
+        compute_stream: Any,
+        config: Optional[SwapConfig] = None,
+        cpu_offload_space_gib: Optional[float] = None,
+    ) -> None:  # no super().__init__: it pins its own pool
         self.config = config = config or SwapConfig()
         if list(cache.cache_allocators) != [FULL_ATTENTION]:
-            raise NotImplementedError("kvfsm's transformers integration supports models whose layers all use full "
-                                      f"attention (one cache allocator); this cache has {list(cache.cache_allocators)}")
+            raise NotImplementedError(
+                "kvfsm's transformers integration supports models whose layers all use full "
+                f"attention (one cache allocator); this cache has {list(cache.cache_allocators)}"
+            )
         self.cache, self.scheduler = cache, scheduler
         self._compute_stream = compute_stream
         self._cpu_pool = None  # transformers' own pool: unused
@@ -70,7 +78,9 @@ class KvfsmOffloadingManager(OffloadingManager):
         self.host_pool = HostKVPool(self.device_pool.config, num_host, page_size=1, pin_memory=config.pin_memory)
         self.engine = _engine_for(config, self.device_pool.device, self.compute_stream)
         # an engine bound to the compute stream orders its copies after it: no stream context per submit
-        self._stream_bound = self.compute_stream is None or getattr(self.engine, "compute_stream", None) is self.compute_stream
+        self._stream_bound = (
+            self.compute_stream is None or getattr(self.engine, "compute_stream", None) is self.compute_stream
+        )
         self.fenced = _fenced(config, self.engine)
         self._fences = 1 if self.fenced else 0  # the spec's `fences` param of every machine
         self.checked = bool(config.checked)
@@ -248,8 +258,10 @@ class KvfsmOffloadingManager(OffloadingManager):
             if not starved:
                 return cached_blocks_evicted
             list_blocks_needed = [
-                {name: allocator.needs_new_blocks(state.request_id, state.current_len(), request_len)
-                 for name, allocator in self.cache.cache_allocators.items()}
+                {
+                    name: allocator.needs_new_blocks(state.request_id, state.current_len(), request_len)
+                    for name, allocator in self.cache.cache_allocators.items()
+                }
                 for state, request_len in scheduler.starved_requests
             ]
             num_active = len(scheduler.active_requests)
@@ -320,7 +332,9 @@ class KvfsmOffloadingManager(OffloadingManager):
                 state = future_state.state
                 rec = self.live.get(state.request_id)
                 if rec is None or rec.state_ref() is not state or rec.host_blocks is None:
-                    raise LifecycleError(f"request {state.request_id!r} is marked offloaded but kvfsm holds no swap of it")
+                    raise LifecycleError(
+                        f"request {state.request_id!r} is marked offloaded but kvfsm holds no swap of it"
+                    )
                 if rec.copy is not None and rec.copy.direction == "d2h" and rec.copy.handle is not None:
                     # Rescheduled before its fenced swap-out was seen landed: the swap-in reads the host
                     # blocks that copy writes, so wait for it here (the spec restores only `swapped`).
@@ -331,7 +345,11 @@ class KvfsmOffloadingManager(OffloadingManager):
                 gpu_blocks = list(self.allocator.block_table.get(state.request_id, []))
                 n = min(len(rec.host_blocks), len(gpu_blocks))
                 assert rec.machine is not None
-                host = rec.host_blocks if n == len(rec.host_blocks.pages) else self.host_pool.page_slots(rec.host_blocks.pages[:n])
+                host = (
+                    rec.host_blocks
+                    if n == len(rec.host_blocks.pages)
+                    else self.host_pool.page_slots(rec.host_blocks.pages[:n])
+                )
                 copy = SwapCopy("h2d", gpu_blocks[:n], host)
                 copy.valid_tokens = min(int(state.position_offset), n * self.device_pool.tokens_per_block)
                 rec.machine.restore(copy)
@@ -340,7 +358,9 @@ class KvfsmOffloadingManager(OffloadingManager):
                     for name, allocator in self.cache.cache_allocators.items():
                         restored_blocks = state.position_offset // allocator.tokens_per_page
                         if restored_blocks:
-                            future_state.complete_blocks[name] = future_state.complete_blocks.get(name, 0) + restored_blocks
+                            future_state.complete_blocks[name] = (
+                                future_state.complete_blocks.get(name, 0) + restored_blocks
+                            )
             if self.device_pool.device.type != "cuda":
                 self.poll()  # a CPU engine's copy may have landed at submit: acknowledged now (on the GPU it has not)
         finally:
@@ -351,8 +371,13 @@ class KvfsmOffloadingManager(OffloadingManager):
         `_AWAITING_RESTORE` (a request marked offloaded with no such machine is refused by the scan)."""
         actual = sum(1 for r in self.live.values() if r.machine is not None and r.machine.state in _AWAITING_RESTORE)
         if actual != self.awaiting_restore:
-            raise CheckedModeError("manager", "restore", None, f"awaiting_restore is {self.awaiting_restore}, but "
-                                   f"{actual} machines await a restore: a call could skip a swapped request")
+            raise CheckedModeError(
+                "manager",
+                "restore",
+                None,
+                f"awaiting_restore is {self.awaiting_restore}, but "
+                f"{actual} machines await a restore: a call could skip a swapped request",
+            )
 
     def _check_engine_writes(self, cache: Any) -> None:
         """Checked mode: wrap, on the instance, the three calls through which the engine names the blocks its
@@ -366,10 +391,11 @@ class KvfsmOffloadingManager(OffloadingManager):
             if query_length > 0:
                 ps = self.device_pool.tokens_per_block
                 table = self.allocator.block_table.get(request_id, [])
-                ledger.device_write(request_id, table[past_length // ps:(past_length + query_length - 1) // ps + 1])
+                ledger.device_write(request_id, table[past_length // ps : (past_length + query_length - 1) // ps + 1])
 
-        def extend_read_and_write_indices(request_id: str, past_length: int, query_length: int, read_index: Any,
-                                          write_index: Any) -> None:
+        def extend_read_and_write_indices(
+            request_id: str, past_length: int, query_length: int, read_index: Any, write_index: Any
+        ) -> None:
             written(request_id, past_length, query_length)
             extend(request_id, past_length, query_length, read_index, write_index)
 
@@ -392,7 +418,9 @@ class KvfsmOffloadingManager(OffloadingManager):
         led = self.allocator.ledger
         for b in blocks:
             if b not in mine:
-                raise CheckedModeError(rec.key, "restore", b, "restoring into a device block the engine did not give this request")
+                raise CheckedModeError(
+                    rec.key, "restore", b, "restoring into a device block the engine did not give this request"
+                )
             if b in led.shared_ref_counts or b in led.cached_blocks:
                 raise CheckedModeError(rec.key, "restore", b, "restoring into a shared or cached device block (B1)")
         for rid, table in self.allocator.block_table.items():
@@ -461,8 +489,11 @@ class KvfsmOffloadingManager(OffloadingManager):
     # --- inspection ----------------------------------------------------------------------------------
     def leaks(self) -> list[str]:
         """What is still held: live machines not resident, copies in flight, host blocks, ledger entries."""
-        out = [f"{r.key} in {spec_gen.STATES[r.machine.state]}" for r in self.live.values()
-               if r.machine is not None and r.machine.state != spec_gen.RESIDENT]
+        out = [
+            f"{r.key} in {spec_gen.STATES[r.machine.state]}"
+            for r in self.live.values()
+            if r.machine is not None and r.machine.state != spec_gen.RESIDENT
+        ]
         out += [f"copy of {k} in flight" for k in self.in_flight]
         used = self.host_pool.capacity - self.host_pool.free_slots
         if used:

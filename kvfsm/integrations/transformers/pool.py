@@ -38,8 +38,10 @@ class PagedCachePool(DeviceKVPool):
         elements = layers * 2 * ps * heads * head_dim
         self.config = KVCacheConfig(num_layers=1, kv_heads=1, head_dim=elements, attention="mla", dtype=dtype)
         if block_bytes != self.config.bytes_per_token:
-            raise ValueError(f"engine block of {block_bytes} bytes is not {layers} layers x K/V x {ps} tokens x "
-                             f"{heads} heads x {head_dim} of {dtype}")
+            raise ValueError(
+                f"engine block of {block_bytes} bytes is not {layers} layers x K/V x {ps} tokens x "
+                f"{heads} heads x {head_dim} of {dtype}"
+            )
         self.size = blocks
         self.device = resolve_device(flat.device)
         self.storage = flat.view(dtype).view(1, 1, blocks, 1, elements)  # (planes, layers, slots, 1, row)
@@ -50,8 +52,9 @@ class PagedCachePool(DeviceKVPool):
     def kv_of(self, rows: torch.Tensor) -> torch.Tensor:
         """Block rows `(n, elements)` (in the engine's block layout) as `(2, L, n, page_size*H, D)`."""
         n = int(rows.shape[0])
-        return rows.reshape(n, self.num_layers, 2, self.tokens_per_block * self.kv_heads,
-                            self.head_dim).permute(2, 1, 0, 3, 4)
+        return rows.reshape(n, self.num_layers, 2, self.tokens_per_block * self.kv_heads, self.head_dim).permute(
+            2, 1, 0, 3, 4
+        )
 
     def blocks(self, block_ids: list[int]) -> torch.Tensor:
         """`(2, L, n, page_size*H, D)` copy of these device blocks' KV (for checks)."""

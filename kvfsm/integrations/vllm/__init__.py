@@ -18,8 +18,10 @@ __all__ = ["Chunk", "ChunkMisuse", "KvfsmOffloadingManager", "KvfsmOffloadingSpe
 def __getattr__(name: str) -> Any:
     if name == "KvfsmOffloadingManager":
         from kvfsm.integrations.vllm.manager import KvfsmOffloadingManager
+
         return KvfsmOffloadingManager
     if name == "KvfsmOffloadingSpec":
         from kvfsm.integrations.vllm.spec import KvfsmOffloadingSpec
+
         return KvfsmOffloadingSpec
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

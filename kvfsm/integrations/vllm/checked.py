@@ -44,31 +44,48 @@ def _state(chunk: Chunk | None) -> str:
     return "absent" if chunk is None else STATES[chunk.state]
 
 
-def check_prepare_store(chunks: Mapping[bytes, Chunk], keys: list[bytes], finished: bool,
-                        seen: Collection[bytes]) -> None:
+def check_prepare_store(
+    chunks: Mapping[bytes, Chunk], keys: list[bytes], finished: bool, seen: Collection[bytes]
+) -> None:
     once: set[bytes] = set()
     for key in keys:
         if key in once:
-            raise ChunkMisuse("prepare_store", key, _state(chunks.get(key)),
-                              "the key is offered twice in one call; vLLM's manager would allocate two slots for it "
-                              "and lose one")
+            raise ChunkMisuse(
+                "prepare_store",
+                key,
+                _state(chunks.get(key)),
+                "the key is offered twice in one call; vLLM's manager would allocate two slots for it and lose one",
+            )
         once.add(key)
         if finished and key not in seen:
-            raise ChunkMisuse("prepare_store", key, _state(chunks.get(key)),
-                              "the request already finished (on_request_finished); no new key may be stored for it")
+            raise ChunkMisuse(
+                "prepare_store",
+                key,
+                _state(chunks.get(key)),
+                "the request already finished (on_request_finished); no new key may be stored for it",
+            )
 
 
-def check_prepare_load(chunks: Mapping[bytes, Chunk], keys: Iterable[bytes], finished: bool,
-                       seen: Collection[bytes]) -> None:
+def check_prepare_load(
+    chunks: Mapping[bytes, Chunk], keys: Iterable[bytes], finished: bool, seen: Collection[bytes]
+) -> None:
     for key in keys:
         chunk = chunks.get(key)
         if chunk is None or chunk.state not in (READY, PINNED):
-            raise ChunkMisuse("prepare_load", key, _state(chunk),
-                              "only a stored chunk can be loaded (lookup must have answered HIT under the same "
-                              "hold of the manager's lock)")
+            raise ChunkMisuse(
+                "prepare_load",
+                key,
+                _state(chunk),
+                "only a stored chunk can be loaded (lookup must have answered HIT under the same "
+                "hold of the manager's lock)",
+            )
         if finished and key not in seen:
-            raise ChunkMisuse("prepare_load", key, _state(chunk),
-                              "the request already finished (on_request_finished); it may load nothing more")
+            raise ChunkMisuse(
+                "prepare_load",
+                key,
+                _state(chunk),
+                "the request already finished (on_request_finished); it may load nothing more",
+            )
 
 
 def check_complete_load(chunks: Mapping[bytes, Chunk], keys: Iterable[bytes], led: Ledger) -> None:

@@ -35,12 +35,27 @@ class KvfsmOffloadingManager(ChunkEffects, CPUOffloadingManager):
     changes anything (ChunkMisuse on a wrong call); unchecked, it answers exactly as vLLM's manager does.
     """
 
-    def __init__(self, num_chunks: int, cache_policy: str = "lru", cache_policy_module_path: str | None = None,
-                 enable_events: bool = False, store_threshold: int = 1, max_tracker_size: int = 64_000,
-                 info: CPUOffloadingInfo | None = None, *, checked: bool = False) -> None:
-        super().__init__(num_chunks, cache_policy=cache_policy, cache_policy_module_path=cache_policy_module_path,
-                         enable_events=enable_events, store_threshold=store_threshold,
-                         max_tracker_size=max_tracker_size, info=info)
+    def __init__(
+        self,
+        num_chunks: int,
+        cache_policy: str = "lru",
+        cache_policy_module_path: str | None = None,
+        enable_events: bool = False,
+        store_threshold: int = 1,
+        max_tracker_size: int = 64_000,
+        info: CPUOffloadingInfo | None = None,
+        *,
+        checked: bool = False,
+    ) -> None:
+        super().__init__(
+            num_chunks,
+            cache_policy=cache_policy,
+            cache_policy_module_path=cache_policy_module_path,
+            enable_events=enable_events,
+            store_threshold=store_threshold,
+            max_tracker_size=max_tracker_size,
+            info=info,
+        )
         self._chunks: dict[bytes, Chunk] = {}
         self.checked = checked
         # called as observer(chunk, event, source, target, transition id) after each chunk transition (tests,
@@ -65,8 +80,9 @@ class KvfsmOffloadingManager(ChunkEffects, CPUOffloadingManager):
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> CPULoadStoreSpec:
         return self._prepare_load(keys, req_context, record_access=True)
 
-    def _prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext, *,
-                      record_access: bool) -> CPULoadStoreSpec:
+    def _prepare_load(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, *, record_access: bool
+    ) -> CPULoadStoreSpec:
         chunks = self._chunks
         if self.checked:
             access = self._get_request_cache_access(req_context)
@@ -142,8 +158,9 @@ class KvfsmOffloadingManager(ChunkEffects, CPUOffloadingManager):
 
         recorded_keys = set(keys_to_store)
         recorded_keys.update(ready_existing_keys)
-        self._record_request_cache_access((key for key in keys if key in recorded_keys), req_context,
-                                          reused_keys=ready_existing_keys)
+        self._record_request_cache_access(
+            (key for key in keys if key in recorded_keys), req_context, reused_keys=ready_existing_keys
+        )
 
         if not keys_to_store:
             return PrepareStoreOutput(keys_to_store=[], store_spec=CPULoadStoreSpec([]), evicted_keys=[])
@@ -177,8 +194,9 @@ class KvfsmOffloadingManager(ChunkEffects, CPUOffloadingManager):
             led = self._ledger(req_context)
             led.stores.update(keys_to_store)
             led.stored.difference_update(keys_to_store)
-        return PrepareStoreOutput(keys_to_store=keys_to_store, store_spec=CPULoadStoreSpec(slots),
-                                  evicted_keys=to_evict)
+        return PrepareStoreOutput(
+            keys_to_store=keys_to_store, store_spec=CPULoadStoreSpec(slots), evicted_keys=to_evict
+        )
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
         chunks = self._chunks
@@ -198,11 +216,13 @@ class KvfsmOffloadingManager(ChunkEffects, CPUOffloadingManager):
                 done.append(key)
         if done and self.events is not None:
             if success:
-                self.events.append(OffloadingEvent(keys=done, medium=self.medium, removed=False,
-                                                   removal_expected=True, req_context=req_context))
+                self.events.append(
+                    OffloadingEvent(
+                        keys=done, medium=self.medium, removed=False, removal_expected=True, req_context=req_context
+                    )
+                )
             else:
-                self.events.append(OffloadingEvent(keys=done, medium=self.medium, removed=True,
-                                                   metadata_only=True))
+                self.events.append(OffloadingEvent(keys=done, medium=self.medium, removed=True, metadata_only=True))
 
     # --- reset -------------------------------------------------------------------------------------------
 
@@ -245,8 +265,10 @@ class KvfsmOffloadingManager(ChunkEffects, CPUOffloadingManager):
         if self._num_allocated_chunks > self._num_chunks:
             bad.append(f"{self._num_allocated_chunks} slots handed out of {self._num_chunks}")
         if (pending, evictable) != (self._num_write_pending_chunks, self._num_evictable_cache_chunks):
-            bad.append(f"gauges (write pending {self._num_write_pending_chunks}, evictable "
-                       f"{self._num_evictable_cache_chunks}) differ from the chunks ({pending}, {evictable})")
+            bad.append(
+                f"gauges (write pending {self._num_write_pending_chunks}, evictable "
+                f"{self._num_evictable_cache_chunks}) differ from the chunks ({pending}, {evictable})"
+            )
         return bad
 
 

@@ -29,6 +29,29 @@ from kvfsm.verify.explorer.search import Counterexample, ExploreResult, explore
 from kvfsm.verify.explorer.world import ENDED, LIVE, NEW, RETRACTED, BoundInvalid, Event, ExplorerConfig, Faults, World
 
 # `_describe` (exception -> (violation name, detail)) is re-exported for kvfsm.verify.coverage's fuzzer.
-__all__ = ["BoundInvalid", "CloneError", "Counterexample", "ENDED", "Event", "ExploreResult", "ExplorerConfig", "Faults", "LIVE",
-           "NEW", "RETRACTED", "Snapshot", "Violation", "World", "apply", "build", "canonical_key", "check_world",
-           "clone", "counterexample_test", "enabled", "event_label", "explore", "replay_events"]
+__all__ = [
+    "BoundInvalid",
+    "CloneError",
+    "Counterexample",
+    "ENDED",
+    "Event",
+    "ExploreResult",
+    "ExplorerConfig",
+    "Faults",
+    "LIVE",
+    "NEW",
+    "RETRACTED",
+    "Snapshot",
+    "Violation",
+    "World",
+    "apply",
+    "build",
+    "canonical_key",
+    "check_world",
+    "clone",
+    "counterexample_test",
+    "enabled",
+    "event_label",
+    "explore",
+    "replay_events",
+]

@@ -82,8 +82,14 @@ def canonical(w: World, snap: Optional[_Snap] = None, symmetry: bool = True) -> 
         local: tuple = tuple(w.ctl[i])
         if req is not None:
             mach = w.engine.manager.machine_of(req)
-            local += (req.kv_committed_len, req.kv_allocated_len, req.done, req.req_pool_idx is None,
-                      mach.snapshot() if mach is not None else None, tuple(mine.get(i, ())))
+            local += (
+                req.kv_committed_len,
+                req.kv_allocated_len,
+                req.done,
+                req.req_pool_idx is None,
+                mach.snapshot() if mach is not None else None,
+                tuple(mine.get(i, ())),
+            )
         sig.append(hash(local))
     groups: dict[int, list[int]] = {}
     for i in range(n):
@@ -157,10 +163,15 @@ def _key(w: World, s: _Snap, order: list[int]) -> tuple[tuple, Naming]:
             continue
         alloc = max(req.kv_allocated_len, req.kv_committed_len)
         r = req.req_pool_idx
-        held = (dev(s.table[r][:-(-alloc // ps) * ps]) if w.ctl[i][0] == LIVE and isinstance(r, int)
-                and 0 <= r < len(s.table) else ())
-        reqs.append((tuple(w.ctl[i]), row(r), req.kv_committed_len, req.kv_allocated_len, len(req.output_ids),
-                     req.done, held))
+        held = (
+            dev(s.table[r][: -(-alloc // ps) * ps])
+            if w.ctl[i][0] == LIVE and isinstance(r, int) and 0 <= r < len(s.table)
+            else ()
+        )
+        reqs.append(
+            (tuple(w.ctl[i]), row(r), req.kv_committed_len, req.kv_allocated_len, len(req.output_ids), req.done, held)
+        )
+
     def rec_row(rec: Any) -> Any:
         # A lifecycle that gave its row back names it only where the manager still compares it: the
         # current record of a request that may be re-admitted (DecodeOffloadManager._readmitted tells a
@@ -181,8 +192,18 @@ def _key(w: World, s: _Snap, order: list[int]) -> tuple[tuple, Naming]:
             ended = w.ends.get((s.index_of(rec), rec.row))
             n = -(-ended[1] // ps) * ps if ended else 0
             deferred = (ended, dev(s.table[rec.row][:n]))
-        recs.append((label[id(rec)], rec.machine.snapshot(), rec_row(rec), rec.inc_len, rec.end_lengths,
-                     rec.req is None, deferred, _extras(rec)))
+        recs.append(
+            (
+                label[id(rec)],
+                rec.machine.snapshot(),
+                rec_row(rec),
+                rec.inc_len,
+                rec.end_lengths,
+                rec.req is None,
+                deferred,
+                _extras(rec),
+            )
+        )
     chunk_no: dict[int, int] = {}
 
     def chunk(c: Any, copying: bool = False) -> tuple:
@@ -190,8 +211,14 @@ def _key(w: World, s: _Snap, order: list[int]) -> tuple[tuple, Naming]:
         # reads them again, and whether they coincide with pages handed out since depends on the order
         # the allocator's free list happens to be in (a key naming them would not determine the future)
         chunk_no[c.serial] = len(chunk_no)
-        return (label[id(c.record)], c.start, c.end, dev(s.dev_idx[id(c)]) if copying else (),
-                hst(s.host_idx[id(c)]), _extras(c))
+        return (
+            label[id(c.record)],
+            c.start,
+            c.end,
+            dev(s.dev_idx[id(c)]) if copying else (),
+            hst(s.host_idx[id(c)]),
+            _extras(c),
+        )
 
     # a copy's state: landed, or (a stream-ordered twin's wait) already read its source, or neither
     fifo = tuple((chunk(c, True), c.handle.done(), getattr(c.handle, "ran", False)) for c in s.copies)
@@ -201,11 +228,17 @@ def _key(w: World, s: _Snap, order: list[int]) -> tuple[tuple, Naming]:
     ledger: tuple[Any, ...] = ()
     led = m.ledger
     if led is not None:
-        ledger = (tuple(sorted((pmap.setdefault(p, len(pmap)), by_key.get(o, o)) for p, o in led.device_owner.items())),
-                  tuple(sorted((pmap.setdefault(p, len(pmap)), tuple(sorted(chunk_no.get(x, -1) for x in r)))
-                               for p, r in led.device_readers.items() if r)),
-                  tuple(sorted((hmap.setdefault(p, len(hmap)), chunk_no.get(x, -1))
-                               for p, x in led.host_owner.items())))
+        ledger = (
+            tuple(sorted((pmap.setdefault(p, len(pmap)), by_key.get(o, o)) for p, o in led.device_owner.items())),
+            tuple(
+                sorted(
+                    (pmap.setdefault(p, len(pmap)), tuple(sorted(chunk_no.get(x, -1) for x in r)))
+                    for p, r in led.device_readers.items()
+                    if r
+                )
+            ),
+            tuple(sorted((hmap.setdefault(p, len(hmap)), chunk_no.get(x, -1)) for p, x in led.host_owner.items())),
+        )
     # fenced free pages, in the order they are handed out, each with the copies (by number) its fence waits for
     fenced: tuple[Any, ...] = ()
     fence_of = getattr(e.allocator, "_page_fence", {})
@@ -215,6 +248,7 @@ def _key(w: World, s: _Snap, order: list[int]) -> tuple[tuple, Naming]:
 
         def copies_of(f: Any) -> tuple[int, ...]:
             return tuple(sorted(copy_no.get(id(h), -1) for h in f._handles if not h.done()))
+
         fenced = tuple((pmap.setdefault(p, len(pmap)), copies_of(fence_of[p])) for p in e.allocator._fenced_pages)
         # allocated pages still carrying the unpassed fence they were handed out with (freed, they keep it)
         carrying = [(p, f) for p, f in (held_fence or {}).items() if not f.passed()]
@@ -225,11 +259,30 @@ def _key(w: World, s: _Snap, order: list[int]) -> tuple[tuple, Naming]:
     halloc_named = tuple(sorted(hmap[p] for p, a in enumerate(s.halloc) if a and p in hmap))
     rows_named = tuple(sorted(rmap[r] for r, a in enumerate(s.rows_alloc) if a and r in rmap))
     rows_next = tuple(rmap.get(r, -1) for r in s.rows_free)  # when each named free row is handed out
-    key = (tuple(reqs), tuple(recs), fifo, parked, pending, collected, len(e.copies.pending), len(m.fx.parked),
-           e.worker.outstanding(), alloc_named, sum(s.alloc) - len(alloc_named), len(s.free),
-           halloc_named, sum(s.halloc) - len(halloc_named), len(s.hfree),
-           rows_named, sum(s.rows_alloc) - len(rows_named), e.req_to_token.free_rows, e.protected.size, ledger,
-           rows_next, fenced)
+    key = (
+        tuple(reqs),
+        tuple(recs),
+        fifo,
+        parked,
+        pending,
+        collected,
+        len(e.copies.pending),
+        len(m.fx.parked),
+        e.worker.outstanding(),
+        alloc_named,
+        sum(s.alloc) - len(alloc_named),
+        len(s.free),
+        halloc_named,
+        sum(s.halloc) - len(halloc_named),
+        len(s.hfree),
+        rows_named,
+        sum(s.rows_alloc) - len(rows_named),
+        e.req_to_token.free_rows,
+        e.protected.size,
+        ledger,
+        rows_next,
+        fenced,
+    )
     handle: dict[int, int] = {}
     for c in s.copies:
         handle.setdefault(cast(DeferredHandle, c.handle).seq, chunk_no[c.serial])
@@ -242,5 +295,10 @@ def _extras(obj: Any) -> tuple:
     d = getattr(obj, "__dict__", None)
     if names is None or d is None or len(d) == len(names):
         return ()
-    return tuple(sorted((k, v if isinstance(v, (bool, int, float, str, type(None))) else type(v).__name__)
-                        for k, v in d.items() if k not in names))
+    return tuple(
+        sorted(
+            (k, v if isinstance(v, (bool, int, float, str, type(None))) else type(v).__name__)
+            for k, v in d.items()
+            if k not in names
+        )
+    )

@@ -90,8 +90,16 @@ class _Snap:
         for i, req in enumerate(w.reqs):
             if w.ctl[i][0] == LIVE:
                 assert req is not None  # a live request was admitted
-                out.append((f"r{i}", i, req.req_pool_idx, req.kv_committed_len,
-                            max(req.kv_allocated_len, req.kv_committed_len), req.prefix_len))
+                out.append(
+                    (
+                        f"r{i}",
+                        i,
+                        req.req_pool_idx,
+                        req.kv_committed_len,
+                        max(req.kv_allocated_len, req.kv_committed_len),
+                        req.prefix_len,
+                    )
+                )
         for rec in self.records:
             if rec.machine.state in _DEFERRED:
                 i = self.index_of(rec)
@@ -123,15 +131,21 @@ def check_world(w: World, snap: Optional[_Snap] = None) -> _Snap:
         mach = rec.machine
         bad = gen.violated_invariants(mach)
         _check(not bad, "spec_invariants", lambda: f"{mach!r} violates {', '.join(bad)}")
-        _check([mach.copies, mach.parked, mach.backups] == count.get(id(rec), [0, 0, 0]), "counters_match_chunks",
-               lambda: f"{mach!r} but chunks in flight (copies, parked, backups) = {count.get(id(rec), [0, 0, 0])}")
+        _check(
+            [mach.copies, mach.parked, mach.backups] == count.get(id(rec), [0, 0, 0]),
+            "counters_match_chunks",
+            lambda: f"{mach!r} but chunks in flight (copies, parked, backups) = {count.get(id(rec), [0, 0, 0])}",
+        )
     for i, req in enumerate(w.reqs):
         if w.ctl[i][0] == LIVE:
             assert req is not None  # a live request was admitted
             mach = m.machine_of(req)
             # after a re-admission the manager starts the new lifecycle lazily, at its next call
-            _check(mach is None or mach.state in _LIVE_STATES or w.ctl[i][2] > 0,
-                   "live_request_live_machine", lambda: f"r{i} is live but its machine is {mach!r}")
+            _check(
+                mach is None or mach.state in _LIVE_STATES or w.ctl[i][2] > 0,
+                "live_request_live_machine",
+                lambda: f"r{i} is live but its machine is {mach!r}",
+            )
 
     # device pages, rows and protected size: each page held by one holder, and nothing else allocated
     holders = s.holders(w)
@@ -141,20 +155,35 @@ def check_world(w: World, snap: Optional[_Snap] = None) -> _Snap:
     for name, _i, row, _committed, alloc, _ in holders:
         if not (isinstance(row, int) and 0 <= row < len(s.rows_alloc) and s.rows_alloc[row]):
             raise Violation("holder_has_row", f"{name} row {row!r}")
-        pages += [slot // ps for slot in s.table[row][0:-(-alloc // ps) * ps:ps]]
+        pages += [slot // ps for slot in s.table[row][0 : -(-alloc // ps) * ps : ps]]
     held = set(pages)
-    _check(len(held) == len(pages), "no_shared_device_page",
-           lambda: f"holders {holders} share pages {sorted(p for p in held if pages.count(p) > 1)}")
-    _check(all(s.alloc[p] for p in pages), "live_slot_not_free",
-           lambda: f"free pages {[p for p in pages if not s.alloc[p]]} are held by {holders} (B1/B2)")
+    _check(
+        len(held) == len(pages),
+        "no_shared_device_page",
+        lambda: f"holders {holders} share pages {sorted(p for p in held if pages.count(p) > 1)}",
+    )
+    _check(
+        all(s.alloc[p] for p in pages),
+        "live_slot_not_free",
+        lambda: f"free pages {[p for p in pages if not s.alloc[p]]} are held by {holders} (B1/B2)",
+    )
     used = sum(s.alloc)
-    _check(used == len(pages), "device_accounting",
-           lambda: f"{used * ps} device slots allocated, holders own {len(pages) * ps} (leak B3/B5/B8, or B11/B12)")
-    _check(sum(s.rows_alloc) == len(holders), "row_accounting",
-           lambda: f"{sum(s.rows_alloc)} rows allocated, {len(holders)} holders (leak B8)")
+    _check(
+        used == len(pages),
+        "device_accounting",
+        lambda: f"{used * ps} device slots allocated, holders own {len(pages) * ps} (leak B3/B5/B8, or B11/B12)",
+    )
+    _check(
+        sum(s.rows_alloc) == len(holders),
+        "row_accounting",
+        lambda: f"{sum(s.rows_alloc)} rows allocated, {len(holders)} holders (leak B8)",
+    )
     protected = sum(h[5] for h in holders)
-    _check(e.protected.size == protected, "protected_accounting",
-           f"protected size {e.protected.size} != {protected} held (B3/B4)")
+    _check(
+        e.protected.size == protected,
+        "protected_accounting",
+        f"protected size {e.protected.size} != {protected} held (B3/B4)",
+    )
 
     # KV content: every committed position of every holder holds its writer's value
     if holders:
@@ -170,19 +199,28 @@ def check_world(w: World, snap: Optional[_Snap] = None) -> _Snap:
     host = [h for c in s.chunks for h in s.host_idx[id(c)]]
     _check(len(set(host)) == len(host), "no_shared_host_slot", "two chunks hold one host slot")
     hused = sum(s.halloc) * ps
-    _check(hused == len(host), "host_accounting",
-           lambda: f"{hused} host slots allocated, chunks hold {len(host)} (leak B3, or double free B10)")
+    _check(
+        hused == len(host),
+        "host_accounting",
+        lambda: f"{hused} host slots allocated, chunks hold {len(host)} (leak B3, or double free B10)",
+    )
     if m.ledger is not None:
-        _check(m.ledger.host_pages() * ps == len(host), "ledger_host_pages",
-               f"ledger {m.ledger.host_pages()} host pages, chunks {len(host) // ps}")
+        _check(
+            m.ledger.host_pages() * ps == len(host),
+            "ledger_host_pages",
+            f"ledger {m.ledger.host_pages()} host pages, chunks {len(host) // ps}",
+        )
     done = [c for c in s.chunks if c.handle is not None and c.handle.done()]
     if done:
         hv = e.host_pool.token_view()[0, 0, :, 0, 0].tolist()
         for c in done:
             got = [hv[h] for h in s.host_idx[id(c)]]
             want = [kv_value(c.record.req_ref().serial, p) for p in range(c.start, c.end)]
-            _check(got == want, "host_kv_content",
-                   lambda: f"completed copy of {c.record.key} [{c.start}, {c.end}) holds {got}, wrote {want} (B2/B15)")
+            _check(
+                got == want,
+                "host_kv_content",
+                lambda: f"completed copy of {c.record.key} [{c.start}, {c.end}) holds {got}, wrote {want} (B2/B15)",
+            )
 
     # storage: a page reported stored is in storage and holds its writer's KV (B13)
     assert e.store is not None  # the explorer's engine keeps its in-memory store
@@ -201,8 +239,11 @@ def check_world(w: World, snap: Optional[_Snap] = None) -> _Snap:
         _check(not any(s.rows_alloc), "teardown_rows_free", "a request row was never returned")
         _check(e.protected.size == 0, "teardown_protected_zero", f"protected size {e.protected.size} after teardown")
         if m.ledger is not None:
-            _check(not m.ledger.device_readers and not m.ledger.host_owner and not m.ledger.device_owner,
-                   "teardown_ledger_empty", "the ledger still lists owners or readers")
+            _check(
+                not m.ledger.device_readers and not m.ledger.host_owner and not m.ledger.device_owner,
+                "teardown_ledger_empty",
+                "the ledger still lists owners or readers",
+            )
     return s
 
 
@@ -220,15 +261,27 @@ def _check_chunk(w: World, i: int, req: SimRequest, rec: Any, inc: int, c: Any) 
     new = c.record
     start = new.prefill_len + (inc if new is rec else 0)
     stride = e.manager.stride
-    _check(c.start == start and c.end > c.start and (c.end - c.start) % stride == 0 and
-           new.prefill_len + new.inc_len == c.end, "offload_contiguous",
-           lambda: f"r{i}: chunk [{c.start}, {c.end}) but the next chunk starts at {start} (stride {stride}), "
-                   f"offloaded length now {new.inc_len} after prefill {new.prefill_len}")
-    _check(c.end <= min(req.kv_committed_len, len(req.origin_input_ids) + len(req.output_ids) - 1),
-           "offload_committed_only",
-           lambda: f"r{i}: chunk [{c.start}, {c.end}) beyond committed KV {req.kv_committed_len}")
-    row = e.req_to_token.req_to_token[req.req_pool_idx, c.start:c.end].tolist()
-    _check(c.device_indices.tolist() == row, "offload_own_slots",
-           lambda: f"r{i}: chunk [{c.start}, {c.end}) reads slots {c.device_indices.tolist()}, its row maps {row}")
-    tokens = (list(req.origin_input_ids) + list(req.output_ids))[c.start:c.end]
+    _check(
+        c.start == start
+        and c.end > c.start
+        and (c.end - c.start) % stride == 0
+        and new.prefill_len + new.inc_len == c.end,
+        "offload_contiguous",
+        lambda: (
+            f"r{i}: chunk [{c.start}, {c.end}) but the next chunk starts at {start} (stride {stride}), "
+            f"offloaded length now {new.inc_len} after prefill {new.prefill_len}"
+        ),
+    )
+    _check(
+        c.end <= min(req.kv_committed_len, len(req.origin_input_ids) + len(req.output_ids) - 1),
+        "offload_committed_only",
+        lambda: f"r{i}: chunk [{c.start}, {c.end}) beyond committed KV {req.kv_committed_len}",
+    )
+    row = e.req_to_token.req_to_token[req.req_pool_idx, c.start : c.end].tolist()
+    _check(
+        c.device_indices.tolist() == row,
+        "offload_own_slots",
+        lambda: f"r{i}: chunk [{c.start}, {c.end}) reads slots {c.device_indices.tolist()}, its row maps {row}",
+    )
+    tokens = (list(req.origin_input_ids) + list(req.output_ids))[c.start : c.end]
     _check(list(c.tokens) == tokens, "offload_tokens", lambda: f"r{i}: chunk tokens {c.tokens} != {tokens}")

@@ -93,11 +93,13 @@ def _rebuild_tensor(r: _Region, offset: int, dtype: torch.dtype, size: tuple, st
 
 def _rebuild_ndarray(r: _Region, offset: int, dtype: Any, shape: tuple, strides: tuple) -> Any:
     import numpy as np
+
     return np.ndarray(shape, dtype=dtype, buffer=r.ba, offset=offset, strides=strides)
 
 
 def _rebuild_object_array(shape: tuple, filled: list[tuple[int, Any]]) -> Any:
     import numpy as np
+
     a = np.empty(shape, dtype=object)
     flat = a.reshape(-1)  # a view: C-contiguous
     for i, v in filled:
@@ -115,13 +117,19 @@ class _Unpickler(pickle.Unpickler):
         return x.ba if kind == "bytearray" else self.shared[x]
 
 
-def _rebuild_function(code: bytes, module: str, name: str, defaults: Any, kwdefaults: Any,
-                      cells: Optional[tuple]) -> types.FunctionType:
+def _rebuild_function(
+    code: bytes, module: str, name: str, defaults: Any, kwdefaults: Any, cells: Optional[tuple]
+) -> types.FunctionType:
     c = _CODE_LOADED.get(code)
     if c is None:
         c = _CODE_LOADED[code] = marshal.loads(code)
-    f = types.FunctionType(c, sys.modules[module].__dict__, name, defaults,
-                           None if cells is None else tuple(types.CellType(x) for x in cells))
+    f = types.FunctionType(
+        c,
+        sys.modules[module].__dict__,
+        name,
+        defaults,
+        None if cells is None else tuple(types.CellType(x) for x in cells),
+    )
     f.__kwdefaults__ = kwdefaults
     return f
 
@@ -137,8 +145,10 @@ class _Pickler(pickle.Pickler):
         for lo, hi in self.by_value:
             for r in self.regions:
                 if lo < r.start + r.nbytes and r.start < hi:
-                    raise CloneError("an ndarray that owns its memory is also viewed by a tensor or bytearray; "
-                                     "explore with mode='replay'")
+                    raise CloneError(
+                        "an ndarray that owns its memory is also viewed by a tensor or bytearray; "
+                        "explore with mode='replay'"
+                    )
 
     def _region(self, start: int, nbytes: int, data: Callable[[], bytes], what: str) -> tuple[_Region, int]:
         """The region holding [start, start + nbytes) and the offset into it; the first object seen defines it."""
@@ -159,6 +169,7 @@ class _Pickler(pickle.Pickler):
         if type(obj) is not bytearray or not obj:
             return None
         import numpy as np
+
         start = np.frombuffer(obj, dtype=np.uint8).ctypes.data
         r, off = self._region(start, len(obj), functools.partial(bytes, obj), "a bytearray")
         if off or r.nbytes != len(obj):
@@ -178,15 +189,22 @@ class _Pickler(pickle.Pickler):
             item = obj.element_size()
             if off % item:
                 raise CloneError("a tensor views memory at an offset that is not a multiple of its element size")
-            return (_rebuild_tensor,
-                    (r, off // item + obj.storage_offset(), obj.dtype, tuple(obj.size()), obj.stride()))
+            return (
+                _rebuild_tensor,
+                (r, off // item + obj.storage_offset(), obj.dtype, tuple(obj.size()), obj.stride()),
+            )
         if t.__module__ == "numpy" and t.__name__ == "ndarray":
             root = obj
             while getattr(root, "base", None) is not None and type(root.base).__name__ == "ndarray":
                 root = root.base
             base = root.base
-            if (SPARSE_OBJECT_ARRAYS and base is None and obj.dtype.hasobject and obj.dtype.names is None
-                    and obj.flags.c_contiguous):
+            if (
+                SPARSE_OBJECT_ARRAYS
+                and base is None
+                and obj.dtype.hasobject
+                and obj.dtype.names is None
+                and obj.flags.c_contiguous
+            ):
                 # an object array that owns its memory, by its filled slots only: the manager's stored-page
                 # index keeps two 1024-slot rings of mostly None (2000 of a world's 3000 pickled objects)
                 filled = [(i, v) for i, v in enumerate(obj.reshape(-1).tolist()) if v is not None]
@@ -203,6 +221,7 @@ class _Pickler(pickle.Pickler):
                 r, off = self._region(st.data_ptr(), st.nbytes(), functools.partial(_tensor_bytes, raw), "a tensor")
             elif isinstance(base, bytearray) and base:
                 import numpy as np
+
                 at = np.frombuffer(base, dtype=np.uint8).ctypes.data
                 r, off = self._region(at, len(base), functools.partial(bytes, base), "a bytearray")
             else:

@@ -41,8 +41,7 @@ def enabled(w: World) -> list[Event]:
                 if cfg.speculative > 0:
                     out.append(("decode_spec", i))
             out.append(("offload", i))
-            out.extend((how, i) for how in cfg.end_kinds
-                       if how != "engine_release" or cfg.fenced or _no_copy_of(w, i))
+            out.extend((how, i) for how in cfg.end_kinds if how != "engine_release" or cfg.fenced or _no_copy_of(w, i))
         else:
             if phase == RETRACTED and left > 0:
                 out.append(("readmit", i))
@@ -103,8 +102,11 @@ def apply(w: World, ev: Event) -> None:
         e.release_itself(req)
         ctl[0] = RETRACTED if ctl[1] > 0 else ENDED  # SGLang re-admits the requests it retracted
     elif kind in ("finish", "abort", "retract"):
-        w.ends[(i, req.req_pool_idx)] = (req.kv_committed_len, max(req.kv_allocated_len, req.kv_committed_len),
-                                         req.prefix_len)
+        w.ends[(i, req.req_pool_idx)] = (
+            req.kv_committed_len,
+            max(req.kv_allocated_len, req.kv_committed_len),
+            req.prefix_len,
+        )
         e.end(req, kind)
         # without re-admissions left a retracted request is just an ended one
         ctl[0] = RETRACTED if kind == "retract" and ctl[1] > 0 else ENDED
@@ -121,10 +123,19 @@ def apply(w: World, ev: Event) -> None:
         if ctl[0] == RETRACTED:
             ctl[0] = ENDED  # a retracted request finished while queued is never re-admitted
         after = _pool_counts(e)
-        _check(before == after, "duplicate_end_is_noop", lambda: f"finish of ended r{i}: (device free, host free, "
-               f"rows free, protected, releases) {before} -> {after} (B9)")
-        _check(mach is None or mach.state == state, "duplicate_end_is_noop",
-               lambda: f"finish of ended r{i} moved its machine from {gen.STATES[state]} to {mach!r} (B9)")
+        _check(
+            before == after,
+            "duplicate_end_is_noop",
+            lambda: (
+                f"finish of ended r{i}: (device free, host free, "
+                f"rows free, protected, releases) {before} -> {after} (B9)"
+            ),
+        )
+        _check(
+            mach is None or mach.state == state,
+            "duplicate_end_is_noop",
+            lambda: f"finish of ended r{i} moved its machine from {gen.STATES[state]} to {mach!r} (B9)",
+        )
     else:
         raise ValueError(f"unknown event {ev!r}")
 
@@ -145,14 +156,21 @@ def _offload(w: World, i: int, req: SimRequest) -> None:
     n_fifo, host_free = len(fx.copy_fifo), e.host_pool.free_slots
     submitted = e.manager.offload(req)
     if not submitted:
-        _check(len(fx.copy_fifo) == n_fifo and e.host_pool.free_slots == host_free and
-               (rec is None or rec.inc_len == inc), "offload_nothing_changes_nothing",
-               lambda: f"r{i}: offload returned False but changed the copy queue {n_fifo} -> {len(fx.copy_fifo)}, "
-                       f"host free slots {host_free} -> {e.host_pool.free_slots} or offloaded length "
-                       f"{inc} -> {rec.inc_len if rec else None} (B7)")
+        _check(
+            len(fx.copy_fifo) == n_fifo and e.host_pool.free_slots == host_free and (rec is None or rec.inc_len == inc),
+            "offload_nothing_changes_nothing",
+            lambda: (
+                f"r{i}: offload returned False but changed the copy queue {n_fifo} -> {len(fx.copy_fifo)}, "
+                f"host free slots {host_free} -> {e.host_pool.free_slots} or offloaded length "
+                f"{inc} -> {rec.inc_len if rec else None} (B7)"
+            ),
+        )
         return
-    _check(len(fx.copy_fifo) == n_fifo + 1, "offload_one_chunk",
-           f"r{i}: one offload queued {len(fx.copy_fifo) - n_fifo} copies")
+    _check(
+        len(fx.copy_fifo) == n_fifo + 1,
+        "offload_one_chunk",
+        f"r{i}: one offload queued {len(fx.copy_fifo) - n_fifo} copies",
+    )
     _check_chunk(w, i, req, rec, inc, fx.copy_fifo[-1])
 
 
@@ -167,17 +185,23 @@ def _offload_batch(w: World) -> None:
     n_fifo = len(fx.copy_fifo)
     submitted = e.manager.offload_batch(reqs, [r.row for r in reqs], [r.kv_committed_len for r in reqs])
     new = list(fx.copy_fifo)[n_fifo:]
-    _check(len(new) == submitted, "offload_batch_count",
-           f"offload_batch reported {submitted} chunks but queued {len(new)}")
+    _check(
+        len(new) == submitted, "offload_batch_count", f"offload_batch reported {submitted} chunks but queued {len(new)}"
+    )
     by_request = {id(c.record.req_ref()): c for c in new}
-    _check(len(by_request) == len(new), "offload_batch_one_chunk_each", "offload_batch queued two chunks for one request")
+    _check(
+        len(by_request) == len(new), "offload_batch_one_chunk_each", "offload_batch queued two chunks for one request"
+    )
     for i, req, (rec, inc) in zip(live, reqs, before):
         c = by_request.get(id(req))
         if c is not None:
             _check_chunk(w, i, req, rec, inc, c)
         else:
-            _check(rec is None or rec.inc_len == inc, "offload_nothing_changes_nothing",
-                   lambda: f"r{i}: no chunk in offload_batch, but its offloaded length moved {inc} -> {rec.inc_len}")
+            _check(
+                rec is None or rec.inc_len == inc,
+                "offload_nothing_changes_nothing",
+                lambda: f"r{i}: no chunk in offload_batch, but its offloaded length moved {inc} -> {rec.inc_len}",
+            )
 
 
 def _offload_progress(w: World, req: SimRequest) -> tuple[Any, int]:
@@ -188,8 +212,13 @@ def _offload_progress(w: World, req: SimRequest) -> tuple[Any, int]:
 
 
 def _pool_counts(e: SimEngine) -> tuple[int, ...]:
-    return (e.allocator.free_slots, e.host_pool.free_slots, e.req_to_token.free_rows, e.protected.size,
-            e.manager.metrics.releases)
+    return (
+        e.allocator.free_slots,
+        e.host_pool.free_slots,
+        e.req_to_token.free_rows,
+        e.protected.size,
+        e.manager.metrics.releases,
+    )
 
 
 def event_label(ev: Event) -> str:
@@ -198,8 +227,13 @@ def event_label(ev: Event) -> str:
     return f"{ev[0]} {'#' if ev[0] in ('copy', 'backup', 'backup_fail') else 'r'}{ev[1]}"
 
 
-def build(config: ExplorerConfig, events: Sequence[Event] = (), faults: Optional[Faults] = None,
-          check: bool = True, trace_path: Optional[str] = None) -> World:
+def build(
+    config: ExplorerConfig,
+    events: Sequence[Event] = (),
+    faults: Optional[Faults] = None,
+    check: bool = True,
+    trace_path: Optional[str] = None,
+) -> World:
     """A fresh world after `events`, checking every invariant after each one (when `check`)."""
     w = World(config, faults, trace_path)
     if check:

@@ -81,16 +81,22 @@ class Expander:
     coverage: set[int] = field(default_factory=set)
 
     def counters(self) -> dict[str, int]:
-        return {k: getattr(self, k) for k in ("edges", "pruned", "mirrored", "copies", "snapshots", "in_place", "mispredicted",
-                                              "validated")}
+        return {
+            k: getattr(self, k)
+            for k in ("edges", "pruned", "mirrored", "copies", "snapshots", "in_place", "mispredicted", "validated")
+        }
 
     def add(self, counters: dict[str, int], coverage: set[int]) -> None:
         for k, v in counters.items():
             setattr(self, k, getattr(self, k) + v)
         self.coverage |= coverage
 
-    def expand(self, item: Item, sleep: frozenset,
-               offer: Callable[[tuple, Optional[Naming], Optional[World], tuple, tuple, frozenset], None]) -> None:
+    def expand(
+        self,
+        item: Item,
+        sleep: frozenset,
+        offer: Callable[[tuple, Optional[Naming], Optional[World], tuple, tuple, frozenset], None],
+    ) -> None:
         """Run the state's events; offer(key, naming, world, trace, hist, sleep) each child that is not the
         state itself. Raises Found at the first violation, CopyDiverged when copying cannot be trusted."""
         cfg, faults, mode = self.config, self.faults, self.mode
@@ -138,8 +144,12 @@ class Expander:
                 self.coverage |= child.engine.manager.coverage
                 raise Found(trace + (ev,), child_hist, exc) from exc
             self.coverage |= child.engine.manager.coverage
-            if (mode != "replay" and child is not parent and self.validate_every
-                    and self.copies % self.validate_every == 0):
+            if (
+                mode != "replay"
+                and child is not parent
+                and self.validate_every
+                and self.copies % self.validate_every == 0
+            ):
                 again = build(cfg, child_hist, faults, check=False)
                 if canonical_key(again, None, self.symmetry) != key:
                     raise CopyDiverged(f"a copied state diverged from re-executing its {len(child_hist)} events")

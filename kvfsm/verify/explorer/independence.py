@@ -43,8 +43,9 @@ class Footprint:
 
     __slots__ = ("mask", "dev", "rows", "frees", "host", "host_frees")
 
-    def __init__(self, mask: int, dev: int = 0, rows: int = 0, frees: bool = False, host: int = 0,
-                 host_frees: bool = False) -> None:
+    def __init__(
+        self, mask: int, dev: int = 0, rows: int = 0, frees: bool = False, host: int = 0, host_frees: bool = False
+    ) -> None:
         self.mask = mask  # requests (bits 0..n-1), FIFO, worker, row order, one bit per pending copy
         self.dev = dev  # device pages it may allocate
         self.rows = rows  # table rows it may allocate
@@ -95,19 +96,30 @@ def footprints(w: World, events: Sequence[Event]) -> tuple[list[Footprint], tupl
         by_handle[seq] = by_handle.get(seq, 0) | owner(c)
     jobs = e.worker.pending
     chunk_owners = 0
-    for c in (*fx.copy_fifo, *fx.parked, *(j.payload for j in jobs), *(j.payload for j in getattr(e.worker, "_done", ()))):
+    for c in (
+        *fx.copy_fifo,
+        *fx.parked,
+        *(j.payload for j in jobs),
+        *(j.payload for j in getattr(e.worker, "_done", ())),
+    ):
         if c is not None:
             chunk_owners |= owner(c)
     # progress gives back the rows of lifecycles whose release waited for their last copy (chunk owners')
-    progress_gives = every_give if any(w.ctl[i][1] > 0 for i in range(n) if chunk_owners >> i & 1) else \
-        sum(g for i, g in enumerate(gives) if chunk_owners >> i & 1)
+    progress_gives = (
+        every_give
+        if any(w.ctl[i][1] > 0 for i in range(n) if chunk_owners >> i & 1)
+        else sum(g for i, g in enumerate(gives) if chunk_owners >> i & 1)
+    )
     out = []
     for ev in events:
         kind = ev[0]
         if kind == "progress":
             # it pops completed copies from the FIFO's head: an offload's append (a copy not yet done) commutes
-            fp = Footprint(worker | progress_gives | sum(copy_bit.values()) | chunk_owners, frees=True,
-                           host_frees=e.worker.completed() > 0)
+            fp = Footprint(
+                worker | progress_gives | sum(copy_bit.values()) | chunk_owners,
+                frees=True,
+                host_frees=e.worker.completed() > 0,
+            )
         elif kind in ("offload_batch", "reuse") or (kind == "engine_release" and cfg.fenced):
             # engine_release with fences first makes the engine's stream wait on every copy (completing them)
             fp = Footprint(_ALL, dev=1 << 30, rows=1 << 30, frees=True, host=1 << 30, host_frees=True)
@@ -123,8 +135,11 @@ def footprints(w: World, events: Sequence[Event]) -> tuple[list[Footprint], tupl
             if kind == "admit":
                 fp = Footprint(mine | takes_ordered | fenced, dev=-(-cfg.prompt_len // ps), rows=1)
             elif kind == "readmit":
-                fp = Footprint(mine | takes_ordered | fenced,
-                               dev=-(-(len(req.origin_input_ids) + len(req.output_ids)) // ps), rows=1)
+                fp = Footprint(
+                    mine | takes_ordered | fenced,
+                    dev=-(-(len(req.origin_input_ids) + len(req.output_ids)) // ps),
+                    rows=1,
+                )
             elif kind in ("decode", "decode_spec"):
                 length = req.kv_committed_len + 1 + (cfg.speculative if kind == "decode_spec" else 0)
                 fp = Footprint(mine | fenced, dev=max(0, -(-length // ps) - -(-req.kv_allocated_len // ps)))
@@ -176,8 +191,11 @@ def dependent(a: Footprint, b: Footprint, free: tuple[int, int, int]) -> bool:
     device pages, rows and host slots there)."""
     if a.mask & b.mask:
         return True
-    return (_conflict(a.dev, b.dev, a.frees, b.frees, free[0]) or _conflict(a.rows, b.rows, a.frees, b.frees, free[1])
-            or _conflict(a.host, b.host, a.host_frees, b.host_frees, free[2]))
+    return (
+        _conflict(a.dev, b.dev, a.frees, b.frees, free[0])
+        or _conflict(a.rows, b.rows, a.frees, b.frees, free[1])
+        or _conflict(a.host, b.host, a.host_frees, b.host_frees, free[2])
+    )
 
 
 def _conflict(need_a: int, need_b: int, frees_a: bool, frees_b: bool, free: int) -> bool:
@@ -190,14 +208,18 @@ def _conflict(need_a: int, need_b: int, frees_a: bool, frees_b: bool, free: int)
     return False
 
 
-def child_sleep(fps: Sequence[Footprint], asleep: Sequence[bool], explored: Sequence[bool], k: int,
-                free: tuple[int, int, int]) -> list[int]:
+def child_sleep(
+    fps: Sequence[Footprint], asleep: Sequence[bool], explored: Sequence[bool], k: int, free: tuple[int, int, int]
+) -> list[int]:
     """The sleep set of the child reached by event k (indices into the state's events): the events asleep
     here or explored here before k, each independent of k. (An event left out because a symmetric one
     stands for it is neither: its own successors are not explored.)"""
     a = fps[k]
-    return [u for u in range(len(fps)) if u != k and (asleep[u] or (u < k and explored[u]))
-            and not dependent(fps[u], a, free)]
+    return [
+        u
+        for u in range(len(fps))
+        if u != k and (asleep[u] or (u < k and explored[u])) and not dependent(fps[u], a, free)
+    ]
 
 
 def canon_ids(w: World, events: Sequence[Event], naming) -> list[Optional[tuple]]:  # noqa: ANN001 - a Naming

@@ -33,6 +33,7 @@ class _Failure(Violation):
 
 def _init() -> None:
     import torch
+
     torch.set_num_threads(1)  # the pools are tiny: one thread per process
 
 
@@ -81,7 +82,7 @@ class Pool:
         raises Found (with the first failure in frontier order) or CopyDiverged like the one-process search."""
         tasks = [(it.trace, it.key, it.sleep if it.only is not None else visited[it.key], it.only) for it in frontier]
         size = max(1, -(-len(tasks) // (self.jobs * _CHUNKS_PER_JOB)))
-        chunks = [tasks[i:i + size] for i in range(0, len(tasks), size)]
+        chunks = [tasks[i : i + size] for i in range(0, len(tasks), size)]
         for counters, coverage, children, failure in self._pool.imap(_expand_chunk, chunks):
             self.x.add(counters, coverage)
             if failure is not None and failure[0] == "diverged":

@@ -89,11 +89,21 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def explore(config: ExplorerConfig = ExplorerConfig(), *, max_depth: Optional[int] = None,
-            faults: Optional[Faults] = None, mode: str = "copy", max_states: Optional[int] = None,
-            keep_keys: bool = False, on_level: Optional[Callable[[int, int, int], None]] = None,
-            validate_every: int = 64, symmetry: bool = True, por: bool = True, orbits: bool = True,
-            jobs: int = 1) -> ExploreResult:
+def explore(
+    config: ExplorerConfig = ExplorerConfig(),
+    *,
+    max_depth: Optional[int] = None,
+    faults: Optional[Faults] = None,
+    mode: str = "copy",
+    max_states: Optional[int] = None,
+    keep_keys: bool = False,
+    on_level: Optional[Callable[[int, int, int], None]] = None,
+    validate_every: int = 64,
+    symmetry: bool = True,
+    por: bool = True,
+    orbits: bool = True,
+    jobs: int = 1,
+) -> ExploreResult:
     """Breadth-first search over every interleaving; stops at the first (hence shortest) violation.
 
     faults: called on every freshly built SimEngine (to patch its instances); class-level monkeypatches
@@ -130,9 +140,21 @@ def _quiet_runtime() -> Iterator[None]:
         log.setLevel(level)
 
 
-def _explore(mode: str, config: ExplorerConfig, max_depth: Optional[int], faults: Optional[Faults],
-             max_states: Optional[int], keep_keys: bool, on_level: Optional[Callable[[int, int, int], None]],
-             validate_every: int, symmetry: bool, por: bool, orbits: bool, jobs: int, t0: float) -> ExploreResult:
+def _explore(
+    mode: str,
+    config: ExplorerConfig,
+    max_depth: Optional[int],
+    faults: Optional[Faults],
+    max_states: Optional[int],
+    keep_keys: bool,
+    on_level: Optional[Callable[[int, int, int], None]],
+    validate_every: int,
+    symmetry: bool,
+    por: bool,
+    orbits: bool,
+    jobs: int,
+    t0: float,
+) -> ExploreResult:
     res = ExploreResult(config, mode=mode, por=por, symmetry=symmetry, orbits=orbits and symmetry, jobs=jobs)
     x = Expander(config, faults, mode, symmetry, por, orbits, validate_every)
     visited: dict[tuple, frozenset] = {}  # key -> the sleep set it is expanded with (EMPTY without por)
@@ -165,6 +187,7 @@ def _explore(mode: str, config: ExplorerConfig, max_depth: Optional[int], faults
     pool = None
     if jobs > 1:
         from kvfsm.verify.explorer.parallel import Pool
+
         pool = Pool(x, jobs)
     try:
         depth = 0
@@ -185,8 +208,9 @@ def _explore(mode: str, config: ExplorerConfig, max_depth: Optional[int], faults
                 res.depth = depth + 1
                 events = _shortest(config, faults, found.trace, found.hist)
                 if events is None and mode != "replay":
-                    raise CopyDiverged("a violation in a copied state does not happen when its events are "
-                                       "re-executed") from found.exc
+                    raise CopyDiverged(
+                        "a violation in a copied state does not happen when its events are re-executed"
+                    ) from found.exc
                 return fail(events or found.hist, found.exc)
             except _Full:
                 res.depth = depth + 1
@@ -214,15 +238,21 @@ class _Level:
     lacks some of its kept events is re-expanded for those events (on the world of the first arrival that
     lacked some, or rebuilt from this level's first trace to it)."""
 
-    def __init__(self, visited: dict[tuple, frozenset], por: bool, max_states: Optional[int],
-                 depths: Optional[dict[tuple, int]] = None) -> None:
+    def __init__(
+        self,
+        visited: dict[tuple, frozenset],
+        por: bool,
+        max_states: Optional[int],
+        depths: Optional[dict[tuple, int]] = None,
+    ) -> None:
         self.visited, self.por, self.max_states, self.depths = visited, por, max_states, depths
         self.fresh: dict[tuple, Item] = {}
         self.revisits: dict[tuple, Item] = {}
         self.reexpanded = 0
 
-    def offer(self, key: tuple, naming: Optional[Naming], world: Optional[World], trace: tuple, hist: tuple,
-              sleep: frozenset) -> None:
+    def offer(
+        self, key: tuple, naming: Optional[Naming], world: Optional[World], trace: tuple, hist: tuple, sleep: frozenset
+    ) -> None:
         kept = self.visited.get(key)
         if kept is None:
             self.visited[key] = sleep

@@ -60,14 +60,27 @@ class ExplorerConfig:
     stream_ordered: bool = False  # a writer's wait orders it after the copy, which stays in flight (the GPU's case)
 
     def __post_init__(self) -> None:
-        at_least = {"requests": 1, "slots": 1, "page_size": 1, "stride": 1, "host_slots": 1, "backup_queue": 1,
-                    "prompt_len": 1, "prefix_len": 0, "decodes": 0, "speculative": 0, "readmits": 0}
+        at_least = {
+            "requests": 1,
+            "slots": 1,
+            "page_size": 1,
+            "stride": 1,
+            "host_slots": 1,
+            "backup_queue": 1,
+            "prompt_len": 1,
+            "prefix_len": 0,
+            "decodes": 0,
+            "speculative": 0,
+            "readmits": 0,
+        }
         for name, low in at_least.items():
             if getattr(self, name) < low:
                 raise BoundInvalid(f"{name}={getattr(self, name)}: must be at least {low}")
         if self.slots < 2 * self.page_size:
-            raise BoundInvalid(f"slots={self.slots}: must hold the padding page and one more "
-                               f"(at least {2 * self.page_size} at page_size={self.page_size})")
+            raise BoundInvalid(
+                f"slots={self.slots}: must hold the padding page and one more "
+                f"(at least {2 * self.page_size} at page_size={self.page_size})"
+            )
         if self.stride % self.page_size:
             raise BoundInvalid(f"stride={self.stride}: must be a multiple of page_size={self.page_size}")
         if self.max_context < self.prompt_len + self.decodes + self.speculative:
@@ -83,10 +96,19 @@ class ExplorerConfig:
         return self.requests + (readmitters if self.readmits else 0)
 
     def engine(self, trace_path: Optional[str] = None) -> SimEngine:
-        return SimEngine(page_size=self.page_size, stride=self.stride, device_slots=self.slots,
-                         host_slots=self.host_slots, rows=self.table_rows, max_context=self.max_context,
-                         backup_queue=self.backup_queue, checked=True, trace_path=trace_path, fenced=self.fenced,
-                         stream_ordered=self.stream_ordered)
+        return SimEngine(
+            page_size=self.page_size,
+            stride=self.stride,
+            device_slots=self.slots,
+            host_slots=self.host_slots,
+            rows=self.table_rows,
+            max_context=self.max_context,
+            backup_queue=self.backup_queue,
+            checked=True,
+            trace_path=trace_path,
+            fenced=self.fenced,
+            stream_ordered=self.stream_ordered,
+        )
 
     def describe(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in asdict(self).items())
@@ -95,8 +117,9 @@ class ExplorerConfig:
 class World:
     """One implementation state; everything in it is copied together when the search branches."""
 
-    def __init__(self, config: ExplorerConfig, faults: Optional[Faults] = None,
-                 trace_path: Optional[str] = None) -> None:
+    def __init__(
+        self, config: ExplorerConfig, faults: Optional[Faults] = None, trace_path: Optional[str] = None
+    ) -> None:
         self.config = config
         self.engine = config.engine(trace_path)
         if faults is not None:

@@ -78,6 +78,17 @@ from .runner import _ABANDONED, _CANCELLED, _FINISHED, _PENDING, _RUNNING, _Job,
 
 logger = logging.getLogger(__name__)  # the logger every submodule logs to
 
-__all__ = ["ERROR_NAMES", "LOOPBACK_ENV", "MooncakeStats", "MooncakeStorage", "MooncakeUnavailable", "error_name",
-           "import_store_class", "master_binary", "master_command", "probe", "sglang_mooncake_keys",
-           "sglang_mooncake_prefix"]
+__all__ = [
+    "ERROR_NAMES",
+    "LOOPBACK_ENV",
+    "MooncakeStats",
+    "MooncakeStorage",
+    "MooncakeUnavailable",
+    "error_name",
+    "import_store_class",
+    "master_binary",
+    "master_command",
+    "probe",
+    "sglang_mooncake_keys",
+    "sglang_mooncake_prefix",
+]

@@ -29,6 +29,7 @@ from .runner import _Runner
 
 logger = logging.getLogger(__package__)  # the backend's one logger, as before the package split
 
+
 @dataclass
 class MooncakeStats(StorageStats):
     timeouts: int = 0  # client calls abandoned after op_timeout_s
@@ -108,17 +109,26 @@ class MooncakeStorage:
         self._put_config = None
         if client is None:
             client, self._put_config = connect(
-                master_server_addr, self.metadata_server, local_hostname=local_hostname, protocol=protocol,
-                device_name=device_name, global_segment_size=global_segment_size,
-                local_buffer_size=local_buffer_size, replica_num=replica_num, op_timeout_s=op_timeout_s,
-                setup_timeout_s=setup_timeout_s, connect_timeout_s=connect_timeout_s)
+                master_server_addr,
+                self.metadata_server,
+                local_hostname=local_hostname,
+                protocol=protocol,
+                device_name=device_name,
+                global_segment_size=global_segment_size,
+                local_buffer_size=local_buffer_size,
+                replica_num=replica_num,
+                op_timeout_s=op_timeout_s,
+                setup_timeout_s=setup_timeout_s,
+                connect_timeout_s=connect_timeout_s,
+            )
         self.client = client
         self._runner = _Runner(max(1, int(workers)), "kvfsm-mooncake")
         self.regions = Regions(client, self._runner, self.op_timeout_s, self._lock)
 
     @classmethod
-    def from_config(cls, config: Any, *, tp_rank: int = 0, tp_size: int = 1, is_mla: bool = False,
-                    **overrides: Any) -> MooncakeStorage:
+    def from_config(
+        cls, config: Any, *, tp_rank: int = 0, tp_size: int = 1, is_mla: bool = False, **overrides: Any
+    ) -> MooncakeStorage:
         """Build from an OffloadConfig: `storage_extra` holds the constructor's keyword arguments."""
         extra: dict[str, Any] = dict(getattr(config, "storage_extra", None) or {})
         extra.update(overrides)
@@ -187,8 +197,11 @@ class MooncakeStorage:
         if status == TIMEOUT:
             with self._lock:
                 self.stats.timeouts += 1
-            logger.error("mooncake call did not return within %.1fs (master %s); reported failed",
-                         self.op_timeout_s, self.master_server_addr)
+            logger.error(
+                "mooncake call did not return within %.1fs (master %s); reported failed",
+                self.op_timeout_s,
+                self.master_server_addr,
+            )
         elif status == "error":
             logger.error("mooncake call raised %r", value)
             return f"ERROR {type(value).__name__}", None
@@ -323,8 +336,9 @@ class MooncakeStorage:
             return client.batch_put_from_multi_buffers(mkeys, addrs, sizes)
 
         status, rcs = self._call(put, self._late_put_cleanup(mkeys))
-        codes: list[int | str] = ([int(rc) for rc in rcs] if status == "ok" and len(rcs) == len(mkeys)
-                                  else [status] * len(mkeys))
+        codes: list[int | str] = (
+            [int(rc) for rc in rcs] if status == "ok" and len(rcs) == len(mkeys) else [status] * len(mkeys)
+        )
         good_obj = [c == OK or c == OBJECT_ALREADY_EXISTS for c in codes]
         ok = self.objects.pages_ok(codes, lambda c: c == OK or c == OBJECT_ALREADY_EXISTS)
         with self._lock:
@@ -358,7 +372,7 @@ class MooncakeStorage:
         for size, idx in by_size.items():
             at = 0
             for lease, addr, k in self._pool(size).take(len(idx)):
-                mine = idx[at:at + k]
+                mine = idx[at : at + k]
                 if len(mine) == n:
                     addrs = list(range(addr, addr + n * size, size))
                 else:
@@ -399,7 +413,9 @@ class MooncakeStorage:
 
         started = self._submit(get)
         for mem, k, size, mine in plan:
-            block = (torch.frombuffer(mem, dtype=torch.uint8).view(k, size) if isinstance(mem, memoryview) else mem).unbind(0)
+            block = (
+                torch.frombuffer(mem, dtype=torch.uint8).view(k, size) if isinstance(mem, memoryview) else mem
+            ).unbind(0)
             if len(mine) == n:
                 rows = list(block)
             else:
@@ -431,7 +447,7 @@ class MooncakeStorage:
             if codes.count(osize) == n:  # the common case: every object there, of the expected size
                 with self._lock:
                     self.stats.reads_ok += len(keys)
-                return [self.objects.join(rows[i:i + k]) for i in range(0, n, k)]
+                return [self.objects.join(rows[i : i + k]) for i in range(0, n, k)]
         else:  # nothing written or configured yet: ask the store
             codes, rows, sizes = [INVALID_PARAMS] * n, [None] * n, [0] * n
         # Objects of another size than expected (buffer too small, or no size known): ask and fetch again.
@@ -452,7 +468,7 @@ class MooncakeStorage:
         bad: list[int | str] = []
         ok = missing = 0
         for i in range(0, n, k):
-            cs, rs, szs = codes[i:i + k], rows[i:i + k], sizes[i:i + k]
+            cs, rs, szs = codes[i : i + k], rows[i : i + k], sizes[i : i + k]
             # an object read whole: all its bytes, into a buffer of at least its size
             whole = all(isinstance(c, int) and 0 < c <= sz and r is not None for c, r, sz in zip(cs, rs, szs))
             page = None
@@ -505,7 +521,7 @@ class MooncakeStorage:
         if status != "ok" or not isinstance(rcs, (list, tuple)) or len(rcs) != len(mkeys):
             return [RPC_FAIL] * len(keys)
         k = self.planes
-        return [next((int(c) for c in rcs[i:i + k] if c != 0), 0) for i in range(0, len(rcs), k)]
+        return [next((int(c) for c in rcs[i : i + k] if c != 0), 0) for i in range(0, len(rcs), k)]
 
     def close(self) -> None:
         """Close the client once no call is running; waits at most close_timeout_s for that.
@@ -527,8 +543,10 @@ class MooncakeStorage:
         t.start()
         t.join(self.close_timeout_s)
         if t.is_alive():
-            logger.warning("Mooncake client close did not finish within %.1fs; left to finish in the background",
-                           self.close_timeout_s)
+            logger.warning(
+                "Mooncake client close did not finish within %.1fs; left to finish in the background",
+                self.close_timeout_s,
+            )
 
     def __enter__(self) -> MooncakeStorage:
         return self

@@ -19,8 +19,10 @@ from urllib.parse import urlsplit
 
 from .errors import MooncakeUnavailable
 
-_INSTALL_HINT = ("pip install 'kvfsm[mooncake]' (CPU wheel mooncake-transfer-engine-non-cuda; on CUDA hosts "
-                 "pip install mooncake-transfer-engine) and apt-get install libibverbs1")
+_INSTALL_HINT = (
+    "pip install 'kvfsm[mooncake]' (CPU wheel mooncake-transfer-engine-non-cuda; on CUDA hosts "
+    "pip install mooncake-transfer-engine) and apt-get install libibverbs1"
+)
 
 
 def import_store_class() -> Any:
@@ -48,16 +50,29 @@ def probe(addr: str, what: str, timeout: float, default_port: int) -> None:
     try:
         socket.create_connection((host, port), timeout=timeout).close()
     except OSError as e:
-        raise MooncakeUnavailable(f"Mooncake {what} at {host}:{port} is unreachable ({e}); "
-                                  f"is mooncake_master running there?") from e
+        raise MooncakeUnavailable(
+            f"Mooncake {what} at {host}:{port} is unreachable ({e}); is mooncake_master running there?"
+        ) from e
 
 
-def connect(master_server_addr: str, metadata_server: str, *, local_hostname: str, protocol: str, device_name: str,
-            global_segment_size: int, local_buffer_size: int, replica_num: int, op_timeout_s: float,
-            setup_timeout_s: float, connect_timeout_s: float) -> tuple[Any, Any]:
+def connect(
+    master_server_addr: str,
+    metadata_server: str,
+    *,
+    local_hostname: str,
+    protocol: str,
+    device_name: str,
+    global_segment_size: int,
+    local_buffer_size: int,
+    replica_num: int,
+    op_timeout_s: float,
+    setup_timeout_s: float,
+    connect_timeout_s: float,
+) -> tuple[Any, Any]:
     """A set-up `MooncakeDistributedStore` and the `ReplicateConfig` for its puts; MooncakeUnavailable otherwise."""
     store_cls = import_store_class()
     from mooncake.store import ReplicateConfig
+
     put_config = ReplicateConfig()
     put_config.replica_num = int(replica_num)
     probe(master_server_addr, "master", connect_timeout_s, 50051)
@@ -67,20 +82,45 @@ def connect(master_server_addr: str, metadata_server: str, *, local_hostname: st
     # retry count and RPC timeout, unless the environment already says otherwise.
     os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", str(max(1, int(setup_timeout_s // 5))))
     os.environ.setdefault("MC_RPC_TIMEOUT_MS", str(max(1000, int(op_timeout_s * 1000))))
-    client = _setup(store_cls, master_server_addr, metadata_server, local_hostname, global_segment_size,
-                    local_buffer_size, protocol, device_name, setup_timeout_s)
+    client = _setup(
+        store_cls,
+        master_server_addr,
+        metadata_server,
+        local_hostname,
+        global_segment_size,
+        local_buffer_size,
+        protocol,
+        device_name,
+        setup_timeout_s,
+    )
     return client, put_config
 
 
-def _setup(store_cls: Any, master_server_addr: str, metadata_server: str, local_hostname: str,
-           global_segment_size: int, local_buffer_size: int, protocol: str, device_name: str, timeout: float) -> Any:
+def _setup(
+    store_cls: Any,
+    master_server_addr: str,
+    metadata_server: str,
+    local_hostname: str,
+    global_segment_size: int,
+    local_buffer_size: int,
+    protocol: str,
+    device_name: str,
+    timeout: float,
+) -> Any:
     client = store_cls()
     box: dict[str, Any] = {}
 
     def go() -> None:
         try:
-            box["rc"] = client.setup(local_hostname, metadata_server, int(global_segment_size),
-                                     int(local_buffer_size), protocol, device_name, master_server_addr)
+            box["rc"] = client.setup(
+                local_hostname,
+                metadata_server,
+                int(global_segment_size),
+                int(local_buffer_size),
+                protocol,
+                device_name,
+                master_server_addr,
+            )
         except BaseException as e:  # reported below
             box["error"] = e
 

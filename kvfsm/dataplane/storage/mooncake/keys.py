@@ -15,8 +15,9 @@ def sglang_mooncake_prefix(model_name: str = "", backend_tag: str | None = None)
     return "_".join(parts) if parts else None
 
 
-def sglang_mooncake_keys(page_hash: str, *, model_name: str = "", tp_rank: int = 0, is_mla: bool = False,
-                         backend_tag: str | None = None) -> list[str]:
+def sglang_mooncake_keys(
+    page_hash: str, *, model_name: str = "", tp_rank: int = 0, is_mla: bool = False, backend_tag: str | None = None
+) -> list[str]:
     """The object keys SGLang 0.5.23's MooncakeStore (`batch_set_v1`: `_tag_keys`, `_get_mha_buffer_meta` /
     `_get_mla_buffer_meta`) stores one KV page under, without pipeline, decode-context parallelism or
     split heads: `{prefix}_{hash}_{tp_rank}_k` and `..._v` for MHA (K and V are separate objects; no TP
@@ -32,8 +33,9 @@ class ObjectKeys:
     """`sglang_mooncake_keys` for one store's model, rank and tag, precomputed: the hot path builds a batch's
     keys with one comprehension."""
 
-    def __init__(self, *, model_name: str = "", tp_rank: int = 0, is_mla: bool = False,
-                 backend_tag: str | None = None) -> None:
+    def __init__(
+        self, *, model_name: str = "", tp_rank: int = 0, is_mla: bool = False, backend_tag: str | None = None
+    ) -> None:
         prefix = sglang_mooncake_prefix(model_name, backend_tag)
         self.prefix = "" if prefix is None else prefix + "_"
         self.suffixes = ["__k"] if is_mla else [f"_{tp_rank}_k", f"_{tp_rank}_v"]

@@ -10,18 +10,29 @@ import os
 from collections.abc import Mapping, Sequence
 
 
-def master_command(binary: str, rpc_port: int, http_port: int, metrics_port: int, host: str = "127.0.0.1",
-                   extra: Sequence[str] = ()) -> list[str]:
+def master_command(
+    binary: str, rpc_port: int, http_port: int, metrics_port: int, host: str = "127.0.0.1", extra: Sequence[str] = ()
+) -> list[str]:
     """The mooncake_master command line kvfsm's tests and benchmark use: RPC, HTTP metadata and metrics on `host`."""
-    return [binary, f"--rpc_address={host}", f"--rpc_port={rpc_port}", "--enable_http_metadata_server=true",
-            f"--http_metadata_server_host={host}", f"--http_metadata_server_port={http_port}",
-            f"--metrics_host={host}", f"--metrics_port={metrics_port}", "--enable_metric_reporting=false",
-            "--logtostderr", *extra]
+    return [
+        binary,
+        f"--rpc_address={host}",
+        f"--rpc_port={rpc_port}",
+        "--enable_http_metadata_server=true",
+        f"--http_metadata_server_host={host}",
+        f"--http_metadata_server_port={http_port}",
+        f"--metrics_host={host}",
+        f"--metrics_port={metrics_port}",
+        "--enable_metric_reporting=false",
+        "--logtostderr",
+        *extra,
+    ]
 
 
 def master_binary() -> str | None:
     """Path of the mooncake_master binary shipped in the mooncake wheel (None when not installed)."""
     import importlib.util
+
     try:
         spec = importlib.util.find_spec("mooncake")
     except (ImportError, ValueError):

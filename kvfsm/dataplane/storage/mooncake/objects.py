@@ -25,9 +25,14 @@ class PageObjects:
         self.planes = 1 if is_mla else 2
         if page_dims is not None:
             page_dims = tuple(page_dims)  # type: ignore[assignment]
-            if len(page_dims) != 3 or not all(isinstance(d, int) and d > 0 for d in page_dims) \
-                    or page_dims[0] != self.planes:
-                raise ValueError(f"page_dims must be ({self.planes}, layers, page_size) positive ints, got {page_dims!r}")
+            if (
+                len(page_dims) != 3
+                or not all(isinstance(d, int) and d > 0 for d in page_dims)
+                or page_dims[0] != self.planes
+            ):
+                raise ValueError(
+                    f"page_dims must be ({self.planes}, layers, page_size) positive ints, got {page_dims!r}"
+                )
         elif layout == "page_first":
             raise ValueError("layout='page_first' needs page_dims=(planes, layers, page_size) to reorder objects")
         self.layout, self.page_dims = layout, page_dims
@@ -50,8 +55,12 @@ class PageObjects:
             if len(objs) == 1:
                 return objs[0]
             k, v = objs
-            if (v.data_ptr() == k.data_ptr() + k.numel() and k.is_contiguous() and v.is_contiguous()
-                    and k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()):
+            if (
+                v.data_ptr() == k.data_ptr() + k.numel()
+                and k.is_contiguous()
+                and v.is_contiguous()
+                and k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+            ):
                 return torch.as_strided(k, (k.numel() + v.numel(),), (1,), k.storage_offset())
             return torch.cat(objs)
         p, l, t = self.page_dims  # type: ignore[misc]
@@ -60,4 +69,4 @@ class PageObjects:
     def pages_ok(self, codes: Sequence[Any], ok_object: Callable[[Any], bool]) -> list[bool]:
         """Per page, whether every one of its objects' codes is good: a page is stored or read only whole."""
         k = self.planes
-        return [all(ok_object(c) for c in codes[i:i + k]) for i in range(0, len(codes), k)]
+        return [all(ok_object(c) for c in codes[i : i + k]) for i in range(0, len(codes), k)]

@@ -59,7 +59,7 @@ class _ReadPool:
             lease = entry[0]
             if self._refs(lease) <= baseline:
                 _, si, first, n = entry
-                self.slabs[si].free[first:first + n] = b"\x01" * n
+                self.slabs[si].free[first : first + n] = b"\x01" * n
             else:
                 keep.append(entry)
         del lease, entry
@@ -78,8 +78,8 @@ class _ReadPool:
 
     def _lease(self, si: int, first: int, n: int) -> tuple[memoryview, int]:
         slab, pb = self.slabs[si], self.page_nbytes
-        slab.free[first:first + n] = bytes(n)
-        lease = slab.whole[first * pb:(first + n) * pb]
+        slab.free[first : first + n] = bytes(n)
+        lease = slab.whole[first * pb : (first + n) * pb]
         self._leases.append((lease, si, first, n))
         return lease, slab.base + first * pb
 

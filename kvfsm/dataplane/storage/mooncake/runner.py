@@ -81,7 +81,9 @@ class _Runner:
         self._q.put(job)
         return job
 
-    def call(self, fn: Callable[[], Any], timeout: float, on_late: Callable[[Any], None] | None = None) -> tuple[str, Any]:
+    def call(
+        self, fn: Callable[[], Any], timeout: float, on_late: Callable[[Any], None] | None = None
+    ) -> tuple[str, Any]:
         return self.wait(self.submit(fn, on_late), timeout)
 
     def wait(self, job: _Job | None, timeout: float) -> tuple[str, Any]:
