@@ -42,6 +42,9 @@ for s in $STEPS; do
     adapter4096) # the adapter's targets at 4096 live alone (64/64 and 16/16), when a call has room for no more
         step sglang_adapter_4096 200 python3 bench/sglang_adapter_gpu.py --live 4096 \
         --out "$W/sglang_adapter_gpu-4096-$TAG.json" ;;
+    adapter4096_16) # the adapter's targets at 4096 live, 16/16 alone, when a call has room for one configuration
+        step sglang_adapter_4096_16 120 python3 bench/sglang_adapter_gpu.py --live 4096 --pages 16/16 \
+        --out "$W/sglang_adapter_gpu-4096-16-$TAG.json" ;;
     adapter_compact) # the calls back to back before the wait, the order of every run before the first in SGLang's order (ORDERS)
         step sglang_adapter_compact 300 python3 bench/sglang_adapter_gpu.py --live 4096 --order compact \
         --out "$W/sglang_adapter_gpu-compact-$TAG.json" ;;
