@@ -190,13 +190,21 @@ class _NoOp:
         return False
 
 
+# The manager's counters (OffloadMetrics) whose change over an iteration says how much work its calls did: pages
+# the store reported stored, chunks parked behind a full backup queue, requests released (at once or at their last
+# copy's acknowledgement), host-full retries
+WORK_COUNTERS = ("stored_pages", "parked_chunks", "releases", "deferred_releases", "host_full_retries")
+
+
 def tail_of(per_iter: list[dict[str, Any]]) -> dict[str, Any]:
     """Where the slowest iterations' time goes: the iterations at or past the p99 of the calls' time, split into
     the collector's pauses inside the calls, the rest of the scheduler thread's own CPU time, and the time it was
     off the CPU (waiting for the interpreter lock, a lock of its own or the kernel), beside the CPU time the
     process's other threads ran meanwhile (the store's writers above all). Each is a mean over those iterations,
     with every iteration's median beside it; `p99_without_gc_ms` is the p99 once the collector's pauses inside
-    the calls are taken out: what a runtime with no collections in its calls would leave."""
+    the calls are taken out: what a runtime with no collections in its calls would leave. What those iterations
+    did, beside a typical one: the progress check's and the offload calls' times, the chunks accepted, and how
+    far the manager's work counters moved (WORK_COUNTERS)."""
     totals = [r["total_ms"] for r in per_iter]
     cut = stats(totals)["p99"]
     top = [r for r in per_iter if r["total_ms"] >= cut]
@@ -219,12 +227,20 @@ def tail_of(per_iter: list[dict[str, Any]]) -> dict[str, Any]:
             "others_cpu_ms": pick([r["others_cpu_ms"] for r in rows]),
         }
 
+    def work(rows: list[dict[str, Any]], pick: Callable[[list[float]], float]) -> dict[str, float]:
+        return {
+            k: pick([r[k] for r in rows]) for k in ("check_ms", "offload_ms", "chunks", *WORK_COUNTERS) if k in rows[0]
+        }
+
     return {
         "p99_ms": cut,
         "iterations": len(top),
         "slowest_mean": parts(top, statistics.fmean),
         "all_median": parts(per_iter, statistics.median),
         "p99_without_gc_ms": stats([r["total_ms"] - r["gc_ms"] for r in per_iter])["p99"],
+        # what those iterations did, beside a typical one: which call, and how much of the manager's work
+        "slowest_work_mean": work(top, statistics.fmean),
+        "all_work_median": work(per_iter, statistics.median),
     }
 
 
@@ -435,8 +451,10 @@ class Loop:
                 tracked = gc.get_count()[0] - young if len(gcp.pauses) == n_gc else None
                 return took, got, sum(ms for _, ms in gcp.pauses[n_gc:]), tracked
 
+            metrics = self.manager.metrics  # the floor changes none of these
             for it in range(warmup + iterations):
                 cpu["own"] = cpu["others"] = 0.0
+                before = [getattr(metrics, name) for name in WORK_COUNTERS]
                 if self.order == "sglang":  # process_decode_queue: the progress check, before the batch runs
                     check, _, gc_check, tracked_check = timed(self.check)
                 self.grow()
@@ -469,6 +487,10 @@ class Loop:
                             "gc_ms": gc_ms,
                             "own_cpu_ms": cpu["own"],
                             "others_cpu_ms": cpu["others"],
+                            **{
+                                name: getattr(metrics, name) - was
+                                for name, was in zip(WORK_COUNTERS, before, strict=True)
+                            },
                         }
                     )
                 if ended:
@@ -745,7 +767,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                     f"         slowest {row['tail']['iterations']} (>= p99): {slow['total_ms']:.2f} ms = gc "
                     f"{slow['gc_ms']:.2f} + own cpu {slow['own_cpu_without_gc_ms']:.2f} + off cpu "
                     f"{slow['off_cpu_ms']:.2f}; other threads' cpu {slow['others_cpu_ms']:.2f} ms; p99 without gc "
-                    f"{row['tail']['p99_without_gc_ms']:.2f} ms",
+                    f"{row['tail']['p99_without_gc_ms']:.2f} ms; their work "
+                    + ", ".join(f"{k} {v:.1f}" for k, v in row["tail"]["slowest_work_mean"].items())
+                    + "; a median iteration's "
+                    + ", ".join(f"{k} {v:.1f}" for k, v in row["tail"]["all_work_median"].items()),
                     flush=True,
                 )
                 payload.update(

@@ -59,6 +59,7 @@ def test_the_adapter_bench_runs_every_door_in_each_order(
         slow = row["tail"]["slowest_mean"]  # the slowest iterations' time, split three ways
         parts = slow["gc_ms"] + slow["own_cpu_without_gc_ms"] + slow["off_cpu_ms"]
         assert row["tail"]["iterations"] >= 1 and parts == pytest.approx(slow["total_ms"]), row["tail"]
+        assert set(row["tail"]["slowest_work_mean"]) == {"check_ms", "offload_ms", "chunks", *bench.WORK_COUNTERS}
     assert {t["name"].split(",")[0] for t in got["targets"]} == {
         "adapter median / batch median",
         "adapter mean / batch mean",
@@ -142,9 +143,11 @@ def test_repeated_runs_give_the_targets_their_medians_and_the_largest_max() -> N
 def test_the_tail_splits_the_slowest_iterations_into_collections_own_cpu_and_waiting() -> None:
     """`tail_of` picks the iterations at or past the p99 and says what their time was made of; the p99 without
     the collector's pauses is what is left once they are taken out."""
-    quiet = {"total_ms": 2.0, "gc_ms": 0.0, "own_cpu_ms": 2.0, "others_cpu_ms": 0.1}
+    quiet = {"total_ms": 2.0, "gc_ms": 0.0, "own_cpu_ms": 2.0, "others_cpu_ms": 0.1, "check_ms": 0.5, "stored_pages": 4}
     collected = {"total_ms": 50.0, "gc_ms": 40.0, "own_cpu_ms": 45.0, "others_cpu_ms": 0.5}  # 5 ms off the CPU
     waited = {"total_ms": 30.0, "gc_ms": 0.0, "own_cpu_ms": 3.0, "others_cpu_ms": 27.0}  # the lock held elsewhere
+    collected.update(check_ms=45.0, stored_pages=900)  # a check that took in a burst of the store's completions
+    waited.update(check_ms=1.0, stored_pages=100)
     per_iter = [dict(quiet) for _ in range(198)] + [collected, waited]
     tail = bench.tail_of(per_iter)
     assert tail["iterations"] == 2 and 2.0 < tail["p99_ms"] <= 30.0
@@ -156,4 +159,6 @@ def test_the_tail_splits_the_slowest_iterations_into_collections_own_cpu_and_wai
         "others_cpu_ms": 13.75,
     }
     assert tail["all_median"]["total_ms"] == 2.0 and tail["all_median"]["off_cpu_ms"] == 0.0
+    assert tail["slowest_work_mean"] == {"check_ms": 23.0, "stored_pages": 500.0}  # what is recorded, nothing more
+    assert tail["all_work_median"] == {"check_ms": 0.5, "stored_pages": 4}
     assert tail["p99_without_gc_ms"] == pytest.approx(2.0 + 0.01 * 8.0)  # numpy's p99 of [2] * 198 + [10, 30]
