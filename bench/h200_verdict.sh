@@ -40,7 +40,7 @@ for s in $STEPS; do
         --tables cuda --no-baseline --out "$W/serving_loop_32layers-$TAG.json" ;;
     adapter) step sglang_adapter 330 python3 bench/sglang_adapter_gpu.py --out "$W/sglang_adapter_gpu-$TAG.json" ;;
     adapter4096) # the adapter's targets at 4096 live alone (64/64 and 16/16), when a call has room for no more
-        step sglang_adapter_4096 200 python3 bench/sglang_adapter_gpu.py --live 4096 \
+        step sglang_adapter_4096 280 python3 bench/sglang_adapter_gpu.py --live 4096 \
         --out "$W/sglang_adapter_gpu-4096-$TAG.json" ;;
     adapter4096_16) # the adapter's targets at 4096 live, 16/16 alone, when a call has room for one configuration
         step sglang_adapter_4096_16 120 python3 bench/sglang_adapter_gpu.py --live 4096 --pages 16/16 \
