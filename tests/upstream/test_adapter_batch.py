@@ -60,9 +60,9 @@ class _Counting(ProbedAdapter):
         engine.submit_d2h = counted
 
 
-def _started(cls: type, store: str) -> Any:
-    run = harness._Run(SC, cls, 0, harness._tp_group_world1(), store)
-    for spec in SC.requests:
+def _started(cls: type, store: str, sc: Scenario = SC) -> Any:
+    run = harness._Run(sc, cls, 0, harness._tp_group_world1(), store)
+    for spec in sc.requests:
         run.admit(spec)
     return run
 
@@ -200,4 +200,42 @@ def test_a_finished_req_that_sglang_dropped_is_still_released() -> None:
         assert row in run.r2t.free_slots
         for other in SC.requests[1:]:
             run.mgr.finalize_release_on_finish(run.reqs[other.rid])
+        run.probe.close(run.mgr)
+
+
+# more chunks acknowledged at one progress check than kvfsm's default backup queue (64) holds
+WIDE = Scenario(
+    name="wide",
+    page_size=4,
+    stride=4,
+    device_tokens=4096,
+    requests=tuple(ReqSpec(f"w{i}", tuple(range(100 * i + 1, 100 * i + 9)), decode=12) for i in range(80)),
+)
+
+
+def test_every_acknowledged_copy_has_its_backup_queued_while_the_host_pool_has_room() -> None:
+    """As upstream's progress check queues each acknowledged copy's backup at once (`write_storage`), no chunk
+    waits parked while the host pool could hold it: the queue holds as many chunks as the pool. 80 chunks
+    acknowledged at one check all go to the store, and their pages are stored."""
+    with tempfile.TemporaryDirectory() as store, harness.published(WIDE, 0, store):
+        run = _started(ProbedAdapter, store, WIDE)
+        manager = run.mgr.manager
+        settings = run.mgr.settings
+        assert manager.config.backup_queue_size == settings.host_slots // settings.stride >= len(WIDE.requests)
+        for _ in range(WIDE.stride):  # a stride of new tokens for every request: each has one chunk due
+            run.mgr.check_offload_progress()
+            for spec in WIDE.requests:
+                run.decode(spec)
+                run.mgr.offload_kv_cache(run.reqs[spec.rid])
+            run.settle()
+        run.mgr.check_offload_progress()  # submits the iteration's chunks
+        run.settle()
+        run.mgr.check_offload_progress()  # acknowledges their copies: every backup queued at once
+        assert manager.metrics.chunks >= len(WIDE.requests) and manager.metrics.parked_chunks == 0
+        run.settle()
+        run.mgr.check_offload_progress()
+        assert manager.metrics.stored_pages >= len(WIDE.requests)
+        for spec in WIDE.requests:
+            run.finish(spec)
+            run.mgr.finalize_release_on_finish(run.reqs[spec.rid])
         run.probe.close(run.mgr)
