@@ -80,7 +80,11 @@ class OffloadConfig(BaseModel):
         "same one (ShardedStorage). One keeps up at 64-token pages; 16-token pages write four times the files "
         "for the same bytes, and a file's cost is Python on its process's one interpreter."))
     model_name: str = Field("model", min_length=1)
-    backup_queue_size: int = Field(64, ge=1, description="Backups queued or running at once; beyond it chunks park.")
+    backup_queue_size: Optional[int] = Field(None, ge=1, description=(
+        "Backups queued or running at once; beyond it chunks park until a progress check finds room. None: as "
+        "many chunks as the host pool can hold (its tokens over the stride), so every acknowledged copy's backup "
+        "is queued at that check, as SGLang's progress check queues each one. A fixed size throttles the store: "
+        "its room comes back once a progress check, so it passes at most that many chunks an iteration."))
     stored_index_pages: int = Field(1 << 20, ge=0, description=(
         "Pages the manager's stored-page index (hash -> request, position) keeps, oldest dropped first; "
         "0 keeps none. Bounded so a long-running server does not grow without limit; storage stays the "

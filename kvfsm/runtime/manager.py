@@ -153,7 +153,8 @@ class DecodeOffloadManager:
         self.fx = OffloadEffects(page_size=config.page_size, device_pool=device_pool, allocator=allocator,
                                  req_to_token=req_to_token, prefix_cache=prefix_cache, host_pool=host_pool,
                                  copy_engine=copy_engine, storage=storage,
-                                 worker=backup_worker or ThreadBackupWorker(config.backup_queue_size),
+                                 worker=backup_worker or ThreadBackupWorker(
+                                     config.backup_queue_size or max(1, host_pool.capacity // self.stride)),
                                  metrics=self.metrics, ledger=self.ledger,
                                  stored_index_pages=config.stored_index_pages)
         self.consensus = ProgressConsensus(tp_group)

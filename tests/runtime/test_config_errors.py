@@ -83,6 +83,20 @@ def test_the_constructor_raises_config_error_naming_the_field() -> None:
     assert exc.value.field == "backup_queue_size"
 
 
+def test_the_backup_queue_holds_what_the_host_pool_holds_unless_sized() -> None:
+    """Unsized, the backup queue takes every chunk the host pool can hold (its slots over the stride), so a
+    progress check queues every acknowledged copy's backup and none parks while the pool has room; its room
+    comes back once a check, so a fixed size passes at most that many chunks an iteration to the store."""
+    pools = Pools(slots=64, page=4)
+    config = dict(page_size=4, offload_stride=8, host_pool_bytes=None, host_pool_ratio=2.0, copy_backend="cpu")
+    unsized = pools.manager(OffloadConfig(**config, storage_backend="none"))
+    assert unsized.fx.worker.capacity == unsized.host_pool.capacity // 8 == 16
+    sized = Pools(slots=64, page=4).manager(OffloadConfig(**config, storage_backend="none", backup_queue_size=3))
+    assert sized.fx.worker.capacity == 3
+    for m in (unsized, sized):
+        m.close()
+
+
 def test_every_problem_is_listed_and_unknown_fields_get_a_suggestion() -> None:
     with pytest.raises(ConfigError) as exc:
         OffloadConfig(page_size=0, offload_stride=-1)

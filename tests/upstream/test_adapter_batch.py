@@ -221,7 +221,7 @@ def test_every_acknowledged_copy_has_its_backup_queued_while_the_host_pool_has_r
         run = _started(ProbedAdapter, store, WIDE)
         manager = run.mgr.manager
         settings = run.mgr.settings
-        assert manager.config.backup_queue_size == settings.host_slots // settings.stride >= len(WIDE.requests)
+        assert manager.fx.worker.capacity == settings.host_slots // settings.stride >= len(WIDE.requests)
         for _ in range(WIDE.stride):  # a stride of new tokens for every request: each has one chunk due
             run.mgr.check_offload_progress()
             for spec in WIDE.requests:

@@ -160,19 +160,14 @@ class DecodeKVCacheOffloadManager:
                                        page_dims=(kv.num_planes, kv.num_layers, settings.page_size), dtype=kv.dtype)
         # built here, closed here (release_host_resources)
         self._storage = in_processes(make_store, settings.store_processes) if settings.store_process else make_store()
-        # Every acknowledged copy's backup is queued at once, as upstream's progress check queues each one to its
-        # backup thread (`write_storage`): the queue holds every chunk the host pool can hold (a chunk is at least
-        # a stride), so none waits parked while the pool has room. kvfsm's default of 64, refilled once a progress
-        # check, let 64 chunks an iteration go to the store: at 4096 live requests and a 16-token stride (215-256
-        # chunks an iteration) every chunk parked and the backlog grew until it filled the host pool
-        # (`stored_pages` 64.0 an iteration in bench/sglang_adapter_gpu.py's tail, docs/performance.md).
+        # The backup queue is left at kvfsm's default, which holds every chunk the host pool can: every acknowledged
+        # copy's backup is queued at that progress check, as upstream's queues each one (`write_storage`).
         options: dict[str, Any] = dict(page_size=settings.page_size, offload_stride=settings.stride,
                                        host_layout=settings.host_layout, copy_backend="cuda" if on_gpu else "cpu",
                                        storage_backend="file",
                                        storage_dir=settings.file_dir, model_name=settings.model_name or "model",
                                        retraction="fail_closed" if retraction == "refuse" else "deferred",
-                                       fenced_release=retraction == "fenced", checked=checked,
-                                       backup_queue_size=max(1, settings.host_slots // settings.stride))
+                                       fenced_release=retraction == "fenced", checked=checked)
         self.manager = DecodeOffloadManager(
             OffloadConfig(**options), device_pool=device_pool,
             allocator=AllocatorView(token_to_kv_pool_allocator, device_pool.size),  # type: ignore[arg-type]
