@@ -185,6 +185,12 @@ class Scope:
     title: str = ""  # the heading of its section of docs/mutation.md (the main scope has the whole page)
     doc: str = ""
 
+    def mutates(self, rel: str) -> bool:
+        """Whether this scope mutates the file at `rel` (a path from the repository root)."""
+        return any(fnmatch.fnmatch(rel, p) for p in self.mutate) and not any(
+            fnmatch.fnmatch(rel, p) for p in self.do_not_mutate
+        )
+
     @property
     def work(self) -> Path:
         return ROOT / "build" / ("mutation" if self.name == "main" else f"mutation-{self.name}")
@@ -1227,7 +1233,7 @@ def workspace_files() -> list[tuple[Path, str]]:
 
 
 def mutated(rel: str) -> bool:
-    return any(fnmatch.fnmatch(rel, p) for p in MUTATE) and not any(fnmatch.fnmatch(rel, p) for p in DO_NOT_MUTATE)
+    return SCOPE.mutates(rel)
 
 
 def cmd_refresh(args: argparse.Namespace) -> int:

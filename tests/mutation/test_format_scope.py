@@ -5,7 +5,6 @@ the next format makes its records stale; one that leaves every scope is formatte
 
 from __future__ import annotations
 
-import fnmatch
 import sys
 from pathlib import Path
 
@@ -24,14 +23,8 @@ import mutate  # noqa: E402
 def test_the_formatter_leaves_exactly_the_mutated_modules_as_written() -> None:
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
     excluded = {p for p in config["tool"]["ruff"]["format"]["exclude"] if p.startswith("kvfsm/")}
-    mutated = set()
-    for scope in mutate.SCOPES.values():
-        for path in sorted(ROOT.glob("kvfsm/**/*.py")):
-            rel = str(path.relative_to(ROOT))
-            if any(fnmatch.fnmatch(rel, p) for p in scope.mutate) and not any(
-                fnmatch.fnmatch(rel, p) for p in scope.do_not_mutate
-            ):
-                mutated.add(rel)
+    modules = [str(path.relative_to(ROOT)) for path in sorted(ROOT.glob("kvfsm/**/*.py"))]
+    mutated = {rel for scope in mutate.SCOPES.values() for rel in modules if scope.mutates(rel)}
     assert mutated, "no scope mutates a module of kvfsm/"
     assert sorted(mutated - excluded) == [], "mutated, yet the formatter would rewrite them"
     assert sorted(excluded - mutated) == [], "left unformatted, yet no scope mutates them"
