@@ -40,6 +40,7 @@ import gc
 import json
 import os
 import random
+import resource
 import shutil
 import statistics
 import sys
@@ -49,6 +50,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
+from resource import RUSAGE_THREAD
 from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -224,6 +226,8 @@ def tail_of(per_iter: list[dict[str, Any]]) -> dict[str, Any]:
             "gc_ms": pick([g for g, _, _ in splits]),
             "own_cpu_without_gc_ms": pick([o for _, o, _ in splits]),
             "off_cpu_ms": pick([w for _, _, w in splits]),
+            # of the thread's own CPU, the part in the kernel (page faults, system calls, a driver's ioctls)
+            "own_kernel_ms": pick([r.get("own_kernel_ms", 0.0) for r in rows]),
             "others_cpu_ms": pick([r["others_cpu_ms"] for r in rows]),
         }
 
@@ -427,7 +431,7 @@ class Loop:
         prev = None
         # CPU time inside this iteration's timed calls: the scheduler's thread's own, and the process's other
         # threads' (the store's writers, torch's and the driver's), in ms (tail_of reads them)
-        cpu = {"own": 0.0, "others": 0.0}
+        cpu = {"own": 0.0, "own_kernel": 0.0, "others": 0.0}
         with GcPauses() as gcp:
 
             def timed(fn: Callable[..., Any], *args: Any) -> tuple[float, Any, float, Optional[int]]:
@@ -439,11 +443,14 @@ class Loop:
                 young = gc.get_count()[0]
                 try:
                     process0, own0 = time.process_time(), time.thread_time()
+                    kernel0 = resource.getrusage(RUSAGE_THREAD).ru_stime
                     t0 = time.perf_counter()
                     got = fn(*args)
                     took = time.perf_counter() - t0
+                    kernel = resource.getrusage(RUSAGE_THREAD).ru_stime - kernel0
                     own, process = time.thread_time() - own0, time.process_time() - process0
                     cpu["own"] += own * 1e3
+                    cpu["own_kernel"] += kernel * 1e3
                     cpu["others"] += max(process - own, 0.0) * 1e3
                 finally:
                     if self.cuda:
@@ -453,7 +460,7 @@ class Loop:
 
             metrics = self.manager.metrics  # the floor changes none of these
             for it in range(warmup + iterations):
-                cpu["own"] = cpu["others"] = 0.0
+                cpu["own"] = cpu["own_kernel"] = cpu["others"] = 0.0
                 before = [getattr(metrics, name) for name in WORK_COUNTERS]
                 if self.order == "sglang":  # process_decode_queue: the progress check, before the batch runs
                     check, _, gc_check, tracked_check = timed(self.check)
@@ -486,6 +493,7 @@ class Loop:
                             "tracked": tracked,
                             "gc_ms": gc_ms,
                             "own_cpu_ms": cpu["own"],
+                            "own_kernel_ms": cpu["own_kernel"],
                             "others_cpu_ms": cpu["others"],
                             **{
                                 name: getattr(metrics, name) - was
@@ -765,7 +773,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 slow = row["tail"]["slowest_mean"]
                 print(
                     f"         slowest {row['tail']['iterations']} (>= p99): {slow['total_ms']:.2f} ms = gc "
-                    f"{slow['gc_ms']:.2f} + own cpu {slow['own_cpu_without_gc_ms']:.2f} + off cpu "
+                    f"{slow['gc_ms']:.2f} + own cpu {slow['own_cpu_without_gc_ms']:.2f} (kernel {slow['own_kernel_ms']:.2f}) + off cpu "
                     f"{slow['off_cpu_ms']:.2f}; other threads' cpu {slow['others_cpu_ms']:.2f} ms; p99 without gc "
                     f"{row['tail']['p99_without_gc_ms']:.2f} ms; their work "
                     + ", ".join(f"{k} {v:.1f}" for k, v in row["tail"]["slowest_work_mean"].items())

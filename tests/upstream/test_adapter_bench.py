@@ -144,8 +144,9 @@ def test_the_tail_splits_the_slowest_iterations_into_collections_own_cpu_and_wai
     """`tail_of` picks the iterations at or past the p99 and says what their time was made of; the p99 without
     the collector's pauses is what is left once they are taken out."""
     quiet = {"total_ms": 2.0, "gc_ms": 0.0, "own_cpu_ms": 2.0, "others_cpu_ms": 0.1, "check_ms": 0.5, "stored_pages": 4}
-    collected = {"total_ms": 50.0, "gc_ms": 40.0, "own_cpu_ms": 45.0, "others_cpu_ms": 0.5}  # 5 ms off the CPU
+    collected = {"total_ms": 50.0, "gc_ms": 40.0, "own_cpu_ms": 45.0, "own_kernel_ms": 3.0, "others_cpu_ms": 0.5}
     waited = {"total_ms": 30.0, "gc_ms": 0.0, "own_cpu_ms": 3.0, "others_cpu_ms": 27.0}  # the lock held elsewhere
+    # `collected` was off the CPU 5 ms; 3 ms of its own CPU was in the kernel
     collected.update(check_ms=45.0, stored_pages=900)  # a check that took in a burst of the store's completions
     waited.update(check_ms=1.0, stored_pages=100)
     per_iter = [dict(quiet) for _ in range(198)] + [collected, waited]
@@ -156,6 +157,7 @@ def test_the_tail_splits_the_slowest_iterations_into_collections_own_cpu_and_wai
         "gc_ms": 20.0,
         "own_cpu_without_gc_ms": 4.0,
         "off_cpu_ms": 16.0,
+        "own_kernel_ms": 1.5,
         "others_cpu_ms": 13.75,
     }
     assert tail["all_median"]["total_ms"] == 2.0 and tail["all_median"]["off_cpu_ms"] == 0.0
