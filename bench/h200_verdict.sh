@@ -39,8 +39,9 @@ for s in $STEPS; do
     serving32) step serving_loop_32 150 python3 bench/serving_loop.py --live 512 --layers 32 --host-gib 16 \
         --tables cuda --no-baseline --out "$W/serving_loop_32layers-$TAG.json" ;;
     adapter) step sglang_adapter 330 python3 bench/sglang_adapter_gpu.py --out "$W/sglang_adapter_gpu-$TAG.json" ;;
-    adapter4096) # the adapter's targets at 4096 live alone (64/64 and 16/16), when a call has room for no more
-        step sglang_adapter_4096 280 python3 bench/sglang_adapter_gpu.py --live 4096 \
+    adapter4096) # the adapter's targets at 4096 live alone (64/64 and 16/16), when a call has room for no more;
+        # the calls past 15 ms (no median is near it) sampled for their stacks (stall_stacks.py)
+        step sglang_adapter_4096 280 python3 bench/sglang_adapter_gpu.py --live 4096 --stall-ms 15 \
         --out "$W/sglang_adapter_gpu-4096-$TAG.json" ;;
     adapter4096_16) # the adapter's targets at 4096 live, 16/16 alone, when a call has room for one configuration
         step sglang_adapter_4096_16 120 python3 bench/sglang_adapter_gpu.py --live 4096 --pages 16/16 \
@@ -51,7 +52,7 @@ for s in $STEPS; do
     adapter_process) step sglang_adapter_process 200 python3 bench/sglang_adapter_gpu.py --live 4096 --store-process \
         --out "$W/sglang_adapter_gpu-store-process-$TAG.json" ;;
     adapter_sharded) step sglang_adapter_sharded 330 python3 bench/sglang_adapter_gpu.py --live 4096 --pages 16/16 64/64 \
-        --store-process 4 --out "$W/sglang_adapter_gpu-sharded-$TAG.json" ;;
+        --store-process 4 --stall-ms 15 --out "$W/sglang_adapter_gpu-sharded-$TAG.json" ;;
     sharded) step serving_loop_sharded 300 python3 bench/serving_loop.py --live 4096 --pages 16/16 64/64 --tables cuda \
         --storage sharded process --store-processes 4 --no-baseline --out "$W/serving_loop_sharded-$TAG.json" ;;
     phases) # each door's phases and the steps inside them, and the no-op door's in-situ limit probe (bare_door)

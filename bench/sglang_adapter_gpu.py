@@ -48,7 +48,7 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from resource import RUSAGE_THREAD
 from typing import Any, Optional
@@ -76,6 +76,7 @@ from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 import harness  # noqa: E402
 from common import target, write_result  # noqa: E402
 from serving_loop import ComputeStep, GcPauses, stats  # noqa: E402
+from stall_stacks import StallSampler  # noqa: E402
 
 from kvfsm.dataplane import CpuCopyEngine  # noqa: E402
 from kvfsm.integrations.sglang import DecodeKVCacheOffloadManager  # noqa: E402
@@ -283,6 +284,7 @@ class Loop:
         self.mode, self.live_target, self.page = mode, live, page
         self.order = getattr(args, "order", "sglang")  # ORDERS
         self.grouped = not getattr(args, "no_free_group", False)  # the calls inside the allocator's free group
+        self.stall_ms: Optional[float] = getattr(args, "stall_ms", None)  # StallSampler's threshold (None: off)
         self.rng = random.Random(args.seed)
         dev = args.device
         self.cuda = dev == "cuda"
@@ -445,6 +447,8 @@ class Loop:
         # CPU time inside this iteration's timed calls: the scheduler's thread's own, and the process's other
         # threads' (the store's writers, torch's and the driver's), in ms (tail_of reads them)
         cpu = {"own": 0.0, "own_kernel": 0.0, "others": 0.0}
+        sampler = None if self.stall_ms is None else StallSampler(self.stall_ms)
+        sampling = False  # the timed iterations only
         with GcPauses() as gcp:
 
             def timed(fn: Callable[..., Any], *args: Any) -> tuple[float, Any, float, Optional[int]]:
@@ -458,7 +462,8 @@ class Loop:
                     process0, own0 = time.process_time(), time.thread_time()
                     kernel0 = resource.getrusage(RUSAGE_THREAD).ru_stime
                     t0 = time.perf_counter()
-                    got = fn(*args)
+                    with sampler.call() if sampler is not None and sampling else nullcontext():
+                        got = fn(*args)
                     took = time.perf_counter() - t0
                     kernel = resource.getrusage(RUSAGE_THREAD).ru_stime - kernel0
                     own, process = time.thread_time() - own0, time.process_time() - process0
@@ -473,6 +478,7 @@ class Loop:
 
             metrics = self.manager.metrics  # the floor changes none of these
             for it in range(warmup + iterations):
+                sampling = it >= warmup
                 cpu["own"] = cpu["own_kernel"] = cpu["others"] = 0.0
                 before = [getattr(metrics, name) for name in WORK_COUNTERS]
                 if self.order == "sglang":  # process_decode_queue: the progress check, before the batch runs
@@ -523,6 +529,8 @@ class Loop:
                 if self.order == "compact" and (prev is not None or not self.cuda):
                     self.step.wait(prev)
                 prev = ev
+        if sampler is not None:
+            sampler.close()
         heap = census()
         gc.unfreeze()
         if self.cuda:
@@ -548,6 +556,8 @@ class Loop:
             "tail": tail_of(per_iter),
         }
         out["heap"] = heap
+        if sampler is not None:
+            out["stalls"] = sampler.report()
         if self.mode == "adapter":
             out["no_chunk_due_call_ns"] = self._quiet_call_ns()
             out["sglang_call_floor_ms"] = self._call_floor_ms()
@@ -746,6 +756,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         action="store_true",
         help="make the offload and finish calls with no free group open, every free going back at once (SGLang "
         "opens one around them: the default)",
+    )
+    ap.add_argument(
+        "--stall-ms",
+        type=float,
+        default=None,
+        help="sample the scheduler thread's stack in every timed call that runs past this many ms (stall_stacks: "
+        "each row's `stalls` says where the slow calls spend their time, line by line)",
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="16 live, 64/64, 30 iterations: checks the script")
