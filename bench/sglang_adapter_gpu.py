@@ -813,6 +813,14 @@ def main(argv: Optional[list[str]] = None) -> int:
                     f"({row['heap']['tracked']} tracked)",
                     flush=True,
                 )
+                if "stalls" in row:
+                    st = row["stalls"]
+                    print(
+                        f"         calls past {st['after_ms']:g} ms: {st['slow_calls']}, {st['samples']} samples "
+                        f"({st['in_collection']} in a collection); most sampled: "
+                        + " | ".join(f"{e['count']}x " + " <- ".join(e["stack"][:3]) for e in st["top"][:3]),
+                        flush=True,
+                    )
                 payload.update(
                     settings={k: v for k, v in vars(args).items() if k != "out"}, rows=rows, targets=targets(rows)
                 )
