@@ -409,10 +409,10 @@ def b19(mp: pytest.MonkeyPatch) -> None:
 
     def run(self: BackupJob) -> None:
         try:
-            self.results = list(self.write(self.payload))
+            self.results = tuple(self.write(self.payload))
         except (OSError, ValueError) as exc:
             self.error = exc
-            self.results = []
+            self.results = ()
 
     mp.setattr(BackupJob, "run", run)
 

@@ -12,7 +12,7 @@ import collections
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -29,17 +29,19 @@ class BackupJob:
     # Several payloads' writes in one call, a list of per-page results per payload; jobs with the same
     # write_many may be run together (ThreadBackupWorker), each ending exactly as if run alone.
     write_many: Callable[[list[Any]], list[list[bool]]] | None = None
-    results: list[bool] = field(default_factory=list)
+    # per-page success, a tuple: a list per job would be one more object a chunk for the collector to walk
+    # and promote while the chunk waits for its store (a tuple of bools it stops tracking at once)
+    results: tuple[bool, ...] = ()
     error: BaseException | None = None
 
     def run(self) -> None:
         try:
-            self.results = list(self.write(self.payload))
+            self.results = tuple(self.write(self.payload))
         except BaseException as exc:  # noqa: B036  a store that raises anything is a failed backup, never a
             # success (B13), and the worker thread lives on: a client's own error type, even SystemExit from
             # a library that gives up, must not end the thread every later backup waits on
             self.error = exc
-            self.results = []
+            self.results = ()
 
     @property
     def ok(self) -> bool:
@@ -65,7 +67,7 @@ def run_jobs(jobs: list[BackupJob]) -> None:
                 results = None
             if results is not None and len(results) == len(group):
                 for job, res in zip(group, results):
-                    job.results = list(res)
+                    job.results = tuple(res)
                 i = j
                 continue
         for job in group:

@@ -1679,7 +1679,7 @@ def test_stepped_worker_runs_the_oldest_job_by_default_and_run_all_counts() -> N
 
     job = BackupJob(0, raises)
     job.run()
-    assert job.results == [] and isinstance(job.error, OSError) and not job.ok
+    assert job.results == () and isinstance(job.error, OSError) and not job.ok
 
 
 # --- the pools' argument checks and exact paths (second pass) -------------------------------------------

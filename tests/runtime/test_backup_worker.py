@@ -32,7 +32,7 @@ def jobs_for(store: Store, payloads: list[str]) -> list[BackupJob]:
     return [BackupJob(p, store.write, store.write_many) for p in payloads]
 
 
-def outcome(jobs: list[BackupJob]) -> list[tuple[bool, list[bool], bool]]:
+def outcome(jobs: list[BackupJob]) -> list[tuple[bool, tuple[bool, ...], bool]]:
     return [(j.ok, j.results, j.error is not None) for j in jobs]
 
 
@@ -57,7 +57,7 @@ def test_a_malformed_batch_answer_falls_back_to_single_writes() -> None:
     for job in short:
         job.write_many = lambda payloads: [[True]]  # one answer for two jobs
     run_jobs(short)
-    assert outcome(short) == [(True, [True, True], False)] * 2
+    assert outcome(short) == [(True, (True, True), False)] * 2
 
 
 def test_thread_worker_writes_what_is_queued_together_and_completes_in_order() -> None:

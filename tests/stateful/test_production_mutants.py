@@ -94,7 +94,7 @@ def run_jobs_reversed(mp: pytest.MonkeyPatch) -> None:
                 results = None
             if results is not None and len(results) == len(jobs):
                 for job, res in zip(jobs, reversed(results)):
-                    job.results = list(res)
+                    job.results = tuple(res)
                 return
         real(jobs)
 
@@ -174,9 +174,9 @@ def raising_store_assumed_written(mp: pytest.MonkeyPatch) -> None:
 
     def run(self: Any) -> None:
         try:
-            self.results = list(self.write(self.payload))
+            self.results = tuple(self.write(self.payload))
         except Exception:
-            self.error, self.results = None, [True] * len(self.payload.hashes)
+            self.error, self.results = None, (True,) * len(self.payload.hashes)
 
     mp.setattr(BackupJob, "run", run)
 
