@@ -31,7 +31,7 @@ from kvfsm.dataplane import HostKVPool, TokenSlotAllocator
 from kvfsm.dataplane.fences import SlotFence
 from kvfsm.generated.decode_offload import DecodeOffloadMachine
 from kvfsm.runtime import SimplePrefixCache
-from kvfsm.runtime.backup import BackupJob
+from kvfsm.runtime.backup import Job
 from kvfsm.runtime.effects import OffloadEffects
 from kvfsm.runtime.manager import DecodeOffloadManager
 from kvfsm.runtime.tp import ProgressConsensus
@@ -114,7 +114,7 @@ def b3_host(mp: pytest.MonkeyPatch) -> None:
 
     def make(orig):
         def free_host_chunk(self, m, chunk):
-            if chunk.job is not None and not chunk.job.ok:
+            if getattr(chunk, "write", None) is not None and not chunk.ok:  # its backup was submitted, and failed
                 return
             orig(self, m, chunk)
 
@@ -407,14 +407,14 @@ def b18_parked(mp: pytest.MonkeyPatch) -> None:
 def b19(mp: pytest.MonkeyPatch) -> None:
     """A backup job catches only the errors a store is expected to raise (OSError, ValueError): a client library's own exception escapes the backup worker."""
 
-    def run(self: BackupJob) -> None:
+    def run(self: Job) -> None:
         try:
             self.results = tuple(self.write(self.payload))
         except (OSError, ValueError) as exc:
             self.error = exc
             self.results = ()
 
-    mp.setattr(BackupJob, "run", run)
+    mp.setattr(Job, "run", run)
 
 
 def b19_partial(mp: pytest.MonkeyPatch) -> None:

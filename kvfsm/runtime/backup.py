@@ -11,28 +11,36 @@ from __future__ import annotations
 import collections
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 
 class BackupQueueFull(RuntimeError):
     """submit() without room: the manager must park the chunk instead (the spec's copy_parked)."""
 
 
-@dataclass(slots=True)
-class BackupJob:
-    """One chunk's host-to-storage write; `write()` returns per-page success."""
+class Job:
+    """What a backup worker runs: `write(payload)` stores one payload and returns per-page success; jobs with
+    the same `write_many` may be written in one call (ThreadBackupWorker), each ending exactly as if run alone.
 
-    payload: Any
-    write: Callable[[Any], list[bool]]  # called with the payload (a shared function, not a closure per job)
-    # Several payloads' writes in one call, a list of per-page results per payload; jobs with the same
-    # write_many may be run together (ThreadBackupWorker), each ending exactly as if run alone.
-    write_many: Callable[[list[Any]], list[list[bool]]] | None = None
-    # per-page success, a tuple: a list per job would be one more object a chunk for the collector to walk
-    # and promote while the chunk waits for its store (a tuple of bools it stops tracking at once)
-    results: tuple[bool, ...] = ()
-    error: BaseException | None = None
+    `BackupJob` is a job around any payload. The decode manager's chunk is its own job (`Chunk`): a job object
+    beside each chunk would be one more object a chunk for the collector to walk and promote while the chunk
+    waits for its store."""
+
+    if not TYPE_CHECKING:  # a mixin's empty slots; the type checker takes the attributes below as declared
+        __slots__ = ()
+    write: Callable[[Any], Sequence[bool]]  # a shared function, not a closure per job
+    # several payloads' writes in one call, per-page results per payload
+    write_many: Callable[[list[Any]], list[list[bool]]] | None
+    # per-page success, a tuple (a list would be one more object a job; a tuple of bools is untracked at once)
+    results: tuple[bool, ...]
+    error: BaseException | None
+
+    if TYPE_CHECKING:  # what `write` is called with: a BackupJob's field, a chunk itself (no class attribute
+        # here, which a dataclass would take for its field's default)
+        @property
+        def payload(self) -> Any: ...
 
     def run(self) -> None:
         try:
@@ -48,7 +56,18 @@ class BackupJob:
         return self.error is None and bool(self.results) and all(self.results)
 
 
-def run_jobs(jobs: list[BackupJob]) -> None:
+@dataclass(slots=True)
+class BackupJob(Job):
+    """One payload's host-to-storage write (see Job)."""
+
+    payload: Any
+    write: Callable[[Any], Sequence[bool]]
+    write_many: Callable[[list[Any]], list[list[bool]]] | None = None
+    results: tuple[bool, ...] = ()
+    error: BaseException | None = None
+
+
+def run_jobs(jobs: list[Job]) -> None:
     """Run `jobs` (in order), runs of consecutive jobs sharing a `write_many` in one call each. A batch
     that raises or answers malformed is run again job by job, so each job's outcome (a per-page failure,
     an exception) is its own, as if it had run alone."""
@@ -91,10 +110,10 @@ class BackupWorker(ABC):
     def outstanding(self) -> int:
         return self._outstanding
 
-    def submit(self, job: BackupJob) -> None:
+    def submit(self, job: Job) -> None:
         self.submit_many([job])
 
-    def submit_many(self, jobs: list[BackupJob]) -> None:
+    def submit_many(self, jobs: list[Job]) -> None:
         """submit() each job, in order, or raise BackupQueueFull (queuing none) when they do not all fit."""
         if len(jobs) > self.room():
             raise BackupQueueFull(f"{len(jobs)} backups submitted with room for {self.room()} "
@@ -102,17 +121,17 @@ class BackupWorker(ABC):
         self._outstanding += len(jobs)
         self._enqueue_many(jobs)
 
-    def _enqueue_many(self, jobs: list[BackupJob]) -> None:
+    def _enqueue_many(self, jobs: list[Job]) -> None:
         for job in jobs:
             self._enqueue(job)
 
-    def collect(self) -> BackupJob:
+    def collect(self) -> Job:
         """The oldest finished job (FIFO)."""
         job = self._pop_done()
         self._outstanding -= 1
         return job
 
-    def collect_many(self, n: int) -> list[BackupJob]:
+    def collect_many(self, n: int) -> list[Job]:
         """The n oldest finished jobs (FIFO); n must not exceed completed()."""
         if n > self.completed():
             raise ValueError(f"collect_many({n}) with {self.completed()} completed")
@@ -126,10 +145,10 @@ class BackupWorker(ABC):
         """How many finished jobs wait to be collected (never blocks)."""
 
     @abstractmethod
-    def _enqueue(self, job: BackupJob) -> None: ...
+    def _enqueue(self, job: Job) -> None: ...
 
     @abstractmethod
-    def _pop_done(self) -> BackupJob: ...
+    def _pop_done(self) -> Job: ...
 
     def flush(self) -> None:  # noqa: B027 - a no-op unless the worker buffers submissions
         """Make every submitted job visible to the worker (the progress check ends with this)."""
@@ -144,8 +163,8 @@ class ThreadBackupWorker(BackupWorker):
     def __init__(self, capacity: int, name: str = "kvfsm-backup", batch_limit: int = 1024) -> None:
         super().__init__(capacity)
         self.batch_limit = batch_limit  # jobs written in one storage call at most
-        self._todo: collections.deque[BackupJob | None] = collections.deque()
-        self._done: collections.deque[BackupJob] = collections.deque()
+        self._todo: collections.deque[Job | None] = collections.deque()
+        self._done: collections.deque[Job] = collections.deque()
         self._wake = threading.Condition()
         self._queued = False  # jobs appended since the last flush
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -156,7 +175,7 @@ class ThreadBackupWorker(BackupWorker):
             with self._wake:
                 while not self._todo:
                     self._wake.wait()
-                jobs: list[BackupJob] = []  # everything queued: written together, completed in order
+                jobs: list[Job] = []  # everything queued: written together, completed in order
                 while self._todo and (job := self._todo[0]) is not None and len(jobs) < self.batch_limit:
                     jobs.append(job)
                     self._todo.popleft()
@@ -166,14 +185,14 @@ class ThreadBackupWorker(BackupWorker):
             run_jobs(jobs)
             self._done.extend(jobs)
 
-    def _enqueue(self, job: BackupJob | None) -> None:
+    def _enqueue(self, job: Job | None) -> None:
         # No wake-up per job (a lock and a thread switch each): the manager flushes once per progress
         # check. No wake-up is lost: flush() takes the lock, so it finds this thread either running
         # (it re-reads the queue before waiting) or waiting (the notify reaches it).
         self._todo.append(job)
         self._queued = True
 
-    def _enqueue_many(self, jobs: list[BackupJob]) -> None:
+    def _enqueue_many(self, jobs: list[Job]) -> None:
         self._todo.extend(jobs)  # one deque call, as atomic for the worker thread as append
         self._queued = True
 
@@ -186,7 +205,7 @@ class ThreadBackupWorker(BackupWorker):
     def completed(self) -> int:
         return len(self._done)
 
-    def _pop_done(self) -> BackupJob:
+    def _pop_done(self) -> Job:
         return self._done.popleft()
 
     def wait_idle(self, timeout: float = 30.0) -> bool:
@@ -211,13 +230,13 @@ class SteppedBackupWorker(BackupWorker):
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
-        self.pending: list[BackupJob] = []
-        self._done: collections.deque[BackupJob] = collections.deque()
+        self.pending: list[Job] = []
+        self._done: collections.deque[Job] = collections.deque()
 
-    def _enqueue(self, job: BackupJob) -> None:
+    def _enqueue(self, job: Job) -> None:
         self.pending.append(job)
 
-    def run(self, i: int = 0) -> BackupJob:
+    def run(self, i: int = 0) -> Job:
         job = self.pending.pop(i)
         job.run()
         self._done.append(job)
@@ -232,5 +251,5 @@ class SteppedBackupWorker(BackupWorker):
     def completed(self) -> int:
         return len(self._done)
 
-    def _pop_done(self) -> BackupJob:
+    def _pop_done(self) -> Job:
         return self._done.popleft()

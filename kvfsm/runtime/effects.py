@@ -26,7 +26,7 @@ from kvfsm.dataplane.storage import StorageBackend
 from kvfsm.dataplane.storage.base import store_host_pages
 from kvfsm.errors import LifecycleError
 from kvfsm.generated.decode_offload import DecodeOffloadEffectsEach, DecodeOffloadMachine
-from kvfsm.runtime.backup import BackupJob, BackupWorker
+from kvfsm.runtime.backup import BackupWorker, Job
 from kvfsm.runtime.device_table import DeviceTableSlots
 from kvfsm.runtime.ledger import SlotLedger
 from kvfsm.runtime.metrics import OffloadMetrics
@@ -95,7 +95,7 @@ else:
     LiveRecord = RequestRecord
 
 
-class Chunk(PageRun):
+class Chunk(PageRun, Job):
     """One stride-aligned run of a request's KV, from its copy until its backup completes.
 
     The chunks of one offload call share one copy `handle` and one pair of slot tensors; a chunk's
@@ -108,9 +108,11 @@ class Chunk(PageRun):
     collection (27,446 PageRun beside 22,893 Chunk at 4096 live, 16/16, in the CPU heap census of
     bench/sglang_adapter_gpu.py). As with any run, its tokens are dropped once it is hashed. Linked, it is
     its record's `chain` while it is the last run: a record <-> chunk cycle, broken where the record <->
-    machine one is (`_forget`, `_unlink_released` in the manager)."""
+    machine one is (`_forget`, `_unlink_released` in the manager). And a chunk is its own backup job (Job):
+    `submit_backup` gives it its store's writes, and the worker records its outcome on it."""
 
-    __slots__ = ("record", "start", "end", "handle", "serial", "job", "host_pages", "_device", "_host", "lo", "hi")
+    __slots__ = ("record", "start", "end", "handle", "serial", "host_pages", "_device", "_host", "lo", "hi",
+                 "write", "write_many", "results", "error")
 
     def __init__(self, record: LiveRecord, start: int, end: int, tokens: Sequence[int], handle: CopyHandle,
                  device: torch.Tensor, host: torch.Tensor, lo: int, hi: int, host_pages: Sequence[int]) -> None:
@@ -121,7 +123,13 @@ class Chunk(PageRun):
         self._device, self._host, self.lo, self.hi = device, host, lo, hi
         self.host_pages = host_pages
         self.serial = next(_serials)
-        self.job: Optional[BackupJob] = None
+        # no backup has run
+        self.results, self.error = (), None
+
+    @property
+    def payload(self) -> Chunk:
+        """What the store's write is called with: the chunk itself."""
+        return self
 
     def link(self, prior: PageRun | str | None, page_size: int, namespace: str | None) -> None:
         """Join the request's hash chain behind `prior` (hash_chunk): O(1), nothing hashed yet."""
@@ -240,10 +248,10 @@ class OffloadEffects(DecodeOffloadEffectsEach):
 
     def submit_backup_each(self, items: Items) -> None:
         write, write_many = self._write_backup, self._write_backups
-        jobs = []
+        jobs: list[Job] = []
         for _, chunk in items:
-            chunk.job = BackupJob(chunk, write, write_many)
-            jobs.append(chunk.job)
+            chunk.write, chunk.write_many, chunk.results, chunk.error = write, write_many, (), None
+            jobs.append(chunk)
         self.worker.submit_many(jobs)
 
     def _write_backup(self, chunk: Chunk) -> list[bool]:
@@ -315,11 +323,10 @@ class OffloadEffects(DecodeOffloadEffectsEach):
         if now - self._failures_logged_at < FAILURE_LOG_INTERVAL_S:
             return
         chunk = items[0][1]
-        job = chunk.job
-        if job is not None and job.error is not None:
-            why = f"the store raised {job.error!r}"
-        elif job is not None and job.results:
-            why = f"the store refused {job.results.count(False)} of {len(job.results)} pages"
+        if chunk.error is not None:
+            why = f"the store raised {chunk.error!r}"
+        elif chunk.results:
+            why = f"the store refused {chunk.results.count(False)} of {len(chunk.results)} pages"
         else:
             why = "the store reported no result"
         logger.warning("%d backup(s) failed since the last report (e.g. %r: %s); their pages are not stored "

@@ -591,10 +591,7 @@ class DecodeOffloadManager:
                     _fire(DecodeOffloadMachine.backup_done_each if ok else DecodeOffloadMachine.backup_failed_each,
                           [job.payload for job in jobs[i:j]])
                     i = j
-                ended = [job.payload for job in jobs]
-                for job in jobs:
-                    job.payload = None  # the chunk holds its job: no chunk <-> job cycle outlives the backup
-                _unlink_released(ended)
+                _unlink_released([job.payload for job in jobs])
             resubmit = min(len(fx.parked), worker.room())
             if resubmit:
                 _fire(DecodeOffloadMachine.backup_resubmit_each, [fx.parked.popleft() for _ in range(resubmit)])

@@ -570,9 +570,9 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ),
     (
         "xǁChunkǁ__init__",
-        _lines("self.job: Optional[BackupJob] = None", 'self.job: Optional[BackupJob] = ""'),
-        "chunk.job is read only by _log_failures, for a chunk whose backup failed, which has its job by then "
-        "(submit_backup sets it before the backup can fail)",
+        _lines("self.results, self.error = (), None", 'self.results, self.error = (), ""'),
+        "a chunk's error is read only once its backup ran, which sets it (submit_backup resets both before the "
+        "worker can run it)",
     ),
     (
         "xǁOffloadEffectsǁ_write_backups",
@@ -601,8 +601,10 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ),
     (
         "xǁOffloadEffectsǁsubmit_backup_each",
-        r"- chunk\.job = BackupJob\(chunk, write, write_many\)\n"
-        r"\+ chunk\.job = BackupJob\(chunk, write, (None|)\)",
+        _lines(
+            "write, write_many = self._write_backup, self._write_backups",
+            "write, write_many = self._write_backup, None",
+        ),
         "without write_many a worker writes the jobs one by one: the same pages, the same per-page outcomes, in "
         "more store calls (time only)",
     ),

@@ -442,7 +442,7 @@ def test_failed_backups_are_counted_per_chunk_and_logged_at_most_once_per_interv
     clock = [1000.0]
     monkeypatch.setattr(effects.time, "monotonic", lambda: clock[0])
     fx._failures_logged_at = -effects.FAILURE_LOG_INTERVAL_S
-    a, b = (SimpleNamespace(record=SimpleNamespace(failed_backups=0), job=None) for _ in range(2))
+    a, b = (SimpleNamespace(record=SimpleNamespace(failed_backups=0), error=None, results=()) for _ in range(2))
     before = fx.metrics.backup_failures
     with caplog.at_level(logging.WARNING, logger="kvfsm"):
         fx.count_backup_failure_each([(None, a), (None, b), (None, a)])
@@ -454,12 +454,12 @@ def test_failed_backups_are_counted_per_chunk_and_logged_at_most_once_per_interv
         fx.count_backup_failure_each([(None, b)])
         assert len(caplog.records) == 1  # within the interval: counted, not logged
         clock[0] += effects.FAILURE_LOG_INTERVAL_S
-        b.job = SimpleNamespace(error=None, results=[True, False, False])
+        b.error, b.results = None, (True, False, False)
         fx.count_backup_failure_each([(None, b)])
         last = caplog.records[-1].getMessage()
         assert len(caplog.records) == 2 and last.startswith("2 backup(s) failed") and "refused 2 of 3" in last
         clock[0] += effects.FAILURE_LOG_INTERVAL_S
-        b.job = SimpleNamespace(error=OSError("disk"), results=[])
+        b.error, b.results = OSError("disk"), ()
         fx.count_backup_failure_each([(None, b)])
         assert "raised OSError('disk')" in caplog.records[-1].getMessage()
     assert b.record.failed_backups == 4

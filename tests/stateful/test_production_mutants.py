@@ -33,7 +33,7 @@ from kvfsm.dataplane import TokenSlotAllocator
 from kvfsm.dataplane.copy.cpu import DeferredHandle, _FutureHandle
 from kvfsm.dataplane.fences import SlotFence
 from kvfsm.dataplane.storage import FileStorage
-from kvfsm.runtime.backup import BackupJob, ThreadBackupWorker
+from kvfsm.runtime.backup import Job, ThreadBackupWorker
 from kvfsm.runtime.effects import OffloadEffects
 from kvfsm.runtime.manager import DecodeOffloadManager
 from kvfsm.runtime.tp import ProgressConsensus
@@ -143,7 +143,7 @@ def factory_drops_tp_rank(mp: pytest.MonkeyPatch) -> None:
 
 def page_outcome_any(mp: pytest.MonkeyPatch) -> None:
     """A chunk counts as stored when any of its pages was (mixed outcomes inside a call read as success)."""
-    mp.setattr(BackupJob, "ok", property(lambda self: self.error is None and any(self.results)))
+    mp.setattr(Job, "ok", property(lambda self: self.error is None and any(self.results)))
 
 
 def short_answer_tolerated(mp: pytest.MonkeyPatch) -> None:
@@ -178,7 +178,7 @@ def raising_store_assumed_written(mp: pytest.MonkeyPatch) -> None:
         except Exception:
             self.error, self.results = None, (True,) * len(self.payload.hashes)
 
-    mp.setattr(BackupJob, "run", run)
+    mp.setattr(Job, "run", run)
 
 
 # --- TP ---------------------------------------------------------------------------------------------------
