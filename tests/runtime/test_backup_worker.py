@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import pytest
@@ -10,6 +11,8 @@ from timing import backups_settled
 
 from kvfsm.runtime import BackupJob, ThreadBackupWorker
 from kvfsm.runtime.backup import run_jobs
+from kvfsm.runtime.effects import Chunk
+from kvfsm.verify.engine import SimEngine
 
 
 class Store:
@@ -97,3 +100,29 @@ def test_submit_many_is_all_or_nothing_and_collect_many_is_fifo() -> None:
     assert [j.payload for j in got] == ["c", "a"] and w.outstanding() == 1  # completion order
     w.run_all()
     assert [j.payload for j in w.collect_many(1)] == ["bad"] and w.outstanding() == 0
+
+
+def test_a_waiting_chunk_is_its_own_backup_job() -> None:
+    """The decode manager queues its chunks themselves, not a job object beside each, and a written chunk's
+    outcome is a tuple the collector stops tracking: a chunk waiting for its store is one tracked object."""
+    e = SimEngine(page_size=2, stride=2, host_slots=48, device_slots=96, rows=2, backup_queue=8, max_context=48)
+    fx = e.manager.fx
+    e.admit("a", 3)
+    for _ in range(4):
+        for req in list(e.live):
+            assert e.decode(req)
+        e.manager.offload_batch(list(e.live))
+    e.copies.complete_all()
+    e.manager.check_progress()
+    jobs = list(fx.worker.pending)
+    assert jobs and all(type(job) is Chunk and job.payload is job for job in jobs)
+    assert all(job.results == () and job.error is None for job in jobs)  # nothing written yet
+    fx.worker.run_all()
+    gc.collect()
+    assert all(job.ok and type(job.results) is tuple and not gc.is_tracked(job.results) for job in jobs)
+    e.manager.check_progress()
+    assert fx.worker.completed() == 0 and not fx.worker.pending
+    for req in list(e.live):
+        e.end(req)
+    e.settle()
+    e.check_teardown()
