@@ -1311,22 +1311,33 @@ def draw(names: list[str], n: int, seed: int, passed_over: Callable[[str], bool]
 DIGEST_PACKAGES = ("mutmut", "pytest", "hypothesis", "torch", "numpy", "pydantic")
 
 
-def workspace_digest() -> str:
-    """What mutmut's stats, and the tests' passing unmutated, depend on: every file of the sample's workspace (the
-    package, the generated machines and specs, the test subset with its support files and conftest), mutmut's
-    configuration, Python's version and DIGEST_PACKAGES'. Equal digests, equal stats: the workspace runs
-    hypothesis derandomized."""
-    from importlib.metadata import version
-
+def files_digest() -> str:
+    """The part of `workspace_digest` this repository decides: every file of the sample's workspace (the package,
+    the generated machines and specs, the test subset with its support files and conftest) and mutmut's
+    configuration."""
     h = hashlib.sha256()
     for src, rel in sorted(workspace_files(), key=lambda pair: pair[1]):
         data = src.read_bytes()
         h.update(f"{rel}\0{len(data)}\0".encode() + data)
     h.update(((ROOT / "tests" / "conftest.py").read_text() + CONFTEST_ADDENDUM).encode())
     h.update(mutmut_config(TESTS).encode())
-    h.update(f"python {sys.version_info[0]}.{sys.version_info[1]}".encode())
-    h.update(" ".join(f"{name} {version(name)}" for name in DIGEST_PACKAGES).encode())
     return h.hexdigest()
+
+
+def versions() -> str:
+    """The part the installed packages decide: Python's version and DIGEST_PACKAGES'. The test venv takes the newest
+    release within pyproject.toml's ranges, so a release upstream changes this part alone."""
+    from importlib.metadata import version
+
+    return f"python {sys.version_info[0]}.{sys.version_info[1]} " + " ".join(
+        f"{name} {version(name)}" for name in DIGEST_PACKAGES
+    )
+
+
+def workspace_digest() -> str:
+    """What mutmut's stats, and the tests' passing unmutated, depend on: `files_digest` and `versions`. Equal
+    digests, equal stats: the workspace runs hypothesis derandomized."""
+    return hashlib.sha256(f"{files_digest()}\0{versions()}".encode()).hexdigest()
 
 
 def committed_record() -> dict | None:
@@ -1403,7 +1414,7 @@ def save_sample_stats(digest: str, draw_of: dict) -> None:
     """The committed record: the workspace's digest, mutmut's stats, and the draw (`n`, `seed`, the survivors'
     digest, `picks`, `passed_over`) that generating every mutant of that workspace gave."""
     stats = json.loads((WORK / "mutants" / "mutmut-stats.json").read_text())
-    record = {"digest": digest, "stats": stats, "draw": draw_of}
+    record = {"digest": digest, "files_digest": files_digest(), "versions": versions(), "stats": stats, "draw": draw_of}
     SAMPLE_STATS.write_bytes(lzma.compress(json.dumps(record, sort_keys=True).encode()))
 
 
