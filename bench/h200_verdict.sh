@@ -44,7 +44,7 @@ for s in $STEPS; do
         step sglang_adapter_4096 280 python3 bench/sglang_adapter_gpu.py --live 4096 --stall-ms 15 \
         --out "$W/sglang_adapter_gpu-4096-$TAG.json" ;;
     adapter4096_16) # the adapter's targets at 4096 live, 16/16 alone, when a call has room for one configuration
-        step sglang_adapter_4096_16 120 python3 bench/sglang_adapter_gpu.py --live 4096 --pages 16/16 \
+        step sglang_adapter_4096_16 120 python3 bench/sglang_adapter_gpu.py --live 4096 --pages 16/16 --stall-ms 15 \
         --out "$W/sglang_adapter_gpu-4096-16-$TAG.json" ;;
     adapter_compact) # the calls back to back before the wait, the order of every run before the first in SGLang's order (ORDERS)
         step sglang_adapter_compact 300 python3 bench/sglang_adapter_gpu.py --live 4096 --order compact \
