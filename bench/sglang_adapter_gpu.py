@@ -50,7 +50,6 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
-from resource import RUSAGE_THREAD
 from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -449,7 +448,7 @@ class Loop:
         cpu = {"own": 0.0, "own_kernel": 0.0, "others": 0.0}
         sampler = None if self.stall_ms is None else StallSampler(self.stall_ms)
         sampling = False  # the timed iterations only
-        with GcPauses() as gcp:
+        with GcPauses() as gcp, sampler if sampler is not None else nullcontext():
 
             def timed(fn: Callable[..., Any], *args: Any) -> tuple[float, Any, float, Optional[int]]:
                 """fn(*args) as the scheduler makes it: (seconds, result, ms of collections inside, GC-tracked
@@ -460,12 +459,12 @@ class Loop:
                 young = gc.get_count()[0]
                 try:
                     process0, own0 = time.process_time(), time.thread_time()
-                    kernel0 = resource.getrusage(RUSAGE_THREAD).ru_stime
+                    kernel0 = resource.getrusage(resource.RUSAGE_THREAD).ru_stime
                     t0 = time.perf_counter()
                     with sampler.call() if sampler is not None and sampling else nullcontext():
                         got = fn(*args)
                     took = time.perf_counter() - t0
-                    kernel = resource.getrusage(RUSAGE_THREAD).ru_stime - kernel0
+                    kernel = resource.getrusage(resource.RUSAGE_THREAD).ru_stime - kernel0
                     own, process = time.thread_time() - own0, time.process_time() - process0
                     cpu["own"] += own * 1e3
                     cpu["own_kernel"] += kernel * 1e3
@@ -529,8 +528,6 @@ class Loop:
                 if self.order == "compact" and (prev is not None or not self.cuda):
                     self.step.wait(prev)
                 prev = ev
-        if sampler is not None:
-            sampler.close()
         heap = census()
         gc.unfreeze()
         if self.cuda:

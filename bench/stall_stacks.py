@@ -95,6 +95,12 @@ class StallSampler:
                 self.samples += 1
                 self.in_collection += self._collecting
 
+    def __enter__(self) -> StallSampler:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
         with self._wake:
             self._closed = True
