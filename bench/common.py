@@ -1,4 +1,5 @@
-"""Helpers every benchmark shares: where results go and which machine produced them.
+"""Helpers every benchmark shares: where results go, which machine produced them, and what one full
+collection of the heap costs.
 
 `result_path` is the one answer to "where does a run's JSON go": a recorded run writes
 bench/results/<name>-<machine>.json (committed); a quick run (`--quick`, "checks the script, not the
@@ -10,11 +11,14 @@ bench/plots.py refuses to render it into docs/.
 from __future__ import annotations
 
 import datetime as _dt
+import gc
 import json
 import os
 import platform
 import socket
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -94,3 +98,14 @@ def target(name: str, value: float | None, limit: float, *, at_least: bool = Fal
         raise ValueError(f"a floor's name ends in '(at least)': {name!r}")
     met = value is not None and (value >= limit if at_least else value <= limit)
     return {"name": name, "value": value, "limit": limit, "met": met}
+
+
+def full_collection_ms(repeats: int, pick: Callable[[list[float]], float] = min) -> float:
+    """A full collection of the heap as it stands, timed `repeats` times: `pick` of the times (the fastest by
+    default), in ms."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        gc.collect(2)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return pick(times)

@@ -73,7 +73,7 @@ from sglang.srt.runtime_context import get_context, get_parallel  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 
 import harness  # noqa: E402
-from common import target, write_result  # noqa: E402
+from common import full_collection_ms, target, write_result  # noqa: E402
 from serving_loop import ComputeStep, GcPauses, stats  # noqa: E402
 from stall_stacks import StallSampler  # noqa: E402
 
@@ -254,11 +254,7 @@ def census() -> dict[str, Any]:
     `full_collection_ms` is what one full collection of that heap costs here (the median of three, timed
     before the census lists the heap): the floor's row says what the engine's own heap costs the collector,
     whatever brings the collection on; the managers' rows, what their objects add to it."""
-    pauses = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        gc.collect()
-        pauses.append((time.perf_counter() - t0) * 1e3)
+    full_ms = full_collection_ms(3, statistics.median)
     by: dict[str, int] = {}
     types: collections.Counter[str] = collections.Counter()
     objs = gc.get_objects()
@@ -270,7 +266,7 @@ def census() -> dict[str, Any]:
         types[f"{t.__module__}.{t.__qualname__}"] += 1
     return {
         "tracked": len(objs),
-        "full_collection_ms": statistics.median(pauses),
+        "full_collection_ms": full_ms,
         "by_module": by,
         "by_type": dict(types.most_common(12)),
     }

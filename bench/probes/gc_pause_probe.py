@@ -18,12 +18,11 @@ import argparse
 import gc
 import random
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for common
-from common import write_result  # noqa: E402
+from common import full_collection_ms, write_result  # noqa: E402
 
 
 class EngineRequest:
@@ -43,15 +42,6 @@ class ManagerObject:
         self.a = self.b = self.c = None
 
 
-def full_collection_ms(repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        gc.collect(2)
-        best = min(best, time.perf_counter() - t0)
-    return round(best * 1e3, 3)
-
-
 def measure(
     requests: int, objects: int, repeats: int, prompt: tuple[int, int] = (32, 256), output: tuple[int, int] = (64, 512)
 ) -> dict[str, Any]:
@@ -64,11 +54,11 @@ def measure(
     try:
         engine = [EngineRequest(rng, prompt, output) for _ in range(requests)]
         token_ids = sum(len(r.origin_input_ids) + len(r.output_ids) for r in engine)
-        engine_ms = full_collection_ms(repeats)
+        engine_ms = round(full_collection_ms(repeats), 3)
         manager = [ManagerObject() for _ in range(objects)]
-        both_ms = full_collection_ms(repeats)
+        both_ms = round(full_collection_ms(repeats), 3)
         del engine
-        manager_ms = full_collection_ms(repeats)
+        manager_ms = round(full_collection_ms(repeats), 3)
         del manager
     finally:
         gc.unfreeze()
