@@ -64,6 +64,7 @@ from kvfsm.dataplane.copy.staging import PinnedIndexStaging  # noqa: E402
 from kvfsm.dataplane.pools.device_pool import DeviceKVPool  # noqa: E402
 from kvfsm.dataplane.storage import FileStorage, ProcessStorage, ShardedStorage  # noqa: E402
 from kvfsm.runtime import DecodeOffloadManager, OffloadConfig, SimplePrefixCache  # noqa: E402
+from kvfsm.runtime.protocols import REQUEST_FIELDS  # noqa: E402
 
 PROMPT = (32, 256)  # prompt lengths, uniform (--prompt)
 OUTPUT = (64, 512)  # output lengths, uniform: a request finishes (finalize) when it has them (--output)
@@ -72,18 +73,7 @@ OUTPUT = (64, 512)  # output lengths, uniform: a request finishes (finalize) whe
 class LoopRequest:
     """What the manager reads of a request (kvfsm.runtime.OffloadRequest), nothing more."""
 
-    __slots__ = (
-        "rid",
-        "origin_input_ids",
-        "output_ids",
-        "req_pool_idx",
-        "kv_committed_len",
-        "kv_allocated_len",
-        "prefix_len",
-        "target",
-        "done",
-        "__weakref__",
-    )
+    __slots__ = (*REQUEST_FIELDS, "target", "done", "__weakref__")
 
     def __init__(self, rid: str, prompt: list[int], target: int) -> None:
         self.rid, self.origin_input_ids, self.output_ids = rid, prompt, []
