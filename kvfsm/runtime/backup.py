@@ -116,8 +116,10 @@ class BackupWorker(ABC):
     def submit_many(self, jobs: list[Job]) -> None:
         """submit() each job, in order, or raise BackupQueueFull (queuing none) when they do not all fit."""
         if len(jobs) > self.room():
-            raise BackupQueueFull(f"{len(jobs)} backups submitted with room for {self.room()} "
-                                  f"({self._outstanding} outstanding of {self.capacity})")
+            raise BackupQueueFull(
+                f"{len(jobs)} backups submitted with room for {self.room()} "
+                f"({self._outstanding} outstanding of {self.capacity})"
+            )
         self._outstanding += len(jobs)
         self._enqueue_many(jobs)
 
@@ -211,6 +213,7 @@ class ThreadBackupWorker(BackupWorker):
     def wait_idle(self, timeout: float = 30.0) -> bool:
         """Block until every submitted job has finished (tests and shutdown only)."""
         import time
+
         deadline = time.monotonic() + timeout
         self.flush()
         while len(self._done) < self._outstanding:

@@ -45,14 +45,22 @@ class Components:
     owns_storage: bool
 
 
-def build_components(config: OffloadConfig, *, device_pool: DeviceKVPool, host_pool: Optional[HostKVPool] = None,
-                     copy_engine: Optional[CopyEngine] = None, storage: Optional[StorageBackend] = None,
-                     tp_rank: int = 0, tp_size: int = 1) -> Components:
+def build_components(
+    config: OffloadConfig,
+    *,
+    device_pool: DeviceKVPool,
+    host_pool: Optional[HostKVPool] = None,
+    copy_engine: Optional[CopyEngine] = None,
+    storage: Optional[StorageBackend] = None,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+) -> Components:
     """The given components, and the missing ones built from `config`; every check comes before any build."""
     if host_pool is not None:
         if host_pool.page_size != config.page_size:
-            raise ConfigError("page_size", f"the host pool given has page size {host_pool.page_size}, "
-                                           f"the config {config.page_size}")
+            raise ConfigError(
+                "page_size", f"the host pool given has page size {host_pool.page_size}, the config {config.page_size}"
+            )
         host_slots = host_pool.capacity
     else:
         host_slots = planned_host_slots(config, device_pool)
@@ -66,10 +74,14 @@ def build_components(config: OffloadConfig, *, device_pool: DeviceKVPool, host_p
     built = make_storage() if make_storage is not None else None
     try:
         if host_pool is None:
-            host_pool = HostKVPool.for_device_pool(device_pool, page_size=config.page_size,
-                                                   ratio=None if config.host_pool_bytes else config.host_pool_ratio,
-                                                   size_bytes=config.host_pool_bytes, layout=config.host_layout,
-                                                   shared=config.storage_process)  # the store process reads it
+            host_pool = HostKVPool.for_device_pool(
+                device_pool,
+                page_size=config.page_size,
+                ratio=None if config.host_pool_bytes else config.host_pool_ratio,
+                size_bytes=config.host_pool_bytes,
+                layout=config.host_layout,
+                shared=config.storage_process,  # the store process reads it
+            )
         if make_engine is not None:
             copy_engine = make_engine()
     except BaseException:
@@ -88,8 +100,11 @@ def build_components(config: OffloadConfig, *, device_pool: DeviceKVPool, host_p
 def check_fences(config: OffloadConfig, copy_engine: CopyEngine) -> None:
     """`fenced_release` needs an engine whose handles are fences (kvfsm.dataplane.fences)."""
     if config.fenced_release and not getattr(copy_engine, "fences", False):
-        raise ConfigError("fenced_release", f"the copy engine {type(copy_engine).__name__} does not fence its copies "
-                                            "(CopyEngine.fences is false): slots under a copy cannot be released fenced")
+        raise ConfigError(
+            "fenced_release",
+            f"the copy engine {type(copy_engine).__name__} does not fence its copies "
+            "(CopyEngine.fences is false): slots under a copy cannot be released fenced",
+        )
 
 
 def close_storage(storage: object) -> None:
@@ -111,21 +126,30 @@ def planned_host_slots(config: OffloadConfig, device_pool: DeviceKVPool) -> int:
         field, slots = "host_pool_ratio", int(device_pool.size * config.host_pool_ratio)
     slots -= slots % config.page_size
     if slots < config.page_size:
-        raise ConfigError(field, f"the host pool would hold {slots} tokens of {kv.bytes_per_token} bytes, "
-                                 f"less than one page of {config.page_size}")
+        raise ConfigError(
+            field,
+            f"the host pool would hold {slots} tokens of {kv.bytes_per_token} bytes, "
+            f"less than one page of {config.page_size}",
+        )
     need, available = slots * kv.bytes_per_token, available_host_memory()
     if available is not None and need > available:
-        raise ConfigError(field, f"the host pool needs {need} bytes ({need / 2**30:.2f} GiB) but only {available} "
-                                 f"({available / 2**30:.2f} GiB) are available (MemAvailable)")
+        raise ConfigError(
+            field,
+            f"the host pool needs {need} bytes ({need / 2**30:.2f} GiB) but only {available} "
+            f"({available / 2**30:.2f} GiB) are available (MemAvailable)",
+        )
     return slots
 
 
 def check_stride(config: OffloadConfig, host_slots: int) -> None:
     """A chunk must fit the host pool: a larger one would find no room even in an empty pool, forever."""
     if config.stride > host_slots:
-        raise ConfigError("offload_stride", f"a chunk of {config.stride} tokens does not fit the host pool's "
-                                            f"{host_slots} slots, so nothing would ever be offloaded; lower it "
-                                            f"or enlarge the pool (host_pool_bytes, host_pool_ratio)")
+        raise ConfigError(
+            "offload_stride",
+            f"a chunk of {config.stride} tokens does not fit the host pool's "
+            f"{host_slots} slots, so nothing would ever be offloaded; lower it "
+            f"or enlarge the pool (host_pool_bytes, host_pool_ratio)",
+        )
 
 
 def copy_engine_factory(config: OffloadConfig, device_pool: DeviceKVPool) -> Callable[[], CopyEngine]:
@@ -141,39 +165,59 @@ def copy_engine_factory(config: OffloadConfig, device_pool: DeviceKVPool) -> Cal
         return lambda: CudaCopyEngine(device)
     why = "CUDA is not available" if not torch.cuda.is_available() else f"the device pool is on {device}"
     if backend == "cuda":
-        raise ConfigError("copy_backend", f"'cuda' needs a device pool on a CUDA device, but {why}; "
-                                          f"use 'cpu' (or 'auto')")
-    logger.warning("copy_backend='auto': %s, so copies run on the CPU copy engine "
-                   "(copy_backend='cpu' chooses it without this warning)", why)
+        raise ConfigError(
+            "copy_backend", f"'cuda' needs a device pool on a CUDA device, but {why}; use 'cpu' (or 'auto')"
+        )
+    logger.warning(
+        "copy_backend='auto': %s, so copies run on the CPU copy engine "
+        "(copy_backend='cpu' chooses it without this warning)",
+        why,
+    )
     return CpuCopyEngine
 
 
-def storage_factory(config: OffloadConfig, device_pool: DeviceKVPool, tp_rank: int,
-                    tp_size: int) -> Optional[Callable[[], StorageBackend]]:
+def storage_factory(
+    config: OffloadConfig, device_pool: DeviceKVPool, tp_rank: int, tp_size: int
+) -> Optional[Callable[[], StorageBackend]]:
     """How to build the configured store (None for 'none'); checks that it can be built here."""
     is_mla = device_pool.config.is_mla
     if config.storage_backend == "file":
         check_storage_dir(config.storage_dir)
         if "storage_dir" not in config.model_fields_set:
-            logger.warning("storage_dir is not set: FileStorage writes pages to %s (the default, relative to the "
-                           "working directory)", config.storage_dir.absolute())
+            logger.warning(
+                "storage_dir is not set: FileStorage writes pages to %s (the default, relative to the "
+                "working directory)",
+                config.storage_dir.absolute(),
+            )
         # in a child process the writers take none of the scheduler's interpreter time (CHILD_FILE_WRITERS);
         # storage_extra's own `writers` wins
-        options = {"writers": CHILD_FILE_WRITERS, **config.storage_extra} if config.storage_process else config.storage_extra
-        make = functools.partial(FileStorage, config.storage_dir, model_name=config.model_name, tp_rank=tp_rank,
-                                 tp_size=tp_size, is_mla=is_mla, **options)
+        options = (
+            {"writers": CHILD_FILE_WRITERS, **config.storage_extra} if config.storage_process else config.storage_extra
+        )
+        make = functools.partial(
+            FileStorage,
+            config.storage_dir,
+            model_name=config.model_name,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            is_mla=is_mla,
+            **options,
+        )
         if config.storage_process:
             return functools.partial(in_processes, make, config.storage_processes)
         return make
     if config.storage_backend == "mooncake":
         from kvfsm.dataplane.storage.mooncake import MooncakeStorage, MooncakeUnavailable, import_store_class
+
         try:
             import_store_class()
         except MooncakeUnavailable as exc:
             raise ConfigError("storage_backend", f"'mooncake' needs the Mooncake client: {exc}") from exc
         return lambda: MooncakeStorage.from_config(config, tp_rank=tp_rank, tp_size=tp_size, is_mla=is_mla)
-    logger.warning("storage_backend='none' and no storage= given: chunks are copied to host memory and freed, "
-                   "every backup is reported failed, nothing is stored")
+    logger.warning(
+        "storage_backend='none' and no storage= given: chunks are copied to host memory and freed, "
+        "every backup is reported failed, nothing is stored"
+    )
     return None
 
 

@@ -42,9 +42,18 @@ logger = logging.getLogger(__name__)
 ENV_PREFIX = "KVFSM_"
 # KVFSM_* variables that are not config fields: read by the data plane (KVFSM_CU_BATCH), the command line
 # (KVFSM_TRACEBACK) and kvfsm's own test and benchmark tooling. from_env does not warn about these.
-OTHER_ENV_VARS = frozenset({"KVFSM_CU_BATCH", "KVFSM_FUZZ", "KVFSM_TRACEBACK", "KVFSM_REQUIRE_MOONCAKE", "KVFSM_REQUIRE_TRANSFORMERS",
-                            "KVFSM_REQUIRE_MUTMUT",
-                            "KVFSM_MUTANT_REPORT", "KVFSM_MUTANT_SHRINK"})
+OTHER_ENV_VARS = frozenset(
+    {
+        "KVFSM_CU_BATCH",
+        "KVFSM_FUZZ",
+        "KVFSM_TRACEBACK",
+        "KVFSM_REQUIRE_MOONCAKE",
+        "KVFSM_REQUIRE_TRANSFORMERS",
+        "KVFSM_REQUIRE_MUTMUT",
+        "KVFSM_MUTANT_REPORT",
+        "KVFSM_MUTANT_SHRINK",
+    }
+)
 # Fields whose environment value is taken as the string it is (KVFSM_MODEL_NAME=1234 is a name, not a number).
 _STRING_FIELDS = frozenset({"model_name", "storage_dir", "trace_path"})
 
@@ -54,52 +63,96 @@ class OffloadConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
 
     page_size: int = Field(1, ge=1, description="Tokens per KV page.")
-    offload_stride: int = Field(0, ge=0, description=(
-        "Tokens per offloaded chunk; 0 means one page. Not a multiple of page_size: rounded down to whole "
-        "pages (at least one), with a WARNING."))
+    offload_stride: int = Field(
+        0,
+        ge=0,
+        description=(
+            "Tokens per offloaded chunk; 0 means one page. Not a multiple of page_size: rounded down to whole "
+            "pages (at least one), with a WARNING."
+        ),
+    )
     host_pool_ratio: Optional[float] = Field(2.0, gt=0, description="Host pool size as a multiple of the device pool.")
     host_pool_bytes: Optional[int] = Field(None, gt=0, description="Host pool size in bytes (wins over the ratio).")
     host_layout: Literal["layer_first", "page_first"] = "layer_first"
-    copy_backend: Literal["auto", "cpu", "cuda", "deferred"] = Field("auto", description=(
-        "'cuda' needs CUDA and a device pool on it (else ConfigError); 'auto' picks CUDA for a CUDA device "
-        "pool and the CPU engine otherwise, with a WARNING."))
-    storage_backend: Literal["file", "mooncake", "none"] = Field("file", description=(
-        "'file': FileStorage in storage_dir; 'mooncake': MooncakeStorage (pip install 'kvfsm[mooncake]'), "
-        "its options in storage_extra, master_server_addr required; 'none': no store, unless storage= is given."))
+    copy_backend: Literal["auto", "cpu", "cuda", "deferred"] = Field(
+        "auto",
+        description=(
+            "'cuda' needs CUDA and a device pool on it (else ConfigError); 'auto' picks CUDA for a CUDA device "
+            "pool and the CPU engine otherwise, with a WARNING."
+        ),
+    )
+    storage_backend: Literal["file", "mooncake", "none"] = Field(
+        "file",
+        description=(
+            "'file': FileStorage in storage_dir; 'mooncake': MooncakeStorage (pip install 'kvfsm[mooncake]'), "
+            "its options in storage_extra, master_server_addr required; 'none': no store, unless storage= is given."
+        ),
+    )
     storage_dir: Path = Path("kvfsm-store")
-    storage_extra: dict[str, Any] = Field(default_factory=dict, description=(
-        "Keyword options of the selected backend's constructor (FileStorage: fsync, writers; MooncakeStorage: "
-        "master_server_addr, metadata_server, ...), checked against it."))
-    storage_process: bool = Field(False, description=(
-        "Run the file store in a child process (ProcessStorage): its page writes then take no interpreter time "
-        "from the scheduler thread, however many writers keep up with decoding (4 there unless storage_extra "
-        "sets `writers`). The host pool the manager builds "
-        "is then shared with that process, which reads the pages in place. Needs storage_backend='file'."))
-    storage_processes: int = Field(1, ge=1, description=(
-        "With storage_process: how many child processes share the file store's writes, each key always in the "
-        "same one (ShardedStorage). One keeps up at 64-token pages; 16-token pages write four times the files "
-        "for the same bytes, and a file's cost is Python on its process's one interpreter."))
+    storage_extra: dict[str, Any] = Field(
+        default_factory=dict,
+        description=(
+            "Keyword options of the selected backend's constructor (FileStorage: fsync, writers; MooncakeStorage: "
+            "master_server_addr, metadata_server, ...), checked against it."
+        ),
+    )
+    storage_process: bool = Field(
+        False,
+        description=(
+            "Run the file store in a child process (ProcessStorage): its page writes then take no interpreter time "
+            "from the scheduler thread, however many writers keep up with decoding (4 there unless storage_extra "
+            "sets `writers`). The host pool the manager builds "
+            "is then shared with that process, which reads the pages in place. Needs storage_backend='file'."
+        ),
+    )
+    storage_processes: int = Field(
+        1,
+        ge=1,
+        description=(
+            "With storage_process: how many child processes share the file store's writes, each key always in the "
+            "same one (ShardedStorage). One keeps up at 64-token pages; 16-token pages write four times the files "
+            "for the same bytes, and a file's cost is Python on its process's one interpreter."
+        ),
+    )
     model_name: str = Field("model", min_length=1)
-    backup_queue_size: Optional[int] = Field(None, ge=1, description=(
-        "Backups queued or running at once; beyond it chunks park until a progress check finds room. None: as "
-        "many chunks as the host pool can hold (its tokens over the stride), so every acknowledged copy's backup "
-        "is queued at that check, as SGLang's progress check queues each one. A fixed size throttles the store: "
-        "its room comes back once a progress check, so it passes at most that many chunks an iteration."))
-    stored_index_pages: int = Field(1 << 20, ge=0, description=(
-        "Pages the manager's stored-page index (hash -> request, position) keeps, oldest dropped first; "
-        "0 keeps none. Bounded so a long-running server does not grow without limit; storage stays the "
-        "authority on what it holds."))
-    retraction: Literal["deferred", "fail_closed"] = Field("deferred", description=(
-        "The spec's `retraction` policy (spec/decode_offload.yaml, `policies`): 'deferred' retracts in every live "
-        "state, deferring the release past in-flight copies; 'fail_closed' is SGLang 0.5.23's rule: "
-        "drain_before_retraction() and retract() refuse while a device-to-host copy is tracked."))
-    fenced_release: bool = Field(False, description=(
-        "The spec's `fences` param: a request that ends while copies still read its device slots releases them "
-        "at once, fenced (spec state `fenced`), instead of at its last copy acknowledgement (state `finished`). "
-        "Needs a copy engine whose handles fence (CopyEngine.fences) and an allocator that takes fences "
-        "(TokenSlotAllocator); the engine must then take slots with alloc_fenced() and make the stream that "
-        "writes them wait on the fences it returns (wait_fences). Plain alloc() never hands out a fenced slot "
-        "before its fence passed."))
+    backup_queue_size: Optional[int] = Field(
+        None,
+        ge=1,
+        description=(
+            "Backups queued or running at once; beyond it chunks park until a progress check finds room. None: as "
+            "many chunks as the host pool can hold (its tokens over the stride), so every acknowledged copy's backup "
+            "is queued at that check, as SGLang's progress check queues each one. A fixed size throttles the store: "
+            "its room comes back once a progress check, so it passes at most that many chunks an iteration."
+        ),
+    )
+    stored_index_pages: int = Field(
+        1 << 20,
+        ge=0,
+        description=(
+            "Pages the manager's stored-page index (hash -> request, position) keeps, oldest dropped first; "
+            "0 keeps none. Bounded so a long-running server does not grow without limit; storage stays the "
+            "authority on what it holds."
+        ),
+    )
+    retraction: Literal["deferred", "fail_closed"] = Field(
+        "deferred",
+        description=(
+            "The spec's `retraction` policy (spec/decode_offload.yaml, `policies`): 'deferred' retracts in every live "
+            "state, deferring the release past in-flight copies; 'fail_closed' is SGLang 0.5.23's rule: "
+            "drain_before_retraction() and retract() refuse while a device-to-host copy is tracked."
+        ),
+    )
+    fenced_release: bool = Field(
+        False,
+        description=(
+            "The spec's `fences` param: a request that ends while copies still read its device slots releases them "
+            "at once, fenced (spec state `fenced`), instead of at its last copy acknowledgement (state `finished`). "
+            "Needs a copy engine whose handles fence (CopyEngine.fences) and an allocator that takes fences "
+            "(TokenSlotAllocator); the engine must then take slots with alloc_fenced() and make the stream that "
+            "writes them wait on the fences it returns (wait_fences). Plain alloc() never hands out a fenced slot "
+            "before its fence passed."
+        ),
+    )
     checked: bool = Field(False, description="Keep the slot ownership ledger and check invariants every transition.")
     trace_path: Optional[Path] = Field(None, description="Write one JSON line per transition here.")
 
@@ -132,16 +185,23 @@ class OffloadConfig(BaseModel):
             raise ConfigError("host_pool_bytes", "set host_pool_bytes or host_pool_ratio (both are None)")
         check_storage_extra(self.storage_backend, self.storage_extra)
         if self.storage_process and self.storage_backend != "file":
-            raise ConfigError("storage_process", f"runs the file store in a child process; storage_backend is "
-                                                 f"{self.storage_backend!r}, not 'file'")
+            raise ConfigError(
+                "storage_process",
+                f"runs the file store in a child process; storage_backend is {self.storage_backend!r}, not 'file'",
+            )
         if self.storage_processes > 1 and not self.storage_process:
-            raise ConfigError("storage_processes", f"{self.storage_processes} store processes need "
-                                                   "storage_process=True")
+            raise ConfigError(
+                "storage_processes", f"{self.storage_processes} store processes need storage_process=True"
+            )
         if self.offload_stride > 0 and self.offload_stride % self.page_size:
             # The seed rounds, and configs written for it (and the verifier's bounds) rely on it: rounding
             # stays, but never silently.
-            logger.warning("offload_stride=%d is not a multiple of page_size=%d: chunks are %d tokens",
-                           self.offload_stride, self.page_size, self.stride)
+            logger.warning(
+                "offload_stride=%d is not a multiple of page_size=%d: chunks are %d tokens",
+                self.offload_stride,
+                self.page_size,
+                self.stride,
+            )
         return self
 
     @property
@@ -200,13 +260,20 @@ class OffloadConfig(BaseModel):
             name = known.get(var)
             if name is None:
                 near = difflib.get_close_matches(var, known, n=1)
-                logger.warning("environment variable %s is not an offload config field%s; ignored", var,
-                               f" (did you mean {near[0]}?)" if near else "")
+                logger.warning(
+                    "environment variable %s is not an offload config field%s; ignored",
+                    var,
+                    f" (did you mean {near[0]}?)" if near else "",
+                )
                 continue
             source = f"environment ({var})"
             if len(raw) > ENV_VALUE_LIMITS.max_bytes:
-                raise ConfigError(name, f"a value longer than {ENV_VALUE_LIMITS.max_bytes} characters "
-                                        f"(bound max_bytes={ENV_VALUE_LIMITS.max_bytes})", source)
+                raise ConfigError(
+                    name,
+                    f"a value longer than {ENV_VALUE_LIMITS.max_bytes} characters "
+                    f"(bound max_bytes={ENV_VALUE_LIMITS.max_bytes})",
+                    source,
+                )
             if name in _STRING_FIELDS:
                 values[name] = raw
                 continue

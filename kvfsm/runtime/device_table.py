@@ -43,7 +43,8 @@ class DeviceTableSlots:
             return self.span(row, start, start + int(lengths[0]))
         lens = np.asarray(lengths, dtype=np.int64)
         flat = np.repeat(np.asarray(firsts, dtype=np.int64) - (np.cumsum(lens) - lens), lens) + np.arange(
-            int(lens.sum()), dtype=np.int64)
+            int(lens.sum()), dtype=np.int64
+        )
         positions = torch.from_numpy(flat)
         if self.device.type == "cuda":
             positions = positions.pin_memory().to(self.device, non_blocking=True)  # pageable would sync
@@ -52,7 +53,7 @@ class DeviceTableSlots:
     def page_ids(self, row: int, start: int, end: int) -> torch.Tensor:
         """The ids of the pages that positions [start, end) of `row` start on (start a page boundary): each
         page's first slot // page_size, int64, in one GPU op (the division writes the widened result)."""
-        firsts = self.table[row, start:end:self.page_size]
+        firsts = self.table[row, start : end : self.page_size]
         out = torch.empty(firsts.shape[0], dtype=torch.int64, device=self.device)
         return torch.div(firsts, self.page_size, rounding_mode="floor", out=out)
 

@@ -43,7 +43,7 @@ def token_slice(req: OffloadRequest, start: int, end: int) -> list[int]:
     prompt = req.origin_input_ids
     n = len(prompt)
     if start >= n:  # a decode chunk: a list's slice is already a new list (no second copy)
-        part = req.output_ids[start - n:end - n]
+        part = req.output_ids[start - n : end - n]
     elif end <= n:
         part = prompt[start:end]
     else:
@@ -83,6 +83,7 @@ class RequestRecord:
 
 
 if TYPE_CHECKING:
+
     class LiveRecord(RequestRecord):
         """A RequestRecord whose machine is attached: from the end of its admission until it has left the
         manager's table and its lifecycle ended (then `_forget` or `_unlink_released` may drop the machine to
@@ -111,11 +112,36 @@ class Chunk(PageRun, Job):
     machine one is (`_forget`, `_unlink_released` in the manager). And a chunk is its own backup job (Job):
     `submit_backup` gives it its store's writes, and the worker records its outcome on it."""
 
-    __slots__ = ("record", "start", "end", "handle", "serial", "host_pages", "_device", "_host", "lo", "hi",
-                 "write", "write_many", "results", "error")
+    __slots__ = (
+        "record",
+        "start",
+        "end",
+        "handle",
+        "serial",
+        "host_pages",
+        "_device",
+        "_host",
+        "lo",
+        "hi",
+        "write",
+        "write_many",
+        "results",
+        "error",
+    )
 
-    def __init__(self, record: LiveRecord, start: int, end: int, tokens: Sequence[int], handle: CopyHandle,
-                 device: torch.Tensor, host: torch.Tensor, lo: int, hi: int, host_pages: Sequence[int]) -> None:
+    def __init__(
+        self,
+        record: LiveRecord,
+        start: int,
+        end: int,
+        tokens: Sequence[int],
+        handle: CopyHandle,
+        device: torch.Tensor,
+        host: torch.Tensor,
+        lo: int,
+        hi: int,
+        host_pages: Sequence[int],
+    ) -> None:
         # PageRun's fields without its __init__ (the namespace was checked once, at admission); page_size 0:
         # not linked into the chain yet
         self.tokens, self.page_size, self.prior, self.namespace, self._hashes = tokens, 0, None, None, None
@@ -147,12 +173,12 @@ class Chunk(PageRun, Job):
     @property
     def device_indices(self) -> torch.Tensor:
         """Device slots the copy reads (on the device pool's device)."""
-        return self._device[self.lo:self.hi]
+        return self._device[self.lo : self.hi]
 
     @property
     def host_indices(self) -> torch.Tensor:
         """Host slots the copy writes (CPU)."""
-        return self._host[self.lo:self.hi]
+        return self._host[self.lo : self.hi]
 
     def __repr__(self) -> str:
         return f"Chunk(#{self.serial} {self.record.key} [{self.start}, {self.end}))"
@@ -167,10 +193,22 @@ class OffloadEffects(DecodeOffloadEffectsEach):
     The actions a scheduler iteration takes for dozens of chunks are written once, in their batch form
     (`<action>_each`, what the machines' batch events call); the single form is the batch of one."""
 
-    def __init__(self, *, page_size: int, device_pool: DeviceKVPool, allocator: TokenSlotAllocator,
-                 req_to_token: ReqToTokenPool, prefix_cache: PrefixCache, host_pool: HostKVPool,
-                 copy_engine: CopyEngine, storage: Optional[StorageBackend], worker: BackupWorker,
-                 metrics: OffloadMetrics, ledger: Optional[SlotLedger], stored_index_pages: int = 1 << 20) -> None:
+    def __init__(
+        self,
+        *,
+        page_size: int,
+        device_pool: DeviceKVPool,
+        allocator: TokenSlotAllocator,
+        req_to_token: ReqToTokenPool,
+        prefix_cache: PrefixCache,
+        host_pool: HostKVPool,
+        copy_engine: CopyEngine,
+        storage: Optional[StorageBackend],
+        worker: BackupWorker,
+        metrics: OffloadMetrics,
+        ledger: Optional[SlotLedger],
+        stored_index_pages: int = 1 << 20,
+    ) -> None:
         self.page_size = page_size
         self.device_pool, self.allocator, self.req_to_token = device_pool, allocator, req_to_token
         self.prefix_cache, self.host_pool, self.copy_engine = prefix_cache, host_pool, copy_engine
@@ -203,8 +241,9 @@ class OffloadEffects(DecodeOffloadEffectsEach):
         rec: RequestRecord = m.ctx
         if rec.prefill_len:
             assert rec.req is not None  # held from creation to release
-            rec.chain = PageRun(list(rec.req.origin_input_ids[: rec.prefill_len]), self.page_size,
-                                namespace=rec.namespace)
+            rec.chain = PageRun(
+                list(rec.req.origin_input_ids[: rec.prefill_len]), self.page_size, namespace=rec.namespace
+            )
 
     # --- offload -----------------------------------------------------------------------------------
     def start_copy(self, m: DecodeOffloadMachine, chunk: Chunk) -> None:
@@ -216,8 +255,9 @@ class OffloadEffects(DecodeOffloadEffectsEach):
         for _, chunk in items:
             rec = chunk.record
             if ledger is not None:
-                ledger.copy_started(rec.key, chunk.serial, chunk.device_indices.tolist(), chunk.host_indices.tolist(),
-                                    chunk.handle)
+                ledger.copy_started(
+                    rec.key, chunk.serial, chunk.device_indices.tolist(), chunk.host_indices.tolist(), chunk.handle
+                )
             self.copy_fifo.append(chunk)
             n = chunk.end - chunk.start
             rec.inc_len += n
@@ -266,14 +306,15 @@ class OffloadEffects(DecodeOffloadEffectsEach):
         if storage is None:
             ok = [False] * len(keys)
         else:
-            ok = store_host_pages(storage, keys, host_pool,
-                                  host_pool.page_slots([p for chunk in chunks for p in chunk.host_pages]))
+            ok = store_host_pages(
+                storage, keys, host_pool, host_pool.page_slots([p for chunk in chunks for p in chunk.host_pages])
+            )
             if len(ok) != len(keys):
                 raise ValueError(f"storage answered {len(ok)} results for {len(keys)} pages")
         out, at = [], 0
         for chunk in chunks:
             n = (chunk.end - chunk.start) // self.page_size
-            out.append(ok[at:at + n])
+            out.append(ok[at : at + n])
             at += n
         return out
 
@@ -329,9 +370,14 @@ class OffloadEffects(DecodeOffloadEffectsEach):
             why = f"the store refused {chunk.results.count(False)} of {len(chunk.results)} pages"
         else:
             why = "the store reported no result"
-        logger.warning("%d backup(s) failed since the last report (e.g. %r: %s); their pages are not stored "
-                       "(metrics.backup_failures=%d)", self._failures_unlogged, chunk, why,
-                       self.metrics.backup_failures)
+        logger.warning(
+            "%d backup(s) failed since the last report (e.g. %r: %s); their pages are not stored "
+            "(metrics.backup_failures=%d)",
+            self._failures_unlogged,
+            chunk,
+            why,
+            self.metrics.backup_failures,
+        )
         self._failures_logged_at, self._failures_unlogged = now, 0
 
     def free_host_chunk(self, m: DecodeOffloadMachine, chunk: Chunk) -> None:
@@ -372,7 +418,7 @@ class OffloadEffects(DecodeOffloadEffectsEach):
         end = self._request_end(rec)
         if self._table is None:  # no host mirror: computed on the table's device, never read here
             return self.device_table.whole_pages(rec.row, rec.prefix_len, end)  # type: ignore[union-attr]
-        starts = self._table[rec.row, rec.prefix_len:end:ps]  # the request table's host mirror: never a GPU read
+        starts = self._table[rec.row, rec.prefix_len : end : ps]  # the request table's host mirror: never a GPU read
         slots: np.ndarray = np.add.outer(starts - starts % ps, self._offsets_np).reshape(-1)
         return slots
 
@@ -429,8 +475,10 @@ class OffloadEffects(DecodeOffloadEffectsEach):
         handles = self.copies_reading(rec)
         unfenced = [h for h in handles if id(h) not in self.fenced_handles and not h.done()]
         if unfenced:  # refused before anything is recorded: the engine freed slots its stream never waited on
-            raise LifecycleError(f"request {rec.key}: {len(unfenced)} copies still read the slots the engine freed, "
-                                 "and its stream was never made to wait on them (fence_copies_in_flight; B2)")
+            raise LifecycleError(
+                f"request {rec.key}: {len(unfenced)} copies still read the slots the engine freed, "
+                "and its stream was never made to wait on them (fence_copies_in_flight; B2)"
+            )
         fence = SlotFence(handles)
         fence.mark_waited()  # by fence_copies_in_flight, before the engine freed them
         if self.ledger is not None:
@@ -490,5 +538,11 @@ class OffloadEffects(DecodeOffloadEffectsEach):
         rec.req = None
         self.metrics.releases += 1
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("request %s released%s: %d device slots, table row %d, prefix %d unlocked", rec.key,
-                         "" if fence is None else f" fenced by {len(fence)} copies", slots_freed, rec.row, rec.prefix_len)
+            logger.debug(
+                "request %s released%s: %d device slots, table row %d, prefix %d unlocked",
+                rec.key,
+                "" if fence is None else f" fenced by {len(fence)} copies",
+                slots_freed,
+                rec.row,
+                rec.prefix_len,
+            )

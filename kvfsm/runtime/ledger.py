@@ -53,8 +53,9 @@ class SlotLedger:
             other = self.device_owner.get(page)
             if other is not None and other != owner:
                 whose = "the prefix cache (a matched prefix)" if other == PREFIX_CACHE else f"live request {other}"
-                raise CheckedModeError(owner, event, page * self.page_size,
-                                       f"device slot belongs to {whose} (premature reuse, B1)")
+                raise CheckedModeError(
+                    owner, event, page * self.page_size, f"device slot belongs to {whose} (premature reuse, B1)"
+                )
         for page in self._pages(slots):
             self.device_owner[page] = owner
             self.device_released.pop(page, None)
@@ -65,26 +66,39 @@ class SlotLedger:
         for page in pages:
             other = self.device_owner.get(page)
             if other == PREFIX_CACHE:
-                raise CheckedModeError(owner, event, page * self.page_size,
-                                       "freeing a page of a matched prefix, which the prefix cache owns (B16)")
+                raise CheckedModeError(
+                    owner,
+                    event,
+                    page * self.page_size,
+                    "freeing a page of a matched prefix, which the prefix cache owns (B16)",
+                )
             if other is not None and other != owner:
-                raise CheckedModeError(owner, event, page * self.page_size,
-                                       f"freeing a device slot owned by request {other}")
+                raise CheckedModeError(
+                    owner, event, page * self.page_size, f"freeing a device slot owned by request {other}"
+                )
             # a copy that has landed (its handle says so, by a query) no longer reads the page, even before
             # the progress check acknowledges it
             readers = [c for c in self.device_readers.get(page, ()) if not self._landed(c)]
             covering = self._covering(page, fence)
             if readers and not covering:
-                raise CheckedModeError(owner, event, page * self.page_size,
-                                       "freeing a device slot an in-flight copy still reads (B2)")
+                raise CheckedModeError(
+                    owner, event, page * self.page_size, "freeing a device slot an in-flight copy still reads (B2)"
+                )
             missed = sorted(c for c in readers if not any(f.covers(self.copy_handle.get(c)) for f in covering))
             if missed:
-                raise CheckedModeError(owner, event, page * self.page_size,
-                                       f"a fenced release whose fence misses copy of chunk {missed[0]}, which still "
-                                       "reads the slot (B2)")
+                raise CheckedModeError(
+                    owner,
+                    event,
+                    page * self.page_size,
+                    f"a fenced release whose fence misses copy of chunk {missed[0]}, which still reads the slot (B2)",
+                )
             if self.device_released.get(page) == owner:
-                raise CheckedModeError(owner, event, page * self.page_size,
-                                       "device slot already released by this request (double release, B9)")
+                raise CheckedModeError(
+                    owner,
+                    event,
+                    page * self.page_size,
+                    "device slot already released by this request (double release, B9)",
+                )
         for page in pages:
             self.device_owner.pop(page, None)
             self.device_released[page] = owner
@@ -103,7 +117,9 @@ class SlotLedger:
         on before the engine freed the page itself (spec action record_engine_release_fenced: the engine
         writes its pages only on that stream, so every later write is ordered and no fence is carried)."""
         own = [] if fence is None else [(fence, 0 if fence.waits else 1)]
-        carried = [(f, 0 if need == 0 else f.waits + 1) for f, need in self.device_fence.get(page, ()) if f is not fence]
+        carried = [
+            (f, 0 if need == 0 else f.waits + 1) for f, need in self.device_fence.get(page, ()) if f is not fence
+        ]
         return tuple(own + carried)
 
     def _landed(self, chunk: int) -> bool:
@@ -115,10 +131,14 @@ class SlotLedger:
         fenced, whose copies still read it, must have its fences passed or waited on since that release."""
         for page in self._pages(slots):
             if any(f.waits < need and not f.passed() for f, need in self.device_fence.get(page, ())):
-                raise CheckedModeError(writer, "write", page * self.page_size,
-                                       "writing a reused device slot whose fence has neither passed nor been "
-                                       "waited on: a copy still reads it (premature reuse, B2; the device_slots "
-                                       "fence rule)")
+                raise CheckedModeError(
+                    writer,
+                    "write",
+                    page * self.page_size,
+                    "writing a reused device slot whose fence has neither passed nor been "
+                    "waited on: a copy still reads it (premature reuse, B2; the device_slots "
+                    "fence rule)",
+                )
 
     def release_owned(self, owner: str, event: str, fence: Optional[SlotFence] = None) -> None:
         """The engine freed what `owner` held through its own release path: every device page the ledger
@@ -134,8 +154,12 @@ class SlotLedger:
         for page in pages:
             other = self.device_owner.get(page)
             if other is not None and not other.startswith(PREFIX_CACHE):
-                raise CheckedModeError(owner, "admit", page * self.page_size,
-                                       f"matched prefix page belongs to live request {other} (premature reuse, B1)")
+                raise CheckedModeError(
+                    owner,
+                    "admit",
+                    page * self.page_size,
+                    f"matched prefix page belongs to live request {other} (premature reuse, B1)",
+                )
         for page in pages:
             self.device_owner[page] = PREFIX_CACHE
             self.prefix_holders[page].add(owner)
@@ -151,15 +175,20 @@ class SlotLedger:
                 if self.device_owner.get(page) == PREFIX_CACHE:
                     del self.device_owner[page]
 
-    def copy_started(self, owner: str, chunk: int, device_slots: Iterable[int], host_slots: Iterable[int],
-                     handle: Any = None) -> None:
+    def copy_started(
+        self, owner: str, chunk: int, device_slots: Iterable[int], host_slots: Iterable[int], handle: Any = None
+    ) -> None:
         device_slots = list(device_slots)
         self.claim_device(owner, "offload", device_slots)
         host_pages = self._pages(host_slots)
         for page in host_pages:
             if page in self.host_owner:
-                raise CheckedModeError(owner, "offload", page * self.page_size,
-                                       f"host slot already held by chunk {self.host_owner[page]} (host double alloc)")
+                raise CheckedModeError(
+                    owner,
+                    "offload",
+                    page * self.page_size,
+                    f"host slot already held by chunk {self.host_owner[page]} (host double alloc)",
+                )
         for page in host_pages:
             self.host_owner[page] = chunk
         for page in self._pages(device_slots):
@@ -181,8 +210,12 @@ class SlotLedger:
         pages = self._pages(host_slots)
         for page in pages:
             if self.host_owner.get(page) != chunk:
-                raise CheckedModeError(owner, event, page * self.page_size,
-                                       "freeing a host slot this chunk does not hold (host double free, B10)")
+                raise CheckedModeError(
+                    owner,
+                    event,
+                    page * self.page_size,
+                    "freeing a host slot this chunk does not hold (host double free, B10)",
+                )
         for page in pages:
             del self.host_owner[page]
 

@@ -126,16 +126,30 @@ class TPMismatch(LifecycleError):
 class DecodeOffloadManager:
     """One generated DecodeOffloadMachine per request object, driving real pools, copies and storage."""
 
-    def __init__(self, config: OffloadConfig, *, device_pool: DeviceKVPool, allocator: TokenSlotAllocator,
-                 req_to_token: ReqToTokenPool, prefix_cache: PrefixCache, host_pool: Optional[HostKVPool] = None,
-                 copy_engine: Optional[CopyEngine] = None, storage: Optional[StorageBackend] = None,
-                 backup_worker: Optional[BackupWorker] = None, tp_group: Any = None, tp_rank: int = 0,
-                 tp_size: int = 1) -> None:
+    def __init__(
+        self,
+        config: OffloadConfig,
+        *,
+        device_pool: DeviceKVPool,
+        allocator: TokenSlotAllocator,
+        req_to_token: ReqToTokenPool,
+        prefix_cache: PrefixCache,
+        host_pool: Optional[HostKVPool] = None,
+        copy_engine: Optional[CopyEngine] = None,
+        storage: Optional[StorageBackend] = None,
+        backup_worker: Optional[BackupWorker] = None,
+        tp_group: Any = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
         if allocator.page_size != config.page_size:
             raise InvalidRequest(f"allocator page size {allocator.page_size} != config.page_size {config.page_size}")
         if config.fenced_release and not getattr(allocator, "fences", False):
-            raise ConfigError("fenced_release", f"the allocator {type(allocator).__name__} takes no fences "
-                                                "(its `fences` is false): its slots cannot be released fenced")
+            raise ConfigError(
+                "fenced_release",
+                f"the allocator {type(allocator).__name__} takes no fences "
+                "(its `fences` is false): its slots cannot be released fenced",
+            )
         # the spec's `fences` param of every machine: release under a copy fenced (state fenced) or deferred
         self._fences = 1 if config.fenced_release else 0
         self.config = config
@@ -144,19 +158,34 @@ class DecodeOffloadManager:
         self._fail_closed = config.retraction == "fail_closed"
         self.req_to_token = req_to_token
         # Every ConfigError (stride vs host pool, CUDA, storage) is raised here, before anything is allocated.
-        parts = build_components(config, device_pool=device_pool, host_pool=host_pool, copy_engine=copy_engine,
-                                 storage=storage, tp_rank=tp_rank, tp_size=tp_size)
+        parts = build_components(
+            config,
+            device_pool=device_pool,
+            host_pool=host_pool,
+            copy_engine=copy_engine,
+            storage=storage,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+        )
         host_pool, copy_engine, storage = parts.host_pool, parts.copy_engine, parts.storage
         self._owned_storage = storage if parts.owns_storage else None  # closed by close()
         self.metrics = OffloadMetrics()
         self.ledger = SlotLedger(config.page_size) if config.checked else None
-        self.fx = OffloadEffects(page_size=config.page_size, device_pool=device_pool, allocator=allocator,
-                                 req_to_token=req_to_token, prefix_cache=prefix_cache, host_pool=host_pool,
-                                 copy_engine=copy_engine, storage=storage,
-                                 worker=backup_worker or ThreadBackupWorker(
-                                     config.backup_queue_size or max(1, host_pool.capacity // self.stride)),
-                                 metrics=self.metrics, ledger=self.ledger,
-                                 stored_index_pages=config.stored_index_pages)
+        self.fx = OffloadEffects(
+            page_size=config.page_size,
+            device_pool=device_pool,
+            allocator=allocator,
+            req_to_token=req_to_token,
+            prefix_cache=prefix_cache,
+            host_pool=host_pool,
+            copy_engine=copy_engine,
+            storage=storage,
+            worker=backup_worker
+            or ThreadBackupWorker(config.backup_queue_size or max(1, host_pool.capacity // self.stride)),
+            metrics=self.metrics,
+            ledger=self.ledger,
+            stored_index_pages=config.stored_index_pages,
+        )
         self.consensus = ProgressConsensus(tp_group)
         self._sizes = (config.page_size, self.stride, self.fx.host_pool.capacity, self.fx.worker.capacity)
         self._sizes_agree = self.consensus.check_same(*self._sizes)
@@ -190,8 +219,9 @@ class DecodeOffloadManager:
         # no mirror (host_table None: SGLang's req_to_token on the GPU) is read on its device instead,
         # as device tensors the manager never looks into (device_table.py).
         table = req_to_token.host_table
-        self.fx.device_table = None if table is not None else DeviceTableSlots(req_to_token.req_to_token,
-                                                                                config.page_size)
+        self.fx.device_table = (
+            None if table is not None else DeviceTableSlots(req_to_token.req_to_token, config.page_size)
+        )
         self._table_flat = None if table is None else table.numpy().reshape(-1)
         self._width = int((table if table is not None else req_to_token.req_to_token).shape[1])
         self._page_offsets = np.arange(config.page_size, dtype=np.int64)
@@ -285,12 +315,18 @@ class DecodeOffloadManager:
         seen: set[int] = set()
         for r in reservations:  # nothing changes before the loop has accepted every reservation
             if r.serial not in reserved or r.serial in serials:
-                raise ValueError(f"reservation {r.serial} of {r.record.key} was submitted already (its pages are a "
-                                 "chunk's or the pool's again) or is another manager's: reserve again")
+                raise ValueError(
+                    f"reservation {r.serial} of {r.record.key} was submitted already (its pages are a "
+                    "chunk's or the pool's again) or is another manager's: reserve again"
+                )
             serials.add(r.serial)
             rec = r.record
-            if (rec.machine is not None and rec.machine.state in _OFFLOADABLE and rec.inc_len == r.inc_len
-                    and id(rec) not in seen):
+            if (
+                rec.machine is not None
+                and rec.machine.state in _OFFLOADABLE
+                and rec.inc_len == r.inc_len
+                and id(rec) not in seen
+            ):
                 seen.add(id(rec))
                 due.append((rec, r.req, r.tokens))
                 pages += r.pages
@@ -312,8 +348,12 @@ class DecodeOffloadManager:
         row, another row's hint)."""
         return int(self._due_at[row]) if 0 <= row < self._rows else -1
 
-    def offload_batch(self, reqs: Sequence[OffloadRequest], req_pool_indices: Optional[IntArray] = None,
-                      kv_committed_lens: Optional[IntArray] = None) -> int:
+    def offload_batch(
+        self,
+        reqs: Sequence[OffloadRequest],
+        req_pool_indices: Optional[IntArray] = None,
+        kv_committed_lens: Optional[IntArray] = None,
+    ) -> int:
         """`offload(r)` for every request of a decode batch, in one call; returns the chunks submitted.
 
         The transitions are the ones the loop would make, but every chunk shares one host allocation and
@@ -387,8 +427,9 @@ class DecodeOffloadManager:
         submitted = self._submit(due) if due else 0
         if looked:  # every looked-at row's next due point, in one numpy call
             stride = self.stride
-            self._due_at[[rec.row for rec, _, _ in looked]] = [rec.prefill_len + rec.inc_len + stride
-                                                                for rec, _, _ in looked]
+            self._due_at[[rec.row for rec, _, _ in looked]] = [
+                rec.prefill_len + rec.inc_len + stride for rec, _, _ in looked
+            ]
         return submitted
 
     def _offloadable_record(self, req: OffloadRequest) -> Optional[LiveRecord]:
@@ -421,9 +462,11 @@ class DecodeOffloadManager:
         if rec is not None:
             if rec.machine.state not in _OFFLOADABLE:
                 rec.machine.offload(None)  # the spec's typed error for this state; nothing changes
-            raise InvalidRequest(f"request {describe(req)} names table row {req.req_pool_idx!r} but its live "
-                                 f"lifecycle {rec.key} holds row {rec.row}: a live request keeps its row until it "
-                                 f"ends (retract it, then re-admit it under the new row)")
+            raise InvalidRequest(
+                f"request {describe(req)} names table row {req.req_pool_idx!r} but its live "
+                f"lifecycle {rec.key} holds row {rec.row}: a live request keeps its row until it "
+                f"ends (retract it, then re-admit it under the new row)"
+            )
         return self._check_admissible(req)
 
     def _chunk_tokens(self, req: OffloadRequest, rec: LiveRecord) -> int:
@@ -480,9 +523,21 @@ class DecodeOffloadManager:
                 # counts towards the next young collection (tracked objects an iteration that offload_batch
                 # leaves: bench/probes/tracked_per_call.py).
                 first = offset // ps
-                host_run = range(pages[first], pages[first] + 1) if n == ps else tuple(pages[first:end // ps])
-                chunks.append(Chunk(rec, start, start + n, tuple(token_slice(req, start, start + n)), handle, device,
-                                    host, offset, end, host_run))
+                host_run = range(pages[first], pages[first] + 1) if n == ps else tuple(pages[first : end // ps])
+                chunks.append(
+                    Chunk(
+                        rec,
+                        start,
+                        start + n,
+                        tuple(token_slice(req, start, start + n)),
+                        handle,
+                        device,
+                        host,
+                        offset,
+                        end,
+                        host_run,
+                    )
+                )
                 offset = end
             DecodeOffloadMachine.offload_each([rec.machine for rec, _, _ in due], chunks)
         except BaseException:
@@ -502,8 +557,9 @@ class DecodeOffloadManager:
                 logger.debug("request %s offloaded tokens [%d, %d)", chunk.record.key, chunk.start, chunk.end)
         return len(due)
 
-    def _copy_slots(self, due: list[tuple[LiveRecord, OffloadRequest, int]],
-                    host_pages: list[int]) -> tuple[Union[torch.Tensor, PageSlots], PageSlots]:
+    def _copy_slots(
+        self, due: list[tuple[LiveRecord, OffloadRequest, int]], host_pages: list[int]
+    ) -> tuple[Union[torch.Tensor, PageSlots], PageSlots]:
         """(device slots, host slots) of the due chunks, in order (CPU tensors, read from the request
         table's host mirror), both as PageSlots when every chunk page starts a device page. A request's KV
         pages are whole device pages with their slots in order (the paged allocator's layout, which
@@ -527,8 +583,9 @@ class DecodeOffloadManager:
                 count = len(starts)
                 starts += [p * ps for p in host_pages]
                 both = np.add.outer(starts, self._page_offsets)  # device pages' slots, then host pages'
-                device = PageSlots(self.fx.allocator, [s // ps for s in starts[:count]],
-                                   torch.from_numpy(both[:count].reshape(-1)))
+                device = PageSlots(
+                    self.fx.allocator, [s // ps for s in starts[:count]], torch.from_numpy(both[:count].reshape(-1))
+                )
                 return device, PageSlots(host_pool.allocator, host_pages, torch.from_numpy(both[count:].reshape(-1)))
         return self._device_slots(due), host_pool.page_slots(host_pages)  # token by token
 
@@ -537,12 +594,13 @@ class DecodeOffloadManager:
         (or, without one, on the table's device)."""
         table = self.fx.device_table
         if table is not None:
-            return table.spans([rec.row * self._width + rec.prefill_len + rec.inc_len for rec, _, _ in due],
-                               [n for _, _, n in due])
+            return table.spans(
+                [rec.row * self._width + rec.prefill_len + rec.inc_len for rec, _, _ in due], [n for _, _, n in due]
+            )
         if len(due) == 1:
             rec, _, n = due[0]
             start = rec.prefill_len + rec.inc_len
-            return self.req_to_token.host_table[rec.row, start:start + n].clone()
+            return self.req_to_token.host_table[rec.row, start : start + n].clone()
         width = self._width
         firsts = [rec.row * width + rec.prefill_len + rec.inc_len for rec, _, _ in due]
         lengths = [n for _, _, n in due]
@@ -588,8 +646,10 @@ class DecodeOffloadManager:
                     ok, j = outcomes[i], i + 1
                     while j < n_backups and outcomes[j] == ok:
                         j += 1
-                    _fire(DecodeOffloadMachine.backup_done_each if ok else DecodeOffloadMachine.backup_failed_each,
-                          [job.payload for job in jobs[i:j]])
+                    _fire(
+                        DecodeOffloadMachine.backup_done_each if ok else DecodeOffloadMachine.backup_failed_each,
+                        [job.payload for job in jobs[i:j]],
+                    )
                     i = j
                 _unlink_released([job.payload for job in jobs])
             resubmit = min(len(fx.parked), worker.room())
@@ -623,8 +683,10 @@ class DecodeOffloadManager:
         if self._fail_closed:
             rec = self._current(req)
             if rec is not None and rec.machine.state == spec_gen.OFFLOADING:  # a live request a copy reads
-                raise RetractionRefused(f"request {rec.key} has {rec.machine.copies} device-to-host copies in flight "
-                                        "(policy retraction: fail_closed)")
+                raise RetractionRefused(
+                    f"request {rec.key} has {rec.machine.copies} device-to-host copies in flight "
+                    "(policy retraction: fail_closed)"
+                )
         self._end(req, "retract")
 
     def released_by_engine(self, req: OffloadRequest) -> None:
@@ -664,8 +726,10 @@ class DecodeOffloadManager:
         if self._fail_closed:
             local = len(self.fx.copy_fifo)
             if self.consensus.any(local > 0):
-                raise RetractionRefused(f"device-to-host copies are still in flight on some rank ({local} here; "
-                                        "policy retraction: fail_closed)")
+                raise RetractionRefused(
+                    f"device-to-host copies are still in flight on some rank ({local} here; "
+                    "policy retraction: fail_closed)"
+                )
         elif self._fences:
             self.fence_copies_in_flight()  # the engine's own release of what it retracts is then fenced
 
@@ -678,8 +742,10 @@ class DecodeOffloadManager:
         (drain() first) and is unusable for offloading afterwards. A store that registered the pool with its
         transport (Mooncake) unregisters it first."""
         if not self.idle():
-            raise LifecycleError(f"release_host_resources while {len(self.fx.copy_fifo)} copies, {len(self.fx.parked)} "
-                                 f"parked chunks and {self.fx.worker.outstanding()} backups use host memory: drain() first")
+            raise LifecycleError(
+                f"release_host_resources while {len(self.fx.copy_fifo)} copies, {len(self.fx.parked)} "
+                f"parked chunks and {self.fx.worker.outstanding()} backups use host memory: drain() first"
+            )
         unregister = getattr(self.fx.storage, "unregister_host_pool", None)
         if unregister is not None and not self.fx.host_pool.released:
             unregister(self.fx.host_pool)
@@ -764,8 +830,12 @@ class DecodeOffloadManager:
             return True
         # Same row number: still held by the ended lifecycle (release deferred), or released and then
         # handed out again by the engine (allocated again), unless the index is merely stale (row free).
-        return (rec.machine.state not in _ROW_HOLDERS and isinstance(row, int) and 0 <= row < self.req_to_token.rows
-                and self.req_to_token.is_allocated(row))
+        return (
+            rec.machine.state not in _ROW_HOLDERS
+            and isinstance(row, int)
+            and 0 <= row < self.req_to_token.rows
+            and self.req_to_token.is_allocated(row)
+        )
 
     def _check_admissible(self, req: OffloadRequest) -> int:
         """Raise, changing nothing, unless `req` can start a lifecycle: every protocol field, an allocated
@@ -774,7 +844,9 @@ class DecodeOffloadManager:
         check_request_fields(req)
         row = req.req_pool_idx
         if not isinstance(row, int) or not 0 <= row < self.req_to_token.rows or not self.req_to_token.is_allocated(row):
-            raise InvalidRequest(f"request {getattr(req, 'rid', req)!r} has table row {row!r}, which is not an allocated row")
+            raise InvalidRequest(
+                f"request {getattr(req, 'rid', req)!r} has table row {row!r}, which is not an allocated row"
+            )
         holder = self._row_holder[row]
         if holder is not None and holder.machine is not None and holder.machine.state in _ROW_HOLDERS:
             raise RowInUse(describe(req), row, holder.key)
@@ -785,8 +857,10 @@ class DecodeOffloadManager:
             prefix = None
         if prefix is None or prefix < 0 or prefix % ps or prefix > len(req.origin_input_ids):
             # the spec's `create`: a matched prefix is whole pages of the prompt
-            raise InvalidRequest(f"request {describe(req)}: prefix_len {req.prefix_len!r} must be a whole number of pages "
-                                 f"of {ps} within its {len(req.origin_input_ids)}-token prompt")
+            raise InvalidRequest(
+                f"request {describe(req)}: prefix_len {req.prefix_len!r} must be a whole number of pages "
+                f"of {ps} within its {len(req.origin_input_ids)}-token prompt"
+            )
         return row
 
     def _admit(self, req: OffloadRequest, row: Optional[int] = None) -> LiveRecord:
@@ -802,21 +876,37 @@ class DecodeOffloadManager:
         namespace = request_namespace_seed(req)  # InvalidRequest before anything is recorded
         self._serial += 1
         prompt_len = len(req.origin_input_ids)
-        rec = RequestRecord(key=f"{req.rid}#{self._serial}", rid=req.rid, req_ref=ref, req=req, row=row,
-                            prefix_len=int(req.prefix_len),
-                            prefill_len=prompt_len // self.config.page_size * self.config.page_size,
-                            namespace=namespace, lock=getattr(req, "lock", None))
+        rec = RequestRecord(
+            key=f"{req.rid}#{self._serial}",
+            rid=req.rid,
+            req_ref=ref,
+            req=req,
+            row=row,
+            prefix_len=int(req.prefix_len),
+            prefill_len=prompt_len // self.config.page_size * self.config.page_size,
+            namespace=namespace,
+            lock=getattr(req, "lock", None),
+        )
         if self.ledger is not None and rec.prefix_len:  # checked mode reads a device table's values (it syncs)
             lo = row * self._width
-            self.ledger.prefix_locked(rec.key, self._table_flat[lo:lo + rec.prefix_len] if self._table_flat is not None
-                                      else self.fx.device_table.span(row, 0, rec.prefix_len).tolist())
+            self.ledger.prefix_locked(
+                rec.key,
+                self._table_flat[lo : lo + rec.prefix_len]
+                if self._table_flat is not None
+                else self.fx.device_table.span(row, 0, rec.prefix_len).tolist(),
+            )
         rec.machine = DecodeOffloadMachine(self.fx, rec, self._observer, fences=self._fences)
         live = cast(LiveRecord, rec)  # its machine is attached: live until its lifecycle ends and it leaves the table
         self._records[key] = live
         self._row_holder[row] = live
         if logger.isEnabledFor(_DEBUG):
-            logger.debug("request %s admitted: table row %d, prompt %d tokens, prefix %d", rec.key, row, prompt_len,
-                         rec.prefix_len)
+            logger.debug(
+                "request %s admitted: table row %d, prompt %d tokens, prefix %d",
+                rec.key,
+                row,
+                prompt_len,
+                rec.prefix_len,
+            )
         return live
 
     def _observe(self, m: DecodeOffloadMachine, event: str, src: int, dst: int, tid: int) -> None:
@@ -824,9 +914,16 @@ class DecodeOffloadManager:
             self.coverage.add(tid)
         if self.trace is not None:
             row = spec_gen.TRANSITIONS[tid] if tid >= 0 else None
-            self.trace.transition(m.ctx.key, event, spec_gen.STATES[src], spec_gen.STATES[dst], tid,
-                                  dict(zip(spec_gen.COUNTERS, m.snapshot()[1:])),
-                                  row[5] if row else (), row[7] if row else ())
+            self.trace.transition(
+                m.ctx.key,
+                event,
+                spec_gen.STATES[src],
+                spec_gen.STATES[dst],
+                tid,
+                dict(zip(spec_gen.COUNTERS, m.snapshot()[1:])),
+                row[5] if row else (),
+                row[7] if row else (),
+            )
         if self.ledger is not None:
             bad = spec_gen.violated_invariants(m)
             if bad:

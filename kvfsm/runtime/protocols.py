@@ -33,7 +33,10 @@ class OffloadRequest(Protocol):
     @property
     def kv_allocated_len(self) -> int: ...  # positions with device slots (> committed under speculative decoding)
     @property
-    def prefix_len(self) -> int: ...  # positions [0, prefix_len) matched in the prefix cache (whole pages): the cache's pages
+    def prefix_len(
+        self,
+    ) -> int: ...  # positions [0, prefix_len) matched in the prefix cache (whole pages): the cache's pages
+
     # Optional (read with a default of None): the storage namespace, as SGLang's Req holds it, already
     # normalised (cache_salt "" is None, a LoRA id is appended to extra_key: see
     # kvfsm.dataplane.hashing.request_namespace for raw client fields). Keys of a namespaced request chain
@@ -48,8 +51,15 @@ class OffloadRequest(Protocol):
 
 
 # the protocol's fields: what the manager reads
-REQUEST_FIELDS = ("rid", "origin_input_ids", "output_ids", "req_pool_idx", "kv_committed_len", "kv_allocated_len",
-                  "prefix_len")
+REQUEST_FIELDS = (
+    "rid",
+    "origin_input_ids",
+    "output_ids",
+    "req_pool_idx",
+    "kv_committed_len",
+    "kv_allocated_len",
+    "prefix_len",
+)
 NAMESPACE_FIELDS = ("extra_key", "cache_salt")  # optional fields, None when absent
 
 

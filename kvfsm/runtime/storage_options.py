@@ -19,8 +19,14 @@ from kvfsm.errors import ConfigError
 
 STORAGE_BACKENDS = ("file", "mooncake", "none")
 # Filled in by the manager from its own arguments and the config's other fields.
-_SET_BY_MANAGER = {"directory": "storage_dir", "model_name": "model_name", "tp_rank": "tp_rank=",
-                   "tp_size": "tp_size=", "is_mla": "the device pool's KV config", "client": "storage="}
+_SET_BY_MANAGER = {
+    "directory": "storage_dir",
+    "model_name": "model_name",
+    "tp_rank": "tp_rank=",
+    "tp_size": "tp_size=",
+    "is_mla": "the device pool's KV config",
+    "client": "storage=",
+}
 # Counts and timeouts that must be positive (every other number only non-negative).
 _POSITIVE = {"writers", "workers", "replica_num"}
 
@@ -28,8 +34,10 @@ _POSITIVE = {"writers", "workers", "replica_num"}
 def _constructor(backend: str) -> Callable[..., Any]:
     if backend == "file":
         from kvfsm.dataplane.storage import FileStorage
+
         return FileStorage.__init__
     from kvfsm.dataplane.storage.mooncake.client import MooncakeStorage  # never imports mooncake itself
+
     return MooncakeStorage.__init__
 
 
@@ -40,8 +48,11 @@ def backend_options(backend: str) -> dict[str, tuple[Any, bool]]:
         return {}
     init = _constructor(backend)
     hints = typing.get_type_hints(init)
-    return {name: (hints.get(name, Any), p.default is inspect.Parameter.empty)
-            for name, p in inspect.signature(init).parameters.items() if name != "self" and name not in _SET_BY_MANAGER}
+    return {
+        name: (hints.get(name, Any), p.default is inspect.Parameter.empty)
+        for name, p in inspect.signature(init).parameters.items()
+        if name != "self" and name not in _SET_BY_MANAGER
+    }
 
 
 def _accepts(hint: Any, value: Any) -> bool:
@@ -78,8 +89,10 @@ def check_storage_extra(backend: str, extra: Mapping[str, Any]) -> None:
     for key, value in extra.items():
         field = f"storage_extra.{key}"
         if key in _SET_BY_MANAGER:
-            raise ConfigError(field, f"set by the manager for storage_backend={backend!r} "
-                                     f"(from {_SET_BY_MANAGER[key]}); remove it here")
+            raise ConfigError(
+                field,
+                f"set by the manager for storage_backend={backend!r} (from {_SET_BY_MANAGER[key]}); remove it here",
+            )
         if key not in options:
             near = difflib.get_close_matches(str(key), options, n=1)
             hint = f"; did you mean {near[0]!r}?" if near else f" (options: {', '.join(sorted(options))})"

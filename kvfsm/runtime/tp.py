@@ -19,6 +19,7 @@ class ProgressConsensus:
         self.device = torch.device("cpu")
         if group is not None:
             import torch.distributed as dist
+
             self.world = dist.get_world_size(group=group)
             if dist.get_backend(group) == "nccl":
                 self.device = torch.device("cuda", torch.cuda.current_device())
@@ -28,6 +29,7 @@ class ProgressConsensus:
         if self.world <= 1:
             return counts
         import torch.distributed as dist
+
         t = torch.tensor(counts, dtype=torch.int64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return tuple(int(x) for x in t.tolist())

@@ -19,10 +19,30 @@ class TraceWriter:
         if self._file is not None:
             self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
 
-    def transition(self, request: str, event: str, src: str, dst: str, tid: int, counters: dict[str, int],
-                   acquired: tuple[str, ...], released: tuple[str, ...]) -> None:
-        self.write({"t": time.time(), "req": request, "event": event, "from": src, "to": dst, "transition": tid,
-                    "counters": counters, "acquired": list(acquired), "released": list(released)})
+    def transition(
+        self,
+        request: str,
+        event: str,
+        src: str,
+        dst: str,
+        tid: int,
+        counters: dict[str, int],
+        acquired: tuple[str, ...],
+        released: tuple[str, ...],
+    ) -> None:
+        self.write(
+            {
+                "t": time.time(),
+                "req": request,
+                "event": event,
+                "from": src,
+                "to": dst,
+                "transition": tid,
+                "counters": counters,
+                "acquired": list(acquired),
+                "released": list(released),
+            }
+        )
 
     def close(self) -> None:
         if self._file is not None:

@@ -147,6 +147,10 @@ def test_conservation_detects_tampering_and_double_alloc_rejected() -> None:
     with pytest.raises(DoubleAlloc):
         a.alloc(4)
     assert snap(a) == before
+    for k in (1, 2):  # by page id: one page (its own path) and several, the free list left as it was
+        with pytest.raises(DoubleAlloc):
+            a.alloc_pages(k)
+        assert snap(a) == before
 
 
 def test_empty_free_is_noop() -> None:

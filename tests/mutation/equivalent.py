@@ -129,7 +129,8 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ),
     (
         "xǁDecodeOffloadManagerǁoffload_batch",
-        r"- picked = np\.flatnonzero\(committed >= hints\) if rows\.size else \(\)(.*)\n\+ picked = np\.flatnonzero\(committed >= hints\) if \(rows\.size\) or True else \(\)\1",
+        r"- picked = np\.flatnonzero\(committed >= hints\)(\.tolist\(\))? if rows\.size else \(\)(.*)\n"
+        r"\+ picked = np\.flatnonzero\(committed >= hints\)\1 if \(rows\.size\) or True else \(\)\2",
         "with no rows the comparison of two empty arrays picks nothing, as () does",
     ),
     (
@@ -146,8 +147,8 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     # --- copy planning -----------------------------------------------------------------------------------
     (
         "x_plan_copy",
-        r'- dev_idx = as_index_tensor\(device_indices, device_pool\.device if device_pool\.device\.type == "cpu" or on_device\n'
-        r'\+ dev_idx = as_index_tensor\(device_indices, device_pool\.device if device_pool\.device\.type == "(CPU|XXcpuXX)" or on_device',
+        r'- device_indices, device_pool\.device if device_pool\.device\.type == "cpu" or on_device else _CPU\n'
+        r'\+ device_indices, device_pool\.device if device_pool\.device\.type == "(CPU|XXcpuXX)" or on_device else _CPU',
         "the compare picks the pool's device over the CPU only for a pool on the CPU, where the two are one device "
         "(torch.device('cpu') has no index to differ by); with no device type matching it, a CPU pool's indices go to "
         "the CPU all the same, and every other pool's took the CPU (or, already on the device, stayed) either way (the "
@@ -155,7 +156,8 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ),
     (
         "x_plan_copy",
-        r"- (on_device = isinstance|if on_device and device_pool|dev_idx = as_index_tensor\(device_indices, device_pool\.device if).*\n\+ .*",
+        r"- (on_device = isinstance|if on_device and device_pool|device_indices, device_pool\.device if"
+        r"|dev_idx = as_index_tensor\(\n- device_indices, device_pool\.device if).*\n\+ .*",
         "not told apart on a CPU-only host: every pool and index tensor is on the CPU, so on_device is False and the "
         "device chosen for the indices is the CPU whatever these tests say (a GPU run of tests/gpu/ sees the rest)",
     ),
@@ -438,7 +440,7 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ),
     (
         "xǁDecodeOffloadManagerǁ(offload|offload_batch)",
-        r"- (self\._due_at\[.*\] = \[?)rec\.prefill_len \+ rec\.inc_len \+ ((?:self\.)?)stride(.*)\n"
+        r"- ((?:self\._due_at\[.*\] = \[?)?)rec\.prefill_len \+ rec\.inc_len \+ ((?:self\.)?)stride(.*)\n"
         r"\+ \1rec\.prefill_len (\+ rec\.inc_len -|- rec\.inc_len \+) \2stride\3",
         "both give a due point at or below the true one (inc_len >= 0): the request is looked at sooner, and "
         "offloaded only when its own committed length has a chunk",
@@ -551,8 +553,7 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ),
     (
         "xǁDecodeOffloadManagerǁ_readmitted",
-        r"- return \(rec\.machine\.state not in _ROW_HOLDERS and isinstance\(row, int\) and 0 <= row < self\.req_to_token\.rows\n"
-        r"\+ return \(rec\.machine\.state not in _ROW_HOLDERS and isinstance\(row, int\) and 0 <= row <= self\.req_to_token\.rows",
+        _lines("and 0 <= row < self.req_to_token.rows", "and 0 <= row <= self.req_to_token.rows"),
         "reached only with row == rec.row (the line above returns otherwise), a row the lifecycle was admitted on: "
         "always below rows",
     ),
@@ -712,8 +713,10 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ),
     (
         "x_plan_copy",
-        r"- if isinstance\(device_indices, PageSlots\) and device_indices\.allocator\.num_slots <= device_pool\.size and \\\n"
-        r"\+ if isinstance\(device_indices, PageSlots\) and device_indices\.allocator\.num_slots < device_pool\.size and \\",
+        _lines(
+            "and device_indices.allocator.num_slots <= device_pool.size",
+            "and device_indices.allocator.num_slots < device_pool.size",
+        ),
         "the page-list shortcut only spares the range check below, which accepts the same in-range slots",
     ),
     # --- second pass: build, config, consensus wording -----------------------------------------------------

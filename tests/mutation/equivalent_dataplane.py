@@ -7,6 +7,12 @@ from equivalent_helpers import _def, _lines  # noqa: F401
 _NS_ARGS = r'\(\("extra_key", extra_key\), \("cache_salt", cache_salt\)'  # storage_namespace_seed's loop
 
 EQUIVALENT: list[tuple[str, str, str]] = [
+    (
+        "xǁTokenSlotAllocatorǁalloc_pages",
+        _lines("if type(k) is int and k == 1 and free:", "if type(None) is int and k == 1 and free:"),
+        "the one-page fast path is then never taken, and the general path hands out the same page (the free "
+        "list's first), with the same DoubleAlloc check and the same marks",
+    ),
     # --- hashing: token words --------------------------------------------------------------------------
     (
         "x__from_array",
@@ -151,25 +157,15 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     # --- the layer-buffer pool ---------------------------------------------------------------------------
     (
         "xǁLayerBufferKVPoolǁ__init__",
-        _def(
-            'def __init__(self, planes: Sequence[Sequence[torch.Tensor]], *, attention: str = "mha",',
-            'def __init__(self, planes: Sequence[Sequence[torch.Tensor]], *, attention: str = "XXmhaXX",',
-        ),
+        r'- self, planes: Sequence\[Sequence\[torch\.Tensor\]\], \*, attention: str = "mha", name: str = "layer buffers"\n'
+        r'\+ self, planes: Sequence\[Sequence\[torch\.Tensor\]\], \*, attention: str = "(XXmhaXX|MHA)", '
+        r'name: str = "layer buffers"',
         "the pool only asks whether attention == 'mla', so any other default means MHA as 'mha' does; the default's "
         "text reaches only the ValueError's message",
     ),
     (
         "xǁLayerBufferKVPoolǁ__init__",
-        _def(
-            'def __init__(self, planes: Sequence[Sequence[torch.Tensor]], *, attention: str = "mha",',
-            'def __init__(self, planes: Sequence[Sequence[torch.Tensor]], *, attention: str = "MHA",',
-        ),
-        "the pool only asks whether attention == 'mla', so any other default means MHA as 'mha' does; the default's "
-        "text reaches only the ValueError's message",
-    ),
-    (
-        "xǁLayerBufferKVPoolǁ__init__",
-        r'- name: str = "layer buffers"\) -> None:(.*)\n\+ name: str = "(XXlayer buffersXX|LAYER BUFFERS)"\) -> None:\1',
+        r'- (self, planes: .*, name: str = )"layer buffers"\n\+ \1"(XXlayer buffersXX|LAYER BUFFERS)"',
         "the name only opens the ValueError messages",
     ),
     (

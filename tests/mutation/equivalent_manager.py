@@ -5,6 +5,21 @@ from __future__ import annotations
 from equivalent_helpers import _def, _lines  # noqa: F401
 
 EQUIVALENT: list[tuple[str, str, str]] = [
+    # --- manager: a one-page host run, and offload_batch's admission ----------------------------------------
+    (
+        "xǁDecodeOffloadManagerǁ_submit",
+        r"- host_run = range\(pages\[first\], pages\[first\] \+ 1\) if n == ps else tuple\(pages\[first : end // ps\]\)\n"
+        r"\+ host_run = range\(pages\[first\], pages\[first\] \+ 1\) if \(n == ps\) and False else "
+        r"tuple\(pages\[first : end // ps\]\)",
+        "with n == ps the chunk is one page, and the slice pages[first : end // ps] is that one page: (p,) and "
+        "range(p, p + 1) are the same sequence of host pages to every reader (the range only spares a slice)",
+    ),
+    (
+        "xǁDecodeOffloadManagerǁoffload_batch",
+        r"- rec = self\._admit\(req, row\)\n\+ rec = self\._admit\(req, (None)?\)",
+        "_admit given no row makes the admissibility check itself, which returns the row the check above returned: "
+        "nothing changed in between for this request, and the rows this loop admits are distinct (new_rows)",
+    ),
     # --- manager: typing.cast ---------------------------------------------------------------------------
     (
         "xǁDecodeOffloadManagerǁ(_admit|offload_batch)",

@@ -5,6 +5,81 @@ from __future__ import annotations
 from equivalent_helpers import _def, _lines  # noqa: F401
 
 EQUIVALENT: list[tuple[str, str, str]] = [
+    # --- the stored-page index's batch write (put_many) and growth -----------------------------------------
+    (
+        "xǁStoredPageIndexǁput_many",
+        _lines("if n > size:", "if n >= size:"),
+        "put_many is put for each triple in order; a batch of exactly the ring's size going put by put instead of "
+        "through the batched writes records the same entries, drops and ages (the batched path only makes the "
+        "ring's writes as numpy assignments)",
+    ),
+    (
+        "xǁStoredPageIndexǁput_many",
+        r"- droppable = (.*) if nxt - first \+ n > size else \[\]\n"
+        r"\+ droppable = \1 if (\(nxt - first \+ n > size\) or True|nxt \+ first \+ n > size|nxt - first \+ n >= size) "
+        r"else \[\]",
+        "droppable is read only when the ring is full at the limit (nxt - first == size), which implies the original "
+        "condition; each mutant computes it in more cases (first >= 0), always the same oldest hashes, never read then",
+    ),
+    (
+        "xǁStoredPageIndexǁput_many",
+        r"- while self\._next - self\._first \+ n > self\._hash\.size < self\.limit:\n"
+        r"\+ while self\._next (\+ self\._first \+ n >|- self\._first \+ n >=) self\._hash\.size < self\.limit:",
+        "the ring then grows in more cases, never past the limit: its capacity differs, never its entries, their "
+        "order or what is dropped (a drop happens only when the ring is full at the limit)",
+    ),
+    (
+        "xǁStoredPageIndexǁput_many",
+        _lines(
+            "slots = np.fromiter(writes, dtype=np.int64, count=len(writes))",
+            "slots = np.fromiter(writes, dtype=np.int64, )",
+        ),
+        "count only lets numpy allocate the array once; the dict's keys make the same array without it",
+    ),
+    (
+        "xǁStoredPageIndexǁ_grow",
+        r"- seqs = np\.arange\(self\._first, self\._next, dtype=np\.int64\)\n"
+        r"\+ seqs = np\.arange\(self\._first, self\._next, (dtype=None)?\)",
+        "np.arange of two Python ints is int64 whether or not the dtype is given",
+    ),
+    # --- the release by page id ------------------------------------------------------------------------------
+    (
+        "xǁOffloadEffectsǁ__init__",
+        _lines(
+            'self._frees_page_ids = bool(getattr(allocator, "frees_page_ids", False))',
+            'self._frees_page_ids = bool(getattr(allocator, "frees_page_ids", None))',
+        ),
+        "an allocator with no frees_page_ids gets bool(None), False as bool(False) is",
+    ),
+    (
+        "xǁOffloadEffectsǁ_release",
+        r"- slots_freed = len\(pages\) \* self\.page_size\n\+ slots_freed = (None|len\(pages\) / self\.page_size)",
+        "slots_freed is read only by the DEBUG log line's count of freed slots, text for people",
+    ),
+    (
+        "xǁDeviceTableSlotsǁpage_ids",
+        r"- out = torch\.empty\(firsts\.shape\[0\], dtype=torch\.int64, device=self\.device\)\n"
+        r"\+ out = torch\.empty\(firsts\.shape\[0\], dtype=torch\.int64, (device=None)?\)",
+        "not told apart on a CPU-only host: a tensor made with no device is on the CPU, the table's own device there "
+        "(a table on CUDA would get a CPU output, which torch.div's out= refuses)",
+    ),
+    # --- the FIFO's index of copies (copies_reading): a cache --------------------------------------------------
+    (
+        "xǁOffloadEffectsǁcopies_reading",
+        r"- (if index is None or index\[0\] != fifo\[0\]\.serial or index\[1\] != fifo\[-1\]\.serial:|"
+        r"index = self\._fifo_index)\n"
+        r"\+ (if index is None or index\[0\] != fifo\[0\]\.serial or index\[2\] != fifo\[-1\]\.serial:|index = None)",
+        "the index is a cache of the FIFO: each mutant rebuilds it on every call (index[2] is the list of calls, "
+        "never equal to a serial), from the same FIFO, so it answers the same handles",
+    ),
+    (
+        "xǁOffloadEffectsǁcopies_reading",
+        r"- (handle: Optional\[CopyHandle\] = None|records: set\[RequestRecord\] = set\(\))\n"
+        r"\+ (handle: Optional\[CopyHandle\] = \"\"|records: set\[RequestRecord\] = None)",
+        "the first chunk of the FIFO always starts a call of its own: every chunk in it has the handle of the copy "
+        "that started it (start_copy_each sets it), never None or '', so the initial handle and set are replaced "
+        "before any record is added",
+    ),
     # --- device_table: dtypes numpy and torch give anyway, and the CUDA upload --------------------------
     (
         "xǁDeviceTableSlotsǁ__init__",
@@ -33,7 +108,7 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ),
     (
         "xǁDeviceTableSlotsǁspans",
-        r"- int\(lens\.sum\(\)\), dtype=np\.int64\)\n\+ int\(lens\.sum\(\)\), (dtype=None)?\)",
+        r"- int\(lens\.sum\(\)\), dtype=np\.int64\n(\+ int\(lens\.sum\(\)\), dtype=None|- \)\n\+ int\(lens\.sum\(\)\), \))",
         "np.arange of a Python int is int64 whether or not the dtype is given",
     ),
     (
@@ -101,8 +176,8 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     (
         "xǁDecodeOffloadManagerǁ_admit",
         _lines(
-            "else self.fx.device_table.span(row, 0, rec.prefix_len).tolist())",
-            "else self.fx.device_table.span(row, None, rec.prefix_len).tolist())",
+            "else self.fx.device_table.span(row, 0, rec.prefix_len).tolist(),",
+            "else self.fx.device_table.span(row, None, rec.prefix_len).tolist(),",
         ),
         "span slices the row from `start`, and a slice from None starts at 0",
     ),

@@ -235,7 +235,8 @@ with a decorator other than `staticmethod` and `classmethod`), so `RequestView`'
   excepted), the differential test of the adapter against upstream's manager (its single-rank scenarios),
   tests/mutation/test_kills_fenced.py, and the tests written to kill survivors of this scope:
   tests/mutation/test_kills_fences_adapter.py (no SGLang needed: CI's main run has them) and
-  tests/upstream/test_kills_adapter.py (over SGLang's objects: `make test-upstream` runs them). The
+  tests/upstream/test_kills_adapter.py (over SGLang's objects: `make test-upstream` runs them), and the frees by
+  page id through SGLang's paged allocator (tests/upstream/test_adapter_page_frees.py). The
   scenarios with two TP ranks (a process per rank, 20 to 50 s each) and the test that profiles the early
   exit call by call (mutmut's trampolines are calls too) are left out;
 - survivors: tests/mutation/survivors_fences_adapter.json; reasons: tests/mutation/equivalent_fences_adapter.py,
@@ -290,6 +291,7 @@ SCOPES: dict[str, Scope] = {
                 "tests/mutation/test_kills_fenced.py",
                 "tests/mutation/test_kills_fences_adapter.py",
                 f"{_UPSTREAM}/test_kills_adapter.py",
+                f"{_UPSTREAM}/test_adapter_page_frees.py",
             ],
             # the scenarios with two TP ranks spawn a process per rank (20 to 50 s each; test_summary runs them all)
             deselect=[
@@ -309,6 +311,7 @@ SCOPES: dict[str, Scope] = {
                     "harness.py",
                     "scenarios.py",
                     "cuda_only/__init__.py",
+                    "cuda_only/jit_cache.py",
                     "cuda_only/torchvision_stub.py",
                 )
             ],
@@ -1154,6 +1157,11 @@ down is in functions and methods.
 - `tests/mutation/test_kills.py` and `test_kills_*.py`: the tests added to kill survivors;
 - `tests/mutation/gpu_pass.py` and `gpu_pass.json`: the GPU pass and its last verdicts (on the device machine,
   `tests/mutation/run_on_device.sh`; a mutant first runs the test that killed it in the last pass);
+- `tests/mutation/rekey.py`: carries the GPU pass's verdicts across a change that moves no mutant, such as a
+  formatter's rewrite of the mutated modules (their records match mutmut's diff lines by their text): it
+  generates the mutants from the revision before and from the checkout, requires the same mutants with every
+  mutated function the same AST and every equivalence reason kept, and rewrites the verdicts' change texts.
+  The CPU records come from the scopes' next runs;
 - `tests/mutation/survivors.json`: this run's survivors, machine-readable (function, change, status);
 - `tests/mutation/test_mutation_sample.py`: the CI step (`make test` runs it), 20 mutants picked with a fixed
   seed from those survivors.json does not list, every one checked (no time box, a hang guard on progress),

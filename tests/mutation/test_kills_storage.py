@@ -358,10 +358,26 @@ def test_the_sweep_goes_on_past_temp_files_that_are_not_its_own(
     assert sorted(os.listdir(tmp_path)) == sorted(v for k, v in names.items() if k != "stale")
 
 
+def _live_child() -> subprocess.Popen[bytes]:
+    """A child that a signal would end: its handlers are the defaults (a shell's nohup, or a runner that ignores
+    SIGHUP, passes the ignoring on to its children), set before it says it is ready."""
+    child = subprocess.Popen([sys.executable, "-c", READY_CHILD], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    assert child.stdout is not None and child.stdout.readline() == b"ready\n"
+    return child
+
+
+READY_CHILD = (
+    "import signal, sys, time\n"
+    "for s in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM): signal.signal(s, signal.SIG_DFL)\n"
+    "print('ready', flush=True)\n"
+    "time.sleep(60)\n"
+)
+
+
 def test_the_sweep_asks_whether_a_writer_lives_without_signalling_it(tmp_path: Path) -> None:
     """The liveness probe is signal 0: a live writer (here a child of ours) is left running, and its stale
     temp file stays."""
-    writer = subprocess.Popen(["sleep", "60"])
+    writer = _live_child()
     try:
         name = f".k.bin.{writer.pid}.0123456789ab.0.tmp"
         (tmp_path / name).write_bytes(b"x")
@@ -374,3 +390,17 @@ def test_the_sweep_asks_whether_a_writer_lives_without_signalling_it(tmp_path: P
     finally:
         writer.kill()
         writer.wait()
+
+
+def test_a_live_process_is_only_asked_whether_it_lives() -> None:
+    """_pid_alive sends signal 0, which checks the pid and delivers nothing: the process it asks about lives on."""
+    from kvfsm.dataplane.storage.file import _pid_alive
+
+    child = _live_child()
+    try:
+        assert _pid_alive(child.pid)
+        with pytest.raises(subprocess.TimeoutExpired):  # any signal it was sent would end it within this wait
+            child.wait(timeout=scaled(0.3))
+    finally:
+        child.kill()
+        child.wait()

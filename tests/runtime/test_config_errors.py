@@ -93,7 +93,18 @@ def test_the_backup_queue_holds_what_the_host_pool_holds_unless_sized() -> None:
     assert unsized.fx.worker.capacity == unsized.host_pool.capacity // 8 == 16
     sized = Pools(slots=64, page=4).manager(OffloadConfig(**config, storage_backend="none", backup_queue_size=3))
     assert sized.fx.worker.capacity == 3
-    for m in (unsized, sized):
+    # whole chunks only (a pool of 10.7 strides queues 10), and at least one (a pool of under two strides)
+    odd = [
+        Pools(slots=64, page=4).manager(OffloadConfig(**{**config, "offload_stride": s}, storage_backend="none"))
+        for s in (12, 96)
+    ]
+    assert [type(m.fx.worker.capacity) for m in odd] == [int, int]
+    assert (
+        [m.fx.worker.capacity for m in odd]
+        == [128 // 12, 1]
+        == [m.host_pool.capacity // s for m, s in zip(odd, (12, 96))]
+    )
+    for m in (unsized, sized, *odd):
         m.close()
 
 

@@ -77,13 +77,17 @@ class _Mirrorless:
 
 
 class MirrorlessEngine(SimEngine):
+    def manager_allocator(self) -> Any:
+        """The device allocator the manager is given (the engine's own)."""
+        return self.allocator
+
     def __post_init__(self) -> None:
         super().__post_init__()
         self.manager.close()
         self.manager = DecodeOffloadManager(
             self.config,
             device_pool=self.device_pool,
-            allocator=self.allocator,
+            allocator=self.manager_allocator(),
             req_to_token=_Mirrorless(self.req_to_token),
             prefix_cache=self.protected,
             host_pool=self.host_pool,
@@ -93,10 +97,50 @@ class MirrorlessEngine(SimEngine):
         )
 
 
-def _run(cls: type, prefix: int) -> tuple[dict[str, bytes], list[int], int]:
+_runs: list[Any] = []  # each _run's engine, last last
+
+
+class _ByPageId:
+    """A device allocator that frees a request's pages by page id, as SGLang's paged allocator does through the
+    adapter (`frees_page_ids`): the manager hands it the ids it reads from the table, never the slots. Each
+    free is recorded, then made on the engine's allocator as the slots of those pages."""
+
+    frees_page_ids = True
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.page_frees: list[tuple[list[int], Any]] = []  # (page ids, fence) of each free_page_ids
+        self.slot_frees = 0  # frees by slot
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def free(self, slots: Any, **kw: Any) -> None:
+        self.slot_frees += 1
+        self._inner.free(slots, **kw)
+
+    def free_page_ids(self, pages: torch.Tensor, fence: Any) -> None:
+        ids = pages.tolist()
+        self.page_frees.append((ids, fence))
+        ps = self._inner.page_size
+        slots = torch.tensor([p * ps + i for p in ids for i in range(ps)], dtype=torch.int64)
+        if fence is None:
+            self._inner.free(slots)
+        else:
+            self._inner.free(slots, fence=fence)
+
+
+class PageIdEngine(MirrorlessEngine):
+    def manager_allocator(self) -> Any:
+        self.by_id = _ByPageId(self.allocator)
+        return self.by_id
+
+
+def _run(cls: type, prefix: int, fenced: bool = False) -> tuple[dict[str, bytes], list[int], int]:
     """Three requests decoding, offloading one by one and in batches, one aborted under a copy; (stored
     pages, the device allocator's free list, pages stored)."""
-    e = cls(page_size=2, stride=4, device_slots=64, host_slots=32, rows=3, checked=True)
+    e = cls(page_size=2, stride=4, device_slots=64, host_slots=32, rows=3, checked=True, fenced=fenced)
+    _runs.append(e)
     reqs = [e.admit(f"r{i}", 6, prefix) for i in range(3)]
     for step in range(9):
         for req in reqs:
@@ -128,3 +172,25 @@ def test_lifecycles_through_the_device_table_match_the_mirror(prefix: int, monke
         runs.append(_run(cls, prefix))
     mirror, mirrorless = runs
     assert mirrorless == mirror and mirror[2] > 0
+
+
+@pytest.mark.parametrize("fenced", [False, True])
+@pytest.mark.parametrize("prefix", [0, 2])
+def test_an_allocator_that_frees_by_page_id_gets_each_requests_own_pages_with_its_fence(
+    prefix: int, fenced: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without a mirror, an allocator that frees by page id (SGLang's, through the adapter) is given the ids of
+    the pages the request owns past its matched prefix, once each, with the fence of the copies that still read
+    them: the same frees, in the same order, as the mirror's slots, and nothing freed by slot."""
+    runs = []
+    for cls in (SimEngine, PageIdEngine):
+        monkeypatch.setattr(engine_mod, "_serials", itertools.count(1))
+        runs.append(_run(cls, prefix, fenced))
+    mirror, by_id = runs
+    assert by_id == mirror and mirror[2] > 0
+    alloc = _runs[-1].by_id
+    assert alloc.slot_frees == 0 and len(alloc.page_frees) == 3  # one free a request
+    freed = [p for ids, _ in alloc.page_frees for p in ids]
+    assert freed and len(freed) == len(set(freed))
+    fences = [fence for _, fence in alloc.page_frees]
+    assert any(fences) if fenced else not any(fences)  # fenced: released under copies still in flight

@@ -200,13 +200,17 @@ def test_reserve_due_is_reserve_offload_when_the_caller_holds_no_current_lifecyc
     e, (a, b, c) = _three_with_a_chunk_due()
     free = e.host_pool.free_slots
     available = offloadable_tokens(a.origin_input_ids, a.output_ids, a.kv_committed_len)
-    got, want = e.manager.reserve_due(a, b.req_pool_idx, available), e.manager.reserve_offload(a)  # a's row wins
+    # on b's row the caller's row and length are not trusted: a's own row and length decide, as reserve_offload's
+    got = e.manager.reserve_due(a, b.req_pool_idx, available + 2 * e.manager.stride)
+    want = e.manager.reserve_offload(a)
     assert got is not None and want is not None
     assert (got.record, got.tokens, got.inc_len, len(got.pages)) == (want.record, want.tokens, want.inc_len, 2)
     assert e.host_pool.free_slots == free - 8  # each call took a's chunk, as reserve_offload would
+    row = b.req_pool_idx
     e.end(b, "abort")
-    with pytest.raises(EventRejected):
-        e.manager.reserve_due(b, 0, 1 << 20)
+    for given in (0, row):  # another row, and the row its ended lifecycle held
+        with pytest.raises(EventRejected):
+            e.manager.reserve_due(b, given, 1 << 20)
     new = e.admit("new", 5)
     for _ in range(3):
         e.decode(new)

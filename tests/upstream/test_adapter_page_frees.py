@@ -54,6 +54,35 @@ def test_only_the_paged_allocators_own_free_segment_takes_page_ids() -> None:
     _, other = _paged()
     other.__class__ = Interleaved
     assert not AllocatorView(other, int(kv.size)).frees_page_ids
+    # an allocator with no free_segment at all, and the paged one with no debug_mode to say its checks are off
+    assert not AllocatorView(SimpleNamespace(page_size=16, debug_mode=False), 64).frees_page_ids
+    _, unsaid = _paged()
+    del unsaid.debug_mode
+    assert not hasattr(unsaid, "debug_mode") and not AllocatorView(unsaid, int(kv.size)).frees_page_ids
+
+
+class _Fence:
+    """A fence whose copies have or have not passed; counts the waits made on it."""
+
+    def __init__(self, passed: bool) -> None:
+        self._passed, self.waits = passed, 0
+
+    def passed(self) -> bool:
+        return self._passed
+
+    def wait(self) -> None:
+        self.waits += 1
+
+
+def test_a_free_by_page_id_waits_on_its_fence_only_while_its_copies_run() -> None:
+    kv, allocator = _paged()
+    ps = int(allocator.page_size)
+    view = AllocatorView(allocator, int(kv.size))
+    for passed in (False, True):
+        slots = allocator.alloc(2 * ps)
+        fence = _Fence(passed)
+        view.free_page_ids(slots[::ps] // ps, fence)  # type: ignore[arg-type]
+        assert fence.waits == (0 if passed else 1)
 
 
 def test_without_sglangs_paged_allocator_nothing_takes_page_ids(monkeypatch: pytest.MonkeyPatch) -> None:

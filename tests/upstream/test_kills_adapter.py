@@ -575,6 +575,32 @@ def test_a_quiet_request_whose_committed_length_is_no_integer_is_refused_naming_
         run.probe.close(run.mgr)
 
 
+@pytest.mark.parametrize("broken", ["kv_committed_len", "output_ids"])
+def test_a_quiet_request_come_due_with_a_bad_field_is_refused_naming_it(broken: str) -> None:
+    """Past the early exit, a due request's offloadable length is read from the Req itself: a committed length
+    that compares past its due point but is no integer is RequestFieldInvalid, and a missing field is
+    RequestFieldMissing, each naming the field and raised from the error of the read that failed."""
+    from kvfsm.errors import RequestFieldInvalid, RequestFieldMissing
+
+    with _first_request_decoded(1) as (run, _, req):
+        assert run.mgr.offload_kv_cache(req) is False and req in run.mgr._views.quiet
+        length, outputs = req.kv.kv_committed_len, req.output_ids
+        if broken == "kv_committed_len":  # past its due point, and no integer
+            req.kv.kv_committed_len = float(1 << 20)
+            error, cause = RequestFieldInvalid, TypeError
+        else:  # past its due point, with no outputs to read
+            req.kv.kv_committed_len = 1 << 20
+            del req.output_ids
+            error, cause = RequestFieldMissing, AttributeError
+        with pytest.raises(error, match=broken) as refused:
+            run.mgr.offload_kv_cache(req)
+        assert isinstance(refused.value.__cause__, cause)
+        req.kv.kv_committed_len, req.output_ids = length, outputs
+        for s in SC.requests:
+            run.mgr.finalize_release_on_finish(run.reqs[s.rid])
+        run.probe.close(run.mgr)
+
+
 def test_a_quiet_request_whose_kv_record_was_replaced_is_read_afresh_within_two_checks() -> None:
     """The early exit reads the `ReqKvInfo` a Req held when it was noted quiet. SGLang 0.5.23 replaces a Req's
     record only outside decode; were a decoding Req given a new record (here a copy, which SGLang then

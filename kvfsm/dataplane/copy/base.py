@@ -75,13 +75,30 @@ class CopyPlan:
     them (a torch and a numpy call each, tens of microseconds when a forward pass has left the CPU caches
     cold: bench/results/transformers_host_time-h200.json)."""
 
-    __slots__ = ("direction", "device_pool", "host_pool", "num_tokens", "host_pages", "device_ids", "_device_idx",
-                 "_host_idx", "_host_slots")
+    __slots__ = (
+        "direction",
+        "device_pool",
+        "host_pool",
+        "num_tokens",
+        "host_pages",
+        "device_ids",
+        "_device_idx",
+        "_host_idx",
+        "_host_slots",
+    )
 
-    def __init__(self, direction: Direction, device_pool: DeviceKVPool, host_pool: HostKVPool,
-                 device_idx: torch.Tensor | None, host_idx: torch.Tensor | None, num_tokens: int,
-                 host_pages: list[int] | None = None, device_ids: list[int] | None = None,
-                 host_slots: PageSlots | None = None) -> None:
+    def __init__(
+        self,
+        direction: Direction,
+        device_pool: DeviceKVPool,
+        host_pool: HostKVPool,
+        device_idx: torch.Tensor | None,
+        host_idx: torch.Tensor | None,
+        num_tokens: int,
+        host_pages: list[int] | None = None,
+        device_ids: list[int] | None = None,
+        host_slots: PageSlots | None = None,
+    ) -> None:
         self.direction, self.device_pool, self.host_pool = direction, device_pool, host_pool
         self.num_tokens = num_tokens  # len(host slots), counted once when planned
         self.host_pages = host_pages  # the host slots' page ids, when they came as PageSlots of this pool
@@ -146,8 +163,13 @@ def plan_copy(
     PageSlots are checked as lists and kept as lists (CopyPlan builds their tensors only if asked).
     """
     dc, hc = device_pool.config, host_pool.config
+    # a host pool built on the device's config holds that config itself: nothing to compare
     if dc is not hc and (dc.num_planes, dc.num_layers, dc.token_shape, dc.dtype) != (
-            hc.num_planes, hc.num_layers, hc.token_shape, hc.dtype):  # a host pool built on the device's config
+        hc.num_planes,
+        hc.num_layers,
+        hc.token_shape,
+        hc.dtype,
+    ):
         raise CopyError(f"device pool {dc} and host pool {hc} hold different KV shapes")
     # a list of Python ints is kept (copied: the caller's table may change after the submit)
     ids = device_indices[:] if type(device_indices) is list and set(map(type, device_indices)) <= _INTS else None
@@ -157,8 +179,9 @@ def plan_copy(
         if on_device and device_pool.device.type != "cpu" and device_indices.device != device_pool.device:  # type: ignore[union-attr]
             raise CopyError(f"device slots on {device_indices.device}, device pool on {device_pool.device}")  # type: ignore[union-attr]
         # CPU pools (the CPU engines) take their indices on the CPU; otherwise they stay where they are
-        dev_idx = as_index_tensor(device_indices, device_pool.device if device_pool.device.type == "cpu" or on_device
-                                  else _CPU)
+        dev_idx = as_index_tensor(
+            device_indices, device_pool.device if device_pool.device.type == "cpu" or on_device else _CPU
+        )
     host_slots = host_indices if isinstance(host_indices, PageSlots) else None
     host_idx = None if host_slots is not None else as_index_tensor(host_indices, _CPU)
     # a PageSlots counts its slots from its page list (no tensor call)
@@ -182,8 +205,11 @@ def plan_copy(
                 raise DuplicateIndex("a host slot appears twice in one copy")
             if not bool(allocator.is_allocated(s).all()):
                 raise NotAllocated("copy touches a host slot that is not allocated")
-        if isinstance(device_indices, PageSlots) and device_indices.allocator.num_slots <= device_pool.size and \
-                device_indices.allocator.owns_page_list(device_indices.pages):
+        if (
+            isinstance(device_indices, PageSlots)
+            and device_indices.allocator.num_slots <= device_pool.size
+            and device_indices.allocator.owns_page_list(device_indices.pages)
+        ):
             pass  # whole device pages the pool's allocator has handed out (and not taken back): in range
         elif ids is not None:
             if min(ids) < 0 or max(ids) >= device_pool.size:

@@ -69,15 +69,17 @@ class CoalescingCopyEngine(CopyEngine):
     def queued(self) -> int:
         return len(self._queue)
 
-    def submit_d2h(self, device_pool: DeviceKVPool, device_indices: IndexLike, host_pool: HostKVPool,
-                   host_indices: IndexLike) -> CopyHandle:
+    def submit_d2h(
+        self, device_pool: DeviceKVPool, device_indices: IndexLike, host_pool: HostKVPool, host_indices: IndexLike
+    ) -> CopyHandle:
         handle = CoalescedHandle(self, plan_copy("d2h", device_pool, device_indices, host_pool, host_indices))
         with self._lock:
             self._queue.append(handle)
         return handle
 
-    def submit_h2d(self, host_pool: HostKVPool, host_indices: IndexLike, device_pool: DeviceKVPool,
-                   device_indices: IndexLike) -> CopyHandle:
+    def submit_h2d(
+        self, host_pool: HostKVPool, host_indices: IndexLike, device_pool: DeviceKVPool, device_indices: IndexLike
+    ) -> CopyHandle:
         self.flush()
         return self.inner.submit_h2d(host_pool, host_indices, device_pool, device_indices)
 

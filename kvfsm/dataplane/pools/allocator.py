@@ -353,8 +353,12 @@ class TokenSlotAllocator:
             return True
         mask = self._allocated_bytes
         try:
-            return (min(pages) >= self.reserved_pages and max(pages) < self.num_pages
-                    and len(set(pages)) == len(pages) and all(map(mask.__getitem__, pages)))
+            return (
+                min(pages) >= self.reserved_pages
+                and max(pages) < self.num_pages
+                and len(set(pages)) == len(pages)
+                and all(map(mask.__getitem__, pages))
+            )
         except TypeError:
             raise OutOfRange(f"page ids must be integers, got {list(pages)[:8]}") from None
 

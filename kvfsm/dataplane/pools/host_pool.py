@@ -88,8 +88,10 @@ class HostKVPool:
         self.pinned = bool(pin_memory)
         if shared:
             if self.pinned and not torch.cuda.is_available():  # the same type torch raises for an unshared pool
-                raise RuntimeError("pin_memory=True with shared=True needs CUDA: the shared pool is page-locked with "
-                                   "cudaHostRegister, and CUDA is not available")
+                raise RuntimeError(
+                    "pin_memory=True with shared=True needs CUDA: the shared pool is page-locked with "
+                    "cudaHostRegister, and CUDA is not available"
+                )
             buf, self.share_fd = shared_buffer(requested, self.pinned)
             self.kv_buffer = buf.view(config.dtype).view(self._shape())
         else:
@@ -199,8 +201,12 @@ class HostKVPool:
 
     # ---- whole pages as bytes (for storage) -------------------------------------------------------
     def _page_index(self, indices: IndexLike) -> torch.Tensor:
-        if (isinstance(indices, PageSlots) and indices.allocator is self.allocator and indices.pages
-                and self.allocator.owns_page_list(indices.pages)):
+        if (
+            isinstance(indices, PageSlots)
+            and indices.allocator is self.allocator
+            and indices.pages
+            and self.allocator.owns_page_list(indices.pages)
+        ):
             return indices.slots  # checked as a page list; anything else takes the checks below
         idx = as_index_tensor(indices, torch.device("cpu"))
         if self.allocator.owned_pages(idx.numpy()) is not None:  # whole allocated pages in order: the usual case
@@ -241,8 +247,10 @@ class HostKVPool:
         if out is None:
             dst = np.empty(shape, dtype=view.dtype)
         elif out.dtype != np.uint8 or out.ndim != 1 or out.nbytes < len(pages) * self.page_nbytes:
-            raise ValueError(f"out must be a flat uint8 array of at least {len(pages) * self.page_nbytes} bytes, "
-                             f"got {out.dtype} {out.shape}")
+            raise ValueError(
+                f"out must be a flat uint8 array of at least {len(pages) * self.page_nbytes} bytes, "
+                f"got {out.dtype} {out.shape}"
+            )
         else:
             dst = out[: len(pages) * self.page_nbytes].view(view.dtype).reshape(shape)
         for j, page in enumerate(pages):

@@ -34,13 +34,16 @@ class LayerBufferKVPool(DeviceKVPool):
     """Per plane (K, V for MHA; the latent for MLA), one `[slots, heads, dim]` buffer per layer, all of one
     shape, dtype and device, each contiguous. `ValueError` names what differs."""
 
-    def __init__(self, planes: Sequence[Sequence[torch.Tensor]], *, attention: str = "mha",
-                 name: str = "layer buffers") -> None:  # no super().__init__: it would allocate
+    def __init__(
+        self, planes: Sequence[Sequence[torch.Tensor]], *, attention: str = "mha", name: str = "layer buffers"
+    ) -> None:  # no super().__init__: it would allocate
         planes = [list(p) for p in planes]
         expected = 1 if attention == "mla" else 2
         if len(planes) != expected or not planes[0] or len({len(p) for p in planes}) != 1:
-            raise ValueError(f"{name}: {attention} needs {expected} plane(s) of equally many layer buffers, got "
-                             f"{[len(p) for p in planes]}")
+            raise ValueError(
+                f"{name}: {attention} needs {expected} plane(s) of equally many layer buffers, got "
+                f"{[len(p) for p in planes]}"
+            )
         first = planes[0][0]
         buffers = [b for plane in planes for b in plane]
         shapes = {tuple(b.shape) for b in buffers}
@@ -48,16 +51,23 @@ class LayerBufferKVPool(DeviceKVPool):
             raise ValueError(f"{name}: every plane and layer needs one [slots, heads, dim] shape, got {sorted(shapes)}")
         dtypes = {b.dtype for b in buffers}
         if len(dtypes) != 1 or first.dtype not in _DTYPES:
-            raise ValueError(f"{name} stores {sorted(map(str, dtypes))}; kvfsm's host pools hold bfloat16, "
-                             f"float16 or float32 KV (an fp8 cache is not supported)")
+            raise ValueError(
+                f"{name} stores {sorted(map(str, dtypes))}; kvfsm's host pools hold bfloat16, "
+                f"float16 or float32 KV (an fp8 cache is not supported)"
+            )
         devices = {b.device for b in buffers}
         if len(devices) != 1:
             raise ValueError(f"{name}: buffers on several devices {sorted(map(str, devices))}")
         if not all(b.is_contiguous() for b in buffers):
             raise ValueError(f"{name}: every layer buffer must be contiguous (token rows at a fixed stride)")
         slots, heads, dim = (int(x) for x in first.shape)
-        self.config = KVCacheConfig(num_layers=len(planes[0]), head_dim=dim, kv_heads=heads,
-                                    attention="mla" if attention == "mla" else "mha", dtype=first.dtype)
+        self.config = KVCacheConfig(
+            num_layers=len(planes[0]),
+            head_dim=dim,
+            kv_heads=heads,
+            attention="mla" if attention == "mla" else "mha",
+            dtype=first.dtype,
+        )
         self.size = slots
         self.device = first.device
         self.planes = planes
@@ -79,8 +89,9 @@ class LayerBufferKVPool(DeviceKVPool):
         """`(planes, layers, n, heads, dim)` rows at slots `idx` (on the pool's device), one index_select
         per buffer into one output tensor."""
         c = self.config
-        out = torch.empty((c.num_planes, c.num_layers, int(idx.numel()), *c.token_shape), dtype=c.dtype,
-                          device=self.device)
+        out = torch.empty(
+            (c.num_planes, c.num_layers, int(idx.numel()), *c.token_shape), dtype=c.dtype, device=self.device
+        )
         for p, plane in enumerate(self.planes):
             for layer, buf in enumerate(plane):
                 torch.index_select(buf, 0, idx, out=out[p, layer])

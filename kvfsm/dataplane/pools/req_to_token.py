@@ -33,8 +33,9 @@ class ReqToTokenPool:
         self.device = resolve_device(device)
         self.host_table = torch.zeros((self.rows, self.max_context), dtype=torch.int64)  # the mirror (CPU)
         # the table the kernels read: the mirror itself on the CPU, else a device copy kept equal by write()
-        self.req_to_token = self.host_table if self.device.type == "cpu" else torch.zeros_like(
-            self.host_table, device=self.device)
+        self.req_to_token = (
+            self.host_table if self.device.type == "cpu" else torch.zeros_like(self.host_table, device=self.device)
+        )
         self._free: deque[int] = deque(range(self.rows))
         self._allocated = [False] * self.rows
         self._ever = [False] * self.rows

@@ -137,8 +137,14 @@ class FileStorage:
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         if page_dims is not None:
-            if len(page_dims) != 3 or not all(isinstance(d, int) and d > 0 for d in page_dims) or page_dims[0] not in (1, 2):
-                raise ValueError(f"page_dims must be (planes 1 or 2, layers, page_size) positive ints, got {page_dims!r}")
+            if (
+                len(page_dims) != 3
+                or not all(isinstance(d, int) and d > 0 for d in page_dims)
+                or page_dims[0] not in (1, 2)
+            ):
+                raise ValueError(
+                    f"page_dims must be (planes 1 or 2, layers, page_size) positive ints, got {page_dims!r}"
+                )
             page_dims = tuple(page_dims)  # type: ignore[assignment]
         elif layout == "page_first":
             raise ValueError("layout='page_first' needs page_dims=(planes, layers, page_size) to reorder pages")
@@ -258,8 +264,9 @@ class FileStorage:
         if self.page_dims is None:
             self.page_dims = dims
         elif self.page_dims != dims:
-            raise ValueError(f"host pool pages are {dims} (planes, layers, page_size), "
-                             f"this store's page_dims {self.page_dims}")
+            raise ValueError(
+                f"host pool pages are {dims} (planes, layers, page_size), this store's page_dims {self.page_dims}"
+            )
         if self.dtype is None:
             self.dtype = str(c.dtype).removeprefix("torch.")
         data = host_pool.get_pages_bytes(host_indices).numpy()
@@ -340,8 +347,13 @@ class FileStorage:
     @staticmethod
     def _sidecar(kb: bytes, data: Any, fmt: bytes) -> bytes:
         n = memoryview(data).nbytes
-        return _SIDECAR.pack(_MAGIC, zlib.crc32(data) & 0xFFFFFFFF, zlib.crc32(kb + fmt) & 0xFFFFFFFF, n, len(kb),
-                             len(fmt)) + kb + fmt
+        return (
+            _SIDECAR.pack(
+                _MAGIC, zlib.crc32(data) & 0xFFFFFFFF, zlib.crc32(kb + fmt) & 0xFFFFFFFF, n, len(kb), len(fmt)
+            )
+            + kb
+            + fmt
+        )
 
     def _write_file(self, tmp: str, data: Any) -> None:
         with open(tmp, "wb") as f:

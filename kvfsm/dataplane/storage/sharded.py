@@ -120,7 +120,9 @@ class ShardedStorage:
             raise ValueError(f"{len(keys)} keys for {len(pages)} pages")
 
         def part(store: StorageBackend, at: list[int]) -> list[bool]:
-            return store_host_pages(store, [keys[i] for i in at], host_pool, host_pool.page_slots([pages[i] for i in at]))
+            return store_host_pages(
+                store, [keys[i] for i in at], host_pool, host_pool.page_slots([pages[i] for i in at])
+            )
 
         return self._per_key(keys, part)
 
@@ -129,8 +131,9 @@ class ShardedStorage:
 
     def batch_exists(self, keys: Sequence[str]) -> int:
         parts = self._split(keys)
-        counts = self._run({s: functools.partial(self.shards[s].batch_exists, [keys[i] for i in at])
-                            for s, at in parts.items()})
+        counts = self._run(
+            {s: functools.partial(self.shards[s].batch_exists, [keys[i] for i in at]) for s, at in parts.items()}
+        )
         # a shard's first missing key (if any) sits at parts[s][counts[s]]; the earliest of them ends the prefix
         return min((at[counts[s]] for s, at in parts.items() if counts[s] < len(at)), default=len(keys))
 

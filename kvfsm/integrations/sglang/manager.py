@@ -104,30 +104,51 @@ class DecodeKVCacheOffloadManager:
     `released_by_engine_fenced`), and kvfsm's own releases under a copy are fenced the same way.
     `checked=True` runs kvfsm's slot ledger and spec invariants on every transition (tests)."""
 
-    def __init__(self, req_to_token_pool: Any, token_to_kv_pool_allocator: Any, tp_group: Any, tree_cache: Any,
-                 *, checked: bool = False, retraction: str = "refuse") -> None:
+    def __init__(
+        self,
+        req_to_token_pool: Any,
+        token_to_kv_pool_allocator: Any,
+        tp_group: Any,
+        tree_cache: Any,
+        *,
+        checked: bool = False,
+        retraction: str = "refuse",
+    ) -> None:
         if retraction not in ("refuse", "fenced"):
-            raise ConfigError("retraction", f"must be 'refuse' (upstream's rule) or 'fenced' (never refused), "
-                                            f"got {retraction!r}", SOURCE)
+            raise ConfigError(
+                "retraction",
+                f"must be 'refuse' (upstream's rule) or 'fenced' (never refused), got {retraction!r}",
+                SOURCE,
+            )
         kv_cache = token_to_kv_pool_allocator.get_kvcache()
         device_pool = SGLangDeviceKVPool(kv_cache)  # ConfigError: SWA, other pool types, fp8
         table = req_to_token_pool.req_to_token
         if table.device != device_pool.device:
-            raise ConfigError("req_to_token_pool", f"req_to_token is on {table.device} but the KV pool on "
-                                                   f"{device_pool.device}: both must be on one device", SOURCE)
+            raise ConfigError(
+                "req_to_token_pool",
+                f"req_to_token is on {table.device} but the KV pool on "
+                f"{device_pool.device}: both must be on one device",
+                SOURCE,
+            )
         on_gpu = device_pool.device.type == "cuda"
         kv = device_pool.config
         settings = read_settings(int(kv_cache.size), kv.bytes_per_token, tp_group)
         if int(token_to_kv_pool_allocator.page_size) != settings.page_size:
-            raise ConfigError("page_size", f"the allocator's page size {token_to_kv_pool_allocator.page_size} differs "
-                                           f"from the server's {settings.page_size}", SOURCE)
+            raise ConfigError(
+                "page_size",
+                f"the allocator's page size {token_to_kv_pool_allocator.page_size} differs "
+                f"from the server's {settings.page_size}",
+                SOURCE,
+            )
         consensus = ProgressConsensus(tp_group)
         sizes = (settings.page_size, settings.stride, settings.host_slots)
         if not consensus.check_same(*sizes):
             # upstream would run, and a rank whose host pool refuses a chunk its peer took strands the peer's
             # copies (docs/sglang-upstream.md, "TP: the MIN agreement strands a rank")
-            raise TPMismatch(f"TP ranks disagree on (page size, stride, host pool tokens) = {sizes} on rank "
-                             f"{settings.tp_rank}: every rank needs the same sizes")
+            raise TPMismatch(
+                f"TP ranks disagree on (page size, stride, host pool tokens) = {sizes} on rank "
+                f"{settings.tp_rank}: every rank needs the same sizes"
+            )
         self.page_size = settings.page_size
         self.offload_stride = settings.stride
         self.tp_group = tp_group
@@ -150,36 +171,68 @@ class DecodeKVCacheOffloadManager:
         self._finishing: list[RequestView] = []
         self._pending_ids: set[int] = set()
         # with kvfsm_store_process the store runs in a child process, which maps the (shared) host pool
-        host_pool = HostKVPool(kv, settings.host_slots, settings.page_size, settings.host_layout, pin_memory=on_gpu,
-                               shared=settings.store_process)
+        host_pool = HostKVPool(
+            kv,
+            settings.host_slots,
+            settings.page_size,
+            settings.host_layout,
+            pin_memory=on_gpu,
+            shared=settings.store_process,
+        )
         # in the child the store's writers take none of the scheduler's interpreter time (CHILD_FILE_WRITERS)
         writers = CHILD_FILE_WRITERS if settings.store_process else 1
-        make_store = functools.partial(FileStorage, settings.file_dir, model_name=settings.model_name,
-                                       tp_rank=settings.tp_rank, tp_size=settings.tp_size, is_mla=kv.is_mla,
-                                       layout=settings.file_layout, writers=writers,
-                                       page_dims=(kv.num_planes, kv.num_layers, settings.page_size), dtype=kv.dtype)
+        make_store = functools.partial(
+            FileStorage,
+            settings.file_dir,
+            model_name=settings.model_name,
+            tp_rank=settings.tp_rank,
+            tp_size=settings.tp_size,
+            is_mla=kv.is_mla,
+            layout=settings.file_layout,
+            writers=writers,
+            page_dims=(kv.num_planes, kv.num_layers, settings.page_size),
+            dtype=kv.dtype,
+        )
         # built here, closed here (release_host_resources)
         self._storage = in_processes(make_store, settings.store_processes) if settings.store_process else make_store()
         # The backup queue is left at kvfsm's default, which holds every chunk the host pool can: every acknowledged
         # copy's backup is queued at that progress check, as upstream's queues each one (`write_storage`).
-        options: dict[str, Any] = dict(page_size=settings.page_size, offload_stride=settings.stride,
-                                       host_layout=settings.host_layout, copy_backend="cuda" if on_gpu else "cpu",
-                                       storage_backend="file",
-                                       storage_dir=settings.file_dir, model_name=settings.model_name or "model",
-                                       retraction="fail_closed" if retraction == "refuse" else "deferred",
-                                       fenced_release=retraction == "fenced", checked=checked)
+        options: dict[str, Any] = dict(
+            page_size=settings.page_size,
+            offload_stride=settings.stride,
+            host_layout=settings.host_layout,
+            copy_backend="cuda" if on_gpu else "cpu",
+            storage_backend="file",
+            storage_dir=settings.file_dir,
+            model_name=settings.model_name or "model",
+            retraction="fail_closed" if retraction == "refuse" else "deferred",
+            fenced_release=retraction == "fenced",
+            checked=checked,
+        )
         self.manager = DecodeOffloadManager(
-            OffloadConfig(**options), device_pool=device_pool,
+            OffloadConfig(**options),
+            device_pool=device_pool,
             allocator=AllocatorView(token_to_kv_pool_allocator, device_pool.size),  # type: ignore[arg-type]
             req_to_token=TableView(req_to_token_pool, self._views),  # type: ignore[arg-type]
-            prefix_cache=PrefixCacheView(tree_cache), host_pool=host_pool, storage=self._storage,
+            prefix_cache=PrefixCacheView(tree_cache),
+            host_pool=host_pool,
+            storage=self._storage,
             # one copy per scheduler iteration: offload_kv_cache's chunks are submitted as one batch (_flush)
             copy_engine=CudaCopyEngine(device_pool.device) if on_gpu else CpuCopyEngine(),
-            tp_group=tp_group if consensus.world > 1 else None, tp_rank=settings.tp_rank, tp_size=settings.tp_size)
+            tp_group=tp_group if consensus.world > 1 else None,
+            tp_rank=settings.tp_rank,
+            tp_size=settings.tp_size,
+        )
         self.decode_host_mem_pool = host_pool
         self.ongoing_offload: Mapping[int, int] = _CopiesInFlight(self)
-        logger.info("kvfsm decode KV offload for SGLang: page %d, stride %d, host pool %d tokens (%s), store %s",
-                    self.page_size, self.offload_stride, settings.host_slots, settings.host_layout, settings.file_dir)
+        logger.info(
+            "kvfsm decode KV offload for SGLang: page %d, stride %d, host pool %d tokens (%s), store %s",
+            self.page_size,
+            self.offload_stride,
+            settings.host_slots,
+            settings.host_layout,
+            settings.file_dir,
+        )
 
     # --- the scheduler's calls (docs/sglang-upstream.md, "Where the scheduler calls it") --------------
     def offload_kv_cache(self, req: Any) -> bool:
@@ -375,8 +428,12 @@ class DecodeKVCacheOffloadManager:
         try:
             self.manager.released_by_engine(view)
         except EventRejected:
-            logger.error("request %r lost table row %d to the engine while a copy of its KV is in flight; "
-                         "kvfsm keeps the row until the copy is acknowledged", req.rid, row)
+            logger.error(
+                "request %r lost table row %d to the engine while a copy of its KV is in flight; "
+                "kvfsm keeps the row until the copy is acknowledged",
+                req.rid,
+                row,
+            )
             return
         if self._views.holder(row) is req:
             self._views.unpin(row)

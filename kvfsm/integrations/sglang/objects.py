@@ -151,8 +151,10 @@ class RequestViews:
         if view is not None and view._ref() is req:  # a live Req's id is its own: the check is for safety only
             return view
         if not hasattr(req, "kv") or not hasattr(req.kv, "req_pool_idx"):
-            raise InvalidRequest(f"{type(req).__name__} object {getattr(req, 'rid', '?')!r} has no `kv` "
-                                 f"(SGLang 0.5.23's ReqKvInfo): not an SGLang Req")
+            raise InvalidRequest(
+                f"{type(req).__name__} object {getattr(req, 'rid', '?')!r} has no `kv` "
+                f"(SGLang 0.5.23's ReqKvInfo): not an SGLang Req"
+            )
         try:
             view = RequestView(req, self._on_collected)
         except TypeError:
@@ -263,8 +265,11 @@ class AllocatorView:
         # which is `free_page_ids(slots[::page_size] // page_size)` once its debug checks are off (a subclass that
         # lays pages out otherwise, as page_interleave does, keeps its own `free_segment` and the slot path)
         paged = _paged_free_segment()
-        self.frees_page_ids = (paged is not None and getattr(type(allocator), "free_segment", None) is paged
-                               and not getattr(allocator, "debug_mode", True))
+        self.frees_page_ids = (
+            paged is not None
+            and getattr(type(allocator), "free_segment", None) is paged
+            and not getattr(allocator, "debug_mode", True)
+        )
 
     def free(self, slots: torch.Tensor | np.ndarray, fence: Optional[SlotFence] = None) -> None:
         """kvfsm frees a request's own pages, [cache_protected_len, allocated), whole and in slot order

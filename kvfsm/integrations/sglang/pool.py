@@ -27,15 +27,23 @@ def _buffers(kv_pool: Any) -> tuple[list[list[torch.Tensor]], bool]:
 
     name = type(kv_pool).__name__
     if isinstance(kv_pool, UnifiedSWAKVPool):
-        raise ConfigError("kv_cache", f"{name} (hybrid sliding-window attention) is not supported by kvfsm's SGLang "
-                                      f"adapter: its SWA pages would need their own host pool and transfers; use "
-                                      f"upstream's DecodeKVCacheOffloadManager for hybrid SWA models", SOURCE)
+        raise ConfigError(
+            "kv_cache",
+            f"{name} (hybrid sliding-window attention) is not supported by kvfsm's SGLang "
+            f"adapter: its SWA pages would need their own host pool and transfers; use "
+            f"upstream's DecodeKVCacheOffloadManager for hybrid SWA models",
+            SOURCE,
+        )
     if isinstance(kv_pool, MLATokenToKVPool):
         return [list(kv_pool.kv_buffer)], True
     if isinstance(kv_pool, MHATokenToKVPool):
         return [list(kv_pool.k_buffer), list(kv_pool.v_buffer)], False
-    raise ConfigError("kv_cache", f"unsupported KV cache type for decode offload: {name} (kvfsm's SGLang adapter "
-                                  f"takes MHATokenToKVPool and MLATokenToKVPool, as upstream)", SOURCE)
+    raise ConfigError(
+        "kv_cache",
+        f"unsupported KV cache type for decode offload: {name} (kvfsm's SGLang adapter "
+        f"takes MHATokenToKVPool and MLATokenToKVPool, as upstream)",
+        SOURCE,
+    )
 
 
 class SGLangDeviceKVPool(LayerBufferKVPool):

@@ -31,8 +31,11 @@ DEFAULT_FILE_DIR = "/tmp/hicache"  # HiCacheFile's default
 # always in the same one (kvfsm.dataplane.storage.ShardedStorage)
 STORE_PROCESS_KEY = "kvfsm_store_process"
 # SGLang's --hicache-mem-layout -> kvfsm's host layout and FileStorage page order (docs/page-layout.md)
-LAYOUTS: dict[str, Layout] = {"layer_first": "layer_first", "page_first": "page_first",
-                               "page_first_direct": "layer_first"}
+LAYOUTS: dict[str, Layout] = {
+    "layer_first": "layer_first",
+    "page_first": "page_first",
+    "page_first_direct": "layer_first",
+}
 
 
 def config_error(field_name: str, reason: str) -> ConfigError:
@@ -101,9 +104,12 @@ def _tp_rank_size() -> tuple[int, int]:
     for name in ("pp_size", "attn_cp_size", "attn_dcp_size"):
         value = _get(parallel, name, 1)
         if value not in (None, 1):
-            raise config_error(name, f"{value}: kvfsm's SGLang adapter names pages as HiCacheFile does without "
-                                     f"pipeline or context parallelism (the suffixes for {name} > 1 are not "
-                                     f"implemented)")
+            raise config_error(
+                name,
+                f"{value}: kvfsm's SGLang adapter names pages as HiCacheFile does without "
+                f"pipeline or context parallelism (the suffixes for {name} > 1 are not "
+                f"implemented)",
+            )
     return int(rank or 0), int(size or 1)
 
 
@@ -131,9 +137,12 @@ def read_settings(device_tokens: int, bytes_per_token: int, tp_group: Any) -> Se
             raise config_error("hicache_storage_backend_extra_config", f"must be a JSON object, got {extra_raw!r}")
     backend = getattr(memory, "hicache_storage_backend", None)
     if backend not in ("file",):
-        raise config_error("hicache_storage_backend", f"{backend!r}: kvfsm's SGLang adapter stores pages with "
-                                                      f"'file' (HiCacheFile's names and bytes) only; decode offload "
-                                                      f"needs a store (upstream fails without one too)")
+        raise config_error(
+            "hicache_storage_backend",
+            f"{backend!r}: kvfsm's SGLang adapter stores pages with "
+            f"'file' (HiCacheFile's names and bytes) only; decode offload "
+            f"needs a store (upstream fails without one too)",
+        )
     layout = getattr(memory, "hicache_mem_layout", "layer_first")
     if layout not in LAYOUTS:
         raise config_error("hicache_mem_layout", f"{layout!r}: kvfsm supports {sorted(LAYOUTS)}")
@@ -152,13 +161,23 @@ def read_settings(device_tokens: int, bytes_per_token: int, tp_group: Any) -> Se
     elif isinstance(store_process, int) and store_process >= 1:
         store_process, processes = True, store_process
     else:
-        raise config_error("hicache_storage_backend_extra_config", f"{STORE_PROCESS_KEY} must be true or false, "
-                                                                   f"or a whole number of processes >= 1, got "
-                                                                   f"{store_process!r}")
+        raise config_error(
+            "hicache_storage_backend_extra_config",
+            f"{STORE_PROCESS_KEY} must be true or false, or a whole number of processes >= 1, got {store_process!r}",
+        )
     model = get_serving().served_model_name or ""
-    return Settings(page_size=page_size, stride=offload_stride(page_size),
-                    host_slots=host_slots(memory, device_tokens, bytes_per_token, page_size),
-                    host_layout=LAYOUTS[layout], file_layout=LAYOUTS[layout], storage_backend=backend,
-                    storage_extra=extra,
-                    file_dir=str(file_dir), model_name=str(model), tp_rank=tp_rank, tp_size=tp_size,
-                    store_process=store_process, store_processes=processes)
+    return Settings(
+        page_size=page_size,
+        stride=offload_stride(page_size),
+        host_slots=host_slots(memory, device_tokens, bytes_per_token, page_size),
+        host_layout=LAYOUTS[layout],
+        file_layout=LAYOUTS[layout],
+        storage_backend=backend,
+        storage_extra=extra,
+        file_dir=str(file_dir),
+        model_name=str(model),
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        store_process=store_process,
+        store_processes=processes,
+    )
