@@ -112,6 +112,22 @@ def reasons(tree: Path, scope: str, changes: dict[str, str]) -> dict[str, str | 
     return json.loads(out.stdout)
 
 
+def rekey_verdicts(verdicts: list[dict], moves: dict[tuple[str, str], set[str]]) -> tuple[int, list[dict]]:
+    """Rewrite, in place, each verdict whose (function, change) `moves` maps to one new change text; (how many,
+    the verdicts left because two mutants of the function shared their old text and not their new one)."""
+    rekeyed, ambiguous = 0, []
+    for m in verdicts:
+        moved_to = moves.get((m["function"], m["change"]))
+        if moved_to is None:
+            continue
+        if len(moved_to) > 1:
+            ambiguous.append(m)
+            continue
+        (m["change"],) = moved_to
+        rekeyed += 1
+    return rekeyed, ambiguous
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", required=True, help="the revision whose mutant texts gpu_pass.json holds")
@@ -138,21 +154,20 @@ def main() -> int:
         lost = sorted(n for n in moved_reasons if (n.rsplit("__mutmut_", 1)[0], mutate._norm(old[n])) in recorded)
         for n in lost:
             print(f"{n}: its equivalence reason changed\n  was: {before[n]}\n  now: {after[n]}\n{new[n]}")
-        texts = {
-            (n.rsplit("__mutmut_", 1)[0], mutate._norm(old[n])): mutate._norm(new[n]) for n in old if old[n] != new[n]
-        }
+        texts: dict[tuple[str, str], set[str]] = {}
+        for n in old:
+            if old[n] != new[n]:
+                texts.setdefault((n.rsplit("__mutmut_", 1)[0], mutate._norm(old[n])), set()).add(mutate._norm(new[n]))
     record = json.loads(mutate.GPU_PASS.read_text())
-    rekeyed = 0
-    for m in record["mutants"]:
-        moved_to = texts.get((m["function"], m["change"]))
-        if moved_to is not None:
-            m["change"], rekeyed = moved_to, rekeyed + 1
+    rekeyed, ambiguous = rekey_verdicts(record["mutants"], texts)
     print(
         f"{len(old)} mutants, each the same AST in both trees; {len(texts)} changed their text, {rekeyed} of them "
         f"GPU pass verdicts; {len(lost)} recorded survivors' reasons changed, and "
         f"{len(moved_reasons) - len(lost)} other mutants'"
     )
-    if lost:
+    for m in ambiguous:
+        print(f"{m['function']}: two mutants shared the old text and now differ; this verdict was left:\n{m['change']}")
+    if lost or ambiguous:
         return 1
     if args.write and rekeyed:
         record["mutants"].sort(key=lambda r: (r["function"], r["change"]))
