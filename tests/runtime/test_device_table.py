@@ -97,9 +97,6 @@ class MirrorlessEngine(SimEngine):
         )
 
 
-_runs: list[Any] = []  # each _run's engine, last last
-
-
 class _ByPageId:
     """A device allocator that frees a request's pages by page id, as SGLang's paged allocator does through the
     adapter (`frees_page_ids`): the manager hands it the ids it reads from the table, never the slots. Each
@@ -122,8 +119,7 @@ class _ByPageId:
     def free_page_ids(self, pages: torch.Tensor, fence: Any) -> None:
         ids = pages.tolist()
         self.page_frees.append((ids, fence))
-        ps = self._inner.page_size
-        slots = torch.tensor([p * ps + i for p in ids for i in range(ps)], dtype=torch.int64)
+        slots = torch.from_numpy(self._inner.slots_of(ids))
         if fence is None:
             self._inner.free(slots)
         else:
@@ -136,11 +132,10 @@ class PageIdEngine(MirrorlessEngine):
         return self.by_id
 
 
-def _run(cls: type, prefix: int, fenced: bool = False) -> tuple[dict[str, bytes], list[int], int]:
-    """Three requests decoding, offloading one by one and in batches, one aborted under a copy; (stored
-    pages, the device allocator's free list, pages stored)."""
+def _run(cls: type, prefix: int, fenced: bool = False) -> tuple[tuple[dict[str, bytes], list[int], int], Any]:
+    """Three requests decoding, offloading one by one and in batches, one aborted under a copy; ((stored
+    pages, the device allocator's free list, pages stored), the engine)."""
     e = cls(page_size=2, stride=4, device_slots=64, host_slots=32, rows=3, checked=True, fenced=fenced)
-    _runs.append(e)
     reqs = [e.admit(f"r{i}", 6, prefix) for i in range(3)]
     for step in range(9):
         for req in reqs:
@@ -161,7 +156,7 @@ def _run(cls: type, prefix: int, fenced: bool = False) -> tuple[dict[str, bytes]
     e.settle()
     e.check_teardown()
     stored = {k: v.numpy().tobytes() for k, v in e.store.pages.items()}
-    return stored, list(e.allocator._free_pages), e.manager.metrics.stored_pages  # free-list order: same frees
+    return (stored, list(e.allocator._free_pages), e.manager.metrics.stored_pages), e  # free-list order: same frees
 
 
 @pytest.mark.parametrize("prefix", [0, 2])
@@ -169,7 +164,7 @@ def test_lifecycles_through_the_device_table_match_the_mirror(prefix: int, monke
     runs = []
     for cls in (SimEngine, MirrorlessEngine):
         monkeypatch.setattr(engine_mod, "_serials", itertools.count(1))  # the same writers' KV in both runs
-        runs.append(_run(cls, prefix))
+        runs.append(_run(cls, prefix)[0])
     mirror, mirrorless = runs
     assert mirrorless == mirror and mirror[2] > 0
 
@@ -186,9 +181,9 @@ def test_an_allocator_that_frees_by_page_id_gets_each_requests_own_pages_with_it
     for cls in (SimEngine, PageIdEngine):
         monkeypatch.setattr(engine_mod, "_serials", itertools.count(1))
         runs.append(_run(cls, prefix, fenced))
-    mirror, by_id = runs
+    (mirror, _), (by_id, engine) = runs
     assert by_id == mirror and mirror[2] > 0
-    alloc = _runs[-1].by_id
+    alloc = engine.by_id
     assert alloc.slot_frees == 0 and len(alloc.page_frees) == 3  # one free a request
     freed = [p for ids, _ in alloc.page_frees for p in ids]
     assert freed and len(freed) == len(set(freed))
