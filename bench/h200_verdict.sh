@@ -55,9 +55,10 @@ for s in $STEPS; do
         --store-process 4 --stall-ms 15 --out "$W/sglang_adapter_gpu-sharded-$TAG.json" ;;
     sharded) step serving_loop_sharded 300 python3 bench/serving_loop.py --live 4096 --pages 16/16 64/64 --tables cuda \
         --storage sharded process --store-processes 4 --no-baseline --out "$W/serving_loop_sharded-$TAG.json" ;;
-    phases) # each door's phases and the steps inside them, and the no-op door's in-situ limit probe (bare_door)
+    phases) # each door's phases and the steps inside them, and the in-situ limit probes: the no-op door (bare_door) and
+        # the least-read door (bare_read_door)
         step door_phases 240 python3 bench/probes/door_phases.py --live 4096 --pages 64 16 --detail \
-        --modes adapter batch bare_door --out "$W/door_phases-$TAG.json" ;;
+        --modes adapter batch bare_door bare_read_door --out "$W/door_phases-$TAG.json" ;;
     ab) # a change measured against the tree before it, alternating (bench/ab_trees.py): AB_BASE names that tree
         # (`git archive REV kvfsm generated spec | tar -x -C DIR`, carried), AB_ARGS the adapter bench's arguments
         step ab_trees 540 python3 bench/ab_trees.py --base "${AB_BASE:?set AB_BASE to the tree before the change}" \
