@@ -1,6 +1,7 @@
 """`bench/probes/door_phases.py` on CPU pools: each mode's phases are timed, `--detail` times the steps inside
-them, `bare_door` times SGLang's per-request loop over a no-op in front of the floor, and the limit probe in
-`targets` is read from the same run's rows. A check of the probe, never of a figure (those come from the GPU
+them and counts their calls, `bare_door` and `bare_read_door` time SGLang's per-request loop in front of the floor
+over a no-op and over the least-read early exit, and the limit probes in `targets` are read from the same run's
+rows. A check of the probe, never of a figure (those come from the GPU
 host, docs/performance.md)."""
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ sys.path.insert(0, str(ROOT / "bench" / "probes"))
 import door_phases  # noqa: E402
 
 
-def test_the_probe_times_each_mode_its_steps_and_the_no_op_door(tmp_path: Path) -> None:
+def test_the_probe_times_each_mode_its_steps_and_both_doors(tmp_path: Path) -> None:
     out = tmp_path / "door.json"
     assert (
         door_phases.main(
@@ -38,6 +39,7 @@ def test_the_probe_times_each_mode_its_steps_and_the_no_op_door(tmp_path: Path) 
                 "adapter",
                 "batch",
                 "bare_door",
+                "bare_read_door",
                 "--detail",
                 "--out",
                 str(out),
@@ -47,7 +49,7 @@ def test_the_probe_times_each_mode_its_steps_and_the_no_op_door(tmp_path: Path) 
     )
     got = json.loads(out.read_text())
     rows = {r["mode"]: r for r in got["rows"]}
-    assert list(rows) == ["adapter", "batch", "bare_door"]
+    assert list(rows) == ["adapter", "batch", "bare_door", "bare_read_door"]
     phases = {mode: set(r["phases_ms"]) for mode, r in rows.items()}
     assert {
         "_flush",
@@ -61,15 +63,27 @@ def test_the_probe_times_each_mode_its_steps_and_the_no_op_door(tmp_path: Path) 
     assert {"noop_door", "offload_batch", "check_progress"} <= phases["bare_door"]
     assert "_submit" not in phases["bare_door"]  # the floor: none of kvfsm's manager calls
     assert rows["bare_door"]["phases_ms"]["noop_door"]["median"] > 0
+    assert {"read_door", "offload_batch", "check_progress"} <= set(rows["bare_read_door"]["phases_ms"])
+    assert "noop_door" not in rows["bare_read_door"]["phases_ms"]
+    # the calls an iteration: one progress check, one submit; as many finishes through either door (same workload)
+    calls = {mode: r["calls_per_iteration"] for mode, r in rows.items()}
+    assert calls["adapter"]["check_progress"] == calls["batch"]["check_progress"] == 1.0
+    assert calls["batch"]["_submit"] == calls["batch"]["offload_batch"] <= 1.0
+    # SGLang finalizes a finished Req only when its call took no chunk; the batch door finalizes every one
+    assert calls["batch"].get("finalize", 0.0) >= calls["adapter"].get("finalize_release_on_finish", 0.0)
+    assert set(calls["adapter"]) == {
+        k for k in rows["adapter"]["phases_ms"] if not k.endswith("_ms") and k != "outermost"
+    }
 
     def total(mode: str) -> float:
         p = rows[mode]["phases_ms"]
         return float(p["offload_ms"]["median"] + p["check_ms"]["median"])
 
     targets = {t["name"]: t for t in got["targets"]}
-    limit = targets["limit probe: (batch + no-op door) / batch, median, 96 live 16/16"]
-    door = rows["bare_door"]["phases_ms"]["noop_door"]["median"]
-    assert limit["value"] == pytest.approx((total("batch") + door) / total("batch"))
+    for what, mode, key in (("noop", "bare_door", "noop_door"), ("read", "bare_read_door", "read_door")):
+        limit = targets[f"limit probe: (batch + {what} door) / batch, median, 96 live 16/16"]
+        door = rows[mode]["phases_ms"][key]["median"]
+        assert limit["value"] == pytest.approx((total("batch") + door) / total("batch"))
     assert targets["adapter / batch, median calls + check, 96 live 16/16"]["value"] == pytest.approx(
         total("adapter") / total("batch")
     )
@@ -83,9 +97,37 @@ def test_the_no_op_door_calls_nothing_but_is_timed_only_in_timed_iterations() ->
     loop = SimpleNamespace(live=live, offload=lambda ended, batch_args=None: seen.append((ended, batch_args)) or 3)
     into: dict[str, float] = {"noop_door": 0.0}
     timed = [False]
-    door_phases._door_in_front(loop, into, timed)
+    door_phases._door_in_front(loop, into, timed, lambda req: False, "noop_door")
     assert loop.offload(["e"], "args") == 3 and seen == [(["e"], "args")]
     assert into["noop_door"] == 0.0
     timed[0] = True
     assert loop.offload([], None) == 3
     assert into["noop_door"] > 0.0 and len(seen) == 2
+
+
+def test_the_read_door_reads_each_reqs_committed_length_and_is_never_due() -> None:
+    """The least-read exit looks the Req up in its own state and reads `req.kv.kv_committed_len`; it answers False
+    however long the Req grows (only the exit is timed), and a Req without `kv` fails it."""
+
+    class Req:  # hashed by identity, as SGLang's Req
+        def __init__(self) -> None:
+            self.kv = SimpleNamespace(kv_committed_len=0)
+            self.finished_reason = None
+
+    exit_ = door_phases.CommittedExit()
+    req = Req()
+    assert exit_.offload_kv_cache(req) is False
+    req.kv.kv_committed_len = 10**12
+    assert exit_.offload_kv_cache(req) is False and list(exit_.due) == [req]
+    with pytest.raises(AttributeError):
+        exit_.offload_kv_cache(object())
+    into: dict[str, float] = {"read_door": 0.0}
+    seen: list[Any] = []
+    loop = SimpleNamespace(live=[req, req], offload=lambda ended, batch_args=None: 0)
+
+    def callee(r: Any) -> bool:
+        seen.append(r)
+        return exit_.offload_kv_cache(r)
+
+    door_phases._door_in_front(loop, into, [True], callee, "read_door")
+    assert loop.offload([], None) == 0 and seen == [req, req] and into["read_door"] > 0.0
