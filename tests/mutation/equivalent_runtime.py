@@ -42,6 +42,13 @@ EQUIVALENT: list[tuple[str, str, str]] = [
         r"\+ seqs = np\.arange\(self\._first, self\._next, (dtype=None)?\)",
         "np.arange of two Python ints is int64 whether or not the dtype is given",
     ),
+    (
+        "xǁStoredPageIndexǁ_grow",
+        r"- seqs = np\.arange\(self\._first, self\._next, dtype=np\.int64\)\n"
+        r"\+ seqs = np\.arange\(self\._next, dtype=np\.int64\)",
+        "the ring grows only below its limit and drops an entry only at it (put, put_many), so _first is 0 whenever "
+        "_grow runs and arange(_next) is arange(_first, _next)",
+    ),
     # --- the release by page id ------------------------------------------------------------------------------
     (
         "xǁOffloadEffectsǁ__init__",
