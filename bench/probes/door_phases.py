@@ -48,6 +48,7 @@ PHASES = {
         ("adapter", "finalize_release_on_finish"),
         ("adapter", "_flush"),
         ("manager", "submit_reserved"),
+        ("manager", "_submit"),  # inside submit_reserved: what is left of it is the reservations' own loop
         ("manager", "check_progress"),
     ],
     "batch": [

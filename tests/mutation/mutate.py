@@ -692,7 +692,8 @@ def survivor_line(function: str, num: str, status: str, change: str, why: str | 
 
 def _readable(function: str, change: str) -> tuple[str, str, str]:
     """A mutant for people: the function as written in its module, the line it changes and what it becomes."""
-    fn = function.rsplit(".", 1)[-1].replace("x\u01c1", "").replace("\u01c1", ".").removeprefix("x_")
+    fn = function.rsplit(".", 1)[-1]  # mutmut's x_func or x\u01c1Class\u01c1method ("Index" ends in an x too)
+    fn = fn[2:].replace("\u01c1", ".") if fn.startswith("x\u01c1") else fn.removeprefix("x_")
     old = " / ".join(l[1:].strip() for l in change.splitlines() if l.startswith("-"))
     new = " / ".join(l[1:].strip() for l in change.splitlines() if l.startswith("+"))
     return fn, _md(old), _md(new)

@@ -76,3 +76,15 @@ def test_the_report_names_a_refresh_from_the_record() -> None:
     assert "rebuilt from tests/mutation/verdicts.json.xz" in restored and "1.5 min" in restored
     assert "after a change to 0 mutated files" in mutate._later_pass({"changed": [], "seconds": 60})
     assert "7 survivors run again" in mutate._later_pass({"survivors": 7, "seconds": 60})
+
+
+def test_a_survivor_names_its_function_as_written_even_when_the_class_name_ends_in_x() -> None:
+    """mutmut names a method x<U+01C1>Class<U+01C1>method: the report writes Class.method, without eating the x that
+    ends a class name (StoredPageIndex) and with the dot between the two."""
+    change = "- a = 1\n+ a = 2"
+    assert mutate._readable("kvfsm.runtime.stored_index.x\u01c1StoredPageIndex\u01c1_grow", change) == (
+        "StoredPageIndex._grow",
+        "a = 1",
+        "a = 2",
+    )
+    assert mutate._readable("kvfsm.runtime.build.x_storage_factory", change)[0] == "storage_factory"
