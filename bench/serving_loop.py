@@ -5,7 +5,7 @@ Each iteration, as an overlap scheduler runs it:
    boundary, written to the request table), and enqueues the decode step on the compute stream: the
    new KV rows are written into the device pool, then bf16 matmuls fill the step to `--step-ms`;
 2. while the GPU runs that step (and the previous one), the scheduler thread calls the manager, timed:
-   `offload_batch(live, rows, committed)`, `finalize(req)` for the requests that just finished, and
+   `offload_batch(live, rows, committed)`, `finalize_batch(ended)` for the requests that just finished, and
    `check_progress()`, all under `torch.cuda.set_sync_debug_mode("error")`: a manager call that waited
    for the GPU would raise and end the run;
 3. the engine admits new requests in the finished ones' place (prefill KV written on the compute
@@ -442,7 +442,11 @@ class ServingLoop:
                     t1 = time.perf_counter()
                     for req in ended:
                         req.done = True
-                        mgr.finalize(req)
+                    if self.kvfsm:  # kvfsm's batch door: the iteration's finishes as one batch event
+                        mgr.finalize_batch(ended)
+                    else:
+                        for req in ended:
+                            mgr.finalize(req)
                     t2 = time.perf_counter()
                     mgr.check_progress()
                     t3 = time.perf_counter()

@@ -7,7 +7,7 @@ Three managers run the same serving workload over SGLang 0.5.23's `ReqToTokenPoo
   `check_offload_progress()` per iteration, then `offload_kv_cache(req)` for every request of the decode
   batch, and `finalize_release_on_finish(req)` for a finished request whose call returned False;
 - `batch`: kvfsm's own batch API on the same adapter's manager (the same pools, copy engine and store):
-  `offload_batch(views, rows, committed)`, `finalize(view)` per finished request, `check_progress()`;
+  `offload_batch(views, rows, committed)`, `finalize_batch(views)` for the finished requests, `check_progress()`;
 - `bare`: the floor of any manager on this layout: due requests picked from the batch arrays (numpy), their
   slots gathered on the device in one gather, host pages, ONE copy through the same `CudaCopyEngine`, host
   pages freed on completion, finished requests released once their copies landed. No lifecycle, checks,
@@ -383,8 +383,7 @@ class Loop:
         if mode == "batch":
             m = self.manager
             chunks = m.offload_batch(views, rows, committed)
-            for v in done:
-                m.finalize(v)
+            m.finalize_batch(done)
             return chunks
         bare = self.bare
         assert bare is not None

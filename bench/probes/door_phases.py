@@ -54,7 +54,7 @@ PHASES = {
     "batch": [
         ("manager", "offload_batch"),
         ("manager", "_submit"),
-        ("manager", "finalize"),
+        ("manager", "finalize_batch"),
         ("manager", "check_progress"),
     ],
 }

@@ -674,6 +674,37 @@ class DecodeOffloadManager:
         """The request finished: release now, or at its last copy acknowledgement (the seed's finalize)."""
         self._end(req, "finish")
 
+    def finalize_batch(self, reqs: Sequence[OffloadRequest]) -> None:
+        """`finalize(r)` for each request of `reqs`, in order, as one batch `finish` event: the transitions, frees
+        and metrics of that loop, with the releases it makes at once freed together (`release_request_each`).
+        Every request is checked before any lifecycle ends, so a call that raises (a request field missing or
+        invalid) ended none. A request that is not its live lifecycle's current object (never admitted, or
+        admitted again since it ended) takes `finalize`'s own path, and then so does the whole call."""
+        recs: list[LiveRecord] = []
+        try:
+            for req in reqs:
+                rec = self._records.get(id(req))
+                if rec is None or rec.req_ref() is not req or self._readmitted(rec, req):
+                    for r in reqs:  # an admission on the way: the loop, whose checks see the ends before them
+                        self._end(r, "finish")
+                    return
+                check_request_lengths(req)
+                recs.append(rec)
+        except AttributeError as exc:
+            raise_if_field_missing(req, exc)
+            raise
+        ignored, seen = spec_gen.IGNORED["finish"], set()
+        for rec in recs:  # a repeated request's later finishes are no-ops: its first left it ended
+            if rec.machine.state in ignored or id(rec) in seen:
+                self.metrics.ignored_duplicate_releases += 1
+            seen.add(id(rec))
+        DecodeOffloadMachine.finish_each([rec.machine for rec in recs], [None] * len(recs))
+        if recs:
+            self._due_at[[rec.row for rec in recs]] = -1  # ended: offload looks at the request itself
+        if logger.isEnabledFor(_DEBUG):
+            for rec in recs:
+                logger.debug("request %s finish (batch): now %s", rec.key, spec_gen.STATES[rec.machine.state])
+
     def abort(self, req: OffloadRequest) -> None:
         self._end(req, "abort")
 

@@ -135,7 +135,10 @@ class PrefixCache(Protocol):
     The pages of a request's matched prefix, positions [0, prefix_len), belong to the cache, not to the
     request: at admission the engine locks them for the request (the lock is the request's optional `lock`
     field); at release the manager unlocks that lock, exactly once, and never frees those pages. Evicting
-    them, once no request holds a lock on them, is the cache's business."""
+    them, once no request holds a lock on them, is the cache's business. A cache whose unlock never frees a device
+    page (SGLang's tree cache) may say so with `frees_at_unlock = False`: the manager then frees the pages of the
+    releases one batch event makes in one call, before their unlocks; otherwise it releases them one by one, since
+    an unlock's evictions would come between two requests' pages (kvfsm's SimplePrefixCache)."""
 
     def unlock(self, lock: Any) -> None: ...
 
@@ -157,6 +160,8 @@ class SimplePrefixCache:
     evicts them (returns them to the allocator) at the last unlock: the smallest cache an engine without a
     radix tree can give the manager, and the one kvfsm's engines and tests use. It refuses to unlock a lock
     twice (B4) and can be audited at teardown (`size`, `locked_pages`; B3)."""
+
+    frees_at_unlock = True  # the last unlock of a page evicts it to the allocator
 
     def __init__(self, allocator: Optional[Any] = None) -> None:
         self.allocator = allocator  # where evicted pages go (None: nothing is ever locked with slots)

@@ -6,6 +6,7 @@ tests/upstream/test_adapter_gpu.py."""
 from __future__ import annotations
 
 import itertools
+import random
 from typing import Any
 
 import numpy as np
@@ -116,6 +117,9 @@ class _ByPageId:
         self.slot_frees += 1
         self._inner.free(slots, **kw)
 
+    def frees_newest_first(self) -> bool:
+        return False  # the engine's allocator hands out the pages freed first first: a batch goes in request order
+
     def free_page_ids(self, pages: torch.Tensor, fence: Any) -> None:
         ids = pages.tolist()
         self.page_frees.append((ids, fence))
@@ -189,3 +193,71 @@ def test_an_allocator_that_frees_by_page_id_gets_each_requests_own_pages_with_it
     assert freed and len(freed) == len(set(freed))
     fences = [fence for _, fence in alloc.page_frees]
     assert any(fences) if fenced else not any(fences)  # fenced: released under copies still in flight
+
+
+def _finishes(batched: bool, seed: int, cls: type) -> tuple[list[Any], Any]:
+    """A random workload whose requests end several at a step, by one `finalize_batch` or a loop of `finalize`
+    (a request repeated, one already ended, one the manager never saw among them), unchecked so that batch events
+    run as batches; what each step leaves (lifecycles, metrics, rows, the device free list in order, the host
+    pool) and the engine."""
+    rng = random.Random(seed)
+    e = cls(page_size=2, stride=4, device_slots=160, host_slots=48, rows=8, max_context=40, checked=False)
+    log: list[Any] = []
+    serial, ended = 0, []
+    for step in range(40):
+        while len(e.live) < e.rows and rng.random() < 0.5:
+            serial += 1
+            e.admit(f"r{serial}", rng.randint(2, 9), prefix_len=2 * (rng.random() < 0.2))
+        for req in list(e.live):
+            if not e.decode(req):
+                e.end(req, "retract")
+        seen = [r for r in e.live if rng.random() < 0.85]  # the rest are new to the manager when they end
+        e.manager.offload_batch(
+            seen, np.array([r.req_pool_idx for r in seen]), np.array([r.kv_committed_len for r in seen])
+        )
+        if rng.random() < 0.7:
+            e.copies.complete_all()
+        if rng.random() < 0.6 and e.worker.pending:
+            e.worker.run_all()
+        e.manager.check_progress()
+        ending = rng.sample(e.live, min(len(e.live), rng.randint(0, 4)))
+        for req in ending:
+            req.done = True
+            e.live.remove(req)
+        calls = ending + ending[:1] * (step % 3 == 0) + ended[-1:] * (step % 5 == 0)
+        if batched:
+            e.manager.finalize_batch(calls)
+        else:
+            for req in calls:
+                e.manager.finalize(req)
+        ended += ending
+        states = sorted(
+            (rec.rid, rec.machine.state, rec.inc_len) for rec in e.manager._records.values() if rec.machine is not None
+        )
+        log.append(
+            (
+                states,
+                e.manager.metrics.as_dict(),
+                e.req_to_token.free_rows,
+                list(e.allocator._free_pages),
+                e.host_pool.free_slots,
+            )
+        )
+        del ending, calls
+    return log, e
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("cls", [SimEngine, PageIdEngine], ids=["mirror", "page-ids"])
+def test_finalize_batch_makes_the_transitions_and_frees_of_a_loop_of_finalize(seed: int, cls: type) -> None:
+    """One batch `finish` event for a step's finishes: the same lifecycles, metrics (a repeated request's second
+    finish is an ignored duplicate), rows and device free list, in order, as `finalize` one request at a time;
+    through an allocator that frees by page id, the releases one event makes are one free."""
+    loop, _ = _finishes(False, seed, cls)
+    batch, engine = _finishes(True, seed, cls)
+    for step, (a, b) in enumerate(zip(loop, batch)):
+        assert a == b, f"step {step}: loop and batch diverge"
+    assert batch[-1][1]["releases"] > 5 and batch[-1][1]["ignored_duplicate_releases"] > 0
+    if cls is PageIdEngine:
+        sizes = [len(ids) for ids, _ in engine.by_id.page_frees]
+        assert engine.by_id.slot_frees == 0 and len(sizes) < batch[-1][1]["releases"]  # some frees held several

@@ -169,6 +169,18 @@ def _scenarios() -> list[Scenario]:
     )
     out.append(
         Scenario(
+            # Requests that end at the same step, most with a chunk due at their last call: a flush finishes them
+            # together and one progress check acknowledges their last copies, so their releases come as one batch
+            name="finish-together",
+            page_size=ps,
+            requests=tuple(
+                ReqSpec(f"t{i}", _prompt(4 + i, base=100 * i + 1), decode=9, prefix=4 * (i % 2)) for i in range(8)
+            ),
+            tags=frozenset({"plain"}),
+        )
+    )
+    out.append(
+        Scenario(
             name="abort-while-copies-pile-up",
             page_size=ps,
             requests=(ReqSpec("a", _prompt(5), decode=13, end="abort"),),

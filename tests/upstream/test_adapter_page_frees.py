@@ -119,3 +119,38 @@ def test_a_free_inside_sglangs_free_group_comes_back_at_its_end(path: str) -> No
     assert _free_pages(allocator) == before  # nothing back before the group's end
     allocator.free_group_end()
     assert _free_pages(allocator) == sorted(before + pages)
+
+
+@pytest.mark.parametrize("need_sort", [False, True], ids=["unsorted", "need-sort"])
+@pytest.mark.parametrize("grouped", [False, True], ids=["at-once", "free-group"])
+def test_one_free_laid_out_as_frees_newest_first_says_leaves_the_free_list_of_one_free_a_request(
+    grouped: bool, need_sort: bool
+) -> None:
+    """kvfsm frees the pages of several releases in one call (OffloadEffects.release_request_each), in request order
+    or, where the allocator hands out the newest free first, the reverse: SGLang's free list is then exactly, in
+    order, what one `free_page_ids` a request leaves, inside a free group and outside one."""
+    (kv, one_by_one), (_, batched) = _paged(), _paged()
+    view = AllocatorView(batched, int(kv.size))
+    ps = int(batched.page_size)
+    for allocator in (one_by_one, batched):
+        allocator.need_sort = need_sort
+    assert view.frees_newest_first() == (not need_sort)  # no group open yet
+    spans = []
+    for n in (2, 1, 3):
+        slots, again = one_by_one.alloc(n * ps), batched.alloc(n * ps)
+        assert slots is not None and again is not None and torch.equal(slots, again)
+        spans.append(slots[::ps] // ps)
+    if grouped:
+        one_by_one.free_group_begin()
+        batched.free_group_begin()
+    newest_first = view.frees_newest_first()
+    assert newest_first == (not grouped and not need_sort)
+    for ids in spans:
+        one_by_one.free_page_ids(ids)
+    view.free_page_ids(torch.cat(spans[::-1] if newest_first else spans))
+    if grouped:
+        one_by_one.free_group_end()
+        batched.free_group_end()
+    assert batched.free_pages.tolist() == one_by_one.free_pages.tolist()
+    assert [t.tolist() for t in batched.staged_pages] == [t.tolist() for t in one_by_one.staged_pages] or need_sort
+    assert _free_pages(batched) == _free_pages(one_by_one)

@@ -119,8 +119,10 @@ class _KvfsmProbe(harness.Probe):
 class ProbedAdapter(DecodeKVCacheOffloadManager):
     """The adapter in checked mode (slot ledger and spec invariants on every transition), with the probe."""
 
+    CHECKED = True
+
     def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs, checked=True)
+        super().__init__(**kwargs, checked=self.CHECKED)
 
     @staticmethod
     def harness_probe() -> harness.Probe:
@@ -146,6 +148,14 @@ class DeviceTableAdapter(ProbedAdapter):
         finally:
             adapter_module.TableView = TableView
         assert self.manager.fx.device_table is not None
+
+
+class ProductionDeviceTableAdapter(DeviceTableAdapter):
+    """DeviceTableAdapter unchecked, as a server runs it: checked mode runs every batch event item by item, this
+    runs them as batches, so the releases one event makes free their pages in one call
+    (OffloadEffects.release_request_each) and a flush's finishing requests end in one `finalize_batch`."""
+
+    CHECKED = False
 
 
 class ProcessStoreAdapter(ProbedAdapter):
@@ -215,6 +225,17 @@ AT_ONCE = (
 def test_adapter_freeing_outside_a_free_group_matches_upstream(name: str, cls: type) -> None:
     sc = BY_NAME[name]
     diffs = harness.diff_runs(_run(sc, harness.UpstreamManager, False), _run(sc, cls, False))
+    assert diffs == [], "\n".join(diffs)
+
+
+@pytest.mark.parametrize("free_group", [True, False], ids=["free-group", "at-once"])
+@pytest.mark.parametrize("sc", [s for s in SCENARIOS if s.name not in INTENDED], ids=lambda s: s.name)
+def test_the_unchecked_adapter_on_the_device_table_matches_upstream(sc: Scenario, free_group: bool) -> None:
+    """The production path (no checked mode), its releases' pages freed a batch at a time: the same frees, in the
+    same order, inside SGLang's free group and outside it, as upstream's one free a request."""
+    diffs = harness.diff_runs(
+        _run(sc, harness.UpstreamManager, free_group), _run(sc, ProductionDeviceTableAdapter, free_group)
+    )
     assert diffs == [], "\n".join(diffs)
 
 

@@ -69,8 +69,7 @@ def test_the_probe_times_each_mode_its_steps_and_both_doors(tmp_path: Path) -> N
     calls = {mode: r["calls_per_iteration"] for mode, r in rows.items()}
     assert calls["adapter"]["check_progress"] == calls["batch"]["check_progress"] == 1.0
     assert calls["batch"]["_submit"] == calls["batch"]["offload_batch"] <= 1.0
-    # SGLang finalizes a finished Req only when its call took no chunk; the batch door finalizes every one
-    assert calls["batch"].get("finalize", 0.0) >= calls["adapter"].get("finalize_release_on_finish", 0.0)
+    assert calls["batch"].get("finalize_batch", 0.0) <= 1.0  # the batch door: the iteration's finishes in one call
     assert set(calls["adapter"]) == {
         k for k in rows["adapter"]["phases_ms"] if not k.endswith("_ms") and k != "outermost"
     }

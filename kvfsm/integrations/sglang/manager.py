@@ -372,8 +372,7 @@ class DecodeKVCacheOffloadManager:
         try:
             self.manager.submit_reserved(pending)
         finally:
-            for view in finishing:
-                self.manager.finalize(view)
+            self.manager.finalize_batch(finishing)  # one batch event: the releases it makes at once, freed together
         finished = set(map(id, finishing))
         for r in pending:
             view = cast(RequestView, r.req)  # what this adapter reserved

@@ -197,6 +197,10 @@ class RequestViews:
 class PrefixCacheView:
     """SGLang's tree cache as kvfsm's PrefixCache (`unlock(lock)`)."""
 
+    # An unlock frees no device page: SGLang's `dec_lock_ref` moves the node's pages from protected to evictable, and
+    # only `evict()` frees them (read by OffloadEffects.release_request_each: several releases' pages in one free)
+    frees_at_unlock = False
+
     def __init__(self, tree_cache: Any) -> None:
         self.tree_cache = tree_cache
 
@@ -293,6 +297,15 @@ class AllocatorView:
             fence.wait()
         if len(pages):
             self.allocator.free_page_ids(pages)
+
+    def frees_newest_first(self) -> bool:
+        """Whether pages freed now are handed out before those freed earlier: SGLang's paged allocator puts each
+        free's pages at the front of its free list, unless a free group holds them (they go back at the group's
+        end, in the order freed) or it stages them for sorting (`need_sort`: then the order is the sort's). kvfsm
+        frees a batch of releases' pages in one call laid out so (effects' `release_request_each`), which leaves
+        the free list as one free a request does."""
+        allocator = self.allocator
+        return allocator.free_group is None and not getattr(allocator, "need_sort", False)
 
     def owns_page_list(self, pages: Sequence[int]) -> bool:
         return False
