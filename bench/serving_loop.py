@@ -442,7 +442,7 @@ class ServingLoop:
                     t1 = time.perf_counter()
                     for req in ended:
                         req.done = True
-                    if self.kvfsm:  # kvfsm's batch door: the iteration's finishes as one batch event
+                    if self.kvfsm and hasattr(mgr, "finalize_batch"):  # kvfsm's batch door: one batch event
                         mgr.finalize_batch(ended)
                     else:
                         for req in ended:

@@ -383,7 +383,11 @@ class Loop:
         if mode == "batch":
             m = self.manager
             chunks = m.offload_batch(views, rows, committed)
-            m.finalize_batch(done)
+            if hasattr(m, "finalize_batch"):
+                m.finalize_batch(done)
+            else:  # a tree from before finalize_batch (bench/ab_trees.py --base)
+                for v in done:
+                    m.finalize(v)
             return chunks
         bare = self.bare
         assert bare is not None
