@@ -64,6 +64,41 @@ EQUIVALENT: list[tuple[str, str, str]] = [
         "slots_freed is read only by the DEBUG log line's count of freed slots, text for people",
     ),
     (
+        "xǁDeviceTableSlotsǁpage_ids_many",
+        r"- out = torch\.empty\(total, dtype=torch\.int64, device=self\.device\)\n"
+        r"\+ out = torch\.empty\(total, dtype=torch\.int64, (device=None)?\)",
+        "not told apart on a CPU-only host: a tensor made with no device is on the CPU, the table's own device there "
+        "(a table on CUDA would get a CPU output, which torch.div's out= refuses)",
+    ),
+    (
+        "xǁDeviceTableSlotsǁpage_ids_many",
+        r"- (flat = .*) \+ np\.arange\(total, dtype=np\.int64\) \* ps\n\+ \1 \+ np\.arange\(total, (dtype=None)?\) \* ps",
+        "np.arange of a Python int is int64 whether or not the dtype is given",
+    ),
+    (
+        "xǁOffloadEffectsǁrelease_request_each",
+        r"- self\._release_row\(rec, req, None, (.*)\)\n\+ self\._release_row\(rec, req, None, .*\)",
+        "the count of freed slots reaches only _release_row's DEBUG log line, text for people",
+    ),
+    (
+        "xǁOffloadEffectsǁ_release",
+        r"- self\._release_row\(rec, req, fence, slots_freed\)\n\+ self\._release_row\(rec, req, None, slots_freed\)",
+        "the fence reaches _release_row only for its DEBUG log line (the frees that need it are made before)",
+    ),
+    (
+        "xǁOffloadEffectsǁrelease_request_each",
+        r"- if by_id is None or self\.ledger is not None or len\(items\) < 2 or unlock_frees:\n"
+        r"\+ if by_id is None or self\.ledger is not None (and len\(items\) < 2|or len\(items\) (<= 2|< 3)) or unlock_frees:",
+        "a batch event is never given a ledger's effects (checked mode observes every machine, and the generated batch "
+        "events then run item by item, calling the single action); a batch of two released one at a time frees the "
+        "same pages in the same order as the one free that lays them out so, only with one call more",
+    ),
+    (
+        "xǁOffloadEffectsǁrelease_request_each",
+        r"- self\.release_request\(m, arg\)(.*)\n\+ self\.release_request\(m, None\)\1",
+        "release_request reads only its machine (a copy_done's chunk or a finish's None, never used)",
+    ),
+    (
         "xǁDeviceTableSlotsǁpage_ids",
         r"- out = torch\.empty\(firsts\.shape\[0\], dtype=torch\.int64, device=self\.device\)\n"
         r"\+ out = torch\.empty\(firsts\.shape\[0\], dtype=torch\.int64, (device=None)?\)",
@@ -119,13 +154,13 @@ EQUIVALENT: list[tuple[str, str, str]] = [
         "np.arange of a Python int is int64 whether or not the dtype is given",
     ),
     (
-        "xǁDeviceTableSlotsǁspans",
+        "xǁDeviceTableSlotsǁ(spans|page_ids_many)",
         r'- if self\.device\.type == "cuda":\n\+ if self\.device\.type == "(XXcudaXX|CUDA)":',
         "not told apart on a CPU-only host, where the table's device is the CPU and the upload branch is skipped either "
         "way (a GPU run of tests/upstream/test_adapter_gpu.py sees the difference)",
     ),
     (
-        "xǁDeviceTableSlotsǁspans",
+        "xǁDeviceTableSlotsǁ(spans|page_ids_many)",
         r"- positions = positions\.pin_memory\(\)\.to\(self\.device, non_blocking=True\) # pageable would sync\n"
         r"\+ positions = .* # pageable would sync",
         "the upload of the positions to a CUDA table runs only on a CUDA host: on a CPU-only host the branch is never "

@@ -82,6 +82,10 @@ class MirrorlessEngine(SimEngine):
         """The device allocator the manager is given (the engine's own)."""
         return self.allocator
 
+    def manager_prefix_cache(self) -> Any:
+        """The prefix cache the manager is given (the engine's own)."""
+        return self.protected
+
     def __post_init__(self) -> None:
         super().__post_init__()
         self.manager.close()
@@ -90,7 +94,7 @@ class MirrorlessEngine(SimEngine):
             device_pool=self.device_pool,
             allocator=self.manager_allocator(),
             req_to_token=_Mirrorless(self.req_to_token),
-            prefix_cache=self.protected,
+            prefix_cache=self.manager_prefix_cache(),
             host_pool=self.host_pool,
             copy_engine=self.copies,
             storage=self.storage,
@@ -134,6 +138,69 @@ class PageIdEngine(MirrorlessEngine):
     def manager_allocator(self) -> Any:
         self.by_id = _ByPageId(self.allocator)
         return self.by_id
+
+
+class _NewestFirst(_ByPageId):
+    """As _ByPageId, with the free list of SGLang's paged allocator outside a free group: each free's pages go
+    to the front, so the pages freed last are handed out first."""
+
+    def frees_newest_first(self) -> bool:
+        return True
+
+    def free_page_ids(self, pages: torch.Tensor, fence: Any) -> None:
+        super().free_page_ids(pages, fence)
+        ids, free = pages.tolist(), self._inner._free_pages
+        assert list(free)[len(free) - len(ids) :] == ids  # unfenced: appended at the end
+        for _ in ids:
+            free.pop()
+        free.extendleft(reversed(ids))
+
+
+class _TreeCache:
+    """A prefix cache that, like SGLang's tree, frees nothing at unlock: an unlocked prefix stays cached until
+    `evict()` (frees_at_unlock False)."""
+
+    frees_at_unlock = False
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.unlocked = inner, []
+
+    def unlock(self, lock: Any) -> None:
+        self.unlocked.append(lock)
+
+    def evict(self) -> None:
+        for lock in self.unlocked:
+            self.inner.unlock(lock)
+        self.unlocked.clear()
+
+
+class _SaysNothing:
+    """A prefix cache that evicts at unlock (kvfsm's SimplePrefixCache) and says nothing about it."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def unlock(self, lock: Any) -> None:
+        self.inner.unlock(lock)
+
+
+class TreePageIdEngine(PageIdEngine):
+    """Page-id frees, with a prefix cache that frees nothing at unlock: a batch's releases with prefixes are one free."""
+
+    def manager_prefix_cache(self) -> Any:
+        self.tree = _TreeCache(self.protected)
+        return self.tree
+
+
+class NewestFirstTreeEngine(TreePageIdEngine):
+    def manager_allocator(self) -> Any:
+        self.by_id = _NewestFirst(self.allocator)
+        return self.by_id
+
+
+class SaysNothingPageIdEngine(PageIdEngine):
+    def manager_prefix_cache(self) -> Any:
+        return _SaysNothing(self.protected)
 
 
 def _run(cls: type, prefix: int, fenced: bool = False) -> tuple[tuple[dict[str, bytes], list[int], int], Any]:
@@ -247,17 +314,52 @@ def _finishes(batched: bool, seed: int, cls: type) -> tuple[list[Any], Any]:
     return log, e
 
 
+ENGINES = {
+    "mirror": SimEngine,
+    "device-table": MirrorlessEngine,
+    "page-ids": PageIdEngine,
+    "page-ids-tree": TreePageIdEngine,
+    "page-ids-newest-first": NewestFirstTreeEngine,
+    "page-ids-silent-cache": SaysNothingPageIdEngine,
+}
+
+
 @pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("cls", [SimEngine, PageIdEngine], ids=["mirror", "page-ids"])
-def test_finalize_batch_makes_the_transitions_and_frees_of_a_loop_of_finalize(seed: int, cls: type) -> None:
+@pytest.mark.parametrize("name", list(ENGINES))
+def test_finalize_batch_makes_the_transitions_and_frees_of_a_loop_of_finalize(seed: int, name: str) -> None:
     """One batch `finish` event for a step's finishes: the same lifecycles, metrics (a repeated request's second
-    finish is an ignored duplicate), rows and device free list, in order, as `finalize` one request at a time;
-    through an allocator that frees by page id, the releases one event makes are one free."""
+    finish is an ignored duplicate), rows and device free list, in order, as `finalize` one request at a time,
+    whatever the allocator and the prefix cache. Through an allocator that frees by page id, the releases one
+    event makes are one free, when no prefix lock goes with them or the cache frees nothing at unlock (laid out
+    newest first where the allocator hands those out first); a cache that does not say so is taken to free."""
+    cls = ENGINES[name]
     loop, _ = _finishes(False, seed, cls)
     batch, engine = _finishes(True, seed, cls)
     for step, (a, b) in enumerate(zip(loop, batch)):
         assert a == b, f"step {step}: loop and batch diverge"
     assert batch[-1][1]["releases"] > 5 and batch[-1][1]["ignored_duplicate_releases"] > 0
-    if cls is PageIdEngine:
+    if issubclass(cls, PageIdEngine):
         sizes = [len(ids) for ids, _ in engine.by_id.page_frees]
         assert engine.by_id.slot_frees == 0 and len(sizes) < batch[-1][1]["releases"]  # some frees held several
+    if issubclass(cls, TreePageIdEngine):  # releases with prefixes among those batched: fewer frees still
+        assert len(sizes) < len(_finishes(True, seed, PageIdEngine)[1].by_id.page_frees)
+        engine.tree.evict()
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("page_size", [1, 2, 4])
+def test_page_ids_many_reads_each_spans_page_ids_in_order_in_one_gather(dtype: torch.dtype, page_size: int) -> None:
+    """`page_ids_many` is `page_ids` of each span, concatenated in the order given, int64 on the table's device:
+    spans past the table's width stop at it, an empty or reversed span gives none, any page-aligned start."""
+    table = torch.randint(0, 1 << 20, (6, 24), dtype=dtype)
+    slots = DeviceTableSlots(table, page_size)
+    rng = random.Random(page_size)
+    for _ in range(20):
+        n = rng.randint(0, 5)
+        rows = [rng.randrange(6) for _ in range(n)]
+        starts = [page_size * rng.randint(0, 24 // page_size) for _ in range(n)]
+        ends = [rng.randint(0, 30) for _ in range(n)]
+        got = slots.page_ids_many(rows, starts, ends)
+        want = [slots.page_ids(r, a, b) for r, a, b in zip(rows, starts, ends)]
+        assert got.dtype == torch.int64 and got.device == table.device
+        assert got.tolist() == [p for w in want for p in w.tolist()]

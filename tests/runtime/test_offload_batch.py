@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import kvfsm.generated.decode_offload as spec_gen
-from kvfsm.errors import EventRejected
-from kvfsm.runtime.protocols import offloadable_tokens
+from kvfsm.errors import EventRejected, RequestFieldMissing
+from kvfsm.runtime.protocols import describe, offloadable_tokens
 from kvfsm.verify.engine import SimEngine, SimRequest
 
 
@@ -468,3 +468,52 @@ def test_a_table_row_not_in_page_order_is_copied_token_by_token(batched: bool) -
         e.worker.run_all()
         e.manager.check_progress()
     e.check_teardown()  # release found the row's pages from its (swapped) page starts
+
+
+def test_finalize_batch_checks_every_request_before_it_ends_any() -> None:
+    """A request lacking a protocol field is refused with RequestFieldMissing naming it and the field, and the
+    batch ends no lifecycle, not even those before it."""
+    e, (a, b, c) = _three_with_a_chunk_due()
+    del b.kv_allocated_len
+    with pytest.raises(RequestFieldMissing) as info:
+        e.manager.finalize_batch([a, b, c])
+    assert info.value.field == "kv_allocated_len" and info.value.request == describe(b)
+    assert isinstance(info.value.__cause__, AttributeError)  # from the read that failed
+    assert [spec_gen.STATES[e.manager.machine_of(r).state] for r in (a, b, c)] == ["allocated"] * 3
+
+
+def test_finalize_batch_leaves_each_ended_row_with_no_due_point() -> None:
+    e, reqs = _three_with_a_chunk_due()
+    rows = [r.req_pool_idx for r in reqs]
+    assert all(e.manager.due_at(row) >= 0 for row in rows)
+    for r in reqs:
+        r.done = True
+        e.live.remove(r)
+    e.manager.finalize_batch(reqs)
+    assert [e.manager.due_at(row) for row in rows] == [-1, -1, -1]
+    assert e.manager.metrics.releases == 3
+
+
+def test_finalize_batch_of_a_request_admitted_again_ends_its_new_lifecycle() -> None:
+    """A request object whose lifecycle ended and which the engine admitted again (a retraction) is its new
+    lifecycle's in a batch too: the batch then goes request by request, as finalize does, and frees both."""
+    e = SimEngine(page_size=2, stride=2, device_slots=64, host_slots=32, rows=2, checked=False)
+    r, other = e.admit("a", 4), e.admit("b", 4)
+    for _ in range(3):
+        e.decode(r)
+        e.decode(other)
+        e.manager.offload_batch([r, other])  # both live in the manager: only r's readmission takes the loop
+    e.end(r, "retract")
+    e.settle()  # its copies land: the retracted lifecycle gives its row back
+    first = e.manager.machine_of(r)
+    assert e.admit("a", 0, req=r) is r
+    e.decode(r)
+    for q in (r, other):
+        q.done = True
+        e.live.remove(q)
+    e.manager.finalize_batch([other, r])
+    assert e.manager.machine_of(r) is not first
+    assert spec_gen.STATES[e.manager.machine_of(r).state] == "released"
+    assert e.manager.metrics.releases == 3  # the retracted lifecycle, then both finished ones
+    e.settle()
+    e.check_teardown()
