@@ -492,32 +492,40 @@ class OffloadEffects(DecodeOffloadEffectsEach):
         self._release(m.ctx, None)
 
     def release_request_each(self, items: Items) -> None:
-        """release_request for each item, in order. Where a release frees by page id (no host mirror, an allocator
-        that frees by id: SGLang's, through the adapter), the batch's page ids are read in one gather and freed in
-        one call, laid out as the allocator would hold them after one free a request (`frees_newest_first`):
-        four GPU ops and one free for the batch where each release made three and a free of its own (each op
-        15-20 us of the scheduler's thread on a GPU host: bench/probes/door_phases.py --detail,
-        `device_table.page_ids`). The rows, locks and fields then go request by request, as each release does."""
-        by_id = self.device_table if self._frees_page_ids else None
+        """release_request for each item, in order, with every release's device pages freed in one call where the
+        allocator says how its free list orders frees (`frees_newest_first`): the pages are laid out so that one
+        free leaves the list as one free a request would. Where a release frees by page id (no host mirror, an
+        allocator that frees by id: SGLang's, through the adapter), the ids are read in one gather: four GPU ops
+        and one free for the batch where each release made three and a free of its own (each op 15-20 us of the
+        scheduler's thread on a GPU host: bench/probes/door_phases.py --detail, `device_table.page_ids`).
+        The rows, locks and fields then go request by request, as each release does."""
         recs = [m.ctx for m, _ in items]
+        free_order = getattr(self.allocator, "frees_newest_first", None)
+        newest_first = None if free_order is None else free_order()  # None: an order not known, one at a time
         # A cache that may free pages when a lock goes (kvfsm's SimplePrefixCache evicts at the last unlock) would
         # hand those pages to the allocator between two releases' pages, one release at a time; SGLang's tree cache
         # frees none at unlock (`frees_at_unlock` False: its pages become evictable, and evict() frees them later)
         unlock_frees = getattr(self.prefix_cache, "frees_at_unlock", True) and any(rec.lock is not None for rec in recs)
-        if by_id is None or self.ledger is not None or len(items) < 2 or unlock_frees:
+        if newest_first is None or self.ledger is not None or len(items) < 2 or unlock_frees:
             for m, arg in items:  # the action one item at a time, as the machines' single events take it
                 self.release_request(m, arg)
             return
         reqs = [rec.req for rec in recs]
         assert all(req is not None for req in reqs)  # each held until its release
         ends = [self._request_end(rec) for rec in recs]
-        newest_first = self.allocator.frees_newest_first()  # type: ignore[attr-defined]
         order = range(len(recs) - 1, -1, -1) if newest_first else range(len(recs))
-        pages = by_id.page_ids_many(
-            [recs[i].row for i in order], [recs[i].prefix_len for i in order], [ends[i] for i in order]
-        )
-        if len(pages):
-            self.allocator.free_page_ids(pages, None)  # type: ignore[attr-defined]
+        by_id = self.device_table if self._frees_page_ids else None
+        if by_id is not None:
+            pages = by_id.page_ids_many(
+                [recs[i].row for i in order], [recs[i].prefix_len for i in order], [ends[i] for i in order]
+            )
+            if len(pages):
+                self.allocator.free_page_ids(pages, None)  # type: ignore[attr-defined]
+        else:
+            parts = [self.request_slots(recs[i]) for i in order]
+            slots = np.concatenate(parts) if isinstance(parts[0], np.ndarray) else torch.cat(parts)  # type: ignore[arg-type]
+            if len(slots):  # none when the matched prefixes are all the requests hold
+                self.allocator.free(slots)
         ps = self.page_size
         for rec, req, end in zip(recs, reqs, ends):
             self._release_row(rec, req, None, max(0, -(-(end - rec.prefix_len) // ps)) * ps)

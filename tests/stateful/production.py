@@ -393,6 +393,7 @@ class Shadow:
         self.chunks: list[SChunk] = []  # submission order
         self.pending_copies: dict[tuple[int, ...], list[SChunk]] = {}  # host slots -> chunks, until landed
         self.releasing: Optional[Life] = None
+        self.batch_releasing: list[Life] = []  # lifecycles whose pages one batched free released, rows still held
         self.engine_freeing = False
         self.scratch_freeing = False  # the scratch writer (reuse_fenced) gives back what it took
         self.evicting: Optional[Life] = None  # the lifecycle whose unlocked prefix the prefix cache evicts next
@@ -653,7 +654,10 @@ class Shadow:
                 evicting.prefix_pages = set()
                 return
             owners = {id(self.device_owner.get(p)): self.device_owner.get(p) for p in pages}
-            if None in owners.values() or len(owners) != 1:
+            # One release frees its own pages in one call; the releases of one batch event may share one call
+            # (OffloadEffects.release_request_each), each still freeing exactly its own pages, before any of their
+            # rows and locks go back
+            if None in owners.values() or not owners or (len(owners) > 1 and self.batch_releasing):
                 self.fail(
                     "release_owner",
                     f"frees pages {pages} of {list(owners.values())} (B9, B11, B12: a page "
@@ -662,31 +666,36 @@ class Shadow:
                 for p in pages:
                     self.device_owner.pop(p, None)
                 return
-            (life,) = owners.values()
             if len(slots) != len(pages) * ps:
-                self.fail("release_slots", f"{life!r}: {len(slots)} slots for {len(pages)} pages (B11, B12)")
-            if not life.ended:
-                self.fail("release_live", f"{life!r} released while live (premature reuse, B1)")
-            if set(pages) & life.prefix_pages:
                 self.fail(
-                    "release_prefix_pages",
-                    f"{life!r} freed pages {sorted(set(pages) & life.prefix_pages)} of "
-                    "its matched prefix, which the prefix cache owns (B16)",
+                    "release_slots", f"{list(owners.values())!r}: {len(slots)} slots for {len(pages)} pages (B11, B12)"
                 )
-            if set(pages) != set(life.pages):
-                self.fail(
-                    "release_exact",
-                    f"{life!r} freed pages {pages}, owned {sorted(life.pages)} (B5, B8; "
-                    f"lengths read from a request the engine changed?)",
-                )
-            if fence is not None and any(c.device_pages & set(pages) for c in self.unlanded()):
-                self.count("fenced_free_under_copy")
-            life.fenced = fence is not None
-            for p in pages:
-                if self.device_owner.get(p) is life:
+            for life in owners.values():
+                own = [p for p in pages if self.device_owner.get(p) is life]
+                if not life.ended:
+                    self.fail("release_live", f"{life!r} released while live (premature reuse, B1)")
+                if set(own) & life.prefix_pages:
+                    self.fail(
+                        "release_prefix_pages",
+                        f"{life!r} freed pages {sorted(set(own) & life.prefix_pages)} of "
+                        "its matched prefix, which the prefix cache owns (B16)",
+                    )
+                if set(own) != set(life.pages):
+                    self.fail(
+                        "release_exact",
+                        f"{life!r} freed pages {own}, owned {sorted(life.pages)} (B5, B8; "
+                        f"lengths read from a request the engine changed?)",
+                    )
+                if fence is not None and any(c.device_pages & set(own) for c in self.unlanded()):
+                    self.count("fenced_free_under_copy")
+                life.fenced = fence is not None
+                for p in own:
                     del self.device_owner[p]
-            life.dev_freed = True
-            self.releasing = life
+                life.dev_freed = True
+            if len(owners) == 1:
+                (self.releasing,) = owners.values()
+            else:  # each becomes the release in progress when its row goes back (on_row_free)
+                self.batch_releasing = list(owners.values())
 
     def after_device_free(self, slots: list[int], fence: Any = None) -> None:
         """A free has happened: every freed page a copy still reads must now wait in the allocator's fenced
@@ -725,6 +734,9 @@ class Shadow:
             if life is None:
                 self.fail("row_free", f"row {row} freed, owned by nobody (double release, B9)")
                 return
+            if self.releasing is None and any(life is b for b in self.batch_releasing):
+                self.releasing = life  # its pages went in a batch's one free
+                self.batch_releasing = [b for b in self.batch_releasing if b is not life]
             if life is not self.releasing and self.releasing is None and life.ended and not life.pages:
                 life.dev_freed, self.releasing = True, life  # owns no page of its own: its release frees none
             if life is not self.releasing or not life.dev_freed:

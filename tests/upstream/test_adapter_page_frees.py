@@ -154,3 +154,27 @@ def test_one_free_laid_out_as_frees_newest_first_says_leaves_the_free_list_of_on
     assert batched.free_pages.tolist() == one_by_one.free_pages.tolist()
     assert [t.tolist() for t in batched.staged_pages] == [t.tolist() for t in one_by_one.staged_pages] or need_sort
     assert _free_pages(batched) == _free_pages(one_by_one)
+
+
+def test_the_token_allocator_appends_its_frees_and_an_unknown_one_has_no_free_order() -> None:
+    """SGLang's token allocator (page size 1) appends freed slots to its free list: one free of several requests'
+    slots in request order leaves it as one free a request does. An allocator of another class has no order
+    kvfsm knows (None), so its releases are freed one at a time."""
+    sc = next(s for s in SCENARIOS if s.page_size == 1 and s.pool == "mha")
+    (_, kv, one_by_one), (_, _, batched) = harness.build_pools(sc), harness.build_pools(sc)
+    one_by_one.need_sort = batched.need_sort = False
+    view = AllocatorView(batched, int(kv.size))
+    assert view.frees_newest_first() is False
+    spans = [one_by_one.alloc(n) for n in (2, 1, 3)]
+    again = [batched.alloc(n) for n in (2, 1, 3)]
+    assert all(a is not None and b is not None and torch.equal(a, b) for a, b in zip(spans, again))
+    for slots in spans:
+        one_by_one.free(slots)
+    view.free(torch.cat(again))
+    assert batched.free_pages.tolist() == one_by_one.free_pages.tolist()
+
+    class Other(type(batched)):  # type: ignore[misc]
+        pass
+
+    batched.__class__ = Other
+    assert AllocatorView(batched, int(kv.size)).frees_newest_first() is None

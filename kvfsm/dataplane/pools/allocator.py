@@ -362,6 +362,12 @@ class TokenSlotAllocator:
         except TypeError:
             raise OutOfRange(f"page ids must be integers, got {list(pages)[:8]}") from None
 
+    def frees_newest_first(self) -> bool:
+        """False: freed pages join the end of the free list and are handed out oldest first, so one free of
+        several requests' pages in request order leaves the list as one free a request does (the manager's
+        batched releases, OffloadEffects.release_request_each)."""
+        return False
+
     def free_pages(self, pages: Sequence[int], fence: SlotFence | None = None) -> None:
         """Free the pages named (page ids, each once, each allocated), or raise and change nothing; with a
         `fence` (copies still reading them), they are handed out again only with it.

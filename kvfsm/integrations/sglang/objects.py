@@ -274,6 +274,13 @@ class AllocatorView:
             and getattr(type(allocator), "free_segment", None) is paged
             and not getattr(allocator, "debug_mode", True)
         )
+        # Where a free puts its pages in the free list: the paged allocator at the front, the token allocator (page
+        # size 1) at the end; another (page_interleave, SWA, ...) is not known here (frees_newest_first: None)
+        self._free_list = (
+            _SGLANG_FREE_LISTS.get(type(allocator).__qualname__)
+            if type(allocator).__module__.startswith("sglang.")
+            else None
+        )
 
     def free(self, slots: torch.Tensor | np.ndarray, fence: Optional[SlotFence] = None) -> None:
         """kvfsm frees a request's own pages, [cache_protected_len, allocated), whole and in slot order
@@ -298,17 +305,27 @@ class AllocatorView:
         if len(pages):
             self.allocator.free_page_ids(pages)
 
-    def frees_newest_first(self) -> bool:
+    def frees_newest_first(self) -> Optional[bool]:
         """Whether pages freed now are handed out before those freed earlier: SGLang's paged allocator puts each
         free's pages at the front of its free list, unless a free group holds them (they go back at the group's
-        end, in the order freed) or it stages them for sorting (`need_sort`: then the order is the sort's). kvfsm
-        frees a batch of releases' pages in one call laid out so (effects' `release_request_each`), which leaves
-        the free list as one free a request does."""
+        end, in the order freed) or it stages them for sorting (`need_sort`: then the order is the sort's); its
+        token allocator appends them. kvfsm frees a batch of releases' pages in one call laid out so (effects'
+        `release_request_each`), which leaves the free list as one free a request does. None for an allocator
+        whose order is not known here: kvfsm then frees one request at a time."""
         allocator = self.allocator
-        return allocator.free_group is None and not getattr(allocator, "need_sort", False)
+        if self._free_list is None:
+            return None
+        return (
+            self._free_list == "front" and allocator.free_group is None and not getattr(allocator, "need_sort", False)
+        )
 
     def owns_page_list(self, pages: Sequence[int]) -> bool:
         return False
+
+
+# SGLang's allocators whose free order kvfsm knows (by class, in sglang.srt.mem_cache.allocator): where a free
+# outside a free group puts the freed pages in the free list
+_SGLANG_FREE_LISTS = {"PagedTokenToKVPoolAllocator": "front", "TokenToKVPoolAllocator": "end"}
 
 
 def _paged_free_segment() -> Any:
