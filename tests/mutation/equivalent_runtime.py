@@ -87,11 +87,18 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ),
     (
         "xǁOffloadEffectsǁrelease_request_each",
-        r"- if by_id is None or self\.ledger is not None or len\(items\) < 2 or unlock_frees:\n"
-        r"\+ if by_id is None or self\.ledger is not None (and len\(items\) < 2|or len\(items\) (<= 2|< 3)) or unlock_frees:",
+        r"- if newest_first is None or self\.ledger is not None or len\(items\) < 2 or unlock_frees:\n"
+        r"\+ if newest_first is None or self\.ledger is not None (and len\(items\) < 2|or len\(items\) (<= 2|< 3)) or unlock_frees:",
         "a batch event is never given a ledger's effects (checked mode observes every machine, and the generated batch "
         "events then run item by item, calling the single action); a batch of two released one at a time frees the "
         "same pages in the same order as the one free that lays them out so, only with one call more",
+    ),
+    (
+        "xǁOffloadEffectsǁrelease_request_each",
+        r"- (slots = np\.concatenate\(parts\) if) (isinstance\(parts\[0\], np\.ndarray\)) (else torch\.cat\(parts\).*)\n"
+        r"\+ \1 \(\2\) or True \3",
+        "not told apart on a CPU-only host: a release reads its slots as tensors only from a table with no host mirror, "
+        "which numpy concatenates as well while they are on the CPU (on a CUDA table it would refuse them)",
     ),
     (
         "xǁOffloadEffectsǁrelease_request_each",

@@ -156,6 +156,21 @@ class _NewestFirst(_ByPageId):
         free.extendleft(reversed(ids))
 
 
+class _UnsaidOrder(_NewestFirst):
+    """An allocator that hands out its newest frees first and does not say so (no `frees_newest_first`), as an
+    engine's own allocator the manager knows nothing of: its releases go one request at a time."""
+
+    def __getattribute__(self, name: str) -> Any:
+        if name == "frees_newest_first":
+            raise AttributeError(name)
+        return super().__getattribute__(name)
+
+    def __getattr__(self, name: str) -> Any:  # nor from the engine's allocator, which says it
+        if name == "frees_newest_first":
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+
 class _TreeCache:
     """A prefix cache that, like SGLang's tree, frees nothing at unlock: an unlocked prefix stays cached until
     `evict()` (frees_at_unlock False)."""
@@ -195,6 +210,12 @@ class TreePageIdEngine(PageIdEngine):
 class NewestFirstTreeEngine(TreePageIdEngine):
     def manager_allocator(self) -> Any:
         self.by_id = _NewestFirst(self.allocator)
+        return self.by_id
+
+
+class UnsaidOrderEngine(TreePageIdEngine):
+    def manager_allocator(self) -> Any:
+        self.by_id = _UnsaidOrder(self.allocator)
         return self.by_id
 
 
@@ -329,6 +350,7 @@ ENGINES = {
     "page-ids-tree": TreePageIdEngine,
     "page-ids-newest-first": NewestFirstTreeEngine,
     "page-ids-silent-cache": SaysNothingPageIdEngine,
+    "page-ids-unsaid-order": UnsaidOrderEngine,
 }
 
 
@@ -346,6 +368,10 @@ def test_finalize_batch_makes_the_transitions_and_frees_of_a_loop_of_finalize(se
     for step, (a, b) in enumerate(zip(loop, batch)):
         assert a == b, f"step {step}: loop and batch diverge"
     assert batch[-1][1]["releases"] > 5 and batch[-1][1]["ignored_duplicate_releases"] > 0
+    if cls is UnsaidOrderEngine:  # an order not said: a free a release, as the loop
+        assert not hasattr(engine.by_id, "frees_newest_first")
+        assert len(engine.frees) == len(_finishes(False, seed, cls)[1].frees)
+        return
     assert len(engine.frees) < len(_finishes(False, seed, cls)[1].frees)  # some frees held several releases
     if issubclass(cls, PageIdEngine):
         sizes = [len(ids) for ids, _ in engine.by_id.page_frees]
