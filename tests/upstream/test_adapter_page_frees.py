@@ -176,5 +176,9 @@ def test_the_token_allocator_appends_its_frees_and_an_unknown_one_has_no_free_or
     class Other(type(batched)):  # type: ignore[misc]
         pass
 
-    batched.__class__ = Other
-    assert AllocatorView(batched, int(kv.size)).frees_newest_first() is None
+    class PagedTokenToKVPoolAllocator(type(batched)):  # type: ignore[misc]  # SGLang's name, not SGLang's class
+        pass
+
+    for cls in (Other, PagedTokenToKVPoolAllocator):
+        batched.__class__ = cls
+        assert AllocatorView(batched, int(kv.size)).frees_newest_first() is None

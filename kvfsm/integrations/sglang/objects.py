@@ -277,7 +277,7 @@ class AllocatorView:
         # Where a free puts its pages in the free list: the paged allocator at the front, the token allocator (page
         # size 1) at the end; another (page_interleave, SWA, ...) is not known here (frees_newest_first: None)
         self._free_list = (
-            _SGLANG_FREE_LISTS.get(type(allocator).__qualname__)
+            _SGLANG_FREE_LISTS.get(type(allocator).__name__)
             if type(allocator).__module__.startswith("sglang.")
             else None
         )
@@ -315,9 +315,7 @@ class AllocatorView:
         allocator = self.allocator
         if self._free_list is None:
             return None
-        return (
-            self._free_list == "front" and allocator.free_group is None and not getattr(allocator, "need_sort", False)
-        )
+        return self._free_list == "front" and allocator.free_group is None and not allocator.need_sort
 
     def owns_page_list(self, pages: Sequence[int]) -> bool:
         return False
