@@ -1250,7 +1250,7 @@ def cmd_refresh(args: argparse.Namespace) -> int:
     the change left unchecked, then rewrite the report. mutmut hashes every function: it regenerates the
     mutants of a mutated file whose source is newer than its mutants, resets the verdicts of the functions
     whose code changed, and keeps the others. A file it does not mutate is copied into its mutated tree as
-    well (mutmut copies those only once)."""
+    well (mutmut copies those only once). After a change to a mutated file, mutmut's stats pass runs again."""
     if not (WORK / "mutants").exists():
         if not SCOPE.verdicts.exists():
             raise SystemExit("no run to refresh: run `mutate.py run` first")
@@ -1276,6 +1276,10 @@ def cmd_refresh(args: argparse.Namespace) -> int:
             (base / "tests" / "conftest.py").write_text(conftest)
             changed.append(str((base / "tests" / "conftest.py").relative_to(WORK)))
     (WORK / "pyproject.toml").write_text(mutmut_config(TESTS))
+    if any(mutated(rel) for rel in changed):
+        # mutmut adds to its stats (which test calls which function) only the tests it has not seen: a function
+        # new in a changed file, or code moved into one, would be run against no test that was there before
+        (WORK / "mutants" / "mutmut-stats.json").unlink(missing_ok=True)
     print(f"refresh: {len(changed)} files changed: {', '.join(changed)}", flush=True)
     t0 = time.monotonic()
     rc = run_unchecked(args.max_children, args.budget)
