@@ -3,14 +3,17 @@
 bench/sglang_adapter_gpu.py's loop, once per mode (`adapter`, `batch`), with the phases that both doors share
 timed per iteration: reserving chunks (the adapter's per-request `_reserve`, or `reserve_due` and `_accept` for a
 request whose chunk fell due; inside the batch path's `offload_batch`), submitting them (`submit_reserved` / `_submit`), finishing requests, `_enter` (the adapter's
-first sight of a Req) and the progress check. The adapter's "door" is what its offload loop spends outside
-those phases: the early exits of requests with no chunk due.
+first sight of a Req) and the progress check, each with its calls an iteration. The adapter's "door" is what its
+offload loop spends outside those phases: the early exits of requests with no chunk due. Two more modes run the
+floor with SGLang's per-request loop in front of it, as limit probes measured in the iteration itself: around a
+callee that does nothing (`bare_door`) and around one that reads only what its answer depends on (`bare_read_door`).
 
 The no-chunk-due call is then timed twice: right after the loop, as the bench does, and again after the
 manager drained its copies and backups. A gap between the two is the backup worker's share of the GIL, not
 the call's own cost.
 
-    python3 bench/probes/door_phases.py [--device cuda] [--live 4096] [--pages 64 16] [--order sglang] [--out FILE]
+    python3 bench/probes/door_phases.py [--device cuda] [--live 4096] [--pages 64 16] [--order sglang]
+        [--modes adapter batch bare_door bare_read_door] [--detail] [--out FILE]
 Writes bench/results/door_phases-<gpu>.json on a GPU, bench/results/quick/door_phases-quick-cpu.json on a CPU
 (or --out).
 """
