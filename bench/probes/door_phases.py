@@ -30,7 +30,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 BENCH = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(BENCH))
@@ -87,6 +87,12 @@ class CommittedExit:
             self.due[req] = due = sys.maxsize  # never due: only the exit is timed
         return bool(req.kv.kv_committed_len >= due)
 
+    def forget(self, ended: list[Any]) -> None:
+        """Drop the state of Reqs that finished (outside the timed loop), as a drop-in does at their release: held
+        on, they would grow the heap every collection walks."""
+        for req in ended:
+            self.due.pop(req, None)
+
 
 # --detail: the steps inside those phases, for both doors (owner paths from the loop; keyed "owner.method"): where a
 # submit, an admission and a release spend their time on a GPU host, whose table has no host mirror
@@ -134,9 +140,11 @@ def run_mode(
                 obj = getattr(obj, attr, None)
             if obj is not None and hasattr(obj, name):  # a table with a host mirror has no device_table
                 _wrap(obj, name, current, timed, inner, key=f"{owner.rsplit('.', 1)[-1]}.{name}")
-        if mode in DOOR_CALLEES:
-            callee = CommittedExit() if mode == "bare_read_door" else bench._NoOp()
-            _door_in_front(loop, current, timed, callee.offload_kv_cache, DOOR_CALLEES[mode])
+        if mode == "bare_read_door":
+            exit_ = CommittedExit()
+            _door_in_front(loop, current, timed, exit_.offload_kv_cache, DOOR_CALLEES[mode], exit_.forget)
+        elif mode in DOOR_CALLEES:
+            _door_in_front(loop, current, timed, bench._NoOp().offload_kv_cache, DOOR_CALLEES[mode])
         check, offload = loop.check, loop.offload
         parts = [0]
 
@@ -194,10 +202,16 @@ def run_mode(
 
 
 def _door_in_front(
-    loop: Any, into: dict[str, float], timed: list[bool], callee: Callable[[Any], bool], key: str
+    loop: Any,
+    into: dict[str, float],
+    timed: list[bool],
+    callee: Callable[[Any], bool],
+    key: str,
+    after: Optional[Callable[[list[Any]], None]] = None,
 ) -> None:
     """Make `loop`'s offload phase start with SGLang's loop over its live requests (the adapter mode's loop in
-    bench/sglang_adapter_gpu.py, `Loop.offload`) around `callee`, timed into `into[key]`."""
+    bench/sglang_adapter_gpu.py, `Loop.offload`) around `callee`, timed into `into[key]`; then, untimed,
+    `after(ended)` with the requests that finished."""
     offload = loop.offload
 
     def door_then_offload(ended: list[Any], batch_args: Any = None) -> int:
@@ -210,6 +224,8 @@ def _door_in_front(
                 pass
         if timed[0]:
             into[key] += (time.perf_counter() - t0) * 1e3
+        if after is not None:
+            after(ended)
         return chunks + offload(ended, batch_args)
 
     loop.offload = door_then_offload

@@ -128,5 +128,7 @@ def test_the_read_door_reads_each_reqs_committed_length_and_is_never_due() -> No
         seen.append(r)
         return exit_.offload_kv_cache(r)
 
-    door_phases._door_in_front(loop, into, [True], callee, "read_door")
+    door_phases._door_in_front(loop, into, [True], callee, "read_door", exit_.forget)
     assert loop.offload([], None) == 0 and seen == [req, req] and into["read_door"] > 0.0
+    assert req in exit_.due
+    assert loop.offload([req], None) == 0 and req not in exit_.due  # a finished Req's state goes after the timed loop
