@@ -45,10 +45,7 @@ class DeviceTableSlots:
         flat = np.repeat(np.asarray(firsts, dtype=np.int64) - (np.cumsum(lens) - lens), lens) + np.arange(
             int(lens.sum()), dtype=np.int64
         )
-        positions = torch.from_numpy(flat)
-        if self.device.type == "cuda":
-            positions = positions.pin_memory().to(self.device, non_blocking=True)  # pageable would sync
-        return self._flat.index_select(0, positions).to(torch.int64)
+        return self._flat.index_select(0, self._uploaded(flat)).to(torch.int64)
 
     def page_ids(self, row: int, start: int, end: int) -> torch.Tensor:
         """The ids of the pages that positions [start, end) of `row` start on (start a page boundary): each
@@ -68,11 +65,15 @@ class DeviceTableSlots:
         firsts = np.asarray(rows, dtype=np.int64) * width + begin
         total = int(counts.sum())
         flat = np.repeat(firsts - (np.cumsum(counts) - counts) * ps, counts) + np.arange(total, dtype=np.int64) * ps
+        out = torch.empty(total, dtype=torch.int64, device=self.device)
+        return torch.div(self._flat.index_select(0, self._uploaded(flat)), ps, rounding_mode="floor", out=out)
+
+    def _uploaded(self, flat: np.ndarray) -> torch.Tensor:
+        """Flat table positions computed on the host, on the table's device: from pinned memory without blocking."""
         positions = torch.from_numpy(flat)
         if self.device.type == "cuda":
             positions = positions.pin_memory().to(self.device, non_blocking=True)  # pageable would sync
-        out = torch.empty(total, dtype=torch.int64, device=self.device)
-        return torch.div(self._flat.index_select(0, positions), ps, rounding_mode="floor", out=out)
+        return positions
 
     def whole_pages(self, row: int, start: int, end: int) -> torch.Tensor:
         """Every slot of the pages that positions [start, end) of `row` start on (start a page boundary):

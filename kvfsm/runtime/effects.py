@@ -510,8 +510,7 @@ class OffloadEffects(DecodeOffloadEffectsEach):
             for m, arg in items:  # the action one item at a time, as the machines' single events take it
                 self.release_request(m, arg)
             return
-        reqs = [rec.req for rec in recs]
-        assert all(req is not None for req in reqs)  # each held until its release
+        assert all(rec.req is not None for rec in recs)  # each held until its release
         ends = [self._request_end(rec) for rec in recs]
         order = range(len(recs) - 1, -1, -1) if newest_first else range(len(recs))
         by_id = self.device_table if self._frees_page_ids else None
@@ -527,8 +526,8 @@ class OffloadEffects(DecodeOffloadEffectsEach):
             if len(slots):  # none when the matched prefixes are all the requests hold
                 self.allocator.free(slots)
         ps = self.page_size
-        for rec, req, end in zip(recs, reqs, ends):
-            self._release_row(rec, req, None, max(0, -(-(end - rec.prefix_len) // ps)) * ps)
+        for rec, end in zip(recs, ends):
+            self._release_row(rec, None, max(0, -(-(end - rec.prefix_len) // ps)) * ps)
 
     def release_request_fenced(self, m: DecodeOffloadMachine, arg: Any) -> None:
         self.release_request_fenced_each([(m, arg)])
@@ -541,8 +540,7 @@ class OffloadEffects(DecodeOffloadEffectsEach):
     def _release(self, rec: RequestRecord, fence: Optional[SlotFence]) -> None:
         """release_request, and with a `fence` release_request_fenced: the same frees, the device slots
         tagged with the fence of the copies that still read them."""
-        req = rec.req
-        assert req is not None  # held until this release
+        assert rec.req is not None  # held until this release
         # Without a mirror, on an allocator that frees by page id: the pages by id, one GPU op, where their slots
         # took two and the allocator's division of them a third (each 15-20 us of the scheduler's thread on a GPU
         # host: bench/probes/door_phases.py --detail). The slots are then read only by checked mode (it syncs).
@@ -565,11 +563,13 @@ class OffloadEffects(DecodeOffloadEffectsEach):
                 else:
                     self.allocator.free(slots, fence=fence)
             slots_freed = len(slots)
-        self._release_row(rec, req, fence, slots_freed)
+        self._release_row(rec, fence, slots_freed)
 
-    def _release_row(self, rec: RequestRecord, req: Any, fence: Optional[SlotFence], slots_freed: int) -> None:
+    def _release_row(self, rec: RequestRecord, fence: Optional[SlotFence], slots_freed: int) -> None:
         """The rest of a release once its device slots are freed: the table row, the prefix's lock and the
         request's own fields (`slots_freed`: for the log)."""
+        req = rec.req
+        assert req is not None  # held until this release
         self.req_to_token.free(rec.row)
         lock, rec.lock = rec.lock, None
         if self.ledger is not None:

@@ -77,12 +77,12 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ),
     (
         "xǁOffloadEffectsǁrelease_request_each",
-        r"- self\._release_row\(rec, req, None, (.*)\)\n\+ self\._release_row\(rec, req, None, .*\)",
+        r"- self\._release_row\(rec, None, (.*)\)\n\+ self\._release_row\(rec, None, .*\)",
         "the count of freed slots reaches only _release_row's DEBUG log line, text for people",
     ),
     (
         "xǁOffloadEffectsǁ_release",
-        r"- self\._release_row\(rec, req, fence, slots_freed\)\n\+ self\._release_row\(rec, req, None, slots_freed\)",
+        r"- self\._release_row\(rec, fence, slots_freed\)\n\+ self\._release_row\(rec, None, slots_freed\)",
         "the fence reaches _release_row only for its DEBUG log line (the frees that need it are made before)",
     ),
     (
@@ -161,13 +161,13 @@ EQUIVALENT: list[tuple[str, str, str]] = [
         "np.arange of a Python int is int64 whether or not the dtype is given",
     ),
     (
-        "xǁDeviceTableSlotsǁ(spans|page_ids_many)",
+        "xǁDeviceTableSlotsǁ_uploaded",
         r'- if self\.device\.type == "cuda":\n\+ if self\.device\.type == "(XXcudaXX|CUDA)":',
         "not told apart on a CPU-only host, where the table's device is the CPU and the upload branch is skipped either "
         "way (a GPU run of tests/upstream/test_adapter_gpu.py sees the difference)",
     ),
     (
-        "xǁDeviceTableSlotsǁ(spans|page_ids_many)",
+        "xǁDeviceTableSlotsǁ_uploaded",
         r"- positions = positions\.pin_memory\(\)\.to\(self\.device, non_blocking=True\) # pageable would sync\n"
         r"\+ positions = .* # pageable would sync",
         "the upload of the positions to a CUDA table runs only on a CUDA host: on a CPU-only host the branch is never "

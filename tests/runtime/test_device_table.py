@@ -121,9 +121,6 @@ class _ByPageId:
         self.slot_frees += 1
         self._inner.free(slots, **kw)
 
-    def frees_newest_first(self) -> bool:
-        return False  # the engine's allocator hands out the pages freed first first: a batch goes in request order
-
     def free_page_ids(self, pages: torch.Tensor, fence: Any) -> None:
         ids = pages.tolist()
         self.page_frees.append((ids, fence))
@@ -140,12 +137,15 @@ class PageIdEngine(MirrorlessEngine):
         return self.by_id
 
 
-class _NewestFirst(_ByPageId):
-    """As _ByPageId, with the free list of SGLang's paged allocator outside a free group: each free's pages go
-    to the front, so the pages freed last are handed out first."""
+class _UnsaidOrder(_ByPageId):
+    """An allocator that hands out its newest frees first (each free's pages go to the front of the free list, as
+    SGLang's paged allocator outside a free group) and does not say so (no `frees_newest_first`, nor the engine
+    allocator's), as an engine's own allocator the manager knows nothing of: its releases go one at a time."""
 
-    def frees_newest_first(self) -> bool:
-        return True
+    def __getattr__(self, name: str) -> Any:
+        if name == "frees_newest_first":
+            raise AttributeError(name)
+        return getattr(self._inner, name)
 
     def free_page_ids(self, pages: torch.Tensor, fence: Any) -> None:
         super().free_page_ids(pages, fence)
@@ -156,19 +156,11 @@ class _NewestFirst(_ByPageId):
         free.extendleft(reversed(ids))
 
 
-class _UnsaidOrder(_NewestFirst):
-    """An allocator that hands out its newest frees first and does not say so (no `frees_newest_first`), as an
-    engine's own allocator the manager knows nothing of: its releases go one request at a time."""
+class _NewestFirst(_UnsaidOrder):
+    """As _UnsaidOrder, saying so."""
 
-    def __getattribute__(self, name: str) -> Any:
-        if name == "frees_newest_first":
-            raise AttributeError(name)
-        return super().__getattribute__(name)
-
-    def __getattr__(self, name: str) -> Any:  # nor from the engine's allocator, which says it
-        if name == "frees_newest_first":
-            raise AttributeError(name)
-        return getattr(self._inner, name)
+    def frees_newest_first(self) -> bool:
+        return True
 
 
 class _TreeCache:
