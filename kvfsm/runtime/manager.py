@@ -313,25 +313,20 @@ class DecodeOffloadManager:
         reserved, serials = self._reserved, set()
         due, pages, stale = [], [], []
         seen: set[int] = set()
-        for r in reservations:  # nothing changes before the loop has accepted every reservation
-            if r.serial not in reserved or r.serial in serials:
+        for rec, req, tokens, chunk_pages, inc_len, serial in reservations:  # nothing changes before all pass
+            if serial not in reserved or serial in serials:
                 raise ValueError(
-                    f"reservation {r.serial} of {r.record.key} was submitted already (its pages are a "
+                    f"reservation {serial} of {rec.key} was submitted already (its pages are a "
                     "chunk's or the pool's again) or is another manager's: reserve again"
                 )
-            serials.add(r.serial)
-            rec = r.record
-            if (
-                rec.machine is not None
-                and rec.machine.state in _OFFLOADABLE
-                and rec.inc_len == r.inc_len
-                and id(rec) not in seen
-            ):
+            serials.add(serial)
+            m = rec.machine
+            if m is not None and m.state in _OFFLOADABLE and rec.inc_len == inc_len and id(rec) not in seen:
                 seen.add(id(rec))
-                due.append((rec, r.req, r.tokens))
-                pages += r.pages
+                due.append((rec, req, tokens))
+                pages += chunk_pages
             else:
-                stale += r.pages
+                stale += chunk_pages
         reserved -= serials  # each is submitted now, whatever comes of it
         if stale:
             self.fx.host_pool.undo_alloc(self.fx.host_pool.slots_of(stale))
