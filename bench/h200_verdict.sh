@@ -59,6 +59,9 @@ for s in $STEPS; do
         # the least-read door (bare_read_door)
         step door_phases 240 python3 bench/probes/door_phases.py --live 4096 --pages 64 16 --detail \
         --modes adapter batch bare_door bare_read_door --out "$W/door_phases-$TAG.json" ;;
+    phases1024) # the same probes at 1024 live, where the door's share of an iteration is the same and the batch's less
+        step door_phases_1024 150 python3 bench/probes/door_phases.py --live 1024 --pages 64 16 \
+        --modes adapter batch bare_door bare_read_door --out "$W/door_phases-1024-$TAG.json" ;;
     ab) # a change measured against the tree before it, alternating (bench/ab_trees.py): AB_BASE names that tree
         # (`git archive REV kvfsm generated spec | tar -x -C DIR`, carried), AB_ARGS the adapter bench's arguments
         step ab_trees 540 python3 bench/ab_trees.py --base "${AB_BASE:?set AB_BASE to the tree before the change}" \
