@@ -4,8 +4,9 @@ from kvfsm.errors import ConfigError, InvalidRequest, RequestFieldMissing, Retra
 from kvfsm.runtime.backup import BackupJob, BackupWorker, SteppedBackupWorker, ThreadBackupWorker
 from kvfsm.runtime.config import OffloadConfig
 from kvfsm.runtime.ledger import CheckedModeError, SlotLedger
-from kvfsm.runtime.manager import DecodeOffloadManager, TPMismatch
+from kvfsm.runtime.manager import DecodeOffloadManager
 from kvfsm.runtime.metrics import OffloadMetrics
+from kvfsm.runtime.progress import TPMismatch
 from kvfsm.runtime.protocols import OffloadRequest, PrefixCache, PrefixLock, SimplePrefixCache
 
 __all__ = [

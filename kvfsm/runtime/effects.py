@@ -86,7 +86,7 @@ if TYPE_CHECKING:
 
     class LiveRecord(RequestRecord):
         """A RequestRecord whose machine is attached: from the end of its admission until it has left the
-        manager's table and its lifecycle ended (then `_forget` or `_unlink_released` may drop the machine to
+        manager's table and its lifecycle ended (then `forget_record` or `_unlink_released` may drop the machine to
         break the record <-> machine cycle). The manager's table, the chunks in flight and the per-step
         paths hold records as this type, so they read `machine` without a check. A type only: at run time
         it is RequestRecord itself (no conversion, no per-record cost)."""
@@ -109,7 +109,7 @@ class Chunk(PageRun, Job):
     collection (27,446 PageRun beside 22,893 Chunk at 4096 live, 16/16, in the CPU heap census of
     bench/sglang_adapter_gpu.py). As with any run, its tokens are dropped once it is hashed. Linked, it is
     its record's `chain` while it is the last run: a record <-> chunk cycle, broken where the record <->
-    machine one is (`_forget`, `_unlink_released` in the manager). And a chunk is its own backup job (Job):
+    machine one is (`forget_record` in lifecycles.py, `_unlink_released` in progress.py). And a chunk is its own backup job (Job):
     `submit_backup` gives it its store's writes, and the worker records its outcome on it."""
 
     __slots__ = (

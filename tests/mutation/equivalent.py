@@ -122,19 +122,19 @@ EQUIVALENT: list[tuple[str, str, str]] = [
         "a wider table of hints) changes the time spent, not the chunks",
     ),
     (
-        "xǁDecodeOffloadManagerǁoffload_batch",
+        "xǁOffloadingǁoffload_batch",
         r"- hints = self\._due_at\[rows\] if rows\.size and int\(rows\.min\(\)\) >= -1 else None\n\+ .*",
         "rows are -1 (no row yet: the sentinel) or table rows, never below -1: the test only guards the gather, and "
         "None (look at every request) picks more requests, not other chunks",
     ),
     (
-        "xǁDecodeOffloadManagerǁoffload_batch",
+        "xǁOffloadingǁoffload_batch",
         r"- picked = np\.flatnonzero\(committed >= hints\)(\.tolist\(\))? if rows\.size else \(\)(.*)\n"
         r"\+ picked = np\.flatnonzero\(committed >= hints\)\1 if \(rows\.size\) or True else \(\)\2",
         "with no rows the comparison of two empty arrays picks nothing, as () does",
     ),
     (
-        "xǁDecodeOffloadManagerǁoffload_batch",
+        "xǁOffloadingǁoffload_batch",
         r"- self\._due_at\[(.*)\] = \[rec\.prefill_len \+ rec\.inc_len \+ stride (.*)\]\n\+ self\._due_at\[\1\] = \[rec\.prefill_len \+ rec\.inc_len - stride \2\]",
         "a request hinted due a stride early is looked at sooner and offloaded only when its chunk is due",
     ),
@@ -385,14 +385,14 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ),
     # --- second pass: numpy and torch defaults ------------------------------------------------
     (
-        "xǁDecodeOffloadManagerǁ(__init__|_copy_slots|_device_slots)|xǁOffloadEffectsǁrequest_slots|x_as_index_tensor|x_as_index_array|"
+        "xǁDecodeOffloadManagerǁ__init__|xǁOffloadingǁ(_copy_slots|_device_slots)|xǁOffloadEffectsǁrequest_slots|x_as_index_tensor|x_as_index_array|"
         "xǁTokenSlotAllocatorǁ(_validate_free|pages_of)|x__token_bytes",
         r"- (.*)\.reshape\(-1(.*)\n\+ \1\.reshape\(-2\2",
         "every one of these is a numpy array, and numpy (the pinned 2.x) reads any negative size in reshape as the "
         "one to infer: reshape(-2) is reshape(-1) (torch would raise; none of these is a tensor)",
     ),
     (
-        "xǁDecodeOffloadManagerǁ(__init__|_aranges|_device_slots)",
+        "xǁDecodeOffloadManagerǁ__init__|xǁOffloadingǁ(_aranges|_device_slots)",
         r"- (.*)np\.(arange|array)\((.*), dtype=np\.int64\)(.*)\n\+ \1np\.\2\(\3, (dtype=None|)\)\4",
         "np.arange of a Python int and np.array of a list of Python ints are int64 already (numpy 2's default "
         "integer, on every platform)",
@@ -425,7 +425,7 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ),
     # --- second pass: the manager's hints, fast paths and caches (what they pick, never what is copied) ---
     (
-        "xǁDecodeOffloadManagerǁoffload",
+        "xǁOffloadingǁoffload",
         r"- (row = req\.req_pool_idx|if type\(row\) is int and 0 <= row < self\._rows:)\n"
         r"\+ (row = None|if type\(None\) is int and 0 <= row < self\._rows:|"
         r"if type\(row\) is int and (1 <= row|0 < row) < self\._rows:)",
@@ -433,34 +433,34 @@ EQUIVALENT: list[tuple[str, str, str]] = [
         "and the lookup decides what offload() does, as for a request the hint lets through",
     ),
     (
-        "xǁDecodeOffloadManagerǁoffload",
+        "xǁOffloadingǁoffload",
         _lines("if type(row) is int and 0 <= row < self._rows:", "if type(row) is int and 0 <= row <= self._rows:"),
         "row == rows reads _due_at[rows], the -1 sentinel (the table has rows + 1 hints): the request is looked "
         "up, which then refuses a row past the table",
     ),
     (
-        "xǁDecodeOffloadManagerǁ(offload|offload_batch)",
+        "xǁOffloadingǁ(offload|offload_batch)",
         r"- ((?:self\._due_at\[.*\] = \[?)?)rec\.prefill_len \+ rec\.inc_len \+ ((?:self\.)?)stride(.*)\n"
         r"\+ \1rec\.prefill_len (\+ rec\.inc_len -|- rec\.inc_len \+) \2stride\3",
         "both give a due point at or below the true one (inc_len >= 0): the request is looked at sooner, and "
         "offloaded only when its own committed length has a chunk",
     ),
     (
-        "xǁDecodeOffloadManagerǁ_end",
+        "xǁEndingǁ_end",
         r"- self\._due_at\[rec\.row\] = -1(.*)\n\+ self\._due_at\[rec\.row\] = -2\1",
         "a committed length is never negative: -2, like -1, lets every request on the row be looked at",
     ),
     (
-        "xǁDecodeOffloadManagerǁ_offloadable_record",
+        "xǁOffloadingǁ_offloadable_record",
         r"- (rec = self\._records\.get\(id\(req\)\)|if rec is None or rec\.row != row or rec\.req_ref\(\) is not req or .*)\n"
         r"\+ (rec = None|rec = self\._records\.get\((None|id\(None\))\)|if rec is None or rec\.row (!= row and|== row or) rec\.req_ref\(\) is not req or .*|"
         r"if rec is None or rec\.row != row or rec\.req_ref\(\) is req or .*)",
         "the fast path's test: a request that fails it goes the slow way (_check_offloadable, then _record), which "
         "returns the same record for a live offloadable one (_readmitted is False in offloadable states), and a "
-        "found record's req_ref() is always the request (_forget drops it when the object dies)",
+        "found record's req_ref() is always the request (forget_record drops it when the object dies)",
     ),
     (
-        "xǁDecodeOffloadManagerǁoffload_batch",
+        "xǁOffloadingǁoffload_batch",
         r"- (rec = records\.get\(key\)|if rec is None or rec\.row != row or rec\.req_ref\(\) is not req or .*)\n"
         r"\+ (rec = None|rec = records\.get\(None\)|if rec is None or rec\.row (!= row and|== row or) rec\.req_ref\(\) is not req or .*|"
         r"if rec is None or rec\.row != row or rec\.req_ref\(\) is req or .*)",
@@ -468,7 +468,7 @@ EQUIVALENT: list[tuple[str, str, str]] = [
         "admit loop) gives a live offloadable request its same record and chunk",
     ),
     (
-        "xǁDecodeOffloadManagerǁoffload_batch",
+        "xǁOffloadingǁoffload_batch",
         r"- (admit = False|req: Any = None|todo\.append\(\(None, req, 0\)\))\n"
         r"\+ (admit = (None|True)|req: Any = \"\"|todo\.append\(\(None, req, 1\)\))",
         "initial values nothing reads as such: admit is set True with every (None, req, n) item, whose n the admit "
@@ -476,13 +476,13 @@ EQUIVALENT: list[tuple[str, str, str]] = [
         "can raise AttributeError",
     ),
     (
-        "xǁDecodeOffloadManagerǁoffload_batch",
+        "xǁOffloadingǁoffload_batch",
         r"- (rows|committed) = _int_array\((\w+), \"\w+\", count\)\n"
         r"\+ \1 = _int_array\(\2, (\"\w+\"|None), count\)",
         "the name only spells the argument inside the ValueError's message",
     ),
     (
-        "xǁDecodeOffloadManagerǁ_aranges",
+        "xǁOffloadingǁ_aranges",
         r"- (if got\.size < n:|got = self\._arange = np\.arange\(max\(n, 2 \* got\.size\), dtype=np\.int64\))\n"
         r"\+ (if got\.size <= n:|got = self\._arange = np\.arange\(max\(n, (3 \* got\.size|2 / got\.size)\), dtype=np\.int64\))",
         "how the cache of 0..n-1 grows: any array of at least n offsets gives the same got[:n] (got.size is at "
@@ -497,32 +497,32 @@ EQUIVALENT: list[tuple[str, str, str]] = [
         "the first size of the cache of offsets, which _aranges grows on demand",
     ),
     (
-        "xǁDecodeOffloadManagerǁ(__init__|_admit)",
+        "xǁDecodeOffloadManagerǁ__init__|xǁLifecyclesǁ_admit",
         r"- self\._serial (= 0\n\+ self\._serial = 1|\+= 1\n\+ self\._serial (-= 1|\+= 2))",
         "the serial only makes each lifecycle's key unique (rid#serial): starting at 1, stepping by 2 or counting "
         "down keeps every key distinct (assigning 1 does not, and is killed)",
     ),
     (
-        "xǁDecodeOffloadManagerǁ_copy_slots",
+        "xǁOffloadingǁ_copy_slots",
         r"- (positions \+= range\(first, first \+ n, ps\)|if not any\(s % ps for s in starts\):.*|if ps > 1:)\n"
         r"\+ (positions \+= range\(first, first \+ n, \)|if not any\(s / ps for s in starts\):.*|if ps >= 1:|if ps > 2:)",
         "which gather builds the slots: these send rows to the token-by-token path (device_slots over the same "
         "positions), or with page size 1 to the page path, where a page is a slot: the same slots in the same order",
     ),
     (
-        "xǁDecodeOffloadManagerǁ_device_slots",
+        "xǁOffloadingǁ_device_slots",
         r"- (n0 = lengths\[0\]|if lengths\.count\(n0\) == len\(lengths\):.*)\n"
         r"\+ (n0 = (None|lengths\[1\])|if lengths\.count\(None\) == len\(lengths\):.*)",
         "only chooses between the equal-length shortcut and the general gather, which give the same slots",
     ),
     (
-        "xǁDecodeOffloadManagerǁ_submit",
+        "xǁOffloadingǁ_submit",
         r"- pages = host_pool\.alloc_pages\(.*\n\+ pages = None.*",
         "sends every offload call to the fallback, which allocates the same number of whole pages per chunk in call "
         "order; which free pages a chunk gets is the pool's choice either way",
     ),
     (
-        "xǁDecodeOffloadManagerǁcheck_progress",
+        "xǁProgressǁcheck_progress",
         r"- (seen_done = handle|seen_done = None.*|job\.payload = None.*)\n"
         r"\+ (seen_done = None|seen_done = \"\".*|job\.payload = \"\".*)",
         "seen_done only saves asking a shared handle again (a finished handle stays done); '' drops a collected "
@@ -534,7 +534,7 @@ EQUIVALENT: list[tuple[str, str, str]] = [
         "a second close() then calls close_storage(''), which closes only what has a close(): nothing",
     ),
     (
-        "xǁDecodeOffloadManagerǁdrain",
+        "xǁProgressǁdrain",
         _def(
             "def drain(self, max_iterations: int = 100_000) -> None:",
             "def drain(self, max_iterations: int = 100001) -> None:",
@@ -542,7 +542,7 @@ EQUIVALENT: list[tuple[str, str, str]] = [
         "a default bound only a manager that never drains reaches",
     ),
     (
-        "xǁDecodeOffloadManagerǁ_observe",
+        "xǁLifecyclesǁ_observe",
         _lines(
             "row = spec_gen.TRANSITIONS[tid] if tid >= 0 else None",
             "row = spec_gen.TRANSITIONS[tid] if (tid >= 0) or True else None",
@@ -552,7 +552,7 @@ EQUIVALENT: list[tuple[str, str, str]] = [
         "would tell)",
     ),
     (
-        "xǁDecodeOffloadManagerǁ_readmitted",
+        "xǁLifecyclesǁ_readmitted",
         _lines("and 0 <= row < self.req_to_token.rows", "and 0 <= row <= self.req_to_token.rows"),
         "reached only with row == rec.row (the line above returns otherwise), a row the lifecycle was admitted on: "
         "always below rows",

@@ -1,4 +1,5 @@
-"""Equivalent survivors of `make mutate` in kvfsm/runtime/manager.py, and why (merged into equivalent.EQUIVALENT)."""
+"""Equivalent survivors of `make mutate` in the runtime manager (kvfsm/runtime/manager.py and the lifecycles, offloading,
+progress and ending modules it is composed of), and why (merged into equivalent.EQUIVALENT)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from equivalent_helpers import _def, _lines  # noqa: F401
 EQUIVALENT: list[tuple[str, str, str]] = [
     # --- manager: a one-page host run, and offload_batch's admission ----------------------------------------
     (
-        "xǁDecodeOffloadManagerǁ_submit",
+        "xǁOffloadingǁ_submit",
         r"- host_run = range\(pages\[first\], pages\[first\] \+ 1\) if n == ps else tuple\(pages\[first : end // ps\]\)\n"
         r"\+ host_run = range\(pages\[first\], pages\[first\] \+ 1\) if \(n == ps\) and False else "
         r"tuple\(pages\[first : end // ps\]\)",
@@ -15,14 +16,14 @@ EQUIVALENT: list[tuple[str, str, str]] = [
         "range(p, p + 1) are the same sequence of host pages to every reader (the range only spares a slice)",
     ),
     (
-        "xǁDecodeOffloadManagerǁoffload_batch",
+        "xǁOffloadingǁoffload_batch",
         r"- rec = self\._admit\(req, row\)\n\+ rec = self\._admit\(req, (None)?\)",
         "_admit given no row makes the admissibility check itself, which returns the row the check above returned: "
         "nothing changed in between for this request, and the rows this loop admits are distinct (new_rows)",
     ),
     # --- manager: typing.cast ---------------------------------------------------------------------------
     (
-        "xǁDecodeOffloadManagerǁ(_admit|offload_batch)",
+        "xǁLifecyclesǁ_admit|xǁOffloadingǁoffload_batch",
         r"- (live|looked) = cast\((LiveRecord|\"list\[tuple\[LiveRecord, OffloadRequest, int\]\]\"), "
         r"(rec|todo)\)( # .*)?\n"
         r"\+ \1 = cast\((None|\"XXlist\[tuple\[LiveRecord, OffloadRequest, int\]\]XX\"|"
@@ -33,7 +34,7 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ),
     # --- manager: the host PageSlots of _copy_slots' whole-page path --------------------------------------
     (
-        "xǁDecodeOffloadManagerǁ_copy_slots",
+        "xǁOffloadingǁ_copy_slots",
         r"- return device, PageSlots\(host_pool\.allocator, host_pages, "
         r"torch\.from_numpy\(both\[count:\]\.reshape\(-1\)\)\)\n"
         r"\+ return device, PageSlots\(host_pool\.allocator, host_pages, (None)?\)",
@@ -45,7 +46,7 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ),
     # --- manager: due_at's bound ---------------------------------------------------------------------------
     (
-        "xǁDecodeOffloadManagerǁdue_at",
+        "xǁOffloadingǁdue_at",
         _lines(
             "return int(self._due_at[row]) if 0 <= row < self._rows else -1",
             "return int(self._due_at[row]) if 0 <= row <= self._rows else -1",
@@ -56,7 +57,7 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ),
     # --- manager: offload_batch's placeholder for the request the except clauses name -----------------------
     (
-        "xǁDecodeOffloadManagerǁoffload_batch",
+        "xǁOffloadingǁoffload_batch",
         _lines(
             "req: Optional[OffloadRequest] = None # the request the except clauses below name (None: none read yet)",
             'req: Optional[OffloadRequest] = "" # the request the except clauses below name (None: none read yet)',

@@ -223,7 +223,7 @@ EQUIVALENT: list[tuple[str, str, str]] = [
         "adapter's is the table itself), so the width read from either is the same",
     ),
     (
-        "xǁDecodeOffloadManagerǁ_admit",
+        "xǁLifecyclesǁ_admit",
         _lines(
             "else self.fx.device_table.span(row, 0, rec.prefix_len).tolist(),",
             "else self.fx.device_table.span(row, None, rec.prefix_len).tolist(),",

@@ -1389,9 +1389,9 @@ def test_transitions_are_observed_only_in_checked_mode_or_when_traced(tmp_path, 
     lines = [json.loads(l) for l in trace.read_text().splitlines()[1:]]
     assert [(l["event"], l["transition"]) for l in lines][0] == ("offload", 0) and len(lines) >= 5
     assert lines[-1]["event"] == "finish" and lines[-1]["transition"] == gen.IGNORED_TRANSITION
-    import kvfsm.runtime.manager as manager_mod
+    import kvfsm.runtime.lifecycles as lifecycles_mod
 
-    monkeypatch.setattr(manager_mod.spec_gen, "violated_invariants", lambda m: ["an invariant"])
+    monkeypatch.setattr(lifecycles_mod.spec_gen, "violated_invariants", lambda m: ["an invariant"])
     with pytest.raises(CheckedModeError):
         run(_engine())
     run(_engine(checked=False))  # unchecked: not checked

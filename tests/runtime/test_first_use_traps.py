@@ -21,7 +21,10 @@ from tests.runtime.test_scenarios import decode_to_offload, settle, world
 
 import kvfsm.generated.decode_offload as spec_gen
 import kvfsm.runtime.effects as effects_mod
+import kvfsm.runtime.ending as ending_mod
+import kvfsm.runtime.lifecycles as lifecycles_mod
 import kvfsm.runtime.manager as manager_mod
+import kvfsm.runtime.offloading as offloading_mod
 from kvfsm.dataplane import MemoryStorage
 from kvfsm.dataplane.storage import FaultyStorage
 from kvfsm.errors import (
@@ -346,8 +349,8 @@ def test_debug_logging_costs_nothing_when_disabled(monkeypatch, caplog: pytest.L
     def refuse(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("logger.debug called with DEBUG disabled")
 
-    monkeypatch.setattr(manager_mod.logger, "debug", refuse)
-    monkeypatch.setattr(effects_mod.logger, "debug", refuse)
+    for module in (lifecycles_mod, offloading_mod, ending_mod, effects_mod):  # every module that logs per request
+        monkeypatch.setattr(module.logger, "debug", refuse)
     e = SimEngine(page_size=2, stride=2, device_slots=64, host_slots=32, checked=False)
     reqs = [e.admit(f"r{i}", 4) for i in range(3)]
     for _ in range(6):
@@ -368,7 +371,9 @@ def test_the_library_installs_no_handler() -> None:
     for name in (
         "kvfsm",
         "kvfsm.runtime",
-        "kvfsm.runtime.manager",
+        "kvfsm.runtime.lifecycles",
+        "kvfsm.runtime.offloading",
+        "kvfsm.runtime.ending",
         "kvfsm.runtime.effects",
         "kvfsm.runtime.build",
         "kvfsm.runtime.config",

@@ -38,12 +38,12 @@ import logging
 from collections.abc import Iterator, Mapping
 from typing import Any, cast
 
-import kvfsm.generated.decode_offload as spec_gen
 from kvfsm.dataplane import CpuCopyEngine, CudaCopyEngine, FileStorage, HostKVPool
 from kvfsm.dataplane.storage.process import CHILD_FILE_WRITERS, in_processes
 from kvfsm.errors import ConfigError, EventRejected, RetractionRefused
 from kvfsm.runtime import DecodeOffloadManager, OffloadConfig, TPMismatch
-from kvfsm.runtime.manager import Reservation
+from kvfsm.runtime.lifecycles import ROW_HOLDERS
+from kvfsm.runtime.offloading import Reservation
 from kvfsm.runtime.protocols import offloadable_tokens, raise_if_field_missing, raise_if_length_invalid
 from kvfsm.runtime.tp import ProgressConsensus
 
@@ -53,7 +53,6 @@ from .settings import SOURCE, read_settings
 
 logger = logging.getLogger(__name__)
 
-_ROW_HOLDERS = frozenset(s for s, held in spec_gen.HOLDS.items() if "table_row" in held)
 UPSTREAM_REFUSAL = "Decode KV offload copies are still pending on some rank; refusing to retract"
 
 
@@ -402,7 +401,7 @@ class DecodeKVCacheOffloadManager:
 
     def _holds_row(self, req: Any) -> bool:
         m = self.manager.machine_of(self._views.view(req))
-        return m is not None and m.state in _ROW_HOLDERS
+        return m is not None and m.state in ROW_HOLDERS
 
     def _sweep(self) -> None:
         """After a retraction was allowed: end the kvfsm lifecycle of every request SGLang released."""
@@ -420,7 +419,7 @@ class DecodeKVCacheOffloadManager:
         has it (every offload call does: one lookup fewer)."""
         view = self._views.view(req) if view is None else view
         m = self.manager.machine_of(view)
-        if m is None or m.state not in _ROW_HOLDERS or req.kv.req_pool_idx == m.ctx.row:
+        if m is None or m.state not in ROW_HOLDERS or req.kv.req_pool_idx == m.ctx.row:
             return
         row = m.ctx.row
         self._quiet.pop(req, None)
