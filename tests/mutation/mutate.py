@@ -1206,10 +1206,13 @@ def cmd_rerun(args: argparse.Namespace) -> int:
             shutil.copy2(ROOT / rel, base / rel)
     for base in (WORK, WORK / "mutants"):
         (base / "tests" / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text() + CONFTEST_ADDENDUM)
+    again = ("timeout",) if args.timeouts else ()
     survivors = [
         m.name
         for m in results()
-        if m.status not in KILLED and m.status not in ("not checked", "skipped") and re.search(args.only or "", m.name)
+        if (m.status not in KILLED or m.status in again)
+        and m.status not in ("not checked", "skipped")
+        and re.search(args.only or "", m.name)
     ]
     verdicts = exit_codes()
     t0 = time.monotonic()
@@ -1578,6 +1581,12 @@ def main() -> int:
     rerun = sub.add_parser("rerun", help="the last run's survivors again, against the current tests")
     rerun.add_argument("--max-children", type=int, default=2)
     rerun.add_argument("--only", default=None, help="a regex: only the survivors whose mutmut name it matches")
+    rerun.add_argument(
+        "--timeouts",
+        action="store_true",
+        help="the mutants stopped for CPU time too: a run that shared the machine's cores can stop a mutant that "
+        "would finish alone (seen: 30 survivors read as timeouts beside another test suite)",
+    )
     rerun.add_argument(
         "--budget",
         type=float,

@@ -208,9 +208,13 @@ def test_reserve_due_is_reserve_offload_when_the_caller_holds_no_current_lifecyc
     assert e.host_pool.free_slots == free - 8  # each call took a's chunk, as reserve_offload would
     row = b.req_pool_idx
     e.end(b, "abort")
+    ended = e.manager.machine_of(b).ctx
+    fits = ended.prefill_len + ended.inc_len + e.manager.stride  # one stride: the host pool has room for it
+    free = e.host_pool.free_slots
     for given in (0, row):  # another row, and the row its ended lifecycle held
         with pytest.raises(EventRejected):
-            e.manager.reserve_due(b, given, 1 << 20)
+            e.manager.reserve_due(b, given, fits)
+    assert e.host_pool.free_slots == free  # nothing taken for the ended lifecycle
     new = e.admit("new", 5)
     for _ in range(3):
         e.decode(new)

@@ -86,12 +86,12 @@ class HostKVPool:
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
         self.pinned = bool(pin_memory)
+        if self.pinned and not torch.cuda.is_available():
+            # Checked here rather than left to torch, whose error depends on its build: a CPU build names CUDA, a CUDA
+            # build on a host without a driver names only the driver. The type is the one torch raises.
+            how = "page-locked with cudaHostRegister" if shared else "a pinned tensor, which CUDA page-locks"
+            raise RuntimeError(f"pin_memory=True needs CUDA: the host pool is {how}, and CUDA is not available")
         if shared:
-            if self.pinned and not torch.cuda.is_available():  # the same type torch raises for an unshared pool
-                raise RuntimeError(
-                    "pin_memory=True with shared=True needs CUDA: the shared pool is page-locked with "
-                    "cudaHostRegister, and CUDA is not available"
-                )
             buf, self.share_fd = shared_buffer(requested, self.pinned)
             self.kv_buffer = buf.view(config.dtype).view(self._shape())
         else:
