@@ -224,10 +224,8 @@ EQUIVALENT: list[tuple[str, str, str]] = [
     ),
     (
         "xǁLifecyclesǁ_admit",
-        _lines(
-            "else self.fx.device_table.span(row, 0, rec.prefix_len).tolist(),",
-            "else self.fx.device_table.span(row, None, rec.prefix_len).tolist(),",
-        ),
+        r"- else self\.fx\.device_table\.span\(row, 0, rec\.prefix_len\)\.tolist\(\),(.*)\n"
+        r"\+ else self\.fx\.device_table\.span\(row, None, rec\.prefix_len\)\.tolist\(\),\1",
         "span slices the row from `start`, and a slice from None starts at 0",
     ),
     # --- protocols ---------------------------------------------------------------------------------

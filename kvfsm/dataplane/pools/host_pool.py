@@ -89,8 +89,11 @@ class HostKVPool:
         if self.pinned and not torch.cuda.is_available():
             # Checked here rather than left to torch, whose error depends on its build: a CPU build names CUDA, a CUDA
             # build on a host without a driver names only the driver. The type is the one torch raises.
-            how = "page-locked with cudaHostRegister" if shared else "a pinned tensor, which CUDA page-locks"
-            raise RuntimeError(f"pin_memory=True needs CUDA: the host pool is {how}, and CUDA is not available")
+            raise RuntimeError(
+                "pin_memory=True needs CUDA: the host pool is "
+                + ("page-locked with cudaHostRegister" if shared else "a pinned tensor, which CUDA page-locks")
+                + ", and CUDA is not available"
+            )
         if shared:
             buf, self.share_fd = shared_buffer(requested, self.pinned)
             self.kv_buffer = buf.view(config.dtype).view(self._shape())
