@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from pydantic import ValidationError
 
@@ -72,6 +72,12 @@ class CompiledSpec:
     guards: dict[str, ex.Node]
     state_invariants: dict[str, ex.Node]
     invariants: dict[str, tuple[ex.Node, tuple[str, ...]]]
+    # state_holds' answers by (state, valuation), and what the checks derive from the spec (kvfsm/spec/checks.py):
+    # several checks ask the same questions of every transition of a state
+    _holds: dict[tuple[str, tuple[tuple[str, int], ...]], bool] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    derived: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def name(self) -> str:
@@ -81,11 +87,19 @@ class CompiledSpec:
         return [t for t in self.transitions if t.src == state and t.event == event]
 
     def state_holds(self, state: str, env: dict[str, int]) -> bool:
-        """Whether `env` satisfies the state's invariant and every global invariant that applies there."""
-        inv = self.state_invariants.get(state)
-        if inv is not None and not ex.evaluate(inv, env):
-            return False
-        return all(ex.evaluate(node, env) for node, where in self.invariants.values() if not where or state in where)
+        """Whether `env` satisfies the state's invariant and every global invariant that applies there.
+
+        Remembered by (state, valuation): the checks ask it of the states transitions lead to, for every
+        valuation that fires them."""
+        key = (state, tuple(env.items()))
+        got = self._holds.get(key)
+        if got is None:
+            inv = self.state_invariants.get(state)
+            got = (inv is None or bool(ex.evaluate(inv, env))) and all(
+                ex.evaluate(node, env) for node, where in self.invariants.values() if not where or state in where
+            )
+            self._holds[key] = got
+        return got
 
 
 def _pydantic_errors(exc: ValidationError, lines: LineMap) -> list[SpecError]:
