@@ -220,7 +220,7 @@ def _refused_character(text: str, exc: yaml.reader.ReaderError, source: str, wha
     """A character YAML does not allow (a NUL, most control characters): the reader's ReaderError carries no
     mark, so InputRejected at the character's line. PyYAML's own reader gives the character's index in `text`
     when the loader is made; libyaml's, while it reads, the byte offset in its UTF-8 encoding."""
-    if isinstance(_SafeLoader, type) and issubclass(_SafeLoader, yaml.SafeLoader):
+    if issubclass(_SafeLoader, yaml.SafeLoader):
         line = text.count("\n", 0, exc.position) + 1
     else:
         line = text.encode("utf-8", "surrogatepass").count(b"\n", 0, exc.position) + 1
